@@ -1,0 +1,19 @@
+"""Small input checks shared by the core modules (user input arrives untyped at run time)."""
+
+from __future__ import annotations
+
+
+def is_positive_int(value: object) -> bool:
+    """``value`` is an ``int`` (not a ``bool``, which is an ``int`` subclass) and >= 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_positive_int(owner: str, name: str, value: object) -> None:
+    """Raise ``ValueError("{owner}.{name} must be a positive int, got ...")`` unless it is one."""
+    if not is_positive_int(value):
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def is_nonnegative_int(value: object) -> bool:
+    """``value`` is an ``int`` (not a ``bool``) and >= 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,609 @@
+"""Backend and impl ABCs, declared capabilities, and the typed builder binding.
+
+A backend is a class whose capabilities are class variables. Support is a list of
+reasons, never a bare bool: ``not_supported_reasons(request)`` is computed from the
+declarations alone (plus the ``extra_not_supported_reasons`` hook for conditions no
+declaration can express), so a declaration cannot lie::
+
+    class MyBackend(AttentionBackend):
+        name = "my_backend"
+        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
+        supported_devices = frozenset({"cuda"})
+        supported_head_sizes = (64, 128, 256)
+        supported_block_sizes = (MultipleOf(16),)
+        builders = (bind_builder(FullAttentionSpec, MyBuilder, MyImpl),)
+
+``bind_builder`` ties a spec type to the builder that accepts it and the impl that
+consumes the builder's metadata; binding a builder to a spec type its ``__init__``
+does not accept, or an impl to another builder's metadata, is a type error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.util
+import inspect
+import math
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol
+
+import torch
+from typing_extensions import TypeVar, override
+
+from ._validation import is_positive_int
+from .builder import AttentionCGSupport, AttentionMetadataBuilder
+from .config import AttentionConfig
+from .spec import (
+    MODEL_DTYPES,
+    AttentionSpec,
+    KVCacheDType,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    MambaType,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    spec_class_for_kind,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionFeature",
+    "AttentionImpl",
+    "AnyBuilderBinding",
+    "AttentionLayerParams",
+    "BackendRequest",
+    "BuilderBinding",
+    "BuilderClass",
+    "MultipleOf",
+    "SizeRule",
+    "bind_builder",
+    "format_sizes",
+]
+
+S = TypeVar("S", bound=KVCacheSpec)
+S_contra = TypeVar("S_contra", bound=KVCacheSpec, contravariant=True)
+M = TypeVar("M")
+M_co = TypeVar("M_co", covariant=True)
+M_contra = TypeVar("M_contra", contravariant=True)
+
+
+class AttentionFeature(str, enum.Enum):
+    """Optional score modifications a layer may need from its backend."""
+
+    LOGITS_SOFT_CAP = "logits_soft_cap"
+    """``s = cap * tanh(s / cap)`` (Gemma 2)."""
+    ATTENTION_SINKS = "attention_sinks"
+    """A learned per-head logit in every softmax denominator (gpt-oss)."""
+    ALIBI = "alibi"
+    """Per-head linear position bias (BLOOM, MPT)."""
+    RETURN_LSE = "return_lse"
+    """The backend also returns each row's log-sum-exp (for cascades and merges)."""
+
+    @override
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipleOf:
+    """A size rule: any positive multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not is_positive_int(self.n):
+            raise ValueError(f"MultipleOf.n must be a positive int, got {self.n!r}")
+
+    @override
+    def __str__(self) -> str:
+        return f"multiple of {self.n}"
+
+
+SizeRule = tuple[int | MultipleOf, ...]
+"""Allowed sizes: exact values and ``MultipleOf`` rules; a size is allowed if any entry allows it."""
+
+
+def _size_allowed(size: int, rule: SizeRule) -> bool:
+    return any(size % r.n == 0 if isinstance(r, MultipleOf) else size == r for r in rule)
+
+
+def format_sizes(rule: SizeRule) -> str:
+    """``(16, 32, MultipleOf(64))`` -> ``"16, 32, multiple of 64"``."""
+    return ", ".join(str(r) for r in rule)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionLayerParams:
+    """What one attention layer needs beyond its cache spec.
+
+    Attributes:
+        num_heads: query heads (Hq); a multiple of the spec's ``num_kv_heads``.
+        scale: softmax scale; ``None`` means ``head_size ** -0.5``.
+        logits_soft_cap: soft-cap of the scores, or ``None``.
+        alibi_slopes: one ALiBi slope per query head, or ``None``.
+        sinks: float32 ``[Hq]`` learned sink logits, or ``None``.
+        return_lse: whether the layer needs the log-sum-exp back.
+    """
+
+    num_heads: int
+    scale: float | None = None
+    logits_soft_cap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+    sinks: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_positive_int(self.num_heads):
+            raise ValueError(f"AttentionLayerParams.num_heads must be a positive int, got {self.num_heads!r}")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"AttentionLayerParams.scale must be a finite float > 0, got {self.scale!r}")
+        if self.logits_soft_cap is not None and not (
+            math.isfinite(self.logits_soft_cap) and self.logits_soft_cap > 0
+        ):
+            raise ValueError(
+                f"AttentionLayerParams.logits_soft_cap must be a finite float > 0 or None, "
+                f"got {self.logits_soft_cap!r}"
+            )
+        if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_heads:
+            raise ValueError(
+                f"AttentionLayerParams.alibi_slopes must have num_heads={self.num_heads} "
+                f"entries, got {len(self.alibi_slopes)}"
+            )
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
+            raise ValueError(
+                f"AttentionLayerParams.sinks must have shape [num_heads={self.num_heads}], "
+                f"got {list(self.sinks.shape)}"
+            )
+
+    @property
+    def features(self) -> frozenset[AttentionFeature]:
+        """The optional features these parameters ask a backend for."""
+        wanted = {
+            AttentionFeature.LOGITS_SOFT_CAP: self.logits_soft_cap is not None,
+            AttentionFeature.ALIBI: self.alibi_slopes is not None,
+            AttentionFeature.ATTENTION_SINKS: self.sinks is not None,
+            AttentionFeature.RETURN_LSE: self.return_lse,
+        }
+        return frozenset(f for f, on in wanted.items() if on)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackendRequest:
+    """What a backend is asked to serve: one group's spec, on one device.
+
+    Attributes:
+        spec: the group's cache spec.
+        device: where it runs.
+        capability: CUDA compute capability ``(major, minor)``; ``None`` off CUDA or
+            when unknown (a backend with a minimum capability then says so).
+        features: optional features the group's layers need.
+        num_heads: query heads, if known (checked against ``num_kv_heads``).
+    """
+
+    spec: KVCacheSpec
+    device: torch.device
+    capability: tuple[int, int] | None = None
+    features: frozenset[AttentionFeature] = frozenset()
+    num_heads: int | None = None
+
+
+class BuilderClass(Protocol[S_contra, M_co]):
+    """A builder class seen as its constructor: spec -> builder producing ``M_co``.
+
+    A class matches when its ``__init__`` accepts ``S_contra`` as the spec, so a
+    builder that narrows its spec to ``MambaSpec`` does not match ``AttentionSpec``.
+    """
+
+    def __call__(
+        self,
+        kv_cache_spec: S_contra,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+        /,
+    ) -> AttentionMetadataBuilder[M_co, Any]: ...
+
+    def get_cudagraph_support(
+        self, config: AttentionConfig, kv_cache_spec: KVCacheSpec
+    ) -> AttentionCGSupport: ...
+
+
+class AttentionImpl(ABC, Generic[M_contra]):
+    """Runs one layer with the metadata its backend's builder made (no per-call planning).
+
+    Args:
+        kv_cache_spec: the layer's spec.
+        layer_params: attention parameters; ``None`` for layers that have none
+            (state-space layers).
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_params = layer_params
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write this step's new K/V (or state) into ``kv_cache`` and attention into ``output``.
+
+        Shapes for attention: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]``,
+        ``kv_cache`` one tensor per shape of ``get_kv_cache_shapes``, output
+        ``[T, Hq, D]``. Returns ``output``.
+        """
+
+
+class AnyBuilderBinding(ABC):
+    """A ``BuilderBinding`` with its type parameters erased: what a backend's
+    ``builders`` tuple holds.
+
+    Declaring ``builders`` with this non-generic type (rather than
+    ``BuilderBinding[Any, Any]``) matters: it gives ``bind_builder(...)`` no ``Any``
+    to infer from, so a mismatched binding in a class body is still a type error.
+    """
+
+    spec_type: type[KVCacheSpec]
+    impl_cls: type[AttentionImpl[Any]]
+
+    @property
+    @abstractmethod
+    def builder_cls(self) -> type[AttentionMetadataBuilder[Any, Any]]:
+        """The builder class itself."""
+
+    @abstractmethod
+    def create(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> AttentionMetadataBuilder[Any, Any]:
+        """Construct the builder for a group (checks the spec type)."""
+
+    @abstractmethod
+    def create_impl(
+        self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None
+    ) -> AttentionImpl[Any]:
+        """Construct the impl for one layer of a group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderBinding(AnyBuilderBinding, Generic[S, M]):
+    """A spec type, the builder that accepts it and the impl that consumes its metadata.
+
+    Make one with ``bind_builder``; construct builders through ``create``, which checks
+    the spec at run time the way ``bind_builder`` checked it statically.
+    """
+
+    spec_type: type[S]
+    factory: BuilderClass[S, M]
+    impl_cls: type[AttentionImpl[M]]
+
+    @property
+    @override
+    def builder_cls(self) -> type[AttentionMetadataBuilder[M, Any]]:
+        cls: object = self.factory
+        # bind_builder accepts builder classes only.
+        assert isinstance(cls, type)
+        assert issubclass(cls, AttentionMetadataBuilder)
+        return cls
+
+    @override
+    def create(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> AttentionMetadataBuilder[M, Any]:
+        """Construct the builder for a group.
+
+        Raises:
+            TypeError: if ``kv_cache_spec`` is not a ``spec_type``.
+        """
+        if not isinstance(kv_cache_spec, self.spec_type):
+            raise TypeError(
+                f"{self.builder_cls.__qualname__} is bound to {self.spec_type.__name__}, "
+                f"got a {type(kv_cache_spec).__name__} (kind={kv_cache_spec.kind})"
+            )
+        return self.factory(kv_cache_spec, layer_names, config, device)
+
+    @override
+    def create_impl(
+        self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None
+    ) -> AttentionImpl[M]:
+        return self.impl_cls(kv_cache_spec, layer_params)
+
+
+def bind_builder(
+    spec_type: type[S],
+    builder_cls: BuilderClass[S, M],
+    impl_cls: type[AttentionImpl[M]],
+) -> BuilderBinding[S, M]:
+    """Bind ``builder_cls`` (and ``impl_cls``) to the specs of type ``spec_type``.
+
+    Statically, mypy rejects a builder whose ``__init__`` does not accept ``spec_type``
+    and an impl whose metadata type differs from the builder's. At run time the same
+    is checked from the annotations, for plugins that were never type-checked.
+
+    Raises:
+        TypeError: if the classes are not a builder and an impl, or the builder's
+            annotations say it accepts a spec type that ``spec_type`` is not.
+    """
+    # Checked at run time too: plugins reach here without having been type-checked.
+    given: tuple[object, object, object] = (spec_type, builder_cls, impl_cls)
+    for value, base, what in zip(
+        given, (KVCacheSpec, AttentionMetadataBuilder, AttentionImpl), ("spec_type", "builder_cls", "impl_cls"), strict=True
+    ):
+        if not (isinstance(value, type) and issubclass(value, base)):
+            raise TypeError(f"bind_builder: {what} must be a {base.__name__} subclass, got {value!r}")
+    accepted = _accepted_spec_type(given[1])
+    if accepted is not None and not issubclass(spec_type, accepted):
+        raise TypeError(
+            f"bind_builder: {getattr(builder_cls, '__qualname__', builder_cls)} accepts {accepted.__name__} specs, "
+            f"so it cannot be bound to {spec_type.__name__}"
+        )
+    return BuilderBinding(spec_type, builder_cls, impl_cls)
+
+
+def _accepted_spec_type(builder_cls: object) -> type | None:
+    """The narrowest spec type the builder's annotations name, or ``None`` if unknown."""
+    if not isinstance(builder_cls, type):
+        return None
+    found: list[type] = []
+    try:
+        init_hints = typing.get_type_hints(getattr(builder_cls, "__init__"))  # noqa: B009 (mypy rejects .__init__ on a type)
+        class_hints = typing.get_type_hints(builder_cls)
+    except Exception:  # unresolvable annotations (a plugin's forward refs): no check
+        return None
+    for hint in (init_hints.get("kv_cache_spec"), class_hints.get("kv_cache_spec")):
+        if isinstance(hint, type) and issubclass(hint, KVCacheSpec):
+            found.append(hint)
+    for base in getattr(builder_cls, "__orig_bases__", ()):
+        if typing.get_origin(base) is AttentionMetadataBuilder:
+            args = typing.get_args(base)
+            if len(args) == 2 and isinstance(args[1], type) and issubclass(args[1], KVCacheSpec):
+                found.append(args[1])
+    if not found:
+        return None
+    # The most derived of the declared types is what the builder really requires.
+    return max(found, key=lambda t: len(t.__mro__))
+
+
+class AttentionBackend(ABC):
+    """A named set of kernels with declared capabilities.
+
+    Subclasses set the class variables below and ``builders``; they are validated when
+    registered (``attnkit.registry``). Everything a backend says about support comes
+    from ``not_supported_reasons``.
+    """
+
+    name: ClassVar[str]
+    """Registry name, e.g. ``"triton_attn"``."""
+    supported_kinds: ClassVar[frozenset[KVCacheSpecKind]]
+    """Spec kinds served; each must be covered by one of ``builders``."""
+    builders: ClassVar[tuple[AnyBuilderBinding, ...]]
+    """Builder/impl per spec type; the most specific matching binding is used."""
+    supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    """Device types (``torch.device.type``)."""
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    """On CUDA, the oldest compute capability served."""
+    max_compute_capability: ClassVar[tuple[int, int] | None] = None
+    """On CUDA, the newest compute capability served."""
+    supported_dtypes: ClassVar[frozenset[torch.dtype]] = MODEL_DTYPES
+    """Model dtypes of attention layers."""
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    """Cache storage dtypes of attention layers."""
+    supported_head_sizes: ClassVar[SizeRule | None] = None
+    """Head sizes of attention layers; ``None``: any."""
+    supported_block_sizes: ClassVar[SizeRule | None] = None
+    """Block sizes of attention layers; ``None``: any."""
+    supported_features: ClassVar[frozenset[AttentionFeature]] = frozenset()
+    """Optional features served."""
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset()
+    """``MambaSpec.mamba_type`` values served (for the ``mamba`` kind)."""
+    required_packages: ClassVar[Mapping[str, str]] = {}
+    """Import name -> pip requirement of optional packages the backend needs."""
+    description: ClassVar[str] = ""
+    """One line for ``attnkit backends``."""
+
+    @classmethod
+    def not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        """Every reason this backend cannot serve ``request``; empty if it can."""
+        spec = request.spec
+        reasons = cls.environment_reasons(request.device, request.capability)
+        if spec.kind not in cls.supported_kinds:
+            reasons.append(
+                f"kind={spec.kind.value} not supported "
+                f"(supported: {', '.join(sorted(k.value for k in cls.supported_kinds))})"
+            )
+        elif cls.find_binding(spec) is None:
+            reasons.append(f"no builder is bound to {type(spec).__name__}")
+        if isinstance(spec, AttentionSpec):
+            reasons.extend(cls._attention_reasons(spec, request))
+        elif isinstance(spec, MambaSpec) and spec.mamba_type not in cls.supported_mamba_types:
+            supported = ", ".join(sorted(cls.supported_mamba_types)) or "none"
+            reasons.append(f"mamba_type={spec.mamba_type} not supported (supported: {supported})")
+        missing = sorted(request.features - cls.supported_features)
+        if missing:
+            supported = ", ".join(sorted(f.value for f in cls.supported_features)) or "none"
+            for feature in missing:
+                reasons.append(f"feature {feature.value} not supported (supported: {supported})")
+        reasons.extend(cls.extra_not_supported_reasons(request))
+        return reasons
+
+    @classmethod
+    def _attention_reasons(cls, spec: AttentionSpec, request: BackendRequest) -> list[str]:
+        reasons: list[str] = []
+        if spec.dtype not in cls.supported_dtypes:
+            supported = ", ".join(sorted(_dtype_name(d) for d in cls.supported_dtypes))
+            reasons.append(f"dtype={_dtype_name(spec.dtype)} not supported (supported: {supported})")
+        if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            supported = ", ".join(sorted(cls.supported_kv_cache_dtypes))
+            reasons.append(
+                f"kv_cache_dtype={spec.kv_cache_dtype} not supported (supported: {supported})"
+            )
+        if cls.supported_head_sizes is not None and not _size_allowed(
+            spec.head_size, cls.supported_head_sizes
+        ):
+            reasons.append(
+                f"head_size={spec.head_size} not supported "
+                f"(supported: {format_sizes(cls.supported_head_sizes)})"
+            )
+        if cls.supported_block_sizes is not None and not _size_allowed(
+            spec.block_size, cls.supported_block_sizes
+        ):
+            reasons.append(
+                f"block_size={spec.block_size} not supported "
+                f"(supported: {format_sizes(cls.supported_block_sizes)})"
+            )
+        if request.num_heads is not None and request.num_heads % spec.num_kv_heads != 0:
+            reasons.append(
+                f"num_heads={request.num_heads} is not a multiple of "
+                f"num_kv_heads={spec.num_kv_heads}"
+            )
+        return reasons
+
+    @classmethod
+    def environment_reasons(
+        cls, device: torch.device, capability: tuple[int, int] | None = None
+    ) -> list[str]:
+        """Reasons independent of any spec: device type, compute capability, packages."""
+        reasons: list[str] = []
+        if device.type not in cls.supported_devices:
+            reasons.append(
+                f"device={device.type} not supported "
+                f"(supported: {', '.join(sorted(cls.supported_devices))})"
+            )
+        elif device.type == "cuda":
+            low, high = cls.min_compute_capability, cls.max_compute_capability
+            if (low is not None or high is not None) and capability is None:
+                reasons.append("compute capability unknown (pass capability=(major, minor))")
+            elif capability is not None and low is not None and capability < low:
+                reasons.append(
+                    f"compute capability {capability[0]}.{capability[1]} < minimum {low[0]}.{low[1]}"
+                )
+            elif capability is not None and high is not None and capability > high:
+                reasons.append(
+                    f"compute capability {capability[0]}.{capability[1]} > maximum {high[0]}.{high[1]}"
+                )
+        for module, requirement in cls.required_packages.items():
+            if importlib.util.find_spec(module) is None:
+                reasons.append(
+                    f"required package {module!r} is not installed (pip install '{requirement}')"
+                )
+        reasons.extend(cls.extra_environment_reasons(device))
+        return reasons
+
+    @classmethod
+    def extra_environment_reasons(cls, device: torch.device) -> list[str]:
+        """Hook: environment conditions no declaration expresses (e.g. an interpreter flag)."""
+        return []
+
+    @classmethod
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        """Hook: spec-dependent conditions no declaration expresses. Default: none."""
+        return []
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> bool:
+        """``not cls.not_supported_reasons(request)``."""
+        return not cls.not_supported_reasons(request)
+
+    @classmethod
+    def find_binding(cls, spec: KVCacheSpec) -> AnyBuilderBinding | None:
+        """The most specific binding whose spec type ``spec`` is an instance of."""
+        matches = [b for b in cls.builders if isinstance(spec, b.spec_type)]
+        if not matches:
+            return None
+        return max(matches, key=lambda b: len(b.spec_type.__mro__))
+
+    @classmethod
+    def get_binding(cls, spec: KVCacheSpec) -> AnyBuilderBinding:
+        """Like ``find_binding`` but raises ``TypeError`` naming the bound spec types."""
+        binding = cls.find_binding(spec)
+        if binding is None:
+            bound = ", ".join(b.spec_type.__name__ for b in cls.builders) or "none"
+            raise TypeError(
+                f"backend {cls.name!r} has no builder for {type(spec).__name__} (bound: {bound})"
+            )
+        return binding
+
+    @classmethod
+    def get_kv_cache_shapes(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[tuple[int, ...], ...]:
+        """One shape per cache tensor of a layer with ``spec``.
+
+        Default: attention ``[num_blocks, 2, block_size, Hkv, D]``; MLA
+        ``[num_blocks, block_size, D]``; Mamba ``[num_blocks, *shape]`` per state;
+        encoder-only layers keep no cache (no tensors). Override for another layout.
+        """
+        if not is_positive_int(num_blocks):
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if isinstance(spec, MambaSpec):
+            return tuple((num_blocks, *shape) for shape in spec.shapes)
+        if spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            return ()
+        if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+            return ((num_blocks, spec.block_size, spec.head_size),)
+        if isinstance(spec, AttentionSpec):
+            return ((num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size),)
+        raise TypeError(f"no default cache layout for {type(spec).__name__}")
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """What is wrong with this class's declarations (empty when it is a valid backend).
+
+        Checked when the backend is registered.
+        """
+        problems: list[str] = []
+        if inspect.isabstract(cls):
+            problems.append(f"{cls.__qualname__} is abstract")
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name.isidentifier():
+            problems.append(f"name must be an identifier string, got {name!r}")
+        kinds = getattr(cls, "supported_kinds", None)
+        builders = getattr(cls, "builders", None)
+        if not isinstance(kinds, frozenset) or not kinds or not all(
+            isinstance(k, KVCacheSpecKind) for k in kinds
+        ):
+            problems.append(f"supported_kinds must be a non-empty frozenset of KVCacheSpecKind, got {kinds!r}")
+            kinds = frozenset()
+        if not isinstance(builders, tuple) or not all(isinstance(b, AnyBuilderBinding) for b in builders):
+            problems.append(f"builders must be a tuple of bind_builder(...) results, got {builders!r}")
+            builders = ()
+        for kind in sorted(kinds, key=lambda k: k.value):
+            spec_cls = spec_class_for_kind(kind)
+            if not any(issubclass(spec_cls, b.spec_type) for b in builders):
+                problems.append(
+                    f"kind {kind.value} is declared but no builder is bound to "
+                    f"{spec_cls.__name__} or a base of it"
+                )
+        if KVCacheSpecKind.MAMBA in kinds and not cls.supported_mamba_types:
+            problems.append("kind mamba is declared but supported_mamba_types is empty")
+        for attr in ("supported_head_sizes", "supported_block_sizes"):
+            rule = getattr(cls, attr)
+            if rule is not None and (
+                not isinstance(rule, tuple)
+                or not rule
+                or not all(
+                    isinstance(r, MultipleOf)
+                    or (isinstance(r, int) and not isinstance(r, bool) and r > 0)
+                    for r in rule
+                )
+            ):
+                problems.append(f"{attr} must be None or a non-empty tuple of positive ints/MultipleOf, got {rule!r}")
+        return problems

@@ -1,0 +1,1 @@
+"""Pure-torch reference kernels: written for clarity, float32 accumulation."""

@@ -1,0 +1,282 @@
+"""Per-step batch metadata shared by every backend, and batch-order helpers.
+
+Letters: B = requests in the step, T = scheduled (query) tokens, MB = the widest
+block table row.
+
+``CommonAttentionMetadata`` is what the runtime builds once per step per KV-cache
+group; a backend's builder turns it into the metadata its kernels consume.
+Requests are ordered decodes first (see ``reorder_batch_to_split_decodes_and_prefills``)
+so a backend can split the batch into two contiguous ranges without a gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ._validation import is_nonnegative_int, is_positive_int
+
+__all__ = [
+    "CommonAttentionMetadata",
+    "DecodePrefillSplit",
+    "reorder_batch_to_split_decodes_and_prefills",
+    "split_decodes_and_prefills",
+]
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class CommonAttentionMetadata:
+    """The batch of one scheduling step, as every backend sees it.
+
+    Attributes:
+        query_start_loc: int32 ``[B+1]`` on the compute device; request ``b``'s new
+            tokens are ``query_start_loc[b]:query_start_loc[b+1]`` of the step's
+            flattened tokens.
+        query_start_loc_cpu: the same values on the CPU, for host-side decisions
+            (splits, grids) without a device sync.
+        seq_lens: int32 ``[B]`` on the device: each request's context length after
+            this step (cached tokens + new tokens).
+        seq_lens_cpu: the same values on the CPU.
+        num_reqs: ``B``.
+        num_actual_tokens: ``T`` (= ``query_start_loc_cpu[-1]``); the step's token
+            tensors may be padded past it.
+        max_query_len: the most new tokens of any request in the step.
+        max_seq_len: the longest ``seq_lens`` entry.
+        block_table_tensor: int32 ``[B, MB]`` on the device: request ``b``'s logical
+            block ``i`` is physical block ``block_table_tensor[b, i]``.
+        slot_mapping: int64 ``[T']`` (``T' >= T``) on the device: the cache slot
+            (``block * block_size + offset``) each new token is written to; -1 for
+            padding tokens.
+        causal: whether queries see only earlier positions.
+
+    Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
+    no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
+    ``max_query_len`` and ``max_seq_len``. Pass ``validate=False`` on a hot path whose
+    inputs are already known good.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    validate: dataclasses.InitVar[bool] = True
+
+    def __post_init__(self, validate: bool) -> None:
+        if validate:
+            self._validate()
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        """int32 ``[B]`` new tokens per request, on the CPU."""
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    def _validate(self) -> None:
+        b = self.num_reqs
+        if not is_nonnegative_int(b):
+            raise ValueError(f"num_reqs must be an int >= 0, got {b!r}")
+        expected: list[tuple[str, torch.Tensor, torch.dtype, tuple[int, ...] | None, bool]] = [
+            ("query_start_loc", self.query_start_loc, torch.int32, (b + 1,), False),
+            ("query_start_loc_cpu", self.query_start_loc_cpu, torch.int32, (b + 1,), True),
+            ("seq_lens", self.seq_lens, torch.int32, (b,), False),
+            ("seq_lens_cpu", self.seq_lens_cpu, torch.int32, (b,), True),
+            ("block_table_tensor", self.block_table_tensor, torch.int32, None, False),
+            ("slot_mapping", self.slot_mapping, torch.int64, None, False),
+        ]
+        for name, tensor, dtype, shape, on_cpu in expected:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            want_shape = "" if shape is None else f" of shape {list(shape)}"
+            if tensor.dtype != dtype or (shape is not None and tuple(tensor.shape) != shape):
+                raise ValueError(
+                    f"{name} must be {str(dtype).removeprefix('torch.')}{want_shape} "
+                    f"(num_reqs={b}), got {_describe(tensor)}"
+                )
+            if on_cpu and tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be on the CPU, got {_describe(tensor)}")
+        device = self.query_start_loc.device
+        for name, tensor in (
+            ("seq_lens", self.seq_lens),
+            ("block_table_tensor", self.block_table_tensor),
+            ("slot_mapping", self.slot_mapping),
+        ):
+            if tensor.device != device:
+                raise ValueError(
+                    f"{name} must be on query_start_loc's device {device}, got {_describe(tensor)}"
+                )
+        if self.block_table_tensor.dim() != 2 or self.block_table_tensor.shape[0] != b:
+            raise ValueError(
+                f"block_table_tensor must be int32 of shape [num_reqs={b}, max_blocks], "
+                f"got {_describe(self.block_table_tensor)}"
+            )
+        if self.slot_mapping.dim() != 1:
+            raise ValueError(
+                f"slot_mapping must be 1-D [num_tokens], got {_describe(self.slot_mapping)}"
+            )
+        qsl = self.query_start_loc_cpu
+        if int(qsl[0]) != 0:
+            raise ValueError(f"query_start_loc_cpu[0] must be 0, got {int(qsl[0])}")
+        query_lens = self.query_lens_cpu
+        if b and bool((query_lens < 0).any()):
+            bad = int(torch.nonzero(query_lens < 0)[0, 0])
+            raise ValueError(
+                f"query_start_loc_cpu must be non-decreasing, but entry {bad + 1} "
+                f"({int(qsl[bad + 1])}) < entry {bad} ({int(qsl[bad])})"
+            )
+        total = int(qsl[-1])
+        if self.num_actual_tokens != total:
+            raise ValueError(
+                f"num_actual_tokens must equal query_start_loc_cpu[-1]={total}, "
+                f"got {self.num_actual_tokens}"
+            )
+        if self.slot_mapping.shape[0] < total:
+            raise ValueError(
+                f"slot_mapping must have at least num_actual_tokens={total} entries, "
+                f"got {_describe(self.slot_mapping)}"
+            )
+        if b and bool((self.seq_lens_cpu < query_lens).any()):
+            bad = int(torch.nonzero(self.seq_lens_cpu < query_lens)[0, 0])
+            raise ValueError(
+                f"seq_lens_cpu[{bad}]={int(self.seq_lens_cpu[bad])} is shorter than the "
+                f"request's {int(query_lens[bad])} new tokens"
+            )
+        max_q = int(query_lens.max()) if b else 0
+        if self.max_query_len != max_q:
+            raise ValueError(
+                f"max_query_len must be the largest query length {max_q}, got {self.max_query_len}"
+            )
+        max_s = int(self.seq_lens_cpu.max()) if b else 0
+        if self.max_seq_len != max_s:
+            raise ValueError(
+                f"max_seq_len must be the largest seq_lens entry {max_s}, got {self.max_seq_len}"
+            )
+        if self.causal is not True and self.causal is not False:
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_table: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
+        device: torch.device | str = "cpu",
+        causal: bool = True,
+    ) -> CommonAttentionMetadata:
+        """Build the metadata from plain lists (tests, examples, simple engines).
+
+        Block-table rows are padded with 0 (the null block) to the widest row.
+        """
+        device = torch.device(device)
+        if len(query_lens) != len(seq_lens) or len(block_table) != len(seq_lens):
+            raise ValueError(
+                f"query_lens, seq_lens and block_table must have one entry per request, "
+                f"got {len(query_lens)}, {len(seq_lens)} and {len(block_table)}"
+            )
+        if any(q < 0 for q in query_lens):
+            raise ValueError(f"query_lens must be >= 0, got {list(query_lens)}")
+        offsets = [0]
+        for q in query_lens:
+            offsets.append(offsets[-1] + q)
+        width = max((len(row) for row in block_table), default=0)
+        table = torch.zeros((len(block_table), width), dtype=torch.int32)
+        for i, row in enumerate(block_table):
+            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+        qsl_cpu = torch.tensor(offsets, dtype=torch.int32)
+        seq_cpu = torch.tensor(list(seq_lens), dtype=torch.int32)
+        return cls(
+            query_start_loc=qsl_cpu.to(device),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_cpu.to(device),
+            seq_lens_cpu=seq_cpu,
+            num_reqs=len(query_lens),
+            num_actual_tokens=offsets[-1],
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_table_tensor=table.to(device),
+            slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
+            causal=causal,
+        )
+
+
+class DecodePrefillSplit(NamedTuple):
+    """Where a decodes-first batch splits: requests ``[0, num_decodes)`` are decodes."""
+
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+
+
+def _check_threshold(decode_threshold: int) -> None:
+    if not is_positive_int(decode_threshold):
+        raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
+
+
+def split_decodes_and_prefills(
+    common_attn_metadata: CommonAttentionMetadata, *, decode_threshold: int = 1
+) -> DecodePrefillSplit:
+    """Split a batch whose decodes come first (query length <= ``decode_threshold``).
+
+    Reads only ``query_start_loc_cpu``: no device sync.
+
+    Raises:
+        ValueError: if a decode follows a prefill (the batch was not reordered), or
+            ``decode_threshold`` < 1.
+    """
+    _check_threshold(decode_threshold)
+    query_lens = common_attn_metadata.query_lens_cpu
+    b = common_attn_metadata.num_reqs
+    is_prefill = query_lens > decode_threshold
+    num_decodes = int(torch.argmax(is_prefill.to(torch.int8))) if bool(is_prefill.any()) else b
+    if bool((~is_prefill[num_decodes:]).any()):
+        late = num_decodes + int(torch.nonzero(~is_prefill[num_decodes:])[0, 0])
+        raise ValueError(
+            f"batch is not ordered decodes first: request {late} has query length "
+            f"{int(query_lens[late])} <= decode_threshold={decode_threshold} after prefill "
+            f"request {num_decodes} (query length {int(query_lens[num_decodes])}); "
+            f"HINT: order requests with reorder_batch_to_split_decodes_and_prefills"
+        )
+    num_decode_tokens = int(common_attn_metadata.query_start_loc_cpu[num_decodes])
+    return DecodePrefillSplit(
+        num_decodes=num_decodes,
+        num_prefills=b - num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        num_prefill_tokens=common_attn_metadata.num_actual_tokens - num_decode_tokens,
+    )
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+    query_lens: Sequence[int], *, decode_threshold: int = 1
+) -> list[int]:
+    """The order that puts decodes (query length <= ``decode_threshold``) first.
+
+    Returns a permutation ``order``: position ``i`` of the reordered batch holds the
+    request at index ``order[i]`` of the input. The order is stable within decodes and
+    within prefills, so requests move no more than needed for the split.
+
+    >>> reorder_batch_to_split_decodes_and_prefills([5, 1, 7, 1])
+    [1, 3, 0, 2]
+    """
+    _check_threshold(decode_threshold)
+    lens = list(query_lens)
+    for i, q in enumerate(lens):
+        if not is_nonnegative_int(q):
+            raise ValueError(f"query_lens[{i}] must be an int >= 0, got {q!r}")
+    decodes = [i for i, q in enumerate(lens) if q <= decode_threshold]
+    prefills = [i for i, q in enumerate(lens) if q > decode_threshold]
+    return decodes + prefills

@@ -1,0 +1,18 @@
+"""get_cudagraph_support is a classmethod: narrowing its spec breaks Liskov."""
+
+from __future__ import annotations
+
+from typing_extensions import override
+
+from attnkit import AttentionCGSupport, AttentionConfig, AttentionSpec
+
+from ._common import FullBuilder
+
+
+class NarrowingBuilder(FullBuilder):
+    @classmethod
+    @override
+    def get_cudagraph_support(
+        cls, config: AttentionConfig, kv_cache_spec: AttentionSpec  # E: override
+    ) -> AttentionCGSupport:
+        return AttentionCGSupport.ALWAYS
