@@ -350,7 +350,7 @@ def bind_builder(
         given, (KVCacheSpec, AttentionMetadataBuilder, AttentionImpl), ("spec_type", "builder_cls", "impl_cls"), strict=True
     ):
         if not (isinstance(value, type) and issubclass(value, base)):
-            raise TypeError(f"bind_builder: {what} must be a {base.__name__} subclass, got {value!r}")
+            raise TypeError(f"bind_builder: {what} must be a subclass of {base.__name__}, got {value!r}")
     accepted = _accepted_spec_type(given[1])
     if accepted is not None and not issubclass(spec_type, accepted):
         raise TypeError(

@@ -1,0 +1,263 @@
+"""Backend selection: per-kind routing, global backend, priority lists, errors with reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import pytest
+import torch
+from toy_backends import (
+    FastCudaBackend,
+    FullOnlyBackend,
+    GenericToyBackend,
+    NeedsMissingPackage,
+    SlidingOnlyBackend,
+    ToyAttentionBuilder,
+    ToyImpl,
+    ToyMambaBackend,
+    ToyMambaBuilder,
+    ToyMambaImpl,
+)
+
+from attnkit import (
+    ENTRY_POINT_GROUP,
+    AttentionBackend,
+    AttentionConfig,
+    AttentionFeature,
+    AttentionSpec,
+    BackendNotSupportedError,
+    BackendRegistry,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    MLAAttentionSpec,
+    NoBackendError,
+    Rejection,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    bind_builder,
+    select_backend,
+)
+
+
+class EveryKindBackend(AttentionBackend):
+    """Serves every kind on CPU: lets tests address each kind through backend_per_kind."""
+
+    name = "toy_every_kind"
+    supported_kinds = frozenset(KVCacheSpecKind)
+    supported_mamba_types = frozenset({"mamba2", "gdn", "linear", "short_conv", "mamba1"})
+    supported_devices = frozenset({"cpu"})
+    builders = (
+        bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),
+        bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),
+    )
+
+
+def registry(*backends: type[AttentionBackend], entry_points: list[EntryPoint] | None = None) -> BackendRegistry:
+    reg = BackendRegistry(discover_plugins=entry_points is not None, entry_points=entry_points, allowlist=None)
+    for backend in backends:
+        reg.register(backend)
+    return reg
+
+
+def config(reg: BackendRegistry, **data: Any) -> AttentionConfig:
+    return AttentionConfig.model_validate(data, context={"registry": reg})
+
+
+ATTN = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
+SPECS: dict[KVCacheSpecKind, KVCacheSpec] = {
+    KVCacheSpecKind.FULL_ATTENTION: FullAttentionSpec(**ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.SLIDING_WINDOW: SlidingWindowSpec(sliding_window=32, **ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec(attention_chunk_size=64, **ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.SINK_FULL_ATTENTION: SinkFullAttentionSpec(sink_len=4, **ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.MLA_ATTENTION: MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16),
+    KVCacheSpecKind.SLIDING_WINDOW_MLA: SlidingWindowMLASpec(
+        block_size=16, head_size=576, dtype=torch.bfloat16, sliding_window=128
+    ),
+    KVCacheSpecKind.ENCODER_ONLY_ATTENTION: EncoderOnlyAttentionSpec(**ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.CROSS_ATTENTION: CrossAttentionSpec(**ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.MAMBA: MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,)),
+}
+FULL = SPECS[KVCacheSpecKind.FULL_ATTENTION]
+WINDOW = SPECS[KVCacheSpecKind.SLIDING_WINDOW]
+MAMBA = SPECS[KVCacheSpecKind.MAMBA]
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+def test_every_kind_routes_through_backend_per_kind(kind: KVCacheSpecKind) -> None:
+    reg = registry(EveryKindBackend, GenericToyBackend, ToyMambaBackend)
+    selection = select_backend(
+        SPECS[kind], config(reg, backend_per_kind={kind.value: "toy_every_kind"}), device="cpu", registry=reg
+    )
+    assert selection.backend is EveryKindBackend
+    assert selection.kind is kind
+    assert selection.source == "backend_per_kind"
+
+
+def test_per_kind_routes_two_kinds_to_two_backends_and_swaps() -> None:
+    reg = registry(GenericToyBackend, EveryKindBackend)
+    cfg = config(reg, backend_per_kind="full_attention=toy_generic,sliding_window=toy_every_kind")
+    assert select_backend(FULL, cfg, device="cpu", registry=reg).backend is GenericToyBackend
+    assert select_backend(WINDOW, cfg, device="cpu", registry=reg).backend is EveryKindBackend
+    swapped = config(reg, backend_per_kind="full_attention=toy_every_kind,sliding_window=toy_generic")
+    assert select_backend(FULL, swapped, device="cpu", registry=reg).backend is EveryKindBackend
+    assert select_backend(WINDOW, swapped, device="cpu", registry=reg).backend is GenericToyBackend
+
+
+def test_per_kind_wins_over_global_backend() -> None:
+    reg = registry(GenericToyBackend, EveryKindBackend)
+    cfg = config(reg, backend="toy_generic", backend_per_kind={"full_attention": "toy_every_kind"})
+    full = select_backend(FULL, cfg, device="cpu", registry=reg)
+    window = select_backend(WINDOW, cfg, device="cpu", registry=reg)
+    assert (full.backend, full.source) == (EveryKindBackend, "backend_per_kind")
+    assert (window.backend, window.source) == (GenericToyBackend, "backend")
+
+
+def test_explicit_backend_that_cannot_serve_raises_with_reasons() -> None:
+    reg = registry(GenericToyBackend, EveryKindBackend)
+    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]
+    cfg = config(reg, backend_per_kind={"full_attention": "toy_generic"})
+    with pytest.raises(BackendNotSupportedError) as info:
+        select_backend(spec, cfg, device="cpu", registry=reg)
+    message = str(info.value)
+    assert message.startswith(
+        "backend 'toy_generic' was requested by AttentionConfig.backend_per_kind['full_attention'] "
+        "but cannot serve FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=72"
+    )
+    assert "  - head_size=72 not supported (supported: 64, 128)" in message
+    assert "HINT:" in message
+    # No silent fallback to EveryKindBackend, which could serve it.
+    assert info.value.rejected == (Rejection("toy_generic", ("head_size=72 not supported (supported: 64, 128)",)),)
+
+
+def test_global_backend_that_cannot_serve_a_declared_kind_raises() -> None:
+    reg = registry(FastCudaBackend, EveryKindBackend)
+    cfg = config(reg, backend="toy_fast_cuda")
+    with pytest.raises(BackendNotSupportedError, match=r"requested by AttentionConfig.backend but cannot serve"):
+        select_backend(FULL, cfg, device="cpu", registry=reg)
+
+
+def test_global_backend_skips_kinds_it_does_not_declare() -> None:
+    reg = registry(GenericToyBackend, ToyMambaBackend)
+    cfg = config(reg, backend="toy_generic")
+    selection = select_backend(MAMBA, cfg, device="cpu", registry=reg)
+    assert selection.backend is ToyMambaBackend
+    assert selection.source == "priority"
+    assert selection.rejected[0] == Rejection(
+        "toy_generic",
+        ("config.backend='toy_generic' does not serve kind=mamba; using the cpu priority list for this kind",),
+    )
+
+
+def test_priority_list_order_and_rejections() -> None:
+    reg = registry(GenericToyBackend, FullOnlyBackend, FastCudaBackend)
+    cfg = config(reg)
+    priority = {"cpu": ("toy_fast_cuda", "toy_full_only", "toy_generic"), "cuda": ()}
+    selection = select_backend(FULL, cfg, device="cpu", registry=reg, priority=priority)
+    assert selection.backend is FullOnlyBackend
+    assert selection.source == "priority"
+    assert [r.backend for r in selection.rejected] == ["toy_fast_cuda"]
+    assert selection.rejected[0].reasons[0] == "device=cpu not supported (supported: cuda)"
+    explained = selection.explain()
+    assert explained.splitlines()[0] == "full_attention: toy_full_only (chosen by priority)"
+    assert "skipped toy_fast_cuda: device=cpu not supported (supported: cuda)" in explained
+
+
+def test_registered_backends_outside_the_priority_list_are_tried_by_name() -> None:
+    reg = registry(SlidingOnlyBackend, GenericToyBackend)
+    selection = select_backend(WINDOW, config(reg), device="cpu", registry=reg, priority={"cpu": ()})
+    # Alphabetical: toy_generic before toy_sliding_only.
+    assert selection.backend is GenericToyBackend
+
+
+def test_priority_names_not_installed_are_skipped_silently() -> None:
+    reg = registry(GenericToyBackend)
+    selection = select_backend(FULL, config(reg), device="cpu", registry=reg)
+    # DEFAULT_PRIORITY names reference/triton_attn, which this registry lacks.
+    assert selection.backend is GenericToyBackend
+    assert selection.rejected == ()
+
+
+def test_no_backend_lists_every_candidate_and_reason() -> None:
+    reg = registry(GenericToyBackend, FastCudaBackend, NeedsMissingPackage)
+    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]
+    with pytest.raises(NoBackendError) as info:
+        select_backend(spec, config(reg), device="cpu", registry=reg)
+    message = str(info.value)
+    assert message.startswith("no backend can serve FullAttentionSpec(")
+    assert "  `toy_generic` is not supported because:\n    head_size=72 not supported (supported: 64, 128)" in message
+    assert "  `toy_fast_cuda` is not supported because:\n    device=cpu not supported (supported: cuda)" in message
+    assert "  `toy_needs_pkg` is not supported because:\n    required package 'attnkit_test_missing_pkg'" in message
+    assert "HINT: `attnkit backends`" in message
+    assert {r.backend for r in info.value.rejected} == {"toy_generic", "toy_fast_cuda", "toy_needs_pkg"}
+    assert not isinstance(info.value, BackendNotSupportedError)
+
+
+def test_no_backend_registered_at_all() -> None:
+    reg = registry()
+    with pytest.raises(NoBackendError, match=r"\(no backend is registered\)"):
+        select_backend(FULL, config(reg), device="cpu", registry=reg)
+
+
+def test_features_capability_and_heads_reach_the_backends() -> None:
+    reg = registry(FastCudaBackend)
+    cfg = config(reg)
+    ok = select_backend(
+        FULL, cfg, device="cuda", capability=(9, 0), registry=reg,
+        features=frozenset({AttentionFeature.LOGITS_SOFT_CAP}), num_heads=8,
+    )
+    assert ok.backend is FastCudaBackend
+    assert ok.request.features == frozenset({AttentionFeature.LOGITS_SOFT_CAP})
+    with pytest.raises(NoBackendError, match=r"compute capability 7.5 < minimum 8.0"):
+        select_backend(FULL, cfg, device="cuda", capability=(7, 5), registry=reg)
+    with pytest.raises(NoBackendError, match=r"feature alibi not supported"):
+        select_backend(
+            FULL, cfg, device="cuda", capability=(9, 0), registry=reg,
+            features=frozenset({AttentionFeature.ALIBI}),
+        )
+    with pytest.raises(NoBackendError, match=r"num_heads=3 is not a multiple of num_kv_heads=2"):
+        select_backend(FULL, cfg, device="cuda", capability=(9, 0), registry=reg, num_heads=3)
+
+
+def test_config_plugin_allowlist_blocks_plugins_without_importing_them() -> None:
+    eps = [EntryPoint(name="plug", value="attnkit_never_imported_module:X", group=ENTRY_POINT_GROUP)]
+    reg = registry(GenericToyBackend, entry_points=eps)
+    cfg = config(reg, backend_per_kind={"full_attention": "plug"}, plugins=["other"])
+    with pytest.raises(BackendNotSupportedError, match=r"plugin 'plug' is not in AttentionConfig.plugins=\['other'\]"):
+        select_backend(FULL, cfg, device="cpu", registry=reg)
+    assert reg.excluded() == {}  # never loaded, so never failed
+    selection = select_backend(FULL, config(reg, plugins=[]), device="cpu", registry=reg, priority={"cpu": ("plug",)})
+    assert selection.backend is GenericToyBackend
+    assert selection.rejected == (Rejection("plug", ("plugin 'plug' is not in AttentionConfig.plugins=[]",)),)
+
+
+def test_name_unknown_to_this_registry_is_an_error() -> None:
+    reg = registry(GenericToyBackend)
+    cfg = AttentionConfig.model_validate({"backend": "elsewhere"}, context={"known_backends": ["elsewhere"]})
+    with pytest.raises(BackendNotSupportedError, match=r"unknown backend 'elsewhere'; registered backends: toy_generic"):
+        select_backend(FULL, cfg, device="cpu", registry=reg)
+
+
+def test_selection_depends_only_on_arguments() -> None:
+    reg_a = registry(GenericToyBackend, FullOnlyBackend)
+    reg_b = registry(FullOnlyBackend)
+    priority = {"cpu": ("toy_generic", "toy_full_only")}
+    first = select_backend(FULL, config(reg_a), device="cpu", registry=reg_a, priority=priority)
+    other = select_backend(FULL, config(reg_b), device="cpu", registry=reg_b, priority=priority)
+    again = select_backend(FULL, config(reg_a), device="cpu", registry=reg_a, priority=priority)
+    assert first.backend is GenericToyBackend
+    assert other.backend is FullOnlyBackend
+    assert again == first
+
+
+def test_spec_must_be_a_spec() -> None:
+    reg = registry(GenericToyBackend)
+    with pytest.raises(TypeError, match=r"spec must be a KVCacheSpec, got dict"):
+        select_backend({}, config(reg), device="cpu", registry=reg)  # type: ignore[arg-type]
