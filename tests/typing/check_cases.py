@@ -24,11 +24,11 @@ TAG = re.compile(r"#\s*E:\s*([a-z0-9-]+(?:\s*,\s*[a-z0-9-]+)*)\s*$")
 Key = tuple[str, int, str]
 
 
-def expected_errors(folder: Path = FAIL_DIR) -> Counter[Key]:
-    """(file relative to the repo root, line, code) for every tag in the folder."""
+def expected_errors(folder: Path = FAIL_DIR, root: Path = ROOT) -> Counter[Key]:
+    """(file relative to ``root``, line, code) for every tag in the folder."""
     found: Counter[Key] = Counter()
     for path in sorted(folder.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
+        rel = path.relative_to(root).as_posix()
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             match = TAG.search(line)
             if match:

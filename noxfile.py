@@ -1,0 +1,60 @@
+"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``bench``.
+
+Every session installs torch first, pinned to the CPU build this project tests with,
+so pip never resolves ``torch>=2.4`` to a multi-GB CUDA build by itself. On a GPU
+machine set ``ATTNKIT_TORCH_SPEC`` (e.g. ``ATTNKIT_TORCH_SPEC="torch==2.13.0"`` from
+a CUDA index, or ``ATTNKIT_TORCH_SPEC=skip`` to use a torch already installed with
+``nox --no-venv``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = os.environ.get("ATTNKIT_NOX_PYTHON", "3.11")
+TORCH_SPEC = os.environ.get("ATTNKIT_TORCH_SPEC", "torch==2.13.0")
+EXAMPLE = "examples/out_of_tree_backend"
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    if TORCH_SPEC != "skip":
+        session.install(TORCH_SPEC)
+    session.install("-e", ".[dev]", *extra)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Unit, kernel (Triton interpreter on CPU) and typing tests."""
+    _install(session)
+    env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    session.run("pytest", *(session.posargs or ["-q"]), env=env)
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over src, tests/typing/pass and examples; then the fail cases."""
+    _install(session, "-e", EXAMPLE)
+    session.run("mypy")
+    session.run("python", "tests/typing/check_cases.py")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks that run on this machine; results are ratios to an in-run baseline."""
+    _install(session)
+    out = os.environ.get("ATTNKIT_BENCH_OUT", "bench-results")
+    for script in sorted(os.listdir("benchmarks")):
+        if script.startswith("bench_") and script.endswith(".py"):
+            session.run("python", f"benchmarks/{script}", "--out", out)
