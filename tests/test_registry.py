@@ -8,7 +8,6 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
-from toy_backends import FullOnlyBackend, GenericToyBackend, SlidingOnlyBackend, ToyMambaBackend
 
 from attnkit import (
     ENTRY_POINT_GROUP,
@@ -20,6 +19,7 @@ from attnkit import (
     default_registry,
     register_backend,
 )
+from toy_backends import FullOnlyBackend, GenericToyBackend, SlidingOnlyBackend, ToyMambaBackend
 
 
 def ep(name: str, value: str) -> EntryPoint:
@@ -145,9 +145,11 @@ def test_broken_plugin_is_excluded_with_reason(
 ) -> None:
     reg = BackendRegistry(entry_points=[ep("bad", value)], allowlist=None)
     assert reg.names() == ["bad"]  # known by name until it is loaded
-    with caplog.at_level(logging.WARNING, logger="attnkit.registry"):
-        with pytest.raises(UnknownBackendError, match=r"A plugin named 'bad' was excluded: " + reason):
-            reg.get("bad")
+    with (
+        caplog.at_level(logging.WARNING, logger="attnkit.registry"),
+        pytest.raises(UnknownBackendError, match=r"A plugin named 'bad' was excluded: " + reason),
+    ):
+        reg.get("bad")
     assert reg.names() == []
     (key, why), = reg.excluded().items()
     assert key == f"bad (entry point bad = {value})"

@@ -4,7 +4,8 @@ record what they were given, so tests can see which backend served which group."
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from typing_extensions import override
@@ -157,7 +158,7 @@ class ToyMambaBackend(AttentionBackend):
 class NeedsMissingPackage(AttentionBackend):
     name = "toy_needs_pkg"
     supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
-    required_packages = {"attnkit_test_missing_pkg": "attnkit-test-missing-pkg>=1"}
+    required_packages: ClassVar[Mapping[str, str]] = {"attnkit_test_missing_pkg": "attnkit-test-missing-pkg>=1"}
     builders = (bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),)
 
 

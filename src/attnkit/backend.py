@@ -50,10 +50,10 @@ from .spec import (
 )
 
 __all__ = [
+    "AnyBuilderBinding",
     "AttentionBackend",
     "AttentionFeature",
     "AttentionImpl",
-    "AnyBuilderBinding",
     "AttentionLayerParams",
     "BackendRequest",
     "BuilderBinding",
@@ -427,11 +427,14 @@ class AttentionBackend(ABC):
         spec = request.spec
         reasons = cls.environment_reasons(request.device, request.capability)
         if spec.kind not in cls.supported_kinds:
+            # The decisive reason; field-by-field reasons for a kind the backend does
+            # not serve would only be noise.
             reasons.append(
                 f"kind={spec.kind.value} not supported "
                 f"(supported: {', '.join(sorted(k.value for k in cls.supported_kinds))})"
             )
-        elif cls.find_binding(spec) is None:
+            return reasons
+        if cls.find_binding(spec) is None:
             reasons.append(f"no builder is bound to {type(spec).__name__}")
         if isinstance(spec, AttentionSpec):
             reasons.extend(cls._attention_reasons(spec, request))

@@ -17,4 +17,4 @@ def misuse(spec: MambaSpec, config: AttentionConfig) -> None:
     head_bytes(spec)  # E: arg-type
     # A builder narrowed to FullAttentionSpec refuses a MambaSpec at construction.
     FullBuilder(spec, ["layer.0"], config, torch.device("cpu"))  # E: arg-type
-    spec.head_size  # E: attr-defined
+    print(spec.head_size)  # E: attr-defined
