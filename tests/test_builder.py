@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-from toy_backends import ToyAttentionBuilder, ToyMambaBuilder, ToyMambaMeta, ToyMeta
 from typing_extensions import override
 
 from attnkit import (
@@ -18,6 +17,7 @@ from attnkit import (
     KVCacheSpec,
     MambaSpec,
 )
+from toy_backends import ToyAttentionBuilder, ToyMambaBuilder, ToyMambaMeta, ToyMeta
 
 CONFIG = AttentionConfig.model_validate({}, context={"known_backends": []})
 CPU = torch.device("cpu")

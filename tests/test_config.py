@@ -6,7 +6,6 @@ from typing import Any
 
 import pydantic
 import pytest
-from toy_backends import GenericToyBackend, ToyMambaBackend
 
 from attnkit import (
     AttentionConfig,
@@ -15,6 +14,7 @@ from attnkit import (
     default_registry,
     parse_backend_per_kind,
 )
+from toy_backends import GenericToyBackend, ToyMambaBackend
 
 KNOWN = {"known_backends": ["reference", "triton_attn", "toy_generic"]}
 VALID_KINDS = (

@@ -8,18 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from toy_backends import (
-    FastCudaBackend,
-    FullOnlyBackend,
-    GenericToyBackend,
-    NeedsMissingPackage,
-    SlidingOnlyBackend,
-    ToyAttentionBuilder,
-    ToyImpl,
-    ToyMambaBackend,
-    ToyMambaBuilder,
-    ToyMambaImpl,
-)
 
 from attnkit import (
     ENTRY_POINT_GROUP,
@@ -44,6 +32,18 @@ from attnkit import (
     SlidingWindowSpec,
     bind_builder,
     select_backend,
+)
+from toy_backends import (
+    FastCudaBackend,
+    FullOnlyBackend,
+    GenericToyBackend,
+    NeedsMissingPackage,
+    SlidingOnlyBackend,
+    ToyAttentionBuilder,
+    ToyImpl,
+    ToyMambaBackend,
+    ToyMambaBuilder,
+    ToyMambaImpl,
 )
 
 
