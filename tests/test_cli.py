@@ -7,10 +7,10 @@ import json
 from importlib.metadata import EntryPoint
 
 import pytest
-from toy_backends import FastCudaBackend, GenericToyBackend, ToyMambaBackend
 
 from attnkit import ENTRY_POINT_GROUP, BackendRegistry
 from attnkit.cli import EXAMPLE_MODELS, example_model, main
+from toy_backends import FastCudaBackend, GenericToyBackend, ToyMambaBackend
 
 
 def registry(with_broken_plugin: bool = False) -> BackendRegistry:
@@ -103,7 +103,8 @@ def test_plan_rejects_bad_capability(capsys: pytest.CaptureFixture[str]) -> None
 def test_example_models() -> None:
     for name in EXAMPLE_MODELS:
         layers = example_model(name)
-        assert layers and all(key.startswith("layers.") for key in layers)
+        assert layers
+        assert all(key.startswith("layers.") for key in layers)
     kinds = [s.kind.value for s in example_model("llama4").values()]
     assert kinds == ["chunked_local_attention"] * 3 + ["full_attention"] + ["chunked_local_attention"] * 3 + ["full_attention"]
     with pytest.raises(ValueError, match=r"unknown example model 'gpt'; choose one of hybrid, llama, gemma2, llama4"):

@@ -492,6 +492,8 @@ def get_attn_spec_kind(
         ValueError: for a combination above, or a window/chunk/sink length < 1.
     """
     attn_type = AttentionType(attn_type)
+    if not isinstance(use_mla, bool):
+        raise ValueError(f"get_attn_spec_kind: use_mla must be a bool, got {use_mla!r}")
     for name, value in (
         ("sliding_window", sliding_window),
         ("attention_chunk_size", attention_chunk_size),
