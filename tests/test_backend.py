@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 
@@ -528,3 +529,50 @@ def test_toy_builder_builds() -> None:
     assert isinstance(meta, ToyMeta)
     assert meta.num_reqs == 2
     assert dataclasses.replace(meta, backend="x").backend == "x"
+
+
+def test_feature_prints_its_value() -> None:
+    assert str(AttentionFeature.LOGITS_SOFT_CAP) == "logits_soft_cap"
+
+
+def test_unresolvable_builder_annotations_skip_the_runtime_check() -> None:
+    # A plugin whose annotations name types mypy never saw (forward references that
+    # cannot be resolved) still binds; the static check is the one that applies then.
+    namespace: dict[str, object] = {}
+    exec(  # builds a class whose annotation cannot be resolved at run time
+        "from attnkit import AttentionMetadataBuilder\n"
+        "class ForwardRefBuilder(AttentionMetadataBuilder):\n"
+        "    def __init__(self, kv_cache_spec: 'NotDefinedAnywhere', layer_names, config, device):\n"
+        "        super().__init__(kv_cache_spec, layer_names, config, device)\n"
+        "    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):\n"
+        "        return None\n",
+        namespace,
+    )
+    bind: object = bind_builder
+    binding = bind(FullAttentionSpec, namespace["ForwardRefBuilder"], ToyImpl)  # type: ignore[operator]
+    assert binding.spec_type is FullAttentionSpec  # type: ignore[attr-defined]
+
+
+def test_an_unregistered_class_with_a_gap_reports_it() -> None:
+    class Gap(AttentionBackend):
+        name = "toy_gap"
+        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
+        builders = (bind_builder(SlidingWindowSpec, ToyAttentionBuilder, ToyImpl),)
+
+    assert Gap.not_supported_reasons(BackendRequest(spec=full(), device=CPU)) == [
+        "no builder is bound to FullAttentionSpec"
+    ]
+    assert Gap.declaration_problems() == [
+        "kind full_attention is declared but no builder is bound to FullAttentionSpec or a base of it"
+    ]
+
+
+def test_abstract_backend_is_a_declaration_problem() -> None:
+    class StillAbstract(GenericToyBackend):
+        name = "toy_abstract"
+
+        @classmethod
+        @abc.abstractmethod
+        def something(cls) -> None: ...
+
+    assert StillAbstract.declaration_problems()[0].endswith("StillAbstract is abstract")

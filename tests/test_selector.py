@@ -261,3 +261,13 @@ def test_spec_must_be_a_spec() -> None:
     reg = registry(GenericToyBackend)
     with pytest.raises(TypeError, match=r"spec must be a KVCacheSpec, got dict"):
         select_backend({}, config(reg), device="cpu", registry=reg)  # type: ignore[arg-type]
+
+
+def test_a_plugin_that_fails_to_load_during_selection_is_a_reason() -> None:
+    eps = [EntryPoint(name="fragile", value="attnkit_missing_plugin_module:X", group=ENTRY_POINT_GROUP)]
+    reg = registry(GenericToyBackend, entry_points=eps)
+    selection = select_backend(FULL, config(reg), device="cpu", registry=reg, priority={"cpu": ("fragile",)})
+    assert selection.backend is GenericToyBackend
+    (rejection,) = selection.rejected
+    assert rejection.backend == "fragile"
+    assert "A plugin named 'fragile' was excluded: ModuleNotFoundError" in rejection.reasons[0]
