@@ -58,6 +58,8 @@ __all__ = [
     "BackendRequest",
     "BuilderBinding",
     "BuilderClass",
+    "LayerParams",
+    "Mamba2LayerParams",
     "MultipleOf",
     "SizeRule",
     "bind_builder",
@@ -131,6 +133,11 @@ class AttentionLayerParams:
         alibi_slopes: one ALiBi slope per query head, or ``None``.
         sinks: float32 ``[Hq]`` learned sink logits, or ``None``.
         return_lse: whether the layer needs the log-sum-exp back.
+        v_head_size: width of the values when it differs from the keys (MLA: the
+            latent's first ``v_head_size`` channels are the values); ``None``: the
+            spec's ``head_size``.
+        sink_key, sink_value: ``[sink_len, Hkv, D]`` learned sink tokens of a
+            ``sink_full_attention`` layer, written in front of every request's context.
     """
 
     num_heads: int
@@ -139,12 +146,19 @@ class AttentionLayerParams:
     alibi_slopes: tuple[float, ...] | None = None
     sinks: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     return_lse: bool = False
+    v_head_size: int | None = None
+    sink_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    sink_value: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.num_heads):
-            raise ValueError(f"AttentionLayerParams.num_heads must be a positive int, got {self.num_heads!r}")
+            raise ValueError(
+                f"AttentionLayerParams.num_heads must be a positive int, got {self.num_heads!r}"
+            )
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"AttentionLayerParams.scale must be a finite float > 0, got {self.scale!r}")
+            raise ValueError(
+                f"AttentionLayerParams.scale must be a finite float > 0, got {self.scale!r}"
+            )
         if self.logits_soft_cap is not None and not (
             math.isfinite(self.logits_soft_cap) and self.logits_soft_cap > 0
         ):
@@ -162,6 +176,21 @@ class AttentionLayerParams:
                 f"AttentionLayerParams.sinks must have shape [num_heads={self.num_heads}], "
                 f"got {list(self.sinks.shape)}"
             )
+        if self.v_head_size is not None and not is_positive_int(self.v_head_size):
+            raise ValueError(
+                f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"
+            )
+        if (self.sink_key is None) != (self.sink_value is None):
+            raise ValueError("AttentionLayerParams.sink_key and sink_value must be given together")
+        if (
+            self.sink_key is not None
+            and self.sink_value is not None
+            and (self.sink_key.dim() != 3 or self.sink_key.shape != self.sink_value.shape)
+        ):
+            raise ValueError(
+                f"AttentionLayerParams.sink_key and sink_value must both be [sink_len, Hkv, D], "
+                f"got {list(self.sink_key.shape)} and {list(self.sink_value.shape)}"
+            )
 
     @property
     def features(self) -> frozenset[AttentionFeature]:
@@ -173,6 +202,87 @@ class AttentionLayerParams:
             AttentionFeature.RETURN_LSE: self.return_lse,
         }
         return frozenset(f for f, on in wanted.items() if on)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Mamba2LayerParams:
+    """Weights and sizes of a Mamba2 layer's state-space core (conv1d + SSD).
+
+    The model keeps the projections, gating and norm; the backend runs the part that
+    reads and writes the cached states. Letters: H heads, P head dim, G groups, N state
+    size, W conv width, C = H*P + 2*G*N conv channels.
+
+    Attributes:
+        num_heads, head_dim, n_groups, d_state: H, P, G, N.
+        conv_weight: ``[C, W]`` depthwise conv weight; conv_bias ``[C]`` or ``None``.
+        A: ``[H]`` (negative) decay rates; D ``[H]`` skip or ``None``; dt_bias ``[H]``
+            or ``None``.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        chunk_size: SSD chunk length for prefill.
+
+    Spec shapes for such a layer: ``MambaSpec(shapes=params.state_shapes, ...)``.
+    """
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+    A: torch.Tensor
+    D: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    dt_softplus: bool = True
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "n_groups", "d_state", "chunk_size"):
+            if not is_positive_int(getattr(self, name)):
+                raise ValueError(
+                    f"Mamba2LayerParams.{name} must be a positive int, got {getattr(self, name)!r}"
+                )
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"Mamba2LayerParams.num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
+            )
+        if self.conv_weight.dim() != 2 or self.conv_weight.shape[0] != self.conv_dim:
+            raise ValueError(
+                f"Mamba2LayerParams.conv_weight must be [conv_dim={self.conv_dim}, W], "
+                f"got {list(self.conv_weight.shape)}"
+            )
+        for name, shape in (
+            ("conv_bias", (self.conv_dim,)),
+            ("A", (self.num_heads,)),
+            ("D", (self.num_heads,)),
+            ("dt_bias", (self.num_heads,)),
+        ):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"Mamba2LayerParams.{name} must have shape {list(shape)}, got {list(value.shape)}"
+                )
+
+    @property
+    def conv_dim(self) -> int:
+        """C = H*P + 2*G*N: the channels of x, B and C that go through the conv."""
+        return self.num_heads * self.head_dim + 2 * self.n_groups * self.d_state
+
+    @property
+    def conv_kernel(self) -> int:
+        """W, the conv width."""
+        return int(self.conv_weight.shape[1])
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, P, N))``: the conv state and the SSM state of one request."""
+        return (
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.num_heads, self.head_dim, self.d_state),
+        )
+
+
+LayerParams = AttentionLayerParams | Mamba2LayerParams
+"""Per-layer parameters an impl is built with."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,11 +331,11 @@ class AttentionImpl(ABC, Generic[M_contra]):
 
     Args:
         kv_cache_spec: the layer's spec.
-        layer_params: attention parameters; ``None`` for layers that have none
-            (state-space layers).
+        layer_params: the layer's parameters (``AttentionLayerParams`` for attention,
+            ``Mamba2LayerParams`` for Mamba2 layers), or ``None`` if it needs none.
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.layer_params = layer_params
 
@@ -239,11 +349,14 @@ class AttentionImpl(ABC, Generic[M_contra]):
         attn_metadata: M_contra,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        """Write this step's new K/V (or state) into ``kv_cache`` and attention into ``output``.
+        """Write this step's new K/V (or state) into ``kv_cache`` and the result into ``output``.
 
-        Shapes for attention: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]``,
-        ``kv_cache`` one tensor per shape of ``get_kv_cache_shapes``, output
-        ``[T, Hq, D]``. Returns ``output``.
+        Attention: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (``None`` for a
+        cross-attention step that writes no encoder tokens), output ``[T, Hq, Dv]``.
+        Mamba2: query is ``xBC`` ``[T, C]`` (before the conv), key is ``dt``
+        ``[T, H]``, value is ``None``, output is ``y`` ``[T, H, P]`` (before gating).
+        ``kv_cache`` holds one tensor per shape of ``get_kv_cache_shapes``. Returns
+        ``output``.
         """
 
 
@@ -276,7 +389,7 @@ class AnyBuilderBinding(ABC):
 
     @abstractmethod
     def create_impl(
-        self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None
+        self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None
     ) -> AttentionImpl[Any]:
         """Construct the impl for one layer of a group."""
 
@@ -324,7 +437,7 @@ class BuilderBinding(AnyBuilderBinding, Generic[S, M]):
 
     @override
     def create_impl(
-        self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None
+        self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None
     ) -> AttentionImpl[M]:
         return self.impl_cls(kv_cache_spec, layer_params)
 
@@ -347,10 +460,15 @@ def bind_builder(
     # Checked at run time too: plugins reach here without having been type-checked.
     given: tuple[object, object, object] = (spec_type, builder_cls, impl_cls)
     for value, base, what in zip(
-        given, (KVCacheSpec, AttentionMetadataBuilder, AttentionImpl), ("spec_type", "builder_cls", "impl_cls"), strict=True
+        given,
+        (KVCacheSpec, AttentionMetadataBuilder, AttentionImpl),
+        ("spec_type", "builder_cls", "impl_cls"),
+        strict=True,
     ):
         if not (isinstance(value, type) and issubclass(value, base)):
-            raise TypeError(f"bind_builder: {what} must be a subclass of {base.__name__}, got {value!r}")
+            raise TypeError(
+                f"bind_builder: {what} must be a subclass of {base.__name__}, got {value!r}"
+            )
     accepted = _accepted_spec_type(given[1])
     if accepted is not None and not issubclass(spec_type, accepted):
         raise TypeError(
@@ -454,7 +572,9 @@ class AttentionBackend(ABC):
         reasons: list[str] = []
         if spec.dtype not in cls.supported_dtypes:
             supported = ", ".join(sorted(_dtype_name(d) for d in cls.supported_dtypes))
-            reasons.append(f"dtype={_dtype_name(spec.dtype)} not supported (supported: {supported})")
+            reasons.append(
+                f"dtype={_dtype_name(spec.dtype)} not supported (supported: {supported})"
+            )
         if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             supported = ", ".join(sorted(cls.supported_kv_cache_dtypes))
             reasons.append(
@@ -580,13 +700,21 @@ class AttentionBackend(ABC):
             problems.append(f"name must be an identifier string, got {name!r}")
         kinds = getattr(cls, "supported_kinds", None)
         builders = getattr(cls, "builders", None)
-        if not isinstance(kinds, frozenset) or not kinds or not all(
-            isinstance(k, KVCacheSpecKind) for k in kinds
+        if (
+            not isinstance(kinds, frozenset)
+            or not kinds
+            or not all(isinstance(k, KVCacheSpecKind) for k in kinds)
         ):
-            problems.append(f"supported_kinds must be a non-empty frozenset of KVCacheSpecKind, got {kinds!r}")
+            problems.append(
+                f"supported_kinds must be a non-empty frozenset of KVCacheSpecKind, got {kinds!r}"
+            )
             kinds = frozenset()
-        if not isinstance(builders, tuple) or not all(isinstance(b, AnyBuilderBinding) for b in builders):
-            problems.append(f"builders must be a tuple of bind_builder(...) results, got {builders!r}")
+        if not isinstance(builders, tuple) or not all(
+            isinstance(b, AnyBuilderBinding) for b in builders
+        ):
+            problems.append(
+                f"builders must be a tuple of bind_builder(...) results, got {builders!r}"
+            )
             builders = ()
         for kind in sorted(kinds, key=lambda k: k.value):
             spec_cls = spec_class_for_kind(kind)
@@ -608,5 +736,7 @@ class AttentionBackend(ABC):
                     for r in rule
                 )
             ):
-                problems.append(f"{attr} must be None or a non-empty tuple of positive ints/MultipleOf, got {rule!r}")
+                problems.append(
+                    f"{attr} must be None or a non-empty tuple of positive ints/MultipleOf, got {rule!r}"
+                )
         return problems
