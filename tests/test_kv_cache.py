@@ -1,0 +1,396 @@
+"""Paged KV cache: grouping, page-size unification, block pool, block tables, tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from attnkit import (
+    ChunkedLocalAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+from attnkit.kv_cache import (
+    NULL_BLOCK,
+    BlockPool,
+    KVCacheGroup,
+    KVCacheManager,
+    OutOfBlocksError,
+    allocate_kv_cache_tensors,
+    group_layers,
+    num_blocks_for_budget,
+    unify_page_sizes,
+)
+
+
+def full(heads: int = 2, head_size: int = 32, block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32
+    )
+
+
+def window(w: int, heads: int = 2, block_size: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=32,
+        dtype=torch.float32,
+        sliding_window=w,
+    )
+
+
+def mamba(conv: tuple[int, int] = (64, 3), ssm: tuple[int, int, int] = (4, 8, 16)) -> MambaSpec:
+    return MambaSpec(block_size=1, shapes=(conv, ssm), dtypes=(torch.float32, torch.float32))
+
+
+# ---------------------------------------------------------------------------- grouping
+
+
+def test_equal_specs_share_a_group_in_first_appearance_order() -> None:
+    groups = group_layers(
+        {
+            "l0": full(),
+            "l1": window(8),
+            "l2": full(),
+            "l3": mamba(),
+            "l4": window(8),
+            "l5": window(16),
+        }
+    )
+    assert [(g.group_id, g.kind.value, g.layer_names) for g in groups] == [
+        (0, "full_attention", ("l0", "l2")),
+        (1, "sliding_window", ("l1", "l4")),
+        (2, "mamba", ("l3",)),
+        (3, "sliding_window", ("l5",)),
+    ]
+
+
+def test_group_layers_errors() -> None:
+    with pytest.raises(ValueError, match=r"layer_specs must name at least one layer, got none"):
+        group_layers({})
+    with pytest.raises(ValueError, match=r"layer_specs\['x'\] must be a KVCacheSpec, got int"):
+        group_layers({"x": 3})  # type: ignore[dict-item]  # the wrong type is the test
+
+
+# ---------------------------------------------------------------------------- unification
+
+
+def test_attention_pages_unify_by_scaling_block_sizes() -> None:
+    # full: 2 * 16 * 4 heads * 32 * 4 B = 16384; window: 2 * 16 * 2 * 32 * 4 = 8192.
+    groups, page = unify_page_sizes(group_layers({"a": full(heads=4), "b": window(64, heads=2)}))
+    assert page == 16384
+    assert [g.spec.block_size for g in groups] == [16, 32]
+    assert [g.spec.page_size_bytes for g in groups] == [16384, 16384]
+    assert groups[1].original_spec.block_size == 16
+
+
+def test_mamba_state_smaller_than_attention_page_is_padded() -> None:
+    # attention page 2*16*2*32*4 = 8192; mamba state 64*2*4 + 4*8*16*4 = 512 + 2048 = 2560.
+    groups, page = unify_page_sizes(group_layers({"a": full(), "m": mamba((64, 2))}))
+    assert page == 8192
+    assert [g.spec.block_size for g in groups] == [16, 1]
+
+
+def test_mamba_state_larger_than_attention_page_scales_attention() -> None:
+    # attention page 8192; mamba state 512*3*4 + 4*8*64*4 = 6144 + 8192 = 14336 -> P = 16384.
+    groups, page = unify_page_sizes(group_layers({"a": full(), "m": mamba((512, 3), (4, 8, 64))}))
+    assert page == 16384
+    assert groups[0].spec.block_size == 32
+
+
+def test_lcm_of_unrelated_attention_pages() -> None:
+    # pages 2*16*3*32*4 = 12288 and 2*16*2*32*4 = 8192: lcm 24576 -> block sizes 32 and 48.
+    groups, page = unify_page_sizes(group_layers({"a": full(heads=3), "b": full(heads=2)}))
+    assert page == 24576
+    assert [g.spec.block_size for g in groups] == [32, 48]
+
+
+def test_mamba_only_and_encoder_only() -> None:
+    groups, page = unify_page_sizes(group_layers({"m": mamba((10, 3))}))
+    assert page == math.ceil((10 * 3 * 4 + 4 * 8 * 16 * 4) / 16) * 16
+    enc = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    groups, page = unify_page_sizes(group_layers({"e": enc}))
+    assert page == 0
+    assert not groups[0].has_cache
+
+
+def test_num_blocks_for_budget() -> None:
+    groups = group_layers({"a": full(), "b": full(), "m": mamba()})
+    # Two layers share group 0, so each block id costs 2 pages.
+    assert num_blocks_for_budget(groups, 8192, 10 * 2 * 8192 + 5) == 10
+    with pytest.raises(
+        ValueError,
+        match=r"memory_budget_bytes=16384 holds 1 block\(s\) of 16384 bytes .* at least 2 are needed",
+    ):
+        num_blocks_for_budget(groups, 8192, 16384)
+    with pytest.raises(ValueError, match=r"memory_budget_bytes must be a positive int, got 0"):
+        num_blocks_for_budget(groups, 8192, 0)
+
+
+# ---------------------------------------------------------------------------- block pool
+
+
+def test_block_pool_basics() -> None:
+    pool = BlockPool(5)
+    first = pool.allocate(3)
+    assert first == [1, 2, 3]
+    assert pool.num_free_blocks == 1
+    with pytest.raises(OutOfBlocksError, match=r"need 2 free block\(s\) but only 1 of 4 are free"):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1
+    pool.free([2])
+    assert sorted(pool.allocate(2)) == [2, 4]
+    assert not pool.is_allocated(NULL_BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "match"),
+    [
+        pytest.param([0], r"cannot free block 0: ids run from 1 to 4", id="null-block"),
+        pytest.param([7], r"cannot free block 7: ids run from 1 to 4", id="out-of-range"),
+        pytest.param(
+            [3], r"cannot free block 3: it is not allocated \(double free\?\)", id="not-allocated"
+        ),
+        pytest.param(
+            [1, 1], r"cannot free block 1: it is not allocated \(double free\?\)", id="twice"
+        ),
+    ],
+)
+def test_block_pool_free_errors_change_nothing(blocks: list[int], match: str) -> None:
+    pool = BlockPool(5)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match=match):
+        pool.free(blocks)
+    assert pool.num_free_blocks == 2
+    assert pool.is_allocated(1)
+    assert pool.is_allocated(2)
+
+
+def test_block_pool_rejects_tiny_pool() -> None:
+    with pytest.raises(
+        ValueError, match=r"num_blocks must be an int >= 2 \(block 0 is reserved\), got 1"
+    ):
+        BlockPool(1)
+
+
+# ---------------------------------------------------------------------------- manager
+
+
+def manager_groups() -> list[KVCacheGroup]:
+    specs = {
+        "full": FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32),
+        "win": SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=5
+        ),
+        "chunk": ChunkedLocalAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, attention_chunk_size=8
+        ),
+        "sink": SinkFullAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, sink_len=3
+        ),
+        "m": MambaSpec(block_size=4, shapes=((2, 2),), dtypes=(torch.float32,)),
+    }
+    return group_layers(specs)
+
+
+def test_tables_grow_and_windows_release() -> None:
+    mgr = KVCacheManager(manager_groups(), num_blocks=64)
+    mgr.allocate_step([("r", 6, 0)])
+    full_g, win_g, chunk_g, sink_g, mamba_g = range(5)
+    assert len(mgr.block_table(full_g, "r")) == 2  # 6 tokens / 4
+    assert len(mgr.block_table(sink_g, "r")) == 3  # 3 sink + 6 tokens = 9 -> 3 blocks
+    assert len(mgr.block_table(mamba_g, "r")) == 1
+    mgr.allocate_step([("r", 5, 0)])  # positions 6..10; window 5 -> first live key 2
+    assert mgr.num_tokens("r") == 11
+    assert len(mgr.block_table(full_g, "r")) == 3
+    assert (
+        mgr.block_table(win_g, "r")[0] != NULL_BLOCK
+    )  # block 0 holds positions 0..3, 2 and 3 live
+    mgr.allocate_step([("r", 1, 0)])  # position 11: first live 7 -> block 0 (0..3) dead
+    table = mgr.block_table(win_g, "r")
+    assert table[0] == NULL_BLOCK
+    assert all(b != NULL_BLOCK for b in table[1:])
+    # chunk 8: position 11 is in chunk [8, 16): blocks 0 and 1 (0..7) are dead.
+    chunk_table = mgr.block_table(chunk_g, "r")
+    assert chunk_table[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert len(mgr.block_table(mamba_g, "r")) == 1
+    owned = mgr.owned_blocks()["r"]
+    assert len(owned) == mgr.pool.num_blocks - 1 - mgr.pool.num_free_blocks
+    mgr.free_request("r")
+    assert mgr.pool.num_free_blocks == 63
+    with pytest.raises(KeyError, match=r"unknown request 'r'"):
+        mgr.num_tokens("r")
+
+
+def test_out_of_blocks_leaves_everything_unchanged() -> None:
+    mgr = KVCacheManager(manager_groups(), num_blocks=12)
+    mgr.allocate_step([("a", 4, 0)])  # full 1, win 1, chunk 1, sink 2, mamba 1 = 6 blocks
+    before = (
+        mgr.pool.num_free_blocks,
+        {g: mgr.block_table(g, "a") for g in range(5)},
+        mgr.num_tokens("a"),
+    )
+    with pytest.raises(
+        OutOfBlocksError, match=r"the step needs \d+ new block\(s\) but only 5 are free"
+    ):
+        mgr.allocate_step([("a", 4, 0), ("b", 8, 0)])
+    after = (
+        mgr.pool.num_free_blocks,
+        {g: mgr.block_table(g, "a") for g in range(5)},
+        mgr.num_tokens("a"),
+    )
+    assert after == before
+    assert "b" not in mgr
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random steps of adds, appends and finishes; ownership stays exact throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = manager_groups()
+        self.mgr = KVCacheManager(self.groups, num_blocks=40)
+        self.live: dict[str, int] = {}  # our own count of tokens per request
+        self.next_id = 0
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        chosen = (
+            data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, max_size=3))
+            if self.live
+            else []
+        )
+        new = data.draw(st.integers(0, 2))
+        scheduled = [(rid, data.draw(st.integers(1, 9)), 0) for rid in chosen]
+        for _ in range(new):
+            scheduled.append((f"r{self.next_id}", data.draw(st.integers(1, 12)), 0))
+            self.next_id += 1
+        snapshot = self._snapshot()
+        try:
+            self.mgr.allocate_step(scheduled)
+        except OutOfBlocksError:
+            assert self._snapshot() == snapshot
+            return
+        for rid, n, _ in scheduled:
+            self.live[rid] = self.live.get(rid, 0) + n
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.mgr.free_request(rid)
+        del self.live[rid]
+
+    def _snapshot(self) -> tuple[object, ...]:
+        tables = {
+            (g.group_id, rid): self.mgr.block_table(g.group_id, rid)
+            for g in self.groups
+            for rid in self.live
+        }
+        return (
+            self.mgr.pool.num_free_blocks,
+            tables,
+            {rid: self.mgr.num_tokens(rid) for rid in self.live},
+        )
+
+    @invariant()
+    def no_block_owned_twice_or_leaked(self) -> None:
+        owners: dict[int, str] = {}
+        for rid, blocks in self.mgr.owned_blocks().items():
+            for block in blocks:
+                assert block not in owners, f"block {block} owned by {owners[block]} and {rid}"
+                owners[block] = rid
+            assert all(self.mgr.pool.is_allocated(b) for b in blocks)
+        counted = sum(
+            1
+            for g in self.groups
+            for rid in self.live
+            for b in self.mgr.block_table(g.group_id, rid)
+            if b != NULL_BLOCK
+        )
+        assert counted == len(owners), "a block appears twice in one request's tables"
+        assert len(owners) + self.mgr.pool.num_free_blocks == self.mgr.pool.num_blocks - 1
+
+    @invariant()
+    def tables_cover_every_visible_position(self) -> None:
+        for rid, n in self.live.items():
+            assert self.mgr.num_tokens(rid) == n
+            full_t, win_t, chunk_t, sink_t, mamba_t = (
+                self.mgr.block_table(g, rid) for g in range(5)
+            )
+            assert len(full_t) == math.ceil(n / 4)
+            assert NULL_BLOCK not in full_t
+            assert len(sink_t) == math.ceil((n + 3) / 4)
+            assert NULL_BLOCK not in sink_t
+            assert len(mamba_t) == 1
+            # The last query (position n-1) sees keys from n-5 on; those blocks are held.
+            assert all(b != NULL_BLOCK for b in win_t[max(0, n - 5) // 4 :])
+            assert all(b != NULL_BLOCK for b in chunk_t[((n - 1) // 8 * 8) // 4 :])
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def test_tensors_alias_across_groups_and_states_do_not_overlap() -> None:
+    groups, page = unify_page_sizes(
+        group_layers({"a0": full(), "m0": mamba((64, 2)), "a1": full()})
+    )
+    shapes = {0: ((6, 2, 16, 2, 32),), 1: ((6, 64, 2), (6, 4, 8, 16))}
+    caches = allocate_kv_cache_tensors(
+        groups,
+        shapes,
+        num_blocks=6,
+        page_size_bytes=page,
+        device=torch.device("cpu"),
+        fill=float("nan"),
+    )
+    (a0,), (a1,), (conv, ssm) = caches["a0"], caches["a1"], caches["m0"]
+    assert a0.shape == (6, 2, 16, 2, 32)
+    assert conv.shape == (6, 64, 2)
+    assert ssm.shape == (6, 4, 8, 16)
+    assert bool(torch.isnan(a0).all())
+    assert bool(torch.isnan(ssm).all())
+    # Layer 0 of each group shares one buffer: the same block id, the same bytes.
+    assert a0.untyped_storage().data_ptr() == conv.untyped_storage().data_ptr()
+    assert a1.untyped_storage().data_ptr() != a0.untyped_storage().data_ptr()
+    # Within a Mamba page the two states are disjoint, and blocks do not overlap.
+    conv[3].fill_(1.0)
+    assert bool(torch.isnan(ssm).all())
+    assert bool(torch.isnan(conv[2]).all())
+    assert bool(torch.isnan(conv[4]).all())
+    ssm[3].fill_(2.0)
+    assert bool((conv[3] == 1.0).all())
+
+
+def test_tensor_layout_errors() -> None:
+    groups, page = unify_page_sizes(group_layers({"a": full()}))
+    with pytest.raises(
+        ValueError, match=r"cache shape \(5, 2, 16, 2, 32\) must start with num_blocks=6"
+    ):
+        allocate_kv_cache_tensors(
+            groups,
+            {0: ((5, 2, 16, 2, 32),)},
+            num_blocks=6,
+            page_size_bytes=page,
+            device=torch.device("cpu"),
+        )
+    with pytest.raises(ValueError, match=r"needs 16384 bytes per block but pages are 8192 bytes"):
+        allocate_kv_cache_tensors(
+            groups,
+            {0: ((6, 2, 16, 4, 32),)},
+            num_blocks=6,
+            page_size_bytes=page,
+            device=torch.device("cpu"),
+        )
