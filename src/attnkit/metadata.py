@@ -154,7 +154,9 @@ class CommonAttentionMetadata:
                 f"got {_describe(self.slot_mapping)}"
             )
         short = seq < query_lens
-        if b and short.any():
+        # Causal queries are the last positions of their context; a non-causal step
+        # (cross attention) may have more queries than cached keys.
+        if self.causal and b and short.any():
             bad = int(np.argmax(short))
             raise ValueError(
                 f"seq_lens_cpu[{bad}]={int(seq[bad])} is shorter than the "

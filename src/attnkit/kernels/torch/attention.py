@@ -363,9 +363,17 @@ def dense_attention(
 
     # Scores [Hkv, G, Tq, Tk] in float32, without materialising repeated kv heads:
     # query head h = n * G + g reads kv head n.
+    visible = _visible_keys(
+        positions, num_keys, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
+    )
+    # Keys no query may see are zeroed, not just given weight 0: their slots may hold
+    # anything (a released block reads as the null block, a block's tail was never
+    # written), and 0 * NaN would still be NaN. A NaN in a *visible* slot stays and
+    # reaches the output, so a kernel bug that reads unwritten memory shows.
+    unseen = ~visible.any(dim=0)[:, None, None]  # [Tk, 1, 1]
     q = query.float().reshape(num_queries, num_kv_heads, group, head_size)
-    k = key.to(device=device, dtype=torch.float32)
-    v = value.to(device=device, dtype=torch.float32)
+    k = key.to(device=device, dtype=torch.float32).masked_fill(unseen, 0.0)
+    v = value.to(device=device, dtype=torch.float32).masked_fill(unseen, 0.0)
     scores = torch.einsum("qngd,knd->ngqk", q, k) * scale
     if logits_soft_cap is not None:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
@@ -375,9 +383,6 @@ def dense_attention(
         ).float()  # [Tq, Tk]: j - i
         slopes = alibi_slopes.to(device=device, dtype=torch.float32)
         scores = scores + slopes.reshape(num_kv_heads, group, 1, 1) * distance
-    visible = _visible_keys(
-        positions, num_keys, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
-    )
     scores = scores.masked_fill(~visible, float("-inf"))
 
     # One extra column per row: the sink logit, or -inf (weight 0) without sinks. It
@@ -394,7 +399,8 @@ def dense_attention(
     weights = torch.exp(logits - row_max)  # masked keys -> exactly 0
     denom = weights.sum(dim=-1, keepdim=True)  # [Hkv, G, Tq, 1]
     weighted = torch.einsum("ngqk,knd->ngqd", weights[..., :num_keys], v)
-    out = torch.where(denom > 0, weighted / denom, torch.zeros_like(weighted))
+    # Only a row that sees nothing (denominator exactly 0) is defined as 0; NaN stays NaN.
+    out = torch.where(denom == 0, torch.zeros_like(weighted), weighted / denom)
     out = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_size)
     out = out.to(query.dtype)
     if not return_lse:
@@ -414,8 +420,13 @@ def _check_paged_inputs(
     seq_lens: Tensor,
     block_table: Tensor,
     output: Tensor | None,
+    *,
+    causal: bool = True,
 ) -> None:
-    """Validate shapes, dtypes and per-request consistency of a paged batch."""
+    """Validate shapes, dtypes and per-request consistency of a paged batch.
+
+    Non-causal batches (cross attention) may have more queries than keys.
+    """
     if query.dim() != 3:
         raise ValueError(f"query must have shape [T, Hq, D], got {_describe(query)}")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
@@ -474,7 +485,7 @@ def _check_paged_inputs(
     if bool((lens < 0).any()):
         b = int(torch.nonzero(lens < 0)[0, 0])
         raise ValueError(f"seq_lens[{b}] must be >= 0, got {int(lens[b])}")
-    if bool((q_lens > lens).any()):
+    if causal and bool((q_lens > lens).any()):
         b = int(torch.nonzero(q_lens > lens)[0, 0])
         raise ValueError(
             f"request {b} has q_len={int(q_lens[b])} query tokens but seq_lens[{b}]="
@@ -606,7 +617,9 @@ def paged_attention(
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
     """
-    _check_paged_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, output)
+    _check_paged_inputs(
+        query, kv_cache, query_start_loc, seq_lens, block_table, output, causal=causal
+    )
     _check_options(
         num_q_heads=query.shape[1],
         causal=causal,
