@@ -30,6 +30,7 @@ from attnkit import (
     MambaSpec,
     MLAAttentionSpec,
     MultipleOf,
+    SizeRange,
     SlidingWindowSpec,
     bind_builder,
 )
@@ -576,3 +577,21 @@ def test_abstract_backend_is_a_declaration_problem() -> None:
         def something(cls) -> None: ...
 
     assert StillAbstract.declaration_problems()[0].endswith("StillAbstract is abstract")
+
+
+def test_size_range_rule() -> None:
+    class Ranged(GenericToyBackend):
+        name = "toy_ranged"
+        supported_head_sizes = (SizeRange(16, 256),)
+        supported_block_sizes = (8, MultipleOf(16), SizeRange(40, 48))
+
+    ok = BackendRequest(spec=full(head_size=200, block_size=44), device=CPU)
+    assert Ranged.not_supported_reasons(ok) == []
+    bad = BackendRequest(spec=full(head_size=300, block_size=50), device=CPU)
+    assert Ranged.not_supported_reasons(bad) == [
+        "head_size=300 not supported (supported: 16 to 256)",
+        "block_size=50 not supported (supported: 8, multiple of 16, 40 to 48)",
+    ]
+    assert Ranged.declaration_problems() == []
+    with pytest.raises(ValueError, match=r"SizeRange needs positive ints with low <= high, got \(9, 3\)"):
+        SizeRange(9, 3)

@@ -49,6 +49,7 @@ PUBLIC_API = [
     "Rejection",
     "Selection",
     "SinkFullAttentionSpec",
+    "SizeRange",
     "SizeRule",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",

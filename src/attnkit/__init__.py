@@ -26,6 +26,7 @@ from .backend import (
     LayerParams,
     Mamba2LayerParams,
     MultipleOf,
+    SizeRange,
     SizeRule,
     bind_builder,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "Rejection",
     "Selection",
     "SinkFullAttentionSpec",
+    "SizeRange",
     "SizeRule",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",

@@ -61,6 +61,7 @@ __all__ = [
     "LayerParams",
     "Mamba2LayerParams",
     "MultipleOf",
+    "SizeRange",
     "SizeRule",
     "bind_builder",
     "format_sizes",
@@ -105,12 +106,40 @@ class MultipleOf:
         return f"multiple of {self.n}"
 
 
-SizeRule = tuple[int | MultipleOf, ...]
-"""Allowed sizes: exact values and ``MultipleOf`` rules; a size is allowed if any entry allows it."""
+@dataclasses.dataclass(frozen=True)
+class SizeRange:
+    """A size rule: any size from ``low`` to ``high``, both included."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not (is_positive_int(self.low) and is_positive_int(self.high) and self.low <= self.high):
+            raise ValueError(
+                f"SizeRange needs positive ints with low <= high, got ({self.low!r}, {self.high!r})"
+            )
+
+    @override
+    def __str__(self) -> str:
+        return f"{self.low} to {self.high}"
+
+
+SizeRule = tuple[int | MultipleOf | SizeRange, ...]
+"""Allowed sizes: exact values, ``MultipleOf`` and ``SizeRange`` rules; a size is
+allowed if any entry allows it."""
 
 
 def _size_allowed(size: int, rule: SizeRule) -> bool:
-    return any(size % r.n == 0 if isinstance(r, MultipleOf) else size == r for r in rule)
+    for r in rule:
+        if isinstance(r, MultipleOf):
+            if size % r.n == 0:
+                return True
+        elif isinstance(r, SizeRange):
+            if r.low <= size <= r.high:
+                return True
+        elif size == r:
+            return True
+    return False
 
 
 def format_sizes(rule: SizeRule) -> str:
@@ -731,7 +760,7 @@ class AttentionBackend(ABC):
                 not isinstance(rule, tuple)
                 or not rule
                 or not all(
-                    isinstance(r, MultipleOf)
+                    isinstance(r, MultipleOf | SizeRange)
                     or (isinstance(r, int) and not isinstance(r, bool) and r > 0)
                     for r in rule
                 )
