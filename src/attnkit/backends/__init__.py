@@ -1,0 +1,1 @@
+"""Built-in attention backends: one package per backend."""

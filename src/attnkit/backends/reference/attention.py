@@ -1,0 +1,517 @@
+"""The reference backend's attention path: one metadata type, one builder, one impl
+for every attention kind.
+
+The builder passes the step's tensors through untouched and adds the kind's
+parameters from the spec; the impl writes the new keys/values through the slot
+mapping and runs the pure-torch kernels of ``attnkit.kernels.torch.attention``
+(float32 accumulation). What each kind does in ``forward``:
+
+* ``full_attention``, ``sliding_window``, ``chunked_local_attention``: cache
+  ``[NB, 2, BS, Hkv, D]``; causal paged attention, with the window or chunk mask.
+* ``sink_full_attention``: as full attention over positions shifted by ``sink_len``;
+  on a request's first step the layer's ``sink_key``/``sink_value`` are written into
+  the slots of positions ``0..sink_len-1`` (the builder finds them).
+* ``mla_attention``, ``sliding_window_mla``: cache ``[NB, BS, D]``, one latent per
+  token; the latent is the key of every head, and its first ``v_head_size`` channels
+  are the value. The cache is read as a one-head K=V cache (a stride-0 view, no copy).
+* ``encoder_only_attention``: no cache; each request attends bidirectionally to its
+  own keys/values of this step.
+* ``cross_attention``: the encoder keys/values are written when given (first ``E``
+  slot-mapping entries); queries attend bidirectionally to the cached encoder tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import torch
+from typing_extensions import override
+
+from ...backend import AttentionImpl, AttentionLayerParams, LayerParams
+from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...config import AttentionConfig
+from ...kernels.torch.attention import dense_attention, paged_attention, write_kv_cache
+from ...metadata import CommonAttentionMetadata
+from ...spec import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from ._checks import check_tensor, describe
+
+__all__ = [
+    "ReferenceAttentionBuilder",
+    "ReferenceAttentionImpl",
+    "ReferenceAttentionMetadata",
+]
+
+_BIDIRECTIONAL_KINDS = frozenset(
+    {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceAttentionMetadata:
+    """One attention group's step, as the reference kernels take it.
+
+    The tensors are ``CommonAttentionMetadata``'s own (no copies).
+
+    Attributes:
+        num_actual_tokens: ``T``, the step's real tokens (inputs may be padded past it).
+        query_start_loc: int32 ``[B+1]`` on the device.
+        query_start_loc_cpu: the same on the CPU (encoder-only layers loop over it).
+        seq_lens: int32 ``[B]`` on the device (see the per-kind table in the docs).
+        block_table: int32 ``[B, MB]`` on the device.
+        slot_mapping: int64 ``[T']`` on the device; -1 = do not write.
+        causal: whether queries see only earlier positions (False for encoder-only
+            and cross attention).
+        sliding_window: the window of a sliding-window layer, else ``None``.
+        chunk_size: the chunk of a chunked-local layer, else ``None``.
+        sink_len: sink tokens in front of each context (0 unless sink_full_attention).
+        sink_slot_mapping: int64 ``[R * sink_len]``: the sink slots of the ``R``
+            requests in their first step, in batch order; ``None`` when there are none.
+    """
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    sink_len: int = 0
+    sink_slot_mapping: torch.Tensor | None = None
+
+
+class ReferenceAttentionBuilder(
+    AttentionMetadataBuilder[ReferenceAttentionMetadata, AttentionSpec]
+):
+    """Builds ``ReferenceAttentionMetadata`` for any attention kind."""
+
+    # The torch kernels read lengths back to the host: nothing can be captured.
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        spec = kv_cache_spec
+        self.kind = spec.kind
+        self.causal = spec.kind not in _BIDIRECTIONAL_KINDS
+        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.chunk_size = (
+            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        )
+        self.sink_len = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+
+    @override
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ReferenceAttentionMetadata:
+        cm = common_attn_metadata
+        if cm.causal is not self.causal:
+            raise ValueError(
+                f"ReferenceAttentionBuilder: common_attn_metadata.causal must be {self.causal} "
+                f"for {self.kind.value} layers, got {cm.causal}"
+            )
+        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            differ = cm.seq_lens_cpu != cm.query_lens_cpu
+            if bool(differ.any()):
+                b = int(torch.nonzero(differ)[0, 0])
+                raise ValueError(
+                    f"ReferenceAttentionBuilder: encoder_only_attention encodes a request "
+                    f"whole in one step, so seq_lens must equal the query lengths; request "
+                    f"{b} has seq_lens={int(cm.seq_lens_cpu[b])} and "
+                    f"query length {int(cm.query_lens_cpu[b])}"
+                )
+        return ReferenceAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=cm.query_start_loc,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=self.causal,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            sink_len=self.sink_len,
+            sink_slot_mapping=self._sink_slots(cm) if self.sink_len else None,
+        )
+
+    def _sink_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
+        """The sink slots of the requests in their first step (host decides, device computes).
+
+        A request is new when its context before the step is exactly ``sink_len``.
+        """
+        sink_len, block_size = self.sink_len, self.kv_cache_spec.block_size
+        context = cm.seq_lens_cpu - cm.query_lens_cpu
+        short = context < sink_len
+        if bool(short.any()):
+            b = int(torch.nonzero(short)[0, 0])
+            raise ValueError(
+                f"ReferenceAttentionBuilder: sink_full_attention seq_lens must count the "
+                f"sink_len={sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
+                f"{int(context[b])} < {sink_len}"
+            )
+        new = torch.nonzero(context == sink_len).flatten()
+        if new.numel() == 0:
+            return None
+        needed = -(-sink_len // block_size)
+        table = cm.block_table_tensor
+        if table.shape[1] < needed:
+            raise ValueError(
+                f"ReferenceAttentionBuilder: block_table_tensor must cover the {sink_len} sink "
+                f"slots ({needed} blocks of {block_size}), got {describe(table)}"
+            )
+        rows = new.to(table.device)
+        positions = torch.arange(sink_len, device=table.device)
+        blocks = table[rows[:, None], (positions // block_size)[None, :]]  # [R, sink_len]
+        slots = blocks.to(torch.int64) * block_size + positions % block_size
+        return slots.reshape(-1)
+
+
+class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
+    """Runs one attention layer of any kind with the pure-torch kernels.
+
+    Args:
+        kv_cache_spec: the layer's ``AttentionSpec``.
+        layer_params: its ``AttentionLayerParams`` (required). ``return_lse`` is not
+            supported (``forward`` returns only the output).
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        owner = "ReferenceAttentionImpl"
+        if not isinstance(kv_cache_spec, AttentionSpec):
+            raise TypeError(
+                f"{owner}: kv_cache_spec must be an AttentionSpec, got "
+                f"{type(kv_cache_spec).__name__}"
+            )
+        if not isinstance(layer_params, AttentionLayerParams):
+            raise TypeError(
+                f"{owner}: layer_params must be AttentionLayerParams for a "
+                f"{kv_cache_spec.kind.value} layer, got {type(layer_params).__name__}"
+            )
+        spec, params = kv_cache_spec, layer_params
+        if params.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"{owner}: layer_params.num_heads={params.num_heads} must be a multiple of "
+                f"the spec's num_kv_heads={spec.num_kv_heads}"
+            )
+        if params.return_lse:
+            raise ValueError(
+                f"{owner}: layer_params.return_lse=True is not supported (the reference "
+                f"backend does not declare the return_lse feature), got return_lse=True"
+            )
+        self.spec: AttentionSpec = spec
+        self.params: AttentionLayerParams = params
+        self.kind = spec.kind
+        self.is_mla = isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
+        self.num_heads = params.num_heads
+        self.head_size = spec.head_size
+        self.v_head_size = params.v_head_size if params.v_head_size is not None else spec.head_size
+        if self.is_mla and self.v_head_size > spec.head_size:
+            raise ValueError(
+                f"{owner}: layer_params.v_head_size must be <= the latent width "
+                f"head_size={spec.head_size}, got {self.v_head_size}"
+            )
+        if not self.is_mla and self.v_head_size != spec.head_size:
+            raise ValueError(
+                f"{owner}: layer_params.v_head_size must be None or head_size={spec.head_size} "
+                f"for a {self.kind.value} layer (only MLA values are narrower), "
+                f"got {self.v_head_size}"
+            )
+        self.scale = params.scale if params.scale is not None else spec.head_size**-0.5
+        self.alibi_slopes = (
+            torch.tensor(params.alibi_slopes, dtype=torch.float32)
+            if params.alibi_slopes is not None
+            else None
+        )
+        if isinstance(spec, SinkFullAttentionSpec):
+            want = (spec.sink_len, spec.num_kv_heads, spec.head_size)
+            if params.sink_key is None or tuple(params.sink_key.shape) != want:
+                got = "None" if params.sink_key is None else describe(params.sink_key)
+                raise ValueError(
+                    f"{owner}: a sink_full_attention layer needs layer_params.sink_key and "
+                    f"sink_value of shape [sink_len, Hkv, D]={list(want)}, got {got}"
+                )
+        elif params.sink_key is not None:
+            raise ValueError(
+                f"{owner}: layer_params.sink_key/sink_value are only used by "
+                f"sink_full_attention layers, got them for a {self.kind.value} layer"
+            )
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: object,
+        output: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Check every argument; return the cache tensor (``None`` for encoder-only)."""
+        owner = f"ReferenceAttentionImpl.forward ({self.kind.value})"
+        if not isinstance(attn_metadata, ReferenceAttentionMetadata):
+            raise TypeError(
+                f"{owner}: attn_metadata must be ReferenceAttentionMetadata, "
+                f"got {type(attn_metadata).__name__}"
+            )
+        query = check_tensor(
+            owner,
+            "query",
+            query,
+            layout="[T, Hq, D]",
+            shape=(None, self.num_heads, self.head_size),
+            dtype=self.spec.dtype,
+        )
+        device, tokens = query.device, query.shape[0]
+        if tokens < attn_metadata.num_actual_tokens:
+            raise ValueError(
+                f"{owner}: query must have at least num_actual_tokens="
+                f"{attn_metadata.num_actual_tokens} rows, got {describe(query)}"
+            )
+        check_tensor(
+            owner,
+            "output",
+            output,
+            layout="[T, Hq, Dv]",
+            shape=(tokens, self.num_heads, self.v_head_size),
+            dtype=query.dtype,
+            device=device,
+        )
+        kv_heads = self.spec.num_kv_heads
+        if self.is_mla:
+            check_tensor(
+                owner,
+                "key (the new latents)",
+                key,
+                layout="[T, 1, D]",
+                shape=(tokens, 1, self.head_size),
+                dtype=query.dtype,
+                device=device,
+            )
+            if value is not None:
+                check_tensor(
+                    owner,
+                    "value (None or the latents again)",
+                    value,
+                    layout="[T, 1, D]",
+                    shape=(tokens, 1, self.head_size),
+                    dtype=query.dtype,
+                    device=device,
+                )
+        elif self.kind is KVCacheSpecKind.CROSS_ATTENTION:
+            if (key is None) != (value is None):
+                raise ValueError(
+                    f"{owner}: key and value must both be the encoder states or both be "
+                    f"None, got {describe(key)} and {describe(value)}"
+                )
+            if key is not None:
+                key = check_tensor(
+                    owner,
+                    "key (encoder states)",
+                    key,
+                    layout="[E, Hkv, D]",
+                    shape=(None, kv_heads, self.head_size),
+                    dtype=query.dtype,
+                    device=device,
+                )
+                check_tensor(
+                    owner,
+                    "value (encoder states)",
+                    value,
+                    layout="[E, Hkv, D]",
+                    shape=tuple(key.shape),
+                    dtype=query.dtype,
+                    device=device,
+                )
+                if attn_metadata.slot_mapping.shape[0] < key.shape[0]:
+                    raise ValueError(
+                        f"{owner}: slot_mapping must have an entry for each of the "
+                        f"E={key.shape[0]} encoder tokens, got {describe(attn_metadata.slot_mapping)}"
+                    )
+        else:
+            for name, t in (("key", key), ("value", value)):
+                check_tensor(
+                    owner,
+                    name,
+                    t,
+                    layout="[T, Hkv, D]",
+                    shape=(tokens, kv_heads, self.head_size),
+                    dtype=query.dtype,
+                    device=device,
+                )
+
+        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            if len(kv_cache) != 0:
+                raise ValueError(
+                    f"{owner}: kv_cache must be empty (encoder-only layers keep no cache), "
+                    f"got {len(kv_cache)} tensors"
+                )
+            return None
+        if len(kv_cache) != 1:
+            raise ValueError(f"{owner}: kv_cache must hold 1 tensor, got {len(kv_cache)}")
+        cache = kv_cache[0]
+        bs = self.spec.block_size
+        shape: tuple[int | None, ...]
+        if self.is_mla:
+            layout, shape = "[NB, BS, D]", (None, bs, self.head_size)
+        else:
+            layout, shape = "[NB, 2, BS, Hkv, D]", (None, 2, bs, kv_heads, self.head_size)
+        return check_tensor(
+            owner,
+            "kv_cache[0]",
+            cache,
+            layout=layout,
+            shape=shape,
+            dtype=self.spec.cache_torch_dtype,
+            device=device,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = self._check_inputs(query, key, value, kv_cache, attn_metadata, output)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        if cache is None:
+            assert key is not None  # checked above
+            assert value is not None
+            return self._encoder_only(query, key, value, md, output)
+
+        # 1. Write this step's keys/values (or latents, or encoder states).
+        if self.is_mla:
+            assert key is not None  # checked above
+            _write_latents(key[:n, 0], cache, md.slot_mapping[:n])
+        elif self.kind is KVCacheSpecKind.CROSS_ATTENTION:
+            if key is not None and value is not None:
+                write_kv_cache(key, value, cache, md.slot_mapping[: key.shape[0]])
+        else:
+            assert key is not None  # checked above
+            assert value is not None
+            write_kv_cache(key[:n], value[:n], cache, md.slot_mapping[:n])
+        if md.sink_slot_mapping is not None:
+            self._write_sinks(cache, md.sink_slot_mapping)
+
+        # 2. Attend over the paged cache.
+        if self.is_mla:
+            # One latent per token read as a one-head cache whose K and V planes are the
+            # same memory (stride 0 along the plane dim): no copy, no value plane.
+            num_blocks, block_size, latent = cache.shape
+            kv_view = cache[:, None, :, None, :].expand(num_blocks, 2, block_size, 1, latent)
+            full = output if self.v_head_size == latent else torch.empty_like(query)
+            self._paged(query, kv_view, md, full)
+            if full is not output:
+                output.copy_(full[..., : self.v_head_size])
+            return output
+        return self._paged(query, cache, md, output)
+
+    def _paged(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        md: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
+        return paged_attention(
+            query,
+            cache,
+            query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens,
+            block_table=md.block_table,
+            scale=self.scale,
+            causal=md.causal,
+            sliding_window=md.sliding_window,
+            chunk_size=md.chunk_size,
+            logits_soft_cap=self.params.logits_soft_cap,
+            alibi_slopes=alibi,
+            sinks=self.params.sinks,
+            output=output,
+        )
+
+    def _write_sinks(self, cache: torch.Tensor, sink_slots: torch.Tensor) -> None:
+        """Write the layer's sink tokens into the sink slots of each new request."""
+        sink_key, sink_value = self.params.sink_key, self.params.sink_value
+        assert sink_key is not None  # checked in __init__
+        assert sink_value is not None
+        sink_len = sink_key.shape[0]
+        num_new = sink_slots.shape[0] // sink_len
+        keys = sink_key.to(cache.device).expand(num_new, *sink_key.shape)
+        values = sink_value.to(cache.device).expand(num_new, *sink_value.shape)
+        write_kv_cache(
+            keys.reshape(-1, *sink_key.shape[1:]),
+            values.reshape(-1, *sink_value.shape[1:]),
+            cache,
+            sink_slots,
+        )
+
+    def _encoder_only(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        md: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each request attends bidirectionally to its own rows of this step."""
+        alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
+        starts: list[int] = md.query_start_loc_cpu.tolist()
+        output[starts[-1] :] = 0  # padding rows
+        for start, end in itertools.pairwise(starts):
+            if end == start:
+                continue
+            output[start:end] = dense_attention(
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                scale=self.scale,
+                causal=False,
+                logits_soft_cap=self.params.logits_soft_cap,
+                alibi_slopes=alibi,
+                sinks=self.params.sinks,
+            )
+        return output
+
+
+def _write_latents(latents: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``[T, D]`` latents into an MLA cache ``[NB, BS, D]``; slot -1 is skipped."""
+    num_blocks, block_size, _ = cache.shape
+    valid = slot_mapping != -1
+    slots = slot_mapping[valid]
+    if slots.numel() > 0:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= num_blocks * block_size:
+            raise ValueError(
+                f"ReferenceAttentionImpl: slot_mapping entries must be -1 or in [0, NB*BS)="
+                f"[0, {num_blocks * block_size}), got values in [{lo}, {hi}]"
+            )
+    cache[slots // block_size, slots % block_size] = latents[valid].to(cache.dtype)

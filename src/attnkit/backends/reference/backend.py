@@ -1,0 +1,52 @@
+"""``ReferenceBackend``: pure torch, CPU and CUDA, every kind; the oracle for every backend."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from typing_extensions import override
+
+from ...backend import AttentionBackend, AttentionFeature, BackendRequest, bind_builder
+from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind, MambaSpec, MambaType
+from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
+from .mamba2 import ReferenceMamba2Builder, ReferenceMamba2Impl, mamba2_spec_problems
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend(AttentionBackend):
+    """Pure-torch kernels with float32 accumulation, written for clarity, not speed.
+
+    Serves every ``KVCacheSpecKind`` (Mamba layers of type ``mamba2``) with any head
+    size and block size, on CPU and CUDA. Other backends are tested against it.
+    """
+
+    name = "reference"
+    description = "pure torch, every kind, CPU and CUDA, float32 accumulation (the oracle)"
+    supported_kinds: ClassVar[frozenset[KVCacheSpecKind]] = frozenset(KVCacheSpecKind)
+    supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
+        {"auto", "float32", "float16", "bfloat16"}
+    )
+    supported_head_sizes = None
+    supported_block_sizes = None
+    supported_features: ClassVar[frozenset[AttentionFeature]] = frozenset(
+        {
+            AttentionFeature.LOGITS_SOFT_CAP,
+            AttentionFeature.ATTENTION_SINKS,
+            AttentionFeature.ALIBI,
+        }
+    )
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"mamba2"})
+    builders = (
+        bind_builder(AttentionSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl),
+        bind_builder(MambaSpec, ReferenceMamba2Builder, ReferenceMamba2Impl),
+    )
+
+    @classmethod
+    @override
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        spec = request.spec
+        if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
+            return mamba2_spec_problems(spec)
+        return []
