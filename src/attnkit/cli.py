@@ -4,6 +4,8 @@
                       here (with the reasons when it cannot).
 ``attnkit plan``      route an example model's layers: layer -> kind -> backend, with
                       every skipped candidate and why.
+``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers)
+                      through the runtime, checking every step against a dense recompute.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -58,7 +61,9 @@ def example_model(name: str, *, dtype: torch.dtype = torch.bfloat16) -> dict[str
         "llama4": [chunked, chunked, chunked, full] * 2,
     }
     if name not in layouts:
-        raise ValueError(f"unknown example model {name!r}; choose one of {', '.join(EXAMPLE_MODELS)}")
+        raise ValueError(
+            f"unknown example model {name!r}; choose one of {', '.join(EXAMPLE_MODELS)}"
+        )
     return {f"layers.{i}": spec for i, spec in enumerate(layouts[name])}
 
 
@@ -90,7 +95,16 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
         backend = entry.backend
         if backend is None:
             rows.append(
-                BackendRow(entry.name, entry.origin, entry.source, [], [], False, [f"excluded: {entry.error}"], "")
+                BackendRow(
+                    entry.name,
+                    entry.origin,
+                    entry.source,
+                    [],
+                    [],
+                    False,
+                    [f"excluded: {entry.error}"],
+                    "",
+                )
             )
             continue
         reasons = backend.environment_reasons(device)
@@ -113,7 +127,11 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, out: TextI
     device = torch.device(args.device)
     rows = backend_rows(registry, device)
     if args.json:
-        json.dump({"device": str(device), "backends": [dataclasses.asdict(r) for r in rows]}, out, indent=2)
+        json.dump(
+            {"device": str(device), "backends": [dataclasses.asdict(r) for r in rows]},
+            out,
+            indent=2,
+        )
         out.write("\n")
         return 0
     if not rows:
@@ -122,7 +140,9 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, out: TextI
     out.write(f"backends on {device}:\n")
     for row in rows:
         status = "available" if row.available else "unavailable"
-        out.write(f"  {row.name} [{row.origin}] {status}\n    kinds: {', '.join(row.kinds) or '-'}\n")
+        out.write(
+            f"  {row.name} [{row.origin}] {status}\n    kinds: {', '.join(row.kinds) or '-'}\n"
+        )
         if row.description:
             out.write(f"    {row.description}\n")
         for reason in row.reasons:
@@ -165,6 +185,36 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -
     return 1 if unserved and args.strict else 0
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -> int:
+    if torch.device(args.device).type == "cpu" and "triton" not in sys.modules:
+        # Triton kernels run on CPU tensors only under its interpreter, which must be
+        # chosen before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .demo import run_demo
+
+    try:
+        config_check = AttentionConfig.model_validate(
+            {"backend_per_kind": args.backend_per_kind or {}}, context={"registry": registry}
+        )
+    except pydantic.ValidationError as exc:
+        messages = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        out.write(f"error: {messages}\n")
+        return 2
+    del config_check
+    result = run_demo(
+        device=args.device,
+        backend_per_kind=args.backend_per_kind,
+        decode_steps=args.steps,
+        dtype=_DTYPES[args.dtype],
+        out=out,
+        registry=registry,
+    )
+    return 0 if result.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show which backend serves each layer of an example model")
     plan.add_argument("--model", choices=EXAMPLE_MODELS, default="hybrid")
     plan.add_argument("--device", default="cpu")
-    plan.add_argument("--capability", type=_parse_capability, default=None, help="CUDA capability, e.g. 9.0")
+    plan.add_argument(
+        "--capability", type=_parse_capability, default=None, help="CUDA capability, e.g. 9.0"
+    )
     plan.add_argument("--backend", default=None, help="one backend for every kind it serves")
     plan.add_argument(
         "--backend-per-kind",
@@ -182,14 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="kind=backend pairs, e.g. sliding_window=triton_attn,full_attention=reference",
     )
     plan.add_argument("--strict", action="store_true", help="exit 1 if a layer has no backend")
+    demo = sub.add_parser("demo", help="serve a tiny hybrid model and check every step")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument(
+        "--backend-per-kind",
+        default=None,
+        help="kind=backend pairs, e.g. full_attention=triton_attn,sliding_window=triton_attn",
+    )
+    demo.add_argument("--steps", type=int, default=8, help="decode steps per request")
+    demo.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     return parser
 
 
-def main(argv: Sequence[str] | None = None, *, registry: BackendRegistry | None = None, out: TextIO | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    registry: BackendRegistry | None = None,
+    out: TextIO | None = None,
+) -> int:
     """Entry point of the ``attnkit`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
     registry = registry if registry is not None else default_registry()
     stream = out if out is not None else sys.stdout
     if args.command == "backends":
         return cmd_backends(args, registry, stream)
+    if args.command == "demo":
+        return cmd_demo(args, registry, stream)
     return cmd_plan(args, registry, stream)

@@ -49,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=type[AttentionBackend])
 
-BUILTIN_BACKENDS: Mapping[str, str] = {}
+BUILTIN_BACKENDS: Mapping[str, str] = {
+    "reference": "attnkit.backends.reference:ReferenceBackend",
+    "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
+}
 """Name -> ``module:Class`` of the backends shipped with attnkit (imported on first use)."""
 
 

@@ -1,0 +1,485 @@
+"""``AttentionRuntime``: the per-step driver an engine uses.
+
+Built once from the model's layer specs, it groups layers, unifies page sizes, selects
+a backend per group, makes one builder per group and one impl per layer, and
+allocates the paged cache. Each step::
+
+    step = runtime.begin_step([ScheduledRequest("a", 7), ScheduledRequest("b", 1)],
+                              finished=["c"])
+    # lay out the step's tokens in step.order (decodes first when a backend asks)
+    out = runtime.forward("layers.0", q, k, v)          # attention layer
+    y = runtime.forward("layers.1", xBC, dt)             # Mamba2 layer
+
+``begin_step`` builds ``CommonAttentionMetadata`` and each group's backend metadata
+exactly once; every ``forward`` of the step reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._validation import is_positive_int
+from .backend import (
+    AnyBuilderBinding,
+    AttentionBackend,
+    AttentionFeature,
+    AttentionImpl,
+    AttentionLayerParams,
+    LayerParams,
+    Mamba2LayerParams,
+)
+from .builder import AttentionCGSupport, AttentionMetadataBuilder
+from .config import AttentionConfig
+from .kv_cache import (
+    NULL_BLOCK,
+    KVCacheGroup,
+    KVCacheManager,
+    allocate_kv_cache_tensors,
+    group_layers,
+    num_blocks_for_budget,
+    unify_page_sizes,
+)
+from .metadata import CommonAttentionMetadata
+from .registry import BackendRegistry
+from .selector import Selection, select_backend
+from .spec import (
+    AttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    SinkFullAttentionSpec,
+)
+
+__all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StepBatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request of a step.
+
+    Attributes:
+        req_id: the engine's id; a new id starts a request.
+        num_new_tokens: tokens scheduled this step (a prompt chunk, or 1 to decode).
+        encoder_len: for models with cross-attention layers, the request's encoder
+            tokens (given on its first step).
+    """
+
+    req_id: str
+    num_new_tokens: int
+    encoder_len: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """What ``begin_step`` decided.
+
+    Attributes:
+        order: request ids in batch order; the step's tokens must be laid out in it.
+        query_lens: new tokens per request, in ``order``.
+        num_tokens: total tokens of the step.
+        encoder_order: requests whose encoder K/V are written this step, in order.
+    """
+
+    order: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    num_tokens: int
+    encoder_order: tuple[str, ...]
+
+    def token_slices(self) -> dict[str, slice]:
+        """Request id -> the rows of the step's token tensors that belong to it."""
+        slices, start = {}, 0
+        for rid, n in zip(self.order, self.query_lens, strict=True):
+            slices[rid] = slice(start, start + n)
+            start += n
+        return slices
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRow:
+    """One line of the routing table: layer -> kind -> group -> backend."""
+
+    layer: str
+    kind: KVCacheSpecKind
+    group_id: int
+    backend: str
+    source: str
+
+
+@dataclasses.dataclass
+class _Group:
+    group: KVCacheGroup
+    selection: Selection
+    binding: AnyBuilderBinding
+    builder: AttentionMetadataBuilder[Any, Any]
+    metadata: Any = None
+    common: CommonAttentionMetadata | None = None
+
+
+class AttentionRuntime:
+    """Drives attention for a model through attnkit's groups, backends and cache.
+
+    Args:
+        layer_specs: layer name -> its cache spec, in model order.
+        config: backend choices.
+        device: the compute device.
+        memory_budget_bytes: bytes for the KV cache; ``num_blocks`` follows.
+        layer_params: layer name -> ``AttentionLayerParams`` / ``Mamba2LayerParams``;
+            attention layers default to ``AttentionLayerParams(num_heads=num_kv_heads)``.
+        registry, capability, priority: passed to ``select_backend``.
+        cache_fill: fill the cache at allocation (tests pass ``float("nan")`` so a
+            kernel that reads an unwritten slot is caught); ``None`` leaves it as is.
+
+    Raises:
+        NoBackendError / BackendNotSupportedError: a group cannot be served.
+        ValueError: bad specs, params or budget (the message names which).
+    """
+
+    def __init__(
+        self,
+        layer_specs: Mapping[str, KVCacheSpec],
+        config: AttentionConfig,
+        *,
+        device: torch.device | str,
+        memory_budget_bytes: int,
+        layer_params: Mapping[str, LayerParams] | None = None,
+        registry: BackendRegistry | None = None,
+        capability: tuple[int, int] | None = None,
+        priority: Mapping[str, Sequence[str]] | None = None,
+        cache_fill: float | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.config = config
+        params = dict(layer_params or {})
+        unknown = sorted(set(params) - set(layer_specs))
+        if unknown:
+            raise ValueError(f"layer_params names layers that layer_specs lacks: {unknown}")
+        groups, self.page_size_bytes = unify_page_sizes(group_layers(layer_specs))
+        self.layer_params: dict[str, LayerParams | None] = {
+            name: params.get(name, _default_params(spec)) for name, spec in layer_specs.items()
+        }
+        for name, spec in layer_specs.items():
+            _check_params(name, spec, self.layer_params[name])
+        self._groups: list[_Group] = []
+        self._layer_group: dict[str, int] = {}
+        shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self.num_blocks = num_blocks_for_budget(groups, self.page_size_bytes, memory_budget_bytes)
+        for group in groups:
+            layer_params_of_group = [self.layer_params[n] for n in group.layer_names]
+            selection = select_backend(
+                group.spec,
+                config,
+                device=self.device,
+                capability=capability,
+                features=_features(layer_params_of_group),
+                num_heads=_num_heads(layer_params_of_group),
+                registry=registry,
+                priority=priority,
+            )
+            binding = selection.backend.get_binding(group.spec)
+            builder = binding.create(group.spec, group.layer_names, config, self.device)
+            self._groups.append(_Group(group, selection, binding, builder))
+            shapes[group.group_id] = (
+                selection.backend.get_kv_cache_shapes(self.num_blocks, group.spec)
+                if group.has_cache
+                else ()
+            )
+            for name in group.layer_names:
+                self._layer_group[name] = group.group_id
+        self._impls: dict[str, AttentionImpl[Any]] = {}
+        for entry in self._groups:
+            for name in entry.group.layer_names:
+                self._impls[name] = entry.binding.create_impl(
+                    entry.group.spec, self.layer_params[name]
+                )
+        self.kv_caches = allocate_kv_cache_tensors(
+            groups,
+            shapes,
+            num_blocks=self.num_blocks,
+            page_size_bytes=self.page_size_bytes,
+            device=self.device,
+            fill=cache_fill,
+        )
+        self.manager = KVCacheManager(groups, self.num_blocks)
+        thresholds = {
+            t for e in self._groups if (t := type(e.builder).reorder_batch_threshold) is not None
+        }
+        self._thresholds = tuple(sorted(thresholds))
+        self._step: StepBatch | None = None
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        return tuple(e.group for e in self._groups)
+
+    @property
+    def selections(self) -> tuple[Selection, ...]:
+        return tuple(e.selection for e in self._groups)
+
+    def routing_table(self) -> list[RoutingRow]:
+        """Every layer with its kind, group and backend, in model order."""
+        rows = [
+            RoutingRow(
+                name, e.group.kind, e.group.group_id, e.selection.backend_name, e.selection.source
+            )
+            for e in self._groups
+            for name in e.group.layer_names
+        ]
+        order = {name: i for i, name in enumerate(self.layer_params)}
+        return sorted(rows, key=lambda r: order[r.layer])
+
+    def backend_for(self, layer_name: str) -> type[AttentionBackend]:
+        return self._groups[self._group_id(layer_name)].selection.backend
+
+    def metadata_for(self, layer_name: str) -> Any:
+        """The backend metadata the current step built for ``layer_name``'s group."""
+        return self._groups[self._group_id(layer_name)].metadata
+
+    def cudagraph_support(self) -> tuple[AttentionCGSupport, str]:
+        """The model's CUDA-graph support: the minimum over its groups, and who limits it."""
+        levels = [
+            (
+                type(e.builder).get_cudagraph_support(self.config, e.group.spec),
+                f"group {e.group.group_id} ({e.group.kind.value}, backend {e.selection.backend_name})",
+            )
+            for e in self._groups
+        ]
+        level, who = min(levels, key=lambda item: item[0])
+        return level, who
+
+    def _group_id(self, layer_name: str) -> int:
+        try:
+            return self._layer_group[layer_name]
+        except KeyError:
+            raise KeyError(
+                f"unknown layer {layer_name!r}; layers: {', '.join(self._layer_group)}"
+            ) from None
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(
+        self, scheduled: Sequence[ScheduledRequest], *, finished: Iterable[str] = ()
+    ) -> StepBatch:
+        """Free finished requests, make room for the scheduled ones, build all metadata.
+
+        Raises:
+            ValueError: a duplicate or unknown id, a non-positive token count, an
+                encoder-only request split over steps.
+            OutOfBlocksError: the cache is full (nothing was changed).
+        """
+        for req_id in finished:
+            self.manager.free_request(req_id)
+        seen: set[str] = set()
+        for req in scheduled:
+            if req.req_id in seen:
+                raise ValueError(f"request {req.req_id!r} is scheduled twice in one step")
+            seen.add(req.req_id)
+            if not is_positive_int(req.num_new_tokens):
+                raise ValueError(
+                    f"request {req.req_id!r}: num_new_tokens must be an int >= 1, got {req.num_new_tokens!r}"
+                )
+            if req.req_id in self.manager and self._has_kind(
+                KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+            ):
+                raise ValueError(
+                    f"request {req.req_id!r} was already encoded: encoder-only layers take a "
+                    f"request whole, in one step"
+                )
+            if (
+                req.req_id not in self.manager
+                and self._has_kind(KVCacheSpecKind.CROSS_ATTENTION)
+                and req.encoder_len < 1
+            ):
+                raise ValueError(
+                    f"request {req.req_id!r} is new and the model has cross-attention layers: "
+                    f"encoder_len must be >= 1, got {req.encoder_len}"
+                )
+        ordered = self._order(scheduled)
+        new_ids = {r.req_id for r in ordered if r.req_id not in self.manager}
+        self.manager.allocate_step([(r.req_id, r.num_new_tokens, r.encoder_len) for r in ordered])
+        query_lens = [r.num_new_tokens for r in ordered]
+        seq_lens = [self.manager.num_tokens(r.req_id) for r in ordered]
+        encoder_order = tuple(
+            r.req_id for r in ordered if r.req_id in new_ids and r.encoder_len > 0
+        )
+        for entry in self._groups:
+            entry.common = self._common_metadata(
+                entry.group, ordered, query_lens, seq_lens, new_ids
+            )
+            entry.metadata = entry.builder.build(0, entry.common)
+        self._step = StepBatch(
+            order=tuple(r.req_id for r in ordered),
+            query_lens=tuple(query_lens),
+            num_tokens=sum(query_lens),
+            encoder_order=encoder_order,
+        )
+        return self._step
+
+    def _has_kind(self, kind: KVCacheSpecKind) -> bool:
+        return any(e.group.kind is kind for e in self._groups)
+
+    def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
+        if not self._thresholds:
+            return list(scheduled)
+        # Stable: for every builder's threshold, requests at or under it come first.
+        return sorted(scheduled, key=lambda r: sum(r.num_new_tokens > t for t in self._thresholds))
+
+    def _common_metadata(
+        self,
+        group: KVCacheGroup,
+        ordered: Sequence[ScheduledRequest],
+        query_lens: list[int],
+        seq_lens: list[int],
+        new_ids: set[str],
+    ) -> CommonAttentionMetadata:
+        spec = group.spec
+        kind = spec.kind
+        tables = [self.manager.block_table(group.group_id, r.req_id) for r in ordered]
+        causal = True
+        group_seq_lens = list(seq_lens)
+        slots: list[int]
+        if kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            causal, group_seq_lens, tables = False, list(query_lens), [[] for _ in ordered]
+            slots = [-1] * sum(query_lens)
+        elif kind is KVCacheSpecKind.CROSS_ATTENTION:
+            causal = False
+            group_seq_lens = [self.manager.encoder_len(r.req_id) for r in ordered]
+            slots = []
+            for r, table in zip(ordered, tables, strict=True):
+                if r.req_id in new_ids:
+                    slots.extend(_slots(table, spec.block_size, 0, r.encoder_len))
+            slots += [-1] * max(0, sum(query_lens) - len(slots))
+        elif isinstance(spec, MambaSpec):
+            slots = [-1] * sum(query_lens)
+        else:
+            shift = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+            group_seq_lens = [s + shift for s in seq_lens]
+            slots = []
+            for q, s, table in zip(query_lens, group_seq_lens, tables, strict=True):
+                slots.extend(_slots(table, spec.block_size, s - q, s))
+        return CommonAttentionMetadata.from_lists(
+            query_lens=query_lens,
+            seq_lens=group_seq_lens,
+            block_table=tables,
+            slot_mapping=slots,
+            device=self.device,
+            causal=causal,
+        )
+
+    def forward(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one layer of the current step (see ``AttentionImpl.forward`` for inputs).
+
+        Attention: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (cross-attention:
+        the encoder states of ``StepBatch.encoder_order``, or ``None``), returns
+        ``[T, Hq, Dv]``. Mamba2: query = ``xBC [T, C]``, key = ``dt [T, H]``, returns
+        ``y [T, H, P]``.
+        """
+        if self._step is None:
+            raise RuntimeError("forward() called before begin_step()")
+        group_id = self._group_id(layer_name)
+        entry = self._groups[group_id]
+        spec = entry.group.spec
+        n = self._step.num_tokens
+        if query.shape[0] < n:
+            raise ValueError(
+                f"{layer_name}: query has {query.shape[0]} rows but the step has {n} tokens"
+            )
+        if query.device != self.device:
+            raise ValueError(
+                f"{layer_name}: query is on {query.device}, the runtime on {self.device}"
+            )
+        if output is None:
+            output = query.new_empty(self._output_shape(layer_name, spec, query))
+        return self._impls[layer_name].forward(
+            query, key, value, self.kv_caches.get(layer_name, ()), entry.metadata, output
+        )
+
+    def _output_shape(
+        self, layer_name: str, spec: KVCacheSpec, query: torch.Tensor
+    ) -> tuple[int, ...]:
+        params = self.layer_params[layer_name]
+        if isinstance(params, Mamba2LayerParams):
+            return (query.shape[0], params.num_heads, params.head_dim)
+        if isinstance(spec, AttentionSpec):
+            if query.dim() != 3:
+                raise ValueError(f"{layer_name}: query must be [T, Hq, D], got {list(query.shape)}")
+            v_size = params.v_head_size if isinstance(params, AttentionLayerParams) else None
+            return (query.shape[0], query.shape[1], v_size or spec.head_size)
+        raise ValueError(f"{layer_name}: a {type(spec).__name__} layer needs Mamba2LayerParams")
+
+    def free(self, req_ids: Iterable[str]) -> None:
+        """Release finished requests now (``begin_step(finished=...)`` does the same)."""
+        for req_id in req_ids:
+            self.manager.free_request(req_id)
+
+    def block_table(self, layer_name: str, req_id: str) -> list[int]:
+        """``req_id``'s blocks in ``layer_name``'s group (null entries are released blocks)."""
+        return self.manager.block_table(self._group_id(layer_name), req_id)
+
+
+def _slots(table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots of positions ``start..end-1`` through ``table``."""
+    out = []
+    for p in range(start, end):
+        block = table[p // block_size]
+        if block == NULL_BLOCK:
+            raise AssertionError(f"position {p} maps to a released block")  # an internal bug
+        out.append(block * block_size + p % block_size)
+    return out
+
+
+def _default_params(spec: KVCacheSpec) -> LayerParams | None:
+    if isinstance(spec, AttentionSpec):
+        return AttentionLayerParams(num_heads=spec.num_kv_heads)
+    return None
+
+
+def _features(params: Sequence[LayerParams | None]) -> frozenset[AttentionFeature]:
+    found: set[AttentionFeature] = set()
+    for p in params:
+        if isinstance(p, AttentionLayerParams):
+            found |= p.features
+    return frozenset(found)
+
+
+def _num_heads(params: Sequence[LayerParams | None]) -> int | None:
+    heads = [p.num_heads for p in params if isinstance(p, AttentionLayerParams)]
+    return heads[0] if heads else None
+
+
+def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> None:
+    """A layer's params must fit its spec; each layer is checked (selection asks once per group)."""
+    if isinstance(spec, AttentionSpec):
+        if not isinstance(params, AttentionLayerParams):
+            raise ValueError(
+                f"layer_params[{name!r}] must be AttentionLayerParams for a {type(spec).__name__}, "
+                f"got {type(params).__name__}"
+            )
+        if params.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"layer_params[{name!r}].num_heads={params.num_heads} is not a multiple of the "
+                f"spec's num_kv_heads={spec.num_kv_heads}"
+            )
+    elif isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
+        if not isinstance(params, Mamba2LayerParams):
+            raise ValueError(
+                f"layer_params[{name!r}] must be Mamba2LayerParams for a mamba2 layer, "
+                f"got {type(params).__name__}"
+            )
+        if params.state_shapes != spec.shapes:
+            raise ValueError(
+                f"layer_params[{name!r}].state_shapes={params.state_shapes} do not match the "
+                f"spec's shapes={spec.shapes}"
+            )

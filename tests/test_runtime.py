@@ -1,0 +1,329 @@
+"""AttentionRuntime: routing, multi-step equivalence, cache use, errors."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+
+from attnkit import (
+    AttentionCGSupport,
+    AttentionConfig,
+    AttentionLayerParams,
+    BackendRegistry,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+)
+from attnkit.demo import DemoModel, run_demo
+from attnkit.kernels.torch.attention import dense_attention
+from attnkit.kv_cache import OutOfBlocksError
+from attnkit.registry import BUILTIN_BACKENDS
+from attnkit.runtime import AttentionRuntime, ScheduledRequest
+
+
+def builtin_registry() -> BackendRegistry:
+    return BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+
+
+def make_runtime(
+    model: DemoModel, per_kind: str = "", *, budget: int = 2**20, shuffle: int | None = 0
+) -> AttentionRuntime:
+    reg = builtin_registry()
+    config = AttentionConfig.model_validate(
+        {"backend_per_kind": per_kind}, context={"registry": reg}
+    )
+    runtime = AttentionRuntime(
+        model.specs,
+        config,
+        device="cpu",
+        memory_budget_bytes=budget,
+        layer_params=model.params,
+        registry=reg,
+        cache_fill=float("nan"),
+    )
+    if shuffle is not None:
+        # Hand out physical blocks in a random order, so nothing can rely on contiguity.
+        random.Random(shuffle).shuffle(runtime.manager.pool._free)
+    return runtime
+
+
+def run_steps(
+    model: DemoModel, runtime: AttentionRuntime, steps: list[list[tuple[str, list[int]]]]
+) -> dict[str, torch.Tensor]:
+    """Feed explicit token chunks per step; return each request's outputs, concatenated."""
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for step in steps:
+        batch = runtime.begin_step([ScheduledRequest(rid, len(toks)) for rid, toks in step])
+        chunks = dict(step)
+        tokens = torch.tensor([t for rid in batch.order for t in chunks[rid]])
+        hidden = model.forward_step(runtime, tokens)
+        for rid, rows in batch.token_slices().items():
+            outputs.setdefault(rid, []).append(hidden[rows])
+    return {rid: torch.cat(parts) for rid, parts in outputs.items()}
+
+
+HYBRID = ("full", "mamba", "window", "mamba", "full")
+
+
+def test_chunked_prefill_in_three_chunks_equals_one_shot_and_dense() -> None:
+    model = DemoModel(layout=HYBRID, window=5)
+    prompt = torch.randint(0, 64, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    other = [7, 8, 9, 10]
+    one_shot = run_steps(
+        model,
+        make_runtime(model, shuffle=1),
+        [[("p", prompt), ("o", other)], [("p", [5]), ("o", [6])]],
+    )
+    chunked = run_steps(
+        model,
+        make_runtime(model, shuffle=2),
+        [
+            [("p", prompt[:6]), ("o", other)],
+            [("p", prompt[6:15]), ("o", [6])],
+            [("p", prompt[15:])],
+            [("p", [5])],
+        ],
+    )
+    torch.testing.assert_close(chunked["p"], one_shot["p"], atol=2e-5, rtol=2e-5)
+    dense = model.forward_dense(torch.tensor([*prompt, 5]))
+    torch.testing.assert_close(one_shot["p"], dense, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        one_shot["o"], model.forward_dense(torch.tensor([*other, 6])), atol=2e-5, rtol=2e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("full_backend", "window_backend"),
+    [
+        pytest.param("reference", "triton_attn", id="full-reference-window-triton"),
+        pytest.param("triton_attn", "reference", id="full-triton-window-reference"),
+    ],
+)
+def test_routing_is_causal(full_backend: str, window_backend: str) -> None:
+    from attnkit.backends.reference import ReferenceAttentionMetadata
+    from attnkit.backends.triton_attn import TritonAttentionMetadata
+
+    metadata_type = {
+        "reference": ReferenceAttentionMetadata,
+        "triton_attn": TritonAttentionMetadata,
+    }
+    model = DemoModel(layout=("full", "window"), window=4)
+    runtime = make_runtime(model, f"full_attention={full_backend},sliding_window={window_backend}")
+    rows = {r.layer: (r.kind.value, r.backend, r.source) for r in runtime.routing_table()}
+    assert rows == {
+        "layers.0": ("full_attention", full_backend, "backend_per_kind"),
+        "layers.1": ("sliding_window", window_backend, "backend_per_kind"),
+    }
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    out = run_steps(model, runtime, [[("r", prompt)]])
+    # The metadata each layer consumed came from the backend the mapping named.
+    assert type(runtime.metadata_for("layers.0")) is metadata_type[full_backend]
+    assert type(runtime.metadata_for("layers.1")) is metadata_type[window_backend]
+    assert runtime.backend_for("layers.1").name == window_backend
+    torch.testing.assert_close(
+        out["r"], model.forward_dense(torch.tensor(prompt)), atol=2e-5, rtol=2e-5
+    )
+
+
+def test_cudagraph_support_is_the_minimum_and_names_the_group() -> None:
+    model = DemoModel(layout=("full", "mamba"))
+    runtime = make_runtime(model)
+    level, who = runtime.cudagraph_support()
+    assert level is AttentionCGSupport.NEVER
+    assert who.startswith("group 0 (full_attention, backend reference)")
+
+
+def test_out_of_blocks_leaves_the_runtime_usable() -> None:
+    model = DemoModel(layout=("full",), block_size=16)
+    # Page: 2 * 16 * 2 heads * 16 * 4 B = 4096 B; 4 blocks = null + 3 usable (48 tokens).
+    runtime = make_runtime(model, budget=4 * 4096, shuffle=None)
+    assert runtime.num_blocks == 4
+    run_steps(model, runtime, [[("a", list(range(20)))]])
+    free_before = runtime.manager.pool.num_free_blocks
+    with pytest.raises(OutOfBlocksError, match=r"nothing was allocated"):
+        runtime.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 40)])
+    assert runtime.manager.pool.num_free_blocks == free_before
+    assert runtime.manager.num_tokens("a") == 20
+    out = run_steps(model, runtime, [[("a", [3])]])
+    dense = model.forward_dense(torch.tensor([*range(20), 3]))[-1:]
+    torch.testing.assert_close(out["a"], dense, atol=2e-5, rtol=2e-5)
+    runtime.begin_step([], finished=["a"])
+    assert runtime.manager.pool.num_free_blocks == 3
+
+
+def test_begin_step_and_forward_errors() -> None:
+    model = DemoModel(layout=("full",))
+    runtime = make_runtime(model)
+    with pytest.raises(RuntimeError, match=r"forward\(\) called before begin_step\(\)"):
+        runtime.forward("layers.0", torch.zeros(1, 4, 16))
+    with pytest.raises(ValueError, match=r"request 'x' is scheduled twice in one step"):
+        runtime.begin_step([ScheduledRequest("x", 1), ScheduledRequest("x", 2)])
+    with pytest.raises(ValueError, match=r"request 'x': num_new_tokens must be an int >= 1, got 0"):
+        runtime.begin_step([ScheduledRequest("x", 0)])
+    runtime.begin_step([ScheduledRequest("x", 3)])
+    with pytest.raises(KeyError, match=r"unknown layer 'layers.9'; layers: layers.0"):
+        runtime.forward("layers.9", torch.zeros(3, 4, 16))
+    with pytest.raises(ValueError, match=r"layers.0: query has 2 rows but the step has 3 tokens"):
+        runtime.forward("layers.0", torch.zeros(2, 4, 16))
+    with pytest.raises(KeyError, match=r"unknown request 'nope'"):
+        runtime.begin_step([], finished=["nope"])
+
+
+def test_layer_params_are_checked_against_specs() -> None:
+    reg = builtin_registry()
+    config = AttentionConfig.model_validate({}, context={"registry": reg})
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"layer_params\['a'\].num_heads=3 is not a multiple of the spec's num_kv_heads=2",
+    ):
+        AttentionRuntime(
+            {"a": spec},
+            config,
+            device="cpu",
+            memory_budget_bytes=2**20,
+            layer_params={"a": AttentionLayerParams(num_heads=3)},
+            registry=reg,
+        )
+    with pytest.raises(
+        ValueError, match=r"layer_params names layers that layer_specs lacks: \['b'\]"
+    ):
+        AttentionRuntime(
+            {"a": spec},
+            config,
+            device="cpu",
+            memory_budget_bytes=2**20,
+            layer_params={"b": AttentionLayerParams(num_heads=2)},
+            registry=reg,
+        )
+    model = DemoModel(layout=("mamba",))
+    with pytest.raises(
+        ValueError,
+        match=r"layer_params\['layers.0'\] must be Mamba2LayerParams for a mamba2 layer, got NoneType",
+    ):
+        AttentionRuntime(model.specs, config, device="cpu", memory_budget_bytes=2**20, registry=reg)
+
+
+def test_encoder_only_layers_see_the_whole_request_bidirectionally() -> None:
+    reg = builtin_registry()
+    config = AttentionConfig.model_validate({}, context={"registry": reg})
+    spec = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    runtime = AttentionRuntime(
+        {"enc": spec},
+        config,
+        device="cpu",
+        memory_budget_bytes=2**16,
+        layer_params={"enc": AttentionLayerParams(num_heads=2)},
+        registry=reg,
+    )
+    batch = runtime.begin_step([ScheduledRequest("a", 5), ScheduledRequest("b", 3)])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(8, 2, 8, generator=gen),
+        torch.randn(8, 1, 8, generator=gen),
+        torch.randn(8, 1, 8, generator=gen),
+    )
+    out = runtime.forward("enc", q, k, v)
+    for rid, rows in batch.token_slices().items():
+        expected = _naive(q[rows], k[rows], v[rows], causal=False)
+        torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5, msg=rid)
+    with pytest.raises(
+        ValueError,
+        match=r"request 'a' was already encoded: encoder-only layers take a request whole",
+    ):
+        runtime.begin_step([ScheduledRequest("a", 1)])
+
+
+def test_cross_attention_writes_encoder_states_once_then_reads_them() -> None:
+    reg = builtin_registry()
+    config = AttentionConfig.model_validate({}, context={"registry": reg})
+    spec = CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    runtime = AttentionRuntime(
+        {"x": spec},
+        config,
+        device="cpu",
+        memory_budget_bytes=2**16,
+        layer_params={"x": AttentionLayerParams(num_heads=2)},
+        registry=reg,
+        cache_fill=float("nan"),
+    )
+    gen = torch.Generator().manual_seed(1)
+    enc = {
+        "a": (torch.randn(6, 1, 8, generator=gen), torch.randn(6, 1, 8, generator=gen)),
+        "b": (torch.randn(9, 1, 8, generator=gen), torch.randn(9, 1, 8, generator=gen)),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"request 'a' is new and the model has cross-attention layers: encoder_len must be >= 1",
+    ):
+        runtime.begin_step([ScheduledRequest("a", 2)])
+    batch = runtime.begin_step(
+        [ScheduledRequest("a", 2, encoder_len=6), ScheduledRequest("b", 1, encoder_len=9)]
+    )
+    assert batch.encoder_order == ("a", "b")
+    k = torch.cat([enc[r][0] for r in batch.encoder_order])
+    v = torch.cat([enc[r][1] for r in batch.encoder_order])
+    q1 = torch.randn(3, 2, 8, generator=gen)
+    out1 = runtime.forward("x", q1, k, v)
+    batch2 = runtime.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 1)])
+    assert batch2.encoder_order == ()
+    q2 = torch.randn(2, 2, 8, generator=gen)
+    out2 = runtime.forward("x", q2, None, None)
+    for batch_, q, out in ((batch, q1, out1), (batch2, q2, out2)):
+        for rid, rows in batch_.token_slices().items():
+            expected = _naive(q[rows], enc[rid][0], enc[rid][1], causal=False)
+            torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Attention of one request by the definition, in float64 (GQA by repeating heads)."""
+    groups = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(groups, dim=1)
+    vv = v.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) * q.shape[-1] ** -0.5
+    if causal:
+        offset = k.shape[0] - q.shape[0]
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(offset)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), vv)
+
+
+def test_dense_helper_matches_the_definition() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(3, 2, 8, generator=gen),
+        torch.randn(5, 1, 8, generator=gen),
+        torch.randn(5, 1, 8, generator=gen),
+    )
+    torch.testing.assert_close(
+        dense_attention(q, k, v, scale=8**-0.5, causal=True).double(),
+        _naive(q, k, v, causal=True),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "per_kind",
+    [
+        pytest.param(None, id="reference"),
+        pytest.param(
+            "full_attention=triton_attn,sliding_window=triton_attn", id="triton-for-attention"
+        ),
+    ],
+)
+def test_demo_passes(per_kind: str | None) -> None:
+    out = io.StringIO()
+    result = run_demo(
+        backend_per_kind=per_kind, decode_steps=2, out=out, registry=builtin_registry()
+    )
+    text = out.getvalue()
+    assert result.passed, text
+    assert "FAIL" not in text
+    expected_backend = "triton_attn" if per_kind else "reference"
+    assert f"full_attention  group 0 (block_size 32) -> {expected_backend}" in text
+    assert "mamba           group 1 (block_size 16) -> reference" in text
+    assert result.max_error < 2e-5
