@@ -149,3 +149,11 @@ def test_round_trip_through_json() -> None:
     cfg = make({"backend_per_kind": "sliding_window=triton_attn", "plugins": ["p"]})
     again = AttentionConfig.model_validate_json(cfg.model_dump_json(), context=KNOWN)
     assert again == cfg
+
+
+def test_flash_attn_version() -> None:
+    assert make({}).flash_attn_version is None
+    assert make({"flash_attn_version": 4}).flash_attn_version == 4
+    assert make({"flash_attn_version": 2}).describe().endswith(" flash_attn_version=2")
+    with pytest.raises(pydantic.ValidationError, match=r"flash_attn_version\n  Input should be 2 or 4"):
+        make({"flash_attn_version": 3})

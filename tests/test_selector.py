@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from typing_extensions import override
 
 from attnkit import (
     ENTRY_POINT_GROUP,
@@ -17,6 +18,7 @@ from attnkit import (
     AttentionSpec,
     BackendNotSupportedError,
     BackendRegistry,
+    BackendRequest,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -271,3 +273,21 @@ def test_a_plugin_that_fails_to_load_during_selection_is_a_reason() -> None:
     (rejection,) = selection.rejected
     assert rejection.backend == "fragile"
     assert "A plugin named 'fragile' was excluded: ModuleNotFoundError" in rejection.reasons[0]
+
+
+def test_backends_see_the_config() -> None:
+    seen: list[AttentionConfig | None] = []
+
+    class ConfigAware(GenericToyBackend):
+        name = "toy_config_aware"
+
+        @classmethod
+        @override
+        def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+            seen.append(request.config)
+            return []
+
+    reg = registry(ConfigAware)
+    cfg = config(reg, flash_attn_version=4)
+    assert select_backend(FULL, cfg, device="cpu", registry=reg).request.config is cfg
+    assert seen == [cfg]

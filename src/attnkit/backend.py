@@ -325,6 +325,8 @@ class BackendRequest:
             when unknown (a backend with a minimum capability then says so).
         features: optional features the group's layers need.
         num_heads: query heads, if known (checked against ``num_kv_heads``).
+        config: the config the selection runs under, for backends whose support
+            depends on a setting (e.g. ``flash_attn_version``); ``None`` if unknown.
     """
 
     spec: KVCacheSpec
@@ -332,6 +334,7 @@ class BackendRequest:
     capability: tuple[int, int] | None = None
     features: frozenset[AttentionFeature] = frozenset()
     num_heads: int | None = None
+    config: AttentionConfig | None = None
 
 
 class BuilderClass(Protocol[S_contra, M_co]):

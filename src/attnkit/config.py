@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -112,6 +112,9 @@ class AttentionConfig(BaseModel):
         plugins: allowlist of entry-point plugin backends that may be loaded for
             this config (``None``: every plugin the environment allows; see
             ``ATTNKIT_PLUGINS``).
+        flash_attn_version: which flash-attn the ``flash_attn`` backend drives:
+            2 (``flash_attn``), 4 (``flash_attn.cute``, the ``flash-attn-4`` wheel), or
+            ``None`` to choose by the device's compute capability.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -119,6 +122,7 @@ class AttentionConfig(BaseModel):
     backend: str | None = None
     backend_per_kind: dict[KVCacheSpecKind, str] = Field(default_factory=dict)
     plugins: frozenset[str] | None = None
+    flash_attn_version: Literal[2, 4] | None = None
 
     @field_validator("backend_per_kind", mode="before")
     @classmethod
@@ -151,7 +155,10 @@ class AttentionConfig(BaseModel):
     def describe(self) -> str:
         """One line for logs: ``backend=None backend_per_kind={sliding_window: triton_attn}``."""
         per_kind = ", ".join(f"{k.value}: {v}" for k, v in self.backend_per_kind.items())
-        return f"backend={self.backend} backend_per_kind={{{per_kind}}} plugins={self.plugins}"
+        text = f"backend={self.backend} backend_per_kind={{{per_kind}}} plugins={self.plugins}"
+        if self.flash_attn_version is not None:
+            text += f" flash_attn_version={self.flash_attn_version}"
+        return text
 
 
 def env_plugin_allowlist() -> frozenset[str] | None:

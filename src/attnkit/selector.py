@@ -166,7 +166,12 @@ def select_backend(
         capability = torch.cuda.get_device_capability(device)
     registry = registry if registry is not None else default_registry()
     request = BackendRequest(
-        spec=spec, device=device, capability=capability, features=features, num_heads=num_heads
+        spec=spec,
+        device=device,
+        capability=capability,
+        features=features,
+        num_heads=num_heads,
+        config=config,
     )
     kind = spec.kind
     rejected: list[Rejection] = []
