@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._validation import is_positive_int
@@ -336,37 +337,53 @@ class AttentionRuntime:
         seq_lens: list[int],
         new_ids: set[str],
     ) -> CommonAttentionMetadata:
+        """The group's view of the step (see "Per-group metadata" in docs/architecture.md)."""
         spec = group.spec
         kind = spec.kind
-        tables = [self.manager.block_table(group.group_id, r.req_id) for r in ordered]
+        num_reqs, num_tokens = len(ordered), sum(query_lens)
+        q = np.asarray(query_lens, dtype=np.int64)
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        rows = (
+            []
+            if not group.has_cache
+            else [self.manager.block_table(group.group_id, r.req_id) for r in ordered]
+        )
+        width = max((len(row) for row in rows), default=0)
+        table = np.zeros((num_reqs, width), dtype=np.int32)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = row
         causal = True
-        group_seq_lens = list(seq_lens)
-        slots: list[int]
+        slots = np.full(num_tokens, -1, dtype=np.int64)
         if kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
-            causal, group_seq_lens, tables = False, list(query_lens), [[] for _ in ordered]
-            slots = [-1] * sum(query_lens)
+            causal, seq = False, q
         elif kind is KVCacheSpecKind.CROSS_ATTENTION:
             causal = False
-            group_seq_lens = [self.manager.encoder_len(r.req_id) for r in ordered]
-            slots = []
-            for r, table in zip(ordered, tables, strict=True):
-                if r.req_id in new_ids:
-                    slots.extend(_slots(table, spec.block_size, 0, r.encoder_len))
-            slots += [-1] * max(0, sum(query_lens) - len(slots))
-        elif isinstance(spec, MambaSpec):
-            slots = [-1] * sum(query_lens)
-        else:
-            shift = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
-            group_seq_lens = [s + shift for s in seq_lens]
-            slots = []
-            for q, s, table in zip(query_lens, group_seq_lens, tables, strict=True):
-                slots.extend(_slots(table, spec.block_size, s - q, s))
-        return CommonAttentionMetadata.from_lists(
-            query_lens=query_lens,
-            seq_lens=group_seq_lens,
-            block_table=tables,
-            slot_mapping=slots,
-            device=self.device,
+            seq = np.asarray([self.manager.encoder_len(r.req_id) for r in ordered], dtype=np.int64)
+            writes = np.asarray([r.req_id in new_ids for r in ordered], dtype=bool)
+            enc_slots = _slots(
+                table[writes], spec.block_size, np.zeros(int(writes.sum()), np.int64), seq[writes]
+            )
+            slots = np.full(max(num_tokens, enc_slots.shape[0]), -1, dtype=np.int64)
+            slots[: enc_slots.shape[0]] = enc_slots
+        elif not isinstance(spec, MambaSpec):
+            if isinstance(spec, SinkFullAttentionSpec):
+                seq = seq + spec.sink_len
+            slots = _slots(table, spec.block_size, seq - q, seq)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(q, out=qsl[1:])
+        qsl_cpu = torch.from_numpy(qsl)
+        seq_cpu = torch.from_numpy(seq.astype(np.int32))
+        return CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(self.device),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_cpu.to(self.device),
+            seq_lens_cpu=seq_cpu,
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(q.max()) if num_reqs else 0,
+            max_seq_len=int(seq.max()) if num_reqs else 0,
+            block_table_tensor=torch.from_numpy(table).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
             causal=causal,
         )
 
@@ -429,15 +446,18 @@ class AttentionRuntime:
         return self.manager.block_table(self._group_id(layer_name), req_id)
 
 
-def _slots(table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Cache slots of positions ``start..end-1`` through ``table``."""
-    out = []
-    for p in range(start, end):
-        block = table[p // block_size]
-        if block == NULL_BLOCK:
-            raise AssertionError(f"position {p} maps to a released block")  # an internal bug
-        out.append(block * block_size + p % block_size)
-    return out
+def _slots(table: np.ndarray, block_size: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Cache slots of positions ``starts[b]..ends[b]-1`` of each row of ``table``, flattened."""
+    counts = ends - starts
+    total = int(counts.sum())
+    row = np.repeat(np.arange(len(counts)), counts)
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    positions = np.repeat(starts, counts) + offsets
+    blocks = table[row, positions // block_size].astype(np.int64)
+    if (blocks == NULL_BLOCK).any():  # a released block for a live position: a manager bug
+        raise AssertionError("a live position maps to the null block")
+    slots: np.ndarray = blocks * block_size + positions % block_size
+    return slots
 
 
 def _default_params(spec: KVCacheSpec) -> LayerParams | None:
