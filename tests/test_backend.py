@@ -131,9 +131,7 @@ def mamba(mamba_type: str = "mamba2") -> MambaSpec:
         ),
         pytest.param(
             GenericToyBackend,
-            BackendRequest(
-                spec=full(), device=CPU, features=frozenset({AttentionFeature.ALIBI})
-            ),
+            BackendRequest(spec=full(), device=CPU, features=frozenset({AttentionFeature.ALIBI})),
             ["feature alibi not supported (supported: none)"],
             id="feature",
         ),
@@ -141,7 +139,11 @@ def mamba(mamba_type: str = "mamba2") -> MambaSpec:
             FullOnlyBackend,
             BackendRequest(
                 spec=SlidingWindowSpec(
-                    block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=8
+                    block_size=16,
+                    num_kv_heads=2,
+                    head_size=64,
+                    dtype=torch.float16,
+                    sliding_window=8,
                 ),
                 device=CPU,
             ),
@@ -336,8 +338,11 @@ def test_reasons_follow_declarations(
 
 def test_layer_params_features() -> None:
     params = AttentionLayerParams(
-        num_heads=4, logits_soft_cap=30.0, alibi_slopes=(0.5, 0.25, 0.125, 0.0625),
-        sinks=torch.zeros(4), return_lse=True,
+        num_heads=4,
+        logits_soft_cap=30.0,
+        alibi_slopes=(0.5, 0.25, 0.125, 0.0625),
+        sinks=torch.zeros(4),
+        return_lse=True,
     )
     assert params.features == frozenset(AttentionFeature)
     assert AttentionLayerParams(num_heads=4).features == frozenset()
@@ -347,7 +352,11 @@ def test_layer_params_features() -> None:
     ("kwargs", "match"),
     [
         pytest.param({"num_heads": 0}, r"num_heads must be a positive int, got 0", id="heads"),
-        pytest.param({"num_heads": 2, "scale": -1.0}, r"scale must be a finite float > 0, got -1.0", id="scale"),
+        pytest.param(
+            {"num_heads": 2, "scale": -1.0},
+            r"scale must be a finite float > 0, got -1.0",
+            id="scale",
+        ),
         pytest.param(
             {"num_heads": 2, "logits_soft_cap": 0.0},
             r"logits_soft_cap must be a finite float > 0 or None, got 0.0",
@@ -357,6 +366,16 @@ def test_layer_params_features() -> None:
             {"num_heads": 2, "alibi_slopes": (1.0,)},
             r"alibi_slopes must have num_heads=2 entries, got 1",
             id="alibi",
+        ),
+        pytest.param(
+            {"num_heads": 2, "k_scale": 0.0},
+            r"k_scale must be a finite float > 0, got 0.0",
+            id="k-scale",
+        ),
+        pytest.param(
+            {"num_heads": 2, "v_scale": float("inf")},
+            r"v_scale must be a finite float > 0, got inf",
+            id="v-scale",
         ),
         pytest.param(
             {"num_heads": 2, "sinks": torch.zeros(3)},
@@ -380,7 +399,9 @@ def test_binding_picks_most_specific_spec_type() -> None:
 
     class TwoBindings(AttentionBackend):
         name = "toy_two"
-        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW})
+        supported_kinds = frozenset(
+            {KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW}
+        )
         builders = (
             bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),
             bind_builder(FullAttentionSpec, SpecialFullBuilder, ToyImpl),
@@ -400,7 +421,8 @@ def test_binding_create_checks_spec_at_runtime() -> None:
     assert builder.kv_cache_spec == mamba()
     assert builder.layer_names == ("m0",)
     with pytest.raises(
-        TypeError, match=r"ToyMambaBuilder is bound to MambaSpec, got a FullAttentionSpec \(kind=full_attention\)"
+        TypeError,
+        match=r"ToyMambaBuilder is bound to MambaSpec, got a FullAttentionSpec \(kind=full_attention\)",
     ):
         binding.create(full(), ["a0"], CONFIG, CPU)
     impl = binding.create_impl(mamba(), None)
@@ -408,7 +430,10 @@ def test_binding_create_checks_spec_at_runtime() -> None:
 
 
 def test_get_binding_for_unbound_spec() -> None:
-    with pytest.raises(TypeError, match=r"backend 'toy_mamba' has no builder for FullAttentionSpec \(bound: MambaSpec\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"backend 'toy_mamba' has no builder for FullAttentionSpec \(bound: MambaSpec\)",
+    ):
         ToyMambaBackend.get_binding(full())
     assert ToyMambaBackend.find_binding(full()) is None
 
@@ -417,11 +442,19 @@ def test_bind_builder_rejects_annotation_mismatch_at_runtime() -> None:
     # mypy rejects this statically (tests/typing/fail/wrong_spec_binding.py); an
     # untyped plugin reaches the same check at run time.
     bind: object = bind_builder
-    with pytest.raises(TypeError, match=r"ToyMambaBuilder accepts MambaSpec specs, so it cannot be bound to AttentionSpec"):
+    with pytest.raises(
+        TypeError,
+        match=r"ToyMambaBuilder accepts MambaSpec specs, so it cannot be bound to AttentionSpec",
+    ):
         bind(AttentionSpec, ToyMambaBuilder, ToyMambaImpl)  # type: ignore[operator]
-    with pytest.raises(TypeError, match=r"builder_cls must be a subclass of AttentionMetadataBuilder, got <class 'int'>"):
+    with pytest.raises(
+        TypeError,
+        match=r"builder_cls must be a subclass of AttentionMetadataBuilder, got <class 'int'>",
+    ):
         bind(AttentionSpec, int, ToyImpl)  # type: ignore[operator]
-    with pytest.raises(TypeError, match=r"spec_type must be a subclass of KVCacheSpec, got <class 'str'>"):
+    with pytest.raises(
+        TypeError, match=r"spec_type must be a subclass of KVCacheSpec, got <class 'str'>"
+    ):
         bind(str, ToyAttentionBuilder, ToyImpl)  # type: ignore[operator]
     with pytest.raises(TypeError, match=r"impl_cls must be a subclass of AttentionImpl"):
         bind(AttentionSpec, ToyAttentionBuilder, object)  # type: ignore[operator]
@@ -431,7 +464,10 @@ def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> No
     class OnlyFull(AttentionMetadataBuilder[ToyMeta, FullAttentionSpec]):
         @override
         def build(
-            self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+            self,
+            common_prefix_len: int,
+            common_attn_metadata: CommonAttentionMetadata,
+            fast_build: bool = False,
         ) -> ToyMeta:
             raise NotImplementedError
 
@@ -472,7 +508,9 @@ def test_declaration_problems() -> None:
     problems = Missing.declaration_problems()
     assert "name must be an identifier string, got None" in problems
     assert any(p.startswith("supported_kinds must be a non-empty frozenset") for p in problems)
-    assert any(p.startswith("builders must be a tuple of bind_builder(...) results") for p in problems)
+    assert any(
+        p.startswith("builders must be a tuple of bind_builder(...) results") for p in problems
+    )
 
 
 def test_toy_backends_are_valid() -> None:
@@ -487,13 +525,19 @@ def test_toy_backends_are_valid() -> None:
 @pytest.mark.parametrize(
     ("spec", "shapes"),
     [
-        pytest.param(full(block_size=16, num_kv_heads=2, head_size=64), ((10, 2, 16, 2, 64),), id="full"),
         pytest.param(
-            MLAAttentionSpec(block_size=32, head_size=576, dtype=torch.bfloat16), ((10, 32, 576),), id="mla"
+            full(block_size=16, num_kv_heads=2, head_size=64), ((10, 2, 16, 2, 64),), id="full"
+        ),
+        pytest.param(
+            MLAAttentionSpec(block_size=32, head_size=576, dtype=torch.bfloat16),
+            ((10, 32, 576),),
+            id="mla",
         ),
         pytest.param(mamba(), ((10, 8, 3), (10, 2, 4, 16)), id="mamba"),
         pytest.param(
-            EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32),
+            EncoderOnlyAttentionSpec(
+                block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32
+            ),
             (),
             id="encoder-only",
         ),
@@ -504,7 +548,11 @@ def test_toy_backends_are_valid() -> None:
         ),
         pytest.param(
             ChunkedLocalAttentionSpec(
-                block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32, attention_chunk_size=64
+                block_size=16,
+                num_kv_heads=1,
+                head_size=32,
+                dtype=torch.float32,
+                attention_chunk_size=64,
             ),
             ((10, 2, 16, 1, 32),),
             id="chunked",
@@ -593,5 +641,7 @@ def test_size_range_rule() -> None:
         "block_size=50 not supported (supported: 8, multiple of 16, 40 to 48)",
     ]
     assert Ranged.declaration_problems() == []
-    with pytest.raises(ValueError, match=r"SizeRange needs positive ints with low <= high, got \(9, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"SizeRange needs positive ints with low <= high, got \(9, 3\)"
+    ):
         SizeRange(9, 3)

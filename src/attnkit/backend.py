@@ -167,6 +167,8 @@ class AttentionLayerParams:
             spec's ``head_size``.
         sink_key, sink_value: ``[sink_len, Hkv, D]`` learned sink tokens of a
             ``sink_full_attention`` layer, written in front of every request's context.
+        k_scale, v_scale: per-tensor scales of an fp8 cache: the cache stores
+            ``key / k_scale`` (and ``value / v_scale``); 1.0 for other caches.
     """
 
     num_heads: int
@@ -178,6 +180,8 @@ class AttentionLayerParams:
     v_head_size: int | None = None
     sink_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     sink_value: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.num_heads):
@@ -205,6 +209,12 @@ class AttentionLayerParams:
                 f"AttentionLayerParams.sinks must have shape [num_heads={self.num_heads}], "
                 f"got {list(self.sinks.shape)}"
             )
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"AttentionLayerParams.{name} must be a finite float > 0, got {value!r}"
+                )
         if self.v_head_size is not None and not is_positive_int(self.v_head_size):
             raise ValueError(
                 f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"

@@ -897,17 +897,27 @@ def test_serves_every_kind_on_cpu(kind: KVCacheSpecKind) -> None:
     [
         pytest.param(
             BackendRequest(
+                spec=MLAAttentionSpec(
+                    block_size=16, head_size=64, dtype=torch.float16, kv_cache_dtype="fp8_e4m3"
+                ),
+                device=CPU,
+            ),
+            "kv_cache_dtype=fp8_e4m3 is not supported for mla_attention layers",
+            id="fp8-mla-cache",
+        ),
+        pytest.param(
+            BackendRequest(
                 spec=FullAttentionSpec(
                     block_size=16,
                     num_kv_heads=2,
                     head_size=64,
                     dtype=torch.float16,
-                    kv_cache_dtype="fp8_e4m3",
+                    kv_cache_dtype="fp8_e5m2",
                 ),
                 device=CPU,
             ),
-            "kv_cache_dtype=fp8_e4m3 not supported",
-            id="fp8-cache",
+            "kv_cache_dtype=fp8_e5m2 not supported",
+            id="fp8-e5m2-cache",
         ),
         pytest.param(
             BackendRequest(
@@ -1516,3 +1526,36 @@ def test_nan_in_a_visible_slot_propagates() -> None:
     kv = torch.randn(1, 2, 8)
     out = impl.forward(torch.randn(1, 4, 8), kv, kv, [cache], md, torch.empty(1, 4, 8))
     assert bool(out.isnan().all())
+
+
+def test_fp8_cache_with_scales_matches_dense_on_dequantised_values() -> None:
+    """The cache stores key / k_scale in fp8 (saturated at 448); attention reads it back
+    times the scale. The oracle is dense attention over the same quantise-dequantise
+    round trip, computed here by hand."""
+    spec = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, kv_cache_dtype="fp8_e4m3"
+    )
+    params = AttentionLayerParams(num_heads=2, k_scale=0.01, v_scale=0.02)
+    impl = ReferenceAttentionImpl(spec, params)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 2, 8, generator=gen)
+    k = torch.randn(6, 1, 8, generator=gen) * 4  # some saturate: |k| / 0.01 > 448
+    v = torch.randn(6, 1, 8, generator=gen)
+    cache = torch.zeros((4, 2, 4, 1, 8), dtype=torch.float8_e4m3fn)
+    table = [[3, 1]]
+    slots = [table[0][p // 4] * 4 + p % 4 for p in range(6)]
+    cm = CommonAttentionMetadata.from_lists(
+        query_lens=[6], seq_lens=[6], block_table=table, slot_mapping=slots
+    )
+    md = ReferenceAttentionBuilder(spec, ["a"], CONFIG, CPU).build(0, cm)
+    out = impl.forward(q, k, v, [cache], md, torch.full((6, 2, 8), NAN))
+
+    def round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale
+
+    kq, vq = round_trip(k, 0.01), round_trip(v, 0.02)
+    scores = torch.einsum("thd,shd->hts", q.double(), kq.expand(6, 2, 8)) * 8**-0.5
+    scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    expected = torch.einsum("hts,shd->thd", scores.softmax(-1), vq.expand(6, 2, 8))
+    assert bool((k.abs() / 0.01 > 448).any())  # saturation is exercised
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

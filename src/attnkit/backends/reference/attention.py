@@ -238,6 +238,8 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
                 f"got {self.v_head_size}"
             )
         self.scale = params.scale if params.scale is not None else spec.head_size**-0.5
+        # fp8 caches store key / k_scale and value / v_scale; 1.0 changes nothing.
+        self.k_scale, self.v_scale = float(params.k_scale), float(params.v_scale)
         self.alibi_slopes = (
             torch.tensor(params.alibi_slopes, dtype=torch.float32)
             if params.alibi_slopes is not None
@@ -413,11 +415,25 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             _write_latents(key[:n, 0], cache, md.slot_mapping[:n])
         elif self.kind is KVCacheSpecKind.CROSS_ATTENTION:
             if key is not None and value is not None:
-                write_kv_cache(key, value, cache, md.slot_mapping[: key.shape[0]])
+                write_kv_cache(
+                    key,
+                    value,
+                    cache,
+                    md.slot_mapping[: key.shape[0]],
+                    k_scale=self.k_scale,
+                    v_scale=self.v_scale,
+                )
         else:
             assert key is not None  # checked above
             assert value is not None
-            write_kv_cache(key[:n], value[:n], cache, md.slot_mapping[:n])
+            write_kv_cache(
+                key[:n],
+                value[:n],
+                cache,
+                md.slot_mapping[:n],
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+            )
         if md.sink_slot_mapping is not None:
             self._write_sinks(cache, md.sink_slot_mapping)
 
@@ -456,6 +472,8 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             alibi_slopes=alibi,
             sinks=self.params.sinks,
             output=output,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _write_sinks(self, cache: torch.Tensor, sink_slots: torch.Tensor) -> None:
@@ -472,6 +490,8 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             values.reshape(-1, *sink_value.shape[1:]),
             cache,
             sink_slots,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _encoder_only(

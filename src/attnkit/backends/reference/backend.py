@@ -7,7 +7,15 @@ from typing import ClassVar
 from typing_extensions import override
 
 from ...backend import AttentionBackend, AttentionFeature, BackendRequest, bind_builder
-from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind, MambaSpec, MambaType
+from ...spec import (
+    AttentionSpec,
+    KVCacheDType,
+    KVCacheSpecKind,
+    MambaSpec,
+    MambaType,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+)
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
 from .mamba2 import ReferenceMamba2Builder, ReferenceMamba2Impl, mamba2_spec_problems
 
@@ -26,7 +34,7 @@ class ReferenceBackend(AttentionBackend):
     supported_kinds: ClassVar[frozenset[KVCacheSpecKind]] = frozenset(KVCacheSpecKind)
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
-        {"auto", "float32", "float16", "bfloat16"}
+        {"auto", "float32", "float16", "bfloat16", "fp8_e4m3"}
     )
     supported_head_sizes = None
     supported_block_sizes = None
@@ -49,4 +57,10 @@ class ReferenceBackend(AttentionBackend):
         spec = request.spec
         if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
             return mamba2_spec_problems(spec)
+        if isinstance(
+            spec, MLAAttentionSpec | SlidingWindowMLASpec
+        ) and spec.kv_cache_dtype.startswith("fp8"):
+            return [
+                f"kv_cache_dtype={spec.kv_cache_dtype} is not supported for {spec.kind.value} layers"
+            ]
         return []

@@ -156,6 +156,9 @@ def _visible_keys(
 # --------------------------------------------------------------------------- cache I/O
 
 
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
 def write_kv_cache(
     key: Tensor,
     value: Tensor,
@@ -208,6 +211,12 @@ def write_kv_cache(
     valid = valid.to(key.device)
     new_k = key[valid] if k_scale == 1.0 else key[valid].float() / k_scale
     new_v = value[valid] if v_scale == 1.0 else value[valid].float() / v_scale
+    if kv_cache.dtype in _FP8_MAX:
+        # Saturate: a cast past the largest finite fp8 value would give NaN (e4m3fn has
+        # no infinity).
+        limit = _FP8_MAX[kv_cache.dtype]
+        new_k = new_k.float().clamp(-limit, limit)
+        new_v = new_v.float().clamp(-limit, limit)
     kv_cache[blocks, 0, offsets] = new_k.to(device=kv_cache.device, dtype=kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = new_v.to(device=kv_cache.device, dtype=kv_cache.dtype)
 
