@@ -157,3 +157,10 @@ def test_flash_attn_version() -> None:
     assert make({"flash_attn_version": 2}).describe().endswith(" flash_attn_version=2")
     with pytest.raises(pydantic.ValidationError, match=r"flash_attn_version\n  Input should be 2 or 4"):
         make({"flash_attn_version": 3})
+
+
+def test_engine_limits() -> None:
+    cfg = make({"max_num_reqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1024})
+    assert (cfg.max_num_reqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (8, 64, 1024)
+    with pytest.raises(pydantic.ValidationError, match=r"max_num_reqs\n  Input should be greater than or equal to 1"):
+        make({"max_num_reqs": 0})

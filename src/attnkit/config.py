@@ -115,6 +115,9 @@ class AttentionConfig(BaseModel):
         flash_attn_version: which flash-attn the ``flash_attn`` backend drives:
             2 (``flash_attn``), 4 (``flash_attn.cute``, the ``flash-attn-4`` wheel), or
             ``None`` to choose by the device's compute capability.
+        max_num_reqs, max_num_batched_tokens, max_model_len: the engine's limits per
+            step and per request; builders size their fixed-address (CUDA-graph)
+            buffers from them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -123,6 +126,9 @@ class AttentionConfig(BaseModel):
     backend_per_kind: dict[KVCacheSpecKind, str] = Field(default_factory=dict)
     plugins: frozenset[str] | None = None
     flash_attn_version: Literal[2, 4] | None = None
+    max_num_reqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_model_len: int = Field(default=32768, ge=1)
 
     @field_validator("backend_per_kind", mode="before")
     @classmethod

@@ -371,7 +371,8 @@ def allocate_kv_cache_tensors(
         num_blocks, page_size_bytes: the pool's geometry.
         device: where the buffers live.
         fill: a value to fill every tensor with (tests use NaN to catch reads of
-            unwritten slots); ``None`` leaves memory uninitialised.
+            unwritten slots); ``None`` leaves memory uninitialised. Block 0, the null
+            block, is always zeroed.
 
     Raises:
         ValueError: if a group's tensors do not fit one page per block.
@@ -409,6 +410,10 @@ def allocate_kv_cache_tensors(
                     view.fill_(fill)
                 tensors.append(view)
             caches[layer] = tuple(tensors)
+    # The null block pads block tables and stands for released window blocks; kernels
+    # that load whole tiles may touch it, so it must hold finite zeros (after any fill).
+    for buffer in buffers:
+        buffer[NULL_BLOCK].zero_()
     return caches
 
 

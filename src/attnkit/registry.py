@@ -52,6 +52,7 @@ B = TypeVar("B", bound=type[AttentionBackend])
 BUILTIN_BACKENDS: Mapping[str, str] = {
     "reference": "attnkit.backends.reference:ReferenceBackend",
     "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
+    "flash_attn": "attnkit.backends.flash_attn:FlashAttentionBackend",
 }
 """Name -> ``module:Class`` of the backends shipped with attnkit (imported on first use)."""
 

@@ -1,0 +1,584 @@
+"""The ``flash_attn`` backend: flash-attn 2 or 4 ``flash_attn_varlen_func`` over the paged cache.
+
+Serves ``full_attention``, ``sliding_window``, ``encoder_only_attention`` and
+``cross_attention`` layers in fp16/bf16 on CUDA. Which flash-attn runs is chosen once
+per group (``AttentionConfig.flash_attn_version``, else by compute capability; every
+version rule is in ``_versions``). The builder emits exactly the arguments
+``flash_attn_varlen_func`` takes; ``forward`` writes the step's keys/values into the
+cache and calls it with them unchanged.
+
+Not served: ``chunked_local_attention`` (neither version's ``window_size`` can express
+a chunk mask, and a chunk-splitting rewrite of the batch is not "the call as it is"),
+sink tokens, MLA, and fp8 caches.
+
+Cache layout: attnkit's default ``[NB, 2, BS, Hkv, D]``; the kernels get
+``cache[:, 0]`` and ``cache[:, 1]``, strided views of shape ``[NB, BS, Hkv, D]``
+(both versions index pages through the tensor's strides and need only the last
+dimension contiguous).
+
+Importing this module does not import flash-attn: the impl imports it on its first
+``forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from typing_extensions import override
+
+from ...backend import (
+    AttentionBackend,
+    AttentionFeature,
+    AttentionImpl,
+    AttentionLayerParams,
+    BackendRequest,
+    LayerParams,
+    SizeRange,
+    bind_builder,
+)
+from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...config import AttentionConfig
+from ...metadata import CommonAttentionMetadata
+from ...spec import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    SlidingWindowSpec,
+)
+from . import _versions
+from ._versions import FlashAttnVersion
+
+__all__ = [
+    "FlashAttentionBackend",
+    "FlashAttentionImpl",
+    "FlashAttentionMetadata",
+    "FlashAttentionMetadataBuilder",
+]
+
+_KINDS = frozenset(
+    {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.ENCODER_ONLY_ATTENTION,
+        KVCacheSpecKind.CROSS_ATTENTION,
+    }
+)
+_BIDIRECTIONAL = frozenset(
+    {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
+)
+_FEATURES = frozenset(
+    {
+        AttentionFeature.LOGITS_SOFT_CAP,
+        AttentionFeature.ALIBI,
+        AttentionFeature.ATTENTION_SINKS,
+    }
+)
+VarlenFunc = Callable[..., Any]
+"""A ``flash_attn_varlen_func`` (flash-attn 2's or 4's), or a stand-in with its arguments."""
+
+
+def _check_kind(who: str, spec: KVCacheSpec) -> None:
+    # Bound to FullAttentionSpec too, whose subclasses (sink tokens, MLA) match it by
+    # isinstance but need other kernels.
+    if spec.kind not in _KINDS:
+        served = ", ".join(sorted(k.value for k in _KINDS))
+        raise TypeError(
+            f"{who} serves kinds {served}, got {type(spec).__name__} (kind={spec.kind.value})"
+        )
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not _versions.cuda_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FlashAttentionMetadata:
+    """One group's step, as ``flash_attn_varlen_func`` takes it.
+
+    Attributes:
+        version: which flash-attn the group runs (2 or 4).
+        num_reqs: ``B``.
+        num_actual_tokens: ``T``; rows of ``query``/``output`` past it are padding
+            (not written to the cache, their output left untouched).
+        cu_seqlens_q: int32 ``[B+1]``, the step's ``query_start_loc``.
+        cu_seqlens_k: int32 ``[B+1]`` key offsets: flash-attn 2 with a block table, the
+            cumulative ``seq_lens`` (its key lengths); encoder-only layers, the same
+            tensor as ``cu_seqlens_q``; ``None`` for flash-attn 4 with a page table.
+        seqused_k: int32 ``[B]`` keys per request (``seq_lens``) for flash-attn 4 with a
+            page table; ``None`` otherwise.
+        block_table: int32 ``[B, W]`` (``W`` may exceed the step's widest row; only the
+            first ``ceil(seq_len / block_size)`` entries of a row are read):
+            flash-attn 2's ``block_table``, flash-attn 4's ``page_table``; ``None`` for
+            encoder-only layers.
+        max_seqlen_q: the step's longest query (a Python int).
+        max_seqlen_k: the step's longest key range (a Python int; in a CUDA-graph
+            capture, the longest the buffers hold).
+        causal: ``causal=`` (False for encoder-only and cross attention).
+        window_size: ``window_size=(left, right)`` as the version takes it.
+        slot_mapping: int64 ``[T']`` cache slot of each new key/value, -1 = none.
+
+    Tensors live in the builder's persistent buffers when the batch fits them, so a
+    metadata object is valid until the builder's next ``build``.
+    """
+
+    version: FlashAttnVersion
+    num_reqs: int
+    num_actual_tokens: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    block_table: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    window_size: tuple[int | None, int | None]
+    slot_mapping: torch.Tensor
+
+
+class FlashAttentionMetadataBuilder(
+    AttentionMetadataBuilder[FlashAttentionMetadata, AttentionSpec]
+):
+    """Copies the step into persistent buffers and emits flash-attn's arguments.
+
+    Reads only Python ints and host copies from ``CommonAttentionMetadata``: no device
+    sync. Buffers are allocated once, on the builder's device, for up to
+    ``max_num_reqs`` requests, ``max_num_tokens`` slot-mapping entries and
+    ``max_model_len`` tokens of context per request (block-table width
+    ``ceil(max_model_len / block_size)``); a larger step uses the batch's own tensors
+    (correct, but not capturable). Subclass to change the maxima.
+    """
+
+    max_num_reqs: ClassVar[int] = 256
+    max_num_tokens: ClassVar[int] = 8192
+    max_model_len: ClassVar[int] = 32768
+
+    @classmethod
+    @override
+    def get_cudagraph_support(
+        cls, config: AttentionConfig, kv_cache_spec: KVCacheSpec
+    ) -> AttentionCGSupport:
+        # Every tensor the call and the KV write read sits in a buffer allocated in
+        # __init__ (for batches within the maxima), so a replay reads the new step's
+        # values at the captured addresses. What a capture bakes in are the Python
+        # ints: the batch size and the row count (fixed by the captured shape),
+        # max_seqlen_q (it sizes the kernels' grids: fixed only when every request has
+        # the same query length) and max_seqlen_k (flash-attn 2 drops a window wider
+        # than it and sizes its KV splits from it; a capture therefore passes the
+        # longest context the buffers hold, see build_for_cudagraph_capture). Mixed
+        # batches change max_seqlen_q from step to step, so UNIFORM_BATCH, not ALWAYS.
+        # flash-attn 4 compiles on first use: warm up before capturing. Not yet
+        # exercised on a GPU.
+        return AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> None:
+        _check_kind(type(self).__name__, kv_cache_spec)
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        spec = kv_cache_spec
+        choice = _versions.choose_version(
+            config.flash_attn_version,
+            _capability(device),
+            installed=_versions.installed_versions(),
+        )
+        if choice.version is None:
+            raise ValueError(f"{type(self).__name__}: {_versions.NOT_INSTALLED_REASON}")
+        self.version: FlashAttnVersion = choice.version
+        self.kind = spec.kind
+        self.causal = spec.kind not in _BIDIRECTIONAL
+        self.paged = spec.kind in _versions.PAGED_KINDS
+        sliding = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.window_size = _versions.window_size(self.version, sliding)
+        self.max_blocks = math.ceil(self.max_model_len / spec.block_size) if self.paged else 0
+
+        def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        r = self.max_num_reqs
+        self._cu_seqlens_q = buffer(r + 1, dtype=torch.int32)
+        self._slot_mapping = buffer(self.max_num_tokens, dtype=torch.int64)
+        self._seq_lens = buffer(r, dtype=torch.int32)
+        # flash-attn 2's cu_seqlens_k: entry 0 stays 0, build() writes the rest.
+        self._cu_seqlens_k = buffer(r + 1, dtype=torch.int32)
+        self._block_table = buffer(r, self.max_blocks, dtype=torch.int32)
+
+    def fits(self, common_attn_metadata: CommonAttentionMetadata) -> bool:
+        """Whether the step fits the persistent buffers (else its own tensors are used)."""
+        cm = common_attn_metadata
+        return (
+            cm.num_reqs <= self.max_num_reqs
+            and cm.slot_mapping.shape[0] <= self.max_num_tokens
+            and (not self.paged or cm.block_table_tensor.shape[1] <= self.max_blocks)
+        )
+
+    @override
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> FlashAttentionMetadata:
+        cm = common_attn_metadata
+        who = type(self).__name__
+        if cm.causal is not self.causal:
+            raise ValueError(
+                f"{who}: common_attn_metadata.causal must be {self.causal} for "
+                f"{self.kind.value} layers, got {cm.causal}"
+            )
+        b = cm.num_reqs
+        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION and not torch.equal(
+            cm.seq_lens_cpu, cm.query_lens_cpu
+        ):
+            raise ValueError(
+                f"{who}: encoder_only_attention encodes each request whole in one step, so "
+                f"seq_lens must equal the query lengths, got seq_lens="
+                f"{cm.seq_lens_cpu.tolist()} and query lengths {cm.query_lens_cpu.tolist()}"
+            )
+        fits = self.fits(cm)
+
+        def staged(buf: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            if not fits:
+                return src
+            view = buf[: src.shape[0]]
+            view.copy_(src, non_blocking=True)
+            return view
+
+        cu_seqlens_q = staged(self._cu_seqlens_q, cm.query_start_loc)
+        slot_mapping = staged(self._slot_mapping, cm.slot_mapping)
+        cu_seqlens_k: torch.Tensor | None = None
+        seqused_k: torch.Tensor | None = None
+        block_table: torch.Tensor | None = None
+        if not self.paged:  # encoder-only: keys are this step's own rows
+            cu_seqlens_k = cu_seqlens_q
+            max_seqlen_k = cm.max_query_len
+        else:
+            max_seqlen_k = cm.max_seq_len
+            table = cm.block_table_tensor
+            if fits:
+                self._block_table[:b, : table.shape[1]].copy_(table, non_blocking=True)
+                # Full width: the captured shape must not depend on the step's widest row.
+                block_table = self._block_table[:b]
+            else:
+                block_table = table
+            if self.version == 4:
+                seqused_k = staged(self._seq_lens, cm.seq_lens)
+            else:
+                cu_seqlens_k = (
+                    self._cu_seqlens_k[: b + 1]
+                    if fits
+                    else torch.zeros(b + 1, dtype=torch.int32, device=cm.seq_lens.device)
+                )
+                torch.cumsum(cm.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
+        return FlashAttentionMetadata(
+            version=self.version,
+            num_reqs=b,
+            num_actual_tokens=cm.num_actual_tokens,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k,
+            block_table=block_table,
+            max_seqlen_q=cm.max_query_len,
+            max_seqlen_k=max_seqlen_k,
+            causal=self.causal,
+            window_size=self.window_size,
+            slot_mapping=slot_mapping,
+        )
+
+    @override
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> FlashAttentionMetadata:
+        """As ``build``, for a capture: the batch must fit the buffers, and
+        ``max_seqlen_k`` is the longest context they hold (a replay may see any)."""
+        if not self.fits(common_attn_metadata):
+            raise RuntimeError(
+                f"{type(self).__name__} cannot capture this batch in a CUDA graph: it "
+                f"exceeds the persistent buffers (max_num_reqs={self.max_num_reqs}, "
+                f"max_num_tokens={self.max_num_tokens}, max_model_len={self.max_model_len})"
+            )
+        md = super().build_for_cudagraph_capture(common_attn_metadata)
+        if self.paged:
+            md = dataclasses.replace(
+                md, max_seqlen_k=self.max_blocks * self.kv_cache_spec.block_size
+            )
+        return md
+
+
+def _write_kv(
+    key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``[N, Hkv, D]`` keys/values into ``cache`` ``[NB, 2, BS, Hkv, D]``; slot -1 is skipped.
+
+    No host sync and fixed shapes (CUDA-graph safe): a -1 entry rewrites slot 0 (block 0,
+    the null block no request owns) with the value it already holds.
+    """
+    block_size = cache.shape[2]
+    valid = slot_mapping >= 0
+    safe = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    blocks = torch.div(safe, block_size, rounding_mode="floor")
+    offsets = safe - blocks * block_size
+    keep = valid[:, None, None]
+    for plane, new in ((0, key), (1, value)):
+        view = cache[:, plane]
+        old = view[blocks, offsets]
+        view[blocks, offsets] = torch.where(keep, new.to(cache.dtype), old)
+
+
+def _import_varlen_func(version: FlashAttnVersion) -> VarlenFunc:
+    """Import ``flash_attn_varlen_func`` of flash-attn ``version`` (on first use)."""
+    module_name = "flash_attn.flash_attn_interface" if version == 2 else "flash_attn.cute"
+    pip = _versions.FA2_PIP if version == 2 else _versions.FA4_PIP
+    try:
+        module = importlib.import_module(module_name)
+        func: VarlenFunc = module.flash_attn_varlen_func
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(
+            f"the flash_attn backend runs flash-attn {version}, but "
+            f"{module_name}.flash_attn_varlen_func could not be imported ({exc}); "
+            f"install it with: {pip}"
+        ) from exc
+    return func
+
+
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
+    """Writes the step's keys/values into the paged cache, then runs ``flash_attn_varlen_func``.
+
+    Args:
+        kv_cache_spec: the layer's spec (a kind the backend serves).
+        layer_params: its ``AttentionLayerParams``.
+        varlen_funcs: version -> function to call instead of importing flash-attn. Given
+            (tests of attnkit's side of the contract run a pure-torch model of the
+            documented call this way), the impl also runs on CPU tensors.
+
+    flash-attn is imported on the first ``forward`` of a version (the metadata says
+    which); a missing package raises ``ImportError`` with the pip command.
+
+    Raises at construction:
+        ValueError: missing or unfit ``layer_params``, or features the backend lacks.
+        TypeError: a spec or parameters of the wrong kind.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_params: LayerParams | None,
+        *,
+        varlen_funcs: Mapping[int, VarlenFunc] | None = None,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        who = type(self).__name__
+        if not isinstance(kv_cache_spec, AttentionSpec):
+            raise TypeError(f"{who} needs an AttentionSpec, got {type(kv_cache_spec).__name__}")
+        _check_kind(who, kv_cache_spec)
+        if not isinstance(layer_params, AttentionLayerParams):
+            raise TypeError(
+                f"{who} needs AttentionLayerParams (num_heads, scale, ...), "
+                f"got {type(layer_params).__name__}"
+            )
+        params, spec = layer_params, kv_cache_spec
+        unsupported = sorted(f.value for f in params.features - _FEATURES)
+        if unsupported:
+            raise ValueError(
+                f"{who}: the layer needs {', '.join(unsupported)}, which flash_attn does not "
+                f"support (supported: {', '.join(sorted(f.value for f in _FEATURES))})"
+            )
+        if params.v_head_size not in (None, spec.head_size):
+            raise ValueError(
+                f"{who}: v_head_size={params.v_head_size} differs from "
+                f"head_size={spec.head_size}, which flash_attn does not support"
+            )
+        if params.sink_key is not None:
+            raise ValueError(f"{who}: sink tokens (sink_key/sink_value) are not supported")
+        if params.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"{who}: num_heads={params.num_heads} is not a multiple of "
+                f"num_kv_heads={spec.num_kv_heads}"
+            )
+        self.spec: AttentionSpec = spec
+        self.kind = spec.kind
+        self.num_heads = params.num_heads
+        self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
+        self.softcap: float = params.logits_soft_cap or 0.0  # 0.0: off, in both versions
+        self.features = params.features
+        self._alibi = (
+            torch.tensor(params.alibi_slopes, dtype=torch.float32)
+            if params.alibi_slopes is not None
+            else None
+        )
+        # flash-attn 4's learnable_sink must be bfloat16.
+        self._sinks = params.sinks.to(torch.bfloat16) if params.sinks is not None else None
+        self._funcs: dict[int, VarlenFunc] = dict(varlen_funcs or {})
+        self._stand_in = varlen_funcs is not None
+
+    def _kernel(self, version: FlashAttnVersion) -> VarlenFunc:
+        missing = {2: AttentionFeature.ATTENTION_SINKS, 4: AttentionFeature.ALIBI}[version]
+        if missing in self.features:
+            raise ValueError(
+                f"{type(self).__name__}: the layer needs {missing.value}, which "
+                f"flash-attn {version} does not support"
+            )
+        func = self._funcs.get(version)
+        if func is None:
+            func = self._funcs[version] = _import_varlen_func(version)
+        return func
+
+    def _layer_tensors(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """ALiBi slopes and sink logits on ``device`` (moved once, on first use)."""
+        if self._alibi is not None and self._alibi.device != device:
+            self._alibi = self._alibi.to(device)
+        if self._sinks is not None and self._sinks.device != device:
+            self._sinks = self._sinks.to(device)
+        return self._alibi, self._sinks
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        who = f"{type(self).__name__}.forward ({self.kind.value})"
+        md = attn_metadata
+        if not self._stand_in and query.device.type != "cuda":
+            raise ValueError(f"{who}: flash-attn runs on CUDA tensors, got query on {query.device}")
+        func = self._kernel(md.version)
+        n = md.num_actual_tokens
+        encoder_only = self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+        if len(kv_cache) != (0 if encoder_only else 1):
+            raise ValueError(
+                f"{who}: kv_cache must hold {0 if encoder_only else 1} tensor(s), "
+                f"got {len(kv_cache)}"
+            )
+        if (key is None) != (value is None) or (
+            key is None and self.kind is not KVCacheSpecKind.CROSS_ATTENTION
+        ):
+            raise ValueError(f"{who}: key and value must both be given")
+
+        if encoder_only:
+            assert key is not None  # checked above
+            assert value is not None
+            k, v = key[:n], value[:n]
+        else:
+            cache = kv_cache[0]
+            if key is not None and value is not None:
+                # Cross attention writes the E encoder rows given; the others the step's T.
+                rows = key.shape[0] if self.kind is KVCacheSpecKind.CROSS_ATTENTION else n
+                _write_kv(key[:rows], value[:rows], cache, md.slot_mapping[:rows])
+            k, v = cache[:, 0], cache[:, 1]
+        if n == 0 or md.num_reqs == 0:
+            return output
+
+        q = query[:n]
+        alibi_slopes, learnable_sink = self._layer_tensors(q.device)
+        if md.version == 2:
+            out = func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=md.cu_seqlens_q,
+                cu_seqlens_k=md.cu_seqlens_k,
+                max_seqlen_q=md.max_seqlen_q,
+                max_seqlen_k=md.max_seqlen_k,
+                softmax_scale=self.scale,
+                causal=md.causal,
+                window_size=md.window_size,
+                softcap=self.softcap,
+                alibi_slopes=alibi_slopes,
+                block_table=md.block_table,
+            )
+        else:
+            result = func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=md.cu_seqlens_q,
+                cu_seqlens_k=md.cu_seqlens_k,
+                max_seqlen_q=md.max_seqlen_q,
+                max_seqlen_k=md.max_seqlen_k,
+                seqused_k=md.seqused_k,
+                page_table=md.block_table,
+                softmax_scale=self.scale,
+                causal=md.causal,
+                window_size=md.window_size,
+                learnable_sink=learnable_sink,
+                softcap=self.softcap,
+            )
+            out = result[0] if isinstance(result, tuple) else result
+        # Neither version's varlen entry point takes an output buffer.
+        output[:n].copy_(out)
+        return output
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """flash-attn 2 or 4 over the paged cache: full, sliding-window, encoder-only, cross.
+
+    Declarations are the union over both versions; what one version lacks (and
+    "not installed") is reported by ``extra_*_reasons`` from ``_versions``.
+    """
+
+    name = "flash_attn"
+    description = (
+        "flash-attn 2/4 varlen kernels: full, sliding-window, encoder-only and cross "
+        "attention (CUDA, fp16/bf16)"
+    )
+    supported_kinds = _KINDS
+    supported_devices = frozenset({"cuda"})
+    min_compute_capability = (8, 0)
+    supported_dtypes = frozenset({torch.float16, torch.bfloat16})
+    supported_kv_cache_dtypes = frozenset({"auto"})
+    supported_head_sizes = (SizeRange(8, 256),)
+    supported_block_sizes = None  # flash-attn 2's multiple-of-256 rule is per version
+    supported_features = _FEATURES
+    builders = (
+        bind_builder(FullAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
+        bind_builder(SlidingWindowSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
+        bind_builder(EncoderOnlyAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
+        bind_builder(CrossAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
+    )
+
+    @classmethod
+    @override
+    def extra_environment_reasons(cls, device: torch.device) -> list[str]:
+        """Nothing installed; a CUDA device asked for where there is none."""
+        reasons: list[str] = []
+        if not _versions.installed_versions():
+            reasons.append(_versions.NOT_INSTALLED_REASON)
+        if device.type == "cuda" and not _versions.cuda_available():
+            reasons.append(_versions.NO_CUDA_REASON)
+        return reasons
+
+    @classmethod
+    @override
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        """What the chosen flash-attn version cannot do for this request."""
+        spec = request.spec
+        if not isinstance(spec, AttentionSpec):
+            return []
+        setting = request.config.flash_attn_version if request.config is not None else None
+        choice = _versions.choose_version(
+            setting,
+            request.capability if request.device.type == "cuda" else None,
+            installed=_versions.installed_versions(),
+            spec=spec,
+            features=request.features,
+        )
+        return list(choice.reasons)
