@@ -12,6 +12,11 @@ Tensors:
 
 * ``key``, ``value``: ``[T, Hkv, D]``, any strides.
 * ``kv_cache``: ``[NB, 2, BS, Hkv, D]``, contiguous; index 0 of dim 1 holds keys, 1 values.
+  Either the dtype of ``key``/``value`` or ``torch.float8_e4m3fn``.
+* ``k_scale``, ``v_scale``: one-element float32 tensors (shape ``[]`` or ``[1]``),
+  required with an fp8 cache, optional otherwise. When given, the cache stores
+  ``key / k_scale`` (float32 division, then for fp8 a clamp to the finite e4m3 range
+  ``[-448, 448]`` and a round-to-nearest-even cast); when absent, ``key`` unchanged.
 * ``slot_mapping``: int64 ``[T]``; token ``t`` goes to physical slot
   ``slot_mapping[t] = block * BS + offset``. ``-1`` marks a padding token whose K/V is
   dropped.
@@ -25,10 +30,49 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["write_kv_cache"]
 
+# Dtypes of key/value, and of the cache when it is not fp8.
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _f32_to_e4m3_bits(x):  # type: ignore[no-untyped-def]
+    """Encode float32 (already clamped to [-448, 448]; NaN allowed) as e4m3fn bits (uint8).
+
+    Round to nearest, ties to even, like torch and the hardware conversion. e4m3fn has
+    1 sign, 4 exponent (bias 7) and 3 mantissa bits; S.1111.111 is NaN.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits >> 31
+    magnitude = bits & 0x7FFFFFFF
+    # |x| >= 2**-6 (e4m3's smallest normal): round the 23-bit mantissa to 3 bits by
+    # adding just under half an e4m3 ulp plus the lowest kept bit (ties to even); a
+    # carry out of the mantissa bumps the exponent, as it should. Then rebias the
+    # exponent from 127 to 7. |x| <= 448 keeps the result <= 0x7E.
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # |x| < 2**-6: the code is |x| / 2**-9 rounded to an integer in [0, 8] (8 is the
+    # smallest normal's code). Adding and subtracting 2**23 rounds a float32 in
+    # [0, 2**23) to an integer, ties to even; the scaling by 2**9 is exact. Other lanes
+    # (normal, NaN) use 0 here so the integer cast below never sees NaN.
+    is_subnormal = magnitude < 0x3C800000  # 0x3C800000 is 2**-6
+    y = tl.where(is_subnormal, tl.abs(x), 0.0) * 512.0
+    subnormal = ((y + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(is_subnormal, subnormal, normal)
+    code = tl.where(magnitude > 0x7F800000, 0x7F, code)  # NaN stays NaN
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _saturate_e4m3(x):  # type: ignore[no-untyped-def]
+    # Clamp to the finite e4m3fn range; e4m3fn has no infinity, and a value rounding past
+    # 464 would become NaN. NaN itself passes through (min/max alone would drop it).
+    clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return tl.where(x != x, x, clamped)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
@@ -37,6 +81,8 @@ def _write_kv_cache_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     value_ptr,
     cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_slots,
     stride_kt,
     stride_kh,
@@ -54,6 +100,10 @@ def _write_kv_cache_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_K_SCALE: tl.constexpr,
+    USE_V_SCALE: tl.constexpr,
+    TO_FP8: tl.constexpr,
+    FP8_BITS: tl.constexpr,
 ):
     # tl.arange needs power-of-two extents; the launcher pads and the masks below
     # keep the padding lanes from touching memory.
@@ -89,8 +139,30 @@ def _write_kv_cache_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
             + heads[:, None] * stride_ch
             + dims[None, :] * stride_cd
         )
-        tl.store(dst, k, mask=mask)
-        tl.store(dst + stride_ckv, v, mask=mask)
+        if USE_K_SCALE:
+            k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
+        if USE_V_SCALE:
+            v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
+        if TO_FP8:
+            k = _saturate_e4m3(k.to(tl.float32))
+            v = _saturate_e4m3(v.to(tl.float32))
+        if FP8_BITS:
+            k = _f32_to_e4m3_bits(k)
+            v = _f32_to_e4m3_bits(v)
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+# The Triton interpreter keeps float8 tensors as raw uint8 and its float32 -> e4m3 cast
+# rounds about one value in ten wrongly (mantissa carries, ties, subnormals; measured
+# against torch on triton 3.9). Under the interpreter the fp8 cache is therefore written
+# through a uint8 view with the exact integer encoder _f32_to_e4m3_bits (bit-identical
+# to torch's cast, which the tests check); compiled kernels store through the fp8
+# pointer with Triton's native round-to-nearest-even conversion (hardware cvt on
+# sm_89+). Under the interpreter a float32 -> bfloat16 cast truncates, so a non-unit
+# scale with a bfloat16 cache can differ from torch by one bf16 ulp there; with the
+# intended scale of 1 the division is exact and nothing is rounded.
+_INTERPRETED = isinstance(_write_kv_cache_kernel, InterpretedFunction)
 
 
 def _check_kv_cache(kv_cache: torch.Tensor) -> None:
@@ -98,10 +170,28 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
         )
-    if kv_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"kv_cache: expected dtype in {_SUPPORTED_DTYPES}, got {kv_cache.dtype}")
+    if kv_cache.dtype not in (*_SUPPORTED_DTYPES, _FP8_DTYPE):
+        raise ValueError(
+            f"kv_cache: expected dtype in {(*_SUPPORTED_DTYPES, _FP8_DTYPE)}, got {kv_cache.dtype}"
+        )
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
+
+
+def _check_kv_scale(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(
+            f"{name}: expected a one-element torch.float32 tensor or None, got {type(t).__name__}"
+        )
+    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
+        raise ValueError(
+            f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
+            f"got {t.dtype} {list(t.shape)}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the kv_cache device), got {t.device}")
+    return t
 
 
 def write_kv_cache(
@@ -109,14 +199,26 @@ def write_kv_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping``, in place.
 
     Tokens whose slot is ``-1`` (or outside ``[0, NB * BS)``) are skipped. Slots must be
     distinct among real tokens; the launcher never reads slot values back to the host.
+
+    With a ``torch.float8_e4m3fn`` cache, ``k_scale`` and ``v_scale`` (one-element
+    float32 tensors, read on the device) are required and the cache stores
+    ``clamp(key / k_scale, -448, 448)`` rounded to e4m3 (likewise for values); ``key``
+    and ``value`` are then float32, float16 or bfloat16. Otherwise ``key``/``value`` have
+    the cache dtype and the scales are optional: when given, the cache stores
+    ``key / k_scale`` cast back to the cache dtype (meant for scales of 1).
     """
     _check_kv_cache(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    is_fp8 = kv_cache.dtype == _FP8_DTYPE
+    device = kv_cache.device
 
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
@@ -124,14 +226,21 @@ def write_kv_cache(
                 f"{name}: expected shape [T, {num_kv_heads}, {head_dim}] to match kv_cache, "
                 f"got {tuple(t.shape)}"
             )
-        if t.dtype != kv_cache.dtype:
+        if is_fp8 and t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name}: expected dtype in {_SUPPORTED_DTYPES} for a {_FP8_DTYPE} kv_cache, "
+                f"got {t.dtype}"
+            )
+        if not is_fp8 and t.dtype != kv_cache.dtype:
             raise ValueError(
                 f"{name}: expected dtype {kv_cache.dtype} (the kv_cache dtype), got {t.dtype}"
             )
-        if t.device != kv_cache.device:
+        if t.device != device:
             raise ValueError(
-                f"{name}: expected device {kv_cache.device} (the kv_cache device), got {t.device}"
+                f"{name}: expected device {device} (the kv_cache device), got {t.device}"
             )
+    if value.dtype != key.dtype:
+        raise ValueError(f"value: expected dtype {key.dtype} (the key dtype), got {value.dtype}")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"value: expected {key.shape[0]} tokens (as key), got {value.shape[0]}")
     num_tokens = key.shape[0]
@@ -142,19 +251,33 @@ def write_kv_cache(
             f"slot_mapping: expected shape [{num_tokens}] (one slot per token), "
             f"got {tuple(slot_mapping.shape)}"
         )
-    if slot_mapping.device != kv_cache.device:
+    if slot_mapping.device != device:
         raise ValueError(
-            f"slot_mapping: expected device {kv_cache.device} (the kv_cache device), "
+            f"slot_mapping: expected device {device} (the kv_cache device), "
             f"got {slot_mapping.device}"
+        )
+    if k_scale is not None:
+        _check_kv_scale("k_scale", k_scale, device)
+    if v_scale is not None:
+        _check_kv_scale("v_scale", v_scale, device)
+    if is_fp8 and (k_scale is None or v_scale is None):
+        missing = "k_scale" if k_scale is None else "v_scale"
+        raise ValueError(
+            f"{missing}: expected a one-element torch.float32 tensor with a "
+            f"{_FP8_DTYPE} kv_cache, got None"
         )
     if num_tokens == 0:
         return
 
+    fp8_bits = is_fp8 and _INTERPRETED
     _write_kv_cache_kernel[(num_tokens,)](
         key_ptr=key,
         value_ptr=value,
-        cache_ptr=kv_cache,
+        # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
+        cache_ptr=kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
         slot_mapping_ptr=slot_mapping,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
         num_slots=kv_cache.shape[0] * block_size,
         stride_kt=key.stride(0),
         stride_kh=key.stride(1),
@@ -172,6 +295,10 @@ def write_kv_cache(
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        USE_K_SCALE=k_scale is not None,
+        USE_V_SCALE=v_scale is not None,
+        TO_FP8=is_fp8,
+        FP8_BITS=fp8_bits,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
         # (its default flips in 3.10), and the test suite turns warnings into errors.
         enable_fp_fusion=True,
