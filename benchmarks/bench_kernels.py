@@ -1,0 +1,460 @@
+"""Kernel speed on a GPU: the triton_attn backend against torch SDPA and FlexAttention.
+
+Decode (GQA 32/8, head 128, batch 1-256, context 1k-32k, bf16 and fp8 KV): achieved
+bandwidth in GB/s (bytes = K/V read + Q read + O written) and as a fraction of the
+device's peak. Prefill (causal, 1k-16k, head 64/128, bf16): TFLOP/s. Each case runs
+side by side, in the same process, with ``scaled_dot_product_attention`` on contiguous
+tensors (flash backend where it accepts the case) and FlexAttention (contiguous,
+compiled), plus the flash_attn backend's cases when flash-attn is installed.
+
+Targets (H100/H200): decode at context >= 4k reaches 75% of peak bandwidth; prefill
+at 8k is at least 1.0x SDPA's flash backend. Times come from CUDA events (median of
+``--iters`` after ``--warmup``).
+
+    python benchmarks/bench_kernels.py --out bench-results          # on a GPU
+    python benchmarks/bench_kernels.py --smoke --device cpu          # harness check, tiny shapes
+
+Without a CUDA device (and without ``--smoke``) it prints why and writes that to the
+JSON, so ``nox -s bench`` works everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Peak HBM bandwidth, GB/s, by device name (vendor data sheets: H100 SXM 3.35 TB/s,
+# H100 PCIe 2.0 TB/s, H200 4.8 TB/s, B200 8 TB/s).
+PEAK_GBPS = {"H200": 4800.0, "H100 PCIe": 2000.0, "H100": 3350.0, "B200": 8000.0, "A100": 2039.0}
+
+
+@dataclasses.dataclass
+class Result:
+    kind: str
+    impl: str
+    case: str
+    ms: float | None
+    gbps: float | None = None
+    peak_fraction: float | None = None
+    tflops: float | None = None
+    note: str = ""
+
+
+def peak_gbps(device: torch.device, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_GBPS.items():  # ordered: "H100 PCIe" before "H100"
+        if key in name:
+            return value
+    return None
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        runs = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(runs)
+    torch.cuda.synchronize(device)
+    runs = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        runs.append(start.elapsed_time(end))
+    return statistics.median(runs)
+
+
+def _runtime_pieces(
+    *,
+    num_reqs: int,
+    context: int,
+    q_len: int,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    device: torch.device,
+) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
+    """The triton_attn builder and impl on a paged cache holding ``context`` tokens per request."""
+    from attnkit import (
+        AttentionConfig,
+        AttentionLayerParams,
+        CommonAttentionMetadata,
+        FullAttentionSpec,
+    )
+    from attnkit.backends.triton_attn import TritonAttentionBackend
+
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        kv_cache_dtype="fp8_e4m3" if fp8 else "auto",
+    )
+    config = AttentionConfig.model_validate({}, context={"known_backends": []})
+    binding = TritonAttentionBackend.get_binding(spec)
+    builder = binding.create(spec, ["bench"], config, device)
+    params = (
+        AttentionLayerParams(num_heads=heads, k_scale=0.05, v_scale=0.05)
+        if fp8
+        else AttentionLayerParams(num_heads=heads)
+    )
+    impl = binding.create_impl(spec, params)
+    blocks_per_req = math.ceil(context / block_size)
+    num_blocks = num_reqs * blocks_per_req + 1
+    (shape,) = TritonAttentionBackend.get_kv_cache_shapes(num_blocks, spec)
+    cache = torch.empty(shape, dtype=spec.cache_torch_dtype, device=device)
+    if fp8:
+        cache.view(torch.uint8).random_(0, 120)  # finite e4m3 bit patterns
+    else:
+        cache.normal_()
+    perm = torch.randperm(num_blocks - 1, device=device) + 1  # shuffled physical blocks
+    table = perm.reshape(num_reqs, blocks_per_req).to(torch.int32)
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
+    seq = torch.full((num_reqs,), context, dtype=torch.int32)
+    pos = torch.arange(context - q_len, context, device=device)
+    slots = (table.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(device),
+        seq_lens_cpu=seq,
+        num_reqs=num_reqs,
+        num_actual_tokens=num_reqs * q_len,
+        max_query_len=q_len,
+        max_seq_len=context,
+        block_table_tensor=table,
+        slot_mapping=slots,
+    )
+    meta = builder.build(0, cm)
+    t = num_reqs * q_len
+    q = torch.randn(t, heads, head_size, dtype=dtype, device=device)
+    k = torch.randn(t, kv_heads, head_size, dtype=dtype, device=device)
+    v = torch.randn(t, kv_heads, head_size, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    return (lambda: impl.forward(q, k, v, [cache], meta, out)), {
+        "splits": torch.tensor(meta.num_splits)
+    }
+
+
+def _sdpa(
+    q_len: int,
+    num_reqs: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool,
+) -> tuple[Callable[[], object], str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(num_reqs, heads, q_len, head_size, dtype=dtype, device=device)
+    k = torch.randn(num_reqs, kv_heads, context, head_size, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    backends = [SDPBackend.FLASH_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+
+    def run() -> object:
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal and q_len > 1, enable_gqa=True
+            )
+
+    try:
+        run()
+        return run, f"sdpa[{backends[0].name.lower()}]"
+    except RuntimeError as exc:  # the flash backend refuses some GQA/shape combinations
+        kx = k.repeat_interleave(heads // kv_heads, dim=1)
+        vx = v.repeat_interleave(heads // kv_heads, dim=1)
+
+        def run_expanded() -> object:
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, kx, vx, is_causal=causal and q_len > 1)
+
+        return run_expanded, f"sdpa[{backends[0].name.lower()}, kv heads expanded: {str(exc)[:60]}]"
+
+
+def _flex(
+    q_len: int,
+    num_reqs: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool,
+) -> tuple[Callable[[], object], str] | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    q = torch.randn(num_reqs, heads, q_len, head_size, dtype=dtype, device=device)
+    k = torch.randn(num_reqs, kv_heads, context, head_size, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    offset = context - q_len
+
+    def causal_mask(b: Any, h: Any, qi: Any, kj: Any) -> Any:
+        return kj <= qi + offset
+
+    mask = (
+        create_block_mask(causal_mask, None, None, q_len, context, device=str(device))
+        if causal
+        else None
+    )
+    compiled = (
+        torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    )
+    return (lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True)), "flex_attention"
+
+
+def decode_cases(smoke: bool) -> list[tuple[int, int]]:
+    if smoke:
+        return [(2, 64)]
+    return [
+        (1, 1024),
+        (1, 8192),
+        (1, 32768),
+        (8, 4096),
+        (8, 32768),
+        (64, 4096),
+        (64, 16384),
+        (256, 1024),
+        (256, 4096),
+        (256, 8192),
+    ]
+
+
+def prefill_cases(smoke: bool) -> list[tuple[int, int]]:
+    if smoke:
+        return [(32, 16)]
+    return [(1024, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    heads, kv_heads = (4, 2) if args.smoke else (32, 8)
+    block = 16
+    peak = peak_gbps(device, args.peak_gbps)
+    results: list[Result] = []
+    flex_budget = 3 if not args.smoke else 0  # each compiled shape costs tens of seconds
+    for fp8 in (False, True):
+        for num_reqs, context in decode_cases(args.smoke):
+            head = 32 if args.smoke else 128
+            case = f"B={num_reqs} ctx={context} {'fp8' if fp8 else 'bf16'}"
+            kv_bytes = num_reqs * context * kv_heads * head * 2 * (1 if fp8 else 2)
+            qo_bytes = 2 * num_reqs * heads * head * 2
+            fn, info = _runtime_pieces(
+                num_reqs=num_reqs,
+                context=context,
+                q_len=1,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_size=head,
+                block_size=block,
+                dtype=torch.bfloat16,
+                fp8=fp8,
+                device=device,
+            )
+            ms = time_ms(fn, device, args.warmup, args.iters)
+            gbps = (kv_bytes + qo_bytes) / (ms * 1e-3) / 1e9
+            results.append(
+                Result(
+                    "decode",
+                    "triton_attn",
+                    case,
+                    ms,
+                    gbps,
+                    gbps / peak if peak else None,
+                    note=f"splits={int(info['splits'])}",
+                )
+            )
+            if not fp8:
+                sdpa, label = _sdpa(
+                    1, num_reqs, context, heads, kv_heads, head, torch.bfloat16, device, causal=True
+                )
+                ms_s = time_ms(sdpa, device, args.warmup, args.iters)
+                g = (kv_bytes + qo_bytes) / (ms_s * 1e-3) / 1e9
+                results.append(
+                    Result(
+                        "decode",
+                        label,
+                        case,
+                        ms_s,
+                        g,
+                        g / peak if peak else None,
+                        note="contiguous K/V",
+                    )
+                )
+                if flex_budget and context == 4096:
+                    flex_budget -= 1
+                    made = _flex(
+                        1,
+                        num_reqs,
+                        context,
+                        heads,
+                        kv_heads,
+                        head,
+                        torch.bfloat16,
+                        device,
+                        causal=True,
+                    )
+                    if made is not None:
+                        ms_f = time_ms(made[0], device, args.warmup, args.iters)
+                        g = (kv_bytes + qo_bytes) / (ms_f * 1e-3) / 1e9
+                        results.append(
+                            Result(
+                                "decode",
+                                made[1],
+                                case,
+                                ms_f,
+                                g,
+                                g / peak if peak else None,
+                                note="contiguous K/V",
+                            )
+                        )
+    for seq, head in prefill_cases(args.smoke):
+        total = 16 if args.smoke else 16384
+        num_reqs = max(1, total // seq)
+        case = f"S={seq} D={head} B={num_reqs}"
+        flops = 4 * num_reqs * heads * seq * seq * head / 2  # causal: half the scores
+        fn, _ = _runtime_pieces(
+            num_reqs=num_reqs,
+            context=seq,
+            q_len=seq,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=head,
+            block_size=block,
+            dtype=torch.bfloat16,
+            fp8=False,
+            device=device,
+        )
+        ms = time_ms(fn, device, args.warmup, args.iters)
+        results.append(
+            Result("prefill", "triton_attn", case, ms, tflops=flops / (ms * 1e-3) / 1e12)
+        )
+        sdpa, label = _sdpa(
+            seq, num_reqs, seq, heads, kv_heads, head, torch.bfloat16, device, causal=True
+        )
+        ms_s = time_ms(sdpa, device, args.warmup, args.iters)
+        results.append(Result("prefill", label, case, ms_s, tflops=flops / (ms_s * 1e-3) / 1e12))
+        if not args.smoke and seq == 8192 and head == 128:
+            made = _flex(
+                seq, num_reqs, seq, heads, kv_heads, head, torch.bfloat16, device, causal=True
+            )
+            if made is not None:
+                ms_f = time_ms(made[0], device, args.warmup, args.iters)
+                results.append(
+                    Result("prefill", made[1], case, ms_f, tflops=flops / (ms_f * 1e-3) / 1e12)
+                )
+    flash_rows: list[dict[str, Any]] = []
+    if not args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from flash_attn_cases import run_flash_attn_cases
+
+        flash_rows = run_flash_attn_cases(args.out)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "peak_gbps": peak,
+        "results": [dataclasses.asdict(r) for r in results],
+        "flash_attn": flash_rows,
+        "targets": targets(results, peak),
+    }
+
+
+def targets(results: list[Result], peak: float | None) -> dict[str, Any]:
+    """The issue's two targets, judged from this run's numbers."""
+    long_decodes = [
+        r
+        for r in results
+        if r.kind == "decode"
+        and r.impl == "triton_attn"
+        and "bf16" in r.case
+        and int(r.case.split("ctx=")[1].split()[0]) >= 4096
+    ]
+    fractions = [r.peak_fraction for r in long_decodes if r.peak_fraction is not None]
+    prefill = {
+        r.impl: r.ms for r in results if r.kind == "prefill" and r.case.startswith("S=8192 D=128")
+    }
+    sdpa_ms = next((ms for impl, ms in prefill.items() if impl.startswith("sdpa") and ms), None)
+    ours = prefill.get("triton_attn")
+    return {
+        "decode_min_peak_fraction_ctx>=4k": min(fractions) if fractions else None,
+        "decode_target_met": (min(fractions) >= 0.75) if fractions else None,
+        "prefill_8k_speedup_vs_sdpa": (sdpa_ms / ours) if sdpa_ms and ours else None,
+        "prefill_target_met": (sdpa_ms / ours >= 1.0) if sdpa_ms and ours else None,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"device: {report['device']}  peak: {report['peak_gbps']} GB/s")
+    print(
+        f"{'kind':<8} {'case':<24} {'impl':<44} {'ms':>9} {'GB/s':>8} {'peak':>6} {'TFLOP/s':>8}  note"
+    )
+    for r in report["results"]:
+        ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
+        gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
+        pf = f"{r['peak_fraction']:.0%}" if r["peak_fraction"] else "-"
+        tf = f"{r['tflops']:.1f}" if r["tflops"] else "-"
+        print(
+            f"{r['kind']:<8} {r['case']:<24} {r['impl'][:44]:<44} {ms:>9} {gb:>8} {pf:>6} {tf:>8}  {r['note']}"
+        )
+    print("targets:", json.dumps(report["targets"]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes: checks the harness, times mean nothing"
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--peak-gbps", type=float, default=None, help="override the device's peak bandwidth"
+    )
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        reason = "no CUDA device: GPU kernel benchmarks skipped (run benchmarks/gpu_check.sh on a GPU machine)"
+        print(reason)
+        (out / "bench_kernels.json").write_text(json.dumps({"skipped": reason}, indent=2))
+        return 0
+    if torch.device(args.device).type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    report = run(args)
+    print_table(report)
+    (out / "bench_kernels.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
