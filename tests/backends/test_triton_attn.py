@@ -1,22 +1,27 @@
-"""The ``triton_attn`` backend, through its own builder and impl, against the torch oracle.
+"""The ``triton_attn`` backend, through its own builder and impl, against the reference backend.
 
 Every step runs twice: through ``TritonAttentionBackend``'s builder and impl (Triton
-``write_kv_cache`` + ``unified_attention``), and through the pure-torch oracle
-(``kernels.torch.attention.write_kv_cache`` + ``paged_attention``) on a copy of the same
-cache and inputs. Outputs must agree within the dtype's tolerance and the written caches
-bit for bit. Without CUDA, ``tests/conftest.py`` turns the Triton interpreter on, which
-is slow: shapes stay small.
+``write_kv_cache`` + ``unified_attention`` or ``split_kv_decode``), and through
+``ReferenceBackend``'s builder and impl (pure torch, float32 accumulation) on a copy of
+the same inputs and cache. Outputs must agree within the tolerance of the dtype (or of
+the fp8 cache) and the written caches bit for bit; rows past ``num_actual_tokens`` must
+stay untouched. Caches start as NaN except the null block 0 (zero), so a kernel that
+reads a slot it should not turns the output NaN.
+
+Without CUDA, ``tests/conftest.py`` turns the Triton interpreter on, which is slow:
+shapes stay small. The ``gpu`` tests at the end run realistic sizes and real CUDA graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -28,144 +33,261 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     AttentionFeature,
+    AttentionImpl,
     AttentionLayerParams,
+    AttentionMetadataBuilder,
     AttentionSpec,
     BackendRequest,
     ChunkedLocalAttentionSpec,
     CommonAttentionMetadata,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpecKind,
     Mamba2LayerParams,
+    MLAAttentionSpec,
     SinkFullAttentionSpec,
     SizeRange,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
-from attnkit.kernels.torch.attention import paged_attention
 from attnkit.kernels.torch.attention import write_kv_cache as torch_write_kv_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = AttentionConfig()
+FP8 = torch.float8_e4m3fn
+FULL = KVCacheSpecKind.FULL_ATTENTION
+WINDOW = KVCacheSpecKind.SLIDING_WINDOW
+CHUNKED = KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION
+ENCODER = KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+CROSS = KVCacheSpecKind.CROSS_ATTENTION
 
-# (atol, rtol) between the Triton output and the oracle's, both rounded to the dtype
-# (the kernel tests' bounds against a float64 oracle; the worst cases seen here use
-# under a third of them). fp32: accumulation order only. fp16/bf16: the kernel rounds
-# the softmax weights to the dtype before P.V, the oracle does not.
+# (atol, rtol) between the backend's output and the reference backend's, keyed by what
+# limits accuracy: the query dtype, or FP8 for an fp8 cache (the kernel tests' bounds
+# against the float32 oracle). fp32: accumulation order only. fp16/bf16: both outputs
+# are rounded to the dtype and the kernel rounds the softmax weights to it before P.V.
+# fp8: both sides read the same e4m3 values (quantisation error does not count), but
+# the kernel folds k_scale into the score scale and applies v_scale afterwards.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
+    FP8: (2e-2, 2e-2),
 }
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-# Integer views for bitwise comparison of caches (NaN payloads included).
-BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
-def make_spec(
-    *, block_size: int, dtype: torch.dtype, num_kv_heads: int, head_size: int, window: int | None
-) -> AttentionSpec:
-    if window is None:
-        return FullAttentionSpec(
-            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+# ------------------------------------------------------------------ layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layer: its spec (kind, sizes, dtypes) and its parameters (features)."""
+
+    kind: KVCacheSpecKind = FULL
+    dtype: torch.dtype = torch.float16
+    block_size: int = 16
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 32
+    window: int | None = None
+    chunk: int | None = None
+    soft_cap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    fp8_scales: tuple[float, float] | None = None  # (k_scale, v_scale) of an fp8 cache
+    query_gain: float = 1.0  # > 1: large logits
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return FP8 if self.fp8_scales is not None else self.dtype
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        # Encoder-only layers keep no cache: an fp8 cache dtype quantises nothing.
+        fp8 = self.fp8_scales is not None and self.kind is not ENCODER
+        return TOLERANCES[FP8 if fp8 else self.dtype]
+
+    @property
+    def k_scale(self) -> float:
+        return self.fp8_scales[0] if self.fp8_scales is not None else 1.0
+
+    @property
+    def v_scale(self) -> float:
+        return self.fp8_scales[1] if self.fp8_scales is not None else 1.0
+
+    def spec(self) -> AttentionSpec:
+        common: dict[str, Any] = {
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": self.dtype,
+            "kv_cache_dtype": "fp8_e4m3" if self.fp8_scales is not None else "auto",
+        }
+        if self.kind is WINDOW:
+            assert self.window is not None
+            return SlidingWindowSpec(sliding_window=self.window, **common)
+        if self.kind is CHUNKED:
+            assert self.chunk is not None
+            return ChunkedLocalAttentionSpec(attention_chunk_size=self.chunk, **common)
+        if self.kind is ENCODER:
+            return EncoderOnlyAttentionSpec(**common)
+        if self.kind is CROSS:
+            return CrossAttentionSpec(**common)
+        return FullAttentionSpec(**common)
+
+    def params(self) -> AttentionLayerParams:
+        hq = self.num_heads
+        return AttentionLayerParams(
+            num_heads=hq,
+            logits_soft_cap=self.soft_cap,
+            alibi_slopes=tuple(2.0 ** -(h + 1) for h in range(hq)) if self.alibi else None,
+            sinks=torch.linspace(-1.0, 2.0, hq, device=DEVICE) if self.sinks else None,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
-    return SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=dtype,
-        sliding_window=window,
+
+
+@dataclasses.dataclass
+class Layer:
+    """The backend's builder and impl for one layer, and the reference backend's."""
+
+    case: Case
+    builder: TritonAttentionMetadataBuilder
+    impl: TritonAttentionImpl
+    ref_builder: AttentionMetadataBuilder[Any, Any]
+    ref_impl: AttentionImpl[Any]
+
+
+def make_layer(case: Case, config: AttentionConfig = CONFIG) -> Layer:
+    spec, params = case.spec(), case.params()
+    binding = TritonAttentionBackend.get_binding(spec)
+    builder = binding.create(spec, ["layers.0"], config, DEVICE)
+    impl = binding.create_impl(spec, params)
+    assert isinstance(builder, TritonAttentionMetadataBuilder)
+    assert isinstance(impl, TritonAttentionImpl)
+    ref_binding = ReferenceBackend.get_binding(spec)
+    return Layer(
+        case=case,
+        builder=builder,
+        impl=impl,
+        ref_builder=ref_binding.create(spec, ["layers.0"], config, DEVICE),
+        ref_impl=ref_binding.create_impl(spec, params),
     )
 
 
-def make_layer(
-    spec: AttentionSpec, num_heads: int
-) -> tuple[TritonAttentionMetadataBuilder, TritonAttentionImpl]:
-    binding = TritonAttentionBackend.get_binding(spec)
-    builder = binding.create(spec, ["layers.0"], CONFIG, DEVICE)
-    impl = binding.create_impl(spec, AttentionLayerParams(num_heads=num_heads))
-    assert isinstance(builder, TritonAttentionMetadataBuilder)
-    assert isinstance(impl, TritonAttentionImpl)
-    return builder, impl
+def new_cache(case: Case, num_blocks: int) -> torch.Tensor:
+    """NaN everywhere but the null block 0, which is zero (never handed out)."""
+    shape = (num_blocks, 2, case.block_size, case.num_kv_heads, case.head_size)
+    cache = torch.full(shape, float("nan"), dtype=case.cache_dtype, device=DEVICE)
+    cache[0] = 0
+    return cache
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, gain: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * gain).to(DEVICE, dtype)
+
+
+def make_inputs(
+    case: Case, num_tokens: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hq, hkv, d = case.num_heads, case.num_kv_heads, case.head_size
+    query = randn(gen, num_tokens, hq, d, dtype=case.dtype, gain=case.query_gain)
+    key = randn(gen, num_tokens, hkv, d, dtype=case.dtype)
+    value = randn(gen, num_tokens, hkv, d, dtype=case.dtype)
+    return query, key, value
+
+
+def write_context(
+    case: Case, caches: Sequence[torch.Tensor], slots: list[int], gen: torch.Generator
+) -> None:
+    """Earlier steps' keys/values, written the same way into every cache."""
+    _, key, value = make_inputs(case, len(slots), gen)
+    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    for cache in caches:
+        torch_write_kv_cache(
+            key, value, cache, slot_tensor, k_scale=case.k_scale, v_scale=case.v_scale
+        )
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    bits = BITS[actual.dtype]
-    assert torch.equal(actual.view(bits), expected.view(bits)), "caches differ"
+    assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8)), "caches differ"
+
+
+def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
 
 
 def run_step(
+    layer: Layer,
+    cm: CommonAttentionMetadata,
     *,
-    builder: TritonAttentionMetadataBuilder,
-    impl: TritonAttentionImpl,
-    cache: torch.Tensor,
-    ref_cache: torch.Tensor,
-    query_lens: list[int],
-    seq_lens: list[int],
-    table: list[list[int]],
-    oracle_table: list[list[int]],
-    slots: list[int],
-    num_heads: int,
-    window: int | None,
-    gen: torch.Generator,
-    num_padding: int = 0,
-) -> None:
-    """One step through the backend and through the oracle; compare outputs and caches.
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    cache: torch.Tensor | None,
+    ref_cache: torch.Tensor | None,
+    meta: TritonAttentionMetadata | None = None,
+    guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> TritonAttentionMetadata:
+    """One step through the backend and the reference backend; compare outputs and caches.
 
-    ``table`` is what the runtime hands the builder (released blocks read 0);
-    ``oracle_table`` keeps every block a request ever had, for the oracle, which reads
-    a request's whole context and would turn a NaN null block into NaN outputs.
+    ``cache is None``: an encoder-only layer (``kv_cache=[]``). ``meta``: metadata built
+    beforehand (CUDA-graph builds); otherwise ``builder.build``. ``guard``: a context
+    around the backend's ``forward`` alone.
     """
-    _, _, _, num_kv_heads, head_size = cache.shape
-    dtype = cache.dtype
-    n = sum(query_lens)
-    total = n + num_padding
-    cm = CommonAttentionMetadata.from_lists(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_table=table,
-        slot_mapping=slots + [-1] * num_padding,
-        device=DEVICE,
-    )
-    query = torch.randn(total, num_heads, head_size, generator=gen).to(DEVICE, dtype)
-    key = torch.randn(total, num_kv_heads, head_size, generator=gen).to(DEVICE, dtype)
-    value = torch.randn(total, num_kv_heads, head_size, generator=gen).to(DEVICE, dtype)
+    n = cm.num_actual_tokens
+    if meta is None:
+        meta = layer.builder.build(0, cm)
     output = torch.full_like(query, float("nan"))
-
-    meta = builder.build(0, cm)
-    returned = impl.forward(query, key, value, [cache], meta, output)
+    kv_cache = [] if cache is None else [cache]
+    with guard():
+        returned = layer.impl.forward(query, key, value, kv_cache, meta, output)
     assert returned is output
 
-    slot_tensor = cm.slot_mapping[:n]
-    torch_write_kv_cache(key[:n], value[:n], ref_cache, slot_tensor)
-    width = max((len(row) for row in oracle_table), default=0)
-    oracle_bt = torch.zeros(len(oracle_table), width, dtype=torch.int32)
-    for i, row in enumerate(oracle_table):
-        oracle_bt[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    expected = paged_attention(
-        query[:n],
-        ref_cache,
-        query_start_loc=cm.query_start_loc,
-        seq_lens=cm.seq_lens,
-        block_table=oracle_bt.to(DEVICE),
-        scale=impl.scale,
-        sliding_window=window,
+    ref_kv_cache = [] if ref_cache is None else [ref_cache]
+    expected = torch.full_like(query, float("nan"))
+    layer.ref_impl.forward(
+        query.clone(),
+        clone(key),
+        clone(value),
+        ref_kv_cache,
+        layer.ref_builder.build(0, cm),
+        expected,
     )
 
-    assert_same_bits(cache, ref_cache)
-    atol, rtol = TOLERANCES[dtype]
+    if cache is not None:
+        assert ref_cache is not None
+        assert_same_bits(cache, ref_cache)
     assert not output[:n].isnan().any(), "some output rows were never written"
-    torch.testing.assert_close(output[:n], expected, atol=atol, rtol=rtol)
+    atol, rtol = layer.case.tolerance
+    torch.testing.assert_close(output[:n].float(), expected[:n].float(), atol=atol, rtol=rtol)
     # Padding rows (past num_actual_tokens) are neither written to the cache nor output.
     assert output[n:].isnan().all()
+    return meta
 
 
-# ------------------------------------------------------------------ multi-step
+def first_visible(case: Case, context: int) -> int:
+    """The first key position any query of a step starting at ``context`` can see."""
+    if case.window is not None:
+        return max(context - case.window + 1, 0)
+    if case.chunk is not None:
+        return context // case.chunk * case.chunk
+    return 0
+
+
+def slot_of(row: Sequence[int], position: int, block_size: int) -> int:
+    return row[position // block_size] * block_size + position % block_size
+
+
+# ------------------------------------------------------------------ multi-step, causal kinds
 
 # Per step: request -> new tokens. "a" is prefilled in three chunks, then decodes; "b"
 # finishes after step 2 and "d" (33 tokens, past a 32-token block) reuses its freed
@@ -180,55 +302,73 @@ SCHEDULE: list[dict[str, int]] = [
 ]
 FINISHED_AFTER = {2: ["b"]}
 NUM_BLOCKS = 14
+NUM_PADDING = 3
 
 
-def _multi_step_case(
-    kind: str, window: int | None, bs: int, dtype: torch.dtype, hq: int, hkv: int, d: int
-) -> Any:
-    return pytest.param(
-        window,
-        bs,
-        dtype,
-        hq,
-        hkv,
-        d,
-        id=f"{kind}-bs{bs}-{DTYPE_NAMES[dtype]}-Hq{hq}-Hkv{hkv}-D{d}",
-    )
+def case_param(id: str, **fields: Any) -> Any:
+    return pytest.param(Case(**fields), id=id)
 
+
+F32, F16, B16 = torch.float32, torch.float16, torch.bfloat16
 
 MULTI_STEP_CASES = [
-    _multi_step_case("full", None, 16, torch.float32, 4, 2, 32),
-    _multi_step_case("full", None, 32, torch.float16, 4, 2, 32),
-    _multi_step_case("full", None, 16, torch.bfloat16, 4, 2, 32),
-    _multi_step_case("full-mqa", None, 16, torch.float16, 4, 1, 48),
-    _multi_step_case("window1", 1, 16, torch.float32, 4, 2, 32),
-    _multi_step_case("window1", 1, 32, torch.bfloat16, 2, 2, 16),
-    _multi_step_case("window7", 7, 16, torch.float16, 4, 2, 32),
-    _multi_step_case("window1000", 1000, 32, torch.float32, 4, 2, 32),
+    case_param("full-bs16-fp32-gqa", dtype=F32),
+    case_param("full-bs32-fp16-gqa", block_size=32),
+    case_param("full-bs64-bf16-mqa-D48", block_size=64, dtype=B16, num_kv_heads=1, head_size=48),
+    case_param("full-bs128-fp16-gqa4", block_size=128, num_heads=8, num_kv_heads=2),
+    case_param("window1-bs16-fp32", kind=WINDOW, window=1, dtype=F32),
+    case_param("window7-bs16-bf16", kind=WINDOW, window=7, dtype=B16),
+    case_param("window1000-bs32-fp16", kind=WINDOW, window=1000, block_size=32),
+    case_param("chunk16-bs16-fp16", kind=CHUNKED, chunk=16),
+    case_param(
+        "chunk24-bs32-fp32-mqa", kind=CHUNKED, chunk=24, block_size=32, dtype=F32, num_kv_heads=1
+    ),
+    case_param("softcap-fp16-large-logits", soft_cap=20.0, query_gain=8.0),
+    case_param("alibi-fp32", dtype=F32, alibi=True),
+    case_param("alibi-window5-bf16", kind=WINDOW, window=5, dtype=B16, alibi=True),
+    case_param("sinks-fp16", sinks=True),
+    case_param(
+        "sinks-chunk32-bs64-bf16", kind=CHUNKED, chunk=32, block_size=64, dtype=B16, sinks=True
+    ),
+    case_param("fp8-fp16-bs16", fp8_scales=(0.25, 2.0)),
+    case_param(
+        "fp8-bf16-bs32-window9-alibi",
+        kind=WINDOW,
+        window=9,
+        block_size=32,
+        dtype=B16,
+        alibi=True,
+        fp8_scales=(4.0, 0.5),
+    ),
+    case_param(
+        "fp8-fp32-bs128-softcap-sinks",
+        block_size=128,
+        dtype=F32,
+        soft_cap=10.0,
+        sinks=True,
+        fp8_scales=(0.5, 0.25),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("window", "bs", "dtype", "hq", "hkv", "d"), MULTI_STEP_CASES)
-def test_chunked_prefill_then_decode_matches_oracle(
-    window: int | None, bs: int, dtype: torch.dtype, hq: int, hkv: int, d: int
-) -> None:
-    spec = make_spec(block_size=bs, dtype=dtype, num_kv_heads=hkv, head_size=d, window=window)
-    builder, impl = make_layer(spec, hq)
+@pytest.mark.parametrize("case", MULTI_STEP_CASES)
+def test_chunked_prefill_then_decode_matches_reference(case: Case) -> None:
+    layer = make_layer(case)
+    bs = case.block_size
     gen = torch.Generator().manual_seed(1234)
-    rng = random.Random(bs * 1000 + (window or 0))
+    rng = random.Random(bs * 1000 + (case.window or 0) + (case.chunk or 0))
     free = list(range(1, NUM_BLOCKS))  # block 0 is the null block: never handed out
     rng.shuffle(free)
-    cache = torch.full((NUM_BLOCKS, 2, bs, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    cache = new_cache(case, NUM_BLOCKS)
     ref_cache = cache.clone()
 
     blocks: dict[str, list[int]] = {}  # every block a request got, in logical order
-    released: dict[str, int] = {}  # leading logical blocks read as 0 (out of the window)
+    released: dict[str, int] = {}  # leading logical blocks read as 0 (out of the window/chunk)
     seq: dict[str, int] = {}
     for step, new_tokens in enumerate(SCHEDULE):
         query_lens: list[int] = []
         seq_lens: list[int] = []
         table: list[list[int]] = []
-        oracle_table: list[list[int]] = []
         slots: list[int] = []
         for req, q_len in new_tokens.items():
             context = seq.get(req, 0)
@@ -236,181 +376,677 @@ def test_chunked_prefill_then_decode_matches_oracle(
             owned = blocks.setdefault(req, [])
             while len(owned) * bs < seq_len:  # the caller grows the table
                 owned.append(free.pop())
-            if window is not None:
-                # Keys below context - window + 1 are out of every query's window.
-                first_needed = max(context - window + 1, 0) // bs
-                released[req] = max(released.get(req, 0), first_needed)
-            cut = released.get(req, 0)
+            cut = released[req] = max(released.get(req, 0), first_visible(case, context) // bs)
             table.append([0] * cut + owned[cut:])
-            oracle_table.append(list(owned))
-            slots.extend(owned[p // bs] * bs + p % bs for p in range(context, seq_len))
+            slots.extend(slot_of(owned, p, bs) for p in range(context, seq_len))
             query_lens.append(q_len)
             seq_lens.append(seq_len)
             seq[req] = seq_len
-        run_step(
-            builder=builder,
-            impl=impl,
-            cache=cache,
-            ref_cache=ref_cache,
+        cm = CommonAttentionMetadata.from_lists(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            table=table,
-            oracle_table=oracle_table,
-            slots=slots,
-            num_heads=hq,
-            window=window,
-            gen=gen,
-            num_padding=3,
+            block_table=table,
+            slot_mapping=slots + [-1] * NUM_PADDING,
+            device=DEVICE,
         )
+        query, key, value = make_inputs(case, len(slots) + NUM_PADDING, gen)
+        meta = run_step(
+            layer, cm, query=query, key=key, value=value, cache=cache, ref_cache=ref_cache
+        )
+        assert meta.num_splits == 0  # num_sms is 1 off CUDA: the unified kernel
         for req in FINISHED_AFTER.get(step, []):
-            # Freed blocks go back to the front of the queue: "d" reuses them.
+            # Freed blocks go back to the end of the queue: "d" reuses them.
             free.extend(blocks.pop(req))
             del seq[req]
-    if window == 1 and bs == 16:
+    if case.window == 1 or case.chunk == 16:
         assert released["a"] > 0, "the scenario should release blocks out of the window"
+
+
+# ------------------------------------------------------------------ cross attention
+
+ENCODER_LENS = {"a": 20, "b": 5, "c": 17}
+# Per step: request -> new decoder tokens. A request's first step writes its encoder
+# states; "b" brings 9 decoder tokens against 5 encoder tokens; "c" reuses "a"'s blocks.
+CROSS_SCHEDULE: list[dict[str, int]] = [
+    {"a": 3},
+    {"a": 1, "b": 9},
+    {"b": 1, "a": 1},
+    {"b": 1, "c": 2},
+]
+CROSS_FINISHED_AFTER = {2: ["a"]}
+
+CROSS_CASES = [
+    case_param("cross-fp16-gqa", kind=CROSS),
+    case_param(
+        "cross-bf16-bs32-softcap-alibi-sinks",
+        kind=CROSS,
+        block_size=32,
+        dtype=B16,
+        soft_cap=15.0,
+        alibi=True,
+        sinks=True,
+    ),
+    case_param("cross-fp8-fp32-mqa", kind=CROSS, dtype=F32, num_kv_heads=1, fp8_scales=(0.5, 2.0)),
+]
+
+
+@pytest.mark.parametrize("case", CROSS_CASES)
+def test_cross_attention_steps_match_reference(case: Case) -> None:
+    layer = make_layer(case)
+    bs = case.block_size
+    gen = torch.Generator().manual_seed(99)
+    free = list(range(1, NUM_BLOCKS))
+    random.Random(7).shuffle(free)
+    cache = new_cache(case, NUM_BLOCKS)
+    ref_cache = cache.clone()
+    blocks: dict[str, list[int]] = {}
+    for step, new_tokens in enumerate(CROSS_SCHEDULE):
+        query_lens = list(new_tokens.values())
+        num_tokens = sum(query_lens) + NUM_PADDING
+        encoder_slots: list[int] = []
+        for req in new_tokens:
+            if req not in blocks:  # first step: write the encoder states
+                e = ENCODER_LENS[req]
+                blocks[req] = [free.pop() for _ in range(-(-e // bs))]
+                encoder_slots.extend(slot_of(blocks[req], p, bs) for p in range(e))
+        num_encoder = len(encoder_slots)
+        cm = CommonAttentionMetadata.from_lists(
+            query_lens=query_lens,
+            seq_lens=[ENCODER_LENS[req] for req in new_tokens],
+            block_table=[blocks[req] for req in new_tokens],
+            slot_mapping=encoder_slots + [-1] * max(num_tokens - num_encoder, 0),
+            device=DEVICE,
+            causal=False,
+        )
+        query, _, _ = make_inputs(case, num_tokens, gen)
+        key: torch.Tensor | None = None
+        value: torch.Tensor | None = None
+        if num_encoder:
+            _, key, value = make_inputs(case, num_encoder, gen)
+        if step == 1:
+            assert cm.num_actual_tokens > num_encoder  # more decoder than encoder tokens
+        meta = run_step(
+            layer, cm, query=query, key=key, value=value, cache=cache, ref_cache=ref_cache
+        )
+        assert meta.causal is False
+        for req in CROSS_FINISHED_AFTER.get(step, []):
+            free.extend(blocks.pop(req))
+
+
+# ------------------------------------------------------------------ encoder-only
+
+# Steps of query lengths (a request is encoded whole in one step): the second grows the
+# scratch cache, the third reuses it; a request with no tokens is skipped.
+ENCODER_STEPS = [[5, 17, 1], [40, 0, 3], [2]]
+
+ENCODER_CASES = [
+    case_param("encoder-fp32-gqa", kind=ENCODER, dtype=F32),
+    case_param(
+        "encoder-bf16-mqa-softcap-alibi-sinks",
+        kind=ENCODER,
+        dtype=B16,
+        num_kv_heads=1,
+        soft_cap=15.0,
+        alibi=True,
+        sinks=True,
+        query_gain=4.0,
+    ),
+    # No cache, so nothing is quantised: the fp8 cache dtype must not change the output.
+    case_param("encoder-fp16-D80-fp8-spec", kind=ENCODER, head_size=80, fp8_scales=(0.5, 2.0)),
+]
+
+
+@pytest.mark.parametrize("case", ENCODER_CASES)
+def test_encoder_only_steps_match_reference(case: Case) -> None:
+    layer = make_layer(case)
+    gen = torch.Generator().manual_seed(5)
+    for lens in ENCODER_STEPS:
+        num_tokens = sum(lens) + NUM_PADDING
+        cm = CommonAttentionMetadata.from_lists(
+            query_lens=lens,
+            seq_lens=lens,
+            block_table=[[] for _ in lens],
+            slot_mapping=[-1] * num_tokens,
+            device=DEVICE,
+            causal=False,
+        )
+        query, key, value = make_inputs(case, num_tokens, gen)
+        meta = run_step(layer, cm, query=query, key=key, value=value, cache=None, ref_cache=None)
+        assert meta.causal is False
+        assert meta.scratch_num_blocks == sum(-(-n // 16) for n in lens)
+
+
+# ------------------------------------------------------------------ split-KV decode
+
+# Decode-only batches of 2 requests over 1 kv head: with num_sms=132 the heuristic
+# splits a context of 801 tokens into 3 (256 tokens a split at least).
+SPLIT_CONTEXTS = [800, 516]
+SPLIT_CASES = [
+    case_param("split-fp16", num_heads=2, num_kv_heads=1),
+    case_param(
+        "split-window100-bf16", kind=WINDOW, window=100, dtype=B16, num_heads=2, num_kv_heads=1
+    ),
+    case_param(
+        "split-sinks-alibi-fp32", dtype=F32, sinks=True, alibi=True, num_heads=4, num_kv_heads=1
+    ),
+    case_param(
+        "split-fp8-fp16-softcap-bs32",
+        block_size=32,
+        soft_cap=10.0,
+        num_heads=2,
+        num_kv_heads=1,
+        fp8_scales=(0.5, 2.0),
+    ),
+]
+
+
+def decode_batch(
+    case: Case, contexts: Sequence[int], caches: Sequence[torch.Tensor], seed: int
+) -> CommonAttentionMetadata:
+    """A decode step (one new token each) after ``contexts`` tokens already in ``caches``."""
+    bs = case.block_size
+    num_blocks = caches[0].shape[0]
+    physical = list(range(1, num_blocks))
+    random.Random(seed).shuffle(physical)
+    gen = torch.Generator().manual_seed(seed)
+    table: list[list[int]] = []
+    context_slots: list[int] = []
+    slots: list[int] = []
+    for context in contexts:
+        row = [physical.pop() for _ in range(-(-(context + 1) // bs))]
+        cut = first_visible(case, context) // bs
+        table.append([0] * cut + row[cut:])
+        context_slots.extend(slot_of(row, p, bs) for p in range(context))
+        slots.append(slot_of(row, context, bs))
+    write_context(case, caches, context_slots, gen)
+    return CommonAttentionMetadata.from_lists(
+        query_lens=[1] * len(contexts),
+        seq_lens=[c + 1 for c in contexts],
+        block_table=table,
+        slot_mapping=[*slots, -1],
+        device=DEVICE,
+    )
+
+
+def blocks_for(case: Case, contexts: Sequence[int]) -> int:
+    return 1 + sum(-(-(c + 1) // case.block_size) for c in contexts)
+
+
+def forbid(*_: Any, **__: Any) -> Any:
+    raise AssertionError("this path must not run")
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_kv_decode_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = make_layer(case)
+    cache = new_cache(case, blocks_for(case, SPLIT_CONTEXTS))
+    ref_cache = cache.clone()
+    cm = decode_batch(case, SPLIT_CONTEXTS, [cache, ref_cache], seed=3)
+    assert layer.builder.build(0, cm).num_splits == 0  # num_sms is 1 off CUDA
+    layer.builder.num_sms = 132
+    meta = layer.builder.build(0, cm)
+    assert meta.num_splits == 3
+    monkeypatch.setattr(layer.impl, "_unified_attention", forbid)
+    query, key, value = make_inputs(
+        case, cm.slot_mapping.shape[0], torch.Generator().manual_seed(4)
+    )
+    run_step(
+        layer, cm, query=query, key=key, value=value, cache=cache, ref_cache=ref_cache, meta=meta
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "query_lens", "expected"),
+    [
+        pytest.param(FULL, [1, 1], 3, id="decode"),
+        pytest.param(FULL, [1, 2], 0, id="speculative-2-tokens"),
+        pytest.param(CROSS, [1, 1], 0, id="cross"),
+    ],
+)
+def test_split_kv_is_chosen_for_causal_single_token_decodes(
+    kind: KVCacheSpecKind, query_lens: list[int], expected: int
+) -> None:
+    spec = Case(kind=kind, num_kv_heads=1).spec()
+    builder = TritonAttentionBackend.get_binding(spec).create(spec, ["l"], CONFIG, DEVICE)
+    assert isinstance(builder, TritonAttentionMetadataBuilder)
+    builder.num_sms = 132
+    width = -(-801 // 16)
+    cm = CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=[801, 517],
+        block_table=[list(range(1, width + 1))] * 2,
+        slot_mapping=[-1] * sum(query_lens),
+        device=DEVICE,
+        causal=kind is not CROSS,
+    )
+    assert builder.build(0, cm).num_splits == expected
+
+
+# ------------------------------------------------------------------ CUDA graphs (mechanics, CPU)
+
+GRAPH_CONFIG = AttentionConfig(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=128)
+GRAPH_BLOCKS = 24
+
+
+def mixed_batch(
+    case: Case,
+    query_lens: list[int],
+    seq_lens: list[int],
+    caches: Sequence[torch.Tensor],
+    *,
+    seed: int,
+    num_padding: int,
+) -> CommonAttentionMetadata:
+    """A batch over shuffled blocks whose contexts are already in ``caches``."""
+    bs = case.block_size
+    physical = list(range(1, caches[0].shape[0]))
+    random.Random(seed).shuffle(physical)
+    gen = torch.Generator().manual_seed(seed)
+    table: list[list[int]] = []
+    context_slots: list[int] = []
+    slots: list[int] = []
+    for q_len, seq_len in zip(query_lens, seq_lens, strict=True):
+        row = [physical.pop() for _ in range(-(-seq_len // bs))]
+        context = seq_len - q_len
+        cut = first_visible(case, context) // bs
+        table.append([0] * cut + row[cut:])
+        context_slots.extend(slot_of(row, p, bs) for p in range(context))
+        slots.extend(slot_of(row, p, bs) for p in range(context, seq_len))
+    write_context(case, caches, context_slots, gen)
+    return CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=slots + [-1] * num_padding,
+        device=DEVICE,
+    )
+
+
+TENSOR_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+GRAPH_CASES = [
+    case_param("full-fp16-gqa", dtype=F16),
+    case_param("window6-bf16-alibi", kind=WINDOW, window=6, dtype=B16, alibi=True),
+    case_param(
+        "chunk32-fp8-fp32-sinks",
+        kind=CHUNKED,
+        chunk=32,
+        dtype=F32,
+        sinks=True,
+        fp8_scales=(0.5, 2.0),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_cudagraph_builds_reuse_fixed_addresses(case: Case) -> None:
+    """Two batches of one shape (3 requests, 6 tokens + 2 padding) through the same buffers."""
+    layer = make_layer(case, GRAPH_CONFIG)
+    cache = new_cache(case, GRAPH_BLOCKS)
+    ref_cache = cache.clone()
+    gen = torch.Generator().manual_seed(11)
+
+    cm1 = mixed_batch(case, [1, 3, 2], [17, 3, 40], [cache, ref_cache], seed=1, num_padding=2)
+    captured = layer.builder.build_for_cudagraph_capture(cm1)
+    addresses = {name: getattr(captured, name).data_ptr() for name in TENSOR_FIELDS}
+    query, key, value = make_inputs(case, 8, gen)
+    run_step(
+        layer,
+        cm1,
+        query=query,
+        key=key,
+        value=value,
+        cache=cache,
+        ref_cache=ref_cache,
+        meta=captured,
+    )
+
+    # Same shape, other lengths and blocks (and a wider block table).
+    cm2 = mixed_batch(case, [2, 1, 3], [5, 100, 3], [cache, ref_cache], seed=2, num_padding=2)
+    replay = layer.builder.build_for_cudagraph_capture(cm2)
+    for name in TENSOR_FIELDS:
+        assert getattr(replay, name).data_ptr() == addresses[name], name
+    assert torch.equal(replay.query_start_loc, cm2.query_start_loc)
+    assert torch.equal(replay.seq_lens, cm2.seq_lens)
+    width = cm2.block_table_tensor.shape[1]
+    assert width > cm1.block_table_tensor.shape[1]
+    assert replay.block_table.shape == (3, 128 // case.block_size)  # the buffer's full width
+    assert torch.equal(replay.block_table[:, :width], cm2.block_table_tensor)
+    assert torch.equal(replay.slot_mapping, cm2.slot_mapping)
+    # Everything but the tensors' contents depends on the batch's shape only.
+    scalars = [f.name for f in dataclasses.fields(replay) if f.name not in TENSOR_FIELDS]
+    assert {n: getattr(replay, n) for n in scalars} == {n: getattr(captured, n) for n in scalars}
+    assert (replay.max_query_len, replay.max_seq_len, replay.num_splits) == (6, 128, 0)
+
+    # Replaying the captured metadata object runs the second batch.
+    query, key, value = make_inputs(case, 8, gen)
+    run_step(
+        layer,
+        cm2,
+        query=query,
+        key=key,
+        value=value,
+        cache=cache,
+        ref_cache=ref_cache,
+        meta=captured,
+    )
+
+
+def test_cudagraph_build_of_a_step_longer_than_max_model_len() -> None:
+    """40 tokens (4 prefills of 10) under max_model_len=32: the query bound stays valid."""
+    case = Case(dtype=F32, num_kv_heads=1, num_heads=2, head_size=16)
+    config = AttentionConfig(max_num_reqs=4, max_num_batched_tokens=64, max_model_len=32)
+    layer = make_layer(case, config)
+    cache = new_cache(case, 8)
+    ref_cache = cache.clone()
+    cm = mixed_batch(case, [10] * 4, [10] * 4, [cache, ref_cache], seed=5, num_padding=1)
+    meta = layer.builder.build_for_cudagraph_capture(cm)
+    assert meta.max_query_len <= meta.max_seq_len == 32
+    query, key, value = make_inputs(case, 41, torch.Generator().manual_seed(6))
+    run_step(
+        layer, cm, query=query, key=key, value=value, cache=cache, ref_cache=ref_cache, meta=meta
+    )
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "setting"),
+    [
+        pytest.param([1] * 5, [1] * 5, "max_num_reqs", id="requests"),
+        pytest.param([9, 8], [9, 8], "max_num_batched_tokens", id="tokens"),
+        pytest.param([1], [129], "max_model_len", id="block-table-width"),
+    ],
+)
+def test_cudagraph_build_over_the_limits_raises(
+    query_lens: list[int], seq_lens: list[int], setting: str
+) -> None:
+    layer = make_layer(Case(), GRAPH_CONFIG)
+    cm = CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=[[1] * -(-s // 16) for s in seq_lens],
+        slot_mapping=[-1] * sum(query_lens),
+        device=DEVICE,
+    )
+    with pytest.raises(RuntimeError, match=f"raise AttentionConfig\\.{setting}$"):
+        layer.builder.build_for_cudagraph_capture(cm)
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        pytest.param(FULL, AttentionCGSupport.ALWAYS, id="full"),
+        pytest.param(WINDOW, AttentionCGSupport.ALWAYS, id="sliding_window"),
+        pytest.param(CHUNKED, AttentionCGSupport.ALWAYS, id="chunked_local"),
+        pytest.param(ENCODER, AttentionCGSupport.NEVER, id="encoder_only"),
+        pytest.param(CROSS, AttentionCGSupport.NEVER, id="cross"),
+    ],
+)
+def test_cudagraph_support_per_kind(kind: KVCacheSpecKind, expected: AttentionCGSupport) -> None:
+    case = Case(kind=kind, window=4, chunk=32)
+    spec = case.spec()
+    assert TritonAttentionMetadataBuilder.get_cudagraph_support(CONFIG, spec) is expected
+    if expected is AttentionCGSupport.NEVER:
+        layer = make_layer(case, GRAPH_CONFIG)
+        cm = CommonAttentionMetadata.from_lists(
+            query_lens=[2],
+            seq_lens=[2],
+            block_table=[[]] if kind is ENCODER else [[1]],
+            slot_mapping=[-1, -1],
+            device=DEVICE,
+            causal=False,
+        )
+        with pytest.raises(RuntimeError, match=f"{kind.value} layers cannot be captured"):
+            layer.builder.build_for_cudagraph_capture(cm)
+
+
+ALLOCATORS = ("empty", "zeros", "full", "tensor", "empty_like")
+
+
+@pytest.mark.parametrize(
+    ("case", "split", "batches"),
+    [
+        pytest.param(
+            Case(alibi=True, sinks=True, fp8_scales=(0.5, 2.0), num_heads=2, num_kv_heads=1),
+            False,
+            [[40, 3], [20, 33]],
+            id="unified-fp8-alibi-sinks",
+        ),
+        pytest.param(
+            Case(sinks=True, fp8_scales=(0.5, 2.0), num_heads=2, num_kv_heads=1),
+            True,
+            [[800, 516], [780, 530]],
+            id="split-fp8-sinks",
+        ),
+        pytest.param(
+            Case(kind=ENCODER, alibi=True), False, [[20, 5], [9, 16]], id="encoder-only-alibi"
+        ),
+    ],
+)
+def test_second_forward_allocates_nothing(
+    case: Case, split: bool, batches: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a first step, a step of the same shape allocates nothing in ``forward``.
+
+    ``batches``: the decode contexts of the two steps (encoder-only: the query lengths).
+    """
+    layer = make_layer(case)
+    layer.builder.num_sms = 132
+
+    @contextlib.contextmanager
+    def no_allocation() -> Any:
+        with monkeypatch.context() as patch:
+            for name in ALLOCATORS:
+                patch.setattr(torch, name, forbid)
+            yield
+
+    for step, lens in enumerate(batches):
+        cache: torch.Tensor | None = None
+        ref_cache: torch.Tensor | None = None
+        if case.kind is ENCODER:
+            cm = CommonAttentionMetadata.from_lists(
+                query_lens=lens,
+                seq_lens=lens,
+                block_table=[[] for _ in lens],
+                slot_mapping=[-1] * (sum(lens) + 1),
+                device=DEVICE,
+                causal=False,
+            )
+        else:
+            cache = new_cache(case, blocks_for(case, [800, 800]))
+            ref_cache = cache.clone()
+            cm = decode_batch(case, lens, [cache, ref_cache], seed=step)
+        meta = layer.builder.build(0, cm)
+        assert (meta.num_splits > 1) is split
+        query, key, value = make_inputs(
+            case, cm.slot_mapping.shape[0], torch.Generator().manual_seed(20 + step)
+        )
+        run_step(
+            layer,
+            cm,
+            query=query,
+            key=key,
+            value=value,
+            cache=cache,
+            ref_cache=ref_cache,
+            meta=meta,
+            guard=no_allocation if step else contextlib.nullcontext,
+        )
+
+
+# ------------------------------------------------------------------ ragged batches (hypothesis)
 
 
 @settings(max_examples=8, deadline=None)
 @given(
     requests=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=1, max_size=4),
-    block_size=st.sampled_from([16, 32]),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    window=st.sampled_from([None, 1, 5, 64]),
+    kind=st.sampled_from([FULL, WINDOW, CHUNKED]),
+    span=st.sampled_from([1, 5, 16, 64]),
+    block_size=st.sampled_from([16, 32, 64, 128]),
+    dtype=st.sampled_from([F32, F16, B16]),
     heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    features=st.sets(st.sampled_from(["softcap", "alibi", "sinks", "fp8"])),
     seed=st.integers(0, 2**16),
 )
-def test_ragged_batches_match_oracle(
+def test_ragged_batches_match_reference(
     requests: list[tuple[int, int]],
+    kind: KVCacheSpecKind,
+    span: int,
     block_size: int,
     dtype: torch.dtype,
-    window: int | None,
     heads: tuple[int, int],
+    features: set[str],
     seed: int,
 ) -> None:
     """One step of (context, new tokens) requests over a cache that already holds the context."""
-    hq, hkv = heads
-    head_size = 16
-    spec = make_spec(
-        block_size=block_size, dtype=dtype, num_kv_heads=hkv, head_size=head_size, window=window
+    case = Case(
+        kind=kind,
+        dtype=dtype,
+        block_size=block_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_size=16,
+        window=span if kind is WINDOW else None,
+        chunk=span if kind is CHUNKED else None,
+        soft_cap=12.0 if "softcap" in features else None,
+        alibi="alibi" in features,
+        sinks="sinks" in features,
+        fp8_scales=(0.5, 1.5) if "fp8" in features else None,
     )
-    builder, impl = make_layer(spec, hq)
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-(c + q) // block_size) for c, q in requests]
-    num_blocks = 1 + sum(needed)
-    physical = list(range(1, num_blocks))
-    random.Random(seed).shuffle(physical)
-    cache = torch.full(
-        (num_blocks, 2, block_size, hkv, head_size), float("nan"), dtype=dtype, device=DEVICE
+    layer = make_layer(case)
+    num_padding = seed % 3
+    caches = [new_cache(case, 1 + sum(-(-(c + q) // block_size) for c, q in requests))]
+    caches.append(caches[0].clone())
+    cm = mixed_batch(
+        case,
+        [q for _, q in requests],
+        [c + q for c, q in requests],
+        caches,
+        seed=seed,
+        num_padding=num_padding,
     )
-    table: list[list[int]] = []
-    slots: list[int] = []
-    context_slots: list[int] = []
-    for (context, q_len), count in zip(requests, needed, strict=True):
-        row = [physical.pop() for _ in range(count)]
-        table.append(row)
-        context_slots.extend(
-            row[p // block_size] * block_size + p % block_size for p in range(context)
-        )
-        slots.extend(
-            row[p // block_size] * block_size + p % block_size
-            for p in range(context, context + q_len)
-        )
-    # Earlier steps' K/V, written the same way into both caches.
-    prior = torch.tensor(context_slots, dtype=torch.int64, device=DEVICE)
-    prior_k = torch.randn(len(context_slots), hkv, head_size, generator=gen).to(DEVICE, dtype)
-    prior_v = torch.randn(len(context_slots), hkv, head_size, generator=gen).to(DEVICE, dtype)
-    torch_write_kv_cache(prior_k, prior_v, cache, prior)
-    run_step(
-        builder=builder,
-        impl=impl,
-        cache=cache,
-        ref_cache=cache.clone(),
-        query_lens=[q for _, q in requests],
-        seq_lens=[c + q for c, q in requests],
-        table=table,
-        oracle_table=table,
-        slots=slots,
-        num_heads=hq,
-        window=window,
-        gen=gen,
-        num_padding=seed % 3,
+    query, key, value = make_inputs(
+        case, cm.num_actual_tokens + num_padding, torch.Generator().manual_seed(seed)
     )
+    run_step(layer, cm, query=query, key=key, value=value, cache=caches[0], ref_cache=caches[1])
 
 
 # ------------------------------------------------------------------ builder
 
 
-def _batch() -> CommonAttentionMetadata:
+def _batch(causal: bool = True) -> CommonAttentionMetadata:
     return CommonAttentionMetadata.from_lists(
         query_lens=[1, 4],
         seq_lens=[17, 4],
         block_table=[[3, 1], [2]],
         slot_mapping=[17, 32, 33, 34, 35, -1],
         device=DEVICE,
+        causal=causal,
     )
+
+
+METADATA_FIELDS = [
+    "query_start_loc",
+    "seq_lens",
+    "block_table",
+    "slot_mapping",
+    "max_query_len",
+    "max_seq_len",
+    "num_actual_tokens",
+    "causal",
+    "sliding_window",
+    "chunk_size",
+    "num_splits",
+    "scratch_block_table",
+    "scratch_slot_mapping",
+    "scratch_num_blocks",
+]
 
 
 @pytest.mark.parametrize(
-    ("window", "expected_window"),
-    [pytest.param(None, None, id="full"), pytest.param(9, 9, id="window9")],
+    ("case", "causal"),
+    [
+        pytest.param(Case(), True, id="full"),
+        pytest.param(Case(kind=WINDOW, window=9), True, id="window9"),
+        pytest.param(Case(kind=CHUNKED, chunk=32), True, id="chunk32"),
+        pytest.param(Case(kind=CROSS), False, id="cross"),
+    ],
 )
-def test_build_passes_the_batch_through_unchanged(
-    window: int | None, expected_window: int | None
-) -> None:
-    spec = make_spec(
-        block_size=16, dtype=torch.float16, num_kv_heads=2, head_size=64, window=window
-    )
-    builder, _ = make_layer(spec, 4)
-    cm = _batch()
+def test_build_passes_the_batch_through_unchanged(case: Case, causal: bool) -> None:
+    builder = make_layer(case).builder
+    builder.num_sms = 132  # the split path stays off for a batch with a prefill
+    cm = _batch(causal)
     meta = builder.build(0, cm)
     assert isinstance(meta, TritonAttentionMetadata)
-    assert [f.name for f in dataclasses.fields(meta)] == [
-        "query_start_loc",
-        "seq_lens",
-        "block_table",
-        "slot_mapping",
-        "max_query_len",
-        "max_seq_len",
-        "num_actual_tokens",
-        "sliding_window",
-    ]
+    assert [f.name for f in dataclasses.fields(meta)] == METADATA_FIELDS
     # The very tensors of the batch: no copies, no conversions.
     assert meta.query_start_loc is cm.query_start_loc
     assert meta.seq_lens is cm.seq_lens
     assert meta.block_table is cm.block_table_tensor
     assert meta.slot_mapping is cm.slot_mapping
     assert (meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (4, 17, 5)
-    assert meta.sliding_window == expected_window
+    assert meta.causal is causal
+    assert (meta.sliding_window, meta.chunk_size) == (case.window, case.chunk)
+    assert meta.num_splits == 0
+    assert (meta.scratch_block_table, meta.scratch_slot_mapping) == (None, None)
+    assert meta.scratch_num_blocks == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.max_query_len = 1  # type: ignore[misc]
 
 
-def test_build_rejects_a_non_causal_batch() -> None:
-    spec = make_spec(block_size=16, dtype=torch.float16, num_kv_heads=2, head_size=64, window=None)
-    builder, _ = make_layer(spec, 4)
-    cm = dataclasses.replace(_batch(), causal=False)
-    with pytest.raises(ValueError, match="causal only"):
-        builder.build(0, cm)
+def test_encoder_only_build_lays_out_a_scratch_cache() -> None:
+    builder = make_layer(Case(kind=ENCODER)).builder
+    lens = [5, 17, 0, 1, 32]
+    cm = CommonAttentionMetadata.from_lists(
+        query_lens=lens,
+        seq_lens=lens,
+        block_table=[[] for _ in lens],
+        slot_mapping=[-1] * (sum(lens) + 2),
+        device=DEVICE,
+        causal=False,
+    )
+    meta = builder.build(0, cm)
+    assert meta.query_start_loc is cm.query_start_loc
+    assert meta.seq_lens is cm.seq_lens
+    assert meta.slot_mapping is cm.slot_mapping
+    assert meta.causal is False
+    assert meta.num_splits == 0
+    assert meta.scratch_block_table is not None
+    assert meta.scratch_slot_mapping is not None
+    assert meta.scratch_block_table.dtype == torch.int32
+    assert meta.scratch_slot_mapping.dtype == torch.int64
+    needed = [-(-n // 16) for n in lens]
+    assert meta.scratch_num_blocks == sum(needed) == 6
+    table = meta.scratch_block_table.tolist()
+    slots = meta.scratch_slot_mapping.tolist()
+    assert len(table) == len(lens)
+    assert len(table[0]) == max(needed)
+    assert len(slots) == sum(lens)
+    used = [table[b][i] for b in range(len(lens)) for i in range(needed[b])]
+    assert sorted(used) == list(range(6)), "each request gets blocks of its own"
+    start = 0
+    for b, n in enumerate(lens):
+        assert slots[start : start + n] == [slot_of(table[b], p, 16) for p in range(n)]
+        start += n
 
 
-def test_cudagraph_support_is_single_token_decode() -> None:
-    for window in (None, 4):
-        spec = make_spec(
-            block_size=16, dtype=torch.float16, num_kv_heads=2, head_size=64, window=window
-        )
-        builder, _ = make_layer(spec, 4)
-        support = TritonAttentionMetadataBuilder.get_cudagraph_support(CONFIG, spec)
-        assert support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        decode = CommonAttentionMetadata.from_lists(
-            query_lens=[1, 1],
-            seq_lens=[17, 4],
-            block_table=[[3, 1], [2]],
-            slot_mapping=[17, 35],
-            device=DEVICE,
-        )
-        assert builder.build_for_cudagraph_capture(decode).max_query_len == 1
-        with pytest.raises(RuntimeError, match="UNIFORM_SINGLE_TOKEN_DECODE"):
-            builder.build_for_cudagraph_capture(_batch())
+@pytest.mark.parametrize(
+    ("case", "causal", "match"),
+    [
+        pytest.param(Case(), False, "a full_attention group needs causal=True", id="full"),
+        pytest.param(
+            Case(kind=ENCODER),
+            True,
+            "a encoder_only_attention group needs causal=False",
+            id="encoder-only",
+        ),
+        pytest.param(
+            Case(kind=CROSS), True, "a cross_attention group needs causal=False", id="cross"
+        ),
+    ],
+)
+def test_build_rejects_the_wrong_causality(case: Case, causal: bool, match: str) -> None:
+    builder = make_layer(case).builder
+    with pytest.raises(ValueError, match=f"{match}, got causal={causal}"):
+        builder.build(0, _batch(causal))
 
 
 @pytest.mark.parametrize(
@@ -421,6 +1057,10 @@ def test_cudagraph_support_is_single_token_decode() -> None:
                 block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4
             ),
             id="sink_full",
+        ),
+        pytest.param(
+            MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16),
+            id="mla",
         ),
         pytest.param(
             SlidingWindowMLASpec(
@@ -442,6 +1082,7 @@ def test_subclass_specs_matching_a_binding_are_refused(spec: AttentionSpec) -> N
 
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+SUPPORTED_FEATURES = "alibi, attention_sinks, logits_soft_cap"
 
 
 @pytest.mark.parametrize(
@@ -462,27 +1103,10 @@ SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torc
             id="mamba2-params",
         ),
         pytest.param(
-            AttentionLayerParams(num_heads=4, logits_soft_cap=30.0),
-            ValueError,
-            "logits_soft_cap, which triton_attn does not support",
-            id="softcap",
-        ),
-        pytest.param(
-            AttentionLayerParams(num_heads=2, alibi_slopes=(0.5, 0.25)),
-            ValueError,
-            "alibi",
-            id="alibi",
-        ),
-        pytest.param(
-            AttentionLayerParams(num_heads=2, sinks=torch.zeros(2)),
-            ValueError,
-            "attention_sinks",
-            id="sinks",
-        ),
-        pytest.param(
             AttentionLayerParams(num_heads=2, return_lse=True),
             ValueError,
-            "return_lse",
+            "TritonAttentionImpl: the layer needs return_lse, which triton_attn does not "
+            f"support \\(supported features: {SUPPORTED_FEATURES}\\)",
             id="return-lse",
         ),
         pytest.param(
@@ -490,6 +1114,14 @@ SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torc
             ValueError,
             "v_head_size=32",
             id="v-head-size",
+        ),
+        pytest.param(
+            AttentionLayerParams(
+                num_heads=2, sink_key=torch.zeros(4, 2, 64), sink_value=torch.zeros(4, 2, 64)
+            ),
+            ValueError,
+            "sink tokens",
+            id="sink-tokens",
         ),
         pytest.param(
             AttentionLayerParams(num_heads=3), ValueError, "not a multiple", id="num-heads"
@@ -503,6 +1135,15 @@ def test_impl_rejects_unusable_layer_params(
         TritonAttentionBackend.get_binding(SPEC).create_impl(SPEC, params)
 
 
+def test_impl_accepts_every_declared_feature() -> None:
+    params = AttentionLayerParams(
+        num_heads=4, logits_soft_cap=30.0, alibi_slopes=(0.5,) * 4, sinks=torch.zeros(4)
+    )
+    assert params.features == TritonAttentionBackend.supported_features
+    impl = TritonAttentionBackend.get_binding(SPEC).create_impl(SPEC, params)
+    assert isinstance(impl, TritonAttentionImpl)
+
+
 def test_impl_scale_defaults_to_inverse_sqrt_head_size() -> None:
     binding = TritonAttentionBackend.get_binding(SPEC)
     impl = binding.create_impl(SPEC, AttentionLayerParams(num_heads=4))
@@ -513,13 +1154,39 @@ def test_impl_scale_defaults_to_inverse_sqrt_head_size() -> None:
     assert impl.scale == 0.2
 
 
-def test_forward_needs_key_and_value() -> None:
-    _, impl = make_layer(SPEC, 4)
-    cache = torch.zeros(2, 2, 16, 2, 64, dtype=torch.float16, device=DEVICE)
-    meta = TritonAttentionMetadataBuilder(SPEC, ["l"], CONFIG, DEVICE).build(0, _batch())
-    query = torch.zeros(6, 4, 64, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(ValueError, match="needs key and value"):
-        impl.forward(query, None, None, [cache], meta, torch.empty_like(query))
+@pytest.mark.parametrize(
+    ("case", "with_kv", "num_caches", "match"),
+    [
+        pytest.param(Case(), False, 1, "forward needs key and value", id="full-no-kv"),
+        pytest.param(
+            Case(kind=ENCODER), False, 0, "forward needs key and value", id="encoder-no-kv"
+        ),
+        pytest.param(Case(), True, 0, "expects one cache tensor per layer, got 0", id="no-cache"),
+        pytest.param(Case(), True, 2, "expects one cache tensor per layer, got 2", id="two-caches"),
+    ],
+)
+def test_forward_rejects_missing_inputs(
+    case: Case, with_kv: bool, num_caches: int, match: str
+) -> None:
+    layer = make_layer(case)
+    causal = case.kind is not ENCODER
+    cm = CommonAttentionMetadata.from_lists(
+        query_lens=[2],
+        seq_lens=[2],
+        block_table=[[1]] if causal else [[]],
+        slot_mapping=[16, 17] if causal else [-1, -1],
+        device=DEVICE,
+        causal=causal,
+    )
+    meta = layer.builder.build(0, cm)
+    query, key, value = make_inputs(case, 2, torch.Generator().manual_seed(0))
+    caches = [new_cache(case, 2) for _ in range(num_caches)]
+    output = torch.full_like(query, float("nan"))
+    if not with_kv:
+        key = value = None
+    with pytest.raises(ValueError, match=match):
+        layer.impl.forward(query, key, value, caches, meta, output)
+    assert output.isnan().all()
 
 
 # ------------------------------------------------------------------ declarations
@@ -540,38 +1207,63 @@ def _reasons(
 def test_declarations_are_valid() -> None:
     assert TritonAttentionBackend.declaration_problems() == []
     assert TritonAttentionBackend.name == "triton_attn"
-    assert TritonAttentionBackend.supported_kinds == {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
+    assert TritonAttentionBackend.supported_kinds == {FULL, WINDOW, CHUNKED, ENCODER, CROSS}
+    assert TritonAttentionBackend.supported_features == {
+        AttentionFeature.LOGITS_SOFT_CAP,
+        AttentionFeature.ALIBI,
+        AttentionFeature.ATTENTION_SINKS,
     }
+    assert TritonAttentionBackend.supported_kv_cache_dtypes == {"auto", "fp8_e4m3"}
+    assert TritonAttentionBackend.supported_block_sizes == (16, 32, 64, 128)
+    assert TritonAttentionBackend.supported_devices == {"cpu", "cuda"}
 
 
-def test_declarations_agree_with_the_kernel_launcher() -> None:
-    from attnkit.kernels.triton import unified_attention as launcher
+def test_declarations_agree_with_the_kernel_launchers() -> None:
+    from attnkit.backends.triton_attn import backend
+    from attnkit.kernels.triton import kv_write, split_kv_decode, unified_attention
 
-    low, high = launcher._MIN_HEAD_DIM, launcher._MAX_HEAD_DIM
-    assert TritonAttentionBackend.supported_head_sizes == (SizeRange(low, high),)
-    assert TritonAttentionBackend.supported_block_sizes == launcher._SUPPORTED_BLOCK_SIZES
-    assert TritonAttentionBackend.supported_dtypes == frozenset(launcher._SUPPORTED_DTYPES)
+    for launcher in (unified_attention, split_kv_decode):
+        low, high = launcher._MIN_HEAD_DIM, launcher._MAX_HEAD_DIM
+        assert TritonAttentionBackend.supported_head_sizes == (SizeRange(low, high),)
+        assert TritonAttentionBackend.supported_block_sizes == launcher._SUPPORTED_BLOCK_SIZES
+    for module in (unified_attention, split_kv_decode, kv_write):
+        assert TritonAttentionBackend.supported_dtypes == frozenset(module._SUPPORTED_DTYPES)
+    assert unified_attention._FP8_DTYPE == kv_write._FP8_DTYPE == FP8
+    assert split_kv_decode._FP8_CACHE_DTYPES == (FP8,)
+    assert backend._SCRATCH_BLOCK_SIZE in unified_attention._SUPPORTED_BLOCK_SIZES
+    assert 1 <= backend._SPLIT_KV_MAX_QUERY_LEN <= split_kv_decode.MAX_QUERY_LEN
 
 
 def test_supported_specs_have_no_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for bs in (16, 32):
-            for head_size in (16, 80, 256):
-                for window in (None, 1):
-                    spec = make_spec(
-                        block_size=bs,
-                        dtype=dtype,
-                        num_kv_heads=1,
-                        head_size=head_size,
-                        window=window,
-                    )
-                    assert _reasons(spec) == []
+    for kind in (FULL, WINDOW, CHUNKED, ENCODER, CROSS):
+        for dtype in (F32, F16, B16):
+            for bs in (16, 32, 64, 128):
+                for head_size in (16, 80, 256):
+                    for fp8 in (None, (1.0, 1.0)):
+                        case = Case(
+                            kind=kind,
+                            dtype=dtype,
+                            block_size=bs,
+                            num_kv_heads=1,
+                            head_size=head_size,
+                            window=1,
+                            chunk=64,
+                            fp8_scales=fp8,
+                        )
+                        features = case.params().features | {
+                            AttentionFeature.ALIBI,
+                            AttentionFeature.ATTENTION_SINKS,
+                            AttentionFeature.LOGITS_SOFT_CAP,
+                        }
+                        assert _reasons(case.spec(), features=frozenset(features)) == []
 
 
 ALL_HEAD_SIZES = "16 to 256"
+ALL_KINDS = (
+    "chunked_local_attention, cross_attention, encoder_only_attention, full_attention, "
+    "sliding_window"
+)
 
 
 @pytest.mark.parametrize(
@@ -590,10 +1282,16 @@ ALL_HEAD_SIZES = "16 to 256"
             id="head-size-512",
         ),
         pytest.param(
-            FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.float16),
+            FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=64, dtype=torch.float16),
             frozenset(),
-            ["block_size=64 not supported (supported: 16, 32)"],
-            id="block-size-64",
+            ["block_size=8 not supported (supported: 16, 32, 64, 128)"],
+            id="block-size-8",
+        ),
+        pytest.param(
+            FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16),
+            frozenset(),
+            ["block_size=256 not supported (supported: 16, 32, 64, 128)"],
+            id="block-size-256",
         ),
         pytest.param(
             FullAttentionSpec(
@@ -601,32 +1299,43 @@ ALL_HEAD_SIZES = "16 to 256"
                 num_kv_heads=2,
                 head_size=64,
                 dtype=torch.float16,
-                kv_cache_dtype="fp8_e4m3",
+                kv_cache_dtype="fp8_e5m2",
             ),
             frozenset(),
-            ["kv_cache_dtype=fp8_e4m3 not supported (supported: auto)"],
-            id="fp8-kv-cache",
+            ["kv_cache_dtype=fp8_e5m2 not supported (supported: auto, fp8_e4m3)"],
+            id="fp8-e5m2-kv-cache",
         ),
         pytest.param(
-            SPEC,
-            frozenset({AttentionFeature.LOGITS_SOFT_CAP}),
-            ["feature logits_soft_cap not supported (supported: none)"],
-            id="feature-softcap",
-        ),
-        pytest.param(
-            ChunkedLocalAttentionSpec(
+            FullAttentionSpec(
                 block_size=16,
                 num_kv_heads=2,
                 head_size=64,
                 dtype=torch.float16,
-                attention_chunk_size=64,
+                kv_cache_dtype="float32",
             ),
             frozenset(),
-            [
-                "kind=chunked_local_attention not supported "
-                "(supported: full_attention, sliding_window)"
-            ],
-            id="kind-chunked-local",
+            ["kv_cache_dtype=float32 not supported (supported: auto, fp8_e4m3)"],
+            id="float32-kv-cache",
+        ),
+        pytest.param(
+            SPEC,
+            frozenset({AttentionFeature.RETURN_LSE}),
+            [f"feature return_lse not supported (supported: {SUPPORTED_FEATURES})"],
+            id="feature-return-lse",
+        ),
+        pytest.param(
+            SinkFullAttentionSpec(
+                block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4
+            ),
+            frozenset(),
+            [f"kind=sink_full_attention not supported (supported: {ALL_KINDS})"],
+            id="kind-sink-full",
+        ),
+        pytest.param(
+            MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16),
+            frozenset(),
+            [f"kind=mla_attention not supported (supported: {ALL_KINDS})"],
+            id="kind-mla",
         ),
     ],
 )
@@ -678,30 +1387,37 @@ def test_kernels_imported_without_the_interpreter_are_reported(
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, "attnkit.kernels.triton.unified_attention", CompiledKernels)
-    (reason,) = _reasons()
-    assert reason.startswith("device=cpu needs the Triton interpreter, but attnkit's Triton")
+    assert _reasons() == [
+        "device=cpu needs the Triton interpreter, but attnkit's Triton kernels were already "
+        "imported without it (set TRITON_INTERPRET=1 before importing triton)"
+    ]
 
 
 def test_importing_the_backend_does_not_import_triton() -> None:
+    """Selecting the backend (import, reasons, bindings) never imports triton; only
+    constructing a builder or impl does."""
     code = textwrap.dedent(
         """
         import sys
         import torch
         import attnkit
-        from attnkit import AttentionConfig, BackendRequest, CommonAttentionMetadata
-        from attnkit import FullAttentionSpec
-        from attnkit.backends.triton_attn import TritonAttentionBackend
+        from attnkit import BackendRequest, EncoderOnlyAttentionSpec, FullAttentionSpec
+        from attnkit.backends.triton_attn import (
+            TritonAttentionBackend,
+            TritonAttentionMetadataBuilder,
+        )
 
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
-        TritonAttentionBackend.not_supported_reasons(
-            BackendRequest(spec=spec, device=torch.device("cpu"))
-        )
-        builder = TritonAttentionBackend.get_binding(spec).create(
-            spec, ["l"], AttentionConfig(), torch.device("cpu")
-        )
-        builder.build(0, CommonAttentionMetadata.from_lists(
-            query_lens=[2], seq_lens=[2], block_table=[[1]], slot_mapping=[16, 17]
-        ))
+        for spec in (
+            FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16),
+            EncoderOnlyAttentionSpec(
+                block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16
+            ),
+        ):
+            TritonAttentionBackend.not_supported_reasons(
+                BackendRequest(spec=spec, device=torch.device("cpu"))
+            )
+            TritonAttentionBackend.get_binding(spec)
+            TritonAttentionMetadataBuilder.get_cudagraph_support(attnkit.AttentionConfig(), spec)
         loaded = sorted(m for m in sys.modules if m == "triton" or m.startswith("triton."))
         print(loaded)
         """
@@ -714,80 +1430,145 @@ def test_importing_the_backend_does_not_import_triton() -> None:
     assert result.stdout.strip() == "[]"
 
 
-# ------------------------------------------------------------------ CUDA graphs
+# ------------------------------------------------------------------ GPU, realistic sizes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GPU_LAYER: dict[str, Any] = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_decode_step_replays_in_a_cuda_graph() -> None:
-    """A captured single-token decode step, replayed with new lengths, slots and inputs."""
-    dev = torch.device("cuda")
-    dtype, bs, hq, hkv, d, num_reqs, width = torch.float16, 16, 4, 2, 64, 3, 4
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype)
-    binding = TritonAttentionBackend.get_binding(spec)
-    builder = binding.create(spec, ["l"], CONFIG, dev)
-    impl = binding.create_impl(spec, AttentionLayerParams(num_heads=hq))
-    num_blocks = 1 + num_reqs * width
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(num_blocks, 2, bs, hkv, d, generator=gen).to(dev, dtype)
-    # Fixed-address buffers, refilled before every replay.
-    qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=dev)
-    seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=dev)
-    table = torch.zeros(num_reqs, width, dtype=torch.int32, device=dev)
-    slots = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
-    query = torch.zeros(num_reqs, hq, d, dtype=dtype, device=dev)
-    key = torch.zeros(num_reqs, hkv, d, dtype=dtype, device=dev)
-    value = torch.zeros(num_reqs, hkv, d, dtype=dtype, device=dev)
-    output = torch.zeros(num_reqs, hq, d, dtype=dtype, device=dev)
-
-    def fill(lens: list[int], seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        rows = torch.randperm(num_blocks - 1, generator=g)[: num_reqs * width] + 1
-        rows = rows.reshape(num_reqs, width).to(torch.int32)
-        table.copy_(rows)
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        last = torch.tensor(lens) - 1
-        slots.copy_(rows[torch.arange(num_reqs), last // bs].long() * bs + last % bs)
-        query.copy_(torch.randn(num_reqs, hq, d, generator=g))
-        key.copy_(torch.randn(num_reqs, hkv, d, generator=g))
-        value.copy_(torch.randn(num_reqs, hkv, d, generator=g))
-
-    capture_lens = [width * bs] * num_reqs
-    fill(capture_lens, 1)
-    qsl_cpu = qsl.cpu()
-    cm = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens,
-        seq_lens_cpu=seq_lens.cpu(),
-        num_reqs=num_reqs,
-        num_actual_tokens=num_reqs,
-        max_query_len=1,
-        max_seq_len=width * bs,
-        block_table_tensor=table,
-        slot_mapping=slots,
+@needs_cuda
+@pytest.mark.parametrize(
+    ("case", "query_lens", "seq_lens", "split"),
+    [
+        pytest.param(
+            Case(dtype=B16, **GPU_LAYER),
+            [1] * 64,
+            [4096 - 37 * b for b in range(64)],
+            False,
+            id="decode-B64-ctx4k-bf16",
+        ),
+        pytest.param(
+            Case(dtype=B16, fp8_scales=(0.05, 0.02), **GPU_LAYER),
+            [1] * 64,
+            [4096 - 37 * b for b in range(64)],
+            False,
+            id="decode-B64-ctx4k-fp8",
+        ),
+        pytest.param(
+            Case(kind=WINDOW, window=1024, dtype=B16, sinks=True, **GPU_LAYER),
+            [1] * 4,
+            [8192, 5000, 300, 8000],
+            True,
+            id="decode-split-window-sinks-bf16",
+        ),
+        pytest.param(
+            Case(dtype=B16, **GPU_LAYER),
+            [2048, 1024, 1],
+            [2048, 3072, 2500],
+            False,
+            id="prefill-2k-bf16",
+        ),
+        pytest.param(
+            Case(dtype=B16, fp8_scales=(0.05, 0.02), alibi=True, **GPU_LAYER),
+            [2048, 1024, 1],
+            [2048, 3072, 2500],
+            False,
+            id="prefill-2k-fp8-alibi",
+        ),
+    ],
+)
+def test_realistic_sizes_match_reference_on_gpu(
+    case: Case, query_lens: list[int], seq_lens: list[int], split: bool
+) -> None:
+    layer = make_layer(case)
+    layer.builder.num_sms = 132  # an H100/H200, whatever the device: B=4 splits, B=64 not
+    cache = new_cache(case, 1 + sum(-(-s // case.block_size) for s in seq_lens))
+    ref_cache = cache.clone()
+    cm = mixed_batch(case, query_lens, seq_lens, [cache, ref_cache], seed=0, num_padding=5)
+    meta = layer.builder.build(0, cm)
+    assert (meta.num_splits > 1) is split
+    query, key, value = make_inputs(
+        case, cm.slot_mapping.shape[0], torch.Generator().manual_seed(1)
     )
-    meta = builder.build_for_cudagraph_capture(cm)
-    impl.forward(query, key, value, [cache], meta, output)  # compiles the kernels
-    torch.cuda.synchronize()
+    run_step(
+        layer, cm, query=query, key=key, value=value, cache=cache, ref_cache=ref_cache, meta=meta
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(Case(dtype=F16, **GPU_LAYER), id="full-fp16"),
+        pytest.param(
+            Case(
+                kind=WINDOW,
+                window=300,
+                dtype=B16,
+                fp8_scales=(0.05, 0.02),
+                alibi=True,
+                sinks=True,
+                **GPU_LAYER,
+            ),
+            id="window-fp8-alibi-sinks",
+        ),
+    ],
+)
+def test_decode_step_replays_in_a_cuda_graph(case: Case) -> None:
+    """A decode step captured with torch.cuda.graph, replayed with new lengths and slots."""
+    num_reqs, num_padding = 8, 0
+    layer = make_layer(case)
+    num_blocks = 1 + num_reqs * (1024 // case.block_size)
+    cache = new_cache(case, num_blocks)
+    hq, hkv, d = case.num_heads, case.num_kv_heads, case.head_size
+    # Inputs at fixed addresses, refilled before every replay.
+    query = torch.zeros(num_reqs, hq, d, dtype=case.dtype, device=DEVICE)
+    key = torch.zeros(num_reqs, hkv, d, dtype=case.dtype, device=DEVICE)
+    value = torch.zeros(num_reqs, hkv, d, dtype=case.dtype, device=DEVICE)
+    output = torch.zeros_like(query)
+
+    def refill(seq_lens: list[int], seed: int) -> CommonAttentionMetadata:
+        cm = mixed_batch(
+            case, [1] * num_reqs, seq_lens, [cache], seed=seed, num_padding=num_padding
+        )
+        new = make_inputs(case, num_reqs, torch.Generator().manual_seed(seed))
+        for static, fresh in zip((query, key, value), new, strict=True):
+            static.copy_(fresh)
+        return cm
+
+    cm = refill([1024] * num_reqs, seed=1)
+    meta = layer.builder.build_for_cudagraph_capture(cm)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels, makes the constants
+        layer.impl.forward(query, key, value, [cache], meta, output)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(query, key, value, [cache], meta, output)
+        layer.impl.forward(query, key, value, [cache], meta, output)
 
-    for seed, lens in ((2, [5, 17, 1]), (3, [64, 2, 33])):
-        fill(lens, seed)
+    for seed, seq_lens in (
+        (2, [5, 17, 1, 1000, 64, 33, 512, 2]),
+        (3, [1024, 2, 300, 7, 16, 17, 999, 1]),
+    ):
+        cm = refill(seq_lens, seed)
+        replayed = layer.builder.build_for_cudagraph_capture(cm)
+        assert replayed.block_table.data_ptr() == meta.block_table.data_ptr()
         ref_cache = cache.clone()
         graph.replay()
         torch.cuda.synchronize()
-        torch_write_kv_cache(key, value, ref_cache, slots)
-        expected = paged_attention(
-            query,
-            ref_cache,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_table=table,
-            scale=d**-0.5,
+        expected = torch.full_like(query, float("nan"))
+        layer.ref_impl.forward(
+            query.clone(),
+            key.clone(),
+            value.clone(),
+            [ref_cache],
+            layer.ref_builder.build(0, cm),
+            expected,
         )
         assert_same_bits(cache, ref_cache)
-        atol, rtol = TOLERANCES[dtype]
-        torch.testing.assert_close(output, expected, atol=atol, rtol=rtol)
+        atol, rtol = case.tolerance
+        torch.testing.assert_close(output.float(), expected.float(), atol=atol, rtol=rtol)

@@ -10,7 +10,10 @@ from attnkit import (
     AttentionConfig,
     AttentionSpec,
     BuilderBinding,
+    ChunkedLocalAttentionSpec,
     CommonAttentionMetadata,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     SlidingWindowSpec,
     bind_builder,
@@ -39,6 +42,14 @@ assert_type(meta.block_table, torch.Tensor)
 assert_type(meta.max_seq_len, int)
 assert_type(meta.num_actual_tokens, int)
 assert_type(meta.sliding_window, int | None)
+assert_type(meta.chunk_size, int | None)
+assert_type(meta.causal, bool)
+assert_type(meta.num_splits, int)
+assert_type(meta.scratch_block_table, torch.Tensor | None)
+assert_type(meta.scratch_slot_mapping, torch.Tensor | None)
+assert_type(meta.scratch_num_blocks, int)
+assert_type(builder.num_sms, int)
+builder.num_sms = 132  # tests force the split-KV heuristic off CUDA
 assert_type(
     TritonAttentionMetadataBuilder.get_cudagraph_support(AttentionConfig(), spec),
     AttentionCGSupport,
@@ -46,3 +57,15 @@ assert_type(
 
 binding = bind_builder(FullAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl)
 assert_type(binding, BuilderBinding[FullAttentionSpec, TritonAttentionMetadata])
+assert_type(
+    bind_builder(ChunkedLocalAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+    BuilderBinding[ChunkedLocalAttentionSpec, TritonAttentionMetadata],
+)
+assert_type(
+    bind_builder(EncoderOnlyAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+    BuilderBinding[EncoderOnlyAttentionSpec, TritonAttentionMetadata],
+)
+assert_type(
+    bind_builder(CrossAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+    BuilderBinding[CrossAttentionSpec, TritonAttentionMetadata],
+)

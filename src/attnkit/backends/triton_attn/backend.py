@@ -1,13 +1,21 @@
-"""The ``triton_attn`` backend: causal paged attention with attnkit's Triton kernels.
+"""The ``triton_attn`` backend: paged attention with attnkit's Triton kernels.
 
-Serves ``full_attention`` and ``sliding_window`` layers (GQA/MQA included) with
-``kernels.triton.kv_write.write_kv_cache`` and
-``kernels.triton.unified_attention.unified_attention``. The builder hands the kernels
-the step's tensors as they are; ``forward`` launches them without converting anything.
+Serves full, sliding-window, chunked-local, encoder-only and cross attention (GQA/MQA,
+soft-cap, ALiBi, per-head sinks, fp8_e4m3 caches with per-tensor scales) with
+``kernels.triton.kv_write.write_kv_cache``, ``kernels.triton.unified_attention`` (one
+launch for mixed prefill, chunked prefill and decode) and, for decode batches with few
+sequences and long contexts, ``kernels.triton.split_kv_decode`` (flash-decoding: the
+context is split across programs and the partial results merged by log-sum-exp).
 
-Importing this module does not import triton: the impl imports the kernel modules
-when it is constructed. On CPU the kernels run only under the Triton interpreter,
-which must be switched on (``TRITON_INTERPRET=1``) before triton is first imported.
+The builder hands the kernels the step's tensors as they are (eager) or copies them
+into fixed-address buffers (``build_for_cudagraph_capture``); ``forward`` launches
+the kernels without converting anything, syncing the device or, once warmed up,
+allocating.
+
+Importing this module does not import triton: the builder and impl import the kernel
+modules when they are constructed. On CPU the kernels run only under the Triton
+interpreter, which must be switched on (``TRITON_INTERPRET=1``) before triton is first
+imported.
 """
 
 from __future__ import annotations
@@ -36,7 +44,11 @@ from ...config import AttentionConfig
 from ...metadata import CommonAttentionMetadata
 from ...spec import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheDType,
     KVCacheSpec,
     KVCacheSpecKind,
     SlidingWindowSpec,
@@ -49,13 +61,33 @@ __all__ = [
     "TritonAttentionMetadataBuilder",
 ]
 
-_KINDS = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW})
+_KINDS = frozenset(
+    {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+        KVCacheSpecKind.ENCODER_ONLY_ATTENTION,
+        KVCacheSpecKind.CROSS_ATTENTION,
+    }
+)
+_CAUSAL_KINDS = frozenset(
+    {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+    }
+)
 
-# What the launcher (``unified_attention``) accepts; kept here as literals because
-# reading them from the kernel module would import triton. The test suite checks
-# that they still agree with the launcher.
+# What the launchers accept; kept here as literals because reading them from the
+# kernel modules would import triton. The test suite checks they still agree.
 _HEAD_SIZES: SizeRule = (SizeRange(16, 256),)
-_BLOCK_SIZES: SizeRule = (16, 32)
+_BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
+# The encoder-only path writes a step's keys/values into a scratch paged cache of
+# this block size (the kernels attend over paged caches only).
+_SCRATCH_BLOCK_SIZE = 16
+# The split-KV launcher handles up to this many query tokens per request (decode and
+# short speculative steps); longer steps use the unified kernel.
+_SPLIT_KV_MAX_QUERY_LEN = 1
 
 # Values triton itself reads as "on" for TRITON_INTERPRET (case-insensitive).
 _TRUTHY = frozenset({"1", "true", "on", "yes", "y"})
@@ -70,8 +102,8 @@ KERNELS_COMPILED_REASON = (
 
 
 def _check_kind(who: str, spec: KVCacheSpec) -> None:
-    # The bindings are to FullAttentionSpec and SlidingWindowSpec, whose subclasses
-    # (sink, MLA, sliding-window MLA) match them by isinstance but need other kernels.
+    # Bindings are by spec type; subclasses (sink, MLA, sliding-window MLA) match them
+    # by isinstance but need other kernels.
     if spec.kind not in _KINDS:
         served = ", ".join(sorted(k.value for k in _KINDS))
         raise TypeError(
@@ -83,11 +115,23 @@ def _check_kind(who: str, spec: KVCacheSpec) -> None:
 class TritonAttentionMetadata:
     """One group's step, exactly as the Triton kernels take it.
 
-    The tensors are ``CommonAttentionMetadata``'s own (no copies): ``query_start_loc``
-    int32 ``[B+1]``, ``seq_lens`` int32 ``[B]``, ``block_table`` int32 ``[B, MB]``,
-    ``slot_mapping`` int64 ``[T']``. ``num_actual_tokens`` is ``T`` (rows past it are
-    padding: not written to the cache, their output left untouched);
-    ``sliding_window`` is the group's window, ``None`` for full attention.
+    Attributes:
+        query_start_loc: int32 ``[B+1]``.
+        seq_lens: int32 ``[B]`` (encoder-only: the query lengths).
+        block_table: int32 ``[B, MB]``.
+        slot_mapping: int64 ``[T']``; -1 = padding (cross attention: the first ``E``
+            entries are the encoder tokens written this step).
+        max_query_len, max_seq_len: bounds that size the grid (Python ints).
+        num_actual_tokens: ``T``; rows past it are padding.
+        causal: False for encoder-only and cross attention.
+        sliding_window, chunk_size: the group's mask, or ``None``.
+        num_splits: 0 for the unified kernel; ``S >= 2`` for the split-KV decode path.
+        scratch_block_table, scratch_slot_mapping, scratch_num_blocks: encoder-only
+            layers: where each token's key/value go in the per-step scratch cache.
+
+    In eager builds the tensors are ``CommonAttentionMetadata``'s own (no copies); in
+    CUDA-graph builds they are views of the builder's fixed-address buffers, valid
+    until its next build.
     """
 
     query_start_loc: torch.Tensor
@@ -97,30 +141,52 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_actual_tokens: int
-    sliding_window: int | None
+    causal: bool = True
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    num_splits: int = 0
+    scratch_block_table: torch.Tensor | None = None
+    scratch_slot_mapping: torch.Tensor | None = None
+    scratch_num_blocks: int = 0
+
+
+@dataclasses.dataclass
+class _GraphBuffers:
+    """Fixed-address copies of a step's metadata, sized by the config's engine limits."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 class TritonAttentionMetadataBuilder(
     AttentionMetadataBuilder[TritonAttentionMetadata, AttentionSpec]
 ):
-    """Passes the step's tensors through; reads only Python ints (no device sync)."""
+    """Eager ``build`` passes the step's tensors through (reads only Python ints, no
+    device sync, no per-request loop); ``build_for_cudagraph_capture`` copies them into
+    fixed-address buffers.
+
+    Attributes:
+        num_sms: streaming multiprocessors of the device (1 off CUDA); the split-KV
+            heuristic fills them.
+    """
 
     @classmethod
     @override
     def get_cudagraph_support(
         cls, config: AttentionConfig, kv_cache_spec: KVCacheSpec
     ) -> AttentionCGSupport:
-        # The launcher sizes its grid from max_query_len, a Python int that changes
-        # from step to step in mixed batches, so only batches where it is fixed can be
-        # replayed: in a single-token decode batch it is 1, the grid is
-        # (requests, kv heads) and every other launch argument (scale, window, strides,
-        # constexprs) is fixed per group. max_seq_len is only checked on the host
-        # against the block-table width, never passed to the kernel; the kernels read
-        # seq_lens, block tables and slots from the tensors, so replays see new values
-        # as long as the runtime keeps those tensors at fixed addresses. Uniform
-        # multi-token batches (and ALWAYS) are left to later work: not claimed here.
-        # Not yet exercised on a GPU in this slice's tests.
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        # Causal kinds: ALWAYS. Graph builds copy the step into fixed-address buffers
+        # and pass grid bounds that depend only on the captured batch's shape
+        # (max_query_len = its token count, the block table's full width), so any batch
+        # of that shape replays; the kernels read every per-request value (offsets,
+        # lengths, blocks, slots, fp8 scales) from tensors and skip empty tiles.
+        # Encoder-only layers use a per-step scratch cache sized by the step, and cross
+        # attention writes a varying number of encoder tokens: neither is captured.
+        if kv_cache_spec.kind in _CAUSAL_KINDS:
+            return AttentionCGSupport.ALWAYS
+        return AttentionCGSupport.NEVER
 
     def __init__(
         self,
@@ -131,9 +197,35 @@ class TritonAttentionMetadataBuilder(
     ) -> None:
         _check_kind(type(self).__name__, kv_cache_spec)
         super().__init__(kv_cache_spec, layer_names, config, device)
-        self.sliding_window: int | None = (
-            kv_cache_spec.sliding_window if isinstance(kv_cache_spec, SlidingWindowSpec) else None
+        spec = kv_cache_spec
+        self.kind = spec.kind
+        self.causal = spec.kind in _CAUSAL_KINDS
+        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.chunk_size = (
+            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
         )
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 1
+        )
+        # Imported here (after selection): the heuristic lives with the kernel it tunes.
+        from ...kernels.triton.split_kv_decode import choose_num_splits
+
+        self._choose_num_splits: Callable[..., int] = choose_num_splits
+        self._graph: _GraphBuffers | None = None
+
+    def _num_splits(self, cm: CommonAttentionMetadata) -> int:
+        if not self.causal or cm.max_query_len > _SPLIT_KV_MAX_QUERY_LEN or cm.num_reqs == 0:
+            return 0
+        splits = self._choose_num_splits(
+            num_reqs=cm.num_reqs,
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            max_seq_len=cm.max_seq_len,
+            block_size=self.kv_cache_spec.block_size,
+            num_sms=self.num_sms,
+        )
+        return splits if splits > 1 else 0
 
     @override
     def build(
@@ -143,10 +235,14 @@ class TritonAttentionMetadataBuilder(
         fast_build: bool = False,
     ) -> TritonAttentionMetadata:
         cm = common_attn_metadata
-        if not cm.causal:
+        if cm.causal != self.causal:
             raise ValueError(
-                f"{type(self).__name__}: the Triton kernels are causal only, got causal=False"
+                f"{type(self).__name__}: a {self.kind.value} group needs causal={self.causal}, "
+                f"got causal={cm.causal}"
             )
+        scratch: dict[str, Any] = {}
+        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            scratch = self._scratch_layout(cm)
         return TritonAttentionMetadata(
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
@@ -155,12 +251,120 @@ class TritonAttentionMetadataBuilder(
             max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len,
             num_actual_tokens=cm.num_actual_tokens,
+            causal=self.causal,
             sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            num_splits=self._num_splits(cm),
+            **scratch,
         )
+
+    def _scratch_layout(self, cm: CommonAttentionMetadata) -> dict[str, Any]:
+        """Blocks of a per-step scratch cache for encoder-only layers, from the CPU offsets."""
+        bs = _SCRATCH_BLOCK_SIZE
+        qsl = cm.query_start_loc_cpu.to(torch.int64)
+        lens = qsl[1:] - qsl[:-1]
+        blocks_per_req = (lens + bs - 1) // bs
+        first_block = torch.zeros_like(blocks_per_req)
+        first_block[1:] = torch.cumsum(blocks_per_req, 0)[:-1]
+        width = int(blocks_per_req.max()) if cm.num_reqs else 0
+        table = first_block[:, None] + torch.arange(width)[None, :]
+        token = torch.arange(cm.num_actual_tokens)
+        req = torch.repeat_interleave(torch.arange(cm.num_reqs), lens)
+        offset = token - qsl[req]
+        slots = (first_block[req] + offset // bs) * bs + offset % bs
+        device = cm.query_start_loc.device
+        return {
+            "scratch_block_table": table.to(device=device, dtype=torch.int32),
+            "scratch_slot_mapping": slots.to(device),
+            "scratch_num_blocks": int(blocks_per_req.sum()),
+        }
+
+    @override
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        """Copy the step into fixed-address buffers; call it for the capture and before
+        every replay of a batch of the same shape (``num_reqs`` and token count).
+
+        Raises:
+            RuntimeError: for a kind that cannot be captured, or a step larger than the
+                config's ``max_num_reqs`` / ``max_num_batched_tokens`` /
+                ``max_model_len``.
+        """
+        cm = common_attn_metadata
+        if not self.causal:
+            raise RuntimeError(
+                f"{type(self).__name__}: {self.kind.value} layers cannot be captured in a CUDA graph"
+            )
+        buffers = self._graph_buffers()
+        num_reqs, num_tokens = cm.num_reqs, cm.slot_mapping.shape[0]
+        width = cm.block_table_tensor.shape[1]
+        limits = (
+            ("num_reqs", num_reqs, buffers.seq_lens.shape[0], "max_num_reqs"),
+            ("tokens", num_tokens, buffers.slot_mapping.shape[0], "max_num_batched_tokens"),
+            ("block-table width", width, buffers.block_table.shape[1], "max_model_len"),
+        )
+        for what, value, capacity, setting in limits:
+            if value > capacity:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the step's {what} {value} exceeds the CUDA-graph "
+                    f"buffers ({capacity}); raise AttentionConfig.{setting}"
+                )
+        buffers.query_start_loc[: num_reqs + 1].copy_(cm.query_start_loc, non_blocking=True)
+        buffers.seq_lens[:num_reqs].copy_(cm.seq_lens, non_blocking=True)
+        buffers.block_table[:num_reqs, :width].copy_(cm.block_table_tensor, non_blocking=True)
+        buffers.slot_mapping[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
+        max_seq_len = buffers.block_table.shape[1] * self.kv_cache_spec.block_size
+        return TritonAttentionMetadata(
+            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+            seq_lens=buffers.seq_lens[:num_reqs],
+            # Full width: a replay may need more blocks than the captured step had, and
+            # the kernels read only the blocks each seq_len needs.
+            block_table=buffers.block_table[:num_reqs],
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            # Grid bounds fixed by the batch's shape, not its contents. A causal
+            # request's queries fit in its context (q_len <= seq_len <= max_seq_len), so
+            # a step of more tokens than max_model_len still gets a valid bound.
+            max_query_len=min(cm.num_actual_tokens, max_seq_len),
+            max_seq_len=max_seq_len,
+            num_actual_tokens=cm.num_actual_tokens,
+            causal=True,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            num_splits=0,
+        )
+
+    def _graph_buffers(self) -> _GraphBuffers:
+        if self._graph is None:
+            config, device = self.config, self.device
+            width = -(-config.max_model_len // self.kv_cache_spec.block_size)
+            self._graph = _GraphBuffers(
+                query_start_loc=torch.zeros(
+                    config.max_num_reqs + 1, dtype=torch.int32, device=device
+                ),
+                seq_lens=torch.zeros(config.max_num_reqs, dtype=torch.int32, device=device),
+                block_table=torch.zeros(
+                    (config.max_num_reqs, width), dtype=torch.int32, device=device
+                ),
+                slot_mapping=torch.full(
+                    (config.max_num_batched_tokens,), -1, dtype=torch.int64, device=device
+                ),
+            )
+        return self._graph
+
+
+_FEATURES = frozenset(
+    {
+        AttentionFeature.LOGITS_SOFT_CAP,
+        AttentionFeature.ALIBI,
+        AttentionFeature.ATTENTION_SINKS,
+    }
+)
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
-    """Writes the step's K/V with ``write_kv_cache``, then runs ``unified_attention``.
+    """Writes the step's K/V with ``write_kv_cache``, then runs ``unified_attention`` or,
+    for metadata with ``num_splits``, ``split_kv_decode``.
 
     Raises at construction (so a bad layer fails before its first step):
         ValueError: ``layer_params`` is missing, asks for a feature the backend does
@@ -178,13 +382,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             raise ValueError(f"{who} needs AttentionLayerParams (num_heads, scale, ...), got None")
         if not isinstance(layer_params, AttentionLayerParams):
             raise TypeError(f"{who} needs AttentionLayerParams, got {type(layer_params).__name__}")
-        unsupported = sorted(
-            f.value for f in layer_params.features - TritonAttentionBackend.supported_features
-        )
+        unsupported = sorted(f.value for f in layer_params.features - _FEATURES)
         if unsupported:
+            supported = ", ".join(sorted(f.value for f in _FEATURES))
             raise ValueError(
                 f"{who}: the layer needs {', '.join(unsupported)}, which triton_attn does not "
-                f"support (supported features: none)"
+                f"support (supported features: {supported})"
             )
         if layer_params.v_head_size not in (None, kv_cache_spec.head_size):
             raise ValueError(
@@ -198,17 +401,66 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"{who}: num_heads={layer_params.num_heads} is not a multiple of "
                 f"num_kv_heads={kv_cache_spec.num_kv_heads}"
             )
+        self.spec = kv_cache_spec
+        self.params = layer_params
         self.num_heads = layer_params.num_heads
         self.scale: float = (
             layer_params.scale if layer_params.scale is not None else kv_cache_spec.head_size**-0.5
         )
+        self.fp8 = kv_cache_spec.kv_cache_dtype == "fp8_e4m3"
+        # Device copies of the layer's constants, made on the first forward (the device
+        # is not known before) and reused, so later steps and graph replays allocate
+        # nothing.
+        self._constants: dict[str, torch.Tensor | None] | None = None
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scratch: torch.Tensor | None = None
         # Imported here, not at module level: importing the backend must not import
         # triton (and on CPU, triton must be imported after TRITON_INTERPRET is set).
         from ...kernels.triton.kv_write import write_kv_cache
+        from ...kernels.triton.split_kv_decode import split_kv_decode
         from ...kernels.triton.unified_attention import unified_attention
 
         self._write_kv_cache: Callable[..., None] = write_kv_cache
         self._unified_attention: Callable[..., Any] = unified_attention
+        self._split_kv_decode: Callable[..., Any] = split_kv_decode
+
+    def _device_constants(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+        if self._constants is None:
+            p = self.params
+
+            def scalar(value: float) -> torch.Tensor:
+                return torch.tensor([value], dtype=torch.float32, device=device)
+
+            self._constants = {
+                "k_scale": scalar(p.k_scale) if self.fp8 else None,
+                "v_scale": scalar(p.v_scale) if self.fp8 else None,
+                "alibi_slopes": (
+                    torch.tensor(p.alibi_slopes, dtype=torch.float32, device=device)
+                    if p.alibi_slopes is not None
+                    else None
+                ),
+                "sinks": p.sinks.to(device=device, dtype=torch.float32)
+                if p.sinks is not None
+                else None,
+            }
+        return self._constants
+
+    def _split_workspace(
+        self, num_splits: int, num_tokens: int, head_size: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch of the split path, grown when a step needs more (reused otherwise)."""
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < num_splits or ws[0].shape[1] < num_tokens:
+            splits = max(num_splits, ws[0].shape[0] if ws else 0)
+            tokens = max(num_tokens, ws[0].shape[1] if ws else 0)
+            ws = (
+                torch.empty(
+                    (splits, tokens, self.num_heads, head_size), dtype=torch.float32, device=device
+                ),
+                torch.empty((splits, tokens, self.num_heads), dtype=torch.float32, device=device),
+            )
+            self._workspace = ws
+        return ws
 
     @override
     def forward(
@@ -220,48 +472,111 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if key is None or value is None:
-            raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
-        if len(kv_cache) != 1:
-            raise ValueError(
-                f"{type(self).__name__}.forward expects one cache tensor per layer, "
-                f"got {len(kv_cache)}"
-            )
-        cache = kv_cache[0]
         m = attn_metadata
         n = m.num_actual_tokens
-        self._write_kv_cache(key[:n], value[:n], cache, m.slot_mapping[:n])
-        self._unified_attention(
-            query,
-            cache,
-            query_start_loc=m.query_start_loc,
-            seq_lens=m.seq_lens,
-            block_table=m.block_table,
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            scale=self.scale,
-            sliding_window=m.sliding_window,
-            output=output,
-        )
+        consts = self._device_constants(query.device)
+        scales = {"k_scale": consts["k_scale"], "v_scale": consts["v_scale"]}
+        if self.spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            if key is None or value is None:
+                raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
+            cache = self._scratch_cache(m, key)
+            assert m.scratch_slot_mapping is not None  # the builder sets it for this kind
+            # The scratch cache holds the step's own keys/values in the model dtype: an
+            # encoder-only layer keeps no cache, so an fp8 kv_cache_dtype quantises nothing.
+            scales = {"k_scale": None, "v_scale": None}
+            self._write_kv_cache(key[:n], value[:n], cache, m.scratch_slot_mapping, **scales)
+            block_table = m.scratch_block_table
+        else:
+            if len(kv_cache) != 1:
+                raise ValueError(
+                    f"{type(self).__name__}.forward expects one cache tensor per layer, "
+                    f"got {len(kv_cache)}"
+                )
+            cache = kv_cache[0]
+            block_table = m.block_table
+            if self.spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
+                if key is not None and value is not None:  # encoder states, first steps only
+                    e = key.shape[0]
+                    self._write_kv_cache(key, value, cache, m.slot_mapping[:e], **scales)
+            else:
+                if key is None or value is None:
+                    raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
+                self._write_kv_cache(key[:n], value[:n], cache, m.slot_mapping[:n], **scales)
+        common: dict[str, Any] = {
+            "query_start_loc": m.query_start_loc,
+            "seq_lens": m.seq_lens,
+            "block_table": block_table,
+            "max_seq_len": m.max_seq_len,
+            "scale": self.scale,
+            "causal": m.causal,
+            "sliding_window": m.sliding_window,
+            "chunk_size": m.chunk_size,
+            "logits_soft_cap": self.params.logits_soft_cap,
+            "alibi_slopes": consts["alibi_slopes"],
+            "sinks": consts["sinks"],
+            "output": output,
+            **scales,
+        }
+        if m.num_splits:
+            workspace = self._split_workspace(
+                m.num_splits, query.shape[0], self.spec.head_size, query.device
+            )
+            self._split_kv_decode(
+                query,
+                cache,
+                max_query_len=m.max_query_len,
+                num_splits=m.num_splits,
+                workspace=workspace,
+                **common,
+            )
+        else:
+            self._unified_attention(query, cache, max_query_len=m.max_query_len, **common)
         return output
+
+    def _scratch_cache(self, m: TritonAttentionMetadata, key: torch.Tensor) -> torch.Tensor:
+        """A paged cache for one encoder-only step (grown when needed, reused otherwise)."""
+        shape = (
+            m.scratch_num_blocks,
+            2,
+            _SCRATCH_BLOCK_SIZE,
+            self.spec.num_kv_heads,
+            self.spec.head_size,
+        )
+        dtype = self.spec.dtype
+        if (
+            self._scratch is None
+            or self._scratch.shape[0] < shape[0]
+            or self._scratch.dtype != dtype
+        ):
+            self._scratch = torch.zeros(shape, dtype=dtype, device=key.device)
+        return self._scratch
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Causal paged attention (full and sliding window, GQA/MQA) in Triton."""
+    """Paged attention in Triton: every causal and bidirectional kind but sinks tokens and MLA."""
 
     name = "triton_attn"
-    description = "Triton paged attention: full and sliding-window causal, GQA/MQA"
+    description = (
+        "Triton paged attention: full, sliding-window, chunked-local, encoder-only and cross; "
+        "GQA/MQA, soft-cap, ALiBi, sinks, fp8 KV; split-KV decode"
+    )
     supported_kinds = _KINDS
     supported_devices = frozenset({"cpu", "cuda"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    supported_kv_cache_dtypes = frozenset({"auto"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto", "fp8_e4m3"})
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
-    supported_features = frozenset[AttentionFeature]()  # none of the optional features
+    supported_features = _FEATURES
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
+    # Written out one by one so mypy checks every binding.
     builders = (
         bind_builder(FullAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
         bind_builder(SlidingWindowSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+        bind_builder(
+            ChunkedLocalAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl
+        ),
+        bind_builder(EncoderOnlyAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+        bind_builder(CrossAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
     )
 
     @classmethod
