@@ -1,0 +1,185 @@
+"""LFM2-style gated short convolution with per-request state in a cache (pure torch).
+
+The short-convolution block of Liquid AI's LFM2 models (see Liquid AI's LFM2 technical
+notes) projects its input to three streams ``b``, ``c``, ``x`` and computes::
+
+    Bx = b * x                                   # elementwise input gate
+    y  = c * causal_depthwise_conv(Bx)           # elementwise output gate
+
+with a depthwise kernel of width ``W`` (``[C, W]``), an optional bias and no
+activation. These functions cover that core (the input and output projections are
+ordinary matmuls outside). They are oracles for faster kernels: the convolution is
+:func:`attnkit.kernels.torch.conv1d.causal_conv1d_varlen` /
+:func:`~attnkit.kernels.torch.conv1d.causal_conv1d_update` with ``activation=None``
+applied to ``Bx``, and the output gate is applied afterwards.
+
+Shape letters
+-------------
+``T`` total tokens, ``B`` requests, ``C`` channels, ``W`` kernel width (``W >= 1``),
+``S`` state slots in the cache.
+
+Conventions
+-----------
+Exactly those of :mod:`attnkit.kernels.torch.conv1d`, with ``Bx`` as the conv input:
+
+* ``conv_states``: ``[S, C, W-1]`` in the dtype of ``x``, any strides. Slot ``s`` holds
+  the last ``W-1`` values of ``Bx`` seen by its request, oldest first. ``Bx`` is rounded
+  to the dtype of ``x`` before it is convolved or stored, so keeping it in that dtype is
+  lossless.
+* ``query_start_loc`` int32 ``[B+1]``, ``state_indices`` int32 ``[B]`` (distinct slots),
+  ``has_initial_state`` bool ``[B]`` (False: the previous inputs are zeros and the old
+  slot content is ignored, then overwritten).
+* After a call each request's slot holds the last ``W-1`` entries of
+  ``[previous state (or zeros), Bx of its new tokens]``; a request shorter than ``W-1``
+  shifts its old state only partly out, and a zero-length request stores its initial
+  state (zeros when ``has_initial_state`` is False).
+
+For token ``t`` and channel ``ch``, with ``u`` the request's ``Bx`` stream (previous
+values prepended)::
+
+    y[t, ch] = c[t, ch] * (bias[ch] + sum_{k=0}^{W-1} weight[ch, k] * u[t - (W-1) + k, ch])
+
+``b``, ``c`` and ``x`` share one floating dtype, which is the dtype of ``y``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit.kernels.torch.conv1d import (
+    _check_conv_params,
+    _check_float,
+    _check_tensor,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+)
+
+__all__ = ["short_conv_update", "short_conv_varlen"]
+
+
+# ----------------------------------------------------------------------------------
+# Validation (reads no tensor values; the Triton launchers share it).
+# ----------------------------------------------------------------------------------
+
+
+def _check_gates(b: object, c: object, x: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``b``, ``c``, ``x``: ``[lead, C]``, one floating dtype, one device."""
+    x = _check_tensor("x", x, layout=f"[{lead}, C]", shape=(None, None), device=None)
+    _check_float("x", x)
+    shape = (x.shape[0], x.shape[1])
+    b = _check_tensor("b", b, layout=f"[{lead}, C]", shape=shape, device=x.device)
+    c = _check_tensor("c", c, layout=f"[{lead}, C]", shape=shape, device=x.device)
+    for name, t in (("b", b), ("c", c)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name}: expected the dtype of x ({x.dtype}), got {t.dtype}")
+    return b, c, x
+
+
+def _check_out(out: object, x: Tensor, *, lead: str) -> Tensor:
+    out = _check_tensor(
+        "out", out, layout=f"[{lead}, C]", shape=(x.shape[0], x.shape[1]), device=x.device
+    )
+    if out.dtype != x.dtype:
+        raise ValueError(f"out: expected the dtype of x ({x.dtype}), got {out.dtype}")
+    return out
+
+
+def _gate_input(b: Tensor, x: Tensor) -> Tensor:
+    """``Bx`` rounded to the dtype of ``x`` (the value convolved and stored)."""
+    return (b.float() * x.float()).to(x.dtype)
+
+
+def _gate_output(c: Tensor, y: Tensor, out: Tensor | None, x: Tensor) -> Tensor:
+    gated = (c.float() * y.float()).to(x.dtype)
+    if out is None:
+        return gated
+    out.copy_(gated)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------
+
+
+def short_conv_varlen(
+    b: Tensor,
+    c: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    conv_states: Tensor,
+    query_start_loc: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Gated short conv over a varlen batch, reading and writing cached states.
+
+    Args:
+        b, c, x: ``[T, C]`` input gate, output gate and input, one floating dtype.
+        weight: ``[C, W]`` depthwise kernel; ``weight[ch, W-1]`` multiplies the current token.
+        bias: ``[C]`` or None.
+        conv_states: ``[S, C, W-1]``, dtype of ``x``, any strides; updated in place.
+        query_start_loc: int32 ``[B+1]`` cumulative token offsets.
+        state_indices: int32 ``[B]`` cache slot of each request (distinct, in ``[0, S)``).
+        has_initial_state: bool ``[B]``; False means start from zeros.
+        out: optional ``[T, C]`` output (dtype of ``x``, any strides).
+
+    Returns:
+        ``y`` ``[T, C]`` in the dtype of ``x`` (``out`` when given).
+    """
+    b, c, x = _check_gates(b, c, x, lead="T")
+    _check_conv_params(x, weight, bias, conv_states, None)
+    if out is not None:
+        out = _check_out(out, x, lead="T")
+    y = causal_conv1d_varlen(
+        _gate_input(b, x),
+        weight,
+        bias,
+        conv_states=conv_states,
+        query_start_loc=query_start_loc,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
+        activation=None,
+    )
+    return _gate_output(c, y, out, x)
+
+
+def short_conv_update(
+    b: Tensor,
+    c: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    conv_states: Tensor,
+    state_indices: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One decode step: one new token per request, states shifted in place.
+
+    Args:
+        b, c, x: ``[B, C]``; row ``r`` belongs to the request in slot ``state_indices[r]``.
+        weight, bias, conv_states: as in :func:`short_conv_varlen`.
+        state_indices: int32 ``[B]`` cache slots (distinct, in ``[0, S)``); every request
+            continues from its slot's content.
+        out: optional ``[B, C]`` output (dtype of ``x``, any strides).
+
+    Returns:
+        ``y`` ``[B, C]`` in the dtype of ``x`` (``out`` when given).
+    """
+    b, c, x = _check_gates(b, c, x, lead="B")
+    _check_conv_params(x, weight, bias, conv_states, None)
+    if out is not None:
+        out = _check_out(out, x, lead="B")
+    y = causal_conv1d_update(
+        _gate_input(b, x),
+        weight,
+        bias,
+        conv_states=conv_states,
+        state_indices=state_indices,
+        activation=None,
+    )
+    return _gate_output(c, y, out, x)
