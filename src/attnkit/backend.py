@@ -50,6 +50,7 @@ from .spec import (
 )
 
 __all__ = [
+    "STATE_PARAMS_BY_TYPE",
     "AnyBuilderBinding",
     "AttentionBackend",
     "AttentionFeature",
@@ -58,11 +59,15 @@ __all__ = [
     "BackendRequest",
     "BuilderBinding",
     "BuilderClass",
+    "GatedDeltaNetLayerParams",
     "LayerParams",
+    "LinearAttentionLayerParams",
     "Mamba2LayerParams",
     "MultipleOf",
+    "ShortConvLayerParams",
     "SizeRange",
     "SizeRule",
+    "StateLayerParams",
     "bind_builder",
     "format_sizes",
 ]
@@ -319,8 +324,155 @@ class Mamba2LayerParams:
             (self.num_heads, self.head_dim, self.d_state),
         )
 
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """``y`` of a step: ``[T, H, P]``."""
+        return (num_tokens, self.num_heads, self.head_dim)
 
-LayerParams = AttentionLayerParams | Mamba2LayerParams
+
+def _check_state_params(owner: str, obj: object, ints: Sequence[str]) -> None:
+    for name in ints:
+        if not is_positive_int(getattr(obj, name)):
+            raise ValueError(f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}")
+
+
+def _check_conv_weight(
+    owner: str, weight: torch.Tensor, bias: torch.Tensor | None, channels: int
+) -> None:
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(
+            f"{owner}.conv_weight must be [channels={channels}, W >= 1], got {list(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GatedDeltaNetLayerParams:
+    """A Gated DeltaNet layer's core: short conv over q/k/v, then the gated delta rule.
+
+    Letters: H heads, K key dim, V value dim, W conv width, C = 2*H*K + H*V.
+    ``forward`` takes ``query = qkv [T, C]`` (q, k, v concatenated, before the conv),
+    ``key = g [T, H]`` (log decay, <= 0), ``value = beta [T, H]`` and writes
+    ``o [T, H, V]``. After the conv (SiLU) q and k are L2-normalised per head, as
+    Gated DeltaNet layers do (Yang et al. 2025).
+
+    Attributes:
+        num_heads, key_dim, value_dim: H, K, V.
+        conv_weight: ``[C, W]``; conv_bias ``[C]`` or ``None``.
+        scale: multiplies ``S^T q``; ``None`` means ``K ** -0.5``.
+        chunk_size: chunk length of the prefill algorithm.
+    """
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+    scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
+        _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.conv_dim)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.num_heads * (2 * self.key_dim + self.value_dim)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, K, V))``: conv state and delta-rule state."""
+        return (
+            (self.conv_dim, int(self.conv_weight.shape[1]) - 1),
+            (self.num_heads, self.key_dim, self.value_dim),
+        )
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.num_heads, self.value_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class LinearAttentionLayerParams:
+    """A linear-attention layer with per-head decay (lightning attention).
+
+    ``forward`` takes ``query = q [T, H, K]``, ``key = k``, ``value = v [T, H, V]`` and
+    writes ``o [T, H, V]``; the state ``S_t = exp(-decay_h) S_{t-1} + k_t v_t^T``.
+
+    Attributes:
+        num_heads, key_dim, value_dim: H, K, V.
+        decay: ``[H]`` non-negative decay rates.
+        scale: ``None`` means ``K ** -0.5``.
+        chunk_size: chunk length of the prefill algorithm.
+    """
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    decay: torch.Tensor
+    scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
+        if tuple(self.decay.shape) != (self.num_heads,) or bool((self.decay < 0).any()):
+            raise ValueError(
+                f"{owner}.decay must be [num_heads={self.num_heads}] and >= 0, got "
+                f"{list(self.decay.shape)} with min {float(self.decay.min()) if self.decay.numel() else 'n/a'}"
+            )
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.num_heads, self.key_dim, self.value_dim),)
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.num_heads, self.value_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ShortConvLayerParams:
+    """An LFM2-style short-conv layer's core: ``y = c * conv(b * x)`` with a conv state.
+
+    ``forward`` takes ``query = b [T, C]``, ``key = c [T, C]``, ``value = x [T, C]`` and
+    writes ``y [T, C]``.
+
+    Attributes:
+        channels: C.
+        conv_weight: ``[C, W]``; conv_bias ``[C]`` or ``None``.
+    """
+
+    channels: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("channels",))
+        _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.channels)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.channels, int(self.conv_weight.shape[1]) - 1),)
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.channels)
+
+
+StateLayerParams = (
+    Mamba2LayerParams | GatedDeltaNetLayerParams | LinearAttentionLayerParams | ShortConvLayerParams
+)
+"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type``."""
+
+STATE_PARAMS_BY_TYPE: Mapping[str, type] = {
+    "mamba2": Mamba2LayerParams,
+    "gdn": GatedDeltaNetLayerParams,
+    "linear": LinearAttentionLayerParams,
+    "short_conv": ShortConvLayerParams,
+}
+"""``MambaSpec.mamba_type`` -> the parameter class its layers take."""
+
+LayerParams = AttentionLayerParams | StateLayerParams
 """Per-layer parameters an impl is built with."""
 
 

@@ -211,6 +211,8 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -
         dtype=_DTYPES[args.dtype],
         out=out,
         registry=registry,
+        model_name=args.model,
+        prefer=args.prefer,
     )
     return 0 if result.passed else 1
 
@@ -243,6 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--steps", type=int, default=8, help="decode steps per request")
     demo.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    demo.add_argument(
+        "--model",
+        choices=("default", "hybrid"),
+        default="default",
+        help="default: full, sliding-window and Mamba2 layers; hybrid: also Gated DeltaNet, "
+        "linear attention and short conv",
+    )
+    demo.add_argument(
+        "--prefer",
+        choices=("reference", "triton"),
+        default="reference",
+        help="triton: try the Triton backends first for every kind (on CPU, under the interpreter)",
+    )
     return parser
 
 

@@ -13,48 +13,364 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
-from .backend import AttentionLayerParams, Mamba2LayerParams
+from .backend import (
+    AttentionLayerParams,
+    GatedDeltaNetLayerParams,
+    LayerParams,
+    LinearAttentionLayerParams,
+    Mamba2LayerParams,
+    ShortConvLayerParams,
+)
+from .backends.reference.state import l2_normalize
 from .config import AttentionConfig
 from .kernels.torch.attention import dense_attention
+from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference
+from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .registry import BackendRegistry
 from .runtime import AttentionRuntime, ScheduledRequest
 from .spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["DemoModel", "DemoResult", "run_demo"]
+__all__ = ["MODELS", "DemoModel", "DemoResult", "run_demo"]
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
 
-@dataclasses.dataclass
-class _AttnLayer:
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    window: int | None
+_Rand = Callable[..., torch.Tensor]
 
 
-@dataclasses.dataclass
-class _MambaLayer:
-    w_in: torch.Tensor  # hidden -> z, xBC, dt
-    w_out: torch.Tensor
+class _Mixer:
+    """One layer's mixer: the same projections around a runtime core and a dense core."""
+
+    spec: KVCacheSpec
+    params: LayerParams
+
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Attention(_Mixer):
+    params: AttentionLayerParams
+
+    def __init__(
+        self,
+        rand: _Rand,
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_size: int,
+        window: int | None,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.heads, self.kv_heads, self.head_size, self.window = heads, kv_heads, head_size, window
+        self.wq = rand(hidden, heads * head_size, scale=hidden**-0.5)
+        self.wk = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
+        self.wv = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
+        self.wo = rand(heads * head_size, hidden, scale=(heads * head_size) ** -0.5)
+        common = {
+            "block_size": block_size,
+            "num_kv_heads": kv_heads,
+            "head_size": head_size,
+            "dtype": dtype,
+        }
+        self.spec = (
+            SlidingWindowSpec(sliding_window=window, **common)  # type: ignore[arg-type]  # keys match the fields
+            if window is not None
+            else FullAttentionSpec(**common)  # type: ignore[arg-type]
+        )
+        self.params = AttentionLayerParams(num_heads=heads)
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = h.shape[0]
+        return (
+            (h @ self.wq).view(t, self.heads, self.head_size),
+            (h @ self.wk).view(t, self.kv_heads, self.head_size),
+            (h @ self.wv).view(t, self.kv_heads, self.head_size),
+        )
+
+    @override
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        return runtime.forward(name, *self._qkv(h)).reshape(h.shape[0], -1) @ self.wo
+
+    @override
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        out = dense_attention(
+            *self._qkv(h), scale=self.head_size**-0.5, causal=True, sliding_window=self.window
+        )
+        return out.reshape(h.shape[0], -1) @ self.wo
+
+
+def _causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv of one sequence from a zero state, by its definition."""
+    width = weight.shape[1]
+    padded = torch.cat([x.new_zeros(width - 1, x.shape[1]), x]).float()
+    out = torch.zeros_like(padded[width - 1 :])
+    for i in range(width):  # out[t] = sum_i w[:, i] * x[t - (W-1) + i]
+        out += padded[i : i + x.shape[0]] * weight[:, i]
+    return out + bias if bias is not None else out
+
+
+class _Mamba2(_Mixer):
     params: Mamba2LayerParams
+
+    def __init__(
+        self,
+        rand: _Rand,
+        gen: torch.Generator,
+        *,
+        hidden: int,
+        heads: int,
+        groups: int,
+        d_state: int,
+        width: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.hidden = hidden
+        conv_dim = hidden + 2 * groups * d_state
+        self.params = p = Mamba2LayerParams(
+            num_heads=heads,
+            head_dim=hidden // heads,
+            n_groups=groups,
+            d_state=d_state,
+            conv_weight=rand(conv_dim, width, scale=0.5).float(),
+            conv_bias=rand(conv_dim, scale=0.1).float(),
+            A=-torch.rand(heads, generator=gen).add(0.5).to(device),
+            D=rand(heads).float(),
+            dt_bias=rand(heads, scale=0.5).float(),
+            dt_softplus=True,
+            chunk_size=8,
+        )
+        self.w_in = rand(hidden, hidden + conv_dim + heads, scale=hidden**-0.5)
+        self.w_out = rand(hidden, hidden, scale=hidden**-0.5)
+        self.spec = MambaSpec(
+            block_size=block_size,
+            shapes=p.state_shapes,
+            dtypes=(dtype, torch.float32),
+            mamba_type="mamba2",
+        )
+
+    def _inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.params
+        z, xbc, dt = torch.split(h @ self.w_in, [self.hidden, p.conv_dim, p.num_heads], dim=-1)
+        return z, xbc.contiguous(), dt.contiguous()
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (y.reshape(y.shape[0], -1).to(z.dtype) * F.silu(z)) @ self.w_out
+
+    @override
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        z, xbc, dt = self._inputs(h)
+        return self._out(runtime.forward(name, xbc, dt), z)
+
+    @override
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        z, xbc, dt = self._inputs(h)
+        conv = F.silu(_causal_conv(xbc, p.conv_weight, p.conv_bias))
+        hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
+        xs, bs, cs = torch.split(conv, [hp, gn, gn], dim=-1)
+        t = h.shape[0]
+        y, _ = ssd_recurrent_reference(
+            xs.reshape(t, p.num_heads, p.head_dim),
+            dt.float(),
+            p.A,
+            bs.reshape(t, p.n_groups, p.d_state),
+            cs.reshape(t, p.n_groups, p.d_state),
+            D=p.D,
+            dt_bias=p.dt_bias,
+            dt_softplus=p.dt_softplus,
+        )
+        return self._out(y, z)
+
+
+class _GatedDeltaNet(_Mixer):
+    params: GatedDeltaNetLayerParams
+
+    def __init__(
+        self,
+        rand: _Rand,
+        *,
+        hidden: int,
+        heads: int,
+        key_dim: int,
+        width: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.hidden, value_dim = hidden, hidden // heads
+        conv_dim = heads * (2 * key_dim + value_dim)
+        self.params = p = GatedDeltaNetLayerParams(
+            num_heads=heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            conv_weight=rand(conv_dim, width, scale=0.5).float(),
+            conv_bias=None,
+            chunk_size=16,
+        )
+        self.w_in = rand(hidden, conv_dim + 2 * heads + hidden, scale=hidden**-0.5)
+        self.w_out = rand(hidden, hidden, scale=hidden**-0.5)
+        self.spec = MambaSpec(
+            block_size=block_size,
+            shapes=p.state_shapes,
+            dtypes=(dtype, torch.float32),
+            mamba_type="gdn",
+        )
+
+    def _inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        p = self.params
+        qkv, a, b, z = torch.split(
+            h @ self.w_in, [p.conv_dim, p.num_heads, p.num_heads, self.hidden], dim=-1
+        )
+        g = -F.softplus(a.float())  # log decay <= 0
+        beta = torch.sigmoid(b.float())
+        return qkv.contiguous(), g.contiguous(), beta.contiguous(), z
+
+    def _out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (o.reshape(o.shape[0], -1).to(z.dtype) * F.silu(z)) @ self.w_out
+
+    @override
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        qkv, g, beta, z = self._inputs(h)
+        return self._out(runtime.forward(name, qkv, g, beta), z)
+
+    @override
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        qkv, g, beta, z = self._inputs(h)
+        mixed = F.silu(_causal_conv(qkv, p.conv_weight, p.conv_bias))
+        t, hk = h.shape[0], p.num_heads * p.key_dim
+        q = l2_normalize(mixed[:, :hk].reshape(t, p.num_heads, p.key_dim))
+        k = l2_normalize(mixed[:, hk : 2 * hk].reshape(t, p.num_heads, p.key_dim))
+        v = mixed[:, 2 * hk :].reshape(t, p.num_heads, p.value_dim)
+        o, _ = gated_delta_rule_recurrent_reference(q, k, v, g, beta, scale=p.key_dim**-0.5)
+        return self._out(o, z)
+
+
+class _LinearAttention(_Mixer):
+    params: LinearAttentionLayerParams
+
+    def __init__(
+        self,
+        rand: _Rand,
+        *,
+        hidden: int,
+        heads: int,
+        key_dim: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.heads, self.key_dim, self.value_dim = heads, key_dim, hidden // heads
+        decay = torch.tensor(
+            [2.0 ** (-(8.0 / heads) * (i + 1)) for i in range(heads)], device=device
+        )
+        self.params = p = LinearAttentionLayerParams(
+            num_heads=heads, key_dim=key_dim, value_dim=self.value_dim, decay=decay, chunk_size=16
+        )
+        self.w_qkv = rand(hidden, heads * (2 * key_dim + self.value_dim), scale=hidden**-0.5)
+        self.w_out = rand(hidden, hidden, scale=hidden**-0.5)
+        self.spec = MambaSpec(
+            block_size=block_size,
+            shapes=p.state_shapes,
+            dtypes=(torch.float32,),
+            mamba_type="linear",
+        )
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, hk = h.shape[0], self.heads * self.key_dim
+        proj = h @ self.w_qkv
+        q = F.silu(proj[:, :hk]).reshape(t, self.heads, self.key_dim)
+        k = F.silu(proj[:, hk : 2 * hk]).reshape(t, self.heads, self.key_dim)
+        v = proj[:, 2 * hk :].reshape(t, self.heads, self.value_dim)
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    @override
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        o = runtime.forward(name, *self._qkv(h))
+        return _rms_norm(o.reshape(h.shape[0], -1).to(h.dtype)) @ self.w_out
+
+    @override
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(h)
+        o, _ = linear_attention_recurrent_reference(
+            q, k, v, self.params.decay, scale=self.key_dim**-0.5
+        )
+        return _rms_norm(o.reshape(h.shape[0], -1).to(h.dtype)) @ self.w_out
+
+
+class _ShortConv(_Mixer):
+    params: ShortConvLayerParams
+
+    def __init__(
+        self, rand: _Rand, *, hidden: int, width: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        self.hidden = hidden
+        self.params = p = ShortConvLayerParams(
+            channels=hidden, conv_weight=rand(hidden, width, scale=0.5).to(dtype)
+        )
+        self.w_in = rand(hidden, 3 * hidden, scale=hidden**-0.5)
+        self.w_out = rand(hidden, hidden, scale=hidden**-0.5)
+        self.spec = MambaSpec(
+            block_size=block_size, shapes=p.state_shapes, dtypes=(dtype,), mamba_type="short_conv"
+        )
+
+    def _bcx(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.contiguous() for t in torch.split(h @ self.w_in, self.hidden, dim=-1))
+
+    @override
+    def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
+        b, c, x = self._bcx(h)
+        return runtime.forward(name, b, c, x) @ self.w_out
+
+    @override
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        b, c, x = self._bcx(h)
+        y = c.float() * _causal_conv(b * x, self.params.conv_weight.float(), None)
+        return y.to(h.dtype) @ self.w_out
+
+
+LAYER_KINDS = ("full", "window", "mamba", "gdn", "linear", "short_conv")
+PRIORITIES: dict[str, tuple[str, ...]] = {
+    "reference": (),  # the device's default priority list
+    "triton": (
+        "triton_attn",
+        "triton_mamba2",
+        "triton_gdn",
+        "triton_linear_attn",
+        "triton_short_conv",
+        "reference",
+    ),
+}
+MODELS: dict[str, tuple[str, ...]] = {
+    "default": ("full", "mamba", "window", "mamba", "full", "window"),
+    "hybrid": ("full", "mamba", "window", "gdn", "linear", "short_conv", "full", "gdn"),
+}
 
 
 class DemoModel:
-    """A small hybrid decoder: embeddings, a stack of mixers with residuals, an LM head."""
+    """A small hybrid decoder: embeddings, a stack of pre-norm mixers with residuals, an LM head.
+
+    ``layout`` names each layer: full / window attention, mamba (Mamba2), gdn (Gated
+    DeltaNet), linear (linear attention with decay), short_conv (LFM2 style).
+    """
 
     def __init__(
         self,
         *,
-        layout: Sequence[str] = ("full", "mamba", "window", "mamba", "full", "window"),
+        layout: Sequence[str] = MODELS["default"],
         vocab: int = 64,
         hidden: int = 64,
         num_heads: int = 4,
@@ -77,126 +393,76 @@ class DemoModel:
         def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen) * scale).to(self.device, dtype)
 
-        self.hidden, self.num_heads, self.num_kv_heads, self.head_size = (
-            hidden,
-            num_heads,
-            num_kv_heads,
-            head_size,
-        )
         self.embed = rand(vocab, hidden)
         self.lm_head = rand(hidden, vocab, scale=hidden**-0.5)
-        self.layers: dict[str, _AttnLayer | _MambaLayer] = {}
-        self.specs: dict[str, KVCacheSpec] = {}
-        self.params: dict[str, AttentionLayerParams | Mamba2LayerParams] = {}
-        head_dim = hidden // mamba_heads
-        conv_dim = hidden + 2 * mamba_groups * d_state
+        self.layers: dict[str, _Mixer] = {}
         for i, kind in enumerate(layout):
-            name = f"layers.{i}"
+            mixer: _Mixer
             if kind in ("full", "window"):
-                w = window if kind == "window" else None
-                self.layers[name] = _AttnLayer(
-                    wq=rand(hidden, num_heads * head_size, scale=hidden**-0.5),
-                    wk=rand(hidden, num_kv_heads * head_size, scale=hidden**-0.5),
-                    wv=rand(hidden, num_kv_heads * head_size, scale=hidden**-0.5),
-                    wo=rand(num_heads * head_size, hidden, scale=(num_heads * head_size) ** -0.5),
-                    window=w,
-                )
-                common = {
-                    "block_size": block_size,
-                    "num_kv_heads": num_kv_heads,
-                    "head_size": head_size,
-                    "dtype": dtype,
-                }
-                self.specs[name] = (
-                    SlidingWindowSpec(sliding_window=w, **common)  # type: ignore[arg-type]  # keys match the fields
-                    if w is not None
-                    else FullAttentionSpec(**common)  # type: ignore[arg-type]
-                )
-                self.params[name] = AttentionLayerParams(num_heads=num_heads)
-            elif kind == "mamba":
-                params = Mamba2LayerParams(
-                    num_heads=mamba_heads,
-                    head_dim=head_dim,
-                    n_groups=mamba_groups,
-                    d_state=d_state,
-                    conv_weight=rand(conv_dim, conv_width, scale=0.5).float(),
-                    conv_bias=rand(conv_dim, scale=0.1).float(),
-                    A=-torch.rand(mamba_heads, generator=gen).add(0.5).to(self.device),
-                    D=rand(mamba_heads).float(),
-                    dt_bias=rand(mamba_heads, scale=0.5).float(),
-                    dt_softplus=True,
-                    chunk_size=8,
-                )
-                self.layers[name] = _MambaLayer(
-                    w_in=rand(hidden, hidden + conv_dim + mamba_heads, scale=hidden**-0.5),
-                    w_out=rand(hidden, hidden, scale=hidden**-0.5),
-                    params=params,
-                )
-                self.specs[name] = MambaSpec(
+                mixer = _Attention(
+                    rand,
+                    hidden=hidden,
+                    heads=num_heads,
+                    kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    window=window if kind == "window" else None,
                     block_size=block_size,
-                    shapes=params.state_shapes,
-                    dtypes=(dtype, torch.float32),
-                    mamba_type="mamba2",
+                    dtype=dtype,
                 )
-                self.params[name] = params
+            elif kind == "mamba":
+                mixer = _Mamba2(
+                    rand,
+                    gen,
+                    hidden=hidden,
+                    heads=mamba_heads,
+                    groups=mamba_groups,
+                    d_state=d_state,
+                    width=conv_width,
+                    block_size=block_size,
+                    dtype=dtype,
+                    device=self.device,
+                )
+            elif kind == "gdn":
+                mixer = _GatedDeltaNet(
+                    rand,
+                    hidden=hidden,
+                    heads=mamba_heads,
+                    key_dim=d_state,
+                    width=conv_width,
+                    block_size=block_size,
+                    dtype=dtype,
+                )
+            elif kind == "linear":
+                mixer = _LinearAttention(
+                    rand,
+                    hidden=hidden,
+                    heads=mamba_heads,
+                    key_dim=d_state,
+                    block_size=block_size,
+                    device=self.device,
+                )
+            elif kind == "short_conv":
+                mixer = _ShortConv(rand, hidden=hidden, width=3, block_size=block_size, dtype=dtype)
             else:
                 raise ValueError(
-                    f"unknown layer kind {kind!r} in layout; use full, window or mamba"
+                    f"unknown layer kind {kind!r} in layout; use one of {', '.join(LAYER_KINDS)}"
                 )
-
-    # The two forward paths share everything but the mixer core.
-
-    def _attn_inputs(
-        self, layer: _AttnLayer, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = x.shape[0]
-        q = (x @ layer.wq).view(t, self.num_heads, self.head_size)
-        k = (x @ layer.wk).view(t, self.num_kv_heads, self.head_size)
-        v = (x @ layer.wv).view(t, self.num_kv_heads, self.head_size)
-        return q, k, v
-
-    def _mamba_inputs(
-        self, layer: _MambaLayer, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        proj = x @ layer.w_in
-        z, xbc, dt = torch.split(
-            proj, [self.hidden, layer.params.conv_dim, layer.params.num_heads], dim=-1
-        )
-        return z, xbc.contiguous(), dt.contiguous()
-
-    def _mamba_out(self, layer: _MambaLayer, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (y.reshape(y.shape[0], -1) * F.silu(z)) @ layer.w_out
+            self.layers[f"layers.{i}"] = mixer
+        self.specs: dict[str, KVCacheSpec] = {name: m.spec for name, m in self.layers.items()}
+        self.params: dict[str, LayerParams] = {name: m.params for name, m in self.layers.items()}
 
     def forward_step(self, runtime: AttentionRuntime, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states of the step's tokens (laid out in ``StepBatch.order``), via the runtime."""
         x = self.embed[tokens]
-        for name, layer in self.layers.items():
-            h = _rms_norm(x)
-            if isinstance(layer, _AttnLayer):
-                q, k, v = self._attn_inputs(layer, h)
-                out = runtime.forward(name, q, k, v)
-                x = x + out.reshape(x.shape[0], -1) @ layer.wo
-            else:
-                z, xbc, dt = self._mamba_inputs(layer, h)
-                y = runtime.forward(name, xbc, dt)
-                x = x + self._mamba_out(layer, y, z)
+        for name, mixer in self.layers.items():
+            x = x + mixer.step(runtime, name, _rms_norm(x)).to(x.dtype)
         return _rms_norm(x)
 
     def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states of one whole sequence, with no cache (the check)."""
         x = self.embed[tokens]
-        for layer in self.layers.values():
-            h = _rms_norm(x)
-            if isinstance(layer, _AttnLayer):
-                q, k, v = self._attn_inputs(layer, h)
-                out = dense_attention(
-                    q, k, v, scale=self.head_size**-0.5, causal=True, sliding_window=layer.window
-                )
-                x = x + out.reshape(x.shape[0], -1) @ layer.wo
-            else:
-                z, xbc, dt = self._mamba_inputs(layer, h)
-                y = _dense_mamba2(layer.params, xbc, dt)
-                x = x + self._mamba_out(layer, y.to(x.dtype), z)
+        for mixer in self.layers.values():
+            x = x + mixer.dense(_rms_norm(x)).to(x.dtype)
         return _rms_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,32 +473,6 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     """Pre-norm without a weight: keeps activations O(1) through the random stack."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
-def _dense_mamba2(p: Mamba2LayerParams, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """Mamba2 core of one sequence from a zero state: explicit causal conv, then the recurrence."""
-    width = p.conv_kernel
-    padded = torch.cat([xbc.new_zeros(width - 1, xbc.shape[1]), xbc]).float()
-    conv = torch.zeros_like(padded[width - 1 :])
-    for i in range(width):  # out[t] = sum_i w[:, i] * x[t - (W-1) + i]
-        conv += padded[i : i + xbc.shape[0]] * p.conv_weight[:, i]
-    if p.conv_bias is not None:
-        conv = conv + p.conv_bias
-    conv = F.silu(conv)
-    hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
-    xs, bs, cs = torch.split(conv, [hp, gn, gn], dim=-1)
-    t = xbc.shape[0]
-    y, _ = ssd_recurrent_reference(
-        xs.reshape(t, p.num_heads, p.head_dim),
-        dt.float(),
-        p.A,
-        bs.reshape(t, p.n_groups, p.d_state),
-        cs.reshape(t, p.n_groups, p.d_state),
-        D=p.D,
-        dt_bias=p.dt_bias,
-        dt_softplus=p.dt_softplus,
-    )
-    return y
 
 
 @dataclasses.dataclass
@@ -275,14 +515,25 @@ def run_demo(
     token_budget: int = 16,
     out: TextIO,
     registry: BackendRegistry | None = None,
+    model_name: str = "default",
+    prefer: str = "reference",
 ) -> DemoResult:
-    """Serve four requests (one long prompt, chunked) and check every step; see the module doc."""
+    """Serve four requests (one long prompt, chunked) and check every step; see the module doc.
+
+    ``model_name``: a key of ``MODELS``. ``prefer="triton"`` puts the Triton backends
+    first in the device's priority list (kinds without a per-kind setting).
+    """
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; choose one of {', '.join(MODELS)}")
+    if prefer not in PRIORITIES:
+        raise ValueError(f"prefer must be one of {', '.join(PRIORITIES)}, got {prefer!r}")
     torch.manual_seed(0)
-    model = DemoModel(dtype=dtype, device=device)
+    model = DemoModel(layout=MODELS[model_name], dtype=dtype, device=device)
     config = AttentionConfig.model_validate(
         {"backend_per_kind": backend_per_kind or {}},
         context={"registry": registry} if registry is not None else None,
     )
+    priority = PRIORITIES[prefer]
     runtime = AttentionRuntime(
         model.specs,
         config,
@@ -290,16 +541,21 @@ def run_demo(
         memory_budget_bytes=64 * 2**20,
         layer_params=model.params,
         registry=registry,
+        priority={torch.device(device).type: priority} if priority else None,
         cache_fill=float("nan"),
     )
     out.write(
-        f"attnkit demo: {len(model.layers)} layers, {runtime.num_blocks} blocks of {runtime.page_size_bytes} B, {dtype}, {device}\n"
+        f"attnkit demo: model {model_name}, {len(model.layers)} layers, {runtime.num_blocks} blocks "
+        f"of {runtime.page_size_bytes} B, {dtype}, {device}\n"
     )
     out.write("routing:\n")
     for row in runtime.routing_table():
         group = runtime.groups[row.group_id]
+        kind = row.kind.value
+        if isinstance(group.spec, MambaSpec):
+            kind += f"({group.spec.mamba_type})"
         out.write(
-            f"  {row.layer:<10} {row.kind.value:<15} group {row.group_id} "
+            f"  {row.layer:<10} {kind:<17} group {row.group_id} "
             f"(block_size {group.spec.block_size}) -> {row.backend} ({row.source})\n"
         )
     level, who = runtime.cudagraph_support()

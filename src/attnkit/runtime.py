@@ -25,13 +25,14 @@ import torch
 
 from ._validation import is_positive_int
 from .backend import (
+    STATE_PARAMS_BY_TYPE,
     AnyBuilderBinding,
     AttentionBackend,
     AttentionFeature,
     AttentionImpl,
     AttentionLayerParams,
     LayerParams,
-    Mamba2LayerParams,
+    StateLayerParams,
 )
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .config import AttentionConfig
@@ -326,8 +327,14 @@ class AttentionRuntime:
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         if not self._thresholds:
             return list(scheduled)
-        # Stable: for every builder's threshold, requests at or under it come first.
-        return sorted(scheduled, key=lambda r: sum(r.num_new_tokens > t for t in self._thresholds))
+
+        # Stable: for every builder's threshold, continuing requests at or under it come
+        # first. A new request is never a decode (there is nothing cached to extend).
+        def key(r: ScheduledRequest) -> int:
+            new = r.req_id not in self.manager
+            return sum(new or r.num_new_tokens > t for t in self._thresholds)
+
+        return sorted(scheduled, key=key)
 
     def _common_metadata(
         self,
@@ -427,14 +434,16 @@ class AttentionRuntime:
         self, layer_name: str, spec: KVCacheSpec, query: torch.Tensor
     ) -> tuple[int, ...]:
         params = self.layer_params[layer_name]
-        if isinstance(params, Mamba2LayerParams):
-            return (query.shape[0], params.num_heads, params.head_dim)
+        if isinstance(params, StateLayerParams):
+            return params.output_shape(query.shape[0])
         if isinstance(spec, AttentionSpec):
             if query.dim() != 3:
                 raise ValueError(f"{layer_name}: query must be [T, Hq, D], got {list(query.shape)}")
             v_size = params.v_head_size if isinstance(params, AttentionLayerParams) else None
             return (query.shape[0], query.shape[1], v_size or spec.head_size)
-        raise ValueError(f"{layer_name}: a {type(spec).__name__} layer needs Mamba2LayerParams")
+        raise ValueError(
+            f"{layer_name}: a {type(spec).__name__} layer needs the parameters of its mamba_type"
+        )
 
     def free(self, req_ids: Iterable[str]) -> None:
         """Release finished requests now (``begin_step(finished=...)`` does the same)."""
@@ -492,12 +501,14 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
                 f"layer_params[{name!r}].num_heads={params.num_heads} is not a multiple of the "
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
-    elif isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
-        if not isinstance(params, Mamba2LayerParams):
+    elif isinstance(spec, MambaSpec) and spec.mamba_type in STATE_PARAMS_BY_TYPE:
+        expected = STATE_PARAMS_BY_TYPE[spec.mamba_type]
+        if not isinstance(params, expected):
             raise ValueError(
-                f"layer_params[{name!r}] must be Mamba2LayerParams for a mamba2 layer, "
-                f"got {type(params).__name__}"
+                f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "
+                f"layer, got {type(params).__name__}"
             )
+        assert isinstance(params, StateLayerParams)  # every STATE_PARAMS_BY_TYPE value is one
         if params.state_shapes != spec.shapes:
             raise ValueError(
                 f"layer_params[{name!r}].state_shapes={params.state_shapes} do not match the "

@@ -39,7 +39,15 @@ __all__ = [
 ]
 
 DEFAULT_PRIORITY: Mapping[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn", "triton_attn", "reference"),
+    "cuda": (
+        "flash_attn",
+        "triton_attn",
+        "triton_mamba2",
+        "triton_gdn",
+        "triton_linear_attn",
+        "triton_short_conv",
+        "reference",
+    ),
     "cpu": ("reference", "triton_attn"),
 }
 """Device type -> backend names tried first, fastest valid choice first."""

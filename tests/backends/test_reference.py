@@ -55,6 +55,7 @@ from attnkit.backends.reference import (
     ReferenceMamba2Impl,
     ReferenceMamba2Metadata,
 )
+from attnkit.backends.reference.state import ReferenceStateImpl
 
 CPU = torch.device("cpu")
 CONFIG = AttentionConfig.model_validate({}, context={"known_backends": []})
@@ -1486,8 +1487,8 @@ def test_mamba_impl_and_builder_reject_bad_layers() -> None:
     )
     with pytest.raises(ValueError, match="mamba_type must be 'mamba2', got 'mamba1'"):
         ReferenceMamba2Impl(mamba1, params)
-    with pytest.raises(ValueError, match="mamba_type must be 'mamba2', got 'mamba1'"):
-        ReferenceMamba2Builder(mamba1, ["m"], CONFIG, CPU)
+    with pytest.raises(ValueError, match=r"mamba_type='mamba1' is not supported \(supported: gdn, linear, mamba2, short_conv\)"):
+        ReferenceStateImpl(mamba1, params)
     cm = CommonAttentionMetadata.from_lists(
         query_lens=[1], seq_lens=[1], block_table=[[]], slot_mapping=[-1]
     )

@@ -17,7 +17,8 @@ from ...spec import (
     SlidingWindowMLASpec,
 )
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
-from .mamba2 import ReferenceMamba2Builder, ReferenceMamba2Impl, mamba2_spec_problems
+from .mamba2 import ReferenceMamba2Builder, mamba2_spec_problems
+from .state import ReferenceStateImpl
 
 __all__ = ["ReferenceBackend"]
 
@@ -45,10 +46,12 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.ALIBI,
         }
     )
-    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"mamba2"})
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(
+        {"mamba2", "gdn", "linear", "short_conv"}
+    )
     builders = (
         bind_builder(AttentionSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl),
-        bind_builder(MambaSpec, ReferenceMamba2Builder, ReferenceMamba2Impl),
+        bind_builder(MambaSpec, ReferenceMamba2Builder, ReferenceStateImpl),
     )
 
     @classmethod

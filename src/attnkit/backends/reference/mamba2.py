@@ -61,11 +61,8 @@ class ReferenceMamba2Builder(AttentionMetadataBuilder[ReferenceMamba2Metadata, M
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
-        if kv_cache_spec.mamba_type != "mamba2":
-            raise ValueError(
-                f"ReferenceMamba2Builder: kv_cache_spec.mamba_type must be 'mamba2', "
-                f"got {kv_cache_spec.mamba_type!r}"
-            )
+        # One metadata serves every state layer type: each request's state block,
+        # offsets and whether it continues from a cached state.
 
     @override
     def build(

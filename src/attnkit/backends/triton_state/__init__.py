@@ -1,0 +1,29 @@
+"""Triton backends for state layers (``MambaSpec``): one per ``mamba_type``.
+
+``triton_mamba2``, ``triton_gdn``, ``triton_linear_attn`` and ``triton_short_conv``
+share one builder (narrowed to ``MambaSpec``) whose metadata splits each step into
+decodes (one token, the ``*_update`` kernels) and prefills (the varlen kernels).
+Importing this package does not import triton.
+"""
+
+from __future__ import annotations
+
+from .backend import (
+    TritonGatedDeltaNetBackend,
+    TritonLinearAttentionBackend,
+    TritonMamba2Backend,
+    TritonShortConvBackend,
+    TritonStateImpl,
+    TritonStateMetadata,
+    TritonStateMetadataBuilder,
+)
+
+__all__ = [
+    "TritonGatedDeltaNetBackend",
+    "TritonLinearAttentionBackend",
+    "TritonMamba2Backend",
+    "TritonShortConvBackend",
+    "TritonStateImpl",
+    "TritonStateMetadata",
+    "TritonStateMetadataBuilder",
+]

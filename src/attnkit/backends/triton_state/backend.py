@@ -1,0 +1,467 @@
+"""Triton backends for Mamba2, Gated DeltaNet, linear attention and short conv layers.
+
+One builder serves all four: its metadata carries each request's state block
+(``state_indices``, column 0 of the block table), whether it continues from a cached
+state (``has_initial_state``), and the decode/prefill split of a decodes-first batch
+(``reorder_batch_threshold = 1``), with the prefill part's offsets rebased to 0 so the
+varlen kernels take it as is. Decodes run the single-step ``*_update`` kernels, prefills
+the chunked varlen kernels; both read and write the states in the cache in place.
+
+CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE. ``build_for_cudagraph_capture`` accepts
+pure-decode batches and copies their state indices into a fixed-address buffer; the
+update kernels take no other per-step value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from typing_extensions import override
+
+from ...backend import (
+    STATE_PARAMS_BY_TYPE,
+    AttentionBackend,
+    AttentionImpl,
+    BackendRequest,
+    GatedDeltaNetLayerParams,
+    LayerParams,
+    LinearAttentionLayerParams,
+    Mamba2LayerParams,
+    ShortConvLayerParams,
+    StateLayerParams,
+    bind_builder,
+)
+from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...config import AttentionConfig
+from ...metadata import CommonAttentionMetadata
+from ...spec import KVCacheSpec, KVCacheSpecKind, MambaSpec, MambaType
+
+__all__ = [
+    "TritonGatedDeltaNetBackend",
+    "TritonLinearAttentionBackend",
+    "TritonMamba2Backend",
+    "TritonShortConvBackend",
+    "TritonStateImpl",
+    "TritonStateMetadata",
+    "TritonStateMetadataBuilder",
+]
+
+_TRUTHY = frozenset({"1", "true", "on", "yes", "y"})
+INTERPRETER_REASON = (
+    "device=cpu needs the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class TritonStateMetadata:
+    """One state group's step, split into decodes (first) and prefills.
+
+    Attributes:
+        num_actual_tokens: ``T``.
+        num_decodes, num_decode_tokens: the decode part (one token each).
+        num_prefills: requests after the decodes.
+        state_indices: int32 ``[B]`` each request's state block.
+        has_initial_state: bool ``[B]``.
+        prefill_query_start_loc: int32 ``[P+1]`` offsets of the prefill part, from 0.
+    """
+
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+
+
+class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, MambaSpec]):
+    """Narrowed to ``MambaSpec`` by its type parameter; reads only CPU copies (no sync)."""
+
+    reorder_batch_threshold: ClassVar[int | None] = 1
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        self._graph_indices: torch.Tensor | None = None
+
+    @override
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TritonStateMetadata:
+        cm = common_attn_metadata
+        # Decodes: the leading requests that add one token to a cached state. A new
+        # request of one token has no state to update, so it (and everything after the
+        # leading run) goes through the varlen kernels, which handle any request.
+        query_lens_cpu = cm.query_lens_cpu
+        is_decode = (query_lens_cpu == 1) & (cm.seq_lens_cpu > 1)
+        num_decodes = int(torch.cumprod(is_decode.to(torch.int32), 0).sum()) if cm.num_reqs else 0
+        num_decode_tokens = num_decodes
+        table = cm.block_table_tensor
+        if table.shape[1] < 1 and cm.num_reqs:
+            raise ValueError(
+                f"{type(self).__name__}: block_table_tensor needs a column 0 with each "
+                f"request's state block, got shape {list(table.shape)}"
+            )
+        qsl = cm.query_start_loc
+        has_initial = (cm.seq_lens - (qsl[1:] - qsl[:-1])) > 0
+        return TritonStateMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=cm.num_reqs - num_decodes,
+            state_indices=table[:, 0] if cm.num_reqs else table.new_zeros(0),
+            has_initial_state=has_initial,
+            prefill_query_start_loc=qsl[num_decodes:] - num_decode_tokens,
+        )
+
+    @override
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> TritonStateMetadata:
+        """Pure-decode batches only; their state indices go to a fixed-address buffer."""
+        cm = common_attn_metadata
+        if cm.max_query_len > 1 or bool((cm.seq_lens_cpu <= 1).any()):
+            raise RuntimeError(
+                f"{type(self).__name__}: only batches where every request decodes one token "
+                f"onto a cached state can be captured, got max_query_len={cm.max_query_len}"
+            )
+        if cm.num_reqs > self.config.max_num_reqs:
+            raise RuntimeError(
+                f"{type(self).__name__}: {cm.num_reqs} requests exceed the CUDA-graph buffer "
+                f"({self.config.max_num_reqs}); raise AttentionConfig.max_num_reqs"
+            )
+        if self._graph_indices is None:
+            self._graph_indices = torch.zeros(
+                self.config.max_num_reqs, dtype=torch.int32, device=self.device
+            )
+        meta = self.build(0, cm)
+        indices = self._graph_indices[: cm.num_reqs]
+        indices.copy_(meta.state_indices, non_blocking=True)
+        return dataclasses.replace(meta, state_indices=indices)
+
+
+def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
+    """Runs one state layer with the Triton kernels of its ``mamba_type``.
+
+    Inputs follow ``AttentionImpl.forward``'s convention per type (see the parameter
+    classes in ``attnkit.backend``).
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        who = type(self).__name__
+        if not isinstance(kv_cache_spec, MambaSpec):
+            raise TypeError(f"{who} needs a MambaSpec, got {type(kv_cache_spec).__name__}")
+        expected = STATE_PARAMS_BY_TYPE.get(kv_cache_spec.mamba_type)
+        if expected is None or not isinstance(layer_params, expected):
+            want = expected.__name__ if expected is not None else "a supported mamba_type"
+            raise TypeError(
+                f"{who}: a {kv_cache_spec.mamba_type} layer needs {want}, got {type(layer_params).__name__}"
+            )
+        assert isinstance(layer_params, StateLayerParams)  # every STATE_PARAMS_BY_TYPE value is one
+        if kv_cache_spec.shapes != layer_params.state_shapes:
+            raise ValueError(
+                f"{who}: kv_cache_spec.shapes must be layer_params.state_shapes, got {kv_cache_spec.shapes}"
+            )
+        # What the Triton kernels accept beyond the parameter classes' own checks.
+        if isinstance(layer_params, GatedDeltaNetLayerParams) and layer_params.chunk_size not in (
+            16,
+            32,
+            64,
+        ):
+            raise ValueError(
+                f"{who}: gdn chunk_size must be 16, 32 or 64, got {layer_params.chunk_size}"
+            )
+        if isinstance(layer_params, LinearAttentionLayerParams) and layer_params.chunk_size > 128:
+            raise ValueError(
+                f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
+            )
+        self.spec = kv_cache_spec
+        self.mamba_type = kv_cache_spec.mamba_type
+        # Imported here: importing the backend must not import triton.
+        from ...kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
+        from ...kernels.triton.gated_delta import (
+            chunk_gated_delta_rule_varlen,
+            fused_recurrent_gated_delta_rule_update,
+        )
+        from ...kernels.triton.linear_attention import (
+            chunk_linear_attention_varlen,
+            linear_attention_decode,
+        )
+        from ...kernels.triton.mamba2 import selective_state_update, ssd_chunked_varlen
+        from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
+
+        self._k: dict[str, Callable[..., Any]] = {
+            "conv": causal_conv1d_varlen,
+            "conv_update": causal_conv1d_update,
+            "ssd": ssd_chunked_varlen,
+            "ssd_update": selective_state_update,
+            "gdn": chunk_gated_delta_rule_varlen,
+            "gdn_update": fused_recurrent_gated_delta_rule_update,
+            "linear": chunk_linear_attention_varlen,
+            "linear_update": linear_attention_decode,
+            "short_conv": short_conv_varlen,
+            "short_conv_update": short_conv_update,
+        }
+
+    def _conv(
+        self,
+        x: torch.Tensor,
+        p: Mamba2LayerParams | GatedDeltaNetLayerParams,
+        conv_states: torch.Tensor,
+        md: TritonStateMetadata,
+    ) -> torch.Tensor:
+        """SiLU causal conv over the step: decodes with the update kernel, prefills varlen."""
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        out = torch.empty((n, x.shape[1]), dtype=conv_states.dtype, device=x.device)
+        x = x[:n].to(conv_states.dtype)
+        if md.num_decodes:
+            self._k["conv_update"](
+                x[:nd],
+                p.conv_weight,
+                p.conv_bias,
+                conv_states=conv_states,
+                state_indices=md.state_indices[: md.num_decodes],
+                activation="silu",
+                out=out[:nd],
+            )
+        if md.num_prefills:
+            self._k["conv"](
+                x[nd:],
+                p.conv_weight,
+                p.conv_bias,
+                conv_states=conv_states,
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[md.num_decodes :],
+                has_initial_state=md.has_initial_state[md.num_decodes :],
+                activation="silu",
+                out=out[nd:],
+            )
+        return out
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonStateMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md, p = attn_metadata, self.layer_params
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        dec = slice(0, md.num_decodes)
+        pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
+        varlen = {
+            "query_start_loc": md.prefill_query_start_loc,
+            "state_indices": md.state_indices[pre],
+            "has_initial_state": md.has_initial_state[pre],
+        }
+        if isinstance(p, Mamba2LayerParams):
+            if key is None:
+                raise ValueError("a Mamba2 layer needs key = dt [T, H]")
+            conv_states, ssm_states = kv_cache
+            xbc = self._conv(query, p, conv_states, md)
+            hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
+            x = xbc[:, :hp].reshape(n, p.num_heads, p.head_dim)
+            b = xbc[:, hp : hp + gn].reshape(n, p.n_groups, p.d_state)
+            c = xbc[:, hp + gn :].reshape(n, p.n_groups, p.d_state)
+            common = {
+                "D": p.D,
+                "dt_bias": p.dt_bias,
+                "dt_softplus": p.dt_softplus,
+                "ssm_states": ssm_states,
+            }
+            if md.num_decodes:
+                self._k["ssd_update"](
+                    x[:nd],
+                    key[:nd],
+                    p.A,
+                    b[:nd],
+                    c[:nd],
+                    state_indices=md.state_indices[dec],
+                    out=output[:nd],
+                    **common,
+                )
+            if md.num_prefills:
+                self._k["ssd"](
+                    x[nd:],
+                    key[nd:n],
+                    p.A,
+                    b[nd:],
+                    c[nd:],
+                    chunk_size=p.chunk_size,
+                    out=output[nd:n],
+                    **common,
+                    **varlen,
+                )
+        elif isinstance(p, GatedDeltaNetLayerParams):
+            if key is None or value is None:
+                raise ValueError(
+                    "a Gated DeltaNet layer needs key = g [T, H] and value = beta [T, H]"
+                )
+            conv_states, states = kv_cache
+            mixed = self._conv(query, p, conv_states, md)
+            hk = p.num_heads * p.key_dim
+            q = _l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
+            k = _l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
+            v = mixed[:, 2 * hk :].reshape(n, p.num_heads, p.value_dim)
+            g, beta = key[:n].float(), value[:n].float()
+            scale = p.scale if p.scale is not None else p.key_dim**-0.5
+            if md.num_decodes:
+                self._k["gdn_update"](
+                    q[:nd],
+                    k[:nd],
+                    v[:nd],
+                    g[:nd],
+                    beta[:nd],
+                    scale=scale,
+                    states=states,
+                    state_indices=md.state_indices[dec],
+                    out=output[:nd],
+                )
+            if md.num_prefills:
+                self._k["gdn"](
+                    q[nd:],
+                    k[nd:],
+                    v[nd:],
+                    g[nd:],
+                    beta[nd:],
+                    scale=scale,
+                    states=states,
+                    chunk_size=p.chunk_size,
+                    out=output[nd:n],
+                    **varlen,
+                )
+        elif isinstance(p, LinearAttentionLayerParams):
+            if key is None or value is None:
+                raise ValueError("a linear-attention layer needs key and value")
+            (states,) = kv_cache
+            scale = p.scale if p.scale is not None else p.key_dim**-0.5
+            decay = p.decay.to(query.device)
+            if md.num_decodes:
+                self._k["linear_update"](
+                    query[:nd],
+                    key[:nd],
+                    value[:nd],
+                    decay,
+                    scale=scale,
+                    states=states,
+                    state_indices=md.state_indices[dec],
+                    out=output[:nd],
+                )
+            if md.num_prefills:
+                self._k["linear"](
+                    query[nd:n],
+                    key[nd:n],
+                    value[nd:n],
+                    decay,
+                    scale=scale,
+                    states=states,
+                    chunk_size=p.chunk_size,
+                    out=output[nd:n],
+                    **varlen,
+                )
+        elif isinstance(p, ShortConvLayerParams):
+            if key is None or value is None:
+                raise ValueError("a short-conv layer needs key = c and value = x")
+            (conv_states,) = kv_cache
+            if md.num_decodes:
+                self._k["short_conv_update"](
+                    query[:nd],
+                    key[:nd],
+                    value[:nd],
+                    p.conv_weight,
+                    p.conv_bias,
+                    conv_states=conv_states,
+                    state_indices=md.state_indices[dec],
+                    out=output[:nd],
+                )
+            if md.num_prefills:
+                self._k["short_conv"](
+                    query[nd:n],
+                    key[nd:n],
+                    value[nd:n],
+                    p.conv_weight,
+                    p.conv_bias,
+                    conv_states=conv_states,
+                    out=output[nd:n],
+                    **varlen,
+                )
+        else:  # pragma: no cover - __init__ accepts only the four types
+            raise TypeError(f"unsupported layer parameters {type(p).__name__}")
+        return output
+
+
+class _TritonStateBackend(AttentionBackend):
+    """Shared declarations of the four state backends."""
+
+    supported_kinds = frozenset({KVCacheSpecKind.MAMBA})
+    supported_devices = frozenset({"cpu", "cuda"})
+    required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonStateImpl),)
+
+    @classmethod
+    @override
+    def extra_environment_reasons(cls, device: torch.device) -> list[str]:
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").lower() not in _TRUTHY:
+            return [INTERPRETER_REASON]
+        return []
+
+    @classmethod
+    @override
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        spec = request.spec
+        if isinstance(spec, MambaSpec) and spec.mamba_type in cls.supported_mamba_types:
+            # Recurrent states accumulate over the whole sequence: float32 only.
+            last = spec.dtypes[-1]
+            if spec.mamba_type != "short_conv" and last != torch.float32:
+                return [
+                    f"{spec.mamba_type} state dtype must be float32, got {str(last).removeprefix('torch.')}"
+                ]
+        return []
+
+
+class TritonMamba2Backend(_TritonStateBackend):
+    name = "triton_mamba2"
+    description = "Triton Mamba2: causal conv1d + chunked SSD / selective state update"
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"mamba2"})
+
+
+class TritonGatedDeltaNetBackend(_TritonStateBackend):
+    name = "triton_gdn"
+    description = (
+        "Triton Gated DeltaNet: short conv + chunked gated delta rule / fused recurrent step"
+    )
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"gdn"})
+
+
+class TritonLinearAttentionBackend(_TritonStateBackend):
+    name = "triton_linear_attn"
+    description = "Triton linear attention with per-head decay (lightning style)"
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"linear"})
+
+
+class TritonShortConvBackend(_TritonStateBackend):
+    name = "triton_short_conv"
+    description = "Triton LFM2-style gated short convolution"
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"short_conv"})

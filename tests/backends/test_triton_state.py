@@ -1,0 +1,181 @@
+"""The Triton state backends: declarations, routing by mamba_type, builder metadata,
+CUDA-graph mechanics. Numerics are covered per kernel (tests/kernels) and end to end
+through the runtime against dense recomputes (tests/test_runtime_state.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnkit import (
+    AttentionCGSupport,
+    AttentionConfig,
+    BackendRegistry,
+    BackendRequest,
+    CommonAttentionMetadata,
+    GatedDeltaNetLayerParams,
+    LinearAttentionLayerParams,
+    MambaSpec,
+    NoBackendError,
+    select_backend,
+)
+from attnkit.backends.triton_state import (
+    TritonGatedDeltaNetBackend,
+    TritonLinearAttentionBackend,
+    TritonMamba2Backend,
+    TritonShortConvBackend,
+    TritonStateImpl,
+    TritonStateMetadataBuilder,
+)
+from attnkit.registry import BUILTIN_BACKENDS
+
+CPU = torch.device("cpu")
+CONFIG = AttentionConfig.model_validate({"max_num_reqs": 4}, context={"known_backends": []})
+BACKENDS = {
+    "mamba2": TritonMamba2Backend,
+    "gdn": TritonGatedDeltaNetBackend,
+    "linear": TritonLinearAttentionBackend,
+    "short_conv": TritonShortConvBackend,
+}
+
+
+def spec(mamba_type: str, dtypes: tuple[torch.dtype, ...] | None = None) -> MambaSpec:
+    shapes: dict[str, tuple[tuple[int, ...], ...]] = {
+        "mamba2": ((96, 3), (4, 16, 16)),
+        "gdn": ((192, 3), (4, 16, 16)),
+        "linear": ((4, 16, 16),),
+        "short_conv": ((64, 2),),
+    }
+    default = (torch.float32,) * len(shapes[mamba_type])
+    return MambaSpec(
+        block_size=16, shapes=shapes[mamba_type], dtypes=dtypes or default, mamba_type=mamba_type
+    )  # type: ignore[arg-type]  # a literal from the dict keys
+
+
+def test_declarations_are_valid_and_one_type_each() -> None:
+    for mamba_type, backend in BACKENDS.items():
+        assert backend.declaration_problems() == []
+        assert backend.supported_mamba_types == frozenset({mamba_type})
+        assert (
+            backend.not_supported_reasons(BackendRequest(spec=spec(mamba_type), device=CPU)) == []
+        )
+        other = next(t for t in BACKENDS if t != mamba_type)
+        assert backend.not_supported_reasons(BackendRequest(spec=spec(other), device=CPU)) == [
+            f"mamba_type={other} not supported (supported: {mamba_type})"
+        ]
+
+
+def test_state_dtype_reason() -> None:
+    reasons = TritonMamba2Backend.not_supported_reasons(
+        BackendRequest(spec=spec("mamba2", (torch.float32, torch.bfloat16)), device=CPU)
+    )
+    assert reasons == ["mamba2 state dtype must be float32, got bfloat16"]
+
+
+def test_interpreter_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert TritonGatedDeltaNetBackend.not_supported_reasons(
+        BackendRequest(spec=spec("gdn"), device=CPU)
+    ) == [
+        "device=cpu needs the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+    ]
+
+
+def test_each_type_routes_to_its_backend_by_priority() -> None:
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    config = AttentionConfig.model_validate({}, context={"registry": reg})
+    order = {
+        "cpu": (
+            "triton_mamba2",
+            "triton_gdn",
+            "triton_linear_attn",
+            "triton_short_conv",
+            "reference",
+        )
+    }
+    for mamba_type, backend in BACKENDS.items():
+        chosen = select_backend(
+            spec(mamba_type), config, device="cpu", registry=reg, priority=order
+        )
+        assert chosen.backend is backend
+    # Naming one for the whole mamba kind fails loudly for the other types.
+    forced = AttentionConfig.model_validate(
+        {"backend_per_kind": "mamba=triton_gdn"}, context={"registry": reg}
+    )
+    with pytest.raises(NoBackendError, match=r"mamba_type=linear not supported \(supported: gdn\)"):
+        select_backend(spec("linear"), forced, device="cpu", registry=reg)
+
+
+def metadata(
+    query_lens: list[int], seq_lens: list[int], blocks: list[int]
+) -> CommonAttentionMetadata:
+    return CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=[[b] for b in blocks],
+        slot_mapping=[-1] * sum(query_lens),
+    )
+
+
+def test_builder_splits_decodes_from_the_rest() -> None:
+    builder = TritonStateMetadataBuilder(spec("mamba2"), ["m"], CONFIG, CPU)
+    assert builder.kv_cache_spec.mamba_type == "mamba2"
+    # Two decodes, then a new one-token request (no state yet), then a prefill chunk.
+    md = builder.build(0, metadata([1, 1, 1, 5], [9, 4, 1, 12], [7, 3, 5, 2]))
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 2)
+    assert md.state_indices.tolist() == [7, 3, 5, 2]
+    assert md.has_initial_state.tolist() == [True, True, False, True]
+    assert md.prefill_query_start_loc.tolist() == [0, 1, 6]
+    assert TritonStateMetadataBuilder.reorder_batch_threshold == 1
+
+
+def test_cudagraph_capture_uses_fixed_addresses() -> None:
+    builder = TritonStateMetadataBuilder(spec("gdn"), ["g"], CONFIG, CPU)
+    assert (
+        builder.get_cudagraph_support(CONFIG, spec("gdn"))
+        is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+    first = builder.build_for_cudagraph_capture(metadata([1, 1], [5, 9], [4, 6]))
+    second = builder.build_for_cudagraph_capture(metadata([1, 1], [7, 2], [8, 1]))
+    assert first.state_indices.data_ptr() == second.state_indices.data_ptr()
+    assert second.state_indices.tolist() == [8, 1]
+    with pytest.raises(RuntimeError, match=r"only batches where every request decodes one token"):
+        builder.build_for_cudagraph_capture(metadata([2, 1], [5, 9], [4, 6]))
+    with pytest.raises(
+        RuntimeError,
+        match=r"5 requests exceed the CUDA-graph buffer \(4\); raise AttentionConfig.max_num_reqs",
+    ):
+        builder.build_for_cudagraph_capture(metadata([1] * 5, [3] * 5, [1, 2, 3, 4, 5]))
+
+
+def test_impl_checks_kernel_limits() -> None:
+    gdn = GatedDeltaNetLayerParams(
+        num_heads=4, key_dim=16, value_dim=16, conv_weight=torch.zeros(192, 4), chunk_size=8
+    )
+    with pytest.raises(ValueError, match=r"gdn chunk_size must be 16, 32 or 64, got 8"):
+        TritonStateImpl(spec("gdn"), gdn)
+    linear = LinearAttentionLayerParams(
+        num_heads=4, key_dim=16, value_dim=16, decay=torch.ones(4), chunk_size=256
+    )
+    with pytest.raises(ValueError, match=r"linear-attention chunk_size must be <= 128, got 256"):
+        TritonStateImpl(spec("linear"), linear)
+    with pytest.raises(
+        TypeError, match=r"a mamba2 layer needs Mamba2LayerParams, got LinearAttentionLayerParams"
+    ):
+        TritonStateImpl(spec("mamba2"), linear)
+
+
+def test_import_does_not_pull_triton() -> None:
+    code = (
+        "import sys, attnkit.backends.triton_state as t, torch;"
+        "from attnkit import BackendRequest, MambaSpec;"
+        "t.TritonMamba2Backend.not_supported_reasons(BackendRequest(spec=MambaSpec(block_size=1, shapes=((2, 2),), dtypes=(torch.float32,), mamba_type='short_conv'), device=torch.device('cpu')));"
+        "print('triton' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
