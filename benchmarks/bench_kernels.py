@@ -233,6 +233,169 @@ def _flex(
     return (lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True)), "flex_attention"
 
 
+def _state_layer(mamba_type: str, device: torch.device, smoke: bool) -> tuple[Any, Any]:
+    """(spec, params) of one realistic state layer of each type (tiny under --smoke)."""
+    from attnkit import (
+        GatedDeltaNetLayerParams,
+        LinearAttentionLayerParams,
+        Mamba2LayerParams,
+        MambaSpec,
+        ShortConvLayerParams,
+    )
+
+    s = 8 if smoke else 1
+    dt = torch.bfloat16
+    params: Any
+    if mamba_type == "mamba2":
+        h, p_, g, n = 32 // s, 64 // s, 8 // s or 1, 128 // s
+        conv = h * p_ + 2 * g * n
+        params = Mamba2LayerParams(
+            num_heads=h,
+            head_dim=p_,
+            n_groups=g,
+            d_state=n,
+            conv_weight=torch.randn(conv, 4, device=device) * 0.3,
+            A=-torch.rand(h, device=device) - 0.5,
+            D=torch.ones(h, device=device),
+            dt_bias=torch.zeros(h, device=device),
+            chunk_size=256 // s,
+        )
+        dtypes = (dt, torch.float32)
+    elif mamba_type == "gdn":
+        h, k = 16 // s or 1, 128 // s
+        params = GatedDeltaNetLayerParams(
+            num_heads=h,
+            key_dim=k,
+            value_dim=k,
+            conv_weight=torch.randn(h * 3 * k, 4, device=device) * 0.3,
+            chunk_size=64 if not smoke else 16,
+        )
+        dtypes = (dt, torch.float32)
+    elif mamba_type == "linear":
+        h, k = 32 // s, 128 // s
+        params = LinearAttentionLayerParams(
+            num_heads=h,
+            key_dim=k,
+            value_dim=k,
+            decay=torch.rand(h, device=device),
+            chunk_size=64 if not smoke else 16,
+        )
+        dtypes = (torch.float32,)
+    else:
+        c = 2048 // s
+        params = ShortConvLayerParams(
+            channels=c, conv_weight=(torch.randn(c, 3, device=device) * 0.3).to(dt)
+        )
+        dtypes = (dt,)
+    spec = MambaSpec(
+        block_size=16, shapes=params.state_shapes, dtypes=dtypes, mamba_type=mamba_type
+    )
+    return spec, params
+
+
+def _state_inputs(
+    mamba_type: str, params: Any, t: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    dt = torch.bfloat16
+    if mamba_type == "mamba2":
+        return torch.randn(t, params.conv_dim, device=device, dtype=dt), torch.randn(
+            t, params.num_heads, device=device
+        )
+    if mamba_type == "gdn":
+        h = params.num_heads
+        return (
+            torch.randn(t, params.conv_dim, device=device, dtype=dt),
+            -torch.rand(t, h, device=device),
+            torch.rand(t, h, device=device),
+        )
+    if mamba_type == "linear":
+        h, k = params.num_heads, params.key_dim
+        return tuple(torch.randn(t, h, k, device=device, dtype=dt) * 0.1 for _ in range(3))
+    return tuple(torch.randn(t, params.channels, device=device, dtype=dt) for _ in range(3))
+
+
+def _time_impl(
+    impl: Any,
+    inputs: tuple[torch.Tensor, ...],
+    states: list[torch.Tensor],
+    meta: Any,
+    out: torch.Tensor,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> float:
+    query, key, value = (*inputs, None)[:3]
+    return time_ms(
+        lambda: impl.forward(query, key, value, states, meta, out), device, args.warmup, args.iters
+    )
+
+
+def state_results(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """Decode-step latency and prefill tokens/s of each state backend vs the torch reference."""
+    from attnkit import AttentionConfig, CommonAttentionMetadata
+    from attnkit.backends.reference import ReferenceBackend
+    from attnkit.backends.triton_state import (
+        TritonGatedDeltaNetBackend,
+        TritonLinearAttentionBackend,
+        TritonMamba2Backend,
+        TritonShortConvBackend,
+    )
+
+    triton = {
+        "mamba2": TritonMamba2Backend,
+        "gdn": TritonGatedDeltaNetBackend,
+        "linear": TritonLinearAttentionBackend,
+        "short_conv": TritonShortConvBackend,
+    }
+    config = AttentionConfig.model_validate({}, context={"known_backends": []})
+    results: list[Result] = []
+    shapes = [
+        ("decode", 2 if args.smoke else 64, 1),
+        ("prefill", 2 if args.smoke else 4, 16 if args.smoke else 1024),
+    ]
+    for mamba_type, backend in triton.items():
+        spec, params = _state_layer(mamba_type, device, args.smoke)
+        for kind, num_reqs, q_len in shapes:
+            t = num_reqs * q_len
+            qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
+            context = q_len + (100 if kind == "decode" else 0)
+            seq = torch.full((num_reqs,), context, dtype=torch.int32)
+            table = (torch.arange(num_reqs, dtype=torch.int32) + 1)[:, None]
+            cm = CommonAttentionMetadata(
+                query_start_loc=qsl.to(device),
+                query_start_loc_cpu=qsl,
+                seq_lens=seq.to(device),
+                seq_lens_cpu=seq,
+                num_reqs=num_reqs,
+                num_actual_tokens=t,
+                max_query_len=q_len,
+                max_seq_len=context,
+                block_table_tensor=table.to(device),
+                slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device),
+            )
+            inputs = _state_inputs(mamba_type, params, t, device)
+            for impl_backend, label in (
+                (backend, backend.name),
+                (ReferenceBackend, "reference (torch)"),
+            ):
+                binding = impl_backend.get_binding(spec)
+                meta = binding.create(spec, ["bench"], config, device).build(0, cm)
+                impl = binding.create_impl(spec, params)
+                states = [
+                    torch.zeros((num_reqs + 1, *shape), dtype=dtype, device=device)
+                    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+                ]
+                out = torch.empty(params.output_shape(t), dtype=torch.bfloat16, device=device)
+                ms = _time_impl(impl, inputs, states, meta, out, device, args)
+                case = f"{mamba_type} B={num_reqs} q={q_len}"
+                note = (
+                    f"{t / (ms * 1e-3):.0f} tok/s"
+                    if kind == "prefill"
+                    else f"{ms * 1e3:.0f} us/step"
+                )
+                results.append(Result(f"state-{kind}", label, case, ms, note=note))
+    return results
+
+
 def decode_cases(smoke: bool) -> list[tuple[int, int]]:
     if smoke:
         return [(2, 64)]
@@ -373,6 +536,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(
                     Result("prefill", made[1], case, ms_f, tflops=flops / (ms_f * 1e-3) / 1e12)
                 )
+    results.extend(state_results(args, device))
     flash_rows: list[dict[str, Any]] = []
     if not args.smoke:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
