@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels.triton._attention_common import check_device, check_scale_tensor
+
 __all__ = ["write_kv_cache"]
 
 # Dtypes of key/value, and of the cache when it is not fp8.
@@ -178,22 +180,6 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
         raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
 
 
-def _check_kv_scale(name: str, t: object, device: torch.device) -> torch.Tensor:
-    """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor or None, got {type(t).__name__}"
-        )
-    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
-            f"got {t.dtype} {list(t.shape)}"
-        )
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the kv_cache device), got {t.device}")
-    return t
-
-
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -235,10 +221,7 @@ def write_kv_cache(
             raise ValueError(
                 f"{name}: expected dtype {kv_cache.dtype} (the kv_cache dtype), got {t.dtype}"
             )
-        if t.device != device:
-            raise ValueError(
-                f"{name}: expected device {device} (the kv_cache device), got {t.device}"
-            )
+        check_device(name, t, device, "kv_cache")
     if value.dtype != key.dtype:
         raise ValueError(f"value: expected dtype {key.dtype} (the key dtype), got {value.dtype}")
     if key.shape[0] != value.shape[0]:
@@ -251,15 +234,11 @@ def write_kv_cache(
             f"slot_mapping: expected shape [{num_tokens}] (one slot per token), "
             f"got {tuple(slot_mapping.shape)}"
         )
-    if slot_mapping.device != device:
-        raise ValueError(
-            f"slot_mapping: expected device {device} (the kv_cache device), "
-            f"got {slot_mapping.device}"
-        )
+    check_device("slot_mapping", slot_mapping, device, "kv_cache")
     if k_scale is not None:
-        _check_kv_scale("k_scale", k_scale, device)
+        check_scale_tensor("k_scale", k_scale, device, "kv_cache")
     if v_scale is not None:
-        _check_kv_scale("v_scale", v_scale, device)
+        check_scale_tensor("v_scale", v_scale, device, "kv_cache")
     if is_fp8 and (k_scale is None or v_scale is None):
         missing = "k_scale" if k_scale is None else "v_scale"
         raise ValueError(

@@ -42,13 +42,24 @@ never reads device memory back to the host, so it can be captured in a CUDA grap
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from attnkit.kernels.triton._attention_common import (
+    check_batch_metadata,
+    check_block_table_width,
+    check_device,
+    check_finite_float,
+    check_int_arg,
+    check_paged_kv_cache,
+    load_kv_tile,
+    mask_scores,
+    online_softmax_update,
+)
 
 __all__ = [
     "SplitKVWorkspace",
@@ -82,24 +93,6 @@ _MAX_AUTO_SPLITS = 32
 
 
 # ------------------------------------------------------------------------ stage 1
-
-
-@triton.jit
-def _fp8e4m3_to_f32(raw):  # type: ignore[no-untyped-def]
-    """float8 e4m3fn bit patterns (uint8) to float32 by integer ops (interpreter only).
-
-    Layout: sign (1), exponent (4, bias 7), mantissa (3); exponent 0 holds subnormals
-    ``mantissa * 2**-9``; magnitude bits 0x7F are NaN; there are no infinities.
-    """
-    bits = raw.to(tl.int32)
-    magnitude = bits & 0x7F
-    exponent = magnitude >> 3
-    # Normal: move exponent (rebias +120) and mantissa into float32's fields.
-    as_normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    as_subnormal = (magnitude & 0x7).to(tl.float32) * 0.001953125
-    value = tl.where(exponent == 0, as_subnormal, as_normal)
-    value = tl.where(magnitude == 0x7F, float("nan"), value)
-    return tl.where((bits & 0x80) != 0, -value, value)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
@@ -268,12 +261,8 @@ def _split_kv_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
             + (k_pos % BLOCK_SIZE)[:, None] * stride_cs
             + head_offsets
         )
-        if FP8_BITS:
-            k = _fp8e4m3_to_f32(tl.load(k_ptrs, mask=kv_mask, other=0))
-            v = _fp8e4m3_to_f32(tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0))
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS)
+        v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS)
         if CAST_KV:
             # fp8 cache: widen to the query dtype (exact for e4m3) before both dots,
             # so P is rounded to the query dtype below, never to fp8.
@@ -293,30 +282,13 @@ def _split_kv_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
             s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         # log2 domain from here: exp2 is the native instruction.
         s = s * LOG2E
-        visible = row_valid[:, None] & k_valid[None, :]
-        if IS_CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
-        if USE_CHUNK:
-            visible = visible & (k_pos[None, :] // chunk == q_pos[:, None] // chunk)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row may see nothing yet (window edge, padding rows); keep the reference
-        # finite so exp2(-inf - -inf) never produces NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the query dtype (v's, after any widening) for the tensor-core
-        # P.V product; kept under DOT_IN_FP32 too so the interpreter rounds the same.
-        p_op = p.to(v.dtype)
-        if DOT_IN_FP32:
-            p_op = p_op.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = mask_scores(
+            s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
+        )
+        # v has the query dtype here (after any widening); p is rounded to it.
+        m_i, l_i, acc = online_softmax_update(
+            s, v, m_i, l_i, acc, v.dtype, DOT_PRECISION, DOT_IN_FP32
+        )
 
     # A row that saw no key in this split (l_i == 0) gets output 0 and lse -inf.
     empty = l_i == 0.0
@@ -431,8 +403,8 @@ def _split_kv_merge_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
 # It also decodes the e4m3fn NaN pattern (0x7F / 0xFF) as +-480 (measured on triton
 # 3.9), which would hide a kernel reading an unwritten NaN slot. Under the interpreter
 # only, an fp8 cache is passed as a uint8 view (same storage, no copy) and decoded by
-# _fp8e4m3_to_f32; compiled kernels keep Triton's native fp8 conversion. This is the
-# choice unified_attention makes too.
+# e4m3_bits_to_f32 (in _attention_common); compiled kernels keep Triton's native fp8
+# conversion. This is the choice unified_attention makes too.
 _INTERPRETED = isinstance(_split_kv_partial_kernel, InterpretedFunction)
 
 
@@ -460,10 +432,10 @@ def split_kv_workspace(
     device: torch.device | str | None = None,
 ) -> SplitKVWorkspace:
     """Allocate a :class:`SplitKVWorkspace` for up to ``num_splits`` x ``num_tokens``."""
-    num_splits = _check_int_arg("num_splits", num_splits, 1)
-    num_tokens = _check_int_arg("num_tokens", num_tokens, 0)
-    num_q_heads = _check_int_arg("num_q_heads", num_q_heads, 1)
-    head_dim = _check_int_arg("head_dim", head_dim, 1)
+    num_splits = check_int_arg("num_splits", num_splits, 1)
+    num_tokens = check_int_arg("num_tokens", num_tokens, 0)
+    num_q_heads = check_int_arg("num_q_heads", num_q_heads, 1)
+    head_dim = check_int_arg("head_dim", head_dim, 1)
     return SplitKVWorkspace(
         partial_out=torch.empty(
             (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
@@ -496,11 +468,11 @@ def choose_num_splits(
     Example: 1 request, 8 kv heads, 32k context, 132 SMs (H100/H200) -> 17 splits of
     about 1900 tokens; 64 requests x 8 kv heads -> 1.
     """
-    num_reqs = _check_int_arg("num_reqs", num_reqs, 0)
-    num_kv_heads = _check_int_arg("num_kv_heads", num_kv_heads, 1)
-    max_seq_len = _check_int_arg("max_seq_len", max_seq_len, 0)
-    block_size = _check_int_arg("block_size", block_size, 1)
-    num_sms = _check_int_arg("num_sms", num_sms, 1)
+    num_reqs = check_int_arg("num_reqs", num_reqs, 0)
+    num_kv_heads = check_int_arg("num_kv_heads", num_kv_heads, 1)
+    max_seq_len = check_int_arg("max_seq_len", max_seq_len, 0)
+    block_size = check_int_arg("block_size", block_size, 1)
+    num_sms = check_int_arg("num_sms", num_sms, 1)
     programs = num_reqs * num_kv_heads
     if programs == 0 or programs >= num_sms:
         return 1
@@ -510,47 +482,11 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, _MAX_AUTO_SPLITS))
 
 
-def _check_int_arg(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    # bool is an int subclass; reject it so a stray True is not read as 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
-
-
 def _check_float_arg(name: str, value: object, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite float, got {value!r}")
-    if positive and value <= 0:
+    checked = check_finite_float(name, value)
+    if positive and checked <= 0:
         raise ValueError(f"{name}: expected a float > 0, got {value!r}")
-    return float(value)
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the query device), got {t.device}")
-
-
-def _check_index_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device
-) -> None:
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
-    if t.dim() != len(shape) or any(
-        want >= 0 and got != want for want, got in zip(shape, t.shape, strict=True)
-    ):
-        pretty = ", ".join("*" if s < 0 else str(s) for s in shape)
-        raise ValueError(f"{name}: expected shape [{pretty}], got {tuple(t.shape)}")
-    _check_device(name, t, device)
-    # The kernels index the last dim with unit stride; checked rather than copied so
-    # per-step metadata never silently allocates.
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: expected unit stride in the last dim, got strides {tuple(t.stride())}"
-        )
+    return checked
 
 
 def _check_head_vector(name: str, t: torch.Tensor, num_q_heads: int, device: torch.device) -> None:
@@ -558,7 +494,7 @@ def _check_head_vector(name: str, t: torch.Tensor, num_q_heads: int, device: tor
         raise ValueError(f"{name}: expected shape [{num_q_heads}] ([Hq]), got {tuple(t.shape)}")
     if t.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{name}: expected dtype in {_SUPPORTED_DTYPES}, got {t.dtype}")
-    _check_device(name, t, device)
+    check_device(name, t, device)
 
 
 def _check_kv_scale(
@@ -573,7 +509,7 @@ def _check_kv_scale(
             )
         if value.dtype != torch.float32:
             raise ValueError(f"{name}: expected dtype torch.float32, got {value.dtype}")
-        _check_device(name, value, device)
+        check_device(name, value, device)
         return value
     return _check_float_arg(name, value, positive=True)
 
@@ -589,7 +525,7 @@ def _check_output_like(
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    _check_device(name, t, device)
+    check_device(name, t, device)
 
 
 def _check_workspace(
@@ -622,7 +558,7 @@ def _check_workspace(
             raise ValueError(f"workspace.{name}: expected shape {want}, got {tuple(t.shape)}")
         if t.dtype != torch.float32:
             raise ValueError(f"workspace.{name}: expected dtype torch.float32, got {t.dtype}")
-        _check_device(f"workspace.{name}", t, device)
+        check_device(f"workspace.{name}", t, device)
     return SplitKVWorkspace(part_out, part_lse)
 
 
@@ -696,54 +632,32 @@ def split_kv_decode(
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
         )
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if kv_cache.dtype not in (query.dtype, *_FP8_CACHE_DTYPES):
         raise ValueError(
             f"kv_cache: expected dtype {query.dtype} (the query dtype) or one of "
             f"{_FP8_CACHE_DTYPES}, got {kv_cache.dtype}"
         )
-    _check_device("kv_cache", kv_cache, device)
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
-    if cache_head_dim != head_dim:
-        raise ValueError(
-            f"kv_cache: expected head size {head_dim} (the query head size), got {cache_head_dim}"
-        )
-    if block_size not in _SUPPORTED_BLOCK_SIZES:
-        raise ValueError(
-            f"kv_cache: expected block size in {_SUPPORTED_BLOCK_SIZES}, got {block_size}"
-        )
-    if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(
-            f"query: expected head size in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}"
-        )
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"kv_cache: expected a kv head count dividing the {num_q_heads} query heads, "
-            f"got {num_kv_heads}"
-        )
+    check_paged_kv_cache(
+        kv_cache,
+        num_q_heads,
+        head_dim,
+        device,
+        block_sizes=_SUPPORTED_BLOCK_SIZES,
+        min_head_dim=_MIN_HEAD_DIM,
+        max_head_dim=_MAX_HEAD_DIM,
+    )
+    num_requests = check_batch_metadata(seq_lens, query_start_loc, block_table, device)
 
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens: expected shape [B], got {tuple(seq_lens.shape)}")
-    num_requests = seq_lens.shape[0]
-    _check_index_tensor("seq_lens", seq_lens, (num_requests,), device)
-    _check_index_tensor("query_start_loc", query_start_loc, (num_requests + 1,), device)
-    _check_index_tensor("block_table", block_table, (num_requests, -1), device)
-
-    max_query_len = _check_int_arg("max_query_len", max_query_len, 0, MAX_QUERY_LEN)
-    max_seq_len = _check_int_arg("max_seq_len", max_seq_len, 0)
+    max_query_len = check_int_arg("max_query_len", max_query_len, 0, MAX_QUERY_LEN)
+    max_seq_len = check_int_arg("max_seq_len", max_seq_len, 0)
     if causal and max_seq_len < max_query_len:
         raise ValueError(
             f"max_seq_len: expected an int >= {max_query_len} (max_query_len; seq_lens "
             f"include the queries), got {max_seq_len}"
         )
-    if block_table.shape[1] * block_size < max_seq_len:
-        raise ValueError(
-            f"block_table: expected at least {triton.cdiv(max_seq_len, block_size)} columns "
-            f"for max_seq_len={max_seq_len} at block size {block_size}, "
-            f"got {block_table.shape[1]}"
-        )
-    num_splits = _check_int_arg("num_splits", num_splits, 1, MAX_NUM_SPLITS)
+    check_block_table_width(block_table, block_size, max_seq_len)
+    num_splits = check_int_arg("num_splits", num_splits, 1, MAX_NUM_SPLITS)
     scale = _check_float_arg("scale", scale, positive=False)
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
@@ -753,11 +667,11 @@ def split_kv_decode(
             f"sliding_window={sliding_window} and chunk_size={chunk_size}"
         )
     if sliding_window is not None:
-        sliding_window = _check_int_arg("sliding_window", sliding_window, 1)
+        sliding_window = check_int_arg("sliding_window", sliding_window, 1)
         if not causal:
             raise ValueError("sliding_window: requires causal=True")
     if chunk_size is not None:
-        chunk_size = _check_int_arg("chunk_size", chunk_size, 1)
+        chunk_size = check_int_arg("chunk_size", chunk_size, 1)
         if not causal:
             raise ValueError("chunk_size: requires causal=True")
     if logits_soft_cap is not None:

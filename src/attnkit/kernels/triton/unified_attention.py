@@ -41,6 +41,19 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels.triton._attention_common import (
+    check_batch_metadata,
+    check_block_table_width,
+    check_device,
+    check_finite_float,
+    check_int_arg,
+    check_paged_kv_cache,
+    check_scale_tensor,
+    load_kv_tile,
+    mask_scores,
+    online_softmax_update,
+)
+
 __all__ = ["unified_attention"]
 
 # Query (and output) dtypes; the cache has the query dtype or _FP8_DTYPE.
@@ -57,44 +70,12 @@ _MIN_ROWS = 16
 
 
 @triton.jit
-def _e4m3_bits_to_f32(bits):  # type: ignore[no-untyped-def]
-    """Decode float8 e4m3fn bit patterns (uint8) to float32 with integer ops, exactly.
-
-    e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 is
-    NaN; exponent 0 holds the subnormals ``m * 2**-9``.
-    """
-    b = bits.to(tl.uint32)
-    sign = b >> 7
-    exponent = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    # Normal numbers: rebias the exponent (127 - 7 = 120) and widen the mantissa.
-    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(
-        tl.float32, bitcast=True
-    )
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2**-9, exact
-    subnormal = tl.where(sign == 1, -subnormal, subnormal)
-    value = tl.where(exponent == 0, subnormal, normal)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
 def _tanh(x):  # type: ignore[no-untyped-def]
     # Triton has no portable tanh. exp2 of a non-positive argument never overflows, so
     # this is finite for every finite x and saturates to +-1 for large |x|.
     t = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|); the constant is 2 * log2(e)
     y = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -y, y)
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr):  # type: ignore[no-untyped-def]
-    # Masked-off slots read as exactly 0 (never as whatever the slot holds: it may be a
-    # NaN from an unwritten tail or a released block, and 0 * NaN is NaN).
-    if FP8_BITS:
-        tile = _e4m3_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
-    else:
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
@@ -271,39 +252,22 @@ def _unified_attention_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
         )
         # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
         # exact for fp8 values (e4m3 fits in fp16, bf16 and fp32).
-        k = _load_kv_tile(k_ptrs, kv_mask, FP8_BITS).to(q.dtype)
-        v = _load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS).to(q.dtype)
+        k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS).to(q.dtype)
+        v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
             s = (softcap * _tanh(s / softcap)) * LOG2E
         if USE_ALIBI:
             s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-        visible = row_valid[:, None] & k_needed[None, :]
-        if IS_CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
-        if USE_CHUNK:
-            # Both positions are >= 0 here (causal keeps j <= i), so // is the floor.
-            visible = visible & (k_pos[None, :] // chunk == q_pos[:, None] // chunk)
-        # Select, never multiply: a masked score may be NaN (garbage key) or inf.
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row can see nothing in this tile (window edge, padding rows); keep its
-        # max finite so exp2(-inf - -inf) never produces NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Rounding p to the query dtype is what the tensor-core path does; kept under
-        # DOT_IN_FP32 too so both paths see the same rounding.
-        p_op = p.to(query_ptr.dtype.element_ty)
-        if DOT_IN_FP32:
-            p_op = p_op.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = mask_scores(
+            s, row_valid, k_needed, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
+        )
+        # v already has q's dtype (float32 under DOT_IN_FP32); p is rounded to the
+        # query dtype either way.
+        m_i, l_i, acc = online_softmax_update(
+            s, v, m_i, l_i, acc, query_ptr.dtype.element_ty, DOT_PRECISION, DOT_IN_FP32
+        )
 
     # l_i == 0 only for rows that see no key and have no sink (padding rows, or an empty
     # non-causal context): their output is 0 and their lse -inf, as in the oracle.
@@ -334,26 +298,12 @@ def _unified_attention_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
 # whose float32 -> fp8 rounding is wrong for about one value in ten (mantissa carries,
 # ties, subnormals; measured against torch on triton 3.9). A NaN in an unwritten slot
 # must stay NaN so the tests catch a kernel that reads one, so under the interpreter the
-# cache is passed as a uint8 view and decoded exactly by _e4m3_bits_to_f32 (integer ops
-# only: exact, and checked against torch for all 256 patterns). Compiled kernels keep
+# cache is passed as a uint8 view and decoded exactly by e4m3_bits_to_f32 (in
+# _attention_common; integer ops only: exact, and checked against torch for all 256
+# patterns). Compiled kernels keep
 # the fp8 tensor and Triton's native conversion (hardware cvt on sm_89+); the FP8_BITS
 # branch is a constexpr, so it costs them nothing.
 _INTERPRETED = isinstance(_unified_attention_kernel, InterpretedFunction)
-
-
-def _check_int_arg(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; reject it so a stray True is not read as 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
-def _check_scale(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"scale: expected a finite float, got {value!r}")
-    return float(value)
 
 
 def _check_softcap(value: object) -> float:
@@ -367,26 +317,6 @@ def _check_softcap(value: object) -> float:
     return float(value)
 
 
-def _check_index_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device
-) -> None:
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
-    if t.dim() != len(shape) or any(
-        want >= 0 and got != want for want, got in zip(shape, t.shape, strict=True)
-    ):
-        pretty = ", ".join("*" if s < 0 else str(s) for s in shape)
-        raise ValueError(f"{name}: expected shape [{pretty}], got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the query device), got {t.device}")
-    # The kernel indexes the last dim with unit stride; checked here rather than
-    # copied so a caller's per-step metadata never silently allocates.
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: expected unit stride in the last dim, got strides {tuple(t.stride())}"
-        )
-
-
 def _check_float32_tensor(
     name: str, t: object, shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
@@ -397,24 +327,7 @@ def _check_float32_tensor(
         raise ValueError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the query device), got {t.device}")
-    return t
-
-
-def _check_kv_scale(name: str, t: object, device: torch.device) -> torch.Tensor:
-    """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor or None, got {type(t).__name__}"
-        )
-    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
-            f"got {t.dtype} {list(t.shape)}"
-        )
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the query device), got {t.device}")
+    check_device(name, t, device)
     return t
 
 
@@ -468,60 +381,35 @@ def unified_attention(
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
         )
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if kv_cache.dtype not in (query.dtype, _FP8_DTYPE):
         raise ValueError(
             f"kv_cache: expected dtype {query.dtype} (the query dtype) or {_FP8_DTYPE}, "
             f"got {kv_cache.dtype}"
         )
     is_fp8 = kv_cache.dtype == _FP8_DTYPE
-    if kv_cache.device != device:
-        raise ValueError(
-            f"kv_cache: expected device {device} (the query device), got {kv_cache.device}"
-        )
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
-    if cache_head_dim != head_dim:
-        raise ValueError(
-            f"kv_cache: expected head size {head_dim} (the query head size), got {cache_head_dim}"
-        )
-    if block_size not in _SUPPORTED_BLOCK_SIZES:
-        raise ValueError(
-            f"kv_cache: expected block size in {_SUPPORTED_BLOCK_SIZES}, got {block_size}"
-        )
-    if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(
-            f"query: expected head size in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}"
-        )
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"kv_cache: expected a kv head count dividing the {num_q_heads} query heads, "
-            f"got {num_kv_heads}"
-        )
-
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens: expected shape [B], got {tuple(seq_lens.shape)}")
-    num_requests = seq_lens.shape[0]
-    _check_index_tensor("seq_lens", seq_lens, (num_requests,), device)
-    _check_index_tensor("query_start_loc", query_start_loc, (num_requests + 1,), device)
-    _check_index_tensor("block_table", block_table, (num_requests, -1), device)
+    check_paged_kv_cache(
+        kv_cache,
+        num_q_heads,
+        head_dim,
+        device,
+        block_sizes=_SUPPORTED_BLOCK_SIZES,
+        min_head_dim=_MIN_HEAD_DIM,
+        max_head_dim=_MAX_HEAD_DIM,
+    )
+    num_requests = check_batch_metadata(seq_lens, query_start_loc, block_table, device)
 
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
-    max_query_len = _check_int_arg("max_query_len", max_query_len, 0)
+    max_query_len = check_int_arg("max_query_len", max_query_len, 0)
     # Only causal requests must hold their queries among their keys.
-    max_seq_len = _check_int_arg("max_seq_len", max_seq_len, max_query_len if causal else 0)
-    if block_table.shape[1] * block_size < max_seq_len:
-        raise ValueError(
-            f"block_table: expected at least {triton.cdiv(max_seq_len, block_size)} columns "
-            f"for max_seq_len={max_seq_len} at block size {block_size}, "
-            f"got {block_table.shape[1]}"
-        )
-    scale = _check_scale(scale)
+    max_seq_len = check_int_arg("max_seq_len", max_seq_len, max_query_len if causal else 0)
+    check_block_table_width(block_table, block_size, max_seq_len)
+    scale = check_finite_float("scale", scale)
     if sliding_window is not None:
-        sliding_window = _check_int_arg("sliding_window", sliding_window, 1)
+        sliding_window = check_int_arg("sliding_window", sliding_window, 1)
     if chunk_size is not None:
-        chunk_size = _check_int_arg("chunk_size", chunk_size, 1)
+        chunk_size = check_int_arg("chunk_size", chunk_size, 1)
     if sliding_window is not None and chunk_size is not None:
         raise ValueError(
             f"sliding_window, chunk_size: expected at most one of them, got "
@@ -537,9 +425,9 @@ def unified_attention(
     if sinks is not None:
         _check_float32_tensor("sinks", sinks, (num_q_heads,), device)
     if k_scale is not None:
-        _check_kv_scale("k_scale", k_scale, device)
+        check_scale_tensor("k_scale", k_scale, device, "query")
     if v_scale is not None:
-        _check_kv_scale("v_scale", v_scale, device)
+        check_scale_tensor("v_scale", v_scale, device, "query")
     if is_fp8 and (k_scale is None or v_scale is None):
         missing = "k_scale" if k_scale is None else "v_scale"
         raise ValueError(
@@ -561,10 +449,7 @@ def unified_attention(
             raise ValueError(
                 f"output: expected dtype {query.dtype} (the query dtype), got {output.dtype}"
             )
-        if output.device != device:
-            raise ValueError(
-                f"output: expected device {device} (the query device), got {output.device}"
-            )
+        check_device("output", output, device)
 
     if num_tokens == 0 or num_requests == 0 or max_query_len == 0:
         return output
