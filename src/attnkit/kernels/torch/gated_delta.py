@@ -79,13 +79,8 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit.kernels.torch.conv1d import (
-    _check_float,
-    _check_has_initial_state,
-    _check_query_start_loc,
-    _check_state_indices,
-    _check_tensor,
-)
+from attnkit.kernels._state_common import check_scale, check_state_lists, check_states
+from attnkit.kernels.torch.conv1d import _check_float, _check_state_indices, _check_tensor
 
 __all__ = [
     "chunk_gated_delta_rule_varlen",
@@ -115,30 +110,16 @@ def _check_gdn_inputs(
     return q, k, v, g, beta
 
 
-def _check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    return float(scale)
-
-
-def _check_states(states: object, k: Tensor, v: Tensor) -> Tensor:
-    states = _check_tensor(
-        "states",
-        states,
-        layout="[S, H, K, V]",
-        shape=(None, k.shape[1], k.shape[2], v.shape[2]),
-        device=k.device,
-    )
-    if states.dtype != torch.float32:
-        raise ValueError(f"states: expected dtype torch.float32, got {states.dtype}")
-    return states
-
-
 def _check_out(out: object, v: Tensor, lead: str) -> Tensor:
     out = _check_tensor("out", out, layout=f"[{lead}, H, V]", shape=tuple(v.shape), device=v.device)
     if out.dtype != v.dtype:
         raise ValueError(f"out: expected dtype {v.dtype} (the dtype of v), got {out.dtype}")
     return out
+
+
+def _alloc_out(out: object, v: Tensor, lead: str) -> Tensor:
+    """``out`` checked by :func:`_check_out`, or a new tensor like ``v`` when None."""
+    return torch.empty_like(v) if out is None else _check_out(out, v, lead)
 
 
 def _check_chunk_size(chunk_size: object, allowed: tuple[int, ...] | None = None) -> int:
@@ -253,7 +234,7 @@ def gated_delta_rule_recurrent_reference(
         after the last token, ``[H, K, V]`` float32.
     """
     q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="L")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     length, heads, key_dim = k.shape
     value_dim = v.shape[2]
     if initial_state is None:
@@ -313,16 +294,18 @@ def chunk_gated_delta_rule_varlen(
         ``o`` ``[T, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
     q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="T")
-    scale = _check_scale(scale)
-    states = _check_states(states, k, v)
+    scale = check_scale(scale)
+    states = check_states(states, k, v)
     chunk_size = _check_chunk_size(chunk_size)
-    offsets = _check_query_start_loc(query_start_loc, num_tokens=q.shape[0], device=q.device)
-    batch = len(offsets) - 1
-    slots = _check_state_indices(
-        state_indices, batch=batch, num_slots=states.shape[0], device=q.device
+    offsets, slots, flags = check_state_lists(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=q.shape[0],
+        num_slots=states.shape[0],
+        device=q.device,
     )
-    flags = _check_has_initial_state(has_initial_state, batch=batch, device=q.device)
-    o = torch.empty_like(v) if out is None else _check_out(out, v, "T")
+    o = _alloc_out(out, v, "T")
 
     q32, k32, v32, g32, b32 = q.float(), k.float(), v.float(), g.float(), beta.float()
     for start, end, slot, has_init in zip(offsets[:-1], offsets[1:], slots, flags, strict=True):
@@ -369,12 +352,12 @@ def fused_recurrent_gated_delta_rule_update(
         ``o`` ``[B, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
     q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="B")
-    scale = _check_scale(scale)
-    states = _check_states(states, k, v)
+    scale = check_scale(scale)
+    states = check_states(states, k, v)
     _check_state_indices(
         state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device
     )
-    o = torch.empty_like(v) if out is None else _check_out(out, v, "B")
+    o = _alloc_out(out, v, "B")
     idx = state_indices.long()
     q32, k32 = q.float(), k.float()
     state = torch.exp(g.float())[..., None, None] * states[idx]  # [B, H, K, V]

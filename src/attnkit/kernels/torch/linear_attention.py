@@ -52,18 +52,11 @@ and is read as float32.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from attnkit.kernels.torch.conv1d import (
-    _check_float,
-    _check_has_initial_state,
-    _check_query_start_loc,
-    _check_state_indices,
-    _check_tensor,
-)
+from attnkit.kernels._state_common import check_scale, check_state_lists, check_states
+from attnkit.kernels.torch.conv1d import _check_float, _check_state_indices, _check_tensor
 
 __all__ = [
     "chunk_linear_attention_varlen",
@@ -76,12 +69,6 @@ __all__ = [
 # Validation (the shape/dtype checks read no tensor values; the Triton launchers share
 # them).
 # ----------------------------------------------------------------------------------
-
-
-def _check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    return float(scale)
 
 
 def _check_chunk_size(chunk_size: object, *, maximum: int | None = None) -> int:
@@ -123,19 +110,6 @@ def _check_decay_values(decay: Tensor) -> None:
     """Reads ``decay`` back to the host: for the torch oracles only."""
     if not bool(torch.isfinite(decay).all()) or bool((decay < 0).any()):
         raise ValueError(f"decay: expected finite values >= 0, got {decay.tolist()}")
-
-
-def _check_states(states: object, q: Tensor, v: Tensor) -> Tensor:
-    states = _check_tensor(
-        "states",
-        states,
-        layout="[S, H, K, V]",
-        shape=(None, q.shape[1], q.shape[2], v.shape[2]),
-        device=q.device,
-    )
-    if states.dtype != torch.float32:
-        raise ValueError(f"states: expected dtype torch.float32, got {states.dtype}")
-    return states
 
 
 def _check_out(out: object, q: Tensor, v: Tensor, *, lead: str) -> Tensor:
@@ -209,7 +183,7 @@ def linear_attention_recurrent_reference(
     q, k, v = _check_qkv(q, k, v, lead="L")
     decay = _check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     length, heads, key_dim = q.shape
     value_dim = v.shape[2]
     if initial_state is None:
@@ -268,15 +242,17 @@ def chunk_linear_attention_varlen(
     q, k, v = _check_qkv(q, k, v, lead="T")
     decay = _check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = _check_scale(scale)
-    states = _check_states(states, q, v)
+    scale = check_scale(scale)
+    states = check_states(states, q, v)
     chunk_size = _check_chunk_size(chunk_size)
-    offsets = _check_query_start_loc(query_start_loc, num_tokens=q.shape[0], device=q.device)
-    batch = len(offsets) - 1
-    slots = _check_state_indices(
-        state_indices, batch=batch, num_slots=states.shape[0], device=q.device
+    offsets, slots, flags = check_state_lists(
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens=q.shape[0],
+        num_slots=states.shape[0],
+        device=q.device,
     )
-    flags = _check_has_initial_state(has_initial_state, batch=batch, device=q.device)
     o = _alloc_out(out, q, v, lead="T")
 
     log_lam = -decay.float()
@@ -319,8 +295,8 @@ def linear_attention_decode(
     q, k, v = _check_qkv(q, k, v, lead="B")
     decay = _check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = _check_scale(scale)
-    states = _check_states(states, q, v)
+    scale = check_scale(scale)
+    states = check_states(states, q, v)
     _check_state_indices(
         state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device
     )

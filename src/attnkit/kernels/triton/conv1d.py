@@ -49,11 +49,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnkit.kernels.torch.conv1d import (
-    _check_conv_params,
-    _check_index,
-    _check_tensor,
-)
+from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
+from attnkit.kernels.torch.conv1d import _check_conv_params, _check_tensor
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
@@ -332,6 +329,12 @@ def check_out(out: object, like: Tensor, layout: str) -> Tensor | None:
     return out
 
 
+def alloc_out(out: object, like: Tensor, layout: str) -> Tensor:
+    """``out`` checked by :func:`check_out`, or a new tensor like ``like`` when None."""
+    result = check_out(out, like, layout)
+    return torch.empty_like(like) if result is None else result
+
+
 def _channel_block(channels: int) -> int:
     return min(_MAX_BLOCK_C, int(triton.next_power_of_2(max(channels, 1))))
 
@@ -359,26 +362,11 @@ def causal_conv1d_varlen(
     weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
     check_dtype("weight", weight)
     check_dtype("bias", bias)
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=x.device
+    qsl, slots, flags = check_varlen_tensors(
+        query_start_loc, state_indices, has_initial_state, device=x.device, num_tokens=x.shape[0]
     )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
     batch = qsl.shape[0] - 1
-    if batch == 0 and x.shape[0] > 0:
-        raise ValueError(
-            f"query_start_loc: expected at least one request for T = {x.shape[0]} tokens, "
-            "got shape [1]"
-        )
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=x.device
-    )
-    flags = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=x.device
-    )
-    result = check_out(out, x, "[T, C]")
-    if result is None:
-        result = torch.empty_like(x)
+    result = alloc_out(out, x, "[T, C]")
 
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -466,12 +454,8 @@ def causal_conv1d_update(
     check_dtype("weight", weight)
     check_dtype("bias", bias)
     batch, channels = x.shape
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=x.device
-    )
-    result = check_out(out, x, "[B, C]")
-    if result is None:
-        result = torch.empty_like(x)
+    slots = check_slot_tensor(state_indices, batch=batch, device=x.device)
+    result = alloc_out(out, x, "[B, C]")
     if batch == 0 or channels == 0:
         return result
     width = weight.shape[1]

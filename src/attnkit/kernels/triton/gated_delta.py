@@ -61,14 +61,14 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.kernels.torch.conv1d import _check_index
-from attnkit.kernels.torch.gated_delta import (
-    _check_chunk_size,
-    _check_gdn_inputs,
-    _check_out,
-    _check_scale,
-    _check_states,
+from attnkit.kernels._state_common import (
+    check_scale,
+    check_slot_tensor,
+    check_states,
+    check_varlen_tensors,
+    flags_as_bytes,
 )
+from attnkit.kernels.torch.gated_delta import _alloc_out, _check_chunk_size, _check_gdn_inputs
 
 __all__ = ["chunk_gated_delta_rule_varlen", "fused_recurrent_gated_delta_rule_update"]
 
@@ -307,8 +307,18 @@ def _recurrent_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
 
 
 def _check_triton_inputs(
-    q: object, k: object, v: object, g: object, beta: object, *, lead: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: object,
+    k: object,
+    v: object,
+    g: object,
+    beta: object,
+    scale: object,
+    states: object,
+    *,
+    lead: str,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor
+]:
     q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead=lead)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in _SUPPORTED_DTYPES:
@@ -318,7 +328,7 @@ def _check_triton_inputs(
         raise ValueError(f"k: expected key dim K in [1, {_MAX_KEY_DIM}], got {key_dim}")
     if v.shape[2] < 1:
         raise ValueError(f"v: expected value dim V >= 1, got {v.shape[2]}")
-    return q, k, v, g, beta
+    return q, k, v, g, beta, check_scale(scale), check_states(states, k, v)
 
 
 def _blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
@@ -353,24 +363,15 @@ def chunk_gated_delta_rule_varlen(
     be 16, 32 or 64 and the index tensors' values are trusted (not read back). Returns
     ``out`` (allocated when None); rows past ``query_start_loc[-1]`` are left untouched.
     """
-    q, k, v, g, beta = _check_triton_inputs(q, k, v, g, beta, lead="T")
-    scale = _check_scale(scale)
-    states = _check_states(states, k, v)
+    q, k, v, g, beta, scale, states = _check_triton_inputs(
+        q, k, v, g, beta, scale, states, lead="T"
+    )
     chunk_size = _check_chunk_size(chunk_size, _SUPPORTED_CHUNK_SIZES)
-    device = q.device
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=device
+    qsl, slots, flags = check_varlen_tensors(
+        query_start_loc, state_indices, has_initial_state, device=q.device
     )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
     batch = qsl.numel() - 1
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=device
-    )
-    flags = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=device
-    )
-    out = torch.empty_like(v) if out is None else _check_out(out, v, "T")
+    out = _alloc_out(out, v, "T")
     if batch == 0:
         return out
 
@@ -387,9 +388,7 @@ def chunk_gated_delta_rule_varlen(
         states_ptr=states,
         query_start_loc_ptr=qsl,
         state_indices_ptr=slots,
-        # A uint8 view of the same storage (no copy): a byte compared with 0 reads the
-        # same under the interpreter and compiled.
-        has_initial_state_ptr=flags.view(torch.uint8),
+        has_initial_state_ptr=flags_as_bytes(flags),
         scale=scale,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
@@ -446,14 +445,12 @@ def fused_recurrent_gated_delta_rule_update(
     Same contract as the torch oracle of the same name, except that ``state_indices``'
     values are trusted (not read back). Returns ``out`` (allocated when None).
     """
-    q, k, v, g, beta = _check_triton_inputs(q, k, v, g, beta, lead="B")
-    scale = _check_scale(scale)
-    states = _check_states(states, k, v)
-    batch = q.shape[0]
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=q.device
+    q, k, v, g, beta, scale, states = _check_triton_inputs(
+        q, k, v, g, beta, scale, states, lead="B"
     )
-    out = torch.empty_like(v) if out is None else _check_out(out, v, "B")
+    batch = q.shape[0]
+    slots = check_slot_tensor(state_indices, batch=batch, device=q.device)
+    out = _alloc_out(out, v, "B")
     if batch == 0:
         return out
 

@@ -42,14 +42,18 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels.torch.conv1d import _check_index
+from attnkit.kernels._state_common import (
+    check_scale,
+    check_slot_tensor,
+    check_states,
+    check_varlen_tensors,
+    flags_as_bytes,
+)
 from attnkit.kernels.torch.linear_attention import (
     _alloc_out,
     _check_chunk_size,
     _check_decay_shape,
     _check_qkv,
-    _check_scale,
-    _check_states,
 )
 from attnkit.kernels.triton.short_conv import _round_bf16
 
@@ -274,9 +278,7 @@ def _check_common(
     if q.shape[2] > _MAX_KEY_DIM:
         raise ValueError(f"q: expected head dim K <= {_MAX_KEY_DIM}, got {q.shape[2]}")
     decay = _check_decay_shape(decay, q)
-    scale = _check_scale(scale)
-    states = _check_states(states, q, v)
-    return q, k, v, decay, scale, states
+    return q, k, v, decay, check_scale(scale), check_states(states, q, v)
 
 
 def _blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
@@ -311,17 +313,10 @@ def chunk_linear_attention_varlen(
     """
     q, k, v, decay, scale, states = _check_common(q, k, v, decay, scale, states, lead="T")
     chunk_size = _check_chunk_size(chunk_size, maximum=_MAX_CHUNK_SIZE)
-    dev = q.device
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=dev
+    qsl, si, his = check_varlen_tensors(
+        query_start_loc, state_indices, has_initial_state, device=q.device
     )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
     batch = qsl.shape[0] - 1
-    si = _check_index("state_indices", state_indices, length=batch, dtype=torch.int32, device=dev)
-    his = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=dev
-    )
     o = _alloc_out(out, q, v, lead="T")
 
     _, heads, key_dim = q.shape
@@ -339,8 +334,7 @@ def chunk_linear_attention_varlen(
         states_ptr=states,
         query_start_loc_ptr=qsl,
         state_indices_ptr=si,
-        # A uint8 view of the bool flags (no copy): a plain byte load on every target.
-        has_initial_state_ptr=his.view(torch.uint8),
+        has_initial_state_ptr=flags_as_bytes(his),
         scale=scale,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
@@ -396,9 +390,7 @@ def linear_attention_decode(
     """
     q, k, v, decay, scale, states = _check_common(q, k, v, decay, scale, states, lead="B")
     batch, heads, key_dim = q.shape
-    si = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=q.device
-    )
+    si = check_slot_tensor(state_indices, batch=batch, device=q.device)
     o = _alloc_out(out, q, v, lead="B")
     value_dim = v.shape[2]
     if batch == 0 or heads == 0:

@@ -60,9 +60,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnkit.kernels.torch.conv1d import _check_index
+from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
 from attnkit.kernels.torch.mamba2 import _check_ssm_inputs, _check_ssm_states
-from attnkit.kernels.triton.conv1d import _find_segment, check_dtype, check_out, search_iters
+from attnkit.kernels.triton.conv1d import _find_segment, alloc_out, check_dtype, search_iters
 
 __all__ = ["selective_state_update", "ssd_chunked_varlen"]
 
@@ -552,27 +552,12 @@ def ssd_chunked_varlen(
     size: object = chunk_size  # checked at run time whatever the static type says
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=x.device
-    )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
-    batch = qsl.shape[0] - 1
     num_tokens, heads, head_dim = x.shape
-    if batch == 0 and num_tokens > 0:
-        raise ValueError(
-            f"query_start_loc: expected at least one request for T = {num_tokens} tokens, "
-            "got shape [1]"
-        )
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=x.device
+    qsl, slots, flags = check_varlen_tensors(
+        query_start_loc, state_indices, has_initial_state, device=x.device, num_tokens=num_tokens
     )
-    flags = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=x.device
-    )
-    result = check_out(out, x, "[T, H, P]")
-    if result is None:
-        result = torch.empty_like(x)
+    batch = qsl.shape[0] - 1
+    result = alloc_out(out, x, "[T, H, P]")
     groups, state_size = B.shape[1], B.shape[2]
     if batch == 0 or heads == 0 or head_dim == 0 or state_size == 0:
         # Nothing to compute (a zero-size state has nothing to carry); y is all D x.
@@ -764,12 +749,8 @@ def selective_state_update(
     _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
     batch, heads, head_dim = x.shape
-    slots = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=x.device
-    )
-    result = check_out(out, x, "[B, H, P]")
-    if result is None:
-        result = torch.empty_like(x)
+    slots = check_slot_tensor(state_indices, batch=batch, device=x.device)
+    result = alloc_out(out, x, "[B, H, P]")
     if batch == 0 or heads == 0 or head_dim == 0:
         return result
     groups, state_size = B.shape[1], B.shape[2]

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels.torch.conv1d import _check_conv_params, _check_index
+from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors, flags_as_bytes
+from attnkit.kernels.torch.conv1d import _check_conv_params
 from attnkit.kernels.torch.short_conv import _check_gates, _check_out
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
@@ -338,17 +339,10 @@ def short_conv_varlen(
     b, c, x, weight, bias, conv_states, y = _check_all(
         b, c, x, weight, bias, conv_states, out, lead="T"
     )
-    dev = x.device
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=dev
+    qsl, si, his = check_varlen_tensors(
+        query_start_loc, state_indices, has_initial_state, device=x.device
     )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
     batch = qsl.shape[0] - 1
-    si = _check_index("state_indices", state_indices, length=batch, dtype=torch.int32, device=dev)
-    his = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=dev
-    )
     channels = x.shape[1]
     width = weight.shape[1]
     if batch == 0 or channels == 0:
@@ -367,8 +361,7 @@ def short_conv_varlen(
         states_ptr=conv_states if width > 1 else x,
         query_start_loc_ptr=qsl,
         state_indices_ptr=si,
-        # A uint8 view of the bool flags (no copy): a plain byte load on every target.
-        has_initial_state_ptr=his.view(torch.uint8),
+        has_initial_state_ptr=flags_as_bytes(his),
         stride_bt=b.stride(0),
         stride_bc=b.stride(1),
         stride_ct=c.stride(0),
@@ -420,9 +413,7 @@ def short_conv_update(
         b, c, x, weight, bias, conv_states, out, lead="B"
     )
     batch, channels = x.shape
-    si = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=x.device
-    )
+    si = check_slot_tensor(state_indices, batch=batch, device=x.device)
     width = weight.shape[1]
     if batch == 0 or channels == 0:
         return y
