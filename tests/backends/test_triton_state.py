@@ -179,3 +179,53 @@ def test_import_does_not_pull_triton() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_ssd_chunk_bookkeeping_is_planned_once_per_step() -> None:
+    """Two Mamba2 layers in one group: the first plans the chunk offsets, the second reuses them."""
+    import random
+
+    from attnkit.demo import PRIORITIES, DemoModel
+    from attnkit.runtime import AttentionRuntime, ScheduledRequest
+
+    model = DemoModel(layout=("mamba", "mamba"))
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    config = AttentionConfig.model_validate({}, context={"registry": reg})
+    runtime = AttentionRuntime(
+        model.specs,
+        config,
+        device="cpu",
+        memory_budget_bytes=2**20,
+        layer_params=model.params,
+        registry=reg,
+        priority={"cpu": PRIORITIES["triton"]},
+        cache_fill=float("nan"),
+    )
+    random.Random(0).shuffle(runtime.manager.pool._free)
+    calls: list[int] = []
+    impl = runtime._impls["layers.0"]
+    assert isinstance(impl, TritonStateImpl)
+    plan = impl._k["ssd_chunks"]
+
+    def counting(qsl: torch.Tensor, num_tokens: int, chunk_size: int) -> torch.Tensor:
+        calls.append(chunk_size)
+        return plan(qsl, num_tokens, chunk_size)
+
+    for name in ("layers.0", "layers.1"):
+        runtime._impls[name]._k["ssd_chunks"] = counting  # type: ignore[attr-defined]  # both are TritonStateImpl
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    batch = runtime.begin_step([ScheduledRequest("a", len(prompt)), ScheduledRequest("b", 5)])
+    tokens = torch.tensor(
+        [*prompt, *prompt[:5]] if batch.order[0] == "a" else [*prompt[:5], *prompt]
+    )
+    hidden = model.forward_step(runtime, tokens)
+    assert calls == [model.params["layers.0"].chunk_size]  # type: ignore[union-attr]  # Mamba2LayerParams
+    md = runtime.metadata_for("layers.1")
+    cs = calls[0]
+    assert batch.order == ("a", "b")
+    assert md.chunk_offsets[cs].tolist() == [0, -(-20 // cs), -(-20 // cs) - (-5 // cs)]
+    for rid, rows in batch.token_slices().items():
+        seq = prompt if rid == "a" else prompt[:5]
+        torch.testing.assert_close(
+            hidden[rows], model.forward_dense(torch.tensor(seq)), atol=3e-5, rtol=3e-5
+        )

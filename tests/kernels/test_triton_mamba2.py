@@ -926,3 +926,38 @@ def test_gpu_decode_realistic_and_sync_free() -> None:
     with forbid_device_sync():
         launch_all()
     torch.cuda.synchronize()
+
+
+def test_precomputed_chunk_offsets_give_the_same_result() -> None:
+    from attnkit.kernels.triton.mamba2 import ssd_chunk_offsets
+    from attnkit.kernels.triton.mamba2 import ssd_chunked_varlen as tri_ssd
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [5, 0, 9]
+    t, h, p, g, n = sum(lens), 2, 4, 1, 4
+    qsl = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    x = torch.randn(t, h, p, generator=gen)
+    dt = torch.randn(t, h, generator=gen)
+    a = -torch.rand(h, generator=gen)
+    b = torch.randn(t, g, n, generator=gen)
+    c = torch.randn(t, g, n, generator=gen)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    flags = torch.tensor([False, False, False])
+    kwargs = dict(
+        D=None,
+        dt_bias=None,
+        dt_softplus=True,
+        query_start_loc=qsl,
+        state_indices=slots,
+        has_initial_state=flags,
+        chunk_size=4,
+    )
+    offsets = ssd_chunk_offsets(qsl, t, 4)
+    assert offsets.tolist() == [0, 2, 2, 5]
+    s1, s2 = torch.zeros(3, h, p, n), torch.zeros(3, h, p, n)
+    y1 = tri_ssd(x, dt, a, b, c, ssm_states=s1, **kwargs)  # type: ignore[arg-type]
+    y2 = tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    torch.testing.assert_close(s1, s2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"cu_chunks: expected int32 \[B\+1\]=\[4\]"):
+        tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets.long(), **kwargs)  # type: ignore[arg-type]

@@ -67,6 +67,9 @@ class TritonStateMetadata:
         state_indices: int32 ``[B]`` each request's state block.
         has_initial_state: bool ``[B]``.
         prefill_query_start_loc: int32 ``[P+1]`` offsets of the prefill part, from 0.
+        chunk_offsets: chunk bookkeeping of the prefill part per chunk size (cumulative
+            chunk counts, int32 ``[P+1]``), planned by the first layer of the step that
+            needs it and reused by every other layer.
     """
 
     num_actual_tokens: int
@@ -76,6 +79,7 @@ class TritonStateMetadata:
     state_indices: torch.Tensor
     has_initial_state: torch.Tensor
     prefill_query_start_loc: torch.Tensor
+    chunk_offsets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, MambaSpec]):
@@ -206,7 +210,11 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
             chunk_linear_attention_varlen,
             linear_attention_decode,
         )
-        from ...kernels.triton.mamba2 import selective_state_update, ssd_chunked_varlen
+        from ...kernels.triton.mamba2 import (
+            selective_state_update,
+            ssd_chunk_offsets,
+            ssd_chunked_varlen,
+        )
         from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
 
         self._k: dict[str, Callable[..., Any]] = {
@@ -214,6 +222,7 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
             "conv_update": causal_conv1d_update,
             "ssd": ssd_chunked_varlen,
             "ssd_update": selective_state_update,
+            "ssd_chunks": ssd_chunk_offsets,
             "gdn": chunk_gated_delta_rule_varlen,
             "gdn_update": fused_recurrent_gated_delta_rule_update,
             "linear": chunk_linear_attention_varlen,
@@ -303,6 +312,12 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
                     **common,
                 )
             if md.num_prefills:
+                cu_chunks = md.chunk_offsets.get(p.chunk_size)
+                if cu_chunks is None:  # planned once per step, by the first layer
+                    cu_chunks = self._k["ssd_chunks"](
+                        md.prefill_query_start_loc, n - nd, p.chunk_size
+                    )
+                    md.chunk_offsets[p.chunk_size] = cu_chunks
                 self._k["ssd"](
                     x[nd:],
                     key[nd:n],
@@ -311,6 +326,7 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
                     c[nd:],
                     chunk_size=p.chunk_size,
                     out=output[nd:n],
+                    cu_chunks=cu_chunks,
                     **common,
                     **varlen,
                 )

@@ -64,7 +64,7 @@ from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensor
 from attnkit.kernels.torch.mamba2 import _check_ssm_inputs, _check_ssm_states
 from attnkit.kernels.triton.conv1d import _find_segment, alloc_out, check_dtype, search_iters
 
-__all__ = ["selective_state_update", "ssd_chunked_varlen"]
+__all__ = ["selective_state_update", "ssd_chunk_offsets", "ssd_chunked_varlen"]
 
 _MAX_BLOCK_P = 64
 _MAX_BLOCK_N = 64
@@ -523,6 +523,31 @@ def _dot_block(extent: int, cap: int) -> int:
     return max(_MIN_DOT, min(cap, int(triton.next_power_of_2(max(extent, 1)))))
 
 
+def _effective_chunk(chunk_size: int, num_tokens: int) -> int:
+    # A chunk longer than the whole batch is one chunk per request either way.
+    return min(chunk_size, max(num_tokens, 1))
+
+
+def ssd_chunk_offsets(query_start_loc: Tensor, num_tokens: int, chunk_size: int) -> Tensor:
+    """int32 ``[B+1]`` cumulative chunk counts of a varlen batch (chunks start at each
+    request's first token): the chunk bookkeeping ``ssd_chunked_varlen`` takes.
+
+    Device ops only (no host read); compute it once per step and pass it to every layer.
+    """
+    q = _effective_chunk(chunk_size, num_tokens)
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    offsets = torch.zeros(
+        query_start_loc.shape[0], dtype=torch.int32, device=query_start_loc.device
+    )
+    torch.cumsum(
+        torch.div(lengths + (q - 1), q, rounding_mode="floor"),
+        0,
+        dtype=torch.int32,
+        out=offsets[1:],
+    )
+    return offsets
+
+
 def ssd_chunked_varlen(
     x: Tensor,
     dt: Tensor,
@@ -539,11 +564,15 @@ def ssd_chunked_varlen(
     has_initial_state: Tensor,
     chunk_size: int,
     out: Tensor | None = None,
+    cu_chunks: Tensor | None = None,
 ) -> Tensor:
     """Chunked SSD over a varlen batch, reading/writing per-request states in the cache.
 
     Semantics of :func:`attnkit.kernels.torch.mamba2.ssd_chunked_varlen`; ``out``
     (``[T, H, P]``, dtype of ``x``, any strides) receives the result when given.
+    ``cu_chunks``: the batch's chunk bookkeeping from :func:`ssd_chunk_offsets` for the
+    same ``query_start_loc``, ``T`` and ``chunk_size``, planned once per step and shared
+    by every layer; computed here when ``None``.
     Returns ``y`` ``[T, H, P]`` in the dtype of ``x``.
     """
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
@@ -566,18 +595,20 @@ def ssd_chunked_varlen(
             result.copy_(y.to(x.dtype))
         return result
 
-    # A chunk longer than the whole batch is one chunk per request either way.
-    q = min(chunk_size, max(num_tokens, 1))
+    q = _effective_chunk(chunk_size, num_tokens)
     max_chunks = min(num_tokens, (num_tokens + batch * (q - 1)) // q)
     dev = x.device
-    lengths = qsl[1:] - qsl[:-1]
-    cu_chunks = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(
-        torch.div(lengths + (q - 1), q, rounding_mode="floor"),
-        0,
-        dtype=torch.int32,
-        out=cu_chunks[1:],
-    )
+    if cu_chunks is None:
+        cu_chunks = ssd_chunk_offsets(qsl, num_tokens, chunk_size)
+    elif (
+        cu_chunks.dtype != torch.int32
+        or tuple(cu_chunks.shape) != (batch + 1,)
+        or cu_chunks.device != dev
+    ):
+        raise ValueError(
+            f"cu_chunks: expected int32 [B+1]=[{batch + 1}] on {dev}, got "
+            f"{cu_chunks.dtype} {list(cu_chunks.shape)} on {cu_chunks.device}"
+        )
     # Workspaces: dt' and the within-chunk cumulative log-decay per token, and one state
     # per chunk (at least one row each so that every pointer is valid).
     dtp = torch.empty(max(num_tokens, 1), heads, dtype=torch.float32, device=dev)
