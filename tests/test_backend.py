@@ -645,3 +645,25 @@ def test_size_range_rule() -> None:
         ValueError, match=r"SizeRange needs positive ints with low <= high, got \(9, 3\)"
     ):
         SizeRange(9, 3)
+
+
+def test_attention_params_problems() -> None:
+    from attnkit.backend import attention_params_problems
+
+    spec = full(num_kv_heads=2, head_size=64)
+    ok = AttentionLayerParams(num_heads=4, logits_soft_cap=10.0)
+    soft = frozenset({AttentionFeature.LOGITS_SOFT_CAP})
+    assert attention_params_problems(spec, ok, backend="b", supported_features=soft) == []
+    bad = AttentionLayerParams(
+        num_heads=3,
+        alibi_slopes=(0.1, 0.2, 0.3),
+        v_head_size=32,
+        sink_key=torch.zeros(1, 2, 64),
+        sink_value=torch.zeros(1, 2, 64),
+    )
+    assert attention_params_problems(spec, bad, backend="b", supported_features=frozenset()) == [
+        "the layer needs alibi, which b does not support (supported features: none)",
+        "v_head_size=32 differs from head_size=64, which b does not support",
+        "sink tokens (sink_key/sink_value) are not supported",
+        "num_heads=3 is not a multiple of num_kv_heads=2",
+    ]

@@ -68,6 +68,7 @@ __all__ = [
     "SizeRange",
     "SizeRule",
     "StateLayerParams",
+    "attention_params_problems",
     "bind_builder",
     "format_sizes",
 ]
@@ -246,6 +247,41 @@ class AttentionLayerParams:
             AttentionFeature.RETURN_LSE: self.return_lse,
         }
         return frozenset(f for f, on in wanted.items() if on)
+
+
+def attention_params_problems(
+    spec: AttentionSpec,
+    params: AttentionLayerParams,
+    *,
+    backend: str,
+    supported_features: frozenset[AttentionFeature],
+) -> list[str]:
+    """What keeps a backend whose impls take plain K/V heads from running a layer.
+
+    For impls to check at construction, so a bad layer fails before its first step:
+    features the backend does not declare, values narrower than keys (MLA), sink
+    tokens, and a query-head count that is not a multiple of the KV heads.
+    """
+    problems: list[str] = []
+    unsupported = sorted(f.value for f in params.features - supported_features)
+    if unsupported:
+        supported = ", ".join(sorted(f.value for f in supported_features)) or "none"
+        problems.append(
+            f"the layer needs {', '.join(unsupported)}, which {backend} does not support "
+            f"(supported features: {supported})"
+        )
+    if params.v_head_size not in (None, spec.head_size):
+        problems.append(
+            f"v_head_size={params.v_head_size} differs from head_size={spec.head_size}, "
+            f"which {backend} does not support"
+        )
+    if params.sink_key is not None:
+        problems.append("sink tokens (sink_key/sink_value) are not supported")
+    if params.num_heads % spec.num_kv_heads:
+        problems.append(
+            f"num_heads={params.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
+    return problems
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

@@ -39,6 +39,7 @@ from ...backend import (
     BackendRequest,
     LayerParams,
     SizeRange,
+    attention_params_problems,
     bind_builder,
 )
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
@@ -390,24 +391,11 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 f"got {type(layer_params).__name__}"
             )
         params, spec = layer_params, kv_cache_spec
-        unsupported = sorted(f.value for f in params.features - _FEATURES)
-        if unsupported:
-            raise ValueError(
-                f"{who}: the layer needs {', '.join(unsupported)}, which flash_attn does not "
-                f"support (supported: {', '.join(sorted(f.value for f in _FEATURES))})"
-            )
-        if params.v_head_size not in (None, spec.head_size):
-            raise ValueError(
-                f"{who}: v_head_size={params.v_head_size} differs from "
-                f"head_size={spec.head_size}, which flash_attn does not support"
-            )
-        if params.sink_key is not None:
-            raise ValueError(f"{who}: sink tokens (sink_key/sink_value) are not supported")
-        if params.num_heads % spec.num_kv_heads:
-            raise ValueError(
-                f"{who}: num_heads={params.num_heads} is not a multiple of "
-                f"num_kv_heads={spec.num_kv_heads}"
-            )
+        problems = attention_params_problems(
+            spec, params, backend="flash_attn", supported_features=_FEATURES
+        )
+        if problems:
+            raise ValueError(f"{who}: " + "; ".join(problems))
         self.spec: AttentionSpec = spec
         self.kind = spec.kind
         self.num_heads = params.num_heads

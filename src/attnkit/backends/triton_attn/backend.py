@@ -37,6 +37,7 @@ from ...backend import (
     LayerParams,
     SizeRange,
     SizeRule,
+    attention_params_problems,
     bind_builder,
 )
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
@@ -382,25 +383,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             raise ValueError(f"{who} needs AttentionLayerParams (num_heads, scale, ...), got None")
         if not isinstance(layer_params, AttentionLayerParams):
             raise TypeError(f"{who} needs AttentionLayerParams, got {type(layer_params).__name__}")
-        unsupported = sorted(f.value for f in layer_params.features - _FEATURES)
-        if unsupported:
-            supported = ", ".join(sorted(f.value for f in _FEATURES))
-            raise ValueError(
-                f"{who}: the layer needs {', '.join(unsupported)}, which triton_attn does not "
-                f"support (supported features: {supported})"
-            )
-        if layer_params.v_head_size not in (None, kv_cache_spec.head_size):
-            raise ValueError(
-                f"{who}: v_head_size={layer_params.v_head_size} differs from "
-                f"head_size={kv_cache_spec.head_size}, which triton_attn does not support"
-            )
-        if layer_params.sink_key is not None:
-            raise ValueError(f"{who}: sink tokens (sink_key/sink_value) are not supported")
-        if layer_params.num_heads % kv_cache_spec.num_kv_heads:
-            raise ValueError(
-                f"{who}: num_heads={layer_params.num_heads} is not a multiple of "
-                f"num_kv_heads={kv_cache_spec.num_kv_heads}"
-            )
+        problems = attention_params_problems(
+            kv_cache_spec, layer_params, backend="triton_attn", supported_features=_FEATURES
+        )
+        if problems:
+            raise ValueError(f"{who}: " + "; ".join(problems))
         self.spec = kv_cache_spec
         self.params = layer_params
         self.num_heads = layer_params.num_heads
