@@ -297,9 +297,9 @@ def test_reasons_follow_declarations(
         "kv_cache_dtype": kv_cache_dtype,
     }
     spec: AttentionSpec = (
-        FullAttentionSpec(**common)  # type: ignore[arg-type]
+        FullAttentionSpec(**common)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
         if kind is KVCacheSpecKind.FULL_ATTENTION
-        else SlidingWindowSpec(sliding_window=64, **common)  # type: ignore[arg-type]
+        else SlidingWindowSpec(sliding_window=64, **common)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     )
     request = BackendRequest(
         spec=spec, device=torch.device(device), capability=capability, features=features
@@ -386,7 +386,7 @@ def test_layer_params_features() -> None:
 )
 def test_layer_params_validation(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        AttentionLayerParams(**kwargs)  # type: ignore[arg-type]
+        AttentionLayerParams(**kwargs)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 # ---------------------------------------------------------------------------
@@ -446,18 +446,18 @@ def test_bind_builder_rejects_annotation_mismatch_at_runtime() -> None:
         TypeError,
         match=r"ToyMambaBuilder accepts MambaSpec specs, so it cannot be bound to AttentionSpec",
     ):
-        bind(AttentionSpec, ToyMambaBuilder, ToyMambaImpl)  # type: ignore[operator]
+        bind(AttentionSpec, ToyMambaBuilder, ToyMambaImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     with pytest.raises(
         TypeError,
         match=r"builder_cls must be a subclass of AttentionMetadataBuilder, got <class 'int'>",
     ):
-        bind(AttentionSpec, int, ToyImpl)  # type: ignore[operator]
+        bind(AttentionSpec, int, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     with pytest.raises(
         TypeError, match=r"spec_type must be a subclass of KVCacheSpec, got <class 'str'>"
     ):
-        bind(str, ToyAttentionBuilder, ToyImpl)  # type: ignore[operator]
+        bind(str, ToyAttentionBuilder, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     with pytest.raises(TypeError, match=r"impl_cls must be a subclass of AttentionImpl"):
-        bind(AttentionSpec, ToyAttentionBuilder, object)  # type: ignore[operator]
+        bind(AttentionSpec, ToyAttentionBuilder, object)  # type: ignore[operator]  # called through an untyped alias on purpose
 
 
 def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> None:
@@ -473,7 +473,7 @@ def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> No
 
     bind: object = bind_builder
     with pytest.raises(TypeError, match=r"OnlyFull accepts FullAttentionSpec specs"):
-        bind(AttentionSpec, OnlyFull, ToyImpl)  # type: ignore[operator]
+        bind(AttentionSpec, OnlyFull, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     assert bind_builder(FullAttentionSpec, OnlyFull, ToyImpl).spec_type is FullAttentionSpec
 
 
@@ -598,8 +598,8 @@ def test_unresolvable_builder_annotations_skip_the_runtime_check() -> None:
         namespace,
     )
     bind: object = bind_builder
-    binding = bind(FullAttentionSpec, namespace["ForwardRefBuilder"], ToyImpl)  # type: ignore[operator]
-    assert binding.spec_type is FullAttentionSpec  # type: ignore[attr-defined]
+    binding = bind(FullAttentionSpec, namespace["ForwardRefBuilder"], ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
+    assert binding.spec_type is FullAttentionSpec  # type: ignore[attr-defined]  # attribute of the concrete impl behind the ABC
 
 
 def test_an_unregistered_class_with_a_gap_reports_it() -> None:

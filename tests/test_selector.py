@@ -75,16 +75,16 @@ def config(reg: BackendRegistry, **data: Any) -> AttentionConfig:
 
 ATTN = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
 SPECS: dict[KVCacheSpecKind, KVCacheSpec] = {
-    KVCacheSpecKind.FULL_ATTENTION: FullAttentionSpec(**ATTN),  # type: ignore[arg-type]
-    KVCacheSpecKind.SLIDING_WINDOW: SlidingWindowSpec(sliding_window=32, **ATTN),  # type: ignore[arg-type]
-    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec(attention_chunk_size=64, **ATTN),  # type: ignore[arg-type]
-    KVCacheSpecKind.SINK_FULL_ATTENTION: SinkFullAttentionSpec(sink_len=4, **ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.FULL_ATTENTION: FullAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    KVCacheSpecKind.SLIDING_WINDOW: SlidingWindowSpec(sliding_window=32, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec(attention_chunk_size=64, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    KVCacheSpecKind.SINK_FULL_ATTENTION: SinkFullAttentionSpec(sink_len=4, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.MLA_ATTENTION: MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16),
     KVCacheSpecKind.SLIDING_WINDOW_MLA: SlidingWindowMLASpec(
         block_size=16, head_size=576, dtype=torch.bfloat16, sliding_window=128
     ),
-    KVCacheSpecKind.ENCODER_ONLY_ATTENTION: EncoderOnlyAttentionSpec(**ATTN),  # type: ignore[arg-type]
-    KVCacheSpecKind.CROSS_ATTENTION: CrossAttentionSpec(**ATTN),  # type: ignore[arg-type]
+    KVCacheSpecKind.ENCODER_ONLY_ATTENTION: EncoderOnlyAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    KVCacheSpecKind.CROSS_ATTENTION: CrossAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.MAMBA: MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,)),
 }
 FULL = SPECS[KVCacheSpecKind.FULL_ATTENTION]
@@ -124,7 +124,7 @@ def test_per_kind_wins_over_global_backend() -> None:
 
 def test_explicit_backend_that_cannot_serve_raises_with_reasons() -> None:
     reg = registry(GenericToyBackend, EveryKindBackend)
-    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]
+    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]  # deliberate misuse under test
     cfg = config(reg, backend_per_kind={"full_attention": "toy_generic"})
     with pytest.raises(BackendNotSupportedError) as info:
         select_backend(spec, cfg, device="cpu", registry=reg)
@@ -189,7 +189,7 @@ def test_priority_names_not_installed_are_skipped_silently() -> None:
 
 def test_no_backend_lists_every_candidate_and_reason() -> None:
     reg = registry(GenericToyBackend, FastCudaBackend, NeedsMissingPackage)
-    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]
+    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]  # deliberate misuse under test
     with pytest.raises(NoBackendError) as info:
         select_backend(spec, config(reg), device="cpu", registry=reg)
     message = str(info.value)
@@ -262,7 +262,7 @@ def test_selection_depends_only_on_arguments() -> None:
 def test_spec_must_be_a_spec() -> None:
     reg = registry(GenericToyBackend)
     with pytest.raises(TypeError, match=r"spec must be a KVCacheSpec, got dict"):
-        select_backend({}, config(reg), device="cpu", registry=reg)  # type: ignore[arg-type]
+        select_backend({}, config(reg), device="cpu", registry=reg)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 def test_a_plugin_that_fails_to_load_during_selection_is_a_reason() -> None:

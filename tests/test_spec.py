@@ -819,7 +819,7 @@ def test_spec_class_for_kind(kind: str, cls: type[KVCacheSpec]) -> None:
 
 def test_spec_class_for_unknown_kind() -> None:
     with pytest.raises(ValueError, match="'full' is not a valid KVCacheSpecKind"):
-        spec_class_for_kind("full")  # type: ignore[arg-type]
+        spec_class_for_kind("full")  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 # ---------------------------------------------------------------------------------------
@@ -984,11 +984,11 @@ def test_get_attn_spec_kind_every_combination(
 def test_get_attn_spec_kind_defaults_and_strings() -> None:
     assert get_attn_spec_kind() is KVCacheSpecKind.FULL_ATTENTION
     assert (
-        get_attn_spec_kind(attn_type="encoder_decoder")  # type: ignore[arg-type]
+        get_attn_spec_kind(attn_type="encoder_decoder")  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
         is KVCacheSpecKind.CROSS_ATTENTION
     )
     with pytest.raises(ValueError, match="'cross' is not a valid AttentionType"):
-        get_attn_spec_kind(attn_type="cross")  # type: ignore[arg-type]
+        get_attn_spec_kind(attn_type="cross")  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 @pytest.mark.parametrize(

@@ -44,10 +44,14 @@ def example_model(name: str, *, dtype: torch.dtype = torch.bfloat16) -> dict[str
     attention; ``gemma2``: alternating full and sliding-window; ``llama4``: chunked
     local with every fourth layer full.
     """
-    attn = {"block_size": 16, "num_kv_heads": 8, "head_size": 128, "dtype": dtype}
-    full = FullAttentionSpec(**attn)  # type: ignore[arg-type]  # keys match the fields above
-    window = SlidingWindowSpec(sliding_window=4096, **attn)  # type: ignore[arg-type]
-    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=8192, **attn)  # type: ignore[arg-type]
+    bs, heads, size = 16, 8, 128
+    full = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
+    window = SlidingWindowSpec(
+        block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype, sliding_window=4096
+    )
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype, attention_chunk_size=8192
+    )
     mamba = MambaSpec(
         block_size=16,
         shapes=((2 * 4096 + 2 * 128, 3), (64, 64, 128)),

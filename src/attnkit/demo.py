@@ -36,7 +36,7 @@ from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .registry import BackendRegistry
 from .runtime import AttentionRuntime, ScheduledRequest
-from .spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from .spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = ["MODELS", "DemoModel", "DemoResult", "run_demo"]
 
@@ -79,16 +79,18 @@ class _Attention(_Mixer):
         self.wk = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
         self.wv = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
         self.wo = rand(heads * head_size, hidden, scale=(heads * head_size) ** -0.5)
-        common = {
-            "block_size": block_size,
-            "num_kv_heads": kv_heads,
-            "head_size": head_size,
-            "dtype": dtype,
-        }
-        self.spec = (
-            SlidingWindowSpec(sliding_window=window, **common)  # type: ignore[arg-type]  # keys match the fields
+        self.spec: AttentionSpec = (
+            SlidingWindowSpec(
+                block_size=block_size,
+                num_kv_heads=kv_heads,
+                head_size=head_size,
+                dtype=dtype,
+                sliding_window=window,
+            )
             if window is not None
-            else FullAttentionSpec(**common)  # type: ignore[arg-type]
+            else FullAttentionSpec(
+                block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
+            )
         )
         self.params = AttentionLayerParams(num_heads=heads)
 

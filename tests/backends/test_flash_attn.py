@@ -229,7 +229,7 @@ def test_version_choice(
     installed: set[int],
     version: int | None,
 ) -> None:
-    choice = choose_version(setting, capability, installed=frozenset(installed))  # type: ignore[arg-type]
+    choice = choose_version(setting, capability, installed=frozenset(installed))  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     assert choice.version == version
 
 
@@ -1254,7 +1254,7 @@ def test_impl_needs_cuda_without_a_stand_in() -> None:
 )
 def test_missing_package_error_names_the_pip_command(version: int, pip: str) -> None:
     with pytest.raises(ImportError, match=re.escape(f"install it with: {pip}") + "$"):
-        _import_varlen_func(version)  # type: ignore[arg-type]
+        _import_varlen_func(version)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 @pytest.mark.parametrize(

@@ -1156,7 +1156,7 @@ def test_attention_forward_rejects_bad_inputs(
     args: dict[str, object] = dict(zip(names, full_step(), strict=True))
     args.update(change)
     with pytest.raises(error, match=match):
-        impl.forward(**args)  # type: ignore[arg-type]
+        impl.forward(**args)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 def test_attention_forward_rejects_out_of_range_slots() -> None:
@@ -1265,7 +1265,7 @@ def test_attention_impl_rejects_bad_layers(
     spec: KVCacheSpec, params: object, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        ReferenceAttentionImpl(spec, params)  # type: ignore[arg-type]
+        ReferenceAttentionImpl(spec, params)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 @pytest.mark.parametrize(
@@ -1458,7 +1458,7 @@ def test_mamba_forward_rejects_bad_inputs(
     spec, params, _, args = mamba_setup()
     args.update(change)
     with pytest.raises(error, match=match):
-        ReferenceMamba2Impl(spec, params).forward(**args)  # type: ignore[arg-type]
+        ReferenceMamba2Impl(spec, params).forward(**args)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 def test_mamba_impl_and_builder_reject_bad_layers() -> None:
@@ -1497,7 +1497,7 @@ def test_mamba_impl_and_builder_reject_bad_layers() -> None:
     other_device = dataclasses.replace(params, A=params.A.to("meta"))
     _, _, _, args = mamba_setup()
     with pytest.raises(ValueError, match=r"layer_params\.A must be on the inputs' device cpu"):
-        ReferenceMamba2Impl(spec, other_device).forward(**args)  # type: ignore[arg-type]
+        ReferenceMamba2Impl(spec, other_device).forward(**args)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 def test_nan_in_the_null_block_does_not_leak() -> None:

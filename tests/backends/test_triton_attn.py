@@ -989,7 +989,7 @@ def test_build_passes_the_batch_through_unchanged(case: Case, causal: bool) -> N
     assert (meta.scratch_block_table, meta.scratch_slot_mapping) == (None, None)
     assert meta.scratch_num_blocks == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta.max_query_len = 1  # type: ignore[misc]
+        meta.max_query_len = 1  # type: ignore[misc]  # deliberate misuse under test
 
 
 def test_encoder_only_build_lays_out_a_scratch_cache() -> None:

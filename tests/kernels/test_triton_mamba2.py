@@ -955,9 +955,9 @@ def test_precomputed_chunk_offsets_give_the_same_result() -> None:
     offsets = ssd_chunk_offsets(qsl, t, 4)
     assert offsets.tolist() == [0, 2, 2, 5]
     s1, s2 = torch.zeros(3, h, p, n), torch.zeros(3, h, p, n)
-    y1 = tri_ssd(x, dt, a, b, c, ssm_states=s1, **kwargs)  # type: ignore[arg-type]
-    y2 = tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets, **kwargs)  # type: ignore[arg-type]
+    y1 = tri_ssd(x, dt, a, b, c, ssm_states=s1, **kwargs)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    y2 = tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets, **kwargs)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     torch.testing.assert_close(s1, s2, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"cu_chunks: expected int32 \[B\+1\]=\[4\]"):
-        tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets.long(), **kwargs)  # type: ignore[arg-type]
+        tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets.long(), **kwargs)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose

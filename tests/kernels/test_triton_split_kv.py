@@ -550,7 +550,7 @@ def test_choose_num_splits_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_sms: expected an int >= 1"):
         choose_num_splits(1, 8, 1024, 16, num_sms=0)
     with pytest.raises(ValueError, match="block_size: expected an int, got float"):
-        choose_num_splits(1, 8, 1024, 16.0)  # type: ignore[arg-type]
+        choose_num_splits(1, 8, 1024, 16.0)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
 
 
 # ---------------------------------------------------------------------- hypothesis

@@ -65,7 +65,7 @@ _MAX_BLOCK_C = 128
 
 
 @triton.jit
-def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):  # type: ignore[no-untyped-def]
+def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
     """Segment ``b`` with ``offsets[b] <= target < offsets[b + 1]`` (scalar or vector).
 
     ``offsets`` has ``num_segments + 1`` non-decreasing entries starting at or below
@@ -87,7 +87,7 @@ def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):  # t
 
 
 @triton.jit
-def _silu(y):  # type: ignore[no-untyped-def]
+def _silu(y):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
     return y * tl.sigmoid(y)
 
 

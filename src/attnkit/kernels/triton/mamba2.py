@@ -79,7 +79,7 @@ _MAX_CUMSUM_TILE = 4096  # elements of the [chunk, heads] tile of the cumsum ker
 
 
 @triton.jit
-def _softplus(x):  # type: ignore[no-untyped-def]
+def _softplus(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
     """``torch.nn.functional.softplus`` (beta 1, threshold 20) in float32."""
     z = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + z
@@ -90,7 +90,7 @@ def _softplus(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _chunk_bounds(  # type: ignore[no-untyped-def]
+def _chunk_bounds(  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
     qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
 ):
     """Request and token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""

@@ -55,7 +55,7 @@ _BLOCK_CH_UPDATE = 256
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _round_bf16(x, ENABLE: tl.constexpr):  # type: ignore[no-untyped-def]
+def _round_bf16(x, ENABLE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
     """Round float32 ``x`` to the nearest bfloat16 value (ties to even), kept as float32.
 
     Only enabled under the Triton interpreter, whose float32 -> bfloat16 conversion
