@@ -138,10 +138,13 @@ def main() -> int:
             f"{r['case']:>8} {r['num_reqs']:>5} {r['bytes']:>8} {r['build_ratio']:>7.2f}x {r['graph_build_ratio']:>11.2f}x"
         )
     decode256 = next(r for r in rows if r["case"] == "decode" and r["num_reqs"] == 256)
-    worst = max(decode256["build_us"], decode256["graph_build_us"])
-    verdict = "meets" if worst <= TARGET_US_256 else "MISSES"
+    build_us = float(decode256["build_us"])  # type: ignore[arg-type]  # row values are floats here
+    graph_us = float(decode256["graph_build_us"])  # type: ignore[arg-type]  # row values are floats here
+    verdict = "meets" if build_us <= TARGET_US_256 else "MISSES"
     print(
-        f"256 decodes: slowest build {worst:.1f} us on this machine: {verdict} the {TARGET_US_256:.0f} us target"
+        f"256 decodes: build() {build_us:.1f} us on this machine: {verdict} the "
+        f"{TARGET_US_256:.0f} us target (CUDA-graph build, which copies into fixed buffers: "
+        f"{graph_us:.1f} us)"
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
