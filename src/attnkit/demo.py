@@ -28,10 +28,9 @@ from .backend import (
     Mamba2LayerParams,
     ShortConvLayerParams,
 )
-from .backends.reference.state import l2_normalize
 from .config import AttentionConfig
 from .kernels.torch.attention import dense_attention
-from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference
+from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
 from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .registry import BackendRegistry

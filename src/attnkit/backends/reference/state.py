@@ -25,7 +25,7 @@ from ...backend import (
     StateLayerParams,
 )
 from ...kernels.torch.conv1d import causal_conv1d_varlen
-from ...kernels.torch.gated_delta import chunk_gated_delta_rule_varlen
+from ...kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
 from ...kernels.torch.linear_attention import chunk_linear_attention_varlen
 from ...kernels.torch.short_conv import short_conv_varlen
 from ...spec import KVCacheSpec, MambaSpec
@@ -37,14 +37,7 @@ __all__ = [
     "ReferenceLinearAttentionImpl",
     "ReferenceShortConvImpl",
     "ReferenceStateImpl",
-    "l2_normalize",
 ]
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise the last dimension to unit L2 norm (in float32)."""
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 def _spec_and_params(

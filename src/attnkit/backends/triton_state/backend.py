@@ -37,6 +37,7 @@ from ...backend import (
 )
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
+from ...kernels.torch.gated_delta import l2_normalize
 from ...metadata import CommonAttentionMetadata
 from ...spec import KVCacheSpec, KVCacheSpecKind, MambaSpec, MambaType
 
@@ -155,11 +156,6 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
         indices = self._graph_indices[: cm.num_reqs]
         indices.copy_(meta.state_indices, non_blocking=True)
         return dataclasses.replace(meta, state_indices=indices)
-
-
-def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
@@ -338,8 +334,8 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
             conv_states, states = kv_cache
             mixed = self._conv(query, p, conv_states, md)
             hk = p.num_heads * p.key_dim
-            q = _l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
-            k = _l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
+            q = l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
+            k = l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
             v = mixed[:, 2 * hk :].reshape(n, p.num_heads, p.value_dim)
             g, beta = key[:n].float(), value[:n].float()
             scale = p.scale if p.scale is not None else p.key_dim**-0.5

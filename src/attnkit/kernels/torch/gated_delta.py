@@ -86,7 +86,15 @@ __all__ = [
     "chunk_gated_delta_rule_varlen",
     "fused_recurrent_gated_delta_rule_update",
     "gated_delta_rule_recurrent_reference",
+    "l2_normalize",
 ]
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """Normalise the last dimension to unit L2 norm, in float32: how Gated DeltaNet
+    layers prepare q and k before the delta rule (the kernels take them as given)."""
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 # ----------------------------------------------------------------------------------
