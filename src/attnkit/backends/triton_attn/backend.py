@@ -21,8 +21,6 @@ imported.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -54,6 +52,7 @@ from ...spec import (
     KVCacheSpecKind,
     SlidingWindowSpec,
 )
+from .._triton_env import triton_cpu_reasons
 
 __all__ = [
     "TritonAttentionBackend",
@@ -90,16 +89,7 @@ _SCRATCH_BLOCK_SIZE = 16
 # short speculative steps); longer steps use the unified kernel.
 _SPLIT_KV_MAX_QUERY_LEN = 1
 
-# Values triton itself reads as "on" for TRITON_INTERPRET (case-insensitive).
-_TRUTHY = frozenset({"1", "true", "on", "yes", "y"})
 _KERNEL_MODULE = "attnkit.kernels.triton.unified_attention"
-INTERPRETER_REASON = (
-    "device=cpu needs the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
-)
-KERNELS_COMPILED_REASON = (
-    "device=cpu needs the Triton interpreter, but attnkit's Triton kernels were already "
-    "imported without it (set TRITON_INTERPRET=1 before importing triton)"
-)
 
 
 def _check_kind(who: str, spec: KVCacheSpec) -> None:
@@ -570,13 +560,4 @@ class TritonAttentionBackend(AttentionBackend):
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
-        if device.type != "cpu":
-            return []
-        if os.environ.get("TRITON_INTERPRET", "").lower() not in _TRUTHY:
-            return [INTERPRETER_REASON]
-        # triton.jit picks interpreter or compiler when a kernel is defined, so kernels
-        # imported before the variable was set stay compiled (and cannot run on CPU).
-        kernels = sys.modules.get(_KERNEL_MODULE)
-        if kernels is not None and getattr(kernels, "_INTERPRETED", True) is False:
-            return [KERNELS_COMPILED_REASON]
-        return []
+        return triton_cpu_reasons(device, _KERNEL_MODULE)

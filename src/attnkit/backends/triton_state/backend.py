@@ -15,7 +15,6 @@ update kernels take no other per-step value.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -40,6 +39,7 @@ from ...config import AttentionConfig
 from ...kernels.torch.gated_delta import l2_normalize
 from ...metadata import CommonAttentionMetadata
 from ...spec import KVCacheSpec, KVCacheSpecKind, MambaSpec, MambaType
+from .._triton_env import triton_cpu_reasons
 
 __all__ = [
     "TritonGatedDeltaNetBackend",
@@ -50,11 +50,6 @@ __all__ = [
     "TritonStateMetadata",
     "TritonStateMetadataBuilder",
 ]
-
-_TRUTHY = frozenset({"1", "true", "on", "yes", "y"})
-INTERPRETER_REASON = (
-    "device=cpu needs the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -435,9 +430,7 @@ class _TritonStateBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").lower() not in _TRUTHY:
-            return [INTERPRETER_REASON]
-        return []
+        return triton_cpu_reasons(device, "attnkit.kernels.triton.linear_attention")
 
     @classmethod
     @override
