@@ -1,7 +1,7 @@
 """attnkit: a typed attention-backend SDK for LLM inference engines.
 
 Describe each layer's KV cache with a spec, route every spec kind to a backend,
-and build per-step metadata that kernels consume directly::
+and run the model's attention through ``AttentionRuntime``::
 
     >>> import torch, attnkit
     >>> spec = attnkit.SlidingWindowSpec(
@@ -9,57 +9,41 @@ and build per-step metadata that kernels consume directly::
     >>> spec.kind
     <KVCacheSpecKind.SLIDING_WINDOW: 'sliding_window'>
 
+This module holds what an *engine* uses: specs, config, selection, the runtime and
+its step types, layer parameters and state-layer inputs, and the errors. What a
+*backend author* needs (the builder and impl ABCs, ``bind_builder``, capability
+declarations, the metadata types) is in ``attnkit.backend_api``.
+
 ``import attnkit`` imports neither triton nor flash_attn; backends import them lazily.
 """
 
 from __future__ import annotations
 
-from .backend import (
-    AnyBuilderBinding,
-    AttentionBackend,
-    AttentionFeature,
-    AttentionImpl,
+from .builder import AttentionCGSupport
+from .capabilities import AttentionFeature
+from .config import AttentionConfig, BackendOptions, parse_backend_per_kind
+from .errors import (
+    AttnkitError,
+    BackendNotSupportedError,
+    DuplicateBackendError,
+    InvalidBackendError,
+    NoBackendError,
+    OutOfBlocksError,
+    Rejection,
+    UnknownBackendError,
+)
+from .params import (
     AttentionLayerParams,
-    BackendRequest,
-    BuilderBinding,
-    BuilderClass,
     GatedDeltaNetLayerParams,
     LayerParams,
     LinearAttentionLayerParams,
     Mamba2LayerParams,
-    MultipleOf,
     ShortConvLayerParams,
-    SizeRange,
-    SizeRule,
     StateLayerParams,
-    bind_builder,
 )
-from .builder import AttentionCGSupport, AttentionMetadataBuilder
-from .config import AttentionConfig, parse_backend_per_kind
-from .metadata import (
-    CommonAttentionMetadata,
-    DecodePrefillSplit,
-    reorder_batch_to_split_decodes_and_prefills,
-    split_decodes_and_prefills,
-)
-from .registry import (
-    ENTRY_POINT_GROUP,
-    BackendRegistry,
-    DuplicateBackendError,
-    InvalidBackendError,
-    RegistryEntry,
-    UnknownBackendError,
-    default_registry,
-    register_backend,
-)
-from .selector import (
-    DEFAULT_PRIORITY,
-    BackendNotSupportedError,
-    NoBackendError,
-    Rejection,
-    Selection,
-    select_backend,
-)
+from .registry import BackendRegistry, default_registry, register_backend
+from .runtime import AttentionRuntime, RoutingRow, ScheduledRequest, StateLayer, StepBatch
+from .selector import Selection, select_backend
 from .spec import (
     AttentionSpec,
     AttentionType,
@@ -79,66 +63,68 @@ from .spec import (
     get_attn_spec_kind,
     spec_class_for_kind,
 )
+from .state_inputs import (
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    Mamba2Inputs,
+    ShortConvInputs,
+    StateInputs,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_PRIORITY",
-    "ENTRY_POINT_GROUP",
-    "AnyBuilderBinding",
-    "AttentionBackend",
     "AttentionCGSupport",
     "AttentionConfig",
     "AttentionFeature",
-    "AttentionImpl",
     "AttentionLayerParams",
-    "AttentionMetadataBuilder",
+    "AttentionRuntime",
     "AttentionSpec",
     "AttentionType",
+    "AttnkitError",
     "BackendNotSupportedError",
+    "BackendOptions",
     "BackendRegistry",
-    "BackendRequest",
-    "BuilderBinding",
-    "BuilderClass",
     "ChunkedLocalAttentionSpec",
-    "CommonAttentionMetadata",
     "CrossAttentionSpec",
-    "DecodePrefillSplit",
     "DuplicateBackendError",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
+    "GatedDeltaNetInputs",
     "GatedDeltaNetLayerParams",
     "InvalidBackendError",
     "KVCacheDType",
     "KVCacheSpec",
     "KVCacheSpecKind",
     "LayerParams",
+    "LinearAttentionInputs",
     "LinearAttentionLayerParams",
     "MLAAttentionSpec",
+    "Mamba2Inputs",
     "Mamba2LayerParams",
     "MambaSpec",
     "MambaType",
-    "MultipleOf",
     "NoBackendError",
-    "RegistryEntry",
+    "OutOfBlocksError",
     "Rejection",
+    "RoutingRow",
+    "ScheduledRequest",
     "Selection",
+    "ShortConvInputs",
     "ShortConvLayerParams",
     "SinkFullAttentionSpec",
-    "SizeRange",
-    "SizeRule",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StateInputs",
+    "StateLayer",
     "StateLayerParams",
+    "StepBatch",
     "UnknownBackendError",
     "__version__",
-    "bind_builder",
     "default_registry",
     "get_attn_spec_kind",
     "parse_backend_per_kind",
     "register_backend",
-    "reorder_batch_to_split_decodes_and_prefills",
     "select_backend",
     "spec_class_for_kind",
-    "split_decodes_and_prefills",
 ]

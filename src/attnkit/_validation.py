@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def is_positive_int(value: object) -> bool:
     """``value`` is an ``int`` (not a ``bool``, which is an ``int`` subclass) and >= 1."""
@@ -17,3 +19,13 @@ def check_positive_int(owner: str, name: str, value: object) -> None:
 def is_nonnegative_int(value: object) -> bool:
     """``value`` is an ``int`` (not a ``bool``) and >= 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, for messages."""
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    """``"bfloat16 [4, 8] on cpu"``, for messages."""
+    return f"{dtype_name(t.dtype)} {list(t.shape)} on {t.device}"

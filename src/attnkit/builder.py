@@ -4,9 +4,9 @@ A builder is made once per KV-cache group and turns each step's
 ``CommonAttentionMetadata`` into the metadata its backend's kernels consume (the
 "plan"; ``AttentionImpl.forward`` is the "run" and reuses it for every layer).
 
-The base class declares the widest contract, ``KVCacheSpec``. A subclass narrows its
-spec without ``assert isinstance``, in either of two ways, both checked by
-``mypy --strict``::
+The base class declares the widest contract, ``KVCacheSpec``, as a read-only
+property. A subclass narrows its spec without ``assert isinstance``, in either of two
+ways::
 
     class MambaBuilder(AttentionMetadataBuilder[MambaMeta, MambaSpec]):   # generic
         ...
@@ -15,6 +15,12 @@ spec without ``assert isinstance``, in either of two ways, both checked by
         kv_cache_spec: MambaSpec
         def __init__(self, kv_cache_spec: MambaSpec, layer_names: Sequence[str],
                      config: AttentionConfig, device: torch.device) -> None: ...
+
+The generic spelling is sound and accepted by mypy and pyright. The vLLM spelling
+(a class-level ``kv_cache_spec: MambaSpec``) overrides the read-only property with a
+narrower attribute: mypy accepts it (a covariant override of a read-only member);
+pyright reports it as ``reportIncompatibleMethodOverride`` (it does not let a
+variable override a property), so under pyright use the generic spelling.
 
 ``get_cudagraph_support`` is a classmethod and so is checked for override
 compatibility: it takes ``KVCacheSpec`` everywhere, and a subclass that narrows it
@@ -41,8 +47,9 @@ __all__ = ["AttentionCGSupport", "AttentionMetadataBuilder"]
 M_co = TypeVar("M_co", covariant=True)
 """The backend metadata type a builder returns (only produced, so covariant)."""
 
-S = TypeVar("S", bound=KVCacheSpec, default=KVCacheSpec)
-"""The spec type a builder accepts; ``KVCacheSpec`` unless the subclass narrows it."""
+S_co = TypeVar("S_co", bound=KVCacheSpec, covariant=True, default=KVCacheSpec)
+"""The spec type a builder accepts; ``KVCacheSpec`` unless the subclass narrows it.
+Read-only after construction, so covariant: narrowing it in a subclass is sound."""
 
 
 @functools.total_ordering
@@ -68,7 +75,7 @@ class AttentionCGSupport(enum.Enum):
         return self.value < other.value
 
 
-class AttentionMetadataBuilder(ABC, Generic[M_co, S]):
+class AttentionMetadataBuilder(ABC, Generic[M_co, S_co]):
     """Builds one KV-cache group's backend metadata each step.
 
     Args:
@@ -84,21 +91,25 @@ class AttentionMetadataBuilder(ABC, Generic[M_co, S]):
             ``split_decodes_and_prefills`` expects; ``None``: any order.
     """
 
-    kv_cache_spec: S
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: ClassVar[int | None] = None
 
     def __init__(
         self,
-        kv_cache_spec: S,
+        kv_cache_spec: S_co,
         layer_names: Sequence[str],
         config: AttentionConfig,
         device: torch.device,
     ) -> None:
-        self.kv_cache_spec = kv_cache_spec
+        self._kv_cache_spec = kv_cache_spec
         self.layer_names: tuple[str, ...] = tuple(layer_names)
         self.config = config
         self.device = device
+
+    @property
+    def kv_cache_spec(self) -> S_co:
+        """The group's spec (read-only, so a subclass may narrow its type soundly)."""
+        return self._kv_cache_spec
 
     @classmethod
     def get_cudagraph_support(

@@ -117,7 +117,7 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 name=backend.name,
                 origin=entry.origin,
                 source=entry.source,
-                kinds=sorted(k.value for k in backend.supported_kinds),
+                kinds=sorted(k.value for k in backend.supported_kinds()),
                 devices=sorted(backend.supported_devices),
                 available=not reasons,
                 reasons=reasons,

@@ -8,24 +8,40 @@
 >>> cfg.backend_per_kind[KVCacheSpecKind.SLIDING_WINDOW]
 'triton_attn'
 
-Backend names are checked against the backends that exist. By default that is
-``attnkit.registry.default_registry()`` (built-ins, registered backends and
-discovered plugins); pass ``context={"registry": reg}`` or
-``context={"known_backends": [...]}`` to validate against another set.
+Constructing a config checks the *form* of every setting (kinds, name syntax,
+limits) and imports nothing else of attnkit: whether a named backend exists is
+checked by selection (``select_backend``, ``AttentionRuntime``) against the registry
+it uses, or here when ``model_validate`` is given ``context={"registry": reg}`` or
+``context={"known_backends": [...]}``.
+
+Backends with settings of their own declare a ``BackendOptions`` model; users give
+them per backend name, typed or as a plain mapping::
+
+    AttentionConfig(backend_options={"flash_attn": {"version": 2}})
+    AttentionConfig(backend_options={"flash_attn": FlashAttentionOptions(version=2)})
+
+and the backend reads them typed with ``config.options_for("flash_attn",
+FlashAttentionOptions)``.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Collection, Mapping
-from typing import Any, Literal
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .spec import KVCacheSpecKind
 
-__all__ = ["AttentionConfig", "parse_backend_per_kind"]
+__all__ = ["AttentionConfig", "BackendOptions", "parse_backend_per_kind"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _VALID_KINDS = ", ".join(k.value for k in KVCacheSpecKind)
@@ -76,28 +92,44 @@ def parse_backend_per_kind(value: str | Mapping[str, str] | Mapping[KVCacheSpecK
     return parsed
 
 
-def _known_backends(info: ValidationInfo) -> Collection[str]:
+def _known_backends(info: ValidationInfo) -> Collection[str] | None:
+    """The names to check against, when the validation context gives them."""
     context = info.context if isinstance(info.context, Mapping) else {}
     known = context.get("known_backends")
     if known is not None:
         return frozenset(known)
     registry = context.get("registry")
-    if registry is None:
-        # Imported here, not at module level: the registry sits above config in
-        # the layering (backends import config), so config only reaches it when
-        # it has a name to check.
-        from .registry import default_registry
-
-        registry = default_registry()
-    names: Collection[str] = registry.names()
-    return names
+    if registry is not None:
+        names: Collection[str] = registry.names()
+        return names
+    return None
 
 
-def _check_known(name: str, what: str, info: ValidationInfo) -> None:
+def _check_name(name: str, what: str, info: ValidationInfo) -> None:
+    if not _NAME.match(name):
+        raise ValueError(f"{what} must be a backend name, got {name!r}")
     known = _known_backends(info)
-    if name not in known:
+    if known is not None and name not in known:
         listed = ", ".join(sorted(known)) or "none"
         raise ValueError(f"{what}: unknown backend {name!r}; registered backends: {listed}")
+
+
+class BackendOptions(BaseModel):
+    """Base of a backend's own settings: a frozen pydantic model, unknown fields rejected.
+
+    A backend declares ``options_type = MyOptions``; users give
+    ``AttentionConfig(backend_options={"my_backend": {...}})`` and the backend reads
+    ``config.options_for("my_backend", MyOptions)``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+OptionsT = TypeVar("OptionsT", bound=BackendOptions)
+
+DEFAULT_MAX_NUM_REQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_MODEL_LEN = 32768
 
 
 class AttentionConfig(BaseModel):
@@ -109,12 +141,12 @@ class AttentionConfig(BaseModel):
         backend_per_kind: kind -> backend; wins over ``backend`` for that kind.
             Accepts ``{"sliding_window": "triton_attn"}`` or
             ``"sliding_window=triton_attn,full_attention=reference"``.
+        backend_options: backend name -> that backend's own settings (its
+            ``BackendOptions`` model, or a mapping validated into it when the backend
+            reads it; e.g. ``{"flash_attn": {"version": 2}}``).
         plugins: allowlist of entry-point plugin backends that may be loaded for
             this config (``None``: every plugin the environment allows; see
             ``ATTNKIT_PLUGINS``).
-        flash_attn_version: which flash-attn the ``flash_attn`` backend drives:
-            2 (``flash_attn``), 4 (``flash_attn.cute``, the ``flash-attn-4`` wheel), or
-            ``None`` to choose by the device's compute capability.
         max_num_reqs, max_num_batched_tokens, max_model_len: the engine's limits per
             step and per request; builders size their fixed-address (CUDA-graph)
             buffers from them.
@@ -124,11 +156,35 @@ class AttentionConfig(BaseModel):
 
     backend: str | None = None
     backend_per_kind: dict[KVCacheSpecKind, str] = Field(default_factory=dict)
+    backend_options: dict[str, BackendOptions | dict[str, Any]] = Field(default_factory=dict)
     plugins: frozenset[str] | None = None
-    flash_attn_version: Literal[2, 4] | None = None
-    max_num_reqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
-    max_model_len: int = Field(default=32768, ge=1)
+    max_num_reqs: int = Field(default=DEFAULT_MAX_NUM_REQS, ge=1)
+    max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
+
+    # An explicit signature so that every input form the docs show type-checks for
+    # users under mypy and pyright without pydantic's plugin (the synthesized one
+    # would only accept the stored types). ``model_validate`` takes the same forms.
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        backend_per_kind: str | Mapping[str, str] | Mapping[KVCacheSpecKind, str] | None = None,
+        backend_options: Mapping[str, BackendOptions | Mapping[str, Any]] | None = None,
+        plugins: str | Iterable[str] | None = None,
+        max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ) -> None:
+        super().__init__(
+            backend=backend,
+            backend_per_kind=backend_per_kind if backend_per_kind is not None else {},
+            backend_options=backend_options if backend_options is not None else {},
+            plugins=plugins,
+            max_num_reqs=max_num_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
 
     @field_validator("backend_per_kind", mode="before")
     @classmethod
@@ -140,13 +196,24 @@ class AttentionConfig(BaseModel):
     def _parse_plugins(cls, value: Any) -> Any:
         if isinstance(value, str):
             return frozenset(p.strip() for p in value.split(",") if p.strip())
+        if isinstance(value, Iterable) and not isinstance(value, frozenset):
+            return frozenset(value)
+        return value
+
+    @field_validator("backend_options", mode="before")
+    @classmethod
+    def _copy_options(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {
+                k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()
+            }
         return value
 
     @field_validator("backend")
     @classmethod
     def _check_backend(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:
-            _check_known(value, "backend", info)
+            _check_name(value, "backend", info)
         return value
 
     @field_validator("backend_per_kind")
@@ -155,21 +222,50 @@ class AttentionConfig(BaseModel):
         cls, value: dict[KVCacheSpecKind, str], info: ValidationInfo
     ) -> dict[KVCacheSpecKind, str]:
         for kind, name in value.items():
-            _check_known(name, f"backend_per_kind[{kind.value!r}]", info)
+            _check_name(name, f"backend_per_kind[{kind.value!r}]", info)
         return value
+
+    @field_validator("backend_options")
+    @classmethod
+    def _check_options_names(
+        cls, value: dict[str, BackendOptions | dict[str, Any]], info: ValidationInfo
+    ) -> dict[str, BackendOptions | dict[str, Any]]:
+        for name in value:
+            _check_name(name, "backend_options key", info)
+        return value
+
+    def options_for(self, backend: str, options_type: type[OptionsT]) -> OptionsT:
+        """The settings given for ``backend`` as ``options_type`` (its defaults if none).
+
+        Raises:
+            ValueError: the settings do not validate as ``options_type`` (the message
+                names the backend and each bad field).
+            TypeError: a ``BackendOptions`` of another class was given for ``backend``.
+        """
+        raw = self.backend_options.get(backend)
+        if raw is None:
+            return options_type()
+        if isinstance(raw, options_type):
+            return raw
+        if isinstance(raw, BackendOptions):
+            raise TypeError(
+                f"backend_options[{backend!r}] is a {type(raw).__name__}; backend "
+                f"{backend!r} takes {options_type.__name__}"
+            )
+        try:
+            return options_type.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(
+                f"backend_options[{backend!r}] is not valid {options_type.__name__}: {problems}"
+            ) from None
 
     def describe(self) -> str:
         """One line for logs: ``backend=None backend_per_kind={sliding_window: triton_attn}``."""
         per_kind = ", ".join(f"{k.value}: {v}" for k, v in self.backend_per_kind.items())
         text = f"backend={self.backend} backend_per_kind={{{per_kind}}} plugins={self.plugins}"
-        if self.flash_attn_version is not None:
-            text += f" flash_attn_version={self.flash_attn_version}"
+        if self.backend_options:
+            text += f" backend_options={sorted(self.backend_options)}"
         return text
-
-
-def env_plugin_allowlist() -> frozenset[str] | None:
-    """``ATTNKIT_PLUGINS`` as a set (unset: ``None``, every plugin; empty: none)."""
-    raw = os.environ.get("ATTNKIT_PLUGINS")
-    if raw is None:
-        return None
-    return frozenset(p.strip() for p in raw.split(",") if p.strip())

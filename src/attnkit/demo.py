@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from .backend import (
+from .config import AttentionConfig
+from .kernels.torch.attention import dense_attention
+from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
+from .kernels.torch.linear_attention import linear_attention_recurrent_reference
+from .kernels.torch.mamba2 import ssd_recurrent_reference
+from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
     LayerParams,
@@ -28,14 +33,10 @@ from .backend import (
     Mamba2LayerParams,
     ShortConvLayerParams,
 )
-from .config import AttentionConfig
-from .kernels.torch.attention import dense_attention
-from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
-from .kernels.torch.linear_attention import linear_attention_recurrent_reference
-from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .registry import BackendRegistry
 from .runtime import AttentionRuntime, ScheduledRequest
 from .spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from .state_inputs import GatedDeltaNetInputs, LinearAttentionInputs, Mamba2Inputs, ShortConvInputs
 
 __all__ = ["MODELS", "DemoModel", "DemoResult", "run_demo"]
 
@@ -175,7 +176,7 @@ class _Mamba2(_Mixer):
     @override
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
         z, xbc, dt = self._inputs(h)
-        return self._out(runtime.forward(name, xbc, dt), z)
+        return self._out(runtime.forward_state(name, Mamba2Inputs(xBC=xbc, dt=dt)), z)
 
     @override
     def dense(self, h: torch.Tensor) -> torch.Tensor:
@@ -246,7 +247,7 @@ class _GatedDeltaNet(_Mixer):
     @override
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
         qkv, g, beta, z = self._inputs(h)
-        return self._out(runtime.forward(name, qkv, g, beta), z)
+        return self._out(runtime.forward_state(name, GatedDeltaNetInputs(qkv=qkv, g=g, beta=beta)), z)
 
     @override
     def dense(self, h: torch.Tensor) -> torch.Tensor:
@@ -300,7 +301,8 @@ class _LinearAttention(_Mixer):
 
     @override
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
-        o = runtime.forward(name, *self._qkv(h))
+        q, k, v = self._qkv(h)
+        o = runtime.forward_state(name, LinearAttentionInputs(q=q, k=k, v=v))
         return _rms_norm(o.reshape(h.shape[0], -1).to(h.dtype)) @ self.w_out
 
     @override
@@ -334,7 +336,7 @@ class _ShortConv(_Mixer):
     @override
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
         b, c, x = self._bcx(h)
-        return runtime.forward(name, b, c, x) @ self.w_out
+        return runtime.forward_state(name, ShortConvInputs(b=b, c=c, x=x)) @ self.w_out
 
     @override
     def dense(self, h: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from ._validation import is_nonnegative_int, is_positive_int
+from .errors import OutOfBlocksError
 from .spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -169,10 +170,6 @@ def num_blocks_for_budget(
             f"at least 2 are needed (the null block and one more), i.e. {2 * per_block} bytes"
         )
     return num_blocks
-
-
-class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than a step needs. Nothing was changed."""
 
 
 class BlockPool:

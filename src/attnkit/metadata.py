@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._validation import is_nonnegative_int, is_positive_int
+from ._validation import describe_tensor, dtype_name, is_nonnegative_int, is_positive_int
 
 __all__ = [
     "CommonAttentionMetadata",
@@ -26,10 +26,6 @@ __all__ = [
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
 ]
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,11 +101,11 @@ class CommonAttentionMetadata:
             want_shape = "" if shape is None else f" of shape {list(shape)}"
             if tensor.dtype != dtype or (shape is not None and tuple(tensor.shape) != shape):
                 raise ValueError(
-                    f"{name} must be {str(dtype).removeprefix('torch.')}{want_shape} "
-                    f"(num_reqs={b}), got {_describe(tensor)}"
+                    f"{name} must be {dtype_name(dtype)}{want_shape} "
+                    f"(num_reqs={b}), got {describe_tensor(tensor)}"
                 )
             if on_cpu and tensor.device.type != "cpu":
-                raise ValueError(f"{name} must be on the CPU, got {_describe(tensor)}")
+                raise ValueError(f"{name} must be on the CPU, got {describe_tensor(tensor)}")
         device = self.query_start_loc.device
         for name, tensor in (
             ("seq_lens", self.seq_lens),
@@ -118,16 +114,16 @@ class CommonAttentionMetadata:
         ):
             if tensor.device != device:
                 raise ValueError(
-                    f"{name} must be on query_start_loc's device {device}, got {_describe(tensor)}"
+                    f"{name} must be on query_start_loc's device {device}, got {describe_tensor(tensor)}"
                 )
         if self.block_table_tensor.dim() != 2 or self.block_table_tensor.shape[0] != b:
             raise ValueError(
                 f"block_table_tensor must be int32 of shape [num_reqs={b}, max_blocks], "
-                f"got {_describe(self.block_table_tensor)}"
+                f"got {describe_tensor(self.block_table_tensor)}"
             )
         if self.slot_mapping.dim() != 1:
             raise ValueError(
-                f"slot_mapping must be 1-D [num_tokens], got {_describe(self.slot_mapping)}"
+                f"slot_mapping must be 1-D [num_tokens], got {describe_tensor(self.slot_mapping)}"
             )
         # Value checks read the CPU copies through zero-copy numpy views: no device
         # sync, and a few microseconds instead of a torch op dispatch per check.
@@ -151,7 +147,7 @@ class CommonAttentionMetadata:
         if self.slot_mapping.shape[0] < total:
             raise ValueError(
                 f"slot_mapping must have at least num_actual_tokens={total} entries, "
-                f"got {_describe(self.slot_mapping)}"
+                f"got {describe_tensor(self.slot_mapping)}"
             )
         short = seq < query_lens
         # Causal queries are the last positions of their context; a non-causal step

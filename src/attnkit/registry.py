@@ -22,15 +22,14 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Literal, TypeVar
 
-from typing_extensions import override
-
 from .backend import AttentionBackend
-from .config import env_plugin_allowlist
+from .errors import DuplicateBackendError, InvalidBackendError, UnknownBackendError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -59,23 +58,6 @@ BUILTIN_BACKENDS: Mapping[str, str] = {
     "triton_short_conv": "attnkit.backends.triton_state:TritonShortConvBackend",
 }
 """Name -> ``module:Class`` of the backends shipped with attnkit (imported on first use)."""
-
-
-class UnknownBackendError(KeyError):
-    """No backend of that name is registered. The message lists the registered ones."""
-
-    @override
-    def __str__(self) -> str:
-        # KeyError's own __str__ would repr() the message, quoting it.
-        return str(self.args[0]) if self.args else ""
-
-
-class DuplicateBackendError(ValueError):
-    """Two sources register the same backend name; the message names both."""
-
-
-class InvalidBackendError(TypeError):
-    """A class offered as a backend breaks the backend contract; the message says how."""
 
 
 @dataclasses.dataclass
@@ -293,6 +275,14 @@ def _ep_source(ep: importlib_metadata.EntryPoint) -> str:
     dist_name = getattr(dist, "name", None) if dist is not None else None
     where = f" from distribution {dist_name!r}" if dist_name else ""
     return f"entry point {ep.name} = {ep.value}{where}"
+
+
+def env_plugin_allowlist() -> frozenset[str] | None:
+    """``ATTNKIT_PLUGINS`` as a set (unset: ``None``, every plugin; empty: none)."""
+    raw = os.environ.get("ATTNKIT_PLUGINS")
+    if raw is None:
+        return None
+    return frozenset(p.strip() for p in raw.split(",") if p.strip())
 
 
 _default: BackendRegistry | None = None

@@ -7,8 +7,10 @@ allocates the paged cache. Each step::
     step = runtime.begin_step([ScheduledRequest("a", 7), ScheduledRequest("b", 1)],
                               finished=["c"])
     # lay out the step's tokens in step.order (decodes first when a backend asks)
-    out = runtime.forward("layers.0", q, k, v)          # attention layer
-    y = runtime.forward("layers.1", xBC, dt)             # Mamba2 layer
+    out = runtime.forward("layers.0", q, k, v)                         # attention
+    y = runtime.forward_state("layers.1", Mamba2Inputs(xBC=xbc, dt=dt))  # a state layer
+    mamba = runtime.state_layer("layers.1", Mamba2Inputs)    # or a typed handle:
+    y = mamba.forward(Mamba2Inputs(xBC=xbc, dt=dt))          # mypy checks the input class
 
 ``begin_step`` builds ``CommonAttentionMetadata`` and each group's backend metadata
 exactly once; every ``forward`` of the step reuses it.
@@ -18,24 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from ._validation import is_positive_int
-from .backend import (
-    STATE_PARAMS_BY_TYPE,
-    AnyBuilderBinding,
-    AttentionBackend,
-    AttentionFeature,
-    AttentionImpl,
-    AttentionLayerParams,
-    LayerParams,
-    StateLayerParams,
-)
+from .backend import AnyBinding, AttentionBackend
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
+from .capabilities import AttentionFeature
 from .config import AttentionConfig
+from .impl import AttentionImpl, StateImpl
 from .kv_cache import (
     NULL_BLOCK,
     KVCacheGroup,
@@ -46,6 +41,7 @@ from .kv_cache import (
     unify_page_sizes,
 )
 from .metadata import CommonAttentionMetadata
+from .params import STATE_PARAMS_BY_TYPE, AttentionLayerParams, LayerParams
 from .registry import BackendRegistry
 from .selector import Selection, select_backend
 from .spec import (
@@ -55,8 +51,11 @@ from .spec import (
     MambaSpec,
     SinkFullAttentionSpec,
 )
+from .state_inputs import StateInputs
 
-__all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StepBatch"]
+__all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StateLayer", "StepBatch"]
+
+I = TypeVar("I", bound=StateInputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +114,7 @@ class RoutingRow:
 class _Group:
     group: KVCacheGroup
     selection: Selection
-    binding: AnyBuilderBinding
+    binding: AnyBinding
     builder: AttentionMetadataBuilder[Any, Any]
     metadata: Any = None
     common: CommonAttentionMetadata | None = None
@@ -191,12 +190,21 @@ class AttentionRuntime:
             )
             for name in group.layer_names:
                 self._layer_group[name] = group.group_id
-        self._impls: dict[str, AttentionImpl[Any]] = {}
+        self._attention_impls: dict[str, AttentionImpl[Any, Any, Any]] = {}
+        self._state_impls: dict[str, StateImpl[Any, Any, Any]] = {}
         for entry in self._groups:
             for name in entry.group.layer_names:
-                self._impls[name] = entry.binding.create_impl(
-                    entry.group.spec, self.layer_params[name]
-                )
+                impl = entry.binding.create_impl(entry.group.spec, self.layer_params[name])
+                if isinstance(impl, StateImpl):
+                    self._state_impls[name] = impl
+                elif isinstance(impl, AttentionImpl):
+                    self._attention_impls[name] = impl
+                else:
+                    raise TypeError(
+                        f"backend {entry.selection.backend_name!r} made a "
+                        f"{type(impl).__name__} for {name!r}: impls must subclass "
+                        f"AttentionImpl or StateImpl"
+                    )
         self.kv_caches = allocate_kv_cache_tensors(
             groups,
             shapes,
@@ -207,7 +215,7 @@ class AttentionRuntime:
         )
         self.manager = KVCacheManager(groups, self.num_blocks)
         thresholds = {
-            t for e in self._groups if (t := type(e.builder).reorder_batch_threshold) is not None
+            t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
         }
         self._thresholds = tuple(sorted(thresholds))
         self._step: StepBatch | None = None
@@ -245,7 +253,7 @@ class AttentionRuntime:
         """The model's CUDA-graph support: the minimum over its groups, and who limits it."""
         levels = [
             (
-                type(e.builder).get_cudagraph_support(self.config, e.group.spec),
+                e.binding.get_cudagraph_support(self.config, e.group.spec),
                 f"group {e.group.group_id} ({e.group.kind.value}, backend {e.selection.backend_name})",
             )
             for e in self._groups
@@ -394,6 +402,18 @@ class AttentionRuntime:
             causal=causal,
         )
 
+    def _current_step(self) -> StepBatch:
+        if self._step is None:
+            raise RuntimeError("forward() called before begin_step()")
+        return self._step
+
+    def _check_rows(self, layer_name: str, what: str, rows: int, device: torch.device) -> None:
+        n = self._current_step().num_tokens
+        if rows < n:
+            raise ValueError(f"{layer_name}: {what} has {rows} rows but the step has {n} tokens")
+        if device != self.device:
+            raise ValueError(f"{layer_name}: {what} is on {device}, the runtime on {self.device}")
+
     def forward(
         self,
         layer_name: str,
@@ -403,47 +423,88 @@ class AttentionRuntime:
         *,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run one layer of the current step (see ``AttentionImpl.forward`` for inputs).
+        """Run one attention layer of the current step.
 
-        Attention: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (cross-attention:
-        the encoder states of ``StepBatch.encoder_order``, or ``None``), returns
-        ``[T, Hq, Dv]``. Mamba2: query = ``xBC [T, C]``, key = ``dt [T, H]``, returns
-        ``y [T, H, P]``.
+        query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (cross-attention: the encoder
+        states of ``StepBatch.encoder_order``, or ``None``); returns ``[T, Hq, Dv]``.
+        State layers take typed inputs: ``forward_state`` or ``state_layer``.
+
+        Raises:
+            TypeError: ``layer_name`` is a state layer.
+            ValueError: too few rows, or tensors on another device.
         """
-        if self._step is None:
-            raise RuntimeError("forward() called before begin_step()")
-        group_id = self._group_id(layer_name)
-        entry = self._groups[group_id]
-        spec = entry.group.spec
-        n = self._step.num_tokens
-        if query.shape[0] < n:
-            raise ValueError(
-                f"{layer_name}: query has {query.shape[0]} rows but the step has {n} tokens"
+        impl = self._attention_impls.get(layer_name)
+        if impl is None:
+            self._group_id(layer_name)  # unknown layers: KeyError listing the layers
+            raise TypeError(
+                f"{layer_name} is a state layer: call forward_state({layer_name!r}, "
+                f"{self._state_impls[layer_name].layer_params.inputs_type.__name__}(...))"
             )
-        if query.device != self.device:
-            raise ValueError(
-                f"{layer_name}: query is on {query.device}, the runtime on {self.device}"
-            )
+        self._check_rows(layer_name, "query", query.shape[0], query.device)
         if output is None:
-            output = query.new_empty(self._output_shape(layer_name, spec, query))
-        return self._impls[layer_name].forward(
+            if query.dim() != 3:
+                raise ValueError(f"{layer_name}: query must be [T, Hq, D], got {list(query.shape)}")
+            params: AttentionLayerParams = impl.layer_params
+            v_size = params.v_head_size or impl.kv_cache_spec.head_size
+            output = query.new_empty((query.shape[0], query.shape[1], v_size))
+        entry = self._groups[self._layer_group[layer_name]]
+        return impl.forward(
             query, key, value, self.kv_caches.get(layer_name, ()), entry.metadata, output
         )
 
-    def _output_shape(
-        self, layer_name: str, spec: KVCacheSpec, query: torch.Tensor
-    ) -> tuple[int, ...]:
-        params = self.layer_params[layer_name]
-        if isinstance(params, StateLayerParams):
-            return params.output_shape(query.shape[0])
-        if isinstance(spec, AttentionSpec):
-            if query.dim() != 3:
-                raise ValueError(f"{layer_name}: query must be [T, Hq, D], got {list(query.shape)}")
-            v_size = params.v_head_size if isinstance(params, AttentionLayerParams) else None
-            return (query.shape[0], query.shape[1], v_size or spec.head_size)
-        raise ValueError(
-            f"{layer_name}: a {type(spec).__name__} layer needs the parameters of its mamba_type"
-        )
+    def forward_state(
+        self, layer_name: str, inputs: StateInputs, *, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one state layer of the current step with its type's inputs.
+
+        ``inputs`` is the input class of the layer's type (``Mamba2Inputs``,
+        ``GatedDeltaNetInputs``, ``LinearAttentionInputs``, ``ShortConvInputs``); the
+        result has ``layer_params.output_shape(T)``. ``state_layer`` gives a handle
+        whose ``forward`` the type checker checks too.
+
+        Raises:
+            TypeError: an attention layer, or inputs of another layer type.
+            ValueError: too few rows, or tensors on another device.
+        """
+        impl = self._state_impls.get(layer_name)
+        if impl is None:
+            self._group_id(layer_name)
+            raise TypeError(
+                f"{layer_name} is an attention layer: call forward({layer_name!r}, query, key, value)"
+            )
+        expected = impl.layer_params.inputs_type
+        if not isinstance(inputs, expected):
+            raise TypeError(
+                f"{layer_name} is a {impl.kv_cache_spec.mamba_type} layer: inputs must be "
+                f"{expected.__name__}, got {type(inputs).__name__}"
+            )
+        self._check_rows(layer_name, "inputs", inputs.num_rows, inputs.device)
+        if output is None:
+            output = torch.empty(
+                impl.layer_params.output_shape(inputs.num_rows),
+                dtype=inputs.dtype,
+                device=inputs.device,
+            )
+        entry = self._groups[self._layer_group[layer_name]]
+        return impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, output)
+
+    def state_layer(self, layer_name: str, inputs_type: type[I]) -> StateLayer[I]:
+        """A typed handle on a state layer: ``forward`` takes ``inputs_type`` only.
+
+        Raises:
+            TypeError: the layer is not a state layer taking ``inputs_type``.
+        """
+        impl = self._state_impls.get(layer_name)
+        if impl is None:
+            self._group_id(layer_name)
+            raise TypeError(f"{layer_name} is an attention layer, not a state layer")
+        expected = impl.layer_params.inputs_type
+        if inputs_type is not expected:
+            raise TypeError(
+                f"{layer_name} is a {impl.kv_cache_spec.mamba_type} layer taking "
+                f"{expected.__name__}, not {getattr(inputs_type, '__name__', inputs_type)}"
+            )
+        return StateLayer(self, layer_name, inputs_type)
 
     def free(self, req_ids: Iterable[str]) -> None:
         """Release finished requests now (``begin_step(finished=...)`` does the same)."""
@@ -453,6 +514,23 @@ class AttentionRuntime:
     def block_table(self, layer_name: str, req_id: str) -> list[int]:
         """``req_id``'s blocks in ``layer_name``'s group (null entries are released blocks)."""
         return self.manager.block_table(self._group_id(layer_name), req_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayer(Generic[I]):
+    """A state layer of a runtime, typed by the input class it takes.
+
+    Made by ``AttentionRuntime.state_layer(name, Mamba2Inputs)``; passing another
+    input class to ``forward`` is a type error (and a ``TypeError`` at run time).
+    """
+
+    runtime: AttentionRuntime
+    layer_name: str
+    inputs_type: type[I]
+
+    def forward(self, inputs: I, *, output: torch.Tensor | None = None) -> torch.Tensor:
+        """``runtime.forward_state(layer_name, inputs, output=output)``."""
+        return self.runtime.forward_state(self.layer_name, inputs, output=output)
 
 
 def _slots(table: np.ndarray, block_size: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -501,14 +579,15 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
                 f"layer_params[{name!r}].num_heads={params.num_heads} is not a multiple of the "
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
-    elif isinstance(spec, MambaSpec) and spec.mamba_type in STATE_PARAMS_BY_TYPE:
-        expected = STATE_PARAMS_BY_TYPE[spec.mamba_type]
+    elif isinstance(spec, MambaSpec):
+        expected = STATE_PARAMS_BY_TYPE.get(spec.mamba_type)
+        if expected is None:
+            return  # no parameter class yet (mamba1): selection reports it
         if not isinstance(params, expected):
             raise ValueError(
                 f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "
                 f"layer, got {type(params).__name__}"
             )
-        assert isinstance(params, StateLayerParams)  # every STATE_PARAMS_BY_TYPE value is one
         if params.state_shapes != spec.shapes:
             raise ValueError(
                 f"layer_params[{name!r}].state_shapes={params.state_shapes} do not match the "

@@ -22,11 +22,12 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
-from typing_extensions import override
 
-from .backend import AttentionBackend, AttentionFeature, BackendRequest
+from .backend import AttentionBackend, BackendRequest
+from .capabilities import AttentionFeature
 from .config import AttentionConfig
-from .registry import BackendRegistry, UnknownBackendError, default_registry
+from .errors import BackendNotSupportedError, NoBackendError, Rejection, UnknownBackendError
+from .registry import BackendRegistry, default_registry
 from .spec import KVCacheSpec, KVCacheSpecKind
 
 __all__ = [
@@ -56,18 +57,6 @@ SelectionSource = Literal["backend_per_kind", "backend", "priority"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Rejection:
-    """A candidate that could not serve, and every reason why."""
-
-    backend: str
-    reasons: tuple[str, ...]
-
-    @override
-    def __str__(self) -> str:
-        return f"{self.backend}: " + "; ".join(self.reasons)
-
-
-@dataclasses.dataclass(frozen=True)
 class Selection:
     """The chosen backend for one spec, with how and why.
 
@@ -94,18 +83,6 @@ class Selection:
         lines = [f"{self.kind.value}: {self.backend.name} (chosen by {self.source})"]
         lines.extend(f"  skipped {r}" for r in self.rejected)
         return "\n".join(lines)
-
-
-class NoBackendError(RuntimeError):
-    """No candidate can serve a spec. The message lists every candidate and reason."""
-
-    def __init__(self, message: str, rejected: Sequence[Rejection]) -> None:
-        super().__init__(message)
-        self.rejected = tuple(rejected)
-
-
-class BackendNotSupportedError(NoBackendError):
-    """A backend the user named explicitly cannot serve the spec."""
 
 
 def _describe_request(request: BackendRequest) -> str:
@@ -189,7 +166,7 @@ def select_backend(
         explicit = (config.backend_per_kind[kind], "backend_per_kind")
     elif config.backend is not None:
         try:
-            declared = registry.get(config.backend).supported_kinds
+            declared = registry.get(config.backend).supported_kinds()
         except UnknownBackendError:
             declared = frozenset({kind})  # let the explicit path report the unknown name
         if kind in declared:

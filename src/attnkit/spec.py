@@ -28,9 +28,10 @@ from typing import ClassVar, Literal, TypeVar, get_args
 import torch
 from typing_extensions import override
 
-from ._validation import check_positive_int, is_positive_int
+from ._validation import check_positive_int, dtype_name, is_positive_int
 
 __all__ = [
+    "ATTENTION_SPEC_CLASSES",
     "KV_CACHE_DTYPES",
     "MODEL_DTYPES",
     "AttentionSpec",
@@ -112,10 +113,6 @@ _KV_CACHE_TORCH_DTYPE: dict[str, torch.dtype] = {
 }
 _STATE_DTYPES: frozenset[torch.dtype] = MODEL_DTYPES
 _MAMBA_TYPES: tuple[MambaType, ...] = get_args(MambaType)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 _check_positive_int = check_positive_int
@@ -218,7 +215,7 @@ class AttentionSpec(KVCacheSpec):
         _check_positive_int(owner, "head_size", self.head_size)
         dtype: object = self.dtype
         if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
-            supported = ", ".join(sorted(_dtype_name(d) for d in MODEL_DTYPES))
+            supported = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
             raise ValueError(
                 f"{owner}.dtype must be a torch.dtype among ({supported}), got {self.dtype!r}"
             )
@@ -418,7 +415,7 @@ class MambaSpec(KVCacheSpec):
             )
         for i, dtype in enumerate(dtypes):
             if not isinstance(dtype, torch.dtype) or dtype not in _STATE_DTYPES:
-                supported = ", ".join(sorted(_dtype_name(d) for d in _STATE_DTYPES))
+                supported = ", ".join(sorted(dtype_name(d) for d in _STATE_DTYPES))
                 raise ValueError(
                     f"{owner}.dtypes[{i}] must be a torch.dtype among ({supported}), got {dtype!r}"
                 )
@@ -454,11 +451,24 @@ def _concrete_specs() -> list[type[KVCacheSpec]]:
     return found
 
 
+ATTENTION_SPEC_CLASSES: tuple[type[AttentionSpec], ...] = (
+    FullAttentionSpec,
+    SinkFullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SlidingWindowMLASpec,
+    ChunkedLocalAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    CrossAttentionSpec,
+)
+"""Every concrete attention spec class, one per attention kind (for ``bind_each``)."""
+
 _SPEC_CLASS_BY_KIND: dict[KVCacheSpecKind, type[KVCacheSpec]] = {
     cls.kind: cls for cls in _concrete_specs()
 }
 # Every kind has exactly one spec class of this module.
 assert set(_SPEC_CLASS_BY_KIND) == set(KVCacheSpecKind), "a KVCacheSpecKind has no spec class"
+assert {c.kind for c in ATTENTION_SPEC_CLASSES} == set(KVCacheSpecKind) - {KVCacheSpecKind.MAMBA}
 
 
 def spec_class_for_kind(kind: KVCacheSpecKind) -> type[KVCacheSpec]:

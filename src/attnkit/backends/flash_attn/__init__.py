@@ -13,6 +13,7 @@ from .backend import (
     FlashAttentionImpl,
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
+    FlashAttentionOptions,
 )
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "FlashAttentionImpl",
     "FlashAttentionMetadata",
     "FlashAttentionMetadataBuilder",
+    "FlashAttentionOptions",
     "VersionChoice",
     "choose_version",
 ]

@@ -1,7 +1,7 @@
 """What each flash-attn version can do, and which one serves a request: the one place
 where the ``flash_attn`` backend's version rules live.
 
-``choose_version`` picks flash-attn 2 or 4 (``AttentionConfig.flash_attn_version``,
+``choose_version`` picks flash-attn 2 or 4 (``FlashAttentionOptions.version``,
 else by compute capability) and returns every reason the chosen version cannot serve
 a request. ``installed_versions`` finds the packages with ``importlib.util.find_spec``
 only: nothing here imports flash-attn.
@@ -60,7 +60,7 @@ from typing import Literal
 
 import torch
 
-from ...backend import AttentionFeature
+from ...capabilities import AttentionFeature
 from ...spec import AttentionSpec, KVCacheSpecKind
 
 __all__ = [
@@ -107,7 +107,7 @@ FA2_PAGE_MULTIPLE = 256
 FA4_CAPABILITY_MAJORS = (9, 10, 11)
 """Compute capability majors flash-attn 4 runs on (interface.py's arch check)."""
 FA4_AUTO_MAJORS = (10, 11)
-"""Where ``flash_attn_version=None`` picks flash-attn 4 (all kinds served there)."""
+"""Where ``version=None`` picks flash-attn 4 (all kinds served there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +185,7 @@ def choose_version(
     """Choose flash-attn 2 or 4 and list every reason it cannot serve the request.
 
     Args:
-        setting: ``AttentionConfig.flash_attn_version``; ``None`` chooses flash-attn 4
+        setting: ``FlashAttentionOptions.version``; ``None`` chooses flash-attn 4
             on compute capability 10.x/11.x when it is installed, else flash-attn 2 when
             installed, else flash-attn 4 when installed.
         capability: the CUDA device's compute capability, if known.
@@ -213,7 +213,7 @@ def choose_version(
     reasons: list[str] = []
     if installed and version not in installed:
         reasons.append(
-            f"flash_attn_version={version} was requested but {_label(version)} is not "
+            f"backend_options flash_attn version={version} was requested but {_label(version)} is not "
             f"installed ({_PIP[version]})"
         )
     if version == 4 and capability is not None:
@@ -247,7 +247,7 @@ def _spec_reasons(
         assert capability is not None
         reasons.append(
             f"flash-attn 4 has no paged KV cache on compute capability {_cc(capability)}, "
-            f"which kind={kind.value} needs (use flash_attn_version=2 on this GPU)"
+            f"which kind={kind.value} needs (use backend_options={{'flash_attn': {{'version': 2}}}} on this GPU)"
         )
 
     # Head sizes: the declared range (8 to 256) is checked by the backend; here the

@@ -2,7 +2,7 @@
 
 Serves ``full_attention``, ``sliding_window``, ``encoder_only_attention`` and
 ``cross_attention`` layers in fp16/bf16 on CUDA. Which flash-attn runs is chosen once
-per group (``AttentionConfig.flash_attn_version``, else by compute capability; every
+per group (``FlashAttentionOptions.version``, else by compute capability; every
 version rule is in ``_versions``). The builder emits exactly the arguments
 ``flash_attn_varlen_func`` takes; ``forward`` writes the step's keys/values into the
 cache and calls it with them unchanged.
@@ -26,25 +26,19 @@ import dataclasses
 import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from typing_extensions import override
 
-from ...backend import (
-    AttentionBackend,
-    AttentionFeature,
-    AttentionImpl,
-    AttentionLayerParams,
-    BackendRequest,
-    LayerParams,
-    SizeRange,
-    attention_params_problems,
-    bind_builder,
-)
+from ...backend import AttentionBackend, BackendRequest
+from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
-from ...config import AttentionConfig
+from ...capabilities import AttentionFeature, SizeRange
+from ...config import AttentionConfig, BackendOptions
+from ...impl import AttentionImpl
 from ...metadata import CommonAttentionMetadata
+from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -62,16 +56,9 @@ __all__ = [
     "FlashAttentionImpl",
     "FlashAttentionMetadata",
     "FlashAttentionMetadataBuilder",
+    "FlashAttentionOptions",
 ]
 
-_KINDS = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.ENCODER_ONLY_ATTENTION,
-        KVCacheSpecKind.CROSS_ATTENTION,
-    }
-)
 _BIDIRECTIONAL = frozenset(
     {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
 )
@@ -86,14 +73,21 @@ VarlenFunc = Callable[..., Any]
 """A ``flash_attn_varlen_func`` (flash-attn 2's or 4's), or a stand-in with its arguments."""
 
 
-def _check_kind(who: str, spec: KVCacheSpec) -> None:
-    # Bound to FullAttentionSpec too, whose subclasses (sink tokens, MLA) match it by
-    # isinstance but need other kernels.
-    if spec.kind not in _KINDS:
-        served = ", ".join(sorted(k.value for k in _KINDS))
-        raise TypeError(
-            f"{who} serves kinds {served}, got {type(spec).__name__} (kind={spec.kind.value})"
-        )
+class FlashAttentionOptions(BackendOptions):
+    """Settings of the ``flash_attn`` backend: ``backend_options={"flash_attn": {...}}``.
+
+    Attributes:
+        version: which flash-attn to drive: 2 (``flash_attn``), 4 (``flash_attn.cute``,
+            the ``flash-attn-4`` wheel), or ``None`` to choose by compute capability.
+    """
+
+    version: Literal[2, 4] | None = None
+
+
+def _options(config: AttentionConfig | None) -> FlashAttentionOptions:
+    if config is None:
+        return FlashAttentionOptions()
+    return config.options_for("flash_attn", FlashAttentionOptions)
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -188,11 +182,10 @@ class FlashAttentionMetadataBuilder(
         config: AttentionConfig,
         device: torch.device,
     ) -> None:
-        _check_kind(type(self).__name__, kv_cache_spec)
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         choice = _versions.choose_version(
-            config.flash_attn_version,
+            _options(config).version,
             _capability(device),
             installed=_versions.installed_versions(),
         )
@@ -355,7 +348,7 @@ def _import_varlen_func(version: FlashAttnVersion) -> VarlenFunc:
     return func
 
 
-class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, AttentionLayerParams]):
     """Writes the step's keys/values into the paged cache, then runs ``flash_attn_varlen_func``.
 
     Args:
@@ -369,34 +362,24 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     which); a missing package raises ``ImportError`` with the pip command.
 
     Raises at construction:
-        ValueError: missing or unfit ``layer_params``, or features the backend lacks.
-        TypeError: a spec or parameters of the wrong kind.
+        ValueError: unfit ``layer_params``, or features the backend lacks.
     """
 
     def __init__(
         self,
-        kv_cache_spec: KVCacheSpec,
-        layer_params: LayerParams | None,
+        kv_cache_spec: AttentionSpec,
+        layer_params: AttentionLayerParams,
         *,
         varlen_funcs: Mapping[int, VarlenFunc] | None = None,
     ) -> None:
         super().__init__(kv_cache_spec, layer_params)
         who = type(self).__name__
-        if not isinstance(kv_cache_spec, AttentionSpec):
-            raise TypeError(f"{who} needs an AttentionSpec, got {type(kv_cache_spec).__name__}")
-        _check_kind(who, kv_cache_spec)
-        if not isinstance(layer_params, AttentionLayerParams):
-            raise TypeError(
-                f"{who} needs AttentionLayerParams (num_heads, scale, ...), "
-                f"got {type(layer_params).__name__}"
-            )
         params, spec = layer_params, kv_cache_spec
         problems = attention_params_problems(
             spec, params, backend="flash_attn", supported_features=_FEATURES
         )
         if problems:
             raise ValueError(f"{who}: " + "; ".join(problems))
-        self.spec: AttentionSpec = spec
         self.kind = spec.kind
         self.num_heads = params.num_heads
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
@@ -528,7 +511,6 @@ class FlashAttentionBackend(AttentionBackend):
         "flash-attn 2/4 varlen kernels: full, sliding-window, encoder-only and cross "
         "attention (CUDA, fp16/bf16)"
     )
-    supported_kinds = _KINDS
     supported_devices = frozenset({"cuda"})
     min_compute_capability = (8, 0)
     supported_dtypes = frozenset({torch.float16, torch.bfloat16})
@@ -536,11 +518,11 @@ class FlashAttentionBackend(AttentionBackend):
     supported_head_sizes = (SizeRange(8, 256),)
     supported_block_sizes = None  # flash-attn 2's multiple-of-256 rule is per version
     supported_features = _FEATURES
-    builders = (
-        bind_builder(FullAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
-        bind_builder(SlidingWindowSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
-        bind_builder(EncoderOnlyAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
-        bind_builder(CrossAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl),
+    options_type = FlashAttentionOptions
+    builders = bind_each(
+        (FullAttentionSpec, SlidingWindowSpec, EncoderOnlyAttentionSpec, CrossAttentionSpec),
+        FlashAttentionMetadataBuilder,
+        FlashAttentionImpl,
     )
 
     @classmethod
@@ -561,9 +543,8 @@ class FlashAttentionBackend(AttentionBackend):
         spec = request.spec
         if not isinstance(spec, AttentionSpec):
             return []
-        setting = request.config.flash_attn_version if request.config is not None else None
         choice = _versions.choose_version(
-            setting,
+            _options(request.config).version,
             request.capability if request.device.type == "cuda" else None,
             installed=_versions.installed_versions(),
             spec=spec,

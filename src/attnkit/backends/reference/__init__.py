@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl, ReferenceAttentionMetadata
 from .backend import ReferenceBackend
-from .mamba2 import ReferenceMamba2Builder, ReferenceMamba2Impl, ReferenceMamba2Metadata
+from .mamba2 import ReferenceMamba2Impl, ReferenceStateBuilder, ReferenceStateMetadata
+from .state import (
+    ReferenceGatedDeltaNetImpl,
+    ReferenceLinearAttentionImpl,
+    ReferenceShortConvImpl,
+    ReferenceStateImpl,
+)
 
 __all__ = [
     "ReferenceAttentionBuilder",
     "ReferenceAttentionImpl",
     "ReferenceAttentionMetadata",
     "ReferenceBackend",
-    "ReferenceMamba2Builder",
+    "ReferenceGatedDeltaNetImpl",
+    "ReferenceLinearAttentionImpl",
     "ReferenceMamba2Impl",
-    "ReferenceMamba2Metadata",
+    "ReferenceShortConvImpl",
+    "ReferenceStateBuilder",
+    "ReferenceStateImpl",
+    "ReferenceStateMetadata",
 ]

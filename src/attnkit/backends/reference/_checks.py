@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_tensor", "describe", "dtype_name"]
+from ..._validation import describe_tensor, dtype_name
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"float16"``."""
-    return str(dtype).removeprefix("torch.")
+__all__ = ["check_tensor", "describe"]
 
 
 def describe(t: object) -> str:
@@ -19,7 +16,7 @@ def describe(t: object) -> str:
         return "None"
     if not isinstance(t, torch.Tensor):
         return f"a {type(t).__name__}"
-    return f"{dtype_name(t.dtype)} {list(t.shape)} on {t.device}"
+    return describe_tensor(t)
 
 
 def check_tensor(

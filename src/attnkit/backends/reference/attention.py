@@ -29,15 +29,15 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionImpl, AttentionLayerParams, LayerParams
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
+from ...impl import AttentionImpl
 from ...kernels.torch.attention import dense_attention, paged_attention, write_kv_cache
 from ...metadata import CommonAttentionMetadata
+from ...params import AttentionLayerParams
 from ...spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
-    KVCacheSpec,
     KVCacheSpecKind,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
@@ -186,7 +186,9 @@ class ReferenceAttentionBuilder(
         return slots.reshape(-1)
 
 
-class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
+class ReferenceAttentionImpl(
+    AttentionImpl[ReferenceAttentionMetadata, AttentionSpec, AttentionLayerParams]
+):
     """Runs one attention layer of any kind with the pure-torch kernels.
 
     Args:
@@ -195,19 +197,9 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             supported (``forward`` returns only the output).
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_params: AttentionLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
         owner = "ReferenceAttentionImpl"
-        if not isinstance(kv_cache_spec, AttentionSpec):
-            raise TypeError(
-                f"{owner}: kv_cache_spec must be an AttentionSpec, got "
-                f"{type(kv_cache_spec).__name__}"
-            )
-        if not isinstance(layer_params, AttentionLayerParams):
-            raise TypeError(
-                f"{owner}: layer_params must be AttentionLayerParams for a "
-                f"{kv_cache_spec.kind.value} layer, got {type(layer_params).__name__}"
-            )
         spec, params = kv_cache_spec, layer_params
         if params.num_heads % spec.num_kv_heads:
             raise ValueError(
@@ -219,8 +211,6 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
                 f"{owner}: layer_params.return_lse=True is not supported (the reference "
                 f"backend does not declare the return_lse feature), got return_lse=True"
             )
-        self.spec: AttentionSpec = spec
-        self.params: AttentionLayerParams = params
         self.kind = spec.kind
         self.is_mla = isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
         self.num_heads = params.num_heads
@@ -283,7 +273,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             query,
             layout="[T, Hq, D]",
             shape=(None, self.num_heads, self.head_size),
-            dtype=self.spec.dtype,
+            dtype=self.kv_cache_spec.dtype,
         )
         device, tokens = query.device, query.shape[0]
         if tokens < attn_metadata.num_actual_tokens:
@@ -300,7 +290,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             dtype=query.dtype,
             device=device,
         )
-        kv_heads = self.spec.num_kv_heads
+        kv_heads = self.kv_cache_spec.num_kv_heads
         if self.is_mla:
             check_tensor(
                 owner,
@@ -373,7 +363,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
         if len(kv_cache) != 1:
             raise ValueError(f"{owner}: kv_cache must hold 1 tensor, got {len(kv_cache)}")
         cache = kv_cache[0]
-        bs = self.spec.block_size
+        bs = self.kv_cache_spec.block_size
         shape: tuple[int | None, ...]
         if self.is_mla:
             layout, shape = "[NB, BS, D]", (None, bs, self.head_size)
@@ -385,7 +375,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             cache,
             layout=layout,
             shape=shape,
-            dtype=self.spec.cache_torch_dtype,
+            dtype=self.kv_cache_spec.cache_torch_dtype,
             device=device,
         )
 
@@ -468,9 +458,9 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
             causal=md.causal,
             sliding_window=md.sliding_window,
             chunk_size=md.chunk_size,
-            logits_soft_cap=self.params.logits_soft_cap,
+            logits_soft_cap=self.layer_params.logits_soft_cap,
             alibi_slopes=alibi,
-            sinks=self.params.sinks,
+            sinks=self.layer_params.sinks,
             output=output,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
@@ -478,7 +468,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
 
     def _write_sinks(self, cache: torch.Tensor, sink_slots: torch.Tensor) -> None:
         """Write the layer's sink tokens into the sink slots of each new request."""
-        sink_key, sink_value = self.params.sink_key, self.params.sink_value
+        sink_key, sink_value = self.layer_params.sink_key, self.layer_params.sink_value
         assert sink_key is not None  # checked in __init__
         assert sink_value is not None
         sink_len = sink_key.shape[0]
@@ -515,9 +505,9 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceAttentionMetadata]):
                 value[start:end],
                 scale=self.scale,
                 causal=False,
-                logits_soft_cap=self.params.logits_soft_cap,
+                logits_soft_cap=self.layer_params.logits_soft_cap,
                 alibi_slopes=alibi,
-                sinks=self.params.sinks,
+                sinks=self.layer_params.sinks,
             )
         return output
 

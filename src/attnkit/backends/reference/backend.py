@@ -6,18 +6,19 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from ...backend import AttentionBackend, AttentionFeature, BackendRequest, bind_builder
+from ...backend import AttentionBackend, BackendRequest
+from ...binding import bind_builder, bind_each
+from ...capabilities import AttentionFeature
 from ...spec import (
-    AttentionSpec,
+    ATTENTION_SPEC_CLASSES,
     KVCacheDType,
-    KVCacheSpecKind,
     MambaSpec,
     MambaType,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
 )
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
-from .mamba2 import ReferenceMamba2Builder, mamba2_spec_problems
+from .mamba2 import ReferenceStateBuilder, mamba2_spec_problems
 from .state import ReferenceStateImpl
 
 __all__ = ["ReferenceBackend"]
@@ -26,13 +27,12 @@ __all__ = ["ReferenceBackend"]
 class ReferenceBackend(AttentionBackend):
     """Pure-torch kernels with float32 accumulation, written for clarity, not speed.
 
-    Serves every ``KVCacheSpecKind`` (Mamba layers of type ``mamba2``) with any head
-    size and block size, on CPU and CUDA. Other backends are tested against it.
+    Serves every ``KVCacheSpecKind`` (state layers of types ``mamba2``, ``gdn``,
+    ``linear`` and ``short_conv``) with any head size and block size, on CPU and CUDA. Other backends are tested against it.
     """
 
     name = "reference"
     description = "pure torch, every kind, CPU and CUDA, float32 accumulation (the oracle)"
-    supported_kinds: ClassVar[frozenset[KVCacheSpecKind]] = frozenset(KVCacheSpecKind)
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
         {"auto", "float32", "float16", "bfloat16", "fp8_e4m3"}
@@ -50,8 +50,8 @@ class ReferenceBackend(AttentionBackend):
         {"mamba2", "gdn", "linear", "short_conv"}
     )
     builders = (
-        bind_builder(AttentionSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl),
-        bind_builder(MambaSpec, ReferenceMamba2Builder, ReferenceStateImpl),
+        *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),
+        bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl),
     )
 
     @classmethod

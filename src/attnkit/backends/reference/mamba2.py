@@ -16,20 +16,23 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionImpl, LayerParams, Mamba2LayerParams
+from ..._validation import dtype_name
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
+from ...impl import StateImpl
 from ...kernels.torch.conv1d import causal_conv1d_varlen
 from ...kernels.torch.mamba2 import ssd_chunked_varlen
 from ...metadata import CommonAttentionMetadata
-from ...spec import KVCacheSpec, MambaSpec
-from ._checks import check_tensor, describe, dtype_name
+from ...params import Mamba2LayerParams
+from ...spec import MambaSpec
+from ...state_inputs import Mamba2Inputs
+from ._checks import check_tensor, describe
 
-__all__ = ["ReferenceMamba2Builder", "ReferenceMamba2Impl", "ReferenceMamba2Metadata"]
+__all__ = ["ReferenceMamba2Impl", "ReferenceStateBuilder", "ReferenceStateMetadata"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReferenceMamba2Metadata:
+class ReferenceStateMetadata:
     """One Mamba2 group's step, as the reference kernels take it.
 
     Attributes:
@@ -47,8 +50,8 @@ class ReferenceMamba2Metadata:
     has_initial_state: torch.Tensor
 
 
-class ReferenceMamba2Builder(AttentionMetadataBuilder[ReferenceMamba2Metadata, MambaSpec]):
-    """Builds ``ReferenceMamba2Metadata``; narrowed to ``MambaSpec`` by its type parameter."""
+class ReferenceStateBuilder(AttentionMetadataBuilder[ReferenceStateMetadata, MambaSpec]):
+    """Builds ``ReferenceStateMetadata``; narrowed to ``MambaSpec`` by its type parameter."""
 
     # The torch kernels read offsets back to the host: nothing can be captured.
     cudagraph_support = AttentionCGSupport.NEVER
@@ -70,17 +73,17 @@ class ReferenceMamba2Builder(AttentionMetadataBuilder[ReferenceMamba2Metadata, M
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> ReferenceMamba2Metadata:
+    ) -> ReferenceStateMetadata:
         cm = common_attn_metadata
         table = cm.block_table_tensor
         if table.shape[1] < 1:
             raise ValueError(
-                f"ReferenceMamba2Builder: block_table_tensor must have a column 0 holding each "
+                f"ReferenceStateBuilder: block_table_tensor must have a column 0 holding each "
                 f"request's state block, got {describe(table)}"
             )
         qsl = cm.query_start_loc
         query_lens = qsl[1:] - qsl[:-1]
-        return ReferenceMamba2Metadata(
+        return ReferenceStateMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             state_indices=table[:, 0],
@@ -100,7 +103,7 @@ def mamba2_spec_problems(spec: MambaSpec) -> list[str]:
     return problems
 
 
-class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
+class ReferenceMamba2Impl(StateImpl[ReferenceStateMetadata, Mamba2LayerParams, Mamba2Inputs]):
     """Runs the state-space core of one Mamba2 layer (conv1d with SiLU, then SSD).
 
     Args:
@@ -109,17 +112,9 @@ class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
         layer_params: its ``Mamba2LayerParams`` (required).
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba2LayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
         owner = "ReferenceMamba2Impl"
-        if not isinstance(kv_cache_spec, MambaSpec):
-            raise TypeError(
-                f"{owner}: kv_cache_spec must be a MambaSpec, got {type(kv_cache_spec).__name__}"
-            )
-        if not isinstance(layer_params, Mamba2LayerParams):
-            raise TypeError(
-                f"{owner}: layer_params must be Mamba2LayerParams, got {type(layer_params).__name__}"
-            )
         if kv_cache_spec.mamba_type != "mamba2":
             raise ValueError(
                 f"{owner}: kv_cache_spec.mamba_type must be 'mamba2', got "
@@ -133,31 +128,27 @@ class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
                 f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes="
                 f"{layer_params.state_shapes}, got {kv_cache_spec.shapes}"
             )
-        self.spec: MambaSpec = kv_cache_spec
-        self.params: Mamba2LayerParams = layer_params
 
     def _check_inputs(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: Mamba2Inputs,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: object,
         output: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Check every argument; return ``(dt, conv_states, ssm_states)``."""
         owner = "ReferenceMamba2Impl.forward"
-        p = self.params
-        if not isinstance(attn_metadata, ReferenceMamba2Metadata):
+        p = self.layer_params
+        if not isinstance(attn_metadata, ReferenceStateMetadata):
             raise TypeError(
-                f"{owner}: attn_metadata must be ReferenceMamba2Metadata, "
+                f"{owner}: attn_metadata must be ReferenceStateMetadata, "
                 f"got {type(attn_metadata).__name__}"
             )
-        state_dtype = self.spec.dtypes[0]
+        state_dtype = self.kv_cache_spec.dtypes[0]
         xbc = check_tensor(
             owner,
-            "query (xBC)",
-            query,
+            "inputs.xBC",
+            inputs.xBC,
             layout="[T, C]",
             shape=(None, p.conv_dim),
             dtype=state_dtype,
@@ -165,19 +156,15 @@ class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
         device, tokens = xbc.device, xbc.shape[0]
         if tokens < attn_metadata.num_actual_tokens:
             raise ValueError(
-                f"{owner}: query (xBC) must have at least num_actual_tokens="
+                f"{owner}: inputs.xBC must have at least num_actual_tokens="
                 f"{attn_metadata.num_actual_tokens} rows, got {describe(xbc)}"
             )
         dt = check_tensor(
-            owner, "key (dt)", key, layout="[T, H]", shape=(tokens, p.num_heads), device=device
+            owner, "inputs.dt", inputs.dt, layout="[T, H]", shape=(tokens, p.num_heads), device=device
         )
         if not dt.is_floating_point():
             raise ValueError(
-                f"{owner}: key (dt) must be a floating-point tensor, got {describe(dt)}"
-            )
-        if value is not None:
-            raise ValueError(
-                f"{owner}: value must be None for a Mamba2 layer, got {describe(value)}"
+                f"{owner}: inputs.dt must be a floating-point tensor, got {describe(dt)}"
             )
         check_tensor(
             owner,
@@ -192,7 +179,7 @@ class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
             raise ValueError(
                 f"{owner}: kv_cache must hold 2 tensors (conv state, ssm state), got {len(kv_cache)}"
             )
-        conv_shape, ssm_shape = self.spec.shapes
+        conv_shape, ssm_shape = self.kv_cache_spec.shapes
         conv_states = check_tensor(
             owner,
             "kv_cache[0] (conv state)",
@@ -223,21 +210,17 @@ class ReferenceMamba2Impl(AttentionImpl[ReferenceMamba2Metadata]):
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: Mamba2Inputs,
         kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceMamba2Metadata,
+        attn_metadata: ReferenceStateMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        dt, conv_states, ssm_states = self._check_inputs(
-            query, key, value, kv_cache, attn_metadata, output
-        )
-        p, md = self.params, attn_metadata
+        dt, conv_states, ssm_states = self._check_inputs(inputs, kv_cache, attn_metadata, output)
+        p, md = self.layer_params, attn_metadata
         n = md.num_actual_tokens
         # 1. Causal depthwise conv (SiLU) over x, B and C together, states in the cache.
         xbc = causal_conv1d_varlen(
-            query[:n],
+            inputs.xBC[:n],
             p.conv_weight,
             p.conv_bias,
             conv_states=conv_states,

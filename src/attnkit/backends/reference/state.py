@@ -4,33 +4,37 @@ right one by ``MambaSpec.mamba_type``.
 
 Like the Mamba2 path, every request of a step (decode or prefill) goes through the
 varlen torch kernels, starting from its cached state when it has context before the
-step. Layer inputs follow ``AttentionImpl.forward``'s convention for each type (see
-the parameter classes in ``attnkit.backend``).
+step. Each impl takes its type's input class (``attnkit.state_inputs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from typing_extensions import override
 
-from ...backend import (
-    STATE_PARAMS_BY_TYPE,
-    AttentionImpl,
-    GatedDeltaNetLayerParams,
-    LayerParams,
-    LinearAttentionLayerParams,
-    ShortConvLayerParams,
-    StateLayerParams,
-)
+from ...impl import StateImpl
 from ...kernels.torch.conv1d import causal_conv1d_varlen
 from ...kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
 from ...kernels.torch.linear_attention import chunk_linear_attention_varlen
 from ...kernels.torch.short_conv import short_conv_varlen
-from ...spec import KVCacheSpec, MambaSpec
+from ...params import (
+    GatedDeltaNetLayerParams,
+    LinearAttentionLayerParams,
+    ShortConvLayerParams,
+    StateLayerParams,
+)
+from ...spec import MambaSpec
+from ...state_inputs import (
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    ShortConvInputs,
+    StateInputs,
+)
 from ._checks import check_tensor
-from .mamba2 import ReferenceMamba2Impl, ReferenceMamba2Metadata
+from .mamba2 import ReferenceMamba2Impl, ReferenceStateMetadata
 
 __all__ = [
     "ReferenceGatedDeltaNetImpl",
@@ -40,25 +44,16 @@ __all__ = [
 ]
 
 
-def _spec_and_params(
-    owner: str, spec: KVCacheSpec, params: LayerParams | None, mamba_type: str
-) -> MambaSpec:
-    if not isinstance(spec, MambaSpec) or spec.mamba_type != mamba_type:
-        raise TypeError(
-            f"{owner}: kv_cache_spec must be a MambaSpec of mamba_type {mamba_type!r}, got {spec!r}"
+def _check_spec(owner: str, spec: MambaSpec, params: StateLayerParams, mamba_type: str) -> None:
+    if spec.mamba_type != mamba_type:
+        raise ValueError(
+            f"{owner}: kv_cache_spec.mamba_type must be {mamba_type!r}, got {spec.mamba_type!r}"
         )
-    expected = STATE_PARAMS_BY_TYPE[mamba_type]
-    if not isinstance(params, expected):
-        raise TypeError(
-            f"{owner}: layer_params must be {expected.__name__}, got {type(params).__name__}"
-        )
-    assert isinstance(params, StateLayerParams)  # every STATE_PARAMS_BY_TYPE value is one
     if spec.shapes != params.state_shapes:
         raise ValueError(
             f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes={params.state_shapes}, "
             f"got {spec.shapes}"
         )
-    return spec
 
 
 def _states(owner: str, kv_cache: Sequence[torch.Tensor], spec: MambaSpec) -> list[torch.Tensor]:
@@ -74,18 +69,18 @@ def _states(owner: str, kv_cache: Sequence[torch.Tensor], spec: MambaSpec) -> li
     ]
 
 
-class ReferenceGatedDeltaNetImpl(AttentionImpl[ReferenceMamba2Metadata]):
+class ReferenceGatedDeltaNetImpl(
+    StateImpl[ReferenceStateMetadata, GatedDeltaNetLayerParams, GatedDeltaNetInputs]
+):
     """Short conv (SiLU) over q/k/v, L2-normalised q and k, then the gated delta rule.
 
-    ``forward(query=qkv [T, C], key=g [T, H], value=beta [T, H]) -> o [T, H, V]``.
+    ``forward(GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])) -> o [T, H, V]``.
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        self.spec = _spec_and_params(type(self).__name__, kv_cache_spec, layer_params, "gdn")
-        assert isinstance(layer_params, GatedDeltaNetLayerParams)  # checked above
-        self.params = layer_params
-        if self.spec.dtypes[1] != torch.float32:
+        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "gdn")
+        if kv_cache_spec.dtypes[1] != torch.float32:
             raise ValueError(
                 f"{type(self).__name__}: the delta-rule state (dtypes[1]) must be float32"
             )
@@ -93,21 +88,18 @@ class ReferenceGatedDeltaNetImpl(AttentionImpl[ReferenceMamba2Metadata]):
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: GatedDeltaNetInputs,
         kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceMamba2Metadata,
+        attn_metadata: ReferenceStateMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.params, attn_metadata
-        conv_states, states = _states(owner, kv_cache, self.spec)
+        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
+        conv_states, states = _states(owner, kv_cache, self.kv_cache_spec)
         n = md.num_actual_tokens
-        qkv = check_tensor(owner, "query (qkv)", query, layout="[T, C]", shape=(None, p.conv_dim))
-        g = check_tensor(owner, "key (g)", key, layout="[T, H]", shape=(qkv.shape[0], p.num_heads))
-        beta = check_tensor(
-            owner, "value (beta)", value, layout="[T, H]", shape=(qkv.shape[0], p.num_heads)
-        )
+        qkv = check_tensor(owner, "inputs.qkv", inputs.qkv, layout="[T, C]", shape=(None, p.conv_dim))
+        rows = (qkv.shape[0], p.num_heads)
+        g = check_tensor(owner, "inputs.g", inputs.g, layout="[T, H]", shape=rows)
+        beta = check_tensor(owner, "inputs.beta", inputs.beta, layout="[T, H]", shape=rows)
         mixed = causal_conv1d_varlen(
             qkv[:n].to(conv_states.dtype),
             p.conv_weight,
@@ -140,38 +132,36 @@ class ReferenceGatedDeltaNetImpl(AttentionImpl[ReferenceMamba2Metadata]):
         return output
 
 
-class ReferenceLinearAttentionImpl(AttentionImpl[ReferenceMamba2Metadata]):
-    """Linear attention with per-head decay. ``forward(q, k, v) -> o [T, H, V]``."""
+class ReferenceLinearAttentionImpl(
+    StateImpl[ReferenceStateMetadata, LinearAttentionLayerParams, LinearAttentionInputs]
+):
+    """Linear attention with per-head decay. ``forward(LinearAttentionInputs(q, k, v)) -> o [T, H, V]``."""
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: LinearAttentionLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        self.spec = _spec_and_params(type(self).__name__, kv_cache_spec, layer_params, "linear")
-        assert isinstance(layer_params, LinearAttentionLayerParams)  # checked above
-        self.params = layer_params
-        if self.spec.dtypes[0] != torch.float32:
+        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "linear")
+        if kv_cache_spec.dtypes[0] != torch.float32:
             raise ValueError(f"{type(self).__name__}: the linear-attention state must be float32")
 
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: LinearAttentionInputs,
         kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceMamba2Metadata,
+        attn_metadata: ReferenceStateMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.params, attn_metadata
-        (states,) = _states(owner, kv_cache, self.spec)
+        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
+        (states,) = _states(owner, kv_cache, self.kv_cache_spec)
         n = md.num_actual_tokens
         q = check_tensor(
-            owner, "query (q)", query, layout="[T, H, K]", shape=(None, p.num_heads, p.key_dim)
+            owner, "inputs.q", inputs.q, layout="[T, H, K]", shape=(None, p.num_heads, p.key_dim)
         )
-        k = check_tensor(owner, "key (k)", key, layout="[T, H, K]", shape=q.shape)
+        k = check_tensor(owner, "inputs.k", inputs.k, layout="[T, H, K]", shape=q.shape)
         v = check_tensor(
             owner,
-            "value (v)",
-            value,
+            "inputs.v",
+            inputs.v,
             layout="[T, H, V]",
             shape=(q.shape[0], p.num_heads, p.value_dim),
         )
@@ -192,38 +182,36 @@ class ReferenceLinearAttentionImpl(AttentionImpl[ReferenceMamba2Metadata]):
         return output
 
 
-class ReferenceShortConvImpl(AttentionImpl[ReferenceMamba2Metadata]):
-    """LFM2 short conv: ``y = c * conv(b * x)``. ``forward(b, c, x) -> y [T, C]``."""
+class ReferenceShortConvImpl(
+    StateImpl[ReferenceStateMetadata, ShortConvLayerParams, ShortConvInputs]
+):
+    """LFM2 short conv: ``y = c * conv(b * x)``. ``forward(ShortConvInputs(b, c, x)) -> y [T, C]``."""
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        self.spec = _spec_and_params(type(self).__name__, kv_cache_spec, layer_params, "short_conv")
-        assert isinstance(layer_params, ShortConvLayerParams)  # checked above
-        self.params = layer_params
+        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "short_conv")
 
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: ShortConvInputs,
         kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceMamba2Metadata,
+        attn_metadata: ReferenceStateMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.params, attn_metadata
-        (conv_states,) = _states(owner, kv_cache, self.spec)
+        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
+        (conv_states,) = _states(owner, kv_cache, self.kv_cache_spec)
         n = md.num_actual_tokens
         b = check_tensor(
             owner,
-            "query (b)",
-            query,
+            "inputs.b",
+            inputs.b,
             layout="[T, C]",
             shape=(None, p.channels),
             dtype=conv_states.dtype,
         )
-        c = check_tensor(owner, "key (c)", key, layout="[T, C]", shape=b.shape, dtype=b.dtype)
-        x = check_tensor(owner, "value (x)", value, layout="[T, C]", shape=b.shape, dtype=b.dtype)
+        c = check_tensor(owner, "inputs.c", inputs.c, layout="[T, C]", shape=b.shape, dtype=b.dtype)
+        x = check_tensor(owner, "inputs.x", inputs.x, layout="[T, C]", shape=b.shape, dtype=b.dtype)
         output[:n] = short_conv_varlen(
             b[:n],
             c[:n],
@@ -239,39 +227,38 @@ class ReferenceShortConvImpl(AttentionImpl[ReferenceMamba2Metadata]):
         return output
 
 
-_IMPL_BY_TYPE: dict[str, type[AttentionImpl[ReferenceMamba2Metadata]]] = {
-    "mamba2": ReferenceMamba2Impl,
-    "gdn": ReferenceGatedDeltaNetImpl,
-    "linear": ReferenceLinearAttentionImpl,
-    "short_conv": ReferenceShortConvImpl,
-}
+class ReferenceStateImpl(StateImpl[ReferenceStateMetadata, StateLayerParams, StateInputs]):
+    """The reference impl of any state layer: the one its parameters' class names.
 
+    Takes ``StateInputs``; the input class must be the one of the layer's type
+    (``layer_params.inputs_type``), else ``TypeError``.
+    """
 
-class ReferenceStateImpl(AttentionImpl[ReferenceMamba2Metadata]):
-    """The reference impl of any ``MambaSpec`` layer: the one its ``mamba_type`` names."""
-
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: StateLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        if not isinstance(kv_cache_spec, MambaSpec):
-            raise TypeError(
-                f"ReferenceStateImpl: kv_cache_spec must be a MambaSpec, got {type(kv_cache_spec).__name__}"
+        if isinstance(layer_params, GatedDeltaNetLayerParams):
+            self._core: StateImpl[ReferenceStateMetadata, StateLayerParams, Any] = (
+                ReferenceGatedDeltaNetImpl(kv_cache_spec, layer_params)
             )
-        impl_cls = _IMPL_BY_TYPE.get(kv_cache_spec.mamba_type)
-        if impl_cls is None:
-            raise ValueError(
-                f"ReferenceStateImpl: mamba_type={kv_cache_spec.mamba_type!r} is not supported "
-                f"(supported: {', '.join(sorted(_IMPL_BY_TYPE))})"
-            )
-        self.core = impl_cls(kv_cache_spec, layer_params)
+        elif isinstance(layer_params, LinearAttentionLayerParams):
+            self._core = ReferenceLinearAttentionImpl(kv_cache_spec, layer_params)
+        elif isinstance(layer_params, ShortConvLayerParams):
+            self._core = ReferenceShortConvImpl(kv_cache_spec, layer_params)
+        else:
+            self._core = ReferenceMamba2Impl(kv_cache_spec, layer_params)
 
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: StateInputs,
         kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceMamba2Metadata,
+        attn_metadata: ReferenceStateMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        return self.core.forward(query, key, value, kv_cache, attn_metadata, output)
+        expected = self.layer_params.inputs_type
+        if not isinstance(inputs, expected):
+            raise TypeError(
+                f"ReferenceStateImpl: a {self.kv_cache_spec.mamba_type} layer takes "
+                f"{expected.__name__}, got {type(inputs).__name__}"
+            )
+        return self._core.forward(inputs, kv_cache, attn_metadata, output)

@@ -27,20 +27,14 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from ...backend import (
-    AttentionBackend,
-    AttentionFeature,
-    AttentionImpl,
-    AttentionLayerParams,
-    LayerParams,
-    SizeRange,
-    SizeRule,
-    attention_params_problems,
-    bind_builder,
-)
+from ...backend import AttentionBackend
+from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...capabilities import AttentionFeature, SizeRange, SizeRule
 from ...config import AttentionConfig
+from ...impl import AttentionImpl
 from ...metadata import CommonAttentionMetadata
+from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -61,15 +55,6 @@ __all__ = [
     "TritonAttentionMetadataBuilder",
 ]
 
-_KINDS = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-        KVCacheSpecKind.ENCODER_ONLY_ATTENTION,
-        KVCacheSpecKind.CROSS_ATTENTION,
-    }
-)
 _CAUSAL_KINDS = frozenset(
     {
         KVCacheSpecKind.FULL_ATTENTION,
@@ -90,16 +75,6 @@ _SCRATCH_BLOCK_SIZE = 16
 _SPLIT_KV_MAX_QUERY_LEN = 1
 
 _KERNEL_MODULE = "attnkit.kernels.triton.unified_attention"
-
-
-def _check_kind(who: str, spec: KVCacheSpec) -> None:
-    # Bindings are by spec type; subclasses (sink, MLA, sliding-window MLA) match them
-    # by isinstance but need other kernels.
-    if spec.kind not in _KINDS:
-        served = ", ".join(sorted(k.value for k in _KINDS))
-        raise TypeError(
-            f"{who} serves kinds {served}, got {type(spec).__name__} (kind={spec.kind.value})"
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -186,7 +161,6 @@ class TritonAttentionMetadataBuilder(
         config: AttentionConfig,
         device: torch.device,
     ) -> None:
-        _check_kind(type(self).__name__, kv_cache_spec)
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         self.kind = spec.kind
@@ -353,33 +327,25 @@ _FEATURES = frozenset(
 )
 
 
-class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+class TritonAttentionImpl(
+    AttentionImpl[TritonAttentionMetadata, AttentionSpec, AttentionLayerParams]
+):
     """Writes the step's K/V with ``write_kv_cache``, then runs ``unified_attention`` or,
     for metadata with ``num_splits``, ``split_kv_decode``.
 
     Raises at construction (so a bad layer fails before its first step):
-        ValueError: ``layer_params`` is missing, asks for a feature the backend does
-            not declare, or does not fit the spec.
-        TypeError: the spec or the parameters are of the wrong kind.
+        ValueError: ``layer_params`` asks for a feature the backend does not declare,
+            or does not fit the spec.
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_params: AttentionLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
         who = type(self).__name__
-        if not isinstance(kv_cache_spec, AttentionSpec):
-            raise TypeError(f"{who} needs an AttentionSpec, got {type(kv_cache_spec).__name__}")
-        _check_kind(who, kv_cache_spec)
-        if layer_params is None:
-            raise ValueError(f"{who} needs AttentionLayerParams (num_heads, scale, ...), got None")
-        if not isinstance(layer_params, AttentionLayerParams):
-            raise TypeError(f"{who} needs AttentionLayerParams, got {type(layer_params).__name__}")
         problems = attention_params_problems(
             kv_cache_spec, layer_params, backend="triton_attn", supported_features=_FEATURES
         )
         if problems:
             raise ValueError(f"{who}: " + "; ".join(problems))
-        self.spec = kv_cache_spec
-        self.params = layer_params
         self.num_heads = layer_params.num_heads
         self.scale: float = (
             layer_params.scale if layer_params.scale is not None else kv_cache_spec.head_size**-0.5
@@ -403,7 +369,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     def _device_constants(self, device: torch.device) -> dict[str, torch.Tensor | None]:
         if self._constants is None:
-            p = self.params
+            p = self.layer_params
 
             def scalar(value: float) -> torch.Tensor:
                 return torch.tensor([value], dtype=torch.float32, device=device)
@@ -453,7 +419,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         n = m.num_actual_tokens
         consts = self._device_constants(query.device)
         scales = {"k_scale": consts["k_scale"], "v_scale": consts["v_scale"]}
-        if self.spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        if self.kv_cache_spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
             if key is None or value is None:
                 raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
             cache = self._scratch_cache(m, key)
@@ -471,7 +437,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 )
             cache = kv_cache[0]
             block_table = m.block_table
-            if self.spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
+            if self.kv_cache_spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
                 if key is not None and value is not None:  # encoder states, first steps only
                     e = key.shape[0]
                     self._write_kv_cache(key, value, cache, m.slot_mapping[:e], **scales)
@@ -488,7 +454,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             "causal": m.causal,
             "sliding_window": m.sliding_window,
             "chunk_size": m.chunk_size,
-            "logits_soft_cap": self.params.logits_soft_cap,
+            "logits_soft_cap": self.layer_params.logits_soft_cap,
             "alibi_slopes": consts["alibi_slopes"],
             "sinks": consts["sinks"],
             "output": output,
@@ -496,7 +462,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         }
         if m.num_splits:
             workspace = self._split_workspace(
-                m.num_splits, query.shape[0], self.spec.head_size, query.device
+                m.num_splits, query.shape[0], self.kv_cache_spec.head_size, query.device
             )
             self._split_kv_decode(
                 query,
@@ -516,10 +482,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             m.scratch_num_blocks,
             2,
             _SCRATCH_BLOCK_SIZE,
-            self.spec.num_kv_heads,
-            self.spec.head_size,
+            self.kv_cache_spec.num_kv_heads,
+            self.kv_cache_spec.head_size,
         )
-        dtype = self.spec.dtype
+        dtype = self.kv_cache_spec.dtype
         if (
             self._scratch is None
             or self._scratch.shape[0] < shape[0]
@@ -537,7 +503,6 @@ class TritonAttentionBackend(AttentionBackend):
         "Triton paged attention: full, sliding-window, chunked-local, encoder-only and cross; "
         "GQA/MQA, soft-cap, ALiBi, sinks, fp8 KV; split-KV decode"
     )
-    supported_kinds = _KINDS
     supported_devices = frozenset({"cpu", "cuda"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto", "fp8_e4m3"})
@@ -545,15 +510,16 @@ class TritonAttentionBackend(AttentionBackend):
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
-    # Written out one by one so mypy checks every binding.
-    builders = (
-        bind_builder(FullAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
-        bind_builder(SlidingWindowSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
-        bind_builder(
-            ChunkedLocalAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl
+    builders = bind_each(
+        (
+            FullAttentionSpec,
+            SlidingWindowSpec,
+            ChunkedLocalAttentionSpec,
+            EncoderOnlyAttentionSpec,
+            CrossAttentionSpec,
         ),
-        bind_builder(EncoderOnlyAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
-        bind_builder(CrossAttentionSpec, TritonAttentionMetadataBuilder, TritonAttentionImpl),
+        TritonAttentionMetadataBuilder,
+        TritonAttentionImpl,
     )
 
     @classmethod

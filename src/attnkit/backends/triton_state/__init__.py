@@ -10,20 +10,26 @@ from __future__ import annotations
 
 from .backend import (
     TritonGatedDeltaNetBackend,
+    TritonGatedDeltaNetImpl,
     TritonLinearAttentionBackend,
+    TritonLinearAttentionImpl,
     TritonMamba2Backend,
+    TritonMamba2Impl,
     TritonShortConvBackend,
-    TritonStateImpl,
+    TritonShortConvImpl,
     TritonStateMetadata,
     TritonStateMetadataBuilder,
 )
 
 __all__ = [
     "TritonGatedDeltaNetBackend",
+    "TritonGatedDeltaNetImpl",
     "TritonLinearAttentionBackend",
+    "TritonLinearAttentionImpl",
     "TritonMamba2Backend",
+    "TritonMamba2Impl",
     "TritonShortConvBackend",
-    "TritonStateImpl",
+    "TritonShortConvImpl",
     "TritonStateMetadata",
     "TritonStateMetadataBuilder",
 ]

@@ -15,38 +15,45 @@ update kernels take no other per-step value.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from typing_extensions import override
 
-from ...backend import (
-    STATE_PARAMS_BY_TYPE,
-    AttentionBackend,
-    AttentionImpl,
-    BackendRequest,
+from ..._validation import dtype_name
+from ...backend import AttentionBackend, BackendRequest
+from ...binding import bind_builder
+from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...config import AttentionConfig
+from ...impl import StateImpl
+from ...kernels.torch.gated_delta import l2_normalize
+from ...metadata import CommonAttentionMetadata
+from ...params import (
     GatedDeltaNetLayerParams,
-    LayerParams,
     LinearAttentionLayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
     StateLayerParams,
-    bind_builder,
 )
-from ...builder import AttentionCGSupport, AttentionMetadataBuilder
-from ...config import AttentionConfig
-from ...kernels.torch.gated_delta import l2_normalize
-from ...metadata import CommonAttentionMetadata
-from ...spec import KVCacheSpec, KVCacheSpecKind, MambaSpec, MambaType
+from ...spec import MambaSpec, MambaType
+from ...state_inputs import (
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    Mamba2Inputs,
+    ShortConvInputs,
+)
 from .._triton_env import triton_cpu_reasons
 
 __all__ = [
     "TritonGatedDeltaNetBackend",
+    "TritonGatedDeltaNetImpl",
     "TritonLinearAttentionBackend",
+    "TritonLinearAttentionImpl",
     "TritonMamba2Backend",
+    "TritonMamba2Impl",
     "TritonShortConvBackend",
-    "TritonStateImpl",
+    "TritonShortConvImpl",
     "TritonStateMetadata",
     "TritonStateMetadataBuilder",
 ]
@@ -153,74 +160,23 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
         return dataclasses.replace(meta, state_indices=indices)
 
 
-class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
-    """Runs one state layer with the Triton kernels of its ``mamba_type``.
+def _check_spec(who: str, spec: MambaSpec, params: StateLayerParams) -> None:
+    if spec.shapes != params.state_shapes:
+        raise ValueError(
+            f"{who}: kv_cache_spec.shapes must be layer_params.state_shapes="
+            f"{params.state_shapes}, got {spec.shapes}"
+        )
 
-    Inputs follow ``AttentionImpl.forward``'s convention per type (see the parameter
-    classes in ``attnkit.backend``).
-    """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: LayerParams | None) -> None:
-        super().__init__(kv_cache_spec, layer_params)
-        who = type(self).__name__
-        if not isinstance(kv_cache_spec, MambaSpec):
-            raise TypeError(f"{who} needs a MambaSpec, got {type(kv_cache_spec).__name__}")
-        expected = STATE_PARAMS_BY_TYPE.get(kv_cache_spec.mamba_type)
-        if expected is None or not isinstance(layer_params, expected):
-            want = expected.__name__ if expected is not None else "a supported mamba_type"
-            raise TypeError(
-                f"{who}: a {kv_cache_spec.mamba_type} layer needs {want}, got {type(layer_params).__name__}"
-            )
-        assert isinstance(layer_params, StateLayerParams)  # every STATE_PARAMS_BY_TYPE value is one
-        if kv_cache_spec.shapes != layer_params.state_shapes:
-            raise ValueError(
-                f"{who}: kv_cache_spec.shapes must be layer_params.state_shapes, got {kv_cache_spec.shapes}"
-            )
-        # What the Triton kernels accept beyond the parameter classes' own checks.
-        if isinstance(layer_params, GatedDeltaNetLayerParams) and layer_params.chunk_size not in (
-            16,
-            32,
-            64,
-        ):
-            raise ValueError(
-                f"{who}: gdn chunk_size must be 16, 32 or 64, got {layer_params.chunk_size}"
-            )
-        if isinstance(layer_params, LinearAttentionLayerParams) and layer_params.chunk_size > 128:
-            raise ValueError(
-                f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
-            )
-        self.spec = kv_cache_spec
-        self.mamba_type = kv_cache_spec.mamba_type
+class _ConvMixin:
+    """The SiLU causal conv shared by Mamba2 and Gated DeltaNet layers."""
+
+    def _load_conv(self) -> None:
         # Imported here: importing the backend must not import triton.
         from ...kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
-        from ...kernels.triton.gated_delta import (
-            chunk_gated_delta_rule_varlen,
-            fused_recurrent_gated_delta_rule_update,
-        )
-        from ...kernels.triton.linear_attention import (
-            chunk_linear_attention_varlen,
-            linear_attention_decode,
-        )
-        from ...kernels.triton.mamba2 import (
-            selective_state_update,
-            ssd_chunk_offsets,
-            ssd_chunked_varlen,
-        )
-        from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
 
-        self._k: dict[str, Callable[..., Any]] = {
-            "conv": causal_conv1d_varlen,
-            "conv_update": causal_conv1d_update,
-            "ssd": ssd_chunked_varlen,
-            "ssd_update": selective_state_update,
-            "ssd_chunks": ssd_chunk_offsets,
-            "gdn": chunk_gated_delta_rule_varlen,
-            "gdn_update": fused_recurrent_gated_delta_rule_update,
-            "linear": chunk_linear_attention_varlen,
-            "linear_update": linear_attention_decode,
-            "short_conv": short_conv_varlen,
-            "short_conv_update": short_conv_update,
-        }
+        self._conv_update = causal_conv1d_update
+        self._conv_varlen = causal_conv1d_varlen
 
     def _conv(
         self,
@@ -234,7 +190,7 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
         out = torch.empty((n, x.shape[1]), dtype=conv_states.dtype, device=x.device)
         x = x[:n].to(conv_states.dtype)
         if md.num_decodes:
-            self._k["conv_update"](
+            self._conv_update(
                 x[:nd],
                 p.conv_weight,
                 p.conv_bias,
@@ -244,7 +200,7 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
                 out=out[:nd],
             )
         if md.num_prefills:
-            self._k["conv"](
+            self._conv_varlen(
                 x[nd:],
                 p.conv_weight,
                 p.conv_bias,
@@ -257,12 +213,30 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
             )
         return out
 
+
+class TritonMamba2Impl(
+    _ConvMixin, StateImpl[TritonStateMetadata, Mamba2LayerParams, Mamba2Inputs]
+):
+    """Mamba2: causal conv1d, then the chunked SSD (prefills) or selective state update."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba2LayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        _check_spec(type(self).__name__, kv_cache_spec, layer_params)
+        self._load_conv()
+        from ...kernels.triton.mamba2 import (
+            selective_state_update,
+            ssd_chunk_offsets,
+            ssd_chunked_varlen,
+        )
+
+        self._ssd_update = selective_state_update
+        self._ssd_chunk_offsets = ssd_chunk_offsets
+        self._ssd = ssd_chunked_varlen
+
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: Mamba2Inputs,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: TritonStateMetadata,
         output: torch.Tensor,
@@ -271,161 +245,247 @@ class TritonStateImpl(AttentionImpl[TritonStateMetadata]):
         nd, n = md.num_decode_tokens, md.num_actual_tokens
         dec = slice(0, md.num_decodes)
         pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
-        varlen = {
-            "query_start_loc": md.prefill_query_start_loc,
-            "state_indices": md.state_indices[pre],
-            "has_initial_state": md.has_initial_state[pre],
-        }
-        if isinstance(p, Mamba2LayerParams):
-            if key is None:
-                raise ValueError("a Mamba2 layer needs key = dt [T, H]")
-            conv_states, ssm_states = kv_cache
-            xbc = self._conv(query, p, conv_states, md)
-            hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
-            x = xbc[:, :hp].reshape(n, p.num_heads, p.head_dim)
-            b = xbc[:, hp : hp + gn].reshape(n, p.n_groups, p.d_state)
-            c = xbc[:, hp + gn :].reshape(n, p.n_groups, p.d_state)
-            common = {
-                "D": p.D,
-                "dt_bias": p.dt_bias,
-                "dt_softplus": p.dt_softplus,
-                "ssm_states": ssm_states,
-            }
-            if md.num_decodes:
-                self._k["ssd_update"](
-                    x[:nd],
-                    key[:nd],
-                    p.A,
-                    b[:nd],
-                    c[:nd],
-                    state_indices=md.state_indices[dec],
-                    out=output[:nd],
-                    **common,
-                )
-            if md.num_prefills:
-                cu_chunks = md.chunk_offsets.get(p.chunk_size)
-                if cu_chunks is None:  # planned once per step, by the first layer
-                    cu_chunks = self._k["ssd_chunks"](
-                        md.prefill_query_start_loc, n - nd, p.chunk_size
-                    )
-                    md.chunk_offsets[p.chunk_size] = cu_chunks
-                self._k["ssd"](
-                    x[nd:],
-                    key[nd:n],
-                    p.A,
-                    b[nd:],
-                    c[nd:],
-                    chunk_size=p.chunk_size,
-                    out=output[nd:n],
-                    cu_chunks=cu_chunks,
-                    **common,
-                    **varlen,
-                )
-        elif isinstance(p, GatedDeltaNetLayerParams):
-            if key is None or value is None:
-                raise ValueError(
-                    "a Gated DeltaNet layer needs key = g [T, H] and value = beta [T, H]"
-                )
-            conv_states, states = kv_cache
-            mixed = self._conv(query, p, conv_states, md)
-            hk = p.num_heads * p.key_dim
-            q = l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
-            k = l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
-            v = mixed[:, 2 * hk :].reshape(n, p.num_heads, p.value_dim)
-            g, beta = key[:n].float(), value[:n].float()
-            scale = p.scale if p.scale is not None else p.key_dim**-0.5
-            if md.num_decodes:
-                self._k["gdn_update"](
-                    q[:nd],
-                    k[:nd],
-                    v[:nd],
-                    g[:nd],
-                    beta[:nd],
-                    scale=scale,
-                    states=states,
-                    state_indices=md.state_indices[dec],
-                    out=output[:nd],
-                )
-            if md.num_prefills:
-                self._k["gdn"](
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    g[nd:],
-                    beta[nd:],
-                    scale=scale,
-                    states=states,
-                    chunk_size=p.chunk_size,
-                    out=output[nd:n],
-                    **varlen,
-                )
-        elif isinstance(p, LinearAttentionLayerParams):
-            if key is None or value is None:
-                raise ValueError("a linear-attention layer needs key and value")
-            (states,) = kv_cache
-            scale = p.scale if p.scale is not None else p.key_dim**-0.5
-            decay = p.decay.to(query.device)
-            if md.num_decodes:
-                self._k["linear_update"](
-                    query[:nd],
-                    key[:nd],
-                    value[:nd],
-                    decay,
-                    scale=scale,
-                    states=states,
-                    state_indices=md.state_indices[dec],
-                    out=output[:nd],
-                )
-            if md.num_prefills:
-                self._k["linear"](
-                    query[nd:n],
-                    key[nd:n],
-                    value[nd:n],
-                    decay,
-                    scale=scale,
-                    states=states,
-                    chunk_size=p.chunk_size,
-                    out=output[nd:n],
-                    **varlen,
-                )
-        elif isinstance(p, ShortConvLayerParams):
-            if key is None or value is None:
-                raise ValueError("a short-conv layer needs key = c and value = x")
-            (conv_states,) = kv_cache
-            if md.num_decodes:
-                self._k["short_conv_update"](
-                    query[:nd],
-                    key[:nd],
-                    value[:nd],
-                    p.conv_weight,
-                    p.conv_bias,
-                    conv_states=conv_states,
-                    state_indices=md.state_indices[dec],
-                    out=output[:nd],
-                )
-            if md.num_prefills:
-                self._k["short_conv"](
-                    query[nd:n],
-                    key[nd:n],
-                    value[nd:n],
-                    p.conv_weight,
-                    p.conv_bias,
-                    conv_states=conv_states,
-                    out=output[nd:n],
-                    **varlen,
-                )
-        else:  # pragma: no cover - __init__ accepts only the four types
-            raise TypeError(f"unsupported layer parameters {type(p).__name__}")
+        dt = inputs.dt
+        conv_states, ssm_states = kv_cache
+        xbc = self._conv(inputs.xBC, p, conv_states, md)
+        hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
+        x = xbc[:, :hp].reshape(n, p.num_heads, p.head_dim)
+        b = xbc[:, hp : hp + gn].reshape(n, p.n_groups, p.d_state)
+        c = xbc[:, hp + gn :].reshape(n, p.n_groups, p.d_state)
+        if md.num_decodes:
+            self._ssd_update(
+                x[:nd],
+                dt[:nd],
+                p.A,
+                b[:nd],
+                c[:nd],
+                D=p.D,
+                dt_bias=p.dt_bias,
+                dt_softplus=p.dt_softplus,
+                ssm_states=ssm_states,
+                state_indices=md.state_indices[dec],
+                out=output[:nd],
+            )
+        if md.num_prefills:
+            cu_chunks = md.chunk_offsets.get(p.chunk_size)
+            if cu_chunks is None:  # planned once per step, by the first layer
+                cu_chunks = self._ssd_chunk_offsets(md.prefill_query_start_loc, n - nd, p.chunk_size)
+                md.chunk_offsets[p.chunk_size] = cu_chunks
+            self._ssd(
+                x[nd:],
+                dt[nd:n],
+                p.A,
+                b[nd:],
+                c[nd:],
+                D=p.D,
+                dt_bias=p.dt_bias,
+                dt_softplus=p.dt_softplus,
+                ssm_states=ssm_states,
+                chunk_size=p.chunk_size,
+                out=output[nd:n],
+                cu_chunks=cu_chunks,
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[pre],
+                has_initial_state=md.has_initial_state[pre],
+            )
+        return output
+
+
+class TritonGatedDeltaNetImpl(
+    _ConvMixin, StateImpl[TritonStateMetadata, GatedDeltaNetLayerParams, GatedDeltaNetInputs]
+):
+    """Gated DeltaNet: short conv (SiLU), L2-normalised q/k, chunked rule or fused step."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        who = type(self).__name__
+        _check_spec(who, kv_cache_spec, layer_params)
+        # What the Triton kernels accept beyond the parameter class's own checks.
+        if layer_params.chunk_size not in (16, 32, 64):
+            raise ValueError(
+                f"{who}: gdn chunk_size must be 16, 32 or 64, got {layer_params.chunk_size}"
+            )
+        self._load_conv()
+        from ...kernels.triton.gated_delta import (
+            chunk_gated_delta_rule_varlen,
+            fused_recurrent_gated_delta_rule_update,
+        )
+
+        self._chunk = chunk_gated_delta_rule_varlen
+        self._update = fused_recurrent_gated_delta_rule_update
+
+    @override
+    def forward(
+        self,
+        inputs: GatedDeltaNetInputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonStateMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md, p = attn_metadata, self.layer_params
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        dec = slice(0, md.num_decodes)
+        pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
+        conv_states, states = kv_cache
+        mixed = self._conv(inputs.qkv, p, conv_states, md)
+        hk = p.num_heads * p.key_dim
+        q = l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
+        k = l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
+        v = mixed[:, 2 * hk :].reshape(n, p.num_heads, p.value_dim)
+        g, beta = inputs.g[:n].float(), inputs.beta[:n].float()
+        scale = p.scale if p.scale is not None else p.key_dim**-0.5
+        if md.num_decodes:
+            self._update(
+                q[:nd],
+                k[:nd],
+                v[:nd],
+                g[:nd],
+                beta[:nd],
+                scale=scale,
+                states=states,
+                state_indices=md.state_indices[dec],
+                out=output[:nd],
+            )
+        if md.num_prefills:
+            self._chunk(
+                q[nd:],
+                k[nd:],
+                v[nd:],
+                g[nd:],
+                beta[nd:],
+                scale=scale,
+                states=states,
+                chunk_size=p.chunk_size,
+                out=output[nd:n],
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[pre],
+                has_initial_state=md.has_initial_state[pre],
+            )
+        return output
+
+
+class TritonLinearAttentionImpl(
+    StateImpl[TritonStateMetadata, LinearAttentionLayerParams, LinearAttentionInputs]
+):
+    """Linear attention with per-head decay: chunked prefill, one-step decode."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: LinearAttentionLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        who = type(self).__name__
+        _check_spec(who, kv_cache_spec, layer_params)
+        if layer_params.chunk_size > 128:
+            raise ValueError(
+                f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
+            )
+        from ...kernels.triton.linear_attention import (
+            chunk_linear_attention_varlen,
+            linear_attention_decode,
+        )
+
+        self._chunk = chunk_linear_attention_varlen
+        self._decode = linear_attention_decode
+
+    @override
+    def forward(
+        self,
+        inputs: LinearAttentionInputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonStateMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md, p = attn_metadata, self.layer_params
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        dec = slice(0, md.num_decodes)
+        pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
+        (states,) = kv_cache
+        q, k, v = inputs.q, inputs.k, inputs.v
+        scale = p.scale if p.scale is not None else p.key_dim**-0.5
+        decay = p.decay.to(q.device)
+        if md.num_decodes:
+            self._decode(
+                q[:nd],
+                k[:nd],
+                v[:nd],
+                decay,
+                scale=scale,
+                states=states,
+                state_indices=md.state_indices[dec],
+                out=output[:nd],
+            )
+        if md.num_prefills:
+            self._chunk(
+                q[nd:n],
+                k[nd:n],
+                v[nd:n],
+                decay,
+                scale=scale,
+                states=states,
+                chunk_size=p.chunk_size,
+                out=output[nd:n],
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[pre],
+                has_initial_state=md.has_initial_state[pre],
+            )
+        return output
+
+
+class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, ShortConvInputs]):
+    """LFM2 short conv ``y = c * conv(b * x)``: varlen prefill, one-step update."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        _check_spec(type(self).__name__, kv_cache_spec, layer_params)
+        from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
+
+        self._varlen = short_conv_varlen
+        self._update = short_conv_update
+
+    @override
+    def forward(
+        self,
+        inputs: ShortConvInputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonStateMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md, p = attn_metadata, self.layer_params
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        dec = slice(0, md.num_decodes)
+        pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
+        (conv_states,) = kv_cache
+        b, c, x = inputs.b, inputs.c, inputs.x
+        if md.num_decodes:
+            self._update(
+                b[:nd],
+                c[:nd],
+                x[:nd],
+                p.conv_weight,
+                p.conv_bias,
+                conv_states=conv_states,
+                state_indices=md.state_indices[dec],
+                out=output[:nd],
+            )
+        if md.num_prefills:
+            self._varlen(
+                b[nd:n],
+                c[nd:n],
+                x[nd:n],
+                p.conv_weight,
+                p.conv_bias,
+                conv_states=conv_states,
+                out=output[nd:n],
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[pre],
+                has_initial_state=md.has_initial_state[pre],
+            )
         return output
 
 
 class _TritonStateBackend(AttentionBackend):
     """Shared declarations of the four state backends."""
 
-    supported_kinds = frozenset({KVCacheSpecKind.MAMBA})
     supported_devices = frozenset({"cpu", "cuda"})
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
-    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonStateImpl),)
 
     @classmethod
     @override
@@ -441,7 +501,7 @@ class _TritonStateBackend(AttentionBackend):
             last = spec.dtypes[-1]
             if spec.mamba_type != "short_conv" and last != torch.float32:
                 return [
-                    f"{spec.mamba_type} state dtype must be float32, got {str(last).removeprefix('torch.')}"
+                    f"{spec.mamba_type} state dtype must be float32, got {dtype_name(last)}"
                 ]
         return []
 
@@ -450,6 +510,7 @@ class TritonMamba2Backend(_TritonStateBackend):
     name = "triton_mamba2"
     description = "Triton Mamba2: causal conv1d + chunked SSD / selective state update"
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"mamba2"})
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonMamba2Impl),)
 
 
 class TritonGatedDeltaNetBackend(_TritonStateBackend):
@@ -458,15 +519,18 @@ class TritonGatedDeltaNetBackend(_TritonStateBackend):
         "Triton Gated DeltaNet: short conv + chunked gated delta rule / fused recurrent step"
     )
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"gdn"})
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonGatedDeltaNetImpl),)
 
 
 class TritonLinearAttentionBackend(_TritonStateBackend):
     name = "triton_linear_attn"
     description = "Triton linear attention with per-head decay (lightning style)"
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"linear"})
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonLinearAttentionImpl),)
 
 
 class TritonShortConvBackend(_TritonStateBackend):
     name = "triton_short_conv"
     description = "Triton LFM2-style gated short convolution"
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"short_conv"})
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonShortConvImpl),)

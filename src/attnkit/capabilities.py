@@ -1,0 +1,99 @@
+"""The capability vocabulary backends declare and requests ask for.
+
+``AttentionFeature`` names optional score modifications a layer may need;
+``MultipleOf`` / ``SizeRange`` / ``SizeRule`` describe the head and block sizes a
+backend accepts (``supported_block_sizes = (16, 32, MultipleOf(64))``). The backend
+ABC (``attnkit.backend``) reads these; the layer parameters (``attnkit.params``)
+derive the features a layer needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from typing_extensions import override
+
+from ._validation import is_positive_int
+
+__all__ = [
+    "AttentionFeature",
+    "MultipleOf",
+    "SizeRange",
+    "SizeRule",
+    "format_sizes",
+    "size_allowed",
+]
+
+
+class AttentionFeature(str, enum.Enum):
+    """Optional score modifications a layer may need from its backend."""
+
+    LOGITS_SOFT_CAP = "logits_soft_cap"
+    """``s = cap * tanh(s / cap)`` (Gemma 2)."""
+    ATTENTION_SINKS = "attention_sinks"
+    """A learned per-head logit in every softmax denominator (gpt-oss)."""
+    ALIBI = "alibi"
+    """Per-head linear position bias (BLOOM, MPT)."""
+    RETURN_LSE = "return_lse"
+    """The backend also returns each row's log-sum-exp (for cascades and merges)."""
+
+    @override
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipleOf:
+    """A size rule: any positive multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not is_positive_int(self.n):
+            raise ValueError(f"MultipleOf.n must be a positive int, got {self.n!r}")
+
+    @override
+    def __str__(self) -> str:
+        return f"multiple of {self.n}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeRange:
+    """A size rule: any size from ``low`` to ``high``, both included."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not (is_positive_int(self.low) and is_positive_int(self.high) and self.low <= self.high):
+            raise ValueError(
+                f"SizeRange needs positive ints with low <= high, got ({self.low!r}, {self.high!r})"
+            )
+
+    @override
+    def __str__(self) -> str:
+        return f"{self.low} to {self.high}"
+
+
+SizeRule = tuple[int | MultipleOf | SizeRange, ...]
+"""Allowed sizes: exact values, ``MultipleOf`` and ``SizeRange`` rules; a size is
+allowed if any entry allows it."""
+
+
+def size_allowed(size: int, rule: SizeRule) -> bool:
+    for r in rule:
+        if isinstance(r, MultipleOf):
+            if size % r.n == 0:
+                return True
+        elif isinstance(r, SizeRange):
+            if r.low <= size <= r.high:
+                return True
+        elif size == r:
+            return True
+    return False
+
+
+def format_sizes(rule: SizeRule) -> str:
+    """``(16, 32, MultipleOf(64))`` -> ``"16, 32, multiple of 64"``."""
+    return ", ".join(str(r) for r in rule)

@@ -1,0 +1,126 @@
+"""The impl side of the backend contract: one object per layer that runs it.
+
+An impl is made once per layer from the layer's spec and parameters, and each step
+runs the layer with the metadata its group's builder made (``build()`` is the plan,
+``forward`` the run; an impl does no per-call metadata work). It is generic over
+all three things it consumes, so a backend author's impl reads typed fields with no
+``isinstance`` and ``bind_builder`` can check it against its builder:
+
+- ``AttentionImpl[M, S, P]``: attention layers. ``M`` the metadata it consumes,
+  ``S`` the spec it accepts (an ``AttentionSpec``), ``P`` its layer parameters
+  (``AttentionLayerParams`` or a subclass). ``forward(query, key, value, ...)``.
+- ``StateImpl[M, P, I]``: state layers (``MambaSpec``). ``P`` the parameter class
+  of its ``mamba_type``, ``I`` the input class (``attnkit.state_inputs``).
+  ``forward(inputs, ...)``.
+
+::
+
+    class MyImpl(AttentionImpl[MyMeta, FullAttentionSpec, AttentionLayerParams]):
+        def __init__(self, kv_cache_spec: FullAttentionSpec,
+                     layer_params: AttentionLayerParams) -> None:
+            super().__init__(kv_cache_spec, layer_params)
+            self.scale = layer_params.scale or kv_cache_spec.head_size ** -0.5
+
+        @override
+        def forward(self, query, key, value, kv_cache, attn_metadata: MyMeta, output): ...
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Generic
+
+import torch
+from typing_extensions import TypeVar
+
+from .params import AttentionLayerParams, StateLayerParams
+from .spec import AttentionSpec, KVCacheSpec, MambaSpec
+from .state_inputs import StateInputs
+
+__all__ = ["AttentionImpl", "LayerImpl", "StateImpl"]
+
+M_contra = TypeVar("M_contra", contravariant=True)
+"""The metadata an impl consumes (only consumed, so contravariant)."""
+S_co = TypeVar("S_co", bound=KVCacheSpec, covariant=True, default=KVCacheSpec)
+"""The spec an impl accepts; read-only after construction, so covariant."""
+P_co = TypeVar("P_co", covariant=True, default=object)
+"""The layer parameters an impl is built with; read-only, so covariant."""
+SA_co = TypeVar("SA_co", bound=AttentionSpec, covariant=True, default=AttentionSpec)
+PA_co = TypeVar("PA_co", bound=AttentionLayerParams, covariant=True, default=AttentionLayerParams)
+PS_co = TypeVar("PS_co", bound=StateLayerParams, covariant=True, default=StateLayerParams)
+I_contra = TypeVar("I_contra", bound=StateInputs, contravariant=True, default=StateInputs)
+"""The state-layer input class an impl consumes."""
+
+
+class LayerImpl(ABC, Generic[M_contra, S_co, P_co]):
+    """What every impl shares: the layer's spec and parameters, read-only.
+
+    Both are read-only properties so that a subclass may narrow them soundly (a
+    covariant override): nothing can store a wider spec through the base type.
+    """
+
+    def __init__(self, kv_cache_spec: S_co, layer_params: P_co) -> None:
+        self._kv_cache_spec = kv_cache_spec
+        self._layer_params = layer_params
+
+    @property
+    def kv_cache_spec(self) -> S_co:
+        """The layer's cache spec."""
+        return self._kv_cache_spec
+
+    @property
+    def layer_params(self) -> P_co:
+        """The layer's parameters."""
+        return self._layer_params
+
+
+class AttentionImpl(LayerImpl[M_contra, SA_co, PA_co]):
+    """Runs one attention layer with the metadata its backend's builder made.
+
+    Args:
+        kv_cache_spec: the layer's spec.
+        layer_params: the layer's ``AttentionLayerParams`` (heads, scale, soft-cap, ...).
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write this step's new K/V into ``kv_cache`` and the attention result into ``output``.
+
+        query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (``None`` for a cross-attention
+        step that writes no encoder tokens), output ``[T, Hq, Dv]``. ``kv_cache`` holds
+        one tensor per shape of ``AttentionBackend.get_kv_cache_shapes``. Returns
+        ``output``.
+        """
+
+
+class StateImpl(LayerImpl[M_contra, MambaSpec, PS_co], Generic[M_contra, PS_co, I_contra]):
+    """Runs one state layer (``MambaSpec``) with the metadata its backend's builder made.
+
+    Args:
+        kv_cache_spec: the layer's ``MambaSpec``.
+        layer_params: the parameter class of its ``mamba_type``.
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        inputs: I_contra,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Update the cached states with this step and write the layer's output.
+
+        ``inputs`` is the layer type's input class (``Mamba2Inputs``, ...);
+        ``kv_cache`` holds one tensor per state shape (``[num_blocks, *shape]``);
+        ``output`` has ``layer_params.output_shape(T)``. Returns ``output``.
+        """

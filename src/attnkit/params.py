@@ -1,0 +1,401 @@
+"""Per-layer parameters: what an impl needs beyond the layer's cache spec.
+
+``AttentionLayerParams`` for attention layers; one class per state-layer type
+(``Mamba2LayerParams``, ``GatedDeltaNetLayerParams``, ``LinearAttentionLayerParams``,
+``ShortConvLayerParams``), each naming the input class its layers take
+(``inputs_type``, from ``attnkit.state_inputs``). Impls are generic over the class
+they take (``AttentionImpl[M, S, AttentionLayerParams]``), so a backend author's
+impl reads typed fields with no ``isinstance``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import torch
+
+from ._validation import is_positive_int
+from .capabilities import AttentionFeature
+from .spec import AttentionSpec, MambaType
+from .state_inputs import (
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    Mamba2Inputs,
+    ShortConvInputs,
+)
+
+__all__ = [
+    "STATE_PARAMS_BY_TYPE",
+    "AttentionLayerParams",
+    "GatedDeltaNetLayerParams",
+    "LayerParams",
+    "LinearAttentionLayerParams",
+    "Mamba2LayerParams",
+    "ShortConvLayerParams",
+    "StateLayerParams",
+    "attention_params_problems",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionLayerParams:
+    """What one attention layer needs beyond its cache spec.
+
+    Attributes:
+        num_heads: query heads (Hq); a multiple of the spec's ``num_kv_heads``.
+        scale: softmax scale; ``None`` means ``head_size ** -0.5``.
+        logits_soft_cap: soft-cap of the scores, or ``None``.
+        alibi_slopes: one ALiBi slope per query head, or ``None``.
+        sinks: float32 ``[Hq]`` learned sink logits, or ``None``.
+        return_lse: whether the layer needs the log-sum-exp back.
+        v_head_size: width of the values when it differs from the keys (MLA: the
+            latent's first ``v_head_size`` channels are the values); ``None``: the
+            spec's ``head_size``.
+        sink_key, sink_value: ``[sink_len, Hkv, D]`` learned sink tokens of a
+            ``sink_full_attention`` layer, written in front of every request's context.
+        k_scale, v_scale: per-tensor scales of an fp8 cache: the cache stores
+            ``key / k_scale`` (and ``value / v_scale``); 1.0 for other caches.
+    """
+
+    num_heads: int
+    scale: float | None = None
+    logits_soft_cap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+    sinks: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    return_lse: bool = False
+    v_head_size: int | None = None
+    sink_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    sink_value: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not is_positive_int(self.num_heads):
+            raise ValueError(
+                f"AttentionLayerParams.num_heads must be a positive int, got {self.num_heads!r}"
+            )
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(
+                f"AttentionLayerParams.scale must be a finite float > 0, got {self.scale!r}"
+            )
+        if self.logits_soft_cap is not None and not (
+            math.isfinite(self.logits_soft_cap) and self.logits_soft_cap > 0
+        ):
+            raise ValueError(
+                f"AttentionLayerParams.logits_soft_cap must be a finite float > 0 or None, "
+                f"got {self.logits_soft_cap!r}"
+            )
+        if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_heads:
+            raise ValueError(
+                f"AttentionLayerParams.alibi_slopes must have num_heads={self.num_heads} "
+                f"entries, got {len(self.alibi_slopes)}"
+            )
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
+            raise ValueError(
+                f"AttentionLayerParams.sinks must have shape [num_heads={self.num_heads}], "
+                f"got {list(self.sinks.shape)}"
+            )
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"AttentionLayerParams.{name} must be a finite float > 0, got {value!r}"
+                )
+        if self.v_head_size is not None and not is_positive_int(self.v_head_size):
+            raise ValueError(
+                f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"
+            )
+        if (self.sink_key is None) != (self.sink_value is None):
+            raise ValueError("AttentionLayerParams.sink_key and sink_value must be given together")
+        if (
+            self.sink_key is not None
+            and self.sink_value is not None
+            and (self.sink_key.dim() != 3 or self.sink_key.shape != self.sink_value.shape)
+        ):
+            raise ValueError(
+                f"AttentionLayerParams.sink_key and sink_value must both be [sink_len, Hkv, D], "
+                f"got {list(self.sink_key.shape)} and {list(self.sink_value.shape)}"
+            )
+
+    @property
+    def features(self) -> frozenset[AttentionFeature]:
+        """The optional features these parameters ask a backend for."""
+        wanted = {
+            AttentionFeature.LOGITS_SOFT_CAP: self.logits_soft_cap is not None,
+            AttentionFeature.ALIBI: self.alibi_slopes is not None,
+            AttentionFeature.ATTENTION_SINKS: self.sinks is not None,
+            AttentionFeature.RETURN_LSE: self.return_lse,
+        }
+        return frozenset(f for f, on in wanted.items() if on)
+
+
+def attention_params_problems(
+    spec: AttentionSpec,
+    params: AttentionLayerParams,
+    *,
+    backend: str,
+    supported_features: frozenset[AttentionFeature],
+) -> list[str]:
+    """What keeps a backend whose impls take plain K/V heads from running a layer.
+
+    For impls to check at construction, so a bad layer fails before its first step:
+    features the backend does not declare, values narrower than keys (MLA), sink
+    tokens, and a query-head count that is not a multiple of the KV heads.
+    """
+    problems: list[str] = []
+    unsupported = sorted(f.value for f in params.features - supported_features)
+    if unsupported:
+        supported = ", ".join(sorted(f.value for f in supported_features)) or "none"
+        problems.append(
+            f"the layer needs {', '.join(unsupported)}, which {backend} does not support "
+            f"(supported features: {supported})"
+        )
+    if params.v_head_size not in (None, spec.head_size):
+        problems.append(
+            f"v_head_size={params.v_head_size} differs from head_size={spec.head_size}, "
+            f"which {backend} does not support"
+        )
+    if params.sink_key is not None:
+        problems.append("sink tokens (sink_key/sink_value) are not supported")
+    if params.num_heads % spec.num_kv_heads:
+        problems.append(
+            f"num_heads={params.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
+    return problems
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Mamba2LayerParams:
+    """Weights and sizes of a Mamba2 layer's state-space core (conv1d + SSD).
+
+    The model keeps the projections, gating and norm; the backend runs the part that
+    reads and writes the cached states. Letters: H heads, P head dim, G groups, N state
+    size, W conv width, C = H*P + 2*G*N conv channels.
+
+    Attributes:
+        num_heads, head_dim, n_groups, d_state: H, P, G, N.
+        conv_weight: ``[C, W]`` depthwise conv weight; conv_bias ``[C]`` or ``None``.
+        A: ``[H]`` (negative) decay rates; D ``[H]`` skip or ``None``; dt_bias ``[H]``
+            or ``None``.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        chunk_size: SSD chunk length for prefill.
+
+    Spec shapes for such a layer: ``MambaSpec(shapes=params.state_shapes, ...)``.
+    """
+
+    inputs_type: ClassVar[type[Mamba2Inputs]] = Mamba2Inputs
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+    A: torch.Tensor
+    D: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    dt_softplus: bool = True
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "n_groups", "d_state", "chunk_size"):
+            if not is_positive_int(getattr(self, name)):
+                raise ValueError(
+                    f"Mamba2LayerParams.{name} must be a positive int, got {getattr(self, name)!r}"
+                )
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"Mamba2LayerParams.num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
+            )
+        if self.conv_weight.dim() != 2 or self.conv_weight.shape[0] != self.conv_dim:
+            raise ValueError(
+                f"Mamba2LayerParams.conv_weight must be [conv_dim={self.conv_dim}, W], "
+                f"got {list(self.conv_weight.shape)}"
+            )
+        for name, shape in (
+            ("conv_bias", (self.conv_dim,)),
+            ("A", (self.num_heads,)),
+            ("D", (self.num_heads,)),
+            ("dt_bias", (self.num_heads,)),
+        ):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"Mamba2LayerParams.{name} must have shape {list(shape)}, got {list(value.shape)}"
+                )
+
+    @property
+    def conv_dim(self) -> int:
+        """C = H*P + 2*G*N: the channels of x, B and C that go through the conv."""
+        return self.num_heads * self.head_dim + 2 * self.n_groups * self.d_state
+
+    @property
+    def conv_kernel(self) -> int:
+        """W, the conv width."""
+        return int(self.conv_weight.shape[1])
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, P, N))``: the conv state and the SSM state of one request."""
+        return (
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.num_heads, self.head_dim, self.d_state),
+        )
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """``y`` of a step: ``[T, H, P]``."""
+        return (num_tokens, self.num_heads, self.head_dim)
+
+
+def _check_state_params(owner: str, obj: object, ints: Sequence[str]) -> None:
+    for name in ints:
+        if not is_positive_int(getattr(obj, name)):
+            raise ValueError(f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}")
+
+
+def _check_conv_weight(
+    owner: str, weight: torch.Tensor, bias: torch.Tensor | None, channels: int
+) -> None:
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(
+            f"{owner}.conv_weight must be [channels={channels}, W >= 1], got {list(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GatedDeltaNetLayerParams:
+    """A Gated DeltaNet layer's core: short conv over q/k/v, then the gated delta rule.
+
+    Letters: H heads, K key dim, V value dim, W conv width, C = 2*H*K + H*V.
+    Its layers take ``GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])`` (qkv:
+    q, k, v concatenated, before the conv; g: log decay, <= 0) and write ``o [T, H, V]``. After the conv (SiLU) q and k are L2-normalised per head, as
+    Gated DeltaNet layers do (Yang et al. 2025).
+
+    Attributes:
+        num_heads, key_dim, value_dim: H, K, V.
+        conv_weight: ``[C, W]``; conv_bias ``[C]`` or ``None``.
+        scale: multiplies ``S^T q``; ``None`` means ``K ** -0.5``.
+        chunk_size: chunk length of the prefill algorithm.
+    """
+
+    inputs_type: ClassVar[type[GatedDeltaNetInputs]] = GatedDeltaNetInputs
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+    scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
+        _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.conv_dim)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.num_heads * (2 * self.key_dim + self.value_dim)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, K, V))``: conv state and delta-rule state."""
+        return (
+            (self.conv_dim, int(self.conv_weight.shape[1]) - 1),
+            (self.num_heads, self.key_dim, self.value_dim),
+        )
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.num_heads, self.value_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class LinearAttentionLayerParams:
+    """A linear-attention layer with per-head decay (lightning attention).
+
+    Its layers take ``LinearAttentionInputs(q [T, H, K], k, v [T, H, V])`` and write
+    ``o [T, H, V]``; the state ``S_t = exp(-decay_h) S_{t-1} + k_t v_t^T``.
+
+    Attributes:
+        num_heads, key_dim, value_dim: H, K, V.
+        decay: ``[H]`` non-negative decay rates.
+        scale: ``None`` means ``K ** -0.5``.
+        chunk_size: chunk length of the prefill algorithm.
+    """
+
+    inputs_type: ClassVar[type[LinearAttentionInputs]] = LinearAttentionInputs
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    decay: torch.Tensor
+    scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
+        if tuple(self.decay.shape) != (self.num_heads,) or bool((self.decay < 0).any()):
+            raise ValueError(
+                f"{owner}.decay must be [num_heads={self.num_heads}] and >= 0, got "
+                f"{list(self.decay.shape)} with min {float(self.decay.min()) if self.decay.numel() else 'n/a'}"
+            )
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.num_heads, self.key_dim, self.value_dim),)
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.num_heads, self.value_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ShortConvLayerParams:
+    """An LFM2-style short-conv layer's core: ``y = c * conv(b * x)`` with a conv state.
+
+    Its layers take ``ShortConvInputs(b [T, C], c [T, C], x [T, C])`` and write ``y [T, C]``.
+
+    Attributes:
+        channels: C.
+        conv_weight: ``[C, W]``; conv_bias ``[C]`` or ``None``.
+    """
+
+    inputs_type: ClassVar[type[ShortConvInputs]] = ShortConvInputs
+
+    channels: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("channels",))
+        _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.channels)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.channels, int(self.conv_weight.shape[1]) - 1),)
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens, self.channels)
+
+
+StateLayerParams = (
+    Mamba2LayerParams | GatedDeltaNetLayerParams | LinearAttentionLayerParams | ShortConvLayerParams
+)
+"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type``."""
+
+STATE_PARAMS_BY_TYPE: Mapping[MambaType, type[StateLayerParams]] = {
+    "mamba2": Mamba2LayerParams,
+    "gdn": GatedDeltaNetLayerParams,
+    "linear": LinearAttentionLayerParams,
+    "short_conv": ShortConvLayerParams,
+}
+"""``MambaSpec.mamba_type`` -> the parameter class its layers take."""
+
+LayerParams = AttentionLayerParams | StateLayerParams
+"""Per-layer parameters an impl is built with."""
