@@ -1,5 +1,6 @@
-"""The public API is deliberate: ``attnkit.__all__`` is guarded, and importing attnkit
-stays light (no triton, no flash_attn)."""
+"""The public API is deliberate: ``attnkit.__all__`` (the engine's surface) and
+``attnkit.backend_api.__all__`` (the backend author's) are guarded, and importing
+attnkit stays light (no triton, no flash_attn)."""
 
 from __future__ import annotations
 
@@ -7,81 +8,138 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import attnkit
+import attnkit.backend_api
 
 PUBLIC_API = [
-    "DEFAULT_PRIORITY",
-    "ENTRY_POINT_GROUP",
-    "AnyBuilderBinding",
-    "AttentionBackend",
     "AttentionCGSupport",
     "AttentionConfig",
     "AttentionFeature",
-    "AttentionImpl",
     "AttentionLayerParams",
-    "AttentionMetadataBuilder",
+    "AttentionRuntime",
     "AttentionSpec",
     "AttentionType",
+    "AttnkitError",
     "BackendNotSupportedError",
+    "BackendOptions",
     "BackendRegistry",
-    "BackendRequest",
-    "BuilderBinding",
-    "BuilderClass",
     "ChunkedLocalAttentionSpec",
-    "CommonAttentionMetadata",
     "CrossAttentionSpec",
-    "DecodePrefillSplit",
     "DuplicateBackendError",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
+    "GatedDeltaNetInputs",
     "GatedDeltaNetLayerParams",
     "InvalidBackendError",
     "KVCacheDType",
     "KVCacheSpec",
     "KVCacheSpecKind",
     "LayerParams",
+    "LinearAttentionInputs",
     "LinearAttentionLayerParams",
     "MLAAttentionSpec",
+    "Mamba2Inputs",
     "Mamba2LayerParams",
     "MambaSpec",
     "MambaType",
-    "MultipleOf",
     "NoBackendError",
-    "RegistryEntry",
+    "OutOfBlocksError",
     "Rejection",
+    "RoutingRow",
+    "ScheduledRequest",
     "Selection",
+    "ShortConvInputs",
     "ShortConvLayerParams",
     "SinkFullAttentionSpec",
-    "SizeRange",
-    "SizeRule",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StateInputs",
+    "StateLayer",
     "StateLayerParams",
+    "StepBatch",
     "UnknownBackendError",
     "__version__",
-    "bind_builder",
     "default_registry",
     "get_attn_spec_kind",
     "parse_backend_per_kind",
     "register_backend",
-    "reorder_batch_to_split_decodes_and_prefills",
     "select_backend",
     "spec_class_for_kind",
+]
+"""What an engine uses: ``import attnkit``."""
+
+BACKEND_API = [
+    "ENTRY_POINT_GROUP",
+    "AttentionBackend",
+    "AttentionCGSupport",
+    "AttentionFeature",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "BackendOptions",
+    "BackendRequest",
+    "BuilderBinding",
+    "CommonAttentionMetadata",
+    "DecodePrefillSplit",
+    "LayerImpl",
+    "MultipleOf",
+    "SizeRange",
+    "SizeRule",
+    "StateImpl",
+    "attention_params_problems",
+    "bind_builder",
+    "bind_each",
+    "format_sizes",
+    "register_backend",
+    "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
 ]
+"""What a backend author uses: ``attnkit.backend_api``."""
 
 
 def test_all_is_the_guarded_public_api() -> None:
     assert attnkit.__all__ == PUBLIC_API
 
 
-def test_every_public_name_exists() -> None:
-    missing = [name for name in attnkit.__all__ if not hasattr(attnkit, name)]
+def test_backend_api_is_guarded() -> None:
+    assert attnkit.backend_api.__all__ == BACKEND_API
+
+
+@pytest.mark.parametrize("module", [attnkit, attnkit.backend_api], ids=["attnkit", "backend_api"])
+def test_every_public_name_exists(module: object) -> None:
+    names: list[str] = getattr(module, "__all__")  # noqa: B009 (typed as object here)
+    missing = [name for name in names if not hasattr(module, name)]
     assert missing == []
 
 
-def test_all_is_sorted_constants_classes_functions() -> None:
-    names = [n for n in attnkit.__all__ if n != "__version__"]
+def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
+    engine = set(PUBLIC_API)
+    # The README's engine loop: runtime, step types, errors, config, specs, inputs.
+    assert {
+        "AttentionRuntime",
+        "ScheduledRequest",
+        "StepBatch",
+        "OutOfBlocksError",
+        "AttnkitError",
+        "AttentionConfig",
+        "Mamba2Inputs",
+    } <= engine
+    # Author-side machinery lives in attnkit.backend_api only.
+    assert not engine & {"bind_builder", "AttentionImpl", "AttentionMetadataBuilder", "BuilderBinding"}
+    shared = {"AttentionCGSupport", "AttentionFeature", "BackendOptions", "register_backend"}
+    assert engine & set(BACKEND_API) == shared
+
+
+def test_every_error_is_an_attnkit_error() -> None:
+    errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
+    assert len(errors) == 7
+    assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
+
+
+@pytest.mark.parametrize("module", [attnkit, attnkit.backend_api], ids=["attnkit", "backend_api"])
+def test_all_is_sorted_constants_classes_functions(module: object) -> None:
+    names = [n for n in getattr(module, "__all__") if n != "__version__"]  # noqa: B009
 
     def group(name: str) -> int:
         if name.isupper():
@@ -96,6 +154,7 @@ def test_import_does_not_pull_optional_packages() -> None:
         """
         import sys
         import attnkit
+        import attnkit.backend_api
         import attnkit.kernels, attnkit.kernels.torch, attnkit.kernels.triton
         heavy = sorted(m for m in ("triton", "flash_attn", "flash_attn_interface") if m in sys.modules)
         print(",".join(heavy) or "none")

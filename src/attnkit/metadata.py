@@ -52,6 +52,10 @@ class CommonAttentionMetadata:
             (``block * block_size + offset``) each new token is written to; -1 for
             padding tokens.
         causal: whether queries see only earlier positions.
+        num_computed_tokens_cpu: int32 ``[B]`` on the CPU: each request's tokens
+            computed before this step, whatever the kind (0 for a request in its first
+            step; sink and encoder tokens are not counted). ``None`` when the caller
+            does not know it; ``AttentionRuntime`` always sets it.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -70,6 +74,7 @@ class CommonAttentionMetadata:
     block_table_tensor: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    num_computed_tokens_cpu: torch.Tensor | None = None
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
@@ -95,6 +100,10 @@ class CommonAttentionMetadata:
             ("block_table_tensor", self.block_table_tensor, torch.int32, None, False),
             ("slot_mapping", self.slot_mapping, torch.int64, None, False),
         ]
+        if self.num_computed_tokens_cpu is not None:
+            expected.append(
+                ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, torch.int32, (b,), True)
+            )
         for name, tensor, dtype, shape, on_cpu in expected:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -235,9 +244,14 @@ def _check_threshold(decode_threshold: int) -> None:
 def split_decodes_and_prefills(
     common_attn_metadata: CommonAttentionMetadata, *, decode_threshold: int = 1
 ) -> DecodePrefillSplit:
-    """Split a batch whose decodes come first (query length <= ``decode_threshold``).
+    """Split a batch whose decodes come first.
 
-    Reads only ``query_start_loc_cpu``: no device sync.
+    A decode is a request with at most ``decode_threshold`` new tokens that continues
+    cached context (``num_computed_tokens_cpu > 0``): a new request, even of one token,
+    has nothing cached to extend, so it is a prefill, as ``AttentionRuntime`` orders
+    it. (Without ``num_computed_tokens_cpu``, query lengths alone decide.)
+
+    Reads only CPU tensors: no device sync.
 
     Raises:
         ValueError: if a decode follows a prefill (the batch was not reordered), or
@@ -247,13 +261,16 @@ def split_decodes_and_prefills(
     query_lens = common_attn_metadata.query_lens_cpu
     b = common_attn_metadata.num_reqs
     is_prefill = query_lens > decode_threshold
+    computed = common_attn_metadata.num_computed_tokens_cpu
+    if computed is not None:
+        is_prefill |= computed == 0
     num_decodes = int(torch.argmax(is_prefill.to(torch.int8))) if bool(is_prefill.any()) else b
     if bool((~is_prefill[num_decodes:]).any()):
         late = num_decodes + int(torch.nonzero(~is_prefill[num_decodes:])[0, 0])
         raise ValueError(
-            f"batch is not ordered decodes first: request {late} has query length "
-            f"{int(query_lens[late])} <= decode_threshold={decode_threshold} after prefill "
-            f"request {num_decodes} (query length {int(query_lens[num_decodes])}); "
+            f"batch is not ordered decodes first: request {late} is a decode (query length "
+            f"{int(query_lens[late])} <= decode_threshold={decode_threshold}, cached context) "
+            f"after prefill request {num_decodes} (query length {int(query_lens[num_decodes])}); "
             f"HINT: order requests with reorder_batch_to_split_decodes_and_prefills"
         )
     num_decode_tokens = int(common_attn_metadata.query_start_loc_cpu[num_decodes])
@@ -265,23 +282,43 @@ def split_decodes_and_prefills(
     )
 
 
-def reorder_batch_to_split_decodes_and_prefills(
-    query_lens: Sequence[int] | torch.Tensor, *, decode_threshold: int = 1
-) -> list[int]:
-    """The order that puts decodes (query length <= ``decode_threshold``) first.
+def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
+    out: list[int] = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    for i, v in enumerate(out):
+        if not is_nonnegative_int(v):
+            raise ValueError(f"{name}[{i}] must be an int >= 0, got {v!r}")
+    return out
 
+
+def reorder_batch_to_split_decodes_and_prefills(
+    query_lens: Sequence[int] | torch.Tensor,
+    *,
+    num_computed_tokens: Sequence[int] | torch.Tensor | None = None,
+    decode_threshold: int = 1,
+) -> list[int]:
+    """The order that puts decodes first, as ``split_decodes_and_prefills`` expects.
+
+    A decode has at most ``decode_threshold`` new tokens and, when
+    ``num_computed_tokens`` is given, cached context (a new request is a prefill).
     Returns a permutation ``order``: position ``i`` of the reordered batch holds the
     request at index ``order[i]`` of the input. The order is stable within decodes and
     within prefills, so requests move no more than needed for the split.
 
     >>> reorder_batch_to_split_decodes_and_prefills([5, 1, 7, 1])
     [1, 3, 0, 2]
+    >>> reorder_batch_to_split_decodes_and_prefills([5, 1, 7, 1], num_computed_tokens=[0, 0, 3, 9])
+    [3, 0, 1, 2]
     """
     _check_threshold(decode_threshold)
-    lens: list[int] = query_lens.tolist() if isinstance(query_lens, torch.Tensor) else list(query_lens)
-    for i, q in enumerate(lens):
-        if not is_nonnegative_int(q):
-            raise ValueError(f"query_lens[{i}] must be an int >= 0, got {q!r}")
-    decodes = [i for i, q in enumerate(lens) if q <= decode_threshold]
-    prefills = [i for i, q in enumerate(lens) if q > decode_threshold]
-    return decodes + prefills
+    lens = _int_list("query_lens", query_lens)
+    computed = (
+        _int_list("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens is not None
+        else [1] * len(lens)
+    )
+    if len(computed) != len(lens):
+        raise ValueError(
+            f"num_computed_tokens must have one entry per request ({len(lens)}), got {len(computed)}"
+        )
+    is_decode = [q <= decode_threshold and c > 0 for q, c in zip(lens, computed, strict=True)]
+    return [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]

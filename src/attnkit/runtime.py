@@ -55,7 +55,7 @@ from .state_inputs import StateInputs
 
 __all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StateLayer", "StepBatch"]
 
-I = TypeVar("I", bound=StateInputs)
+InputsT = TypeVar("InputsT", bound=StateInputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +384,7 @@ class AttentionRuntime:
             if isinstance(spec, SinkFullAttentionSpec):
                 seq = seq + spec.sink_len
             slots = _slots(table, spec.block_size, seq - q, seq)
+        computed = np.asarray(seq_lens, dtype=np.int32) - q.astype(np.int32)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(q, out=qsl[1:])
         qsl_cpu = torch.from_numpy(qsl)
@@ -400,6 +401,7 @@ class AttentionRuntime:
             block_table_tensor=torch.from_numpy(table).to(self.device),
             slot_mapping=torch.from_numpy(slots).to(self.device),
             causal=causal,
+            num_computed_tokens_cpu=torch.from_numpy(computed),
         )
 
     def _current_step(self) -> StepBatch:
@@ -488,7 +490,7 @@ class AttentionRuntime:
         entry = self._groups[self._layer_group[layer_name]]
         return impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, output)
 
-    def state_layer(self, layer_name: str, inputs_type: type[I]) -> StateLayer[I]:
+    def state_layer(self, layer_name: str, inputs_type: type[InputsT]) -> StateLayer[InputsT]:
         """A typed handle on a state layer: ``forward`` takes ``inputs_type`` only.
 
         Raises:
@@ -517,7 +519,7 @@ class AttentionRuntime:
 
 
 @dataclasses.dataclass(frozen=True)
-class StateLayer(Generic[I]):
+class StateLayer(Generic[InputsT]):
     """A state layer of a runtime, typed by the input class it takes.
 
     Made by ``AttentionRuntime.state_layer(name, Mamba2Inputs)``; passing another
@@ -526,9 +528,9 @@ class StateLayer(Generic[I]):
 
     runtime: AttentionRuntime
     layer_name: str
-    inputs_type: type[I]
+    inputs_type: type[InputsT]
 
-    def forward(self, inputs: I, *, output: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: InputsT, *, output: torch.Tensor | None = None) -> torch.Tensor:
         """``runtime.forward_state(layer_name, inputs, output=output)``."""
         return self.runtime.forward_state(self.layer_name, inputs, output=output)
 

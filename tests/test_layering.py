@@ -1,0 +1,184 @@
+"""The import rules of docs/architecture.md, enforced.
+
+Every ``import`` of an attnkit module anywhere in ``src/attnkit`` (module level,
+inside functions, under ``TYPE_CHECKING``) is an edge of the import graph. The graph
+must have no cycle, and every edge must point down the layer table below (the same
+table as in docs/architecture.md, "Layers of the package"): a module imports only
+modules of a strictly lower layer, a backend package imports the core modules up to
+``backend`` plus the kernels and itself, and a kernel module imports only kernel
+modules (kernels know no attnkit types).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Lower number = lower layer. Modules of one layer may not import each other.
+LAYERS: dict[str, int] = {
+    "attnkit._validation": 0,
+    "attnkit.errors": 0,
+    "attnkit.state_inputs": 0,
+    "attnkit.spec": 1,
+    "attnkit.capabilities": 2,
+    "attnkit.metadata": 2,
+    "attnkit.config": 3,
+    "attnkit.params": 3,
+    "attnkit.builder": 4,
+    "attnkit.impl": 4,
+    "attnkit.binding": 5,
+    "attnkit.backend": 6,
+    "attnkit.registry": 7,
+    "attnkit.kv_cache": 7,
+    "attnkit.selector": 8,
+    "attnkit.runtime": 9,
+    "attnkit.backend_api": 10,
+    "attnkit.demo": 10,
+    "attnkit.cli": 11,
+    "attnkit": 12,
+    "attnkit.__main__": 13,
+}
+"""Core modules and their layer."""
+
+BACKEND_MAX_CORE_LAYER = LAYERS["attnkit.backend"]
+"""Backends (``attnkit.backends.*``) see the core up to ``backend``, never the registry,
+selector or runtime that drive them."""
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    found: dict[str, tuple[Path, bool]] = {}
+    for path in sorted((SRC / "attnkit").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        found[".".join(parts)] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The attnkit modules one import statement imports (a name of a package that is a
+    submodule counts as that submodule)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "attnkit"]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join([*base, *([node.module] if node.module else [])])
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != "attnkit":
+        return []
+    return [
+        f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names
+    ]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in MODULES.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                edges.update(
+                    t for t in _targets(module, is_package, node) if t != module and t in MODULES
+                )
+        graph[module] = edges
+    return graph
+
+
+GRAPH = _import_graph()
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _violation(source: str, target: str) -> str | None:
+    """Why ``source`` may not import ``target`` (``None`` if it may)."""
+    if source.startswith("attnkit.kernels"):
+        if not target.startswith("attnkit.kernels"):
+            return "kernels import only kernel modules"
+        return None
+    if target.startswith("attnkit.kernels"):
+        return None if source.startswith("attnkit.backends") or source == "attnkit.demo" else (
+            "only backends (and the demo's dense check) import kernels"
+        )
+    if source.startswith("attnkit.backends"):
+        if target.startswith("attnkit.backends"):
+            # Within one backend package, or the shared helpers of attnkit.backends.
+            own = ".".join(source.split(".")[:3])
+            shared = target.count(".") == 2 and target.split(".")[2].startswith("_")
+            return None if target.startswith(own) or shared else "a backend imports another backend"
+        if LAYERS[target] > BACKEND_MAX_CORE_LAYER:
+            return f"backends may import core modules up to attnkit.backend, not {target}"
+        return None
+    if target.startswith("attnkit.backends"):
+        return f"{source} imports a backend package (backends are loaded through the registry)"
+    if LAYERS[target] >= LAYERS[source]:
+        return f"layer {LAYERS[source]} imports layer {LAYERS[target]}"
+    return None
+
+
+def test_every_core_module_has_a_layer() -> None:
+    core = {m for m in MODULES if not m.startswith(("attnkit.kernels", "attnkit.backends"))}
+    assert core == set(LAYERS), "update LAYERS (and docs/architecture.md) for new modules"
+
+
+def test_import_graph_has_no_cycle() -> None:
+    assert _cycle(GRAPH) is None
+
+
+def test_imports_point_down_the_layer_table() -> None:
+    problems = [
+        f"{source} -> {target}: {why}"
+        for source, targets in sorted(GRAPH.items())
+        for target in sorted(targets)
+        if (why := _violation(source, target))
+    ]
+    assert problems == []
+
+
+def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
+    # The old config -> registry cycle hid behind an import inside a function.
+    code = "def f():\n    from .registry import default_registry\n"
+    tree = ast.parse(code)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
+    assert _targets("attnkit.config", False, node) == ["attnkit.registry"]
+    assert _violation("attnkit.config", "attnkit.registry") == "layer 3 imports layer 7"
+
+
+@pytest.mark.parametrize(
+    ("graph", "cycle"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
+def test_cycle_finder(graph: dict[str, set[str]], cycle: list[str] | None) -> None:
+    assert _cycle(graph) == cycle
