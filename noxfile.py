@@ -19,6 +19,7 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = os.environ.get("ATTNKIT_NOX_PYTHON", "3.11")
 TORCH_SPEC = os.environ.get("ATTNKIT_TORCH_SPEC", "torch==2.13.0")
 EXAMPLE = "examples/out_of_tree_backend"
+PYRIGHT = "pyright==1.1.414"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -37,10 +38,18 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over src, tests/typing/pass and examples; then the fail cases."""
-    _install(session, "-e", EXAMPLE)
+    """mypy --strict, then pyright strict, over src, tests/typing/pass and examples; then
+    the fail cases under each checker and the Triton launchers' annotations.
+
+    pyright (pinned; its wheel bundles the type checker, Node.js must be on PATH) runs
+    through tests/typing/run_pyright.py, so it resolves imports from this session's
+    environment rather than the project's .venv.
+    """
+    _install(session, "-e", EXAMPLE, PYRIGHT)
     session.run("mypy")
+    session.run("python", "tests/typing/run_pyright.py")
     session.run("python", "tests/typing/check_cases.py")
+    session.run("python", "tests/typing/check_launchers.py")
 
 
 @nox.session(python=PYTHON)

@@ -25,11 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from attnkit import (
     AttentionConfig,
     BackendRegistry,
-    BackendRequest,
-    CommonAttentionMetadata,
     FullAttentionSpec,
     select_backend,
 )
+from attnkit.backend_api import BackendRequest, CommonAttentionMetadata
 from toy_backends import GenericToyBackend
 
 

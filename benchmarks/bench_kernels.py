@@ -100,12 +100,8 @@ def _runtime_pieces(
     device: torch.device,
 ) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
     """The triton_attn builder and impl on a paged cache holding ``context`` tokens per request."""
-    from attnkit import (
-        AttentionConfig,
-        AttentionLayerParams,
-        CommonAttentionMetadata,
-        FullAttentionSpec,
-    )
+    from attnkit import AttentionConfig, AttentionLayerParams, FullAttentionSpec
+    from attnkit.backend_api import CommonAttentionMetadata
     from attnkit.backends.triton_attn import TritonAttentionBackend
 
     spec = FullAttentionSpec(
@@ -293,45 +289,47 @@ def _state_layer(mamba_type: str, device: torch.device, smoke: bool) -> tuple[An
     return spec, params
 
 
-def _state_inputs(
-    mamba_type: str, params: Any, t: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def _state_inputs(mamba_type: str, params: Any, t: int, device: torch.device) -> Any:
+    """The layer type's input class (``attnkit.state_inputs``) for ``t`` tokens."""
+    from attnkit import GatedDeltaNetInputs, LinearAttentionInputs, Mamba2Inputs, ShortConvInputs
+
     dt = torch.bfloat16
     if mamba_type == "mamba2":
-        return torch.randn(t, params.conv_dim, device=device, dtype=dt), torch.randn(
-            t, params.num_heads, device=device
+        return Mamba2Inputs(
+            xBC=torch.randn(t, params.conv_dim, device=device, dtype=dt),
+            dt=torch.randn(t, params.num_heads, device=device),
         )
     if mamba_type == "gdn":
         h = params.num_heads
-        return (
-            torch.randn(t, params.conv_dim, device=device, dtype=dt),
-            -torch.rand(t, h, device=device),
-            torch.rand(t, h, device=device),
+        return GatedDeltaNetInputs(
+            qkv=torch.randn(t, params.conv_dim, device=device, dtype=dt),
+            g=-torch.rand(t, h, device=device),
+            beta=torch.rand(t, h, device=device),
         )
     if mamba_type == "linear":
         h, k = params.num_heads, params.key_dim
-        return tuple(torch.randn(t, h, k, device=device, dtype=dt) * 0.1 for _ in range(3))
-    return tuple(torch.randn(t, params.channels, device=device, dtype=dt) for _ in range(3))
+        q, k_, v = (torch.randn(t, h, k, device=device, dtype=dt) * 0.1 for _ in range(3))
+        return LinearAttentionInputs(q=q, k=k_, v=v)
+    b, c, x = (torch.randn(t, params.channels, device=device, dtype=dt) for _ in range(3))
+    return ShortConvInputs(b=b, c=c, x=x)
 
 
 def _time_impl(
     impl: Any,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: Any,
     states: list[torch.Tensor],
     meta: Any,
     out: torch.Tensor,
     device: torch.device,
     args: argparse.Namespace,
 ) -> float:
-    query, key, value = (*inputs, None)[:3]
-    return time_ms(
-        lambda: impl.forward(query, key, value, states, meta, out), device, args.warmup, args.iters
-    )
+    return time_ms(lambda: impl.forward(inputs, states, meta, out), device, args.warmup, args.iters)
 
 
 def state_results(args: argparse.Namespace, device: torch.device) -> list[Result]:
     """Decode-step latency and prefill tokens/s of each state backend vs the torch reference."""
-    from attnkit import AttentionConfig, CommonAttentionMetadata
+    from attnkit import AttentionConfig
+    from attnkit.backend_api import CommonAttentionMetadata
     from attnkit.backends.reference import ReferenceBackend
     from attnkit.backends.triton_state import (
         TritonGatedDeltaNetBackend,

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from attnkit import AttentionConfig, CommonAttentionMetadata, FullAttentionSpec
+from attnkit import AttentionConfig, FullAttentionSpec
+from attnkit.backend_api import CommonAttentionMetadata
 from attnkit.backends.triton_attn import TritonAttentionMetadataBuilder
 
 TARGET_US_256 = 50.0

@@ -22,13 +22,8 @@ from typing import Any
 
 import torch
 
-from attnkit import (
-    AttentionConfig,
-    AttentionLayerParams,
-    BackendRequest,
-    CommonAttentionMetadata,
-    FullAttentionSpec,
-)
+from attnkit import AttentionConfig, AttentionLayerParams, FullAttentionSpec
+from attnkit.backend_api import BackendRequest, CommonAttentionMetadata
 from attnkit.backends.flash_attn import FlashAttentionBackend, _versions
 
 WARMUP = 5
@@ -64,7 +59,9 @@ def _case(version: int, name: str, num_reqs: int, new: int, context: int) -> dic
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE
     )
-    config = AttentionConfig.model_validate({"flash_attn_version": version})
+    config = AttentionConfig.model_validate(
+        {"backend_options": {"flash_attn": {"version": version}}}
+    )
     reasons = FlashAttentionBackend.not_supported_reasons(
         BackendRequest(
             spec=spec,

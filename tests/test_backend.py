@@ -13,34 +13,43 @@ from hypothesis import strategies as st
 from typing_extensions import override
 
 from attnkit import (
-    AttentionBackend,
+    AttentionCGSupport,
     AttentionConfig,
     AttentionFeature,
     AttentionLayerParams,
-    AttentionMetadataBuilder,
     AttentionSpec,
-    BackendRequest,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     KVCacheSpecKind,
+    Mamba2LayerParams,
     MambaSpec,
     MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+from attnkit.backend_api import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    BackendRequest,
+    CommonAttentionMetadata,
     MultipleOf,
     SizeRange,
-    SlidingWindowSpec,
+    attention_params_problems,
     bind_builder,
+    bind_each,
+    format_sizes,
 )
-from attnkit.backend import format_sizes
+from attnkit.backends.reference import ReferenceBackend
 from toy_backends import (
     ALL_TOY_BACKENDS,
     FastCudaBackend,
     FullOnlyBackend,
     GenericToyBackend,
     NeedsMissingPackage,
+    SlidingOnlyBackend,
     ToyAttentionBuilder,
     ToyImpl,
     ToyMambaBackend,
@@ -257,13 +266,14 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 KV_DTYPES = ["auto", "float16", "fp8_e4m3"]
 
 
-def _allowed(size: int, rule: Sequence[int | MultipleOf] | None) -> bool:
-    # Independent restatement of a size rule: exact sizes or any multiple of n.
+def _allowed(size: int, rule: Sequence[int | MultipleOf | SizeRange] | None) -> bool:
+    # Independent restatement of a size rule: exact sizes, any multiple of n, or a range.
     if rule is None:
         return True
     exact = {r for r in rule if isinstance(r, int)}
     multiples = [r.n for r in rule if isinstance(r, MultipleOf)]
-    return size in exact or any(size % n == 0 for n in multiples)
+    ranges = [range(r.low, r.high + 1) for r in rule if isinstance(r, SizeRange)]
+    return size in exact or any(size % n == 0 for n in multiples) or any(size in r for r in ranges)
 
 
 @settings(max_examples=150, deadline=None)
@@ -305,7 +315,7 @@ def test_reasons_follow_declarations(
         spec=spec, device=torch.device(device), capability=capability, features=features
     )
     expected_failures = {
-        "kind": kind not in backend.supported_kinds,
+        "kind": kind not in backend.supported_kinds(),
         "device": device not in backend.supported_devices,
         "capability": device == "cuda"
         and backend.min_compute_capability is not None
@@ -393,25 +403,119 @@ def test_layer_params_validation(kwargs: dict[str, object], match: str) -> None:
 # Binding
 
 
-def test_binding_picks_most_specific_spec_type() -> None:
+def mamba2_params() -> Mamba2LayerParams:
+    # H=2, P=4, G=1, N=2: conv channels C = H*P + 2*G*N = 12.
+    return Mamba2LayerParams(
+        num_heads=2, head_dim=4, n_groups=1, d_state=2, conv_weight=torch.zeros(12, 4), A=-torch.ones(2)
+    )
+
+
+def test_each_kind_has_its_own_binding() -> None:
     class SpecialFullBuilder(ToyAttentionBuilder):
         backend_name = "special"
 
     class TwoBindings(AttentionBackend):
         name = "toy_two"
-        supported_kinds = frozenset(
-            {KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW}
-        )
         builders = (
-            bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),
+            bind_builder(SlidingWindowSpec, ToyAttentionBuilder, ToyImpl),
             bind_builder(FullAttentionSpec, SpecialFullBuilder, ToyImpl),
         )
 
     window = SlidingWindowSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=4
     )
-    assert TwoBindings.get_binding(full()).builder_cls is SpecialFullBuilder
-    assert TwoBindings.get_binding(window).builder_cls is ToyAttentionBuilder
+    full_binding = TwoBindings.get_binding(full())
+    window_binding = TwoBindings.get_binding(window)
+    assert (full_binding.kind, full_binding.spec_type) == (KVCacheSpecKind.FULL_ATTENTION, FullAttentionSpec)
+    assert full_binding.builder_type is SpecialFullBuilder
+    assert full_binding.builder_name.endswith("SpecialFullBuilder")
+    assert window_binding.builder_type is ToyAttentionBuilder
+    assert window_binding.impl_type is ToyImpl
+    assert (window_binding.builder_name, window_binding.impl_name) == ("ToyAttentionBuilder", "ToyImpl")
+    assert TwoBindings.supported_kinds() == {KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW}
+    assert TwoBindings.declaration_problems() == []
+
+
+MLA = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
+SINK = SinkFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4)
+
+
+@pytest.mark.parametrize("spec", [MLA, SINK], ids=lambda s: s.kind.value)
+def test_a_binding_serves_its_exact_kind_not_subclass_kinds(spec: FullAttentionSpec) -> None:
+    # MLAAttentionSpec and SinkFullAttentionSpec subclass FullAttentionSpec, but each
+    # is a kind of its own: a full-attention binding does not serve them.
+    assert isinstance(spec, FullAttentionSpec)
+    assert FullOnlyBackend.not_supported_reasons(BackendRequest(spec=spec, device=CPU)) == [
+        f"kind={spec.kind.value} not supported (supported: full_attention)"
+    ]
+    assert FullOnlyBackend.find_binding(spec) is None
+    with pytest.raises(
+        TypeError,
+        match=rf"^backend 'toy_full_only' has no builder for {type(spec).__name__} \(bound: FullAttentionSpec\)$",
+    ):
+        FullOnlyBackend.get_binding(spec)
+    binding = FullOnlyBackend.get_binding(full())
+    with pytest.raises(
+        TypeError,
+        match=rf"^ToyAttentionBuilder is bound to FullAttentionSpec \(kind=full_attention\), got a "
+        rf"{type(spec).__name__} \(kind={spec.kind.value}\)$",
+    ):
+        binding.create(spec, ["l0"], CONFIG, CPU)
+    with pytest.raises(TypeError, match=rf"got a {type(spec).__name__} \(kind={spec.kind.value}\)$"):
+        binding.create_impl(spec, AttentionLayerParams(num_heads=2))
+
+
+@pytest.mark.parametrize("spec_type", [AttentionSpec, KVCacheSpec], ids=lambda t: t.__name__)
+def test_bind_builder_rejects_a_spec_class_without_a_kind(spec_type: type[AttentionSpec]) -> None:
+    with pytest.raises(
+        TypeError,
+        match=rf"^bind_builder: spec_type must be a concrete spec class with a kind, got "
+        rf"{spec_type.__name__}; bind each concrete class \(bind_each\)$",
+    ):
+        bind_builder(spec_type, ToyAttentionBuilder, ToyImpl)
+    with pytest.raises(TypeError, match=rf"got {spec_type.__name__}; bind each concrete class"):
+        bind_each((FullAttentionSpec, spec_type), ToyAttentionBuilder, ToyImpl)
+
+
+def test_bind_each_binds_every_class_given() -> None:
+    spec_types = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    bindings = bind_each(spec_types, ToyAttentionBuilder, ToyImpl)
+    assert [b.spec_type for b in bindings] == list(spec_types)
+    assert [b.kind for b in bindings] == [t.kind for t in spec_types]
+    assert all(b.builder_type is ToyAttentionBuilder and b.impl_type is ToyImpl for b in bindings)
+
+    class Three(AttentionBackend):
+        name = "toy_three"
+        builders = bindings
+
+    assert Three.supported_kinds() == {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+    }
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, attention_chunk_size=32
+    )
+    assert Three.get_binding(chunked) is bindings[2]
+    assert Three.declaration_problems() == []
+
+
+@pytest.mark.parametrize(
+    "backend", [*ALL_TOY_BACKENDS, ReferenceBackend], ids=lambda b: b.name
+)
+def test_supported_kinds_are_the_bound_kinds(backend: type[AttentionBackend]) -> None:
+    assert backend.supported_kinds() == frozenset(b.kind for b in backend.builders)
+    assert len(backend.builders) == len(backend.supported_kinds())  # one binding per kind
+
+
+def test_supported_kinds_written_out() -> None:
+    both = {KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW}
+    assert GenericToyBackend.supported_kinds() == both
+    assert FastCudaBackend.supported_kinds() == both
+    assert FullOnlyBackend.supported_kinds() == {KVCacheSpecKind.FULL_ATTENTION}
+    assert SlidingOnlyBackend.supported_kinds() == {KVCacheSpecKind.SLIDING_WINDOW}
+    assert ToyMambaBackend.supported_kinds() == {KVCacheSpecKind.MAMBA}
+    assert ReferenceBackend.supported_kinds() == set(KVCacheSpecKind)
 
 
 def test_binding_create_checks_spec_at_runtime() -> None:
@@ -422,11 +526,78 @@ def test_binding_create_checks_spec_at_runtime() -> None:
     assert builder.layer_names == ("m0",)
     with pytest.raises(
         TypeError,
-        match=r"ToyMambaBuilder is bound to MambaSpec, got a FullAttentionSpec \(kind=full_attention\)",
+        match=r"^ToyMambaBuilder is bound to MambaSpec \(kind=mamba\), got a FullAttentionSpec \(kind=full_attention\)$",
     ):
         binding.create(full(), ["a0"], CONFIG, CPU)
-    impl = binding.create_impl(mamba(), None)
+    params = mamba2_params()
+    impl = binding.create_impl(mamba(), params)
     assert isinstance(impl, ToyMambaImpl)
+    assert impl.kv_cache_spec == mamba()
+    assert impl.layer_params is params
+
+
+@pytest.mark.parametrize(
+    ("backend", "spec", "params", "message"),
+    [
+        pytest.param(
+            ToyMambaBackend,
+            mamba(),
+            AttentionLayerParams(num_heads=2),
+            r"^ToyMambaImpl takes layer_params of type Mamba2LayerParams, got AttentionLayerParams$",
+            id="attention-params-to-a-state-impl",
+        ),
+        pytest.param(
+            ToyMambaBackend,
+            mamba(),
+            None,
+            r"^ToyMambaImpl takes layer_params of type Mamba2LayerParams, got NoneType$",
+            id="none-to-a-state-impl",
+        ),
+        pytest.param(
+            GenericToyBackend,
+            full(),
+            mamba2_params(),
+            r"^ToyImpl takes layer_params of type AttentionLayerParams, got Mamba2LayerParams$",
+            id="state-params-to-an-attention-impl",
+        ),
+        pytest.param(
+            GenericToyBackend,
+            full(),
+            None,
+            r"^ToyImpl takes layer_params of type AttentionLayerParams, got NoneType$",
+            id="none-to-an-attention-impl",
+        ),
+    ],
+)
+def test_create_impl_checks_the_layer_params_class(
+    backend: type[AttentionBackend], spec: KVCacheSpec, params: object, message: str
+) -> None:
+    binding = backend.get_binding(spec)
+    with pytest.raises(TypeError, match=message):
+        binding.create_impl(spec, params)
+
+
+def test_create_impl_builds_an_attention_impl() -> None:
+    params = AttentionLayerParams(num_heads=4)
+    impl = GenericToyBackend.get_binding(full()).create_impl(full(), params)
+    assert isinstance(impl, ToyImpl)
+    assert impl.kv_cache_spec == full()
+    assert impl.layer_params is params
+
+
+def test_binding_reports_its_builder_class_settings() -> None:
+    state = ToyMambaBackend.get_binding(mamba())
+    attention = GenericToyBackend.get_binding(full())
+    assert state.is_state_binding
+    assert not attention.is_state_binding
+    assert state.get_cudagraph_support(CONFIG, mamba()) is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert attention.get_cudagraph_support(CONFIG, full()) is AttentionCGSupport.UNIFORM_BATCH
+    assert state.reorder_batch_threshold is None
+
+    class Reordering(ToyAttentionBuilder):
+        reorder_batch_threshold = 1
+
+    assert bind_builder(FullAttentionSpec, Reordering, ToyImpl).reorder_batch_threshold == 1
 
 
 def test_get_binding_for_unbound_spec() -> None:
@@ -444,20 +615,34 @@ def test_bind_builder_rejects_annotation_mismatch_at_runtime() -> None:
     bind: object = bind_builder
     with pytest.raises(
         TypeError,
-        match=r"ToyMambaBuilder accepts MambaSpec specs, so it cannot be bound to AttentionSpec",
+        match=r"the builder ToyMambaBuilder accepts MambaSpec specs, so it cannot be bound to FullAttentionSpec",
     ):
-        bind(AttentionSpec, ToyMambaBuilder, ToyMambaImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
+        bind(FullAttentionSpec, ToyMambaBuilder, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
+    with pytest.raises(
+        TypeError,
+        match=r"the impl ToyImpl accepts AttentionSpec specs, so it cannot be bound to MambaSpec",
+    ):
+        bind(MambaSpec, ToyMambaBuilder, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     with pytest.raises(
         TypeError,
         match=r"builder_cls must be a subclass of AttentionMetadataBuilder, got <class 'int'>",
     ):
-        bind(AttentionSpec, int, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
+        bind(FullAttentionSpec, int, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     with pytest.raises(
         TypeError, match=r"spec_type must be a subclass of KVCacheSpec, got <class 'str'>"
     ):
         bind(str, ToyAttentionBuilder, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
-    with pytest.raises(TypeError, match=r"impl_cls must be a subclass of AttentionImpl"):
-        bind(AttentionSpec, ToyAttentionBuilder, object)  # type: ignore[operator]  # called through an untyped alias on purpose
+    with pytest.raises(TypeError, match=r"impl_cls must be a subclass of AttentionImpl or StateImpl, got <class 'object'>"):
+        bind(FullAttentionSpec, ToyAttentionBuilder, object)  # type: ignore[operator]  # called through an untyped alias on purpose
+
+
+def test_a_state_impl_cannot_be_bound_to_an_attention_spec_at_runtime() -> None:
+    bind: object = bind_builder
+    with pytest.raises(
+        TypeError,
+        match=r"the impl ToyMambaImpl accepts MambaSpec specs, so it cannot be bound to FullAttentionSpec",
+    ):
+        bind(FullAttentionSpec, ToyAttentionBuilder, ToyMambaImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
 
 
 def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> None:
@@ -472,8 +657,8 @@ def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> No
             raise NotImplementedError
 
     bind: object = bind_builder
-    with pytest.raises(TypeError, match=r"OnlyFull accepts FullAttentionSpec specs"):
-        bind(AttentionSpec, OnlyFull, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
+    with pytest.raises(TypeError, match=r"OnlyFull accepts FullAttentionSpec specs, so it cannot be bound to SlidingWindowSpec"):
+        bind(SlidingWindowSpec, OnlyFull, ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
     assert bind_builder(FullAttentionSpec, OnlyFull, ToyImpl).spec_type is FullAttentionSpec
 
 
@@ -482,14 +667,11 @@ def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> No
 
 
 def test_declaration_problems() -> None:
-    class NoBuilderForKind(AttentionBackend):
-        name = "toy_bad_kind"
-        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.MAMBA})
-        builders = (bind_builder(FullAttentionSpec, ToyAttentionBuilder, ToyImpl),)
+    class MambaWithoutTypes(AttentionBackend):
+        name = "toy_bad_mamba"
+        builders = (bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),)
 
-    problems = NoBuilderForKind.declaration_problems()
-    assert problems == [
-        "kind mamba is declared but no builder is bound to MambaSpec or a base of it",
+    assert MambaWithoutTypes.declaration_problems() == [
         "kind mamba is declared but supported_mamba_types is empty",
     ]
 
@@ -505,12 +687,46 @@ def test_declaration_problems() -> None:
     class Missing(AttentionBackend):
         pass
 
-    problems = Missing.declaration_problems()
-    assert "name must be an identifier string, got None" in problems
-    assert any(p.startswith("supported_kinds must be a non-empty frozenset") for p in problems)
-    assert any(
-        p.startswith("builders must be a tuple of bind_builder(...) results") for p in problems
-    )
+    assert Missing.declaration_problems() == [
+        "name must be an identifier string, got None",
+        "builders must be a non-empty tuple of bind_builder(...) results, got None",
+    ]
+
+    class Empty(GenericToyBackend):
+        name = "toy_empty"
+        builders = ()
+
+    assert Empty.declaration_problems() == [
+        "builders must be a non-empty tuple of bind_builder(...) results, got ()"
+    ]
+    assert Empty.supported_kinds() == frozenset()
+
+
+def test_declaring_supported_kinds_is_a_declaration_problem() -> None:
+    class DeclaresKinds(AttentionBackend):
+        name = "toy_declares_kinds"
+        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.MAMBA})  # type: ignore[assignment]  # declaring it is the mistake under test
+        builders = (bind_builder(FullAttentionSpec, ToyAttentionBuilder, ToyImpl),)
+
+    assert DeclaresKinds.declaration_problems() == [
+        "supported_kinds must not be declared: it is derived from builders (one kind per bind_builder)"
+    ]
+
+
+def test_a_kind_bound_twice_is_a_declaration_problem() -> None:
+    class OtherBuilder(ToyAttentionBuilder):
+        backend_name = "other"
+
+    class Twice(AttentionBackend):
+        name = "toy_twice"
+        builders = (
+            *bind_each((FullAttentionSpec, SlidingWindowSpec), ToyAttentionBuilder, ToyImpl),
+            bind_builder(SlidingWindowSpec, OtherBuilder, ToyImpl),
+        )
+
+    assert Twice.declaration_problems() == [
+        "kind sliding_window is bound twice (SlidingWindowSpec and SlidingWindowSpec)"
+    ]
 
 
 def test_toy_backends_are_valid() -> None:
@@ -589,7 +805,7 @@ def test_unresolvable_builder_annotations_skip_the_runtime_check() -> None:
     # cannot be resolved) still binds; the static check is the one that applies then.
     namespace: dict[str, object] = {}
     exec(  # builds a class whose annotation cannot be resolved at run time
-        "from attnkit import AttentionMetadataBuilder\n"
+        "from attnkit.backend_api import AttentionMetadataBuilder\n"
         "class ForwardRefBuilder(AttentionMetadataBuilder):\n"
         "    def __init__(self, kv_cache_spec: 'NotDefinedAnywhere', layer_names, config, device):\n"
         "        super().__init__(kv_cache_spec, layer_names, config, device)\n"
@@ -599,21 +815,31 @@ def test_unresolvable_builder_annotations_skip_the_runtime_check() -> None:
     )
     bind: object = bind_builder
     binding = bind(FullAttentionSpec, namespace["ForwardRefBuilder"], ToyImpl)  # type: ignore[operator]  # called through an untyped alias on purpose
-    assert binding.spec_type is FullAttentionSpec  # type: ignore[attr-defined]  # attribute of the concrete impl behind the ABC
+    assert binding.spec_type is FullAttentionSpec
 
 
-def test_an_unregistered_class_with_a_gap_reports_it() -> None:
-    class Gap(AttentionBackend):
-        name = "toy_gap"
-        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
-        builders = (bind_builder(SlidingWindowSpec, ToyAttentionBuilder, ToyImpl),)
+def test_a_binding_to_a_spec_subclass_does_not_serve_the_base_class() -> None:
+    # A plugin may bind its own subclass of a spec class (same kind); specs of the
+    # base class are then of the kind but not of the bound class, and it says so.
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TaggedFullSpec(FullAttentionSpec):
+        tag: str = "mine"
 
-    assert Gap.not_supported_reasons(BackendRequest(spec=full(), device=CPU)) == [
-        "no builder is bound to FullAttentionSpec"
+    class Narrow(AttentionBackend):
+        name = "toy_narrow"
+        builders = (bind_builder(TaggedFullSpec, ToyAttentionBuilder, ToyImpl),)
+
+    assert Narrow.declaration_problems() == []
+    assert Narrow.supported_kinds() == {KVCacheSpecKind.FULL_ATTENTION}
+    assert Narrow.not_supported_reasons(BackendRequest(spec=full(), device=CPU)) == [
+        "no builder is bound to FullAttentionSpec (bound: TaggedFullSpec)"
     ]
-    assert Gap.declaration_problems() == [
-        "kind full_attention is declared but no builder is bound to FullAttentionSpec or a base of it"
-    ]
+    assert Narrow.find_binding(full()) is None
+    tagged = TaggedFullSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    assert Narrow.not_supported_reasons(BackendRequest(spec=tagged, device=CPU)) == []
+    binding = Narrow.get_binding(tagged)
+    with pytest.raises(TypeError, match=r"is bound to TaggedFullSpec \(kind=full_attention\), got a FullAttentionSpec"):
+        binding.create(full(), ["l0"], CONFIG, CPU)
 
 
 def test_abstract_backend_is_a_declaration_problem() -> None:
@@ -648,8 +874,6 @@ def test_size_range_rule() -> None:
 
 
 def test_attention_params_problems() -> None:
-    from attnkit.backend import attention_params_problems
-
     spec = full(num_kv_heads=2, head_size=64)
     ok = AttentionLayerParams(num_heads=4, logits_soft_cap=10.0)
     soft = frozenset({AttentionFeature.LOGITS_SOFT_CAP})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -11,12 +12,11 @@ from typing_extensions import override
 from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
 )
+from attnkit.backend_api import AttentionMetadataBuilder, CommonAttentionMetadata
 from toy_backends import ToyAttentionBuilder, ToyMambaBuilder, ToyMambaMeta, ToyMeta
 
 CONFIG = AttentionConfig.model_validate({}, context={"known_backends": []})
@@ -48,8 +48,8 @@ def test_cg_support_is_totally_ordered() -> None:
             assert not high <= low
     assert min(order[::-1]) is AttentionCGSupport.NEVER
     assert max(order) is AttentionCGSupport.ALWAYS
-    with pytest.raises(TypeError):
-        _ = AttentionCGSupport.NEVER < 1  # type: ignore[operator]  # comparing with an int is the test
+    with pytest.raises(TypeError, match=r"'<' not supported between instances of 'AttentionCGSupport' and 'int'"):
+        _ = AttentionCGSupport.NEVER < 1
 
 
 def test_builder_keeps_its_arguments() -> None:
@@ -117,6 +117,30 @@ def test_build_for_cudagraph_capture(
             ),
         ):
             builder.build_for_cudagraph_capture(cm)
+
+
+def test_vllm_style_narrowing_keeps_the_spec_readable() -> None:
+    # A class-level annotation narrowing the spec (vLLM's spelling; mypy accepts it)
+    # must not shadow the base class's read-only property at run time.
+    class VllmStyle(AttentionMetadataBuilder[ToyMambaMeta]):
+        kv_cache_spec: MambaSpec  # pyright: ignore[reportIncompatibleMethodOverride]  # the spelling under test
+
+        def __init__(
+            self, kv_cache_spec: MambaSpec, layer_names: Sequence[str], config: AttentionConfig, device: torch.device
+        ) -> None:
+            super().__init__(kv_cache_spec, layer_names, config, device)
+
+        @override
+        def build(
+            self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+        ) -> ToyMambaMeta:
+            return ToyMambaMeta(state_indices=torch.arange(common_attn_metadata.num_reqs))
+
+    builder = VllmStyle(MAMBA, ["m"], CONFIG, CPU)
+    assert builder.kv_cache_spec is MAMBA
+    assert builder.kv_cache_spec.shapes == ((4, 3),)
+    with pytest.raises(AttributeError, match=r"has no setter"):
+        builder.kv_cache_spec = MAMBA  # read-only, whatever the annotation says
 
 
 def test_mamba_builder_narrowed_spec_is_usable() -> None:

@@ -8,7 +8,8 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from attnkit import ENTRY_POINT_GROUP, BackendRegistry
+from attnkit import BackendRegistry, KVCacheSpecKind
+from attnkit.backend_api import ENTRY_POINT_GROUP
 from attnkit.cli import EXAMPLE_MODELS, example_model, main
 from toy_backends import FastCudaBackend, GenericToyBackend, ToyMambaBackend
 
@@ -45,6 +46,22 @@ def test_backends_json_on_cuda() -> None:
     rows = {r["name"]: r for r in data["backends"]}
     assert rows["toy_fast_cuda"]["reasons"] == ["compute capability unknown (pass capability=(major, minor))"]
     assert rows["toy_generic"]["available"] is True
+    # The kinds listed are those the backend binds, nothing more.
+    assert rows["toy_generic"]["kinds"] == ["full_attention", "sliding_window"]
+    assert rows["toy_mamba"]["kinds"] == ["mamba"]
+
+
+def test_backends_lists_the_kinds_each_builtin_binds() -> None:
+    reg = BackendRegistry(
+        builtins={"reference": "attnkit.backends.reference:ReferenceBackend"}, discover_plugins=False
+    )
+    status, text = run(["backends", "--json"], reg)
+    assert status == 0
+    (row,) = json.loads(text)["backends"]
+    assert row["name"] == "reference"
+    assert row["kinds"] == sorted(k.value for k in KVCacheSpecKind)
+    status, text = run(["backends"], reg)
+    assert "    kinds: " + ", ".join(sorted(k.value for k in KVCacheSpecKind)) + "\n" in text
 
 
 def test_backends_with_none_registered() -> None:

@@ -429,22 +429,22 @@ def test_split_ignores_padded_slots() -> None:
         pytest.param(
             [1, 2, 1],
             1,
-            "request 2 has query length 1 <= decode_threshold=1 after prefill request 1 "
-            "(query length 2)",
+            "request 2 is a decode (query length 1 <= decode_threshold=1, cached context) "
+            "after prefill request 1 (query length 2)",
             id="decode-after-prefill",
         ),
         pytest.param(
             [5, 1],
             1,
-            "request 1 has query length 1 <= decode_threshold=1 after prefill request 0 "
-            "(query length 5)",
+            "request 1 is a decode (query length 1 <= decode_threshold=1, cached context) "
+            "after prefill request 0 (query length 5)",
             id="prefill-first",
         ),
         pytest.param(
             [3, 9, 7, 0, 1],
             3,
-            "request 3 has query length 0 <= decode_threshold=3 after prefill request 1 "
-            "(query length 9)",
+            "request 3 is a decode (query length 0 <= decode_threshold=3, cached context) "
+            "after prefill request 1 (query length 9)",
             id="threshold-3",
         ),
     ],

@@ -22,9 +22,10 @@ from attnkit import (
     AttentionLayerParams,
     BackendRegistry,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
+    KVCacheSpecKind,
     select_backend,
 )
+from attnkit.backend_api import AttentionImpl, CommonAttentionMetadata
 from attnkit.cli import main as cli_main
 
 if sys.version_info >= (3, 11):
@@ -119,6 +120,7 @@ def test_computes_chunked_local_attention(example_path: Path) -> None:
     binding = backend.get_binding(SPEC)
     builder = binding.create(SPEC, ["layers.0"], config, torch.device("cpu"))
     impl = binding.create_impl(SPEC, AttentionLayerParams(num_heads=2))
+    assert isinstance(impl, AttentionImpl)
 
     torch.manual_seed(0)
     (shape,) = backend.get_kv_cache_shapes(8, SPEC)
@@ -141,6 +143,23 @@ def test_computes_chunked_local_attention(example_path: Path) -> None:
         ]
     )
     torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_impl_is_made_only_with_what_it_declares(example_path: Path) -> None:
+    backend = BackendRegistry().get("example_chunked_local")
+    assert backend.supported_kinds() == {KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION}
+    assert backend.declaration_problems() == []
+    binding = backend.get_binding(SPEC)
+    with pytest.raises(
+        TypeError, match=r"^ChunkedLocalImpl takes layer_params of type AttentionLayerParams, got NoneType$"
+    ):
+        binding.create_impl(SPEC, None)
+    with pytest.raises(
+        ValueError,
+        match=r"^ChunkedLocalImpl: the layer needs logits_soft_cap, which example_chunked_local does "
+        r"not support \(supported features: none\)$",
+    ):
+        binding.create_impl(SPEC, AttentionLayerParams(num_heads=2, logits_soft_cap=30.0))
 
 
 def test_listed_by_the_installed_command_line(example_path: Path) -> None:

@@ -7,19 +7,36 @@ import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from attnkit import (
-    ENTRY_POINT_GROUP,
-    AttentionBackend,
     BackendRegistry,
     DuplicateBackendError,
+    FullAttentionSpec,
     InvalidBackendError,
+    KVCacheSpecKind,
+    SlidingWindowSpec,
     UnknownBackendError,
     default_registry,
     register_backend,
 )
-from toy_backends import FullOnlyBackend, GenericToyBackend, SlidingOnlyBackend, ToyMambaBackend
+from attnkit.backend_api import ENTRY_POINT_GROUP, AttentionBackend, bind_builder
+from attnkit.backends.flash_attn import FlashAttentionOptions
+from toy_backends import (
+    FullOnlyBackend,
+    GenericToyBackend,
+    SlidingOnlyBackend,
+    ToyAttentionBuilder,
+    ToyImpl,
+    ToyMambaBackend,
+)
+
+
+class _PlainModel(pydantic.BaseModel):
+    """A pydantic model that is not a ``BackendOptions``."""
+
+    version: int = 2
 
 
 def ep(name: str, value: str) -> EntryPoint:
@@ -86,11 +103,84 @@ def test_invalid_backend_is_rejected() -> None:
     class Broken(AttentionBackend):
         name = "toy_broken"
 
-    with pytest.raises(InvalidBackendError, match=r"test_registry:.*Broken is not a valid backend: .*supported_kinds must be"):
+    with pytest.raises(
+        InvalidBackendError,
+        match=r"test_registry:.*Broken is not a valid backend: .*builders must be a non-empty tuple of bind_builder",
+    ):
         reg.register(Broken)
     with pytest.raises(InvalidBackendError, match=r"<class 'int'> is not an AttentionBackend subclass"):
         reg.register(int)  # type: ignore[type-var]  # the point of the test
     assert reg.names() == []
+
+
+def test_declared_supported_kinds_is_rejected_at_registration() -> None:
+    # The kinds are derived from the bindings; a declaration could contradict them.
+    reg = BackendRegistry(discover_plugins=False)
+
+    class DeclaresKinds(GenericToyBackend):
+        name = "toy_declares_kinds"
+        supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})  # type: ignore[assignment]  # declaring it is the mistake under test
+
+    with pytest.raises(
+        InvalidBackendError,
+        match=r"DeclaresKinds is not a valid backend: supported_kinds must not be declared: "
+        r"it is derived from builders \(one kind per bind_builder\)$",
+    ):
+        reg.register(DeclaresKinds)
+    assert reg.names() == []
+
+
+def test_kind_bound_twice_is_rejected_at_registration() -> None:
+    reg = BackendRegistry(discover_plugins=False)
+
+    class Other(ToyAttentionBuilder):
+        backend_name = "other"
+
+    class BoundTwice(AttentionBackend):
+        name = "toy_bound_twice"
+        builders = (
+            bind_builder(FullAttentionSpec, ToyAttentionBuilder, ToyImpl),
+            bind_builder(SlidingWindowSpec, ToyAttentionBuilder, ToyImpl),
+            bind_builder(FullAttentionSpec, Other, ToyImpl),
+        )
+
+    with pytest.raises(
+        InvalidBackendError,
+        match=r"BoundTwice is not a valid backend: kind full_attention is bound twice "
+        r"\(FullAttentionSpec and FullAttentionSpec\)$",
+    ):
+        reg.register(BoundTwice)
+    assert reg.names() == []
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        pytest.param(int, r"<class 'int'>", id="not-a-model"),
+        pytest.param(_PlainModel, r"<class 'test_registry\._PlainModel'>", id="model-not-backend-options"),
+        pytest.param(FlashAttentionOptions(), r"FlashAttentionOptions\(version=None\)", id="an-instance"),
+    ],
+)
+def test_options_type_must_be_a_backend_options_class(options: object, shown: str) -> None:
+    reg = BackendRegistry(discover_plugins=False)
+
+    class BadOptions(GenericToyBackend):
+        name = "toy_bad_options"
+
+    BadOptions.options_type = options  # type: ignore[assignment]  # a wrong declaration is the test
+    with pytest.raises(
+        InvalidBackendError,
+        match=r"BadOptions is not a valid backend: options_type must be None or a BackendOptions "
+        r"subclass, got " + shown + "$",
+    ):
+        reg.register(BadOptions)
+
+    class GoodOptions(GenericToyBackend):
+        name = "toy_good_options"
+        options_type = FlashAttentionOptions
+
+    assert reg.register(GoodOptions) is GoodOptions
+    assert reg.names() == ["toy_good_options"]
 
 
 def test_unknown_backend_lists_registered() -> None:

@@ -4,14 +4,26 @@ checked against a dense recompute of each sequence without any cache."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import AttentionConfig, BackendRegistry
+from attnkit import (
+    AttentionConfig,
+    BackendRegistry,
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    Mamba2Inputs,
+    Mamba2LayerParams,
+    ShortConvInputs,
+    StateLayer,
+)
 from attnkit.demo import PRIORITIES, DemoModel
+from attnkit.kernels.torch.mamba2 import ssd_recurrent_reference
 from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime, ScheduledRequest
 
@@ -154,3 +166,186 @@ def test_hybrid_demo_passes(prefer: str) -> None:
             f"mamba({mamba_type})" in line and line.rstrip().endswith(f"-> {backend} (priority)")
             for line in text.splitlines()
         )
+
+
+# ----------------------------------------------------------------------------------
+# Typed entry points: forward (attention) / forward_state / state_layer (state layers)
+# ----------------------------------------------------------------------------------
+
+
+def test_each_entry_point_refuses_the_other_kind_of_layer() -> None:
+    """forward is for attention layers, forward_state for state layers with their type's
+    inputs; every refusal names the right call and leaves the step intact."""
+    model = DemoModel(layout=("full", "mamba"))
+    runtime = make_runtime(model, "reference", 0)
+    prompt = [4, 8, 15]
+    runtime.begin_step([ScheduledRequest("a", len(prompt))])
+    params = model.params["layers.1"]
+    assert isinstance(params, Mamba2LayerParams)
+    xbc, dt = torch.randn(3, params.conv_dim), torch.randn(3, params.num_heads)
+    q = torch.randn(3, 4, 16)
+
+    with pytest.raises(
+        TypeError,
+        match=r"^layers\.1 is a state layer: call forward_state\('layers\.1', Mamba2Inputs\(\.\.\.\)\)$",
+    ):
+        runtime.forward("layers.1", q, q[:, :2], q[:, :2])
+    with pytest.raises(
+        TypeError,
+        match=r"^layers\.0 is an attention layer: call forward\('layers\.0', query, key, value\)$",
+    ):
+        runtime.forward_state("layers.0", Mamba2Inputs(xBC=xbc, dt=dt))
+    with pytest.raises(
+        TypeError,
+        match=r"^layers\.1 is a mamba2 layer: inputs must be Mamba2Inputs, got GatedDeltaNetInputs$",
+    ):
+        runtime.forward_state(
+            "layers.1", GatedDeltaNetInputs(qkv=xbc, g=dt, beta=torch.rand(3, params.num_heads))
+        )
+    with pytest.raises(
+        ValueError, match=r"^layers\.1: inputs has 2 rows but the step has 3 tokens$"
+    ):
+        runtime.forward_state("layers.1", Mamba2Inputs(xBC=xbc[:2], dt=dt[:2]))
+    with pytest.raises(TypeError, match=r"^layers\.0 is an attention layer, not a state layer$"):
+        runtime.state_layer("layers.0", Mamba2Inputs)
+    unknown = r"unknown layer 'layers\.9'; layers: layers\.0, layers\.1"
+    with pytest.raises(KeyError, match=unknown):
+        runtime.forward("layers.9", q, q[:, :2], q[:, :2])
+    with pytest.raises(KeyError, match=unknown):
+        runtime.forward_state("layers.9", Mamba2Inputs(xBC=xbc, dt=dt))
+    with pytest.raises(KeyError, match=unknown):
+        runtime.state_layer("layers.9", Mamba2Inputs)
+
+    # Nothing refused above touched the caches: the step still matches the dense model.
+    hidden = model.forward_step(runtime, torch.tensor(prompt))
+    dense = model.forward_dense(torch.tensor(prompt))
+    torch.testing.assert_close(hidden, dense, atol=TOL, rtol=TOL)
+
+
+def _mamba2_dense(p: Mamba2LayerParams, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """One whole sequence, no cache: SiLU causal depthwise conv, then the token-by-token SSD."""
+    width = p.conv_weight.shape[1]
+    padded = torch.cat([xbc.new_zeros(width - 1, xbc.shape[1]), xbc])
+    conv = sum(padded[i : i + xbc.shape[0]] * p.conv_weight[:, i] for i in range(width))
+    assert isinstance(conv, torch.Tensor)
+    if p.conv_bias is not None:
+        conv = conv + p.conv_bias
+    conv = F.silu(conv)
+    hp, gn = p.num_heads * p.head_dim, p.n_groups * p.d_state
+    xs, bs, cs = torch.split(conv, [hp, gn, gn], dim=-1)
+    t = xbc.shape[0]
+    y, _ = ssd_recurrent_reference(
+        xs.reshape(t, p.num_heads, p.head_dim),
+        dt,
+        p.A,
+        bs.reshape(t, p.n_groups, p.d_state),
+        cs.reshape(t, p.n_groups, p.d_state),
+        D=p.D,
+        dt_bias=p.dt_bias,
+        dt_softplus=p.dt_softplus,
+    )
+    return y
+
+
+def test_state_layer_handle_runs_exactly_like_forward_state() -> None:
+    """Twin runtimes fed one schedule: the typed handle's outputs and cached states are
+    those of forward_state, bit for bit, and both match a dense recompute per request."""
+    model = DemoModel(layout=("mamba",))
+    params = model.params["layers.0"]
+    assert isinstance(params, Mamba2LayerParams)
+    by_name, by_handle = make_runtime(model, "reference", 5), make_runtime(model, "reference", 5)
+    handle = by_handle.state_layer("layers.0", Mamba2Inputs)
+    assert isinstance(handle, StateLayer)
+    assert (handle.layer_name, handle.inputs_type) == ("layers.0", Mamba2Inputs)
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = {"p": 13, "o": 6}
+    xbc_all = {r: torch.randn(n, params.conv_dim, generator=gen) for r, n in lengths.items()}
+    dt_all = {r: torch.randn(n, params.num_heads, generator=gen) * 0.5 for r, n in lengths.items()}
+    schedule = [{"p": 9, "o": 4}, {"p": 1, "o": 2}, {"p": 3}]
+    done = dict.fromkeys(lengths, 0)
+    outputs: dict[str, list[torch.Tensor]] = {r: [] for r in lengths}
+    for step in schedule:
+        scheduled = [ScheduledRequest(r, n) for r, n in step.items()]
+        batch = by_name.begin_step(scheduled)
+        assert by_handle.begin_step(scheduled) == batch
+        rows = {r: slice(done[r], done[r] + step[r]) for r in batch.order}
+        inputs = Mamba2Inputs(
+            xBC=torch.cat([xbc_all[r][rows[r]] for r in batch.order]),
+            dt=torch.cat([dt_all[r][rows[r]] for r in batch.order]),
+        )
+        want = by_name.forward_state("layers.0", inputs)
+        got = handle.forward(inputs)
+        torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+        for r, part in batch.token_slices().items():
+            outputs[r].append(got[part])
+            done[r] += step[r]
+    for a, b in zip(by_name.kv_caches["layers.0"], by_handle.kv_caches["layers.0"], strict=True):
+        torch.testing.assert_close(b, a, atol=0.0, rtol=0.0, equal_nan=True)
+    for r, n in lengths.items():
+        assert done[r] == n
+        dense = _mamba2_dense(params, xbc_all[r], dt_all[r])
+        torch.testing.assert_close(torch.cat(outputs[r]), dense, atol=TOL, rtol=TOL)
+
+    # The handle is typed by its input class; another class is refused, at creation
+    # and (for an untyped caller) at forward.
+    with pytest.raises(
+        TypeError,
+        match=r"^layers\.0 is a mamba2 layer taking Mamba2Inputs, not GatedDeltaNetInputs$",
+    ):
+        by_handle.state_layer("layers.0", GatedDeltaNetInputs)
+    by_handle.begin_step([ScheduledRequest("p", 1)])
+    wrong: Any = GatedDeltaNetInputs(
+        qkv=torch.randn(1, params.conv_dim), g=torch.randn(1, 4), beta=torch.randn(1, 4)
+    )
+    with pytest.raises(TypeError, match=r"inputs must be Mamba2Inputs, got GatedDeltaNetInputs"):
+        handle.forward(wrong)
+
+
+T4 = torch.zeros(4, 8)
+
+INPUT_CASES = [
+    pytest.param(Mamba2Inputs, {"xBC": T4, "dt": torch.zeros(4, 2)}, id="mamba2"),
+    pytest.param(
+        GatedDeltaNetInputs,
+        {"qkv": T4, "g": torch.zeros(4, 2), "beta": torch.zeros(4, 2)},
+        id="gdn",
+    ),
+    pytest.param(
+        LinearAttentionInputs,
+        {"q": torch.zeros(4, 2, 8), "k": torch.zeros(4, 2, 8), "v": torch.zeros(4, 2, 4)},
+        id="linear",
+    ),
+    pytest.param(ShortConvInputs, {"b": T4, "c": T4, "x": T4}, id="short_conv"),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields"), INPUT_CASES)
+def test_state_inputs_check_their_tensors(cls: type[Any], fields: dict[str, torch.Tensor]) -> None:
+    name = cls.__name__
+    ok = cls(**fields)
+    assert (ok.num_rows, ok.device, ok.dtype) == (4, torch.device("cpu"), torch.float32)
+    first = next(iter(fields))
+    for field in fields:
+        for bad, shown in ((None, "NoneType"), (fields[field].tolist(), "list")):
+            with pytest.raises(
+                TypeError, match=rf"^{name}\.{field} must be a torch\.Tensor, got {shown}$"
+            ):
+                cls(**{**fields, field: bad})
+        if field != first:
+            short = fields[field][:3]
+            with pytest.raises(
+                ValueError,
+                match=rf"^{name}\.{field} must have the same rows and device as {first} "
+                rf"\(4 on cpu\), got 3 on cpu$",
+            ):
+                cls(**{**fields, field: short})
+        with pytest.raises(ValueError, match=rf"^{name}\.{field} must have a token dimension"):
+            cls(**{**fields, field: torch.tensor(1.0)})
+    # Keyword-only, and no field beyond the type's own (no stray "value" for Mamba2).
+    with pytest.raises(TypeError):
+        cls(*fields.values())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'value'"):
+        cls(**{**fields, "value": T4})
+    with pytest.raises(TypeError, match=f"missing 1 required keyword-only argument: '{first}'"):
+        cls(**{k: v for k, v in fields.items() if k != first})

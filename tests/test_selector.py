@@ -10,15 +10,13 @@ import pytest
 import torch
 from typing_extensions import override
 
+import attnkit
 from attnkit import (
-    ENTRY_POINT_GROUP,
-    AttentionBackend,
     AttentionConfig,
     AttentionFeature,
-    AttentionSpec,
+    AttnkitError,
     BackendNotSupportedError,
     BackendRegistry,
-    BackendRequest,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -32,9 +30,19 @@ from attnkit import (
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    bind_builder,
+    UnknownBackendError,
+    errors,
     select_backend,
 )
+from attnkit.backend_api import (
+    ENTRY_POINT_GROUP,
+    AttentionBackend,
+    BackendRequest,
+    bind_builder,
+    bind_each,
+)
+from attnkit.backends.flash_attn import FlashAttentionOptions
+from attnkit.spec import ATTENTION_SPEC_CLASSES
 from toy_backends import (
     FastCudaBackend,
     FullOnlyBackend,
@@ -53,11 +61,10 @@ class EveryKindBackend(AttentionBackend):
     """Serves every kind on CPU: lets tests address each kind through backend_per_kind."""
 
     name = "toy_every_kind"
-    supported_kinds = frozenset(KVCacheSpecKind)
     supported_mamba_types = frozenset({"mamba2", "gdn", "linear", "short_conv", "mamba1"})
     supported_devices = frozenset({"cpu"})
     builders = (
-        bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),
+        *bind_each(ATTENTION_SPEC_CLASSES, ToyAttentionBuilder, ToyImpl),
         bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),
     )
 
@@ -73,9 +80,10 @@ def config(reg: BackendRegistry, **data: Any) -> AttentionConfig:
     return AttentionConfig.model_validate(data, context={"registry": reg})
 
 
+FULL_ATTN = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
 ATTN = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
 SPECS: dict[KVCacheSpecKind, KVCacheSpec] = {
-    KVCacheSpecKind.FULL_ATTENTION: FullAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+    KVCacheSpecKind.FULL_ATTENTION: FULL_ATTN,
     KVCacheSpecKind.SLIDING_WINDOW: SlidingWindowSpec(sliding_window=32, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec(attention_chunk_size=64, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.SINK_FULL_ATTENTION: SinkFullAttentionSpec(sink_len=4, **ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
@@ -124,7 +132,7 @@ def test_per_kind_wins_over_global_backend() -> None:
 
 def test_explicit_backend_that_cannot_serve_raises_with_reasons() -> None:
     reg = registry(GenericToyBackend, EveryKindBackend)
-    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]  # deliberate misuse under test
+    spec = dataclasses.replace(FULL_ATTN, head_size=72)
     cfg = config(reg, backend_per_kind={"full_attention": "toy_generic"})
     with pytest.raises(BackendNotSupportedError) as info:
         select_backend(spec, cfg, device="cpu", registry=reg)
@@ -189,7 +197,7 @@ def test_priority_names_not_installed_are_skipped_silently() -> None:
 
 def test_no_backend_lists_every_candidate_and_reason() -> None:
     reg = registry(GenericToyBackend, FastCudaBackend, NeedsMissingPackage)
-    spec = dataclasses.replace(FULL, head_size=72)  # type: ignore[type-var]  # deliberate misuse under test
+    spec = dataclasses.replace(FULL_ATTN, head_size=72)
     with pytest.raises(NoBackendError) as info:
         select_backend(spec, config(reg), device="cpu", registry=reg)
     message = str(info.value)
@@ -288,6 +296,64 @@ def test_backends_see_the_config() -> None:
             return []
 
     reg = registry(ConfigAware)
-    cfg = config(reg, flash_attn_version=4)
+    cfg = config(reg, backend_options={"toy_config_aware": {"version": 4}})
     assert select_backend(FULL, cfg, device="cpu", registry=reg).request.config is cfg
     assert seen == [cfg]
+    (given,) = seen
+    assert given is not None
+    assert given.options_for("toy_config_aware", FlashAttentionOptions).version == 4
+
+
+@pytest.mark.parametrize(
+    ("error", "builtin"),
+    [
+        pytest.param(errors.UnknownBackendError, KeyError, id="unknown"),
+        pytest.param(errors.DuplicateBackendError, ValueError, id="duplicate"),
+        pytest.param(errors.InvalidBackendError, TypeError, id="invalid"),
+        pytest.param(errors.NoBackendError, RuntimeError, id="no-backend"),
+        pytest.param(errors.BackendNotSupportedError, errors.NoBackendError, id="not-supported"),
+        pytest.param(errors.OutOfBlocksError, RuntimeError, id="out-of-blocks"),
+    ],
+)
+def test_every_error_is_an_attnkit_error_and_its_builtin(error: type[Exception], builtin: type[Exception]) -> None:
+    assert issubclass(error, AttnkitError)
+    assert issubclass(error, builtin)
+    assert getattr(attnkit, error.__name__) is error  # engines catch them from attnkit
+
+
+def test_the_error_family_is_complete() -> None:
+    # Every exception class errors.py defines is in the family (and listed above).
+    defined = {
+        obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, BaseException)
+    }
+    assert {cls for cls in defined if cls is not AttnkitError} == {
+        errors.UnknownBackendError,
+        errors.DuplicateBackendError,
+        errors.InvalidBackendError,
+        errors.NoBackendError,
+        errors.BackendNotSupportedError,
+        errors.OutOfBlocksError,
+    }
+    assert all(issubclass(cls, AttnkitError) for cls in defined)
+
+
+def test_one_except_clause_catches_an_unknown_backend() -> None:
+    reg = registry(GenericToyBackend)
+    cfg = AttentionConfig(backend_per_kind={"full_attention": "missing_backend"})
+    caught: list[AttnkitError] = []
+    for attempt in (
+        lambda: select_backend(FULL, cfg, device="cpu", registry=reg),
+        lambda: reg.get("missing_backend"),
+    ):
+        try:
+            attempt()
+        except AttnkitError as exc:
+            caught.append(exc)
+    selection_error, lookup_error = caught
+    assert isinstance(selection_error, BackendNotSupportedError)
+    assert "unknown backend 'missing_backend'; registered backends: toy_generic" in str(selection_error)
+    assert isinstance(lookup_error, UnknownBackendError)
+    # Its builtin still catches it, and the message is not quoted as KeyError would.
+    with pytest.raises(KeyError) as info:
+        reg.get("missing_backend")
+    assert str(info.value) == "unknown backend 'missing_backend'; registered backends: toy_generic"

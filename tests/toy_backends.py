@@ -11,20 +11,26 @@ import torch
 from typing_extensions import override
 
 from attnkit import (
-    AttentionBackend,
     AttentionCGSupport,
     AttentionConfig,
     AttentionFeature,
+    AttentionSpec,
+    FullAttentionSpec,
+    Mamba2Inputs,
+    Mamba2LayerParams,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from attnkit.backend_api import (
+    AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionSpec,
     CommonAttentionMetadata,
-    FullAttentionSpec,
-    KVCacheSpecKind,
-    MambaSpec,
     MultipleOf,
-    SlidingWindowSpec,
+    SizeRule,
+    StateImpl,
     bind_builder,
+    bind_each,
 )
 
 
@@ -72,8 +78,7 @@ class ToyMambaMeta:
     state_indices: torch.Tensor
 
 
-class ToyMambaBuilder(AttentionMetadataBuilder[ToyMambaMeta]):
-    kv_cache_spec: MambaSpec
+class ToyMambaBuilder(AttentionMetadataBuilder[ToyMambaMeta, MambaSpec]):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(
@@ -95,13 +100,11 @@ class ToyMambaBuilder(AttentionMetadataBuilder[ToyMambaMeta]):
         return ToyMambaMeta(state_indices=torch.arange(common_attn_metadata.num_reqs))
 
 
-class ToyMambaImpl(AttentionImpl[ToyMambaMeta]):
+class ToyMambaImpl(StateImpl[ToyMambaMeta, Mamba2LayerParams, Mamba2Inputs]):
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: Mamba2Inputs,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: ToyMambaMeta,
         output: torch.Tensor,
@@ -113,19 +116,17 @@ class GenericToyBackend(AttentionBackend):
     """Serves full and sliding-window attention anywhere, head sizes 64/128, block 16|32."""
 
     name = "toy_generic"
-    supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW})
     supported_devices = frozenset({"cpu", "cuda"})
-    supported_head_sizes = (64, 128)
-    supported_block_sizes = (16, 32)
+    supported_head_sizes: ClassVar[SizeRule | None] = (64, 128)
+    supported_block_sizes: ClassVar[SizeRule | None] = (16, 32)
     supported_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
-    builders = (bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),)
+    builders = bind_each((FullAttentionSpec, SlidingWindowSpec), ToyAttentionBuilder, ToyImpl)
 
 
 class FastCudaBackend(AttentionBackend):
     """CUDA only, sm80+, fp16/bf16, head sizes multiple of 32 up to the rule, softcap."""
 
     name = "toy_fast_cuda"
-    supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW})
     supported_devices = frozenset({"cuda"})
     min_compute_capability = (8, 0)
     supported_dtypes = frozenset({torch.float16, torch.bfloat16})
@@ -133,33 +134,29 @@ class FastCudaBackend(AttentionBackend):
     supported_head_sizes = (MultipleOf(32),)
     supported_block_sizes = (16, MultipleOf(64))
     supported_features = frozenset({AttentionFeature.LOGITS_SOFT_CAP})
-    builders = (bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),)
+    builders = bind_each((FullAttentionSpec, SlidingWindowSpec), ToyAttentionBuilder, ToyImpl)
 
 
 class FullOnlyBackend(AttentionBackend):
     name = "toy_full_only"
-    supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
     builders = (bind_builder(FullAttentionSpec, ToyAttentionBuilder, ToyImpl),)
 
 
 class SlidingOnlyBackend(AttentionBackend):
     name = "toy_sliding_only"
-    supported_kinds = frozenset({KVCacheSpecKind.SLIDING_WINDOW})
     builders = (bind_builder(SlidingWindowSpec, ToyAttentionBuilder, ToyImpl),)
 
 
 class ToyMambaBackend(AttentionBackend):
     name = "toy_mamba"
-    supported_kinds = frozenset({KVCacheSpecKind.MAMBA})
     supported_mamba_types = frozenset({"mamba2"})
     builders = (bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),)
 
 
 class NeedsMissingPackage(AttentionBackend):
     name = "toy_needs_pkg"
-    supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
     required_packages: ClassVar[Mapping[str, str]] = {"attnkit_test_missing_pkg": "attnkit-test-missing-pkg>=1"}
-    builders = (bind_builder(AttentionSpec, ToyAttentionBuilder, ToyImpl),)
+    builders = (bind_builder(FullAttentionSpec, ToyAttentionBuilder, ToyImpl),)
 
 
 ALL_TOY_BACKENDS: tuple[type[AttentionBackend], ...] = (

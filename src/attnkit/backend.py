@@ -24,7 +24,7 @@ import importlib.util
 import inspect
 from abc import ABC
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -69,7 +69,7 @@ class BackendRequest:
         features: optional features the group's layers need.
         num_heads: query heads, if known (checked against ``num_kv_heads``).
         config: the config the selection runs under, for backends whose support
-            depends on a setting (e.g. ``flash_attn_version``); ``None`` if unknown.
+            depends on a setting (e.g. ``backend_options``); ``None`` if unknown.
     """
 
     spec: KVCacheSpec
@@ -288,18 +288,17 @@ class AttentionBackend(ABC):
                 "supported_kinds must not be declared: it is derived from builders "
                 "(one kind per bind_builder)"
             )
-        builders = getattr(cls, "builders", None)
-        if (
-            not isinstance(builders, tuple)
-            or not builders
-            or not all(isinstance(b, BuilderBinding) for b in builders)
-        ):
+        builders: object = getattr(cls, "builders", None)
+        # The declaration is unchecked here: look at it as objects, keep the bindings.
+        items = cast("tuple[object, ...]", builders) if isinstance(builders, tuple) else ()
+        bindings: list[AnyBinding] = [b for b in items if isinstance(b, BuilderBinding)]
+        if not items or len(bindings) != len(items):
             problems.append(
                 f"builders must be a non-empty tuple of bind_builder(...) results, got {builders!r}"
             )
-            builders = ()
+            bindings = []
         seen: dict[KVCacheSpecKind, str] = {}
-        for b in builders:
+        for b in bindings:
             if b.kind in seen:
                 problems.append(
                     f"kind {b.kind.value} is bound twice ({seen[b.kind]} and {b.spec_type.__name__})"
@@ -312,14 +311,14 @@ class AttentionBackend(ABC):
         if KVCacheSpecKind.MAMBA in kinds and not cls.supported_mamba_types:
             problems.append("kind mamba is declared but supported_mamba_types is empty")
         for attr in ("supported_head_sizes", "supported_block_sizes"):
-            rule = getattr(cls, attr)
+            rule: object = getattr(cls, attr)
             if rule is not None and (
                 not isinstance(rule, tuple)
                 or not rule
                 or not all(
                     isinstance(r, MultipleOf | SizeRange)
                     or (isinstance(r, int) and not isinstance(r, bool) and r > 0)
-                    for r in rule
+                    for r in cast("tuple[object, ...]", rule)
                 )
             ):
                 problems.append(

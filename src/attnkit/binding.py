@@ -27,7 +27,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, Generic
+from typing import Any, Generic, cast
 
 import torch
 from typing_extensions import TypeVar
@@ -187,7 +187,7 @@ def _declared(cls: type, param: str, generic_index: dict[type, int]) -> tuple[ty
 
 
 _BUILDER_SPEC_ARG: dict[type, int] = {AttentionMetadataBuilder: 1}
-_IMPL_SPEC_ARG: dict[type, int] = {AttentionImpl: 1}
+_IMPL_SPEC_ARG: dict[type, int] = {AttentionImpl: 1, LayerImpl: 1}
 _IMPL_PARAMS_ARG: dict[type, int] = {AttentionImpl: 2, StateImpl: 1}
 
 
@@ -211,15 +211,22 @@ def bind_builder(
     given: tuple[object, object, object] = (spec_type, builder_cls, impl_cls)
     if not _is_subclass(given[0], KVCacheSpec):
         raise TypeError(f"bind_builder: spec_type must be a subclass of KVCacheSpec, got {given[0]!r}")
-    builder, impl = given[1], given[2]
-    if not (isinstance(builder, type) and issubclass(builder, AttentionMetadataBuilder)):
+    given_builder, given_impl = given[1], given[2]
+    if not (
+        isinstance(given_builder, type) and issubclass(given_builder, AttentionMetadataBuilder)
+    ):
         raise TypeError(
-            f"bind_builder: builder_cls must be a subclass of AttentionMetadataBuilder, got {builder!r}"
+            "bind_builder: builder_cls must be a subclass of AttentionMetadataBuilder, "
+            f"got {given_builder!r}"
         )
-    if not (isinstance(impl, type) and issubclass(impl, LayerImpl)):
+    if not (isinstance(given_impl, type) and issubclass(given_impl, LayerImpl)):
         raise TypeError(
-            f"bind_builder: impl_cls must be a subclass of AttentionImpl or StateImpl, got {impl!r}"
+            f"bind_builder: impl_cls must be a subclass of AttentionImpl or StateImpl, got {given_impl!r}"
         )
+    # The classes themselves, typed by what the static signature already guarantees
+    # (isinstance cannot recover their type arguments).
+    builder = cast("type[AttentionMetadataBuilder[M, Any]]", given_builder)
+    impl = cast("type[LayerImpl[M, Any, Any]]", given_impl)
     kind = getattr(spec_type, "kind", None)
     if not isinstance(kind, KVCacheSpecKind):
         raise TypeError(

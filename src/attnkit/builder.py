@@ -158,6 +158,6 @@ class AttentionMetadataBuilder(ABC, Generic[M_co, S_co]):
             raise RuntimeError(
                 f"{type(self).__name__} cannot capture this batch in a CUDA graph: its "
                 f"support is {support.name} and the batch has query lengths "
-                f"{query_lens.tolist()}"
+                f"{query_lens.tolist()}"  # pyright: ignore[reportUnknownMemberType]  # torch types tolist() as a bare List
             )
         return self.build(0, common_attn_metadata)

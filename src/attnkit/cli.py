@@ -222,7 +222,7 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnkit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="attnkit", description=(__doc__ or "attnkit").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     backends = sub.add_parser("backends", help="list registered backends and their availability")
     backends.add_argument("--device", default="cpu", help="device to check availability on")

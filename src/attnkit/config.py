@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializeAsAny,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -94,7 +95,8 @@ def parse_backend_per_kind(value: str | Mapping[str, str] | Mapping[KVCacheSpecK
 
 def _known_backends(info: ValidationInfo) -> Collection[str] | None:
     """The names to check against, when the validation context gives them."""
-    context = info.context if isinstance(info.context, Mapping) else {}
+    raw: object = info.context
+    context: Mapping[str, Any] = cast("Mapping[str, Any]", raw) if isinstance(raw, Mapping) else {}
     known = context.get("known_backends")
     if known is not None:
         return frozenset(known)
@@ -155,57 +157,63 @@ class AttentionConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: str | None = None
-    backend_per_kind: dict[KVCacheSpecKind, str] = Field(default_factory=dict)
-    backend_options: dict[str, BackendOptions | dict[str, Any]] = Field(default_factory=dict)
+    backend_per_kind: dict[KVCacheSpecKind, str] = Field(
+        default_factory=dict[KVCacheSpecKind, str]
+    )
+    # SerializeAsAny: dump a typed options object with its own fields, not the base's.
+    backend_options: dict[str, SerializeAsAny[BackendOptions] | dict[str, Any]] = Field(
+        default_factory=dict
+    )
     plugins: frozenset[str] | None = None
     max_num_reqs: int = Field(default=DEFAULT_MAX_NUM_REQS, ge=1)
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
 
-    # An explicit signature so that every input form the docs show type-checks for
-    # users under mypy and pyright without pydantic's plugin (the synthesized one
-    # would only accept the stored types). ``model_validate`` takes the same forms.
-    def __init__(
-        self,
-        *,
-        backend: str | None = None,
-        backend_per_kind: str | Mapping[str, str] | Mapping[KVCacheSpecKind, str] | None = None,
-        backend_options: Mapping[str, BackendOptions | Mapping[str, Any]] | None = None,
-        plugins: str | Iterable[str] | None = None,
-        max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-    ) -> None:
-        super().__init__(
-            backend=backend,
-            backend_per_kind=backend_per_kind if backend_per_kind is not None else {},
-            backend_options=backend_options if backend_options is not None else {},
-            plugins=plugins,
-            max_num_reqs=max_num_reqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
+    if TYPE_CHECKING:
+        # The signature type checkers see, so that every input form the docs show
+        # type-checks for users under mypy and pyright without pydantic's plugin (the
+        # synthesized one would accept only the stored types). At run time pydantic's
+        # own __init__ runs (a real override would drop model_validate's context); the
+        # before-validators below accept the same forms, None included.
+        def __init__(
+            self,
+            *,
+            backend: str | None = None,
+            backend_per_kind: str | Mapping[str, str] | Mapping[KVCacheSpecKind, str] | None = None,
+            backend_options: Mapping[str, BackendOptions | Mapping[str, Any]] | None = None,
+            plugins: str | Iterable[str] | None = None,
+            max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
+            max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
     @classmethod
     def _parse_per_kind(cls, value: Any) -> dict[KVCacheSpecKind, str]:
-        return parse_backend_per_kind(value)
+        return {} if value is None else parse_backend_per_kind(value)
 
     @field_validator("plugins", mode="before")
     @classmethod
     def _parse_plugins(cls, value: Any) -> Any:
         if isinstance(value, str):
             return frozenset(p.strip() for p in value.split(",") if p.strip())
+        # Unvalidated input: isinstance cannot say what the items are (pydantic checks
+        # them next), hence the casts.
         if isinstance(value, Iterable) and not isinstance(value, frozenset):
-            return frozenset(value)
-        return value
+            return frozenset(cast("Iterable[object]", value))
+        return cast(object, value)
 
     @field_validator("backend_options", mode="before")
     @classmethod
     def _copy_options(cls, value: Any) -> Any:
+        if value is None:
+            return {}
         if isinstance(value, Mapping):
+            # Unvalidated input (pydantic checks the items next), hence the casts.
+            items = cast("Mapping[object, object]", value).items()
             return {
-                k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()
+                k: dict(cast("Mapping[object, object]", v)) if isinstance(v, Mapping) else v
+                for k, v in items
             }
         return value
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import Any, Generic, TextIO, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +46,19 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 _Rand = Callable[..., torch.Tensor]
 
 
-class _Mixer:
-    """One layer's mixer: the same projections around a runtime core and a dense core."""
+_SpecT = TypeVar("_SpecT", bound=KVCacheSpec)
+_ParamsT = TypeVar("_ParamsT", bound=LayerParams)
 
-    spec: KVCacheSpec
-    params: LayerParams
+
+class _Mixer(Generic[_SpecT, _ParamsT]):
+    """One layer's mixer: the same projections around a runtime core and a dense core.
+
+    Generic in its spec and parameter types, so each mixer keeps its own (a subclass
+    may not narrow a mutable attribute of its base).
+    """
+
+    spec: _SpecT
+    params: _ParamsT
 
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -59,7 +67,7 @@ class _Mixer:
         raise NotImplementedError
 
 
-class _Attention(_Mixer):
+class _Attention(_Mixer[AttentionSpec, AttentionLayerParams]):
     params: AttentionLayerParams
 
     def __init__(
@@ -124,7 +132,7 @@ def _causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
-class _Mamba2(_Mixer):
+class _Mamba2(_Mixer[MambaSpec, Mamba2LayerParams]):
     params: Mamba2LayerParams
 
     def __init__(
@@ -199,7 +207,7 @@ class _Mamba2(_Mixer):
         return self._out(y, z)
 
 
-class _GatedDeltaNet(_Mixer):
+class _GatedDeltaNet(_Mixer[MambaSpec, GatedDeltaNetLayerParams]):
     params: GatedDeltaNetLayerParams
 
     def __init__(
@@ -262,7 +270,7 @@ class _GatedDeltaNet(_Mixer):
         return self._out(o, z)
 
 
-class _LinearAttention(_Mixer):
+class _LinearAttention(_Mixer[MambaSpec, LinearAttentionLayerParams]):
     params: LinearAttentionLayerParams
 
     def __init__(
@@ -314,7 +322,7 @@ class _LinearAttention(_Mixer):
         return _rms_norm(o.reshape(h.shape[0], -1).to(h.dtype)) @ self.w_out
 
 
-class _ShortConv(_Mixer):
+class _ShortConv(_Mixer[MambaSpec, ShortConvLayerParams]):
     params: ShortConvLayerParams
 
     def __init__(
@@ -398,9 +406,10 @@ class DemoModel:
 
         self.embed = rand(vocab, hidden)
         self.lm_head = rand(hidden, vocab, scale=hidden**-0.5)
-        self.layers: dict[str, _Mixer] = {}
+        # Mixers of every kind (each with its own spec and parameter types).
+        self.layers: dict[str, _Mixer[Any, Any]] = {}
         for i, kind in enumerate(layout):
-            mixer: _Mixer
+            mixer: _Mixer[Any, Any]
             if kind in ("full", "window"):
                 mixer = _Attention(
                     rand,
@@ -530,7 +539,7 @@ def run_demo(
         raise ValueError(f"unknown model {model_name!r}; choose one of {', '.join(MODELS)}")
     if prefer not in PRIORITIES:
         raise ValueError(f"prefer must be one of {', '.join(PRIORITIES)}, got {prefer!r}")
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # torch leaves seed unannotated
     model = DemoModel(layout=MODELS[model_name], dtype=dtype, device=device)
     config = AttentionConfig.model_validate(
         {"backend_per_kind": backend_per_kind or {}},
@@ -566,8 +575,9 @@ def run_demo(
 
     gen = torch.Generator().manual_seed(1)
     lengths = {"req-a": 5, "req-b": 12, "req-long": 40, "req-c": 3}
-    prompts = {
-        rid: torch.randint(0, 64, (n,), generator=gen).tolist() for rid, n in lengths.items()
+    prompts: dict[str, list[int]] = {
+        rid: torch.randint(0, 64, (n,), generator=gen).tolist()  # pyright: ignore[reportUnknownMemberType]  # torch types tolist() as a bare List
+        for rid, n in lengths.items()
     }
     targets = {
         "req-a": decode_steps,

@@ -239,7 +239,7 @@ class BlockPool:
 class _Request:
     num_tokens: int = 0
     encoder_len: int = 0
-    tables: list[list[int]] = dataclasses.field(default_factory=list)
+    tables: list[list[int]] = dataclasses.field(default_factory=list[list[int]])
 
 
 class KVCacheManager:
@@ -383,7 +383,8 @@ def allocate_kv_cache_tensors(
     for group in groups:
         group_shapes = shapes.get(group.group_id, ())
         dtypes = _tensor_dtypes(group.spec, len(group_shapes))
-        offsets, offset = [], 0
+        offsets: list[int] = []
+        offset = 0
         for shape, dtype in zip(group_shapes, dtypes, strict=True):
             if not shape or shape[0] != num_blocks:
                 raise ValueError(
@@ -399,7 +400,7 @@ def allocate_kv_cache_tensors(
                 f"but pages are {page_size_bytes} bytes"
             )
         for j, layer in enumerate(group.layer_names):
-            tensors = []
+            tensors: list[torch.Tensor] = []
             for shape, dtype, start in zip(group_shapes, dtypes, offsets, strict=True):
                 nbytes = math.prod(shape[1:]) * dtype.itemsize
                 view = buffers[j][:, start : start + nbytes].view(dtype).view(shape)

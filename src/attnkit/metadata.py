@@ -283,7 +283,7 @@ def split_decodes_and_prefills(
 
 
 def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
-    out: list[int] = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    out: list[int] = values.tolist() if isinstance(values, torch.Tensor) else list(values)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     for i, v in enumerate(out):
         if not is_nonnegative_int(v):
             raise ValueError(f"{name}[{i}] must be an int >= 0, got {v!r}")

@@ -255,7 +255,7 @@ class BackendRegistry:
     def _unknown(self, name: str) -> UnknownBackendError:
         known = ", ".join(sorted(self._entries)) or "none"
         message = f"unknown backend {name!r}; registered backends: {known}"
-        reasons = [e.error for key, e in self._excluded.items() if e.name == name and e.error]
+        reasons = [e.error for e in self._excluded.values() if e.name == name and e.error]
         if reasons:
             message += f". A plugin named {name!r} was excluded: " + "; ".join(reasons)
         return UnknownBackendError(message)

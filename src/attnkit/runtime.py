@@ -19,7 +19,7 @@ exactly once; every ``forward`` of the step reuses it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -57,6 +57,9 @@ __all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StateLayer", "
 
 InputsT = TypeVar("InputsT", bound=StateInputs)
 
+# torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
+_from_numpy: Callable[[np.ndarray[Any, Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledRequest:
@@ -92,7 +95,8 @@ class StepBatch:
 
     def token_slices(self) -> dict[str, slice]:
         """Request id -> the rows of the step's token tensors that belong to it."""
-        slices, start = {}, 0
+        slices: dict[str, slice] = {}
+        start = 0
         for rid, n in zip(self.order, self.query_lens, strict=True):
             slices[rid] = slice(start, start + n)
             start += n
@@ -387,8 +391,8 @@ class AttentionRuntime:
         computed = np.asarray(seq_lens, dtype=np.int32) - q.astype(np.int32)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(q, out=qsl[1:])
-        qsl_cpu = torch.from_numpy(qsl)
-        seq_cpu = torch.from_numpy(seq.astype(np.int32))
+        qsl_cpu = _from_numpy(qsl)
+        seq_cpu = _from_numpy(seq.astype(np.int32))
         return CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(self.device),
             query_start_loc_cpu=qsl_cpu,
@@ -398,10 +402,10 @@ class AttentionRuntime:
             num_actual_tokens=num_tokens,
             max_query_len=int(q.max()) if num_reqs else 0,
             max_seq_len=int(seq.max()) if num_reqs else 0,
-            block_table_tensor=torch.from_numpy(table).to(self.device),
-            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_table_tensor=_from_numpy(table).to(self.device),
+            slot_mapping=_from_numpy(slots).to(self.device),
             causal=causal,
-            num_computed_tokens_cpu=torch.from_numpy(computed),
+            num_computed_tokens_cpu=_from_numpy(computed),
         )
 
     def _current_step(self) -> StepBatch:

@@ -42,17 +42,17 @@ from attnkit import (
     AttentionSpec,
     BackendNotSupportedError,
     BackendRegistry,
-    BackendRequest,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpecKind,
+    MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
     select_backend,
 )
+from attnkit.backend_api import BackendRequest, CommonAttentionMetadata
 from attnkit.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -79,7 +79,8 @@ REALLY_INSTALLED = _versions.installed_versions()
 
 def config(version: int | None = None) -> AttentionConfig:
     return AttentionConfig.model_validate(
-        {"flash_attn_version": version}, context={"known_backends": []}
+        {"backend_options": {"flash_attn": {"version": version}}},
+        context={"known_backends": ["flash_attn"]},
     )
 
 
@@ -138,11 +139,11 @@ def test_declarations_are_valid() -> None:
     assert FlashAttentionBackend.supported_devices == frozenset({"cuda"})
     assert FlashAttentionBackend.supported_dtypes == frozenset({torch.float16, torch.bfloat16})
     assert FlashAttentionBackend.supported_kv_cache_dtypes == frozenset({"auto"})
-    assert FlashAttentionBackend.supported_kinds == frozenset(
+    assert FlashAttentionBackend.supported_kinds() == frozenset(
         {F.FULL_ATTENTION, F.SLIDING_WINDOW, F.ENCODER_ONLY_ATTENTION, F.CROSS_ATTENTION}
     )
     assert AttentionFeature.RETURN_LSE not in FlashAttentionBackend.supported_features
-    for kind in FlashAttentionBackend.supported_kinds:
+    for kind in FlashAttentionBackend.supported_kinds():
         spec_cls = {
             F.FULL_ATTENTION: FullAttentionSpec,
             F.SLIDING_WINDOW: SlidingWindowSpec,
@@ -150,8 +151,9 @@ def test_declarations_are_valid() -> None:
             F.CROSS_ATTENTION: CrossAttentionSpec,
         }[kind]
         binding = next(b for b in FlashAttentionBackend.builders if b.spec_type is spec_cls)
-        assert binding.builder_cls is FlashAttentionMetadataBuilder
-        assert binding.impl_cls is FlashAttentionImpl
+        assert binding.kind is kind
+        assert binding.builder_type is FlashAttentionMetadataBuilder
+        assert binding.impl_type is FlashAttentionImpl
 
 
 @pytest.mark.skipif(bool(REALLY_INSTALLED), reason="flash-attn is installed here")
@@ -188,7 +190,8 @@ def test_import_does_not_pull_flash_attn() -> None:
         """
         import sys, torch
         import attnkit
-        from attnkit import BackendRequest, FullAttentionSpec
+        from attnkit import FullAttentionSpec
+        from attnkit.backend_api import BackendRequest
         from attnkit.backends.flash_attn import FlashAttentionBackend
         spec = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16)
         FlashAttentionBackend.not_supported_reasons(
@@ -258,7 +261,8 @@ def test_version_choice(
             {2},
             {"capability": (10, 0), "version": 4},
             [
-                "flash_attn_version=4 was requested but flash-attn 4 is not installed "
+                "backend_options flash_attn version=4 was requested but flash-attn 4 is not "
+                "installed "
                 "(pip install flash-attn-4)"
             ],
             id="fa4-requested-not-installed",
@@ -267,7 +271,8 @@ def test_version_choice(
             {4},
             {"capability": (10, 0), "version": 2},
             [
-                "flash_attn_version=2 was requested but flash-attn 2 is not installed "
+                "backend_options flash_attn version=2 was requested but flash-attn 2 is not "
+                "installed "
                 "(pip install 'attnkit[flash-attn]')"
             ],
             id="fa2-requested-not-installed",
@@ -293,7 +298,8 @@ def test_version_choice(
             {"capability": (9, 0), "version": 4, "spec": full_spec(block_size=128)},
             [
                 "flash-attn 4 has no paged KV cache on compute capability 9.0, which "
-                "kind=full_attention needs (use flash_attn_version=2 on this GPU)"
+                "kind=full_attention needs (use backend_options={'flash_attn': {'version': 2}} "
+                "on this GPU)"
             ],
             id="fa4-hopper-paged",
         ),
@@ -1281,8 +1287,12 @@ def test_impl_refuses_features_its_version_lacks(
 
 def test_impl_rejects_bad_layers() -> None:
     spec = full_spec()
-    with pytest.raises(TypeError, match="AttentionLayerParams"):
-        FlashAttentionImpl(spec, None)
+    binding = FlashAttentionBackend.get_binding(spec)
+    with pytest.raises(
+        TypeError,
+        match="FlashAttentionImpl takes layer_params of type AttentionLayerParams, got NoneType",
+    ):
+        binding.create_impl(spec, None)
     with pytest.raises(ValueError, match="return_lse"):
         FlashAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
     with pytest.raises(ValueError, match="v_head_size"):
@@ -1290,10 +1300,18 @@ def test_impl_rejects_bad_layers() -> None:
     sink_spec = SinkFullAttentionSpec(
         block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=2
     )
-    with pytest.raises(TypeError, match="serves kinds"):
-        FlashAttentionImpl(sink_spec, AttentionLayerParams(num_heads=4))
-    with pytest.raises(TypeError, match="serves kinds"):
-        FlashAttentionMetadataBuilder(sink_spec, ["l"], config(2), CPU)
+    # Binding is by exact kind: no binding serves sink_full_attention (nor MLA), and the
+    # FullAttentionSpec binding, which matches them by isinstance, refuses them.
+    mla_spec = MLAAttentionSpec(block_size=256, head_size=64, dtype=torch.float16)
+    for other in (sink_spec, mla_spec):
+        assert FlashAttentionBackend.find_binding(other) is None
+        why = reasons(other)
+        assert any(r.startswith(f"kind={other.kind.value} not supported") for r in why), why
+        refused = f"got a {type(other).__name__} \\(kind={other.kind.value}\\)"
+        with pytest.raises(TypeError, match=refused):
+            binding.create_impl(other, AttentionLayerParams(num_heads=4))
+        with pytest.raises(TypeError, match=refused):
+            binding.create(other, ["l"], config(2), CPU)
 
 
 # ----------------------------------------------------------------------------------

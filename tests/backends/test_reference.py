@@ -30,14 +30,14 @@ from attnkit import (
     AttentionLayerParams,
     AttentionSpec,
     BackendRegistry,
-    BackendRequest,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    GatedDeltaNetInputs,
     KVCacheSpec,
     KVCacheSpecKind,
+    Mamba2Inputs,
     Mamba2LayerParams,
     MambaSpec,
     MLAAttentionSpec,
@@ -46,14 +46,15 @@ from attnkit import (
     SlidingWindowSpec,
     select_backend,
 )
+from attnkit.backend_api import BackendRequest, CommonAttentionMetadata
 from attnkit.backends.reference import (
     ReferenceAttentionBuilder,
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
     ReferenceBackend,
-    ReferenceMamba2Builder,
     ReferenceMamba2Impl,
-    ReferenceMamba2Metadata,
+    ReferenceStateBuilder,
+    ReferenceStateMetadata,
 )
 from attnkit.backends.reference.state import ReferenceStateImpl
 
@@ -720,7 +721,7 @@ def run_mamba_case(case: MambaCase, seed: int = 0, device: torch.device = CPU) -
     assert not ReferenceBackend.not_supported_reasons(BackendRequest(spec=spec, device=CPU))
     binding = ReferenceBackend.get_binding(spec)
     builder = binding.create(spec, ["layers.0.mixer"], CONFIG, device)
-    assert isinstance(builder, ReferenceMamba2Builder)
+    assert isinstance(builder, ReferenceStateBuilder)
     impl = binding.create_impl(spec, dataclasses.replace(params, **on_device))
 
     num_reqs = len(case.steps[0])
@@ -766,7 +767,8 @@ def run_mamba_case(case: MambaCase, seed: int = 0, device: torch.device = CPU) -
             dtype=case.dtype,
             device=device,
         )
-        assert impl.forward(xbc.to(device), dt.to(device), None, caches, md, output) is output
+        inputs = Mamba2Inputs(xBC=xbc.to(device), dt=dt.to(device))
+        assert impl.forward(inputs, caches, md, output) is output
         output = output.cpu()
         row = 0
         for r in batch:
@@ -865,7 +867,7 @@ def test_declarations_are_valid() -> None:
     assert ReferenceBackend.declaration_problems() == []
     assert ReferenceBackend.name == "reference"
     assert ReferenceBackend.description
-    assert ReferenceBackend.supported_kinds == frozenset(KVCacheSpecKind)
+    assert ReferenceBackend.supported_kinds() == frozenset(KVCacheSpecKind)
     assert AttentionFeature.RETURN_LSE not in ReferenceBackend.supported_features
 
 
@@ -984,14 +986,15 @@ def test_bindings_pick_the_builder_per_family() -> None:
     attn_spec = spec_for_kind(KVCacheSpecKind.SLIDING_WINDOW)
     mamba_builder = ReferenceBackend.get_binding(mamba_spec).create(mamba_spec, ["m"], CONFIG, CPU)
     attn_builder = ReferenceBackend.get_binding(attn_spec).create(attn_spec, ["a"], CONFIG, CPU)
-    assert isinstance(mamba_builder, ReferenceMamba2Builder)
+    assert isinstance(mamba_builder, ReferenceStateBuilder)
     assert isinstance(mamba_builder.kv_cache_spec, MambaSpec)
     assert isinstance(attn_builder, ReferenceAttentionBuilder)
     assert isinstance(attn_builder.kv_cache_spec, SlidingWindowSpec)
     for kind in KVCacheSpecKind:
         spec = spec_for_kind(kind)
-        builder_cls = ReferenceBackend.get_binding(spec).builder_cls
-        assert builder_cls.get_cudagraph_support(CONFIG, spec) is AttentionCGSupport.NEVER
+        binding = ReferenceBackend.get_binding(spec)
+        assert binding.kind is kind
+        assert binding.get_cudagraph_support(CONFIG, spec) is AttentionCGSupport.NEVER
     # A builder bound to MambaSpec refuses an attention spec at the checked entry point.
     mamba_binding = ReferenceBackend.get_binding(mamba_spec)
     with pytest.raises(TypeError, match="MambaSpec"):
@@ -1042,12 +1045,12 @@ def test_sink_slots_only_for_new_requests() -> None:
 def test_mamba_metadata_is_views_of_the_batch() -> None:
     spec = spec_for_kind(KVCacheSpecKind.MAMBA)
     assert isinstance(spec, MambaSpec)
-    builder = ReferenceMamba2Builder(spec, ["m"], CONFIG, CPU)
+    builder = ReferenceStateBuilder(spec, ["m"], CONFIG, CPU)
     cm = CommonAttentionMetadata.from_lists(
         query_lens=[1, 4, 3], seq_lens=[9, 4, 5], block_table=[[3], [1], [2]], slot_mapping=[-1] * 8
     )
     md = builder.build(0, cm)
-    assert isinstance(md, ReferenceMamba2Metadata)
+    assert isinstance(md, ReferenceStateMetadata)
     assert md.query_start_loc is cm.query_start_loc
     assert md.state_indices.dtype == torch.int32
     assert md.state_indices.tolist() == [3, 1, 2]
@@ -1176,13 +1179,12 @@ SINK = SinkFullAttentionSpec(
 
 
 @pytest.mark.parametrize(
-    ("spec", "params", "error", "match"),
+    ("spec", "params", "match"),
     [
         pytest.param(
             FULL,
             None,
-            TypeError,
-            "layer_params must be AttentionLayerParams .* got NoneType",
+            r"ReferenceAttentionImpl takes layer_params of type AttentionLayerParams, got NoneType",
             id="no-params",
         ),
         pytest.param(
@@ -1195,17 +1197,39 @@ SINK = SinkFullAttentionSpec(
                 conv_weight=torch.zeros(8, 3),
                 A=torch.zeros(2),
             ),
-            TypeError,
-            "layer_params must be AttentionLayerParams .* got Mamba2LayerParams",
+            r"ReferenceAttentionImpl takes layer_params of type AttentionLayerParams, "
+            r"got Mamba2LayerParams",
             id="mamba-params",
         ),
         pytest.param(
             spec_for_kind(KVCacheSpecKind.MAMBA),
             PARAMS,
-            TypeError,
-            "kv_cache_spec must be an AttentionSpec, got MambaSpec",
+            r"bound to FullAttentionSpec \(kind=full_attention\), got a MambaSpec \(kind=mamba\)",
             id="mamba-spec",
         ),
+        pytest.param(
+            MLA,
+            AttentionLayerParams(num_heads=2),
+            r"bound to FullAttentionSpec \(kind=full_attention\), got a MLAAttentionSpec "
+            r"\(kind=mla_attention\)",
+            id="mla-spec-on-full-binding",
+        ),
+    ],
+)
+def test_attention_binding_refuses_wrong_types(
+    spec: KVCacheSpec, params: object, match: str
+) -> None:
+    """Impls take non-None params of their declared class and a spec of the bound kind:
+    the binding checks both before constructing anything."""
+    binding = ReferenceBackend.get_binding(FULL)
+    assert binding.impl_type is ReferenceAttentionImpl
+    with pytest.raises(TypeError, match=match):
+        binding.create_impl(spec, params)
+
+
+@pytest.mark.parametrize(
+    ("spec", "params", "error", "match"),
+    [
         pytest.param(
             FULL,
             AttentionLayerParams(num_heads=3),
@@ -1364,9 +1388,7 @@ def test_mla_and_cross_forward_errors() -> None:
         )
 
 
-def mamba_setup() -> tuple[
-    MambaSpec, Mamba2LayerParams, ReferenceMamba2Metadata, dict[str, object]
-]:
+def mamba_setup() -> tuple[MambaSpec, Mamba2LayerParams, ReferenceStateMetadata, dict[str, object]]:
     params = make_mamba_params(MambaCase(), torch.Generator().manual_seed(0))
     spec = MambaSpec(
         block_size=16, shapes=params.state_shapes, dtypes=(torch.float32, torch.float32)
@@ -1374,12 +1396,10 @@ def mamba_setup() -> tuple[
     cm = CommonAttentionMetadata.from_lists(
         query_lens=[3], seq_lens=[3], block_table=[[1]], slot_mapping=[-1, -1, -1]
     )
-    md = ReferenceMamba2Builder(spec, ["m"], CONFIG, CPU).build(0, cm)
+    md = ReferenceStateBuilder(spec, ["m"], CONFIG, CPU).build(0, cm)
     c = params.conv_dim
     args: dict[str, object] = {
-        "query": torch.randn(3, c),
-        "key": torch.randn(3, 4),
-        "value": None,
+        "inputs": Mamba2Inputs(xBC=torch.randn(3, c), dt=torch.randn(3, 4)),
         "kv_cache": [torch.zeros(2, c, 3), torch.zeros(2, 4, 3, 5)],
         "attn_metadata": md,
         "output": torch.empty(3, 4, 3),
@@ -1391,34 +1411,42 @@ def mamba_setup() -> tuple[
     ("change", "error", "match"),
     [
         pytest.param(
-            {"query": torch.randn(3, 7)},
+            {"inputs": Mamba2Inputs(xBC=torch.randn(3, 7), dt=torch.randn(3, 4))},
             ValueError,
-            r"query \(xBC\) must be float32 \[T, C\]=\[\*, 32\], got float32 \[3, 7\]",
+            r"inputs\.xBC must be float32 \[T, C\]=\[\*, 32\], got float32 \[3, 7\]",
             id="xbc-channels",
         ),
         pytest.param(
-            {"query": torch.randn(3, 32, dtype=torch.float16)},
+            {
+                "inputs": Mamba2Inputs(
+                    xBC=torch.randn(3, 32, dtype=torch.float16), dt=torch.randn(3, 4)
+                )
+            },
             ValueError,
-            r"query \(xBC\) must be float32 .* got float16",
+            r"inputs\.xBC must be float32 .* got float16",
             id="xbc-dtype",
         ),
         pytest.param(
-            {"key": None},
-            TypeError,
-            r"key \(dt\) must be a torch.Tensor \[T, H\]=\[3, 4\] on cpu, got None",
-            id="dt-missing",
+            {"inputs": Mamba2Inputs(xBC=torch.randn(2, 32), dt=torch.randn(2, 4))},
+            ValueError,
+            r"inputs\.xBC must have at least num_actual_tokens=3 rows, got float32 \[2, 32\]",
+            id="xbc-rows",
         ),
         pytest.param(
-            {"key": torch.randn(3, 2)},
+            {"inputs": Mamba2Inputs(xBC=torch.randn(3, 32), dt=torch.randn(3, 2))},
             ValueError,
-            r"key \(dt\) must be \[T, H\]=\[3, 4\]",
+            r"inputs\.dt must be \[T, H\]=\[3, 4\] on cpu, got float32 \[3, 2\]",
             id="dt-heads",
         ),
         pytest.param(
-            {"value": torch.randn(3, 4)},
+            {
+                "inputs": Mamba2Inputs(
+                    xBC=torch.randn(3, 32), dt=torch.ones(3, 4, dtype=torch.int64)
+                )
+            },
             ValueError,
-            "value must be None for a Mamba2 layer",
-            id="value-given",
+            r"inputs\.dt must be a floating-point tensor, got int64 \[3, 4\]",
+            id="dt-integer",
         ),
         pytest.param(
             {"output": torch.empty(3, 4, 2)},
@@ -1447,7 +1475,7 @@ def mamba_setup() -> tuple[
         pytest.param(
             {"attn_metadata": None},
             TypeError,
-            "attn_metadata must be ReferenceMamba2Metadata, got NoneType",
+            "attn_metadata must be ReferenceStateMetadata, got NoneType",
             id="metadata-type",
         ),
     ],
@@ -1463,12 +1491,24 @@ def test_mamba_forward_rejects_bad_inputs(
 
 def test_mamba_impl_and_builder_reject_bad_layers() -> None:
     spec, params, _, _ = mamba_setup()
+    # Types are the binding's to check, before any impl is constructed.
+    binding = ReferenceBackend.get_binding(spec)
+    assert binding.impl_type is ReferenceStateImpl
     with pytest.raises(
-        TypeError, match="layer_params must be Mamba2LayerParams, got AttentionLayerParams"
+        TypeError,
+        match=r"ReferenceStateImpl takes layer_params of type Mamba2LayerParams \| "
+        r"GatedDeltaNetLayerParams \| LinearAttentionLayerParams \| ShortConvLayerParams, "
+        r"got AttentionLayerParams",
     ):
-        ReferenceMamba2Impl(spec, PARAMS)
-    with pytest.raises(TypeError, match="kv_cache_spec must be a MambaSpec, got FullAttentionSpec"):
-        ReferenceMamba2Impl(FULL, params)
+        binding.create_impl(spec, PARAMS)
+    with pytest.raises(
+        TypeError,
+        match=r"ReferenceStateBuilder is bound to MambaSpec \(kind=mamba\), "
+        r"got a FullAttentionSpec \(kind=full_attention\)",
+    ):
+        binding.create_impl(FULL, params)
+    with pytest.raises(TypeError, match=r"takes layer_params of type .* got NoneType"):
+        binding.create_impl(spec, None)
     wrong = MambaSpec(
         block_size=16, shapes=((32, 3), (4, 3, 6)), dtypes=(torch.float32, torch.float32)
     )
@@ -1487,17 +1527,58 @@ def test_mamba_impl_and_builder_reject_bad_layers() -> None:
     )
     with pytest.raises(ValueError, match="mamba_type must be 'mamba2', got 'mamba1'"):
         ReferenceMamba2Impl(mamba1, params)
-    with pytest.raises(ValueError, match=r"mamba_type='mamba1' is not supported \(supported: gdn, linear, mamba2, short_conv\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ReferenceMamba2Impl: kv_cache_spec.mamba_type must be 'mamba2', got 'mamba1'",
+    ):
         ReferenceStateImpl(mamba1, params)
     cm = CommonAttentionMetadata.from_lists(
         query_lens=[1], seq_lens=[1], block_table=[[]], slot_mapping=[-1]
     )
     with pytest.raises(ValueError, match="block_table_tensor must have a column 0"):
-        ReferenceMamba2Builder(spec, ["m"], CONFIG, CPU).build(0, cm)
+        ReferenceStateBuilder(spec, ["m"], CONFIG, CPU).build(0, cm)
     other_device = dataclasses.replace(params, A=params.A.to("meta"))
     _, _, _, args = mamba_setup()
     with pytest.raises(ValueError, match=r"layer_params\.A must be on the inputs' device cpu"):
         ReferenceMamba2Impl(spec, other_device).forward(**args)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+
+
+def test_state_impl_takes_only_its_types_inputs() -> None:
+    """The dispatcher runs a Mamba2 layer exactly as ReferenceMamba2Impl does, and refuses
+    another type's inputs (same row count) instead of reading them as xBC and dt."""
+    spec, params, md, _ = mamba_setup()
+    impl = ReferenceBackend.get_binding(spec).create_impl(spec, params)
+    assert isinstance(impl, ReferenceStateImpl)
+    gen = torch.Generator().manual_seed(3)
+    inputs = Mamba2Inputs(
+        xBC=torch.randn(3, params.conv_dim, generator=gen),
+        dt=torch.randn(3, params.num_heads, generator=gen),
+    )
+
+    def caches() -> list[torch.Tensor]:
+        return [torch.zeros(2, params.conv_dim, 3), torch.zeros(2, 4, 3, 5)]
+
+    got_caches, want_caches = caches(), caches()
+    got = impl.forward(inputs, got_caches, md, torch.full((3, 4, 3), NAN))
+    want = ReferenceMamba2Impl(spec, params).forward(
+        inputs, want_caches, md, torch.full((3, 4, 3), NAN)
+    )
+    torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+    for g, w in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(g, w, atol=0.0, rtol=0.0)
+
+    gdn = GatedDeltaNetInputs(
+        qkv=torch.randn(3, params.conv_dim), g=torch.randn(3, 4), beta=torch.randn(3, 4)
+    )
+    untouched = caches()
+    output = torch.full((3, 4, 3), NAN)
+    with pytest.raises(
+        TypeError,
+        match=r"ReferenceStateImpl: a mamba2 layer takes Mamba2Inputs, got GatedDeltaNetInputs",
+    ):
+        impl.forward(gdn, untouched, md, output)
+    assert bool(output.isnan().all())
+    assert all(bool((t == 0).all()) for t in untouched)
 
 
 def test_nan_in_the_null_block_does_not_leak() -> None:

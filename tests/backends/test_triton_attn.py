@@ -33,13 +33,9 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     AttentionFeature,
-    AttentionImpl,
     AttentionLayerParams,
-    AttentionMetadataBuilder,
     AttentionSpec,
-    BackendRequest,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
@@ -47,9 +43,15 @@ from attnkit import (
     Mamba2LayerParams,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
-    SizeRange,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+)
+from attnkit.backend_api import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    BackendRequest,
+    CommonAttentionMetadata,
+    SizeRange,
 )
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.triton_attn import (
@@ -1071,7 +1073,21 @@ def test_build_rejects_the_wrong_causality(case: Case, causal: bool, match: str)
     ],
 )
 def test_subclass_specs_matching_a_binding_are_refused(spec: AttentionSpec) -> None:
-    binding = TritonAttentionBackend.get_binding(spec)  # found through isinstance
+    # Binding is by exact kind: a subclass of a bound spec class finds no binding...
+    assert TritonAttentionBackend.find_binding(spec) is None
+    with pytest.raises(
+        TypeError,
+        match=f"backend 'triton_attn' has no builder for {type(spec).__name__}",
+    ):
+        TritonAttentionBackend.get_binding(spec)
+    why = _reasons(spec)
+    assert any(r.startswith(f"kind={spec.kind.value} not supported") for r in why), why
+    # ...and the binding of its parent class (matched by isinstance) refuses it.
+    (binding,) = [
+        b
+        for b in TritonAttentionBackend.builders
+        if isinstance(spec, b.spec_type) and b.kind is not spec.kind
+    ]
     with pytest.raises(TypeError, match=f"kind={spec.kind.value}"):
         binding.create(spec, ["layers.0"], CONFIG, DEVICE)
     with pytest.raises(TypeError, match=f"kind={spec.kind.value}"):
@@ -1088,7 +1104,12 @@ SUPPORTED_FEATURES = "alibi, attention_sinks, logits_soft_cap"
 @pytest.mark.parametrize(
     ("params", "error", "match"),
     [
-        pytest.param(None, ValueError, "needs AttentionLayerParams", id="no-params"),
+        pytest.param(
+            None,
+            TypeError,
+            "TritonAttentionImpl takes layer_params of type AttentionLayerParams, got NoneType",
+            id="no-params",
+        ),
         pytest.param(
             Mamba2LayerParams(
                 num_heads=1,
@@ -1207,7 +1228,7 @@ def _reasons(
 def test_declarations_are_valid() -> None:
     assert TritonAttentionBackend.declaration_problems() == []
     assert TritonAttentionBackend.name == "triton_attn"
-    assert TritonAttentionBackend.supported_kinds == {FULL, WINDOW, CHUNKED, ENCODER, CROSS}
+    assert TritonAttentionBackend.supported_kinds() == {FULL, WINDOW, CHUNKED, ENCODER, CROSS}
     assert TritonAttentionBackend.supported_features == {
         AttentionFeature.LOGITS_SOFT_CAP,
         AttentionFeature.ALIBI,
@@ -1401,7 +1422,8 @@ def test_importing_the_backend_does_not_import_triton() -> None:
         import sys
         import torch
         import attnkit
-        from attnkit import BackendRequest, EncoderOnlyAttentionSpec, FullAttentionSpec
+        from attnkit import EncoderOnlyAttentionSpec, FullAttentionSpec
+        from attnkit.backend_api import BackendRequest
         from attnkit.backends.triton_attn import (
             TritonAttentionBackend,
             TritonAttentionMetadataBuilder,

@@ -14,20 +14,21 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     BackendRegistry,
-    BackendRequest,
-    CommonAttentionMetadata,
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
     MambaSpec,
     NoBackendError,
     select_backend,
 )
+from attnkit.backend_api import BackendRequest, CommonAttentionMetadata
 from attnkit.backends.triton_state import (
     TritonGatedDeltaNetBackend,
+    TritonGatedDeltaNetImpl,
     TritonLinearAttentionBackend,
+    TritonLinearAttentionImpl,
     TritonMamba2Backend,
+    TritonMamba2Impl,
     TritonShortConvBackend,
-    TritonStateImpl,
     TritonStateMetadataBuilder,
 )
 from attnkit.registry import BUILTIN_BACKENDS
@@ -155,23 +156,33 @@ def test_impl_checks_kernel_limits() -> None:
     gdn = GatedDeltaNetLayerParams(
         num_heads=4, key_dim=16, value_dim=16, conv_weight=torch.zeros(192, 4), chunk_size=8
     )
-    with pytest.raises(ValueError, match=r"gdn chunk_size must be 16, 32 or 64, got 8"):
-        TritonStateImpl(spec("gdn"), gdn)
+    with pytest.raises(
+        ValueError, match=r"TritonGatedDeltaNetImpl: gdn chunk_size must be 16, 32 or 64, got 8"
+    ):
+        TritonGatedDeltaNetImpl(spec("gdn"), gdn)
     linear = LinearAttentionLayerParams(
         num_heads=4, key_dim=16, value_dim=16, decay=torch.ones(4), chunk_size=256
     )
-    with pytest.raises(ValueError, match=r"linear-attention chunk_size must be <= 128, got 256"):
-        TritonStateImpl(spec("linear"), linear)
     with pytest.raises(
-        TypeError, match=r"a mamba2 layer needs Mamba2LayerParams, got LinearAttentionLayerParams"
+        ValueError,
+        match=r"TritonLinearAttentionImpl: linear-attention chunk_size must be <= 128, got 256",
     ):
-        TritonStateImpl(spec("mamba2"), linear)
+        TritonLinearAttentionImpl(spec("linear"), linear)
+    # One impl per type: the binding refuses another type's parameters before construction.
+    (binding,) = TritonMamba2Backend.builders
+    assert binding.impl_type is TritonMamba2Impl
+    with pytest.raises(
+        TypeError,
+        match=r"TritonMamba2Impl takes layer_params of type Mamba2LayerParams, "
+        r"got LinearAttentionLayerParams",
+    ):
+        binding.create_impl(spec("mamba2"), linear)
 
 
 def test_import_does_not_pull_triton() -> None:
     code = (
         "import sys, attnkit.backends.triton_state as t, torch;"
-        "from attnkit import BackendRequest, MambaSpec;"
+        "from attnkit import MambaSpec; from attnkit.backend_api import BackendRequest;"
         "t.TritonMamba2Backend.not_supported_reasons(BackendRequest(spec=MambaSpec(block_size=1, shapes=((2, 2),), dtypes=(torch.float32,), mamba_type='short_conv'), device=torch.device('cpu')));"
         "print('triton' in sys.modules)"
     )
@@ -203,16 +214,18 @@ def test_ssd_chunk_bookkeeping_is_planned_once_per_step() -> None:
     )
     random.Random(0).shuffle(runtime.manager.pool._free)
     calls: list[int] = []
-    impl = runtime._impls["layers.0"]
-    assert isinstance(impl, TritonStateImpl)
-    plan = impl._k["ssd_chunks"]
+    impl = runtime._state_impls["layers.0"]
+    assert isinstance(impl, TritonMamba2Impl)
+    plan = impl._ssd_chunk_offsets
 
     def counting(qsl: torch.Tensor, num_tokens: int, chunk_size: int) -> torch.Tensor:
         calls.append(chunk_size)
         return plan(qsl, num_tokens, chunk_size)
 
     for name in ("layers.0", "layers.1"):
-        runtime._impls[name]._k["ssd_chunks"] = counting  # type: ignore[attr-defined]  # both are TritonStateImpl
+        layer_impl = runtime._state_impls[name]
+        assert isinstance(layer_impl, TritonMamba2Impl)
+        layer_impl._ssd_chunk_offsets = counting
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
     batch = runtime.begin_step([ScheduledRequest("a", len(prompt)), ScheduledRequest("b", 5)])
     tokens = torch.tensor(

@@ -1,4 +1,5 @@
-"""Well-typed pieces the fail cases misuse (this file itself must type-check cleanly)."""
+"""Well-typed pieces the fail cases misuse (this file itself must type-check cleanly
+under mypy and pyright)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,20 @@ import torch
 from typing_extensions import override
 
 from attnkit import (
+    AttentionLayerParams,
+    AttentionSpec,
+    FullAttentionSpec,
+    Mamba2Inputs,
+    Mamba2LayerParams,
+    MambaSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+from attnkit.backend_api import (
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
-    FullAttentionSpec,
-    MambaSpec,
+    StateImpl,
 )
 
 
@@ -28,6 +38,8 @@ class AttnMeta:
 
 
 class MambaBuilder(AttentionMetadataBuilder[MambaMeta, MambaSpec]):
+    """Accepts MambaSpec only."""
+
     @override
     def build(
         self,
@@ -39,6 +51,8 @@ class MambaBuilder(AttentionMetadataBuilder[MambaMeta, MambaSpec]):
 
 
 class FullBuilder(AttentionMetadataBuilder[AttnMeta, FullAttentionSpec]):
+    """Accepts FullAttentionSpec (and its subclasses) only."""
+
     @override
     def build(
         self,
@@ -49,21 +63,22 @@ class FullBuilder(AttentionMetadataBuilder[AttnMeta, FullAttentionSpec]):
         return AttnMeta(seq_lens=common_attn_metadata.seq_lens)
 
 
-class MambaImpl(AttentionImpl[MambaMeta]):
+class AnyAttentionBuilder(AttentionMetadataBuilder[AttnMeta, AttentionSpec]):
+    """Accepts every attention spec."""
+
     @override
-    def forward(
+    def build(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: Sequence[torch.Tensor],
-        attn_metadata: MambaMeta,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        return output
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttnMeta:
+        return AttnMeta(seq_lens=common_attn_metadata.seq_lens)
 
 
-class AttnImpl(AttentionImpl[AttnMeta]):
+class AttnImpl(AttentionImpl[AttnMeta, AttentionSpec, AttentionLayerParams]):
+    """Consumes AttnMeta; takes any attention spec."""
+
     @override
     def forward(
         self,
@@ -72,6 +87,100 @@ class AttnImpl(AttentionImpl[AttnMeta]):
         value: torch.Tensor | None,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: AttnMeta,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        return output
+
+
+class FullOnlyImpl(AttentionImpl[AttnMeta, FullAttentionSpec, AttentionLayerParams]):
+    """Consumes AttnMeta; narrowed to FullAttentionSpec."""
+
+    def __init__(self, kv_cache_spec: FullAttentionSpec, layer_params: AttentionLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: AttnMeta,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        return output
+
+
+class SinkOnlyImpl(AttentionImpl[AttnMeta, SinkFullAttentionSpec, AttentionLayerParams]):
+    """Consumes AttnMeta; narrowed to SinkFullAttentionSpec (a FullAttentionSpec subclass)."""
+
+    def __init__(
+        self, kv_cache_spec: SinkFullAttentionSpec, layer_params: AttentionLayerParams
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: AttnMeta,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        return output
+
+
+class SlidingOnlyImpl(AttentionImpl[AttnMeta, SlidingWindowSpec, AttentionLayerParams]):
+    """Consumes AttnMeta; narrowed to SlidingWindowSpec."""
+
+    def __init__(
+        self, kv_cache_spec: SlidingWindowSpec, layer_params: AttentionLayerParams
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: AttnMeta,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        return output
+
+
+class MambaImpl(StateImpl[MambaMeta, Mamba2LayerParams, Mamba2Inputs]):
+    """Consumes MambaMeta and Mamba2Inputs."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba2LayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+
+    @override
+    def forward(
+        self,
+        inputs: Mamba2Inputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: MambaMeta,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        return output
+
+
+class MambaMetaAttnImpl(AttentionImpl[MambaMeta, AttentionSpec, AttentionLayerParams]):
+    """An attention impl that consumes MambaMeta (no attention builder makes it)."""
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: MambaMeta,
         output: torch.Tensor,
     ) -> torch.Tensor:
         return output

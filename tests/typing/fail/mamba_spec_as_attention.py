@@ -14,7 +14,7 @@ def head_bytes(spec: AttentionSpec) -> int:
 
 
 def misuse(spec: MambaSpec, config: AttentionConfig) -> None:
-    head_bytes(spec)  # E: arg-type
+    head_bytes(spec)  # E: arg-type | pyright: reportArgumentType
     # A builder narrowed to FullAttentionSpec refuses a MambaSpec at construction.
-    FullBuilder(spec, ["layer.0"], config, torch.device("cpu"))  # E: arg-type
-    print(spec.head_size)  # E: attr-defined
+    FullBuilder(spec, ["layer.0"], config, torch.device("cpu"))  # E: arg-type | pyright: reportArgumentType
+    print(spec.head_size)  # E: attr-defined | pyright: reportAttributeAccessIssue, reportUnknownMemberType, reportUnknownArgumentType

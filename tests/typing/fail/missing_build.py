@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attnkit import AttentionConfig, AttentionMetadataBuilder, MambaSpec
+from attnkit import AttentionConfig, MambaSpec
+from attnkit.backend_api import AttentionMetadataBuilder
 
 
 class LazyBuilder(AttentionMetadataBuilder[int, MambaSpec]):
@@ -12,4 +13,4 @@ class LazyBuilder(AttentionMetadataBuilder[int, MambaSpec]):
 
 
 def make(spec: MambaSpec, config: AttentionConfig) -> None:
-    LazyBuilder(spec, [], config, torch.device("cpu"))  # E: abstract
+    LazyBuilder(spec, [], config, torch.device("cpu"))  # E: abstract | pyright: reportAbstractUsage

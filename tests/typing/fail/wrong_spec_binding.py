@@ -1,26 +1,38 @@
-"""Registering a builder (or impl) for a spec type / metadata it does not accept."""
+"""Binding a builder and an impl to a spec class that one of them does not accept, or
+an impl to a builder whose metadata it does not consume."""
 
 from __future__ import annotations
 
-from attnkit import (
-    AttentionBackend,
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpecKind,
-    bind_builder,
+from attnkit import FullAttentionSpec, SlidingWindowSpec
+from attnkit.backend_api import AttentionBackend, bind_builder, bind_each
+
+from ._common import (
+    AnyAttentionBuilder,
+    AttnImpl,
+    FullBuilder,
+    FullOnlyImpl,
+    MambaBuilder,
+    MambaMetaAttnImpl,
+    SinkOnlyImpl,
+    SlidingOnlyImpl,
 )
 
-from ._common import AttnImpl, FullBuilder, MambaBuilder, MambaImpl
-
-# The builder's __init__ takes MambaSpec, so it cannot be bound to attention specs.
-bind_builder(AttentionSpec, MambaBuilder, MambaImpl)  # E: misc
-# FullBuilder accepts FullAttentionSpec only, not every AttentionSpec.
-bind_builder(AttentionSpec, FullBuilder, AttnImpl)  # E: misc
+# The builder's __init__ takes MambaSpec, so it cannot be bound to an attention spec.
+bind_builder(SlidingWindowSpec, MambaBuilder, MambaMetaAttnImpl)  # E: arg-type | pyright: reportArgumentType
+# Builder and impl accept disjoint specs (full vs sliding window): no spec fits both.
+bind_builder(FullAttentionSpec, FullBuilder, SlidingOnlyImpl)  # E: arg-type | pyright: reportArgumentType
+# The impl is narrowed to FullAttentionSpec; the binding hands it sliding-window specs.
+bind_builder(SlidingWindowSpec, AnyAttentionBuilder, FullOnlyImpl)  # E: arg-type | pyright: reportArgumentType
+# The impl is narrowed to SinkFullAttentionSpec, narrower than the binding's spec class.
+bind_builder(FullAttentionSpec, FullBuilder, SinkOnlyImpl)  # E: arg-type | pyright: reportArgumentType
+# bind_each checks every spec class against both.
+bind_each((FullAttentionSpec, SlidingWindowSpec), AnyAttentionBuilder, FullOnlyImpl)  # E: arg-type | pyright: reportArgumentType
 # The impl consumes MambaMeta but the builder produces AttnMeta.
-bind_builder(FullAttentionSpec, FullBuilder, MambaImpl)  # E: misc
+bind_builder(FullAttentionSpec, FullBuilder, MambaMetaAttnImpl)  # E: misc | pyright: reportArgumentType
 
 
 class WrongBackend(AttentionBackend):
     name = "wrong"
-    supported_kinds = frozenset({KVCacheSpecKind.FULL_ATTENTION})
-    builders = (bind_builder(FullAttentionSpec, MambaBuilder, MambaImpl),)  # E: misc
+    builders = (bind_builder(FullAttentionSpec, FullBuilder, AttnImpl),)
+    # A backend may not bind an impl whose metadata its builder does not make.
+    more = (bind_builder(FullAttentionSpec, AnyAttentionBuilder, MambaMetaAttnImpl),)  # E: misc | pyright: reportArgumentType

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from typing_extensions import assert_type
 
@@ -9,17 +11,18 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     AttentionSpec,
-    BuilderBinding,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     SlidingWindowSpec,
-    bind_builder,
 )
+from attnkit.backend_api import BuilderBinding, CommonAttentionMetadata, bind_builder, bind_each
 from attnkit.backends.flash_attn import (
+    FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
+    FlashAttentionOptions,
     VersionChoice,
     choose_version,
 )
@@ -27,7 +30,7 @@ from attnkit.backends.flash_attn import (
 spec = SlidingWindowSpec(
     block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=128
 )
-config = AttentionConfig(flash_attn_version=2)
+config = AttentionConfig(backend_options={"flash_attn": FlashAttentionOptions(version=2)})
 builder = FlashAttentionMetadataBuilder(spec, ["layers.0"], config, torch.device("cpu"))
 assert_type(builder.kv_cache_spec, AttentionSpec)
 
@@ -55,6 +58,15 @@ binding = bind_builder(FullAttentionSpec, FlashAttentionMetadataBuilder, FlashAt
 assert_type(binding, BuilderBinding[FullAttentionSpec, FlashAttentionMetadata])
 cross = bind_builder(CrossAttentionSpec, FlashAttentionMetadataBuilder, FlashAttentionImpl)
 assert_type(cross, BuilderBinding[CrossAttentionSpec, FlashAttentionMetadata])
+for each in bind_each(
+    (FullAttentionSpec, SlidingWindowSpec, EncoderOnlyAttentionSpec),
+    FlashAttentionMetadataBuilder,
+    FlashAttentionImpl,
+):
+    made = each.create(spec, ["layers.0"], config, torch.device("cpu"))
+    assert_type(made.build(0, batch), FlashAttentionMetadata)
+assert_type(config.options_for("flash_attn", FlashAttentionOptions), FlashAttentionOptions)
+assert_type(FlashAttentionBackend.builders, tuple[BuilderBinding[Any, Any], ...])
 
 choice = choose_version(None, (10, 0), installed=frozenset({2, 4}))
 assert_type(choice, VersionChoice)

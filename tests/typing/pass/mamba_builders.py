@@ -1,4 +1,8 @@
-"""Builders that narrow their spec to ``MambaSpec``, both ways, with no assert."""
+"""A builder narrowed to ``MambaSpec`` through its type parameter, with no assert.
+
+(The vLLM spelling, a class-level ``kv_cache_spec: MambaSpec``, is checked in
+tests/typing/fail/vllm_style_builder.py: mypy accepts it, pyright reports it.)
+"""
 
 from __future__ import annotations
 
@@ -11,13 +15,17 @@ from typing_extensions import assert_type, override
 from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
-    AttentionImpl,
+    KVCacheSpec,
+    Mamba2Inputs,
+    Mamba2LayerParams,
+    MambaSpec,
+    MambaType,
+)
+from attnkit.backend_api import (
     AttentionMetadataBuilder,
     BuilderBinding,
     CommonAttentionMetadata,
-    KVCacheSpec,
-    MambaSpec,
-    MambaType,
+    StateImpl,
     bind_builder,
 )
 
@@ -31,37 +39,7 @@ class MyMeta:
 class GenericMambaBuilder(AttentionMetadataBuilder[MyMeta, MambaSpec]):
     """Narrowed through the second type parameter."""
 
-    @override
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> MyMeta:
-        assert_type(self.kv_cache_spec, MambaSpec)
-        # MambaSpec-only fields are reachable without an isinstance check.
-        num_states = len(self.kv_cache_spec.shapes)
-        return MyMeta(
-            state_indices=torch.zeros(common_attn_metadata.num_reqs + num_states, dtype=torch.int32),
-            num_prefills=0,
-        )
-
-
-class VllmStyleMambaBuilder(AttentionMetadataBuilder[MyMeta]):
-    """Narrowed the way vLLM builders are written: class-level annotation + __init__."""
-
-    kv_cache_spec: MambaSpec
     reorder_batch_threshold = 1
-
-    def __init__(
-        self,
-        kv_cache_spec: MambaSpec,
-        layer_names: Sequence[str],
-        config: AttentionConfig,
-        device: torch.device,
-    ) -> None:
-        super().__init__(kv_cache_spec, layer_names, config, device)
-        self.conv_shape = kv_cache_spec.shapes[0]
 
     @classmethod
     @override
@@ -79,22 +57,34 @@ class VllmStyleMambaBuilder(AttentionMetadataBuilder[MyMeta]):
     ) -> MyMeta:
         assert_type(self.kv_cache_spec, MambaSpec)
         assert_type(self.kv_cache_spec.mamba_type, MambaType)
-        return MyMeta(state_indices=torch.zeros(1, dtype=torch.int32), num_prefills=0)
+        # MambaSpec-only fields are reachable without an isinstance check.
+        num_states = len(self.kv_cache_spec.shapes)
+        return MyMeta(
+            state_indices=torch.zeros(common_attn_metadata.num_reqs + num_states, dtype=torch.int32),
+            num_prefills=0,
+        )
 
 
-class MyImpl(AttentionImpl[MyMeta]):
+class MyMamba2Impl(StateImpl[MyMeta, Mamba2LayerParams, Mamba2Inputs]):
     @override
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
+        inputs: Mamba2Inputs,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: MyMeta,
         output: torch.Tensor,
     ) -> torch.Tensor:
         assert_type(attn_metadata.num_prefills, int)
+        assert_type(self.kv_cache_spec, MambaSpec)
+        assert_type(self.layer_params, Mamba2LayerParams)
+        assert_type(self.layer_params.num_heads, int)
+        assert_type(inputs.xBC, torch.Tensor)
         return output
+
+
+def widest(builder: AttentionMetadataBuilder[MyMeta]) -> None:
+    # A builder is usable wherever the widest contract is expected.
+    assert_type(builder.kv_cache_spec, KVCacheSpec)
 
 
 def check(spec: MambaSpec, cm: CommonAttentionMetadata) -> None:
@@ -104,18 +94,10 @@ def check(spec: MambaSpec, cm: CommonAttentionMetadata) -> None:
     assert_type(generic.kv_cache_spec, MambaSpec)
     assert_type(generic.build(0, cm), MyMeta)
     assert_type(generic.build_for_cudagraph_capture(cm), MyMeta)
+    widest(generic)
 
-    vllm_style = VllmStyleMambaBuilder(spec, ["l1"], config, device)
-    assert_type(vllm_style.kv_cache_spec, MambaSpec)
-    assert_type(vllm_style.build(0, cm), MyMeta)
-
-    # A builder is usable wherever the widest contract is expected.
-    widest: AttentionMetadataBuilder[MyMeta] = vllm_style
-    assert_type(widest.kv_cache_spec, KVCacheSpec)
-
-    # Both styles bind to MambaSpec, and the binding carries the metadata type.
-    b1 = bind_builder(MambaSpec, GenericMambaBuilder, MyImpl)
-    assert_type(b1, BuilderBinding[MambaSpec, MyMeta])
-    b2 = bind_builder(MambaSpec, VllmStyleMambaBuilder, MyImpl)
-    assert_type(b2, BuilderBinding[MambaSpec, MyMeta])
-    assert_type(b2.create(spec, ["l1"], config, device).build(0, cm), MyMeta)
+    # The binding carries the spec and metadata types through create().
+    binding = bind_builder(MambaSpec, GenericMambaBuilder, MyMamba2Impl)
+    assert_type(binding, BuilderBinding[MambaSpec, MyMeta])
+    assert_type(binding.create(spec, ["l0"], config, device).build(0, cm), MyMeta)
+    assert_type(binding.reorder_batch_threshold, int | None)

@@ -1,4 +1,5 @@
-"""The reference backend's builders: narrowed spec types and metadata types, no asserts."""
+"""The reference backend's builders and impls: narrowed spec, parameter and metadata
+types, no asserts."""
 
 from __future__ import annotations
 
@@ -9,25 +10,40 @@ from typing_extensions import assert_type
 
 from attnkit import (
     AttentionConfig,
-    AttentionMetadataBuilder,
+    AttentionLayerParams,
     AttentionSpec,
-    BuilderBinding,
-    CommonAttentionMetadata,
+    FullAttentionSpec,
+    KVCacheSpec,
+    Mamba2LayerParams,
     MambaSpec,
     MambaType,
+    SlidingWindowSpec,
+    StateLayerParams,
+)
+from attnkit.backend_api import (
+    AttentionMetadataBuilder,
+    BuilderBinding,
+    CommonAttentionMetadata,
     bind_builder,
 )
 from attnkit.backends.reference import (
     ReferenceAttentionBuilder,
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
-    ReferenceMamba2Builder,
     ReferenceMamba2Impl,
-    ReferenceMamba2Metadata,
+    ReferenceStateBuilder,
+    ReferenceStateImpl,
+    ReferenceStateMetadata,
 )
 
 
-def check(attn_spec: AttentionSpec, mamba_spec: MambaSpec, cm: CommonAttentionMetadata) -> None:
+def check(
+    attn_spec: AttentionSpec,
+    mamba_spec: MambaSpec,
+    cm: CommonAttentionMetadata,
+    params: AttentionLayerParams,
+    mamba2_params: Mamba2LayerParams,
+) -> None:
     config = AttentionConfig.model_validate({}, context={"known_backends": []})
     device = torch.device("cpu")
 
@@ -38,25 +54,37 @@ def check(attn_spec: AttentionSpec, mamba_spec: MambaSpec, cm: CommonAttentionMe
     assert_type(attn.build(0, cm).sink_slot_mapping, torch.Tensor | None)
     assert_type(attn.build_for_cudagraph_capture(cm), ReferenceAttentionMetadata)
 
-    mamba = ReferenceMamba2Builder(mamba_spec, ["l1"], config, device)
-    assert_type(mamba.kv_cache_spec, MambaSpec)
-    assert_type(mamba.kv_cache_spec.mamba_type, MambaType)
-    assert_type(mamba.build(0, cm), ReferenceMamba2Metadata)
-    assert_type(mamba.build(0, cm).state_indices, torch.Tensor)
+    state = ReferenceStateBuilder(mamba_spec, ["l1"], config, device)
+    assert_type(state.kv_cache_spec, MambaSpec)
+    assert_type(state.kv_cache_spec.mamba_type, MambaType)
+    assert_type(state.build(0, cm), ReferenceStateMetadata)
+    assert_type(state.build(0, cm).state_indices, torch.Tensor)
 
-    # The metadata type is covariant; the spec type stays MambaSpec (it is invariant:
-    # kv_cache_spec is a mutable attribute), so code holding builders of any group
-    # takes AttentionMetadataBuilder[object, Any] rather than [..., KVCacheSpec].
-    wider: AttentionMetadataBuilder[object, MambaSpec] = mamba
-    assert_type(wider.kv_cache_spec, MambaSpec)
-    any_group: AttentionMetadataBuilder[object, Any] = attn
-    assert_type(any_group.build(0, cm), object)
+    # The metadata type is covariant, and so is the (read-only) spec type, so code
+    # holding builders of any group can take AttentionMetadataBuilder[object].
+    any_group: list[AttentionMetadataBuilder[object, KVCacheSpec]] = [attn, state]
+    assert_type(any_group[0].kv_cache_spec, KVCacheSpec)
+    assert_type(any_group[1].build(0, cm), object)
+
+    impl = ReferenceAttentionImpl(attn_spec, params)
+    assert_type(impl.kv_cache_spec, AttentionSpec)
+    assert_type(impl.layer_params, AttentionLayerParams)
+    mamba2 = ReferenceMamba2Impl(mamba_spec, mamba2_params)
+    assert_type(mamba2.layer_params, Mamba2LayerParams)
+    dispatcher = ReferenceStateImpl(mamba_spec, mamba2_params)
+    assert_type(dispatcher.layer_params, StateLayerParams)
 
     # The bindings carry the spec and metadata types.
-    b_attn = bind_builder(AttentionSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl)
-    assert_type(b_attn, BuilderBinding[AttentionSpec, ReferenceAttentionMetadata])
-    b_mamba = bind_builder(MambaSpec, ReferenceMamba2Builder, ReferenceMamba2Impl)
-    assert_type(b_mamba, BuilderBinding[MambaSpec, ReferenceMamba2Metadata])
+    b_full = bind_builder(FullAttentionSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl)
+    assert_type(b_full, BuilderBinding[FullAttentionSpec, ReferenceAttentionMetadata])
+    b_window = bind_builder(SlidingWindowSpec, ReferenceAttentionBuilder, ReferenceAttentionImpl)
+    assert_type(b_window, BuilderBinding[SlidingWindowSpec, ReferenceAttentionMetadata])
+    b_state = bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl)
+    assert_type(b_state, BuilderBinding[MambaSpec, ReferenceStateMetadata])
+    b_mamba2 = bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceMamba2Impl)
+    assert_type(b_mamba2, BuilderBinding[MambaSpec, ReferenceStateMetadata])
     assert_type(
-        b_mamba.create(mamba_spec, ["l1"], config, device).build(0, cm), ReferenceMamba2Metadata
+        b_state.create(mamba_spec, ["l1"], config, device).build(0, cm), ReferenceStateMetadata
     )
+    bindings: list[BuilderBinding[Any, Any]] = [b_full, b_state]
+    assert_type(bindings[0].spec_type, type[Any])

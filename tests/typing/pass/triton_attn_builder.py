@@ -9,15 +9,13 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     AttentionSpec,
-    BuilderBinding,
     ChunkedLocalAttentionSpec,
-    CommonAttentionMetadata,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     SlidingWindowSpec,
-    bind_builder,
 )
+from attnkit.backend_api import BuilderBinding, CommonAttentionMetadata, bind_builder
 from attnkit.backends.triton_attn import (
     TritonAttentionImpl,
     TritonAttentionMetadata,

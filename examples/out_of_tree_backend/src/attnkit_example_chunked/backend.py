@@ -1,9 +1,11 @@
-"""A complete third-party backend: declarations, a narrowed builder, and an impl.
+"""A complete third-party backend: declarations, a narrowed builder, and a typed impl.
 
-It serves one kind, ``chunked_local_attention``, with attnkit's pure-torch paged
-attention kernels. Installed, it is discovered through its ``attnkit.backends`` entry
-point and chosen with ``AttentionConfig(backend_per_kind={"chunked_local_attention":
-"example_chunked_local"})``.
+It serves one kind, ``chunked_local_attention`` (the kind of the one spec class it
+binds), with attnkit's pure-torch paged attention kernels. Installed, it is
+discovered through its ``attnkit.backends`` entry point and chosen with
+``AttentionConfig(backend_per_kind={"chunked_local_attention": "example_chunked_local"})``.
+Author-side names come from ``attnkit.backend_api``; specs, layer parameters and the
+config from ``attnkit``.
 """
 
 from __future__ import annotations
@@ -14,18 +16,15 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
-from attnkit import (
+from attnkit import AttentionConfig, AttentionLayerParams, ChunkedLocalAttentionSpec, KVCacheSpec
+from attnkit.backend_api import (
     AttentionBackend,
     AttentionCGSupport,
-    AttentionConfig,
     AttentionImpl,
-    AttentionLayerParams,
     AttentionMetadataBuilder,
-    ChunkedLocalAttentionSpec,
     CommonAttentionMetadata,
-    KVCacheSpec,
-    KVCacheSpecKind,
     MultipleOf,
+    attention_params_problems,
     bind_builder,
 )
 from attnkit.kernels.torch.attention import paged_attention, write_kv_cache
@@ -82,15 +81,21 @@ class ChunkedLocalBuilder(AttentionMetadataBuilder[ChunkedLocalMetadata, Chunked
         )
 
 
-class ChunkedLocalImpl(AttentionImpl[ChunkedLocalMetadata]):
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_params: AttentionLayerParams | None) -> None:
+class ChunkedLocalImpl(
+    AttentionImpl[ChunkedLocalMetadata, ChunkedLocalAttentionSpec, AttentionLayerParams]
+):
+    """Typed by its spec and parameters: attnkit constructs it only with those."""
+
+    def __init__(
+        self, kv_cache_spec: ChunkedLocalAttentionSpec, layer_params: AttentionLayerParams
+    ) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        if layer_params is None:
-            raise ValueError("ChunkedLocalImpl needs AttentionLayerParams, got None")
-        if not isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
-            raise TypeError(
-                f"ChunkedLocalImpl serves ChunkedLocalAttentionSpec, got {type(kv_cache_spec).__name__}"
-            )
+        # The kernel call below passes no soft-cap, ALiBi or sinks: refuse such layers.
+        problems = attention_params_problems(
+            kv_cache_spec, layer_params, backend=ChunkedLocalBackend.name, supported_features=frozenset()
+        )
+        if problems:
+            raise ValueError("ChunkedLocalImpl: " + "; ".join(problems))
         default_scale = kv_cache_spec.head_size**-0.5
         self.scale = layer_params.scale if layer_params.scale is not None else default_scale
 
@@ -125,7 +130,6 @@ class ChunkedLocalImpl(AttentionImpl[ChunkedLocalMetadata]):
 class ChunkedLocalBackend(AttentionBackend):
     name = "example_chunked_local"
     description = "out-of-tree example: chunked local attention in pure torch"
-    supported_kinds = frozenset({KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION})
     supported_devices = frozenset({"cpu", "cuda"})
     supported_block_sizes = (MultipleOf(8),)
     builders = (bind_builder(ChunkedLocalAttentionSpec, ChunkedLocalBuilder, ChunkedLocalImpl),)

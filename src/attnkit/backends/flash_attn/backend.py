@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal, Protocol, cast, overload
 
 import torch
 from typing_extensions import override
@@ -69,8 +69,59 @@ _FEATURES = frozenset(
         AttentionFeature.ATTENTION_SINKS,
     }
 )
-VarlenFunc = Callable[..., Any]
-"""A ``flash_attn_varlen_func`` (flash-attn 2's or 4's), or a stand-in with its arguments."""
+
+
+class FlashAttn2VarlenFunc(Protocol):
+    """flash-attn 2's ``flash_attn_varlen_func`` as this backend calls it (every argument
+    it passes, typed as it passes them; flash-attn itself ships no type hints)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        /,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+        window_size: tuple[int | None, int | None],
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+class FlashAttn4VarlenFunc(Protocol):
+    """flash-attn 4's ``flash_attn_varlen_func`` (``flash_attn.cute``) as this backend
+    calls it. It returns ``(out, lse)``; an ``out`` alone is accepted too."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        /,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        seqused_k: torch.Tensor | None,
+        page_table: torch.Tensor | None,
+        softmax_scale: float,
+        causal: bool,
+        window_size: tuple[int | None, int | None],
+        learnable_sink: torch.Tensor | None,
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor: ...
+
+
+VarlenFunc = FlashAttn2VarlenFunc | FlashAttn4VarlenFunc
+"""A ``flash_attn_varlen_func`` of either version, or a stand-in with its arguments."""
 
 
 class FlashAttentionOptions(BackendOptions):
@@ -240,7 +291,7 @@ class FlashAttentionMetadataBuilder(
             raise ValueError(
                 f"{who}: encoder_only_attention encodes each request whole in one step, so "
                 f"seq_lens must equal the query lengths, got seq_lens="
-                f"{cm.seq_lens_cpu.tolist()} and query lengths {cm.query_lens_cpu.tolist()}"
+                f"{cm.seq_lens_cpu.tolist()} and query lengths {cm.query_lens_cpu.tolist()}"  # pyright: ignore[reportUnknownMemberType]  # torch types tolist() as a bare List
             )
         fits = self.fits(cm)
 
@@ -332,12 +383,18 @@ def _write_kv(
         view[blocks, offsets] = torch.where(keep, new.to(cache.dtype), old)
 
 
+@overload
+def _import_varlen_func(version: Literal[2]) -> FlashAttn2VarlenFunc: ...
+@overload
+def _import_varlen_func(version: Literal[4]) -> FlashAttn4VarlenFunc: ...
 def _import_varlen_func(version: FlashAttnVersion) -> VarlenFunc:
     """Import ``flash_attn_varlen_func`` of flash-attn ``version`` (on first use)."""
     module_name = "flash_attn.flash_attn_interface" if version == 2 else "flash_attn.cute"
     pip = _versions.FA2_PIP if version == 2 else _versions.FA4_PIP
     try:
         module = importlib.import_module(module_name)
+        # Untyped package: the attribute is trusted to be the function the protocol of
+        # ``version`` describes (the overloads above say which).
         func: VarlenFunc = module.flash_attn_varlen_func
     except (ImportError, AttributeError) as exc:
         raise ImportError(
@@ -354,7 +411,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
     Args:
         kv_cache_spec: the layer's spec (a kind the backend serves).
         layer_params: its ``AttentionLayerParams``.
-        varlen_funcs: version -> function to call instead of importing flash-attn. Given
+        varlen_funcs: version -> function to call instead of importing flash-attn
+            (2: a ``FlashAttn2VarlenFunc``, 4: a ``FlashAttn4VarlenFunc``). Given
             (tests of attnkit's side of the contract run a pure-torch model of the
             documented call this way), the impl also runs on CPU tensors.
 
@@ -392,20 +450,32 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
         )
         # flash-attn 4's learnable_sink must be bfloat16.
         self._sinks = params.sinks.to(torch.bfloat16) if params.sinks is not None else None
-        self._funcs: dict[int, VarlenFunc] = dict(varlen_funcs or {})
+        funcs = varlen_funcs or {}
+        # By the documented contract, key 2 holds a flash-attn 2 function and key 4 a
+        # flash-attn 4 one; a mapping cannot say so per key, hence the casts.
+        self._fa2 = cast("FlashAttn2VarlenFunc | None", funcs.get(2))
+        self._fa4 = cast("FlashAttn4VarlenFunc | None", funcs.get(4))
         self._stand_in = varlen_funcs is not None
 
-    def _kernel(self, version: FlashAttnVersion) -> VarlenFunc:
+    def _check_version_features(self, version: FlashAttnVersion) -> None:
         missing = {2: AttentionFeature.ATTENTION_SINKS, 4: AttentionFeature.ALIBI}[version]
         if missing in self.features:
             raise ValueError(
                 f"{type(self).__name__}: the layer needs {missing.value}, which "
                 f"flash-attn {version} does not support"
             )
-        func = self._funcs.get(version)
-        if func is None:
-            func = self._funcs[version] = _import_varlen_func(version)
-        return func
+
+    def _fa2_kernel(self) -> FlashAttn2VarlenFunc:
+        self._check_version_features(2)
+        if self._fa2 is None:
+            self._fa2 = _import_varlen_func(2)
+        return self._fa2
+
+    def _fa4_kernel(self) -> FlashAttn4VarlenFunc:
+        self._check_version_features(4)
+        if self._fa4 is None:
+            self._fa4 = _import_varlen_func(4)
+        return self._fa4
 
     def _layer_tensors(
         self, device: torch.device
@@ -431,7 +501,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
         md = attn_metadata
         if not self._stand_in and query.device.type != "cuda":
             raise ValueError(f"{who}: flash-attn runs on CUDA tensors, got query on {query.device}")
-        func = self._kernel(md.version)
+        # The version's features are checked (and flash-attn imported) before any cache write.
+        fa2 = self._fa2_kernel() if md.version == 2 else None
+        fa4 = self._fa4_kernel() if md.version == 4 else None
         n = md.num_actual_tokens
         encoder_only = self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
         if len(kv_cache) != (0 if encoder_only else 1):
@@ -460,8 +532,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
 
         q = query[:n]
         alibi_slopes, learnable_sink = self._layer_tensors(q.device)
-        if md.version == 2:
-            out = func(
+        if fa2 is not None:
+            out = fa2(
                 q,
                 k,
                 v,
@@ -477,7 +549,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
                 block_table=md.block_table,
             )
         else:
-            result = func(
+            assert fa4 is not None  # md.version is 2 or 4
+            result = fa4(
                 q,
                 k,
                 v,

@@ -494,7 +494,7 @@ class ReferenceAttentionImpl(
     ) -> torch.Tensor:
         """Each request attends bidirectionally to its own rows of this step."""
         alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
-        starts: list[int] = md.query_start_loc_cpu.tolist()
+        starts: list[int] = md.query_start_loc_cpu.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
         output[starts[-1] :] = 0  # padding rows
         for start, end in itertools.pairwise(starts):
             if end == start:

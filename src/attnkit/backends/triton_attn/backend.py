@@ -21,8 +21,8 @@ imported.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from typing_extensions import override
@@ -47,6 +47,9 @@ from ...spec import (
     SlidingWindowSpec,
 )
 from .._triton_env import triton_cpu_reasons
+
+if TYPE_CHECKING:  # the kernel modules import triton; annotations only
+    from ...kernels.triton.split_kv_decode import SplitKVWorkspace
 
 __all__ = [
     "TritonAttentionBackend",
@@ -116,6 +119,36 @@ class TritonAttentionMetadata:
     scratch_num_blocks: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _ScratchLayout:
+    """Where an encoder-only step's keys/values go in the per-step scratch cache
+    (the metadata's ``scratch_*`` fields; empty for every other kind)."""
+
+    block_table: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    num_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceConstants:
+    """A layer's constants on its device: fp8 scales (``None`` unless the cache is
+    fp8), ALiBi slopes and sink logits (``None`` when the layer has none)."""
+
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+    sinks: torch.Tensor | None
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for any other device."""
+    if device.type != "cuda":
+        return 1
+    # torch declares the properties' class only in CUDA builds, so pyright sees Unknown.
+    props = torch.cuda.get_device_properties(device)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    return int(props.multi_processor_count)  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
+
+
 @dataclasses.dataclass
 class _GraphBuffers:
     """Fixed-address copies of a step's metadata, sized by the config's engine limits."""
@@ -169,15 +202,12 @@ class TritonAttentionMetadataBuilder(
         self.chunk_size = (
             spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
         )
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 1
-        )
+        self.num_sms: int = _num_sms(device)
         # Imported here (after selection): the heuristic lives with the kernel it tunes.
+        # Assigned unannotated, so the attribute keeps the function's own signature.
         from ...kernels.triton.split_kv_decode import choose_num_splits
 
-        self._choose_num_splits: Callable[..., int] = choose_num_splits
+        self._choose_num_splits = choose_num_splits
         self._graph: _GraphBuffers | None = None
 
     def _num_splits(self, cm: CommonAttentionMetadata) -> int:
@@ -205,9 +235,11 @@ class TritonAttentionMetadataBuilder(
                 f"{type(self).__name__}: a {self.kind.value} group needs causal={self.causal}, "
                 f"got causal={cm.causal}"
             )
-        scratch: dict[str, Any] = {}
-        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
-            scratch = self._scratch_layout(cm)
+        scratch = (
+            self._scratch_layout(cm)
+            if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+            else _ScratchLayout()
+        )
         return TritonAttentionMetadata(
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
@@ -220,10 +252,12 @@ class TritonAttentionMetadataBuilder(
             sliding_window=self.sliding_window,
             chunk_size=self.chunk_size,
             num_splits=self._num_splits(cm),
-            **scratch,
+            scratch_block_table=scratch.block_table,
+            scratch_slot_mapping=scratch.slot_mapping,
+            scratch_num_blocks=scratch.num_blocks,
         )
 
-    def _scratch_layout(self, cm: CommonAttentionMetadata) -> dict[str, Any]:
+    def _scratch_layout(self, cm: CommonAttentionMetadata) -> _ScratchLayout:
         """Blocks of a per-step scratch cache for encoder-only layers, from the CPU offsets."""
         bs = _SCRATCH_BLOCK_SIZE
         qsl = cm.query_start_loc_cpu.to(torch.int64)
@@ -238,11 +272,11 @@ class TritonAttentionMetadataBuilder(
         offset = token - qsl[req]
         slots = (first_block[req] + offset // bs) * bs + offset % bs
         device = cm.query_start_loc.device
-        return {
-            "scratch_block_table": table.to(device=device, dtype=torch.int32),
-            "scratch_slot_mapping": slots.to(device),
-            "scratch_num_blocks": int(blocks_per_req.sum()),
-        }
+        return _ScratchLayout(
+            block_table=table.to(device=device, dtype=torch.int32),
+            slot_mapping=slots.to(device),
+            num_blocks=int(blocks_per_req.sum()),
+        )
 
     @override
     def build_for_cudagraph_capture(
@@ -354,54 +388,54 @@ class TritonAttentionImpl(
         # Device copies of the layer's constants, made on the first forward (the device
         # is not known before) and reused, so later steps and graph replays allocate
         # nothing.
-        self._constants: dict[str, torch.Tensor | None] | None = None
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._constants: _DeviceConstants | None = None
+        self._workspace: SplitKVWorkspace | None = None
         self._scratch: torch.Tensor | None = None
         # Imported here, not at module level: importing the backend must not import
         # triton (and on CPU, triton must be imported after TRITON_INTERPRET is set).
+        # Assigned unannotated, so each attribute keeps the launcher's own signature and
+        # every call below is checked against it.
         from ...kernels.triton.kv_write import write_kv_cache
-        from ...kernels.triton.split_kv_decode import split_kv_decode
+        from ...kernels.triton.split_kv_decode import split_kv_decode, split_kv_workspace
         from ...kernels.triton.unified_attention import unified_attention
 
-        self._write_kv_cache: Callable[..., None] = write_kv_cache
-        self._unified_attention: Callable[..., Any] = unified_attention
-        self._split_kv_decode: Callable[..., Any] = split_kv_decode
+        self._write_kv_cache = write_kv_cache
+        self._unified_attention = unified_attention
+        self._split_kv_decode = split_kv_decode
+        self._split_kv_workspace = split_kv_workspace
 
-    def _device_constants(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+    def _device_constants(self, device: torch.device) -> _DeviceConstants:
         if self._constants is None:
             p = self.layer_params
 
             def scalar(value: float) -> torch.Tensor:
                 return torch.tensor([value], dtype=torch.float32, device=device)
 
-            self._constants = {
-                "k_scale": scalar(p.k_scale) if self.fp8 else None,
-                "v_scale": scalar(p.v_scale) if self.fp8 else None,
-                "alibi_slopes": (
+            self._constants = _DeviceConstants(
+                k_scale=scalar(p.k_scale) if self.fp8 else None,
+                v_scale=scalar(p.v_scale) if self.fp8 else None,
+                alibi_slopes=(
                     torch.tensor(p.alibi_slopes, dtype=torch.float32, device=device)
                     if p.alibi_slopes is not None
                     else None
                 ),
-                "sinks": p.sinks.to(device=device, dtype=torch.float32)
-                if p.sinks is not None
-                else None,
-            }
+                sinks=(
+                    p.sinks.to(device=device, dtype=torch.float32)
+                    if p.sinks is not None
+                    else None
+                ),
+            )
         return self._constants
 
     def _split_workspace(
         self, num_splits: int, num_tokens: int, head_size: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> SplitKVWorkspace:
         """Scratch of the split path, grown when a step needs more (reused otherwise)."""
         ws = self._workspace
         if ws is None or ws[0].shape[0] < num_splits or ws[0].shape[1] < num_tokens:
             splits = max(num_splits, ws[0].shape[0] if ws else 0)
             tokens = max(num_tokens, ws[0].shape[1] if ws else 0)
-            ws = (
-                torch.empty(
-                    (splits, tokens, self.num_heads, head_size), dtype=torch.float32, device=device
-                ),
-                torch.empty((splits, tokens, self.num_heads), dtype=torch.float32, device=device),
-            )
+            ws = self._split_kv_workspace(splits, tokens, self.num_heads, head_size, device=device)
             self._workspace = ws
         return ws
 
@@ -418,16 +452,20 @@ class TritonAttentionImpl(
         m = attn_metadata
         n = m.num_actual_tokens
         consts = self._device_constants(query.device)
-        scales = {"k_scale": consts["k_scale"], "v_scale": consts["v_scale"]}
+        k_scale, v_scale = consts.k_scale, consts.v_scale
         if self.kv_cache_spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
             if key is None or value is None:
                 raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
             cache = self._scratch_cache(m, key)
-            assert m.scratch_slot_mapping is not None  # the builder sets it for this kind
+            # The builder sets both for this kind.
+            assert m.scratch_block_table is not None
+            assert m.scratch_slot_mapping is not None
             # The scratch cache holds the step's own keys/values in the model dtype: an
             # encoder-only layer keeps no cache, so an fp8 kv_cache_dtype quantises nothing.
-            scales = {"k_scale": None, "v_scale": None}
-            self._write_kv_cache(key[:n], value[:n], cache, m.scratch_slot_mapping, **scales)
+            k_scale = v_scale = None
+            self._write_kv_cache(
+                key[:n], value[:n], cache, m.scratch_slot_mapping, k_scale=None, v_scale=None
+            )
             block_table = m.scratch_block_table
         else:
             if len(kv_cache) != 1:
@@ -440,26 +478,15 @@ class TritonAttentionImpl(
             if self.kv_cache_spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
                 if key is not None and value is not None:  # encoder states, first steps only
                     e = key.shape[0]
-                    self._write_kv_cache(key, value, cache, m.slot_mapping[:e], **scales)
+                    self._write_kv_cache(
+                        key, value, cache, m.slot_mapping[:e], k_scale=k_scale, v_scale=v_scale
+                    )
             else:
                 if key is None or value is None:
                     raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
-                self._write_kv_cache(key[:n], value[:n], cache, m.slot_mapping[:n], **scales)
-        common: dict[str, Any] = {
-            "query_start_loc": m.query_start_loc,
-            "seq_lens": m.seq_lens,
-            "block_table": block_table,
-            "max_seq_len": m.max_seq_len,
-            "scale": self.scale,
-            "causal": m.causal,
-            "sliding_window": m.sliding_window,
-            "chunk_size": m.chunk_size,
-            "logits_soft_cap": self.layer_params.logits_soft_cap,
-            "alibi_slopes": consts["alibi_slopes"],
-            "sinks": consts["sinks"],
-            "output": output,
-            **scales,
-        }
+                self._write_kv_cache(
+                    key[:n], value[:n], cache, m.slot_mapping[:n], k_scale=k_scale, v_scale=v_scale
+                )
         if m.num_splits:
             workspace = self._split_workspace(
                 m.num_splits, query.shape[0], self.kv_cache_spec.head_size, query.device
@@ -467,13 +494,44 @@ class TritonAttentionImpl(
             self._split_kv_decode(
                 query,
                 cache,
-                max_query_len=m.max_query_len,
+                query_start_loc=m.query_start_loc,
+                seq_lens=m.seq_lens,
+                block_table=block_table,
+                max_seq_len=m.max_seq_len,
+                scale=self.scale,
                 num_splits=m.num_splits,
+                max_query_len=m.max_query_len,
+                causal=m.causal,
+                sliding_window=m.sliding_window,
+                chunk_size=m.chunk_size,
+                logits_soft_cap=self.layer_params.logits_soft_cap,
+                alibi_slopes=consts.alibi_slopes,
+                sinks=consts.sinks,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                output=output,
                 workspace=workspace,
-                **common,
             )
         else:
-            self._unified_attention(query, cache, max_query_len=m.max_query_len, **common)
+            self._unified_attention(
+                query,
+                cache,
+                query_start_loc=m.query_start_loc,
+                seq_lens=m.seq_lens,
+                block_table=block_table,
+                max_query_len=m.max_query_len,
+                max_seq_len=m.max_seq_len,
+                scale=self.scale,
+                causal=m.causal,
+                sliding_window=m.sliding_window,
+                chunk_size=m.chunk_size,
+                logits_soft_cap=self.layer_params.logits_soft_cap,
+                alibi_slopes=consts.alibi_slopes,
+                sinks=consts.sinks,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                output=output,
+            )
         return output
 
     def _scratch_cache(self, m: TritonAttentionMetadata, key: torch.Tensor) -> torch.Tensor:

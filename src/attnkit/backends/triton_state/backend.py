@@ -82,7 +82,7 @@ class TritonStateMetadata:
     state_indices: torch.Tensor
     has_initial_state: torch.Tensor
     prefill_query_start_loc: torch.Tensor
-    chunk_offsets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    chunk_offsets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict[int, torch.Tensor])
 
 
 class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, MambaSpec]):

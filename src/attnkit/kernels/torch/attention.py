@@ -643,8 +643,8 @@ def paged_attention(
         output = torch.empty_like(query)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
 
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts: list[int] = query_start_loc.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    lens: list[int] = seq_lens.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     output[starts[-1] :] = 0  # padding rows
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]

@@ -109,7 +109,7 @@ def _check_query_start_loc(
     )
     if qsl.numel() < 1:
         raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
-    offsets: list[int] = qsl.tolist()
+    offsets: list[int] = qsl.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     if offsets[0] != 0:
         raise ValueError(f"query_start_loc: expected first offset 0, got {offsets[0]}")
     if offsets[-1] != num_tokens:
@@ -129,7 +129,7 @@ def _check_state_indices(
     si = _check_index(
         "state_indices", state_indices, length=batch, dtype=torch.int32, device=device
     )
-    slots: list[int] = si.tolist()
+    slots: list[int] = si.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     bad = [s for s in slots if not 0 <= s < num_slots]
     if bad:
         raise ValueError(
@@ -147,7 +147,7 @@ def _check_has_initial_state(
     his = _check_index(
         "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=device
     )
-    flags: list[bool] = his.tolist()
+    flags: list[bool] = his.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     return flags
 
 

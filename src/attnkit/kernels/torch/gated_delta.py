@@ -75,6 +75,7 @@ Cache conventions
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -194,8 +195,12 @@ def _chunked_one(
     a = (bc[..., :, None] * kk * decay).masked_fill(~strict, 0.0)
     system = a + torch.eye(c, dtype=a.dtype, device=a.device)
     rhs = torch.cat([bc[..., None] * vc, (bc * torch.exp(cum))[..., None] * kc], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)  # [nc, H, c, V], [nc, H, c, K]
+    # torch.linalg declares solve_triangular without a signature (pyright: Unknown).
+    solved = cast(
+        torch.Tensor,
+        torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True),  # pyright: ignore[reportUnknownMemberType]
+    )
+    u, w = torch.split(solved, [vc.shape[-1], kc.shape[-1]], dim=-1)  # [nc, H, c, V], [nc, H, c, K]
 
     scores = (qc @ kc.transpose(-1, -2)) * decay  # [nc, H, c, c], causal
     from_start = torch.exp(cum)[..., None]  # [nc, H, c, 1]: exp(G_i)
@@ -203,7 +208,7 @@ def _chunked_one(
     total = torch.exp(cum[..., -1])[..., None, None]  # [nc, H, 1, 1]
 
     state = state0
-    outs = []
+    outs: list[torch.Tensor] = []
     for i in range(n_chunks):
         delta = u[i] - w[i] @ state  # [H, c, V]
         outs.append(scale * (from_start[i] * (qc[i] @ state) + scores[i] @ delta))
@@ -259,7 +264,7 @@ def gated_delta_rule_recurrent_reference(
         state = init.float()
     q32, k32, v32 = q.float(), k.float(), v.float()
     alpha, b32 = torch.exp(g.float()), beta.float()
-    outs = []
+    outs: list[torch.Tensor] = []
     for t in range(length):
         state = alpha[t, :, None, None] * state
         u = v32[t] - torch.einsum("hkv,hk->hv", state, k32[t])

@@ -109,7 +109,7 @@ def _check_decay_shape(decay: object, q: Tensor) -> Tensor:
 def _check_decay_values(decay: Tensor) -> None:
     """Reads ``decay`` back to the host: for the torch oracles only."""
     if not bool(torch.isfinite(decay).all()) or bool((decay < 0).any()):
-        raise ValueError(f"decay: expected finite values >= 0, got {decay.tolist()}")
+        raise ValueError(f"decay: expected finite values >= 0, got {decay.tolist()}")  # pyright: ignore[reportUnknownMemberType]  # torch types tolist() as a bare List
 
 
 def _check_out(out: object, q: Tensor, v: Tensor, *, lead: str) -> Tensor:
@@ -200,7 +200,7 @@ def linear_attention_recurrent_reference(
         state = init.float()
     lam = torch.exp(-decay.float())[:, None, None]  # [H, 1, 1]
     q32, k32, v32 = q.float(), k.float(), v.float()
-    outs = []
+    outs: list[torch.Tensor] = []
     for t in range(length):
         state = lam * state + k32[t, :, :, None] * v32[t, :, None, :]
         outs.append(scale * torch.einsum("hkv,hk->hv", state, q32[t]))

@@ -264,7 +264,7 @@ def ssd_recurrent_reference(
     dtp = _discretize_dt(dt, dt_bias, dt_softplus)  # [L, H]
     decay = torch.exp(dtp * A.float())  # [L, H]
     Bh, Ch, x32 = _expand_groups(B, heads), _expand_groups(C, heads), x.float()
-    ys = []
+    ys: list[torch.Tensor] = []
     for t in range(length):
         update = (dtp[t, :, None] * x32[t]).unsqueeze(-1) * Bh[t, :, None, :]  # [H, P, N]
         state = decay[t, :, None, None] * state + update

@@ -28,7 +28,7 @@ import triton.language as tl
 
 
 @triton.jit
-def e4m3_bits_to_f32(bits):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def e4m3_bits_to_f32(bits):
     """Decode float8 e4m3fn bit patterns (uint8) to float32 with integer ops, exactly.
 
     e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 is
@@ -49,8 +49,8 @@ def e4m3_bits_to_f32(bits):  # type: ignore[no-untyped-def]  # Triton reads the 
     return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+@triton.jit
+def load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr):
     # Masked-off slots read as exactly 0 (never as whatever the slot holds: it may be a
     # NaN from an unwritten tail or a released block, and 0 * NaN is NaN).
     if FP8_BITS:
@@ -60,8 +60,8 @@ def load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr):  # type: ignore[no-untyped
     return tile
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def mask_scores(  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+@triton.jit
+def mask_scores(
     s,
     row_valid,
     k_valid,
@@ -86,8 +86,8 @@ def mask_scores(  # type: ignore[no-untyped-def]  # Triton reads the untyped arg
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def online_softmax_update(  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+@triton.jit
+def online_softmax_update(
     s,
     v,
     m_i,

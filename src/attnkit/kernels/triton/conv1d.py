@@ -65,7 +65,7 @@ _MAX_BLOCK_C = 128
 
 
 @triton.jit
-def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):
     """Segment ``b`` with ``offsets[b] <= target < offsets[b + 1]`` (scalar or vector).
 
     ``offsets`` has ``num_segments + 1`` non-decreasing entries starting at or below
@@ -87,7 +87,7 @@ def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):  # t
 
 
 @triton.jit
-def _silu(y):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _silu(y):
     return y * tl.sigmoid(y)
 
 
@@ -101,8 +101,8 @@ def search_iters(num_segments: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _conv1d_varlen_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _conv1d_varlen_kernel(
     x_ptr,
     weight_ptr,
     bias_ptr,
@@ -177,8 +177,8 @@ def _conv1d_varlen_kernel(  # type: ignore[no-untyped-def]  # Triton reads annot
     )
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _conv1d_state_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _conv1d_state_kernel(
     x_ptr,
     state_ptr,
     qsl_ptr,
@@ -235,8 +235,8 @@ def _conv1d_state_kernel(  # type: ignore[no-untyped-def]  # Triton reads annota
     )
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _conv1d_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _conv1d_update_kernel(
     x_ptr,
     weight_ptr,
     bias_ptr,

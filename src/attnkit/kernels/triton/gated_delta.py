@@ -80,8 +80,8 @@ _MAX_KEY_DIM = 256
 _MIN_DOT_DIM = 16
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _chunk_gated_delta_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _chunk_gated_delta_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -225,8 +225,8 @@ def _chunk_gated_delta_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
     tl.store(state_ptrs, state, mask=state_mask)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _recurrent_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _recurrent_update_kernel(
     q_ptr,
     k_ptr,
     v_ptr,

@@ -42,7 +42,7 @@ _FP8_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
-def _f32_to_e4m3_bits(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _f32_to_e4m3_bits(x):
     """Encode float32 (already clamped to [-448, 448]; NaN allowed) as e4m3fn bits (uint8).
 
     Round to nearest, ties to even, like torch and the hardware conversion. e4m3fn has
@@ -70,15 +70,15 @@ def _f32_to_e4m3_bits(x):  # type: ignore[no-untyped-def]  # Triton reads the un
 
 
 @triton.jit
-def _saturate_e4m3(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _saturate_e4m3(x):
     # Clamp to the finite e4m3fn range; e4m3fn has no infinity, and a value rounding past
     # 464 would become NaN. NaN itself passes through (min/max alone would drop it).
     clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
     return tl.where(x != x, x, clamped)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _write_kv_cache_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _write_kv_cache_kernel(
     key_ptr,
     value_ptr,
     cache_ptr,

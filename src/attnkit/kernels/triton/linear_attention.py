@@ -64,8 +64,8 @@ _MAX_KEY_DIM = 256
 _MAX_CHUNK_SIZE = 128
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _chunk_linear_attention_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _chunk_linear_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -191,8 +191,8 @@ def _chunk_linear_attention_kernel(  # type: ignore[no-untyped-def]  # Triton re
     tl.store(state_ptrs, state, mask=state_mask)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _linear_attention_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _linear_attention_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,

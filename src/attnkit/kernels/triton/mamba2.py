@@ -79,7 +79,7 @@ _MAX_CUMSUM_TILE = 4096  # elements of the [chunk, heads] tile of the cumsum ker
 
 
 @triton.jit
-def _softplus(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _softplus(x):
     """``torch.nn.functional.softplus`` (beta 1, threshold 20) in float32."""
     z = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + z
@@ -90,7 +90,7 @@ def _softplus(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped ar
 
 
 @triton.jit
-def _chunk_bounds(  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _chunk_bounds(
     qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
 ):
     """Request and token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""
@@ -106,8 +106,8 @@ def _chunk_bounds(  # type: ignore[no-untyped-def]  # Triton reads the untyped a
 # ----------------------------------------------------------------------------------
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _ssd_chunk_cumsum_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _ssd_chunk_cumsum_kernel(
     dt_ptr,
     dt_bias_ptr,
     A_ptr,
@@ -155,8 +155,8 @@ def _ssd_chunk_cumsum_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
     tl.store(cum_ptr + offsets, cum, mask=mask)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _ssd_chunk_state_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _ssd_chunk_state_kernel(
     x_ptr,
     B_ptr,
     dtp_ptr,
@@ -232,8 +232,8 @@ def _ssd_chunk_state_kernel(  # type: ignore[no-untyped-def]  # Triton reads ann
     )
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _ssd_state_passing_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _ssd_state_passing_kernel(
     ssm_ptr,
     states_ptr,
     cum_ptr,
@@ -296,8 +296,8 @@ def _ssd_state_passing_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
     tl.store(ssm_ptrs, state, mask=mask)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _ssd_chunk_output_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _ssd_chunk_output_kernel(
     x_ptr,
     B_ptr,
     C_ptr,
@@ -415,8 +415,8 @@ def _ssd_chunk_output_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
     )
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _selective_state_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _selective_state_update_kernel(
     x_ptr,
     dt_ptr,
     dt_bias_ptr,

@@ -28,8 +28,8 @@ __all__ = ["merge_attn_states"]
 _TILE_ELEMENTS = 2048
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _merge_attn_states_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _merge_attn_states_kernel(
     out_a_ptr,
     lse_a_ptr,
     out_b_ptr,

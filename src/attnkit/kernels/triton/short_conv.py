@@ -54,8 +54,8 @@ _BLOCK_CH_VARLEN = 64
 _BLOCK_CH_UPDATE = 256
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _round_bf16(x, ENABLE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+@triton.jit
+def _round_bf16(x, ENABLE: tl.constexpr):
     """Round float32 ``x`` to the nearest bfloat16 value (ties to even), kept as float32.
 
     Only enabled under the Triton interpreter, whose float32 -> bfloat16 conversion
@@ -73,8 +73,8 @@ def _round_bf16(x, ENABLE: tl.constexpr):  # type: ignore[no-untyped-def]  # Tri
     return x
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _short_conv_varlen_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _short_conv_varlen_kernel(
     b_ptr,
     c_ptr,
     x_ptr,
@@ -198,8 +198,8 @@ def _short_conv_varlen_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
         tl.store(slot_ptr + j[:, None] * stride_sk, new, mask=j_valid[:, None] & ch_valid[None, :])
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _short_conv_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _short_conv_update_kernel(
     b_ptr,
     c_ptr,
     x_ptr,

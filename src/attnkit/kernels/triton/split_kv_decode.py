@@ -95,8 +95,8 @@ _MAX_AUTO_SPLITS = 32
 # ------------------------------------------------------------------------ stage 1
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _split_kv_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _split_kv_partial_kernel(
     query_ptr,
     cache_ptr,
     part_out_ptr,
@@ -315,8 +315,8 @@ def _split_kv_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
 # ------------------------------------------------------------------------ stage 2
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _split_kv_merge_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _split_kv_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     output_ptr,

@@ -70,7 +70,7 @@ _MIN_ROWS = 16
 
 
 @triton.jit
-def _tanh(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped arguments itself
+def _tanh(x):
     # Triton has no portable tanh. exp2 of a non-positive argument never overflows, so
     # this is finite for every finite x and saturates to +-1 for large |x|.
     t = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|); the constant is 2 * log2(e)
@@ -78,8 +78,8 @@ def _tanh(x):  # type: ignore[no-untyped-def]  # Triton reads the untyped argume
     return tl.where(x < 0, -y, y)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
-def _unified_attention_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+@triton.jit
+def _unified_attention_kernel(
     query_ptr,
     cache_ptr,
     output_ptr,
