@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "attnkit.spec": 1,
     "attnkit.capabilities": 2,
     "attnkit.metadata": 2,
+    "attnkit.kinds": 2,
     "attnkit.config": 3,
     "attnkit.params": 3,
     "attnkit.builder": 4,

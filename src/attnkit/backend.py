@@ -39,6 +39,7 @@ from .capabilities import (
     size_allowed,
 )
 from .config import AttentionConfig, BackendOptions
+from .kinds import rules_for
 from .spec import (
     MODEL_DTYPES,
     AttentionSpec,
@@ -47,8 +48,6 @@ from .spec import (
     KVCacheSpecKind,
     MambaSpec,
     MambaType,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
 )
 
 __all__ = ["AttentionBackend", "BackendRequest"]
@@ -255,21 +254,14 @@ class AttentionBackend(ABC):
     def get_kv_cache_shapes(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[tuple[int, ...], ...]:
         """One shape per cache tensor of a layer with ``spec``.
 
-        Default: attention ``[num_blocks, 2, block_size, Hkv, D]``; MLA
-        ``[num_blocks, block_size, D]``; Mamba ``[num_blocks, *shape]`` per state;
-        encoder-only layers keep no cache (no tensors). Override for another layout.
+        Default: the kind's layout (``attnkit.kinds``): attention
+        ``[num_blocks, 2, block_size, Hkv, D]``; MLA ``[num_blocks, block_size, D]``;
+        Mamba ``[num_blocks, *shape]`` per state; encoder-only layers keep no cache (no
+        tensors). Override for another layout.
         """
         if not is_positive_int(num_blocks):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if isinstance(spec, MambaSpec):
-            return tuple((num_blocks, *shape) for shape in spec.shapes)
-        if spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
-            return ()
-        if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
-            return ((num_blocks, spec.block_size, spec.head_size),)
-        if isinstance(spec, AttentionSpec):
-            return ((num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size),)
-        raise TypeError(f"no default cache layout for {type(spec).__name__}")
+        return rules_for(spec).cache_shapes(spec, num_blocks)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:

@@ -40,19 +40,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._validation import is_nonnegative_int, is_positive_int
 from .errors import OutOfBlocksError
+from .kinds import Ints, KindRules, StepLens, rules_for
 from .spec import (
     AttentionSpec,
-    ChunkedLocalAttentionSpec,
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
 )
 
 __all__ = [
@@ -94,7 +95,7 @@ class KVCacheGroup:
     @property
     def has_cache(self) -> bool:
         """Whether the group keeps anything between steps (encoder-only layers do not)."""
-        return self.spec.kind is not KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+        return rules_for(self.spec).has_cache
 
 
 def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
@@ -175,8 +176,10 @@ def num_blocks_for_budget(
 class BlockPool:
     """A fixed set of block ids; id 0 (the null block) is never handed out.
 
-    ``allocate`` and ``free`` are O(1) per block. Every call either succeeds whole or
-    raises and changes nothing.
+    The public ``allocate``/``free`` check their arguments and either succeed whole or
+    raise and change nothing. The block manager uses the batched, unchecked
+    ``take``/``give_back`` on its hot path, for blocks whose ownership it tracks
+    itself; its own invariants are checked by the state-machine test.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -185,9 +188,9 @@ class BlockPool:
                 f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
             )
         self.num_blocks = num_blocks
-        # Popped from the end: low ids are handed out first, which keeps tests readable.
+        # A stack popped from the end: low ids are handed out first (readable tests).
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
-        self._in_use = bytearray(num_blocks)
+        self._in_use = np.zeros(num_blocks, dtype=np.bool_)
 
     @property
     def num_free_blocks(self) -> int:
@@ -195,6 +198,22 @@ class BlockPool:
 
     def is_allocated(self, block: int) -> bool:
         return 0 < block < self.num_blocks and bool(self._in_use[block])
+
+    def take(self, n: int) -> Ints32:
+        """Take ``n`` free blocks (the caller has checked that ``n`` are free)."""
+        if n == 0:
+            return _NO_BLOCKS
+        taken = self._free[-n:]
+        del self._free[-n:]
+        blocks = np.array(taken[::-1], dtype=np.int32)
+        self._in_use[blocks] = True
+        return blocks
+
+    def give_back(self, blocks: Ints32) -> None:
+        """Return blocks the caller owns (no checks)."""
+        if blocks.size:
+            self._in_use[blocks] = False
+            self._free.extend(blocks.tolist())
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks.
@@ -208,9 +227,7 @@ class BlockPool:
             raise OutOfBlocksError(
                 f"need {n} free block(s) but only {len(self._free)} of {self.num_blocks - 1} are free"
             )
-        taken = [self._free.pop() for _ in range(n)]
-        for block in taken:
-            self._in_use[block] = 1
+        taken: list[int] = self.take(n).tolist()
         return taken
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -220,134 +237,288 @@ class BlockPool:
             ValueError: for the null block, an id out of range, a block that is not
                 allocated, or one given twice (the pool is unchanged).
         """
-        blocks = list(blocks)
-        seen: set[int] = set()
-        for block in blocks:
+        given = list(blocks)
+        for block in given:
             if not (is_positive_int(block) and block < self.num_blocks):
                 raise ValueError(
                     f"cannot free block {block!r}: ids run from 1 to {self.num_blocks - 1}"
                 )
-            if not self._in_use[block] or block in seen:
-                raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
-            seen.add(block)
-        for block in blocks:
-            self._in_use[block] = 0
-            self._free.append(block)
+        arr = np.asarray(given, dtype=np.int32)
+        unique, counts = np.unique(arr, return_counts=True)
+        bad = unique[(counts > 1) | ~self._in_use[unique]]
+        if bad.size:
+            raise ValueError(f"cannot free block {int(bad[0])}: it is not allocated (double free?)")
+        self.give_back(arr)
+
+
+Ints32 = npt.NDArray[np.int32]
+_NO_BLOCKS: Ints32 = np.zeros(0, dtype=np.int32)
+
+
+class _Tables:
+    """One group's block tables: a persistent ``[rows, width]`` int32 array.
+
+    Row ``r`` is the request that holds row ``r``; ``num_blocks[r]`` logical blocks
+    exist (entries past it are 0), entries before ``first_live[r]`` were released (0,
+    the null block). Grown by doubling, never rebuilt.
+    """
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.first_live = np.zeros(rows, dtype=np.int64)
+
+    def grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        if rows <= old_rows and width <= old_width:
+            return
+        new_rows, new_width = max(rows, old_rows), max(width, old_width)
+        if rows > old_rows:
+            new_rows = max(rows, 2 * old_rows)
+        if width > old_width:
+            new_width = max(width, 2 * old_width)
+        table = np.zeros((new_rows, new_width), dtype=np.int32)
+        table[:old_rows, :old_width] = self.table
+        self.table = table
+        for name in ("num_blocks", "first_live"):
+            old = getattr(self, name)
+            new = np.zeros(new_rows, dtype=np.int64)
+            new[:old_rows] = old
+            setattr(self, name, new)
 
 
 @dataclasses.dataclass
-class _Request:
-    num_tokens: int = 0
-    encoder_len: int = 0
-    tables: list[list[int]] = dataclasses.field(default_factory=list[list[int]])
+class _StepPlan:
+    """What one group does in a step, computed before anything changes."""
+
+    group: KVCacheGroup
+    rules: KindRules[Any]
+    grow: Ints  # new blocks per scheduled request
+    release_from: Ints  # first_live before the step
+    release_to: Ints  # first_live after the step
 
 
 class KVCacheManager:
     """Per-request block tables of every group, over one ``BlockPool``.
 
     A request's table in a group maps its logical block ``i`` to a physical block.
-    Attention groups grow their tables as tokens arrive; sliding-window and
+    What a group allocates and releases follows its kind's rules (``attnkit.kinds``):
+    attention groups grow their tables as tokens arrive; sliding-window and
     chunked-local groups release blocks that no present or future query can see
     (their entries become the null block); a Mamba group holds one block per request;
     a cross-attention group holds the request's encoder tokens; encoder-only groups
     hold nothing.
+
+    Tables are persistent numpy arrays, one row per live request (rows of finished
+    requests are reused): a step does only its new work, vectorised over requests,
+    and releases cost O(blocks released).
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int) -> None:
         self.groups = tuple(groups)
         self.pool = BlockPool(num_blocks)
-        self._requests: dict[str, _Request] = {}
+        self._rules = [rules_for(g.spec) for g in self.groups]
+        self._rows: dict[str, int] = {}
+        capacity = 16
+        # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
+        self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
+        self._num_tokens = np.zeros(capacity, dtype=np.int64)
+        self._encoder_len = np.zeros(capacity, dtype=np.int64)
+        self._tables = [_Tables(capacity, 16) for _ in self.groups]
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
+        return req_id in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row_of(self, req_id: str) -> int:
+        """The table row of a live request."""
+        try:
+            return self._rows[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id!r}") from None
 
     def num_tokens(self, req_id: str) -> int:
         """Tokens of ``req_id`` whose K/V (or state) are in the cache after the last step."""
-        return self._request(req_id).num_tokens
+        return int(self._num_tokens[self.row_of(req_id)])
 
     def encoder_len(self, req_id: str) -> int:
-        return self._request(req_id).encoder_len
+        return int(self._encoder_len[self.row_of(req_id)])
 
     def block_table(self, group_id: int, req_id: str) -> list[int]:
         """A copy of ``req_id``'s table in group ``group_id``."""
-        return list(self._request(req_id).tables[group_id])
+        row = self.row_of(req_id)
+        tables = self._tables[group_id]
+        blocks: list[int] = tables.table[row, : tables.num_blocks[row]].tolist()
+        return blocks
+
+    def num_blocks_of(self, group_id: int, rows: Ints) -> Ints:
+        """Logical blocks of each of ``rows`` in group ``group_id`` (released ones included)."""
+        return self._tables[group_id].num_blocks[rows]
+
+    def table_array(self, group_id: int) -> Ints32:
+        """Group ``group_id``'s persistent table (rows as ``row_of`` gives them); read only."""
+        return self._tables[group_id].table
 
     def owned_blocks(self) -> dict[str, set[int]]:
         """Request -> every non-null block it holds in any group (for checks)."""
         return {
-            rid: {b for table in req.tables for b in table if b != NULL_BLOCK}
-            for rid, req in self._requests.items()
+            rid: {b for t in range(len(self.groups)) for b in self.block_table(t, rid) if b != NULL_BLOCK}
+            for rid in self._rows
         }
 
-    def _request(self, req_id: str) -> _Request:
-        try:
-            return self._requests[req_id]
-        except KeyError:
-            raise KeyError(f"unknown request {req_id!r}") from None
+    def lookup_rows(self, req_ids: Sequence[str]) -> Ints:
+        """Rows of ``req_ids``, -1 for ids not live."""
+        found = list(map(self._rows.get, req_ids))
+        if None in found:
+            found = [-1 if row is None else row for row in found]
+        return np.array(found, dtype=np.int64)
 
-    def _plan(self, group: KVCacheGroup, req: _Request, num_new: int) -> tuple[int, list[int]]:
-        """(blocks to allocate, table indices to release) for ``num_new`` more tokens."""
-        spec = group.spec
-        table = req.tables[group.group_id]
-        if not group.has_cache:
-            return 0, []
-        if isinstance(spec, MambaSpec):
-            return (0 if table else 1), []
-        if spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
-            return (0 if table else math.ceil(req.encoder_len / spec.block_size)), []
-        shift = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
-        first = req.num_tokens + shift  # group position of the first new token
-        end = first + num_new
-        needed = math.ceil(end / spec.block_size) - len(table)
-        first_live = 0
-        if isinstance(spec, SlidingWindowSpec):
-            first_live = max(0, first - spec.sliding_window + 1)
-        elif isinstance(spec, ChunkedLocalAttentionSpec):
-            first_live = (first // spec.attention_chunk_size) * spec.attention_chunk_size
-        dead = [i for i in range(first_live // spec.block_size) if table[i] != NULL_BLOCK]
-        return max(needed, 0), dead
+    def step_lens(self, rows: Ints, num_new: Ints, encoder_lens: Ints) -> StepLens:
+        """The step's lengths for ``rows`` (-1: a new request)."""
+        live = rows >= 0
+        if live.all():
+            return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
+        safe = np.where(live, rows, 0)
+        computed = np.where(live, self._num_tokens[safe], 0)
+        encoder = np.where(live, self._encoder_len[safe], encoder_lens)
+        return StepLens(computed, num_new, encoder)
 
-    def allocate_step(self, scheduled: Sequence[tuple[str, int, int]]) -> None:
+    def allocate_step(
+        self,
+        scheduled: Sequence[tuple[str, int, int]],
+    ) -> None:
         """Make room for one step: ``(req_id, num_new_tokens, encoder_len)`` per request.
 
         New request ids are added. Blocks that fall out of a window are released
         first. All or nothing: on ``OutOfBlocksError`` no table and no block changed.
         """
-        plans: list[tuple[_Request, list[tuple[int, list[int]]], int]] = []
+        ids = [r for r, _, _ in scheduled]
+        num_new = np.fromiter((n for _, n, _ in scheduled), dtype=np.int64, count=len(ids))
+        enc = np.fromiter((e for _, _, e in scheduled), dtype=np.int64, count=len(ids))
+        rows = self.lookup_rows(ids)
+        self.allocate_rows(ids, rows, self.step_lens(rows, num_new, enc))
+
+    def allocate_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> Ints:
+        """``allocate_step`` for callers that have the rows and lengths already.
+
+        ``rows`` holds -1 for new requests; the rows they get are filled in (the array
+        is updated in place and returned).
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step (nothing changed).
+        """
+        plans: list[_StepPlan] = []
         total_new = total_released = 0
-        for req_id, num_new, encoder_len in scheduled:
-            req = self._requests.get(req_id) or _Request(
-                encoder_len=encoder_len, tables=[[] for _ in self.groups]
-            )
-            per_group = [self._plan(g, req, num_new) for g in self.groups]
-            total_new += sum(n for n, _ in per_group)
-            total_released += sum(len(d) for _, d in per_group)
-            plans.append((req, per_group, num_new))
+        new = rows < 0
+        any_new = bool(new.any())
+        old_rows = np.where(new, 0, rows) if any_new else rows
+        for group, rules in zip(self.groups, self._rules, strict=True):
+            tables = self._tables[group.group_id]
+            have = tables.num_blocks[old_rows]
+            if any_new:
+                have[new] = 0
+            grow = np.maximum(rules.blocks_needed(group.spec, lens) - have, 0)
+            if rules.releases:
+                before = tables.first_live[old_rows]
+                if any_new:
+                    before[new] = 0
+                after = np.maximum(np.minimum(rules.first_live_block(group.spec, lens), have), before)
+                total_released += int((after - before).sum())
+            else:
+                before = after = _NO_INTS
+            total_new += int(grow.sum())
+            plans.append(_StepPlan(group, rules, grow, before, after))
         if total_new > self.pool.num_free_blocks + total_released:
             raise OutOfBlocksError(
                 f"the step needs {total_new} new block(s) but only "
                 f"{self.pool.num_free_blocks} are free (+{total_released} released by windows) "
                 f"of {self.pool.num_blocks - 1}; nothing was allocated"
             )
+        # Checked: from here on nothing fails. New requests get rows.
+        if any_new:
+            self._assign_rows(req_ids, rows, lens)
         # Releases first, for every request: a request earlier in the batch may need
         # the blocks a later one releases.
-        for req, per_group, _ in plans:
-            for group, (_, dead) in zip(self.groups, per_group, strict=True):
-                table = req.tables[group.group_id]
-                self.pool.free(table[i] for i in dead)
-                for i in dead:
-                    table[i] = NULL_BLOCK
-        for (req_id, _, _), (req, per_group, num_new) in zip(scheduled, plans, strict=True):
-            for group, (count, _) in zip(self.groups, per_group, strict=True):
-                req.tables[group.group_id].extend(self.pool.allocate(count))
-            req.num_tokens += num_new
-            self._requests[req_id] = req
+        for plan in plans:
+            if plan.release_to.size:
+                self._release(self._tables[plan.group.group_id], rows, plan.release_from, plan.release_to)
+        for plan in plans:
+            self._grow(self._tables[plan.group.group_id], rows, plan.grow)
+        self._num_tokens[rows] = lens.total
+        return rows
+
+    def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
+        new_idx = np.flatnonzero(rows < 0)
+        needed = len(self._rows) + new_idx.size
+        capacity = self._num_tokens.shape[0]
+        if needed > capacity:
+            size = max(needed, 2 * capacity)
+            for name in ("_num_tokens", "_encoder_len"):
+                grown = np.zeros(size, dtype=np.int64)
+                grown[:capacity] = getattr(self, name)
+                setattr(self, name, grown)
+            for tables in self._tables:
+                tables.grow(size, 0)
+            self._free_rows[:0] = range(size - 1, capacity - 1, -1)
+        for i in new_idx.tolist():
+            row = self._free_rows.pop()
+            rows[i] = row
+            self._rows[req_ids[i]] = row
+        self._encoder_len[rows[new_idx]] = lens.encoder[new_idx]
+        self._num_tokens[rows[new_idx]] = 0
+
+    def _release(self, tables: _Tables, rows: Ints, before: Ints, after: Ints) -> None:
+        moved = np.flatnonzero(after > before)
+        if moved.size == 0:
+            return
+        rows, before, after = rows[moved], before[moved], after[moved]
+        owners, cols = _spans(rows, before, after - before)
+        dead = tables.table[owners, cols]
+        tables.table[owners, cols] = NULL_BLOCK
+        self.pool.give_back(dead[dead != NULL_BLOCK])
+        tables.first_live[rows] = after
+
+    def _grow(self, tables: _Tables, rows: Ints, grow: Ints) -> None:
+        growing = np.flatnonzero(grow)
+        if growing.size == 0:
+            return
+        rows, grow = rows[growing], grow[growing]
+        have = tables.num_blocks[rows]
+        tables.grow(0, int((have + grow).max()))
+        owners, cols = _spans(rows, have, grow)
+        tables.table[owners, cols] = self.pool.take(owners.size)
+        tables.num_blocks[rows] = have + grow
 
     def free_request(self, req_id: str) -> None:
         """Release every block of ``req_id`` and forget it."""
-        req = self._request(req_id)
-        self.pool.free(b for table in req.tables for b in table if b != NULL_BLOCK)
-        del self._requests[req_id]
+        row = self.row_of(req_id)
+        for tables in self._tables:
+            used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+            self.pool.give_back(used[used != NULL_BLOCK].copy())
+            tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
+            tables.num_blocks[row] = 0
+            tables.first_live[row] = 0
+        self._num_tokens[row] = 0
+        self._encoder_len[row] = 0
+        del self._rows[req_id]
+        self._free_rows.append(row)
+
+
+_NO_INTS: Ints = np.zeros(0, dtype=np.int64)
+
+
+def _spans(rows: Ints, starts: Ints, counts: Ints) -> tuple[Ints, Ints]:
+    """(row, column) of every entry of the spans ``starts[i] .. starts[i]+counts[i]-1``
+    of ``rows[i]``, flattened (vectorised; one entry each is the common decode case)."""
+    if (counts == 1).all():
+        return rows, starts
+    total = int(counts.sum())
+    owners = np.repeat(rows, counts)
+    first = np.cumsum(counts) - counts
+    cols = np.repeat(starts - first, counts) + np.arange(total)
+    return owners, cols
 
 
 def allocate_kv_cache_tensors(

@@ -19,20 +19,21 @@ exactly once; every ``forward`` of the step reuses it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
-from ._validation import is_positive_int
+from ._validation import is_nonnegative_int, is_positive_int
 from .backend import AnyBinding, AttentionBackend
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .capabilities import AttentionFeature
 from .config import AttentionConfig
 from .impl import AttentionImpl, StateImpl
+from .kinds import Ints, StepLens, rules_for
 from .kv_cache import (
-    NULL_BLOCK,
     KVCacheGroup,
     KVCacheManager,
     allocate_kv_cache_tensors,
@@ -49,7 +50,6 @@ from .spec import (
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
-    SinkFullAttentionSpec,
 )
 from .state_inputs import StateInputs
 
@@ -75,6 +75,21 @@ class ScheduledRequest:
     req_id: str
     num_new_tokens: int
     encoder_len: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked here, where the engine makes it, so begin_step need not re-check
+        # every field of every request on the hot path.
+        if not isinstance(self.req_id, str):
+            raise TypeError(f"ScheduledRequest.req_id must be a str, got {self.req_id!r}")
+        if not is_positive_int(self.num_new_tokens):
+            raise ValueError(
+                f"request {self.req_id!r}: num_new_tokens must be an int >= 1, "
+                f"got {self.num_new_tokens!r}"
+            )
+        if not is_nonnegative_int(self.encoder_len):
+            raise ValueError(
+                f"request {self.req_id!r}: encoder_len must be an int >= 0, got {self.encoder_len!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +237,12 @@ class AttentionRuntime:
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
         }
         self._thresholds = tuple(sorted(thresholds))
+        self._rules_of = {g.group_id: rules_for(g.spec) for g in groups}
+        self._reads_encoder = any(
+            rules_for(g.spec).writes == "encoder" for g in groups
+        )
+        # One admission check per kind (rules objects are shared per kind).
+        self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step: StepBatch | None = None
 
     # ------------------------------------------------------------------ introspection
@@ -285,128 +306,114 @@ class AttentionRuntime:
                 encoder-only request split over steps.
             OutOfBlocksError: the cache is full (nothing was changed).
         """
+        finished = list(finished)
+        for req_id in finished:
+            self.manager.row_of(req_id)  # KeyError for an unknown id, before any change
+        ids: list[str] = list(map(_REQ_ID, scheduled))
+        _check_schedule(scheduled, ids)
+        count = len(ids)
+        counts = np.fromiter(map(_NUM_NEW, scheduled), dtype=np.int64, count=count)
+        encoder = (
+            np.fromiter(map(_ENCODER_LEN, scheduled), dtype=np.int64, count=count)
+            if self._reads_encoder
+            else np.zeros(count, dtype=np.int64)
+        )
         for req_id in finished:
             self.manager.free_request(req_id)
-        seen: set[str] = set()
-        for req in scheduled:
-            if req.req_id in seen:
-                raise ValueError(f"request {req.req_id!r} is scheduled twice in one step")
-            seen.add(req.req_id)
-            if not is_positive_int(req.num_new_tokens):
-                raise ValueError(
-                    f"request {req.req_id!r}: num_new_tokens must be an int >= 1, got {req.num_new_tokens!r}"
-                )
-            if req.req_id in self.manager and self._has_kind(
-                KVCacheSpecKind.ENCODER_ONLY_ATTENTION
-            ):
-                raise ValueError(
-                    f"request {req.req_id!r} was already encoded: encoder-only layers take a "
-                    f"request whole, in one step"
-                )
-            if (
-                req.req_id not in self.manager
-                and self._has_kind(KVCacheSpecKind.CROSS_ATTENTION)
-                and req.encoder_len < 1
-            ):
-                raise ValueError(
-                    f"request {req.req_id!r} is new and the model has cross-attention layers: "
-                    f"encoder_len must be >= 1, got {req.encoder_len}"
-                )
-        ordered = self._order(scheduled)
-        new_ids = {r.req_id for r in ordered if r.req_id not in self.manager}
-        self.manager.allocate_step([(r.req_id, r.num_new_tokens, r.encoder_len) for r in ordered])
-        query_lens = [r.num_new_tokens for r in ordered]
-        seq_lens = [self.manager.num_tokens(r.req_id) for r in ordered]
-        encoder_order = tuple(
-            r.req_id for r in ordered if r.req_id in new_ids and r.encoder_len > 0
-        )
-        for entry in self._groups:
-            entry.common = self._common_metadata(
-                entry.group, ordered, query_lens, seq_lens, new_ids
+        rows = self.manager.lookup_rows(ids)
+        lens = self.manager.step_lens(rows, counts, encoder)
+        for rules in self._kind_rules:
+            problem = rules.admission_problems(lens)
+            if problem is not None:
+                index, why = problem
+                raise ValueError(f"request {ids[index]!r} {why}")
+        if self._thresholds:
+            # Stable: for every builder's threshold, continuing requests at or under it
+            # come first. A new request is never a decode (nothing cached to extend).
+            key = sum(
+                (lens.is_new | (lens.query > t)).astype(np.int64) for t in self._thresholds
             )
+            order = np.argsort(key, kind="stable")
+            if (order != np.arange(order.size)).any():
+                ids = [ids[i] for i in order.tolist()]
+                rows = rows[order]
+                lens = StepLens(lens.computed[order], lens.query[order], lens.encoder[order])
+        new_mask = lens.is_new.copy()
+        rows = self.manager.allocate_rows(ids, rows, lens)
+        shared = _SharedStep(lens, rows, self._to_device)
+        for entry in self._groups:
+            entry.common = self._common_metadata(entry.group, rows, lens, shared)
             entry.metadata = entry.builder.build(0, entry.common)
+        query_lens = tuple(lens.query.tolist())
         self._step = StepBatch(
-            order=tuple(r.req_id for r in ordered),
-            query_lens=tuple(query_lens),
-            num_tokens=sum(query_lens),
-            encoder_order=encoder_order,
+            order=tuple(ids),
+            query_lens=query_lens,
+            num_tokens=shared.num_tokens,
+            encoder_order=tuple(
+                ids[i] for i in np.flatnonzero(new_mask & (lens.encoder > 0)).tolist()
+            ),
         )
         return self._step
 
-    def _has_kind(self, kind: KVCacheSpecKind) -> bool:
-        return any(e.group.kind is kind for e in self._groups)
-
-    def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
-        if not self._thresholds:
-            return list(scheduled)
-
-        # Stable: for every builder's threshold, continuing requests at or under it come
-        # first. A new request is never a decode (there is nothing cached to extend).
-        def key(r: ScheduledRequest) -> int:
-            new = r.req_id not in self.manager
-            return sum(new or r.num_new_tokens > t for t in self._thresholds)
-
-        return sorted(scheduled, key=key)
-
     def _common_metadata(
-        self,
-        group: KVCacheGroup,
-        ordered: Sequence[ScheduledRequest],
-        query_lens: list[int],
-        seq_lens: list[int],
-        new_ids: set[str],
+        self, group: KVCacheGroup, rows: Ints, lens: StepLens, shared: _SharedStep
     ) -> CommonAttentionMetadata:
         """The group's view of the step (see "Per-group metadata" in docs/architecture.md)."""
         spec = group.spec
-        kind = spec.kind
-        num_reqs, num_tokens = len(ordered), sum(query_lens)
-        q = np.asarray(query_lens, dtype=np.int64)
-        seq = np.asarray(seq_lens, dtype=np.int64)
-        rows = (
-            []
-            if not group.has_cache
-            else [self.manager.block_table(group.group_id, r.req_id) for r in ordered]
-        )
-        width = max((len(row) for row in rows), default=0)
-        table = np.zeros((num_reqs, width), dtype=np.int32)
-        for i, row in enumerate(rows):
-            table[i, : len(row)] = row
-        causal = True
-        slots = np.full(num_tokens, -1, dtype=np.int64)
-        if kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
-            causal, seq = False, q
-        elif kind is KVCacheSpecKind.CROSS_ATTENTION:
-            causal = False
-            seq = np.asarray([self.manager.encoder_len(r.req_id) for r in ordered], dtype=np.int64)
-            writes = np.asarray([r.req_id in new_ids for r in ordered], dtype=bool)
-            enc_slots = _slots(
-                table[writes], spec.block_size, np.zeros(int(writes.sum()), np.int64), seq[writes]
-            )
-            slots = np.full(max(num_tokens, enc_slots.shape[0]), -1, dtype=np.int64)
-            slots[: enc_slots.shape[0]] = enc_slots
-        elif not isinstance(spec, MambaSpec):
-            if isinstance(spec, SinkFullAttentionSpec):
-                seq = seq + spec.sink_len
-            slots = _slots(table, spec.block_size, seq - q, seq)
-        computed = np.asarray(seq_lens, dtype=np.int32) - q.astype(np.int32)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(q, out=qsl[1:])
-        qsl_cpu = _from_numpy(qsl)
-        seq_cpu = _from_numpy(seq.astype(np.int32))
+        rules = self._rules_of[group.group_id]
+        num_reqs, bs = rows.size, spec.block_size
+        if rules.has_cache and num_reqs:
+            width = int(self.manager.num_blocks_of(group.group_id, rows).max())
+            persistent = self.manager.table_array(group.group_id)
+            first = int(rows[0])
+            if shared.rows_contiguous:
+                # The batch holds consecutive rows in order (the steady state): a view of
+                # the persistent table, no copy. Valid until the next begin_step.
+                table = persistent[first : first + num_reqs, :width]
+            else:
+                table = persistent[rows, :width]
+        else:
+            table = np.zeros((num_reqs, 0), dtype=np.int32)
+        if rules.writes == "step":
+            shift = rules.shift(spec)
+            positions = shared.token_pos + shift if shift else shared.token_pos
+            slots = _slots(table, shared.token_req, positions, bs)
+        elif rules.writes == "encoder":
+            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
+            writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
+            if writers.size:
+                counts = lens.encoder[writers]
+                req, pos = _token_positions(counts, np.zeros_like(counts))
+                written = _slots(table, writers[req], pos, bs)
+                if written.size > slots.size:
+                    slots = np.full(written.size, -1, dtype=np.int64)
+                slots[: written.size] = written
+        else:
+            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
+        seq_cpu, max_seq_len = shared.seq_lens(rules.seq_lens(spec, lens))
         return CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(self.device),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(self.device),
+            query_start_loc=shared.query_start_loc_device,
+            query_start_loc_cpu=shared.query_start_loc,
+            seq_lens=self._to_device(seq_cpu),
             seq_lens_cpu=seq_cpu,
             num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(q.max()) if num_reqs else 0,
-            max_seq_len=int(seq.max()) if num_reqs else 0,
-            block_table_tensor=_from_numpy(table).to(self.device),
-            slot_mapping=_from_numpy(slots).to(self.device),
-            causal=causal,
-            num_computed_tokens_cpu=_from_numpy(computed),
+            num_actual_tokens=shared.num_tokens,
+            max_query_len=shared.max_query_len,
+            max_seq_len=max_seq_len,
+            block_table_tensor=self._to_device(_from_numpy(table)),
+            slot_mapping=self._to_device(_from_numpy(slots)),
+            causal=rules.causal,
+            num_computed_tokens_cpu=shared.computed,
+            validate=False,
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runtime's device: itself on the CPU; on CUDA, through
+        pinned memory with a non-blocking copy (torch's caching host allocator keeps the
+        pinned block alive until the copy is done), so the host never waits."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _current_step(self) -> StepBatch:
         if self._step is None:
@@ -539,17 +546,74 @@ class StateLayer(Generic[InputsT]):
         return self.runtime.forward_state(self.layer_name, inputs, output=output)
 
 
-def _slots(table: np.ndarray, block_size: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Cache slots of positions ``starts[b]..ends[b]-1`` of each row of ``table``, flattened."""
-    counts = ends - starts
+_REQ_ID = operator.attrgetter("req_id")
+_NUM_NEW = operator.attrgetter("num_new_tokens")
+_ENCODER_LEN = operator.attrgetter("encoder_len")
+
+
+class _SharedStep:
+    """What every group's metadata shares in a step: offsets, token positions, lengths."""
+
+    def __init__(
+        self, lens: StepLens, rows: Ints, to_device: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        self.rows_contiguous = bool(
+            rows.size and rows[-1] - rows[0] == rows.size - 1 and (np.diff(rows) == 1).all()
+        )
+        qsl = np.zeros(lens.query.size + 1, dtype=np.int32)
+        np.cumsum(lens.query, out=qsl[1:])
+        self.query_start_loc = _from_numpy(qsl)
+        self.query_start_loc_device = to_device(self.query_start_loc)
+        self.computed = _from_numpy(lens.computed.astype(np.int32))
+        self.num_tokens = int(qsl[-1])
+        self.max_query_len = int(lens.query.max()) if lens.query.size else 0
+        # Request index and (unshifted) position of every token of the step.
+        self.token_req, self.token_pos = _token_positions(lens.query, lens.computed)
+        self._seq: list[tuple[Ints, torch.Tensor, int]] = []
+
+    def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
+        """``values`` as an int32 CPU tensor and its maximum, made once per array per step
+        (groups of the same kind rules share the step's ``total`` array)."""
+        for array, tensor, largest in self._seq:
+            if array is values:
+                return tensor, largest
+        tensor = _from_numpy(values.astype(np.int32))
+        largest = int(values.max()) if values.size else 0
+        self._seq.append((values, tensor, largest))
+        return tensor, largest
+
+
+def _token_positions(counts: Ints, starts: Ints) -> tuple[Ints, Ints]:
+    """For requests with ``counts[b]`` tokens from position ``starts[b]``: each token's
+    request index and position, flattened in request order."""
     total = int(counts.sum())
-    row = np.repeat(np.arange(len(counts)), counts)
-    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    positions = np.repeat(starts, counts) + offsets
-    blocks = table[row, positions // block_size].astype(np.int64)
-    if (blocks == NULL_BLOCK).any():  # a released block for a live position: a manager bug
+    req = np.repeat(np.arange(counts.size), counts)
+    if total == counts.size:  # one token each (decodes): no offsets to add
+        return req, starts.copy()
+    first = np.cumsum(counts) - counts
+    return req, np.arange(total) - first[req] + starts[req]
+
+
+def _check_schedule(scheduled: Sequence[ScheduledRequest], ids: list[str]) -> None:
+    """What the requests' own checks cannot see: their type and duplicates."""
+    if set(map(type, scheduled)) - {ScheduledRequest}:
+        given: Sequence[object] = scheduled  # untyped callers reach here too
+        bad = next(r for r in given if not isinstance(r, ScheduledRequest))
+        raise TypeError(f"scheduled must hold ScheduledRequest objects, got {bad!r}")
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        for req_id in ids:
+            if req_id in seen:
+                raise ValueError(f"request {req_id!r} is scheduled twice in one step")
+            seen.add(req_id)
+
+
+def _slots(table: np.ndarray, token_req: Ints, positions: Ints, block_size: int) -> Ints:
+    """Cache slot of each token: its request's block holding ``position``, and the offset."""
+    blocks = table[token_req, positions // block_size].astype(np.int64)
+    if not blocks.all():  # the null block (0) for a live position: a manager bug
         raise AssertionError("a live position maps to the null block")
-    slots: np.ndarray = blocks * block_size + positions % block_size
+    slots: Ints = blocks * block_size + positions % block_size
     return slots
 
 
