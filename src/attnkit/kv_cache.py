@@ -462,7 +462,7 @@ class KVCacheManager:
             for tables in self._tables:
                 tables.grow(size, 0)
             self._free_rows[:0] = range(size - 1, capacity - 1, -1)
-        for i in new_idx.tolist():
+        for i in (int(k) for k in new_idx):
             row = self._free_rows.pop()
             rows[i] = row
             self._rows[req_ids[i]] = row
@@ -496,7 +496,7 @@ class KVCacheManager:
         row = self.row_of(req_id)
         for tables in self._tables:
             used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
-            self.pool.give_back(used[used != NULL_BLOCK].copy())
+            self.pool.give_back(used[used != NULL_BLOCK].astype(np.int32))
             tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
             tables.num_blocks[row] = 0
             tables.first_live[row] = 0

@@ -350,7 +350,7 @@ class AttentionRuntime:
             query_lens=query_lens,
             num_tokens=shared.num_tokens,
             encoder_order=tuple(
-                ids[i] for i in np.flatnonzero(new_mask & (lens.encoder > 0)).tolist()
+                ids[int(i)] for i in np.flatnonzero(new_mask & (lens.encoder > 0))
             ),
         )
         return self._step
@@ -589,7 +589,7 @@ def _token_positions(counts: Ints, starts: Ints) -> tuple[Ints, Ints]:
     total = int(counts.sum())
     req = np.repeat(np.arange(counts.size), counts)
     if total == counts.size:  # one token each (decodes): no offsets to add
-        return req, starts.copy()
+        return req, np.array(starts, dtype=np.int64)
     first = np.cumsum(counts) - counts
     return req, np.arange(total) - first[req] + starts[req]
 
