@@ -154,6 +154,32 @@ def test_out_of_blocks_leaves_the_runtime_usable() -> None:
     assert runtime.manager.pool.num_free_blocks == 3
 
 
+def test_a_rejected_step_keeps_its_finished_requests() -> None:
+    model = DemoModel(layout=("full",), block_size=16)
+    runtime = make_runtime(model, budget=4 * 4096, shuffle=None)  # 3 usable blocks
+    run_steps(model, runtime, [[("a", list(range(20))), ("c", list(range(5)))]])
+    table_a = runtime.block_table("layers.0", "a")
+    free_before = runtime.manager.pool.num_free_blocks
+    # Even with a's two blocks back, b needs 4 blocks: rejected, and a stays.
+    with pytest.raises(OutOfBlocksError, match=r"\+2 held by finished requests"):
+        runtime.begin_step([ScheduledRequest("b", 60)], finished=["a"])
+    # A request scheduled twice is rejected before anything changes, however often.
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"request 'x' is scheduled twice"):
+            runtime.begin_step([ScheduledRequest("x", 1), ScheduledRequest("x", 1)], finished=["a"])
+    assert runtime.manager.pool.num_free_blocks == free_before
+    assert runtime.block_table("layers.0", "a") == table_a
+    assert runtime.manager.num_tokens("a") == 20
+    # The same finish with a step that fits: a's blocks serve b at once.
+    step = runtime.begin_step([ScheduledRequest("b", 30)], finished=["a"])
+    assert step.order == ("b",)
+    assert "a" not in runtime.manager
+    assert sorted(runtime.block_table("layers.0", "b")) == sorted(table_a)
+    # An id finished and scheduled in one step starts anew.
+    runtime.begin_step([ScheduledRequest("c", 2)], finished=["c"])
+    assert runtime.manager.num_tokens("c") == 2
+
+
 def test_begin_step_and_forward_errors() -> None:
     model = DemoModel(layout=("full",))
     runtime = make_runtime(model)

@@ -400,11 +400,21 @@ class KVCacheManager:
         rows = self.lookup_rows(ids)
         self.allocate_rows(ids, rows, self.step_lens(rows, num_new, enc))
 
-    def allocate_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> Ints:
+    def allocate_rows(
+        self,
+        req_ids: Sequence[str],
+        rows: Ints,
+        lens: StepLens,
+        *,
+        finished: Sequence[str] = (),
+    ) -> Ints:
         """``allocate_step`` for callers that have the rows and lengths already.
 
         ``rows`` holds -1 for new requests; the rows they get are filled in (the array
-        is updated in place and returned).
+        is updated in place and returned). ``finished`` requests are freed first, but
+        only once the step is known to fit (their blocks count as free): a rejected
+        step changes nothing, finished requests included. An id both finished and
+        scheduled must be given as new (-1) in ``rows``.
 
         Raises:
             OutOfBlocksError: the pool cannot hold the step (nothing changed).
@@ -430,13 +440,17 @@ class KVCacheManager:
                 before = after = _NO_INTS
             total_new += int(grow.sum())
             plans.append(_StepPlan(group, rules, grow, before, after))
-        if total_new > self.pool.num_free_blocks + total_released:
+        held = sum(self._blocks_held(self.row_of(r)) for r in finished)
+        if total_new > self.pool.num_free_blocks + total_released + held:
             raise OutOfBlocksError(
                 f"the step needs {total_new} new block(s) but only "
-                f"{self.pool.num_free_blocks} are free (+{total_released} released by windows) "
-                f"of {self.pool.num_blocks - 1}; nothing was allocated"
+                f"{self.pool.num_free_blocks} are free (+{total_released} released by windows, "
+                f"+{held} held by finished requests) of {self.pool.num_blocks - 1}; "
+                f"nothing was allocated or freed"
             )
-        # Checked: from here on nothing fails. New requests get rows.
+        # Checked: from here on nothing fails. Finished requests go, new ones get rows.
+        for req_id in finished:
+            self.free_request(req_id)
         if any_new:
             self._assign_rows(req_ids, rows, lens)
         # Releases first, for every request: a request earlier in the batch may need
@@ -490,6 +504,13 @@ class KVCacheManager:
         owners, cols = _spans(rows, have, grow)
         tables.table[owners, cols] = self.pool.take(owners.size)
         tables.num_blocks[rows] = have + grow
+
+    def _blocks_held(self, row: int) -> int:
+        held = 0
+        for tables in self._tables:
+            used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+            held += int(np.count_nonzero(used))
+        return held
 
     def free_request(self, req_id: str) -> None:
         """Release every block of ``req_id`` and forget it."""

@@ -301,14 +301,21 @@ class AttentionRuntime:
     ) -> StepBatch:
         """Free finished requests, make room for the scheduled ones, build all metadata.
 
+        All or nothing: when it raises, nothing changed (finished requests included),
+        so the same call can be retried.
+
         Raises:
-            ValueError: a duplicate or unknown id, a non-positive token count, an
-                encoder-only request split over steps.
-            OutOfBlocksError: the cache is full (nothing was changed).
+            KeyError: ``finished`` names an unknown request.
+            ValueError: a request scheduled twice or finished twice, an encoder-only
+                request split over steps, a new cross-attention request without
+                encoder tokens.
+            OutOfBlocksError: the cache cannot hold the step.
         """
         finished = list(finished)
         for req_id in finished:
             self.manager.row_of(req_id)  # KeyError for an unknown id, before any change
+        if len(set(finished)) != len(finished):
+            raise ValueError(f"finished names a request twice: {finished}")
         ids: list[str] = list(map(_REQ_ID, scheduled))
         _check_schedule(scheduled, ids)
         count = len(ids)
@@ -318,9 +325,14 @@ class AttentionRuntime:
             if self._reads_encoder
             else np.zeros(count, dtype=np.int64)
         )
-        for req_id in finished:
-            self.manager.free_request(req_id)
         rows = self.manager.lookup_rows(ids)
+        if finished:
+            # Finished requests are freed only once the step is known to fit; an id
+            # finished and scheduled again starts anew.
+            gone = set(finished)
+            for i, req_id in enumerate(ids):
+                if req_id in gone:
+                    rows[i] = -1
         lens = self.manager.step_lens(rows, counts, encoder)
         for rules in self._kind_rules:
             problem = rules.admission_problems(lens)
@@ -339,7 +351,7 @@ class AttentionRuntime:
                 rows = rows[order]
                 lens = StepLens(lens.computed[order], lens.query[order], lens.encoder[order])
         new_mask = lens.is_new.copy()
-        rows = self.manager.allocate_rows(ids, rows, lens)
+        rows = self.manager.allocate_rows(ids, rows, lens, finished=finished)
         shared = _SharedStep(lens, rows, self._to_device)
         for entry in self._groups:
             entry.common = self._common_metadata(entry.group, rows, lens, shared)
