@@ -58,7 +58,8 @@ def test_begin_step_never_syncs_and_matches_the_cpu_runtime(backend: str) -> Non
         for layer in ("l0", "l1"):
             g_common = gpu._groups[gpu._layer_group[layer]].common
             c_common = cpu._groups[cpu._layer_group[layer]].common
-            assert g_common is not None and c_common is not None
+            assert g_common is not None
+            assert c_common is not None
             assert g_common.block_table_tensor.device.type == "cuda"
             for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
                 torch.testing.assert_close(
