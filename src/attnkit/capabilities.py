@@ -2,22 +2,27 @@
 
 ``AttentionFeature`` names optional score modifications a layer may need;
 ``MultipleOf`` / ``SizeRange`` / ``SizeRule`` describe the head and block sizes a
-backend accepts (``supported_block_sizes = (16, 32, MultipleOf(64))``). The backend
-ABC (``attnkit.backend``) reads these; the layer parameters (``attnkit.params``)
-derive the features a layer needs.
+backend accepts (``supported_block_sizes = (16, 32, MultipleOf(64))``);
+``KVCacheLayout`` names how a backend wants its attention caches laid out. The
+backend ABC (``attnkit.backend``) reads these; the layer parameters
+(``attnkit.params``) derive the features a layer needs; the kind rules
+(``attnkit.kinds``) give each layout's shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal, get_args
 
 from typing_extensions import override
 
 from ._validation import is_positive_int
 
 __all__ = [
+    "KV_CACHE_LAYOUTS",
     "AttentionFeature",
+    "KVCacheLayout",
     "MultipleOf",
     "SizeRange",
     "SizeRule",
@@ -41,6 +46,22 @@ class AttentionFeature(str, enum.Enum):
     @override
     def __str__(self) -> str:
         return self.value
+
+
+KVCacheLayout = Literal["interleaved", "planes"]
+"""How a backend's attention layers receive their cache (``AttentionBackend.kv_cache_layout``).
+
+``"interleaved"`` (the default): each kind's page-major layout; for K/V attention
+kinds one tensor ``[num_blocks, 2, block_size, Hkv, D]`` (K and V of a block side by
+side in its page). ``"planes"``: for K/V attention kinds, two token-major tensors, the
+K plane and the V plane, each ``[num_blocks * block_size, Hkv, D]``; slot
+``s = block * block_size + offset`` is row ``s`` of each plane. Kinds without separate
+K and V (MLA latents, state layers) have no planes layout; a backend declaring
+``"planes"`` is rejected for them with a reason.
+"""
+
+KV_CACHE_LAYOUTS: tuple[KVCacheLayout, ...] = get_args(KVCacheLayout)
+"""Every ``KVCacheLayout``, in declaration order."""
 
 
 @dataclasses.dataclass(frozen=True)

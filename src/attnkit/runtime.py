@@ -350,7 +350,6 @@ class AttentionRuntime:
                 ids = [ids[i] for i in order.tolist()]
                 rows = rows[order]
                 lens = StepLens(lens.computed[order], lens.query[order], lens.encoder[order])
-        new_mask = lens.is_new.copy()
         rows = self.manager.allocate_rows(ids, rows, lens, finished=finished)
         shared = _SharedStep(lens, rows, self._to_device)
         for entry in self._groups:
@@ -362,8 +361,10 @@ class AttentionRuntime:
             query_lens=query_lens,
             num_tokens=shared.num_tokens,
             encoder_order=tuple(
-                ids[int(i)] for i in np.flatnonzero(new_mask & (lens.encoder > 0))
-            ),
+                ids[int(i)] for i in np.flatnonzero(lens.is_new & (lens.encoder > 0))
+            )
+            if self._reads_encoder
+            else (),
         )
         return self._step
 
