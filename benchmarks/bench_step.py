@@ -21,6 +21,19 @@ slope over batch size (microseconds per extra request, 64 -> 1024) of both; and,
 contexts. Targets (issue "Engine hot path"): ratio <= 2 at 256 and 1024 decodes
 (stretch 1.2), slope <= 2 us per request, 4k/1k ratio <= 1.1.
 
+Allocator section: allocate+free cycles of ``n`` blocks (n = 1, 16, 256; a decode
+step of 256 requests with block size 16 takes about 16 blocks per group) on a pool of
+65536 blocks, half of them held. Four variants, timed back to back in each
+repetition: ``BlockPool.take(n)`` + ``give_back(array)`` (the manager's unchecked fast
+path), ``BlockPool.allocate(n)`` + ``free(list)`` (the checked public API), the
+pre-change pool kept here for comparison (``_PreviousBlockPool``: commit 6ecc9c0's
+``BlockPool``, a list popped one id at a time, a bytearray in-use map, per-block
+validation on free), and an in-run floor: a plain Python list free list doing the
+same cycles (``del free[-n:]`` / ``extend``, no bookkeeping). Reported: cycles per
+second of each, and throughput ratios (> 1: the first is faster): fast path over
+previous (target >= 3 at every n), checked API over previous, and each over the plain
+list.
+
     python benchmarks/bench_step.py --out bench-results [--quick]
 """
 
@@ -31,7 +44,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +58,17 @@ from attnkit import (
     ScheduledRequest,
     SlidingWindowSpec,
 )
+from attnkit._validation import is_nonnegative_int, is_positive_int
+from attnkit.kv_cache import BlockPool
 
 BLOCK = 16
 WINDOW = 1024
 TARGETS = {"ratio_256": 2.0, "ratio_1024": 2.0, "slope_us_per_req": 2.0, "ctx_4k_over_1k": 1.1}
+"""Upper bounds (a figure meets its target when it is <= the bound)."""
+ALLOC_TARGET_FAST_OVER_PREVIOUS = 3.0
+"""Lower bound on the fast path's cycles/s over the previous pool's, at every ``n``."""
+ALLOC_SIZES = (1, 16, 256)
+ALLOC_POOL = 65_536
 
 
 def model_specs() -> dict[str, KVCacheSpec]:
@@ -186,6 +206,138 @@ def context_ratio(num_decodes: int, rng: np.random.Generator, reps: int) -> floa
     return long_us / short_us
 
 
+# ---------------------------------------------------------------------------- allocator
+
+
+class _PreviousBlockPool:
+    """The pre-change pool, kept for comparison only: ``attnkit.kv_cache.BlockPool`` as
+    of commit 6ecc9c0 (before the batched pool), reconstructed from
+    ``git show 6ecc9c0:src/attnkit/kv_cache.py``. A list free list popped one id at a
+    time, a bytearray in-use map, per-block validation on ``free``."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not is_positive_int(num_blocks) or num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
+            )
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._in_use = bytearray(num_blocks)
+
+    def allocate(self, n: int) -> list[int]:
+        if not is_nonnegative_int(n):
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if n > len(self._free):
+            raise ValueError(f"need {n} free block(s) but only {len(self._free)} are free")
+        taken = [self._free.pop() for _ in range(n)]
+        for block in taken:
+            self._in_use[block] = 1
+        return taken
+
+    def free(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            if not (is_positive_int(block) and block < self.num_blocks):
+                raise ValueError(
+                    f"cannot free block {block!r}: ids run from 1 to {self.num_blocks - 1}"
+                )
+            if not self._in_use[block] or block in seen:
+                raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
+            seen.add(block)
+        for block in blocks:
+            self._in_use[block] = 0
+            self._free.append(block)
+
+
+def _allocator_cycles(n: int) -> dict[str, Callable[[], None]]:
+    """One allocate+free cycle of ``n`` blocks per variant, each on its own pool with
+    half of its blocks held (the steady state of a busy engine)."""
+    held = ALLOC_POOL // 2
+    fast = BlockPool(ALLOC_POOL)
+    fast.take(held)
+    checked = BlockPool(ALLOC_POOL)
+    checked.allocate(held)
+    previous = _PreviousBlockPool(ALLOC_POOL)
+    previous.allocate(held)
+    plain = list(range(ALLOC_POOL - 1, 0, -1))
+    del plain[-held:]
+
+    def fast_cycle() -> None:
+        fast.give_back(fast.take(n))
+
+    def checked_cycle() -> None:
+        checked.free(checked.allocate(n))
+
+    def previous_cycle() -> None:
+        previous.free(previous.allocate(n))
+
+    def plain_cycle() -> None:
+        taken = plain[-n:]
+        del plain[-n:]
+        plain.extend(taken)
+
+    return {
+        "fast": fast_cycle,
+        "checked": checked_cycle,
+        "previous": previous_cycle,
+        "plain_list": plain_cycle,
+    }
+
+
+def measure_allocator(n: int, *, reps: int, number: int) -> dict[str, float]:
+    """Cycles per second of each variant (median over ``reps`` repetitions of
+    ``number`` cycles; the variants run back to back in each repetition, in rotating
+    order), and their throughput ratios."""
+    cycles = _allocator_cycles(n)
+    names = list(cycles)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        for _ in range(number // 10 + 1):
+            cycles[name]()
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            cycle = cycles[name]
+            start = time.perf_counter()
+            for _ in range(number):
+                cycle()
+            seconds[name].append((time.perf_counter() - start) / number)
+    rate = {name: 1.0 / statistics.median(times) for name, times in seconds.items()}
+    row = {f"{name}_cycles_per_s": value for name, value in rate.items()}
+    row.update(
+        fast_over_previous=rate["fast"] / rate["previous"],
+        checked_over_previous=rate["checked"] / rate["previous"],
+        fast_over_plain=rate["fast"] / rate["plain_list"],
+        checked_over_plain=rate["checked"] / rate["plain_list"],
+        previous_over_plain=rate["previous"] / rate["plain_list"],
+    )
+    return row
+
+
+def report_allocator(rows: dict[str, dict[str, float]]) -> None:
+    print()
+    print(f"allocator: allocate+free cycles of n blocks (pool of {ALLOC_POOL}, half held)")
+    print(f"{'n':>5s} {'fast':>11s} {'checked':>11s} {'previous':>11s} {'plain list':>11s}  cycles/s")
+    for key, row in rows.items():
+        print(
+            f"{key.removeprefix('n_'):>5s} {row['fast_cycles_per_s']:11.0f}"
+            f" {row['checked_cycles_per_s']:11.0f} {row['previous_cycles_per_s']:11.0f}"
+            f" {row['plain_list_cycles_per_s']:11.0f}"
+        )
+    print(
+        f"{'n':>5s} {'fast/prev':>10s} {'chk/prev':>9s} {'fast/plain':>11s} {'chk/plain':>10s}"
+        f" {'prev/plain':>11s}  throughput ratios"
+    )
+    for key, row in rows.items():
+        ok = row["fast_over_previous"] >= ALLOC_TARGET_FAST_OVER_PREVIOUS
+        print(
+            f"{key.removeprefix('n_'):>5s} {row['fast_over_previous']:9.2f}x"
+            f" {row['checked_over_previous']:8.2f}x {row['fast_over_plain']:10.3f}x"
+            f" {row['checked_over_plain']:9.3f}x {row['previous_over_plain']:10.3f}x"
+            f"  fast/prev {'meets' if ok else 'MISSES'} >= {ALLOC_TARGET_FAST_OVER_PREVIOUS:g}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -220,9 +372,38 @@ def main(argv: list[str] | None = None) -> int:
         else:
             verdict = f" ({'meets' if value <= target else 'MISSES'} <= {target:g})"
         print(f"{key:26s} {value:8.2f}{verdict}")
+    alloc_reps, alloc_number = (5, 100) if args.quick else (15, 1000)
+    allocator = {
+        f"n_{n}": measure_allocator(n, reps=alloc_reps, number=alloc_number) for n in ALLOC_SIZES
+    }
+    report_allocator(allocator)
+    alloc_summary = {
+        "fast_over_previous_min": min(r["fast_over_previous"] for r in allocator.values()),
+        "fast_over_previous_meets_target_at_every_n": all(
+            r["fast_over_previous"] >= ALLOC_TARGET_FAST_OVER_PREVIOUS for r in allocator.values()
+        ),
+        "checked_over_previous_min": min(r["checked_over_previous"] for r in allocator.values()),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_step.json"
-    path.write_text(json.dumps({"cases": results, "summary": summary, "targets": TARGETS}, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "cases": results,
+                "summary": summary,
+                "targets": TARGETS,
+                "allocator": {
+                    "pool_blocks": ALLOC_POOL,
+                    "held_blocks": ALLOC_POOL // 2,
+                    "sizes": list(ALLOC_SIZES),
+                    "rows": allocator,
+                    "summary": alloc_summary,
+                    "target_fast_over_previous_min": ALLOC_TARGET_FAST_OVER_PREVIOUS,
+                },
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {path}")
     return 0
 

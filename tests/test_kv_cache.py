@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from attnkit import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from attnkit.kv_cache import (
@@ -251,55 +263,274 @@ def test_out_of_blocks_leaves_everything_unchanged() -> None:
     assert "b" not in mgr
 
 
+def machine_groups() -> list[KVCacheGroup]:
+    """``manager_groups`` (ids 0-4) and kinds at other boundaries: cross attention,
+    encoder-only (no cache), a window of one token over blocks of two (many blocks per
+    request: table-width growth), and chunks of 6 over blocks of 4 (not a multiple)."""
+    extra = {
+        "cross": CrossAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32
+        ),
+        "enc": EncoderOnlyAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32
+        ),
+        "win1": SlidingWindowMLASpec(
+            block_size=2, head_size=8, dtype=torch.float32, sliding_window=1
+        ),
+        "chunk6": ChunkedLocalAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, attention_chunk_size=6
+        ),
+    }
+    base = manager_groups()
+    more = group_layers({**{g.layer_names[0]: g.spec for g in base}, **extra})
+    assert [g.spec for g in more[: len(base)]] == [g.spec for g in base]
+    return more
+
+
+# The reference model: one request at a time, plain lists, a set of free block ids.
+
+
+def ref_blocks_needed(spec: KVCacheSpec, tokens: int, encoder: int) -> int:
+    """Entries a request's table has after a step that leaves it with ``tokens`` tokens."""
+    if isinstance(spec, EncoderOnlyAttentionSpec):
+        return 0
+    if isinstance(spec, MambaSpec):
+        return 1
+    occupied = encoder if isinstance(spec, CrossAttentionSpec) else tokens
+    if isinstance(spec, SinkFullAttentionSpec):
+        occupied += spec.sink_len  # sink slots in front of the tokens
+    blocks = 0
+    while blocks * spec.block_size < occupied:
+        blocks += 1
+    return blocks
+
+
+def ref_dead_blocks(spec: KVCacheSpec, computed: int) -> int:
+    """Leading logical blocks no query at position >= ``computed`` can see: every key
+    they hold is before the first key the step's first query sees."""
+    if isinstance(spec, SlidingWindowSpec):  # SlidingWindowMLASpec too
+        first_key = max(0, computed - spec.sliding_window + 1)
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        first_key = computed - computed % spec.attention_chunk_size
+    else:
+        return 0
+    dead = 0
+    while (dead + 1) * spec.block_size <= first_key:  # the block's last key < first_key
+        dead += 1
+    return dead
+
+
+@dataclasses.dataclass
+class RefRequest:
+    tokens: int
+    encoder: int
+    tables: list[list[int]]  # per group; NULL_BLOCK for released entries
+
+
+Snapshot = tuple[object, ...]
+
+
 class ManagerMachine(RuleBasedStateMachine):
-    """Random steps of adds, appends and finishes; ownership stays exact throughout."""
+    """Random steps (small and large batches, long prefills) and finishes, checked step
+    by step against a per-request reference model, and the persistent arrays against
+    ``block_table``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.groups = manager_groups()
-        self.mgr = KVCacheManager(self.groups, num_blocks=40)
-        self.live: dict[str, int] = {}  # our own count of tokens per request
+        self.groups = machine_groups()
+        self.mgr = KVCacheManager(self.groups, num_blocks=2)  # replaced by init_pool
+        self.ref: dict[str, RefRequest] = {}
+        self.ref_free: set[int] = set()
         self.next_id = 0
+        self.peak_live = 0
+
+    @initialize(num_blocks=st.sampled_from([96, 24, 700, 700]))
+    def init_pool(self, num_blocks: int) -> None:
+        self.mgr = KVCacheManager(self.groups, num_blocks=num_blocks)
+        self.ref_free = set(range(1, num_blocks))
+
+    # ------------------------------------------------------------------ rules
+
+    def _new_ids(self, count: int) -> list[str]:
+        ids = [f"r{self.next_id + i}" for i in range(count)]
+        self.next_id += count
+        return ids
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
+        live = sorted(self.ref)
+        chosen = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3)) if live else []
+        # Continuing requests pass an encoder length too: only the first step's counts.
+        scheduled = [
+            (rid, data.draw(st.integers(1, 9)), data.draw(st.integers(0, 3))) for rid in chosen
+        ]
+        for rid in self._new_ids(data.draw(st.integers(0, 2))):
+            scheduled.append((rid, data.draw(st.integers(1, 12)), data.draw(st.integers(0, 9))))
+        self._run_step(data.draw(st.permutations(scheduled)))
+
+    @rule(data=st.data())
+    def big_step(self, data: st.DataObject) -> None:
+        """Up to 20 requests at once, some new: rows grow past the initial 16."""
+        live = sorted(self.ref)
         chosen = (
-            data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, max_size=3))
-            if self.live
-            else []
+            data.draw(st.lists(st.sampled_from(live), unique=True, max_size=19)) if live else []
         )
-        new = data.draw(st.integers(0, 2))
-        scheduled = [(rid, data.draw(st.integers(1, 9)), 0) for rid in chosen]
-        for _ in range(new):
-            scheduled.append((f"r{self.next_id}", data.draw(st.integers(1, 12)), 0))
-            self.next_id += 1
-        snapshot = self._snapshot()
+        scheduled = [(rid, data.draw(st.integers(1, 5)), 0) for rid in chosen]
+        new = data.draw(st.integers(1, 20 - len(chosen)))
+        for rid in self._new_ids(new):
+            scheduled.append((rid, data.draw(st.integers(1, 6)), data.draw(st.integers(0, 6))))
+        self._run_step(data.draw(st.permutations(scheduled)))
+
+    @rule(data=st.data())
+    def long_prefill(self, data: st.DataObject) -> None:
+        """A long chunk for a new or a live request: tables grow wider than 16 blocks."""
+        live = sorted(self.ref)
+        continuing = data.draw(st.booleans())
+        rid = data.draw(st.sampled_from(live)) if live and continuing else self._new_ids(1)[0]
+        self._run_step([(rid, data.draw(st.integers(30, 90)), data.draw(st.integers(0, 40)))])
+
+    @precondition(lambda self: bool(self.ref))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.ref)))
+        row = self.mgr.row_of(rid)
+        self.mgr.free_request(rid)
+        for blocks in self.ref.pop(rid).tables:
+            for block in blocks:
+                if block != NULL_BLOCK:
+                    assert block not in self.ref_free
+                    self.ref_free.add(block)
+        assert rid not in self.mgr
+        # The row is zeroed at once, before any reuse.
+        rows = np.array([row])
+        for g in self.groups:
+            assert not self.mgr.table_array(g.group_id)[row].any()
+            assert self.mgr.num_blocks_of(g.group_id, rows).tolist() == [0]
+        self._compare_with_reference()
+
+    # ------------------------------------------------------------------ the reference step
+
+    def _run_step(self, scheduled: Sequence[tuple[str, int, int]]) -> None:
+        # Predict from the reference whether the step fits: the blocks it adds against
+        # the free ones plus those the step's windows and chunks release.
+        plan: list[tuple[str, int, int]] = []  # (id, tokens after the step, encoder length)
+        total_new = total_released = 0
+        for rid, n, enc in scheduled:
+            req = self.ref.get(rid)
+            computed = req.tokens if req else 0
+            encoder = req.encoder if req else enc  # given on the first step only
+            for g in self.groups:
+                table = req.tables[g.group_id] if req else []
+                dead = min(ref_dead_blocks(g.spec, computed), len(table))
+                total_released += sum(1 for b in table[:dead] if b != NULL_BLOCK)
+                need = ref_blocks_needed(g.spec, computed + n, encoder)
+                total_new += max(need - len(table), 0)
+            plan.append((rid, computed + n, encoder))
+        free = len(self.ref_free)
+        fits = total_new <= free + total_released
+        why = f"needs {total_new} block(s), {free} free + {total_released} released"
+        before = self._snapshot()
         try:
             self.mgr.allocate_step(scheduled)
         except OutOfBlocksError:
-            assert self._snapshot() == snapshot
+            assert not fits, f"refused a step that fits: {why}"
+            assert self._snapshot() == before, "OutOfBlocksError changed the manager"
             return
-        for rid, n, _ in scheduled:
-            self.live[rid] = self.live.get(rid, 0) + n
+        assert fits, f"took a step that does not fit: {why}"
+        # Releases first (every request), then growth: new blocks may reuse released ones.
+        for rid, _, encoder in plan:
+            req = self.ref.setdefault(rid, RefRequest(0, encoder, [[] for _ in self.groups]))
+            for g in self.groups:
+                table = req.tables[g.group_id]
+                dead = min(ref_dead_blocks(g.spec, req.tokens), len(table))
+                for i in range(dead):
+                    if table[i] != NULL_BLOCK:
+                        assert table[i] not in self.ref_free
+                        self.ref_free.add(table[i])
+                        table[i] = NULL_BLOCK
+        for rid, tokens, encoder in plan:
+            req = self.ref[rid]
+            for g in self.groups:
+                table = req.tables[g.group_id]
+                need = ref_blocks_needed(g.spec, tokens, encoder)
+                got = self.mgr.block_table(g.group_id, rid)
+                assert len(got) == max(need, len(table)), (rid, g.kind.value)
+                for block in got[len(table) :]:  # the manager chose these ids
+                    assert block in self.ref_free, f"block {block} handed out but not free"
+                    self.ref_free.remove(block)
+                    table.append(block)
+            req.tokens = tokens
+        self.peak_live = max(self.peak_live, len(self.ref))
+        self._compare_with_reference()
 
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.mgr.free_request(rid)
-        del self.live[rid]
+    def _compare_with_reference(self) -> None:
+        assert len(self.mgr) == len(self.ref)
+        for rid, req in self.ref.items():
+            assert rid in self.mgr
+            assert self.mgr.num_tokens(rid) == req.tokens
+            assert self.mgr.encoder_len(rid) == req.encoder
+            for g in self.groups:
+                table = self.mgr.block_table(g.group_id, rid)
+                # Same entries in the same places: the same set of blocks, same nulls.
+                assert table == req.tables[g.group_id], (rid, g.kind.value)
+        assert self.mgr.pool.num_free_blocks == len(self.ref_free)
+        for block in range(1, self.mgr.pool.num_blocks):
+            assert self.mgr.pool.is_allocated(block) == (block not in self.ref_free)
 
-    def _snapshot(self) -> tuple[object, ...]:
-        tables = {
-            (g.group_id, rid): self.mgr.block_table(g.group_id, rid)
-            for g in self.groups
-            for rid in self.live
-        }
+    def _snapshot(self) -> Snapshot:
+        live = sorted(self.ref)
+        rows = {rid: self.mgr.row_of(rid) for rid in live}
+        all_rows = np.arange(self.mgr.table_array(0).shape[0], dtype=np.int64)
         return (
             self.mgr.pool.num_free_blocks,
-            tables,
-            {rid: self.mgr.num_tokens(rid) for rid in self.live},
+            tuple(b for b in range(self.mgr.pool.num_blocks) if self.mgr.pool.is_allocated(b)),
+            len(self.mgr),
+            rows,
+            {rid: (self.mgr.num_tokens(rid), self.mgr.encoder_len(rid)) for rid in live},
+            tuple(
+                (
+                    self.mgr.table_array(g.group_id).shape,
+                    self.mgr.table_array(g.group_id).tobytes(),
+                    self.mgr.num_blocks_of(g.group_id, all_rows).tolist(),
+                )
+                for g in self.groups
+            ),
+            {
+                (g.group_id, rid): self.mgr.block_table(g.group_id, rid)
+                for g in self.groups
+                for rid in live
+            },
         )
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def persistent_arrays_agree_with_block_table(self) -> None:
+        """Each group's persistent array is exactly the live requests' ``block_table``s
+        at their rows, zero-padded; every other row (never used, or finished) is all
+        zero with no blocks, so a reused row starts clean."""
+        rows = {rid: self.mgr.row_of(rid) for rid in self.ref}
+        assert len(set(rows.values())) == len(rows), "two live requests share a row"
+        assert self.mgr.lookup_rows([*rows, "nobody"]).tolist() == [*rows.values(), -1]
+        for g in self.groups:
+            array = self.mgr.table_array(g.group_id)
+            assert array.dtype == np.int32
+            num_rows = array.shape[0]
+            assert all(0 <= row < num_rows for row in rows.values())
+            expected = np.zeros_like(array)
+            expected_counts = np.zeros(num_rows, dtype=np.int64)
+            for rid, row in rows.items():
+                table = self.mgr.block_table(g.group_id, rid)
+                expected[row, : len(table)] = table
+                expected_counts[row] = len(table)
+            assert np.array_equal(array, expected), (
+                f"group {g.group_id}: the persistent array disagrees with block_table "
+                "(or a row no request holds is not zeroed)"
+            )
+            counts = self.mgr.num_blocks_of(g.group_id, np.arange(num_rows, dtype=np.int64))
+            assert counts.tolist() == expected_counts.tolist()
+            if self.peak_live <= 16:
+                assert num_rows == 16, "rows grew while at most 16 requests were ever live"
 
     @invariant()
     def no_block_owned_twice_or_leaked(self) -> None:
@@ -312,7 +543,7 @@ class ManagerMachine(RuleBasedStateMachine):
         counted = sum(
             1
             for g in self.groups
-            for rid in self.live
+            for rid in self.ref
             for b in self.mgr.block_table(g.group_id, rid)
             if b != NULL_BLOCK
         )
@@ -321,7 +552,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def tables_cover_every_visible_position(self) -> None:
-        for rid, n in self.live.items():
+        for rid, req in self.ref.items():
+            n = req.tokens
             assert self.mgr.num_tokens(rid) == n
             full_t, win_t, chunk_t, sink_t, mamba_t = (
                 self.mgr.block_table(g, rid) for g in range(5)
@@ -337,7 +569,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+TestManagerMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 
 
 # ---------------------------------------------------------------------------- tensors

@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "attnkit.errors": 0,
     "attnkit.state_inputs": 0,
     "attnkit.spec": 1,
-    "attnkit.capabilities": 2,
+    "attnkit.capabilities": 1,
     "attnkit.metadata": 2,
     "attnkit.kinds": 2,
     "attnkit.config": 3,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import random
 
@@ -178,6 +179,37 @@ def test_a_rejected_step_keeps_its_finished_requests() -> None:
     # An id finished and scheduled in one step starts anew.
     runtime.begin_step([ScheduledRequest("c", 2)], finished=["c"])
     assert runtime.manager.num_tokens("c") == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TaggedRequest(ScheduledRequest):
+    tag: str = ""
+
+
+def small_runtime() -> AttentionRuntime:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    return AttentionRuntime(
+        {"l0": spec}, AttentionConfig(), device="cpu", memory_budget_bytes=64 * spec.page_size_bytes
+    )
+
+
+def test_begin_step_takes_a_scheduled_request_subclass() -> None:
+    runtime = small_runtime()
+    batch = runtime.begin_step([TaggedRequest("a", 3, tag="x"), ScheduledRequest("b", 2)])
+    assert batch.order == ("a", "b")
+    assert runtime.manager.num_tokens("a") == 3
+
+
+def test_begin_step_rejects_other_objects_with_type_error_and_changes_nothing() -> None:
+    runtime = small_runtime()
+    free = runtime.manager.pool.num_free_blocks
+    bad: list[object] = [ScheduledRequest("a", 1), ("b", 1)]
+    with pytest.raises(
+        TypeError, match=r"scheduled must hold ScheduledRequest objects, got \('b', 1\)"
+    ):
+        runtime.begin_step(bad)  # type: ignore[arg-type]  # the wrong type is the test
+    assert runtime.manager.pool.num_free_blocks == free
+    assert "a" not in runtime.manager
 
 
 def test_begin_step_and_forward_errors() -> None:

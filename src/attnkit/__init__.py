@@ -42,7 +42,15 @@ from .params import (
     StateLayerParams,
 )
 from .registry import BackendRegistry, default_registry, register_backend
-from .runtime import AttentionRuntime, RoutingRow, ScheduledRequest, StateLayer, StepBatch
+from .runtime import (
+    AttentionRuntime,
+    GroupMemory,
+    MemoryReport,
+    RoutingRow,
+    ScheduledRequest,
+    StateLayer,
+    StepBatch,
+)
 from .selector import Selection, select_backend
 from .spec import (
     AttentionSpec,
@@ -92,6 +100,7 @@ __all__ = [
     "FullAttentionSpec",
     "GatedDeltaNetInputs",
     "GatedDeltaNetLayerParams",
+    "GroupMemory",
     "InvalidBackendError",
     "KVCacheDType",
     "KVCacheSpec",
@@ -104,6 +113,7 @@ __all__ = [
     "Mamba2LayerParams",
     "MambaSpec",
     "MambaType",
+    "MemoryReport",
     "NoBackendError",
     "OutOfBlocksError",
     "Rejection",

@@ -31,7 +31,9 @@ import torch
 from ._validation import dtype_name, is_positive_int
 from .binding import BuilderBinding
 from .capabilities import (
+    KV_CACHE_LAYOUTS,
     AttentionFeature,
+    KVCacheLayout,
     MultipleOf,
     SizeRange,
     SizeRule,
@@ -116,6 +118,18 @@ class AttentionBackend(ABC):
     options_type: ClassVar[type[BackendOptions] | None] = None
     """The backend's own settings (a ``BackendOptions`` model), given by users as
     ``AttentionConfig(backend_options={name: {...}})``; ``None``: it has none."""
+    kv_cache_layout: ClassVar[KVCacheLayout] = "interleaved"
+    """How its attention layers receive their cache (``get_kv_cache_shapes``).
+
+    ``"interleaved"``: one page-major tensor ``[num_blocks, 2, block_size, Hkv, D]``.
+    ``"planes"``: two token-major tensors, K and V, each
+    ``[num_blocks * block_size, Hkv, D]``, row = slot (``block * block_size + offset``),
+    for kernels that take K and V as flat token tensors (FlexAttention/SDPA style) and
+    would otherwise gather them every step. Planes apply to the K/V attention kinds
+    (full, sink, sliding-window, chunked-local, cross; encoder-only keeps no cache);
+    for MLA and state kinds a planes backend is rejected with a reason. Plane views
+    cannot alias page-major ones, so a model that mixes both allocates a second set of
+    layer buffers; ``AttentionRuntime.memory_report()`` shows what that costs."""
 
     @classmethod
     def supported_kinds(cls) -> frozenset[KVCacheSpecKind]:
@@ -138,6 +152,7 @@ class AttentionBackend(ABC):
         if cls.find_binding(spec) is None:
             bound = ", ".join(b.spec_type.__name__ for b in cls.builders)
             reasons.append(f"no builder is bound to {type(spec).__name__} (bound: {bound})")
+        reasons.extend(cls._layout_reasons(spec))
         if isinstance(spec, AttentionSpec):
             reasons.extend(cls._attention_reasons(spec, request))
         elif isinstance(spec, MambaSpec) and spec.mamba_type not in cls.supported_mamba_types:
@@ -150,6 +165,15 @@ class AttentionBackend(ABC):
                 reasons.append(f"feature {feature.value} not supported (supported: {supported})")
         reasons.extend(cls.extra_not_supported_reasons(request))
         return reasons
+
+    @classmethod
+    def _layout_reasons(cls, spec: KVCacheSpec) -> list[str]:
+        """The declared ``kv_cache_layout`` must be one the spec's kind has."""
+        try:
+            rules_for(spec).check_layout(spec, cls.kv_cache_layout)
+        except ValueError as exc:
+            return [f"kv_cache_layout={cls.kv_cache_layout} not supported: {exc}"]
+        return []
 
     @classmethod
     def _attention_reasons(cls, spec: AttentionSpec, request: BackendRequest) -> list[str]:
@@ -252,16 +276,22 @@ class AttentionBackend(ABC):
 
     @classmethod
     def get_kv_cache_shapes(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[tuple[int, ...], ...]:
-        """One shape per cache tensor of a layer with ``spec``.
+        """One shape per cache tensor of a layer with ``spec``, in ``kv_cache_layout``.
 
-        Default: the kind's layout (``attnkit.kinds``): attention
-        ``[num_blocks, 2, block_size, Hkv, D]``; MLA ``[num_blocks, block_size, D]``;
+        Default: the kind's shapes for the declared layout (``attnkit.kinds``):
+        attention ``[num_blocks, 2, block_size, Hkv, D]`` (interleaved) or two planes
+        ``[num_blocks * block_size, Hkv, D]`` (planes); MLA ``[num_blocks, block_size, D]``;
         Mamba ``[num_blocks, *shape]`` per state; encoder-only layers keep no cache (no
-        tensors). Override for another layout.
+        tensors). An override must keep the allocator's geometry: page-major tensors
+        start with ``num_blocks`` and fit one page per block; the two planes start with
+        ``num_blocks * block_size`` and a block's rows fill exactly half a page.
+
+        Raises:
+            ValueError: a bad ``num_blocks``, or a layout the kind does not have.
         """
         if not is_positive_int(num_blocks):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return rules_for(spec).cache_shapes(spec, num_blocks)
+        return rules_for(spec).cache_shapes(spec, num_blocks, cls.kv_cache_layout)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:
@@ -297,6 +327,12 @@ class AttentionBackend(ABC):
                 )
             seen[b.kind] = b.spec_type.__name__
         kinds = frozenset(seen)
+        layout: object = getattr(cls, "kv_cache_layout", None)
+        if layout not in KV_CACHE_LAYOUTS:
+            problems.append(
+                f"kv_cache_layout must be one of {', '.join(map(repr, KV_CACHE_LAYOUTS))}, "
+                f"got {layout!r}"
+            )
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):
             problems.append(f"options_type must be None or a BackendOptions subclass, got {options!r}")

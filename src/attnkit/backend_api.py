@@ -24,7 +24,14 @@ from __future__ import annotations
 from .backend import AttentionBackend, BackendRequest
 from .binding import BuilderBinding, bind_builder, bind_each
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
-from .capabilities import AttentionFeature, MultipleOf, SizeRange, SizeRule, format_sizes
+from .capabilities import (
+    AttentionFeature,
+    KVCacheLayout,
+    MultipleOf,
+    SizeRange,
+    SizeRule,
+    format_sizes,
+)
 from .config import BackendOptions
 from .impl import AttentionImpl, LayerImpl, StateImpl
 from .metadata import (
@@ -48,6 +55,7 @@ __all__ = [
     "BuilderBinding",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "KVCacheLayout",
     "LayerImpl",
     "MultipleOf",
     "SizeRange",

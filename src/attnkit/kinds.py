@@ -1,12 +1,12 @@
 """One place per spec kind: how its cache grows, what it releases, what builders see.
 
 Every rule that depends on a layer's kind lives in its ``KindRules``: whether it keeps
-a cache, the default cache shapes, how many blocks a request's table needs, which
-blocks no present or future query can see (released to the pool), the sequence
-lengths, causality and slot positions the runtime hands builders, and what a
-scheduled request must satisfy. The block manager (``kv_cache``), the runtime and the
-backends' default cache layout all ask ``rules_for(spec)``; adding a kind means one
-spec class and one ``KindRules``.
+a cache, the cache layouts it can take (``KVCacheLayout``) and their shapes, how many
+blocks a request's table needs, which blocks no present or future query can see
+(released to the pool), the sequence lengths, causality and slot positions the
+runtime hands builders, and what a scheduled request must satisfy. The block manager
+(``kv_cache``), the runtime and the backends' default cache shapes all ask
+``rules_for(spec)``; adding a kind means one spec class and one ``KindRules``.
 
 Every method is vectorised over the requests of a step (numpy arrays, one entry per
 request): the host path does no per-request Python work for any kind.
@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
 
+from .capabilities import KVCacheLayout
 from .spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -86,6 +87,10 @@ class KindRules(ABC, Generic[S]):
     writes: Literal["step", "encoder", "none"] = "step"
     """What the slot mapping holds: the step's new tokens (at their shifted positions),
     the encoder tokens of requests in their first step (then -1), or nothing (-1)."""
+    layouts: frozenset[KVCacheLayout] = frozenset({"interleaved"})
+    """The cache layouts a backend may declare for this kind (``KVCacheLayout``)."""
+    no_planes_because: str = ""
+    """Why the kind has no ``"planes"`` layout (for rejection reasons); empty if it has one."""
 
     def shift(self, spec: S) -> int:
         """Positions in front of every request's tokens (sink tokens)."""
@@ -107,8 +112,28 @@ class KindRules(ABC, Generic[S]):
         return lens.total + shift if shift else lens.total
 
     @abstractmethod
-    def cache_shapes(self, spec: S, num_blocks: int) -> tuple[tuple[int, ...], ...]:
-        """The default cache tensors of one layer (one per tensor, each from ``num_blocks``)."""
+    def cache_shapes(
+        self, spec: S, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        """The cache tensors of one layer in ``layout`` (one shape per tensor).
+
+        Page-major shapes start with ``num_blocks``; the two planes of the
+        ``"planes"`` layout start with ``num_blocks * block_size`` (token-major).
+
+        Raises:
+            ValueError: the kind has no such layout (``layouts``).
+        """
+
+    def check_layout(self, spec: S, layout: KVCacheLayout) -> None:
+        """Raise ``ValueError`` if this kind has no ``layout``."""
+        if layout not in self.layouts:
+            why = ""
+            if layout == "planes" and self.no_planes_because:
+                why = f": {self.no_planes_because}"
+            raise ValueError(
+                f"kind {spec.kind.value} has no {layout!r} cache layout{why} "
+                f"(layouts: {', '.join(sorted(self.layouts))})"
+            )
 
     def admission_problems(self, lens: StepLens) -> tuple[int, str] | None:
         """The first request (index) this kind cannot take this step, and why."""
@@ -119,18 +144,34 @@ SA = TypeVar("SA", bound=AttentionSpec)
 
 
 class _PagedRules(KindRules[SA]):
-    """Attention kinds whose pages hold K and V: ``[num_blocks, 2, block_size, Hkv, D]``."""
+    """Attention kinds whose pages hold K and V: interleaved
+    ``[num_blocks, 2, block_size, Hkv, D]``, or the planes layout: a K plane and a V
+    plane, each ``[num_blocks * block_size, Hkv, D]`` (row = slot)."""
+
+    layouts: frozenset[KVCacheLayout] = frozenset({"interleaved", "planes"})
 
     @override
-    def cache_shapes(self, spec: SA, num_blocks: int) -> tuple[tuple[int, ...], ...]:
+    def cache_shapes(
+        self, spec: SA, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        self.check_layout(spec, layout)
+        if layout == "planes":
+            plane = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_size)
+            return (plane, plane)
         return ((num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size),)
 
 
 class _LatentRules(KindRules[SA]):
-    """MLA kinds: one latent per token, no separate values: ``[num_blocks, block_size, D]``."""
+    """MLA kinds: one latent per token, no separate values: ``[num_blocks, block_size, D]``
+    (already token-major: ``view(-1, D)`` is row = slot, without a copy)."""
+
+    no_planes_because = "an MLA cache holds one latent per token, not separate K and V"
 
     @override
-    def cache_shapes(self, spec: SA, num_blocks: int) -> tuple[tuple[int, ...], ...]:
+    def cache_shapes(
+        self, spec: SA, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        self.check_layout(spec, layout)
         return ((num_blocks, spec.block_size, spec.head_size),)
 
 
@@ -178,6 +219,7 @@ class _EncoderOnlyRules(KindRules[EncoderOnlyAttentionSpec]):
     has_cache = False
     causal = False
     writes = "none"
+    layouts: frozenset[KVCacheLayout] = frozenset({"interleaved", "planes"})  # nothing to lay out
 
     @override
     def blocks_needed(self, spec: EncoderOnlyAttentionSpec, lens: StepLens) -> Ints:
@@ -189,8 +231,9 @@ class _EncoderOnlyRules(KindRules[EncoderOnlyAttentionSpec]):
 
     @override
     def cache_shapes(
-        self, spec: EncoderOnlyAttentionSpec, num_blocks: int
+        self, spec: EncoderOnlyAttentionSpec, num_blocks: int, layout: KVCacheLayout = "interleaved"
     ) -> tuple[tuple[int, ...], ...]:
+        self.check_layout(spec, layout)
         return ()
 
     @override
@@ -229,12 +272,17 @@ class _CrossRules(_PagedRules[CrossAttentionSpec]):
 
 class _StateRules(KindRules[MambaSpec]):
     writes = "none"  # states are written by the kernels, in each request's block
+    no_planes_because = "a state layer keeps one state per request, not per-token K and V"
+
     @override
     def blocks_needed(self, spec: MambaSpec, lens: StepLens) -> Ints:
         return np.ones_like(lens.computed)  # one block holds a request's whole state
 
     @override
-    def cache_shapes(self, spec: MambaSpec, num_blocks: int) -> tuple[tuple[int, ...], ...]:
+    def cache_shapes(
+        self, spec: MambaSpec, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        self.check_layout(spec, layout)
         return tuple((num_blocks, *shape) for shape in spec.shapes)
 
 

@@ -25,10 +25,25 @@ Page-size unification (one pool serves every group)
     size the backends are asked to serve, so selection happens after unification and
     a backend that cannot serve the scaled size says so.
 
-Memory
-    Layer ``j`` of every group shares the ``j``-th byte buffer of ``NB * P`` bytes: a
-    block id is owned by exactly one group at a time, so the aliasing is safe, and the
-    memory is ``NB * P * max(layers per group)``.
+Memory: two sets of aliased layer buffers
+    A block id is owned by exactly one group at a time (one pool serves every group),
+    so groups can share memory: layer ``j`` of every group views the ``j``-th byte
+    buffer of ``NB * P`` bytes of its group's *buffer set*:
+
+    * page-major set (``"interleaved"`` layout: attention, MLA and state groups): a
+      buffer is ``[NB, P]``; block ``b`` is bytes ``[b*P, (b+1)*P)``, laid out as the
+      group's page (K and V of the block, an MLA latent page, a request's states);
+    * planes set (``"planes"`` layout): a buffer's first half is the K plane and its
+      second half the V plane, each ``[NB * BS, Hkv, D]`` token-major; block ``c``'s
+      K rows are bytes ``[c*P/2, (c+1)*P/2)`` of the first half and its V rows the same
+      range of the second half (a block's rows fill exactly half a page).
+
+    The two sets cannot alias each other: in one buffer, page-major block ``b``
+    (bytes ``[b*P, (b+1)*P)``) is the K rows of plane blocks ``2b`` and ``2b+1``, so two
+    groups owning different blocks would write the same bytes. Within a set every group
+    puts block ``c`` at the same bytes, so ownership keeps them apart. The memory is
+    ``NB * P * (max layers per page-major group + max layers per planes group)``; a
+    model with one set costs what it always did.
 
 Block ownership
     Block 0 is the null block: never handed out, used to pad block tables and to stand
@@ -40,13 +55,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from ._validation import is_nonnegative_int, is_positive_int
+from .capabilities import KVCacheLayout
 from .errors import OutOfBlocksError
 from .kinds import Ints, KindRules, StepLens, rules_for
 from .spec import (
@@ -59,10 +75,13 @@ from .spec import (
 __all__ = [
     "NULL_BLOCK",
     "BlockPool",
+    "BufferSetName",
     "KVCacheGroup",
     "KVCacheManager",
     "OutOfBlocksError",
     "allocate_kv_cache_tensors",
+    "buffer_set_of",
+    "buffers_per_set",
     "group_layers",
     "num_blocks_for_budget",
     "unify_page_sizes",
@@ -149,17 +168,48 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+BufferSetName = Literal["page_major", "planes"]
+"""The set of layer buffers a group's cache views (module docstring, "Memory")."""
+
+
+def buffer_set_of(layout: KVCacheLayout) -> BufferSetName:
+    """The buffer set of a group whose backend declares ``layout``."""
+    return "planes" if layout == "planes" else "page_major"
+
+
+def buffers_per_set(
+    groups: Sequence[KVCacheGroup], layouts: Mapping[int, KVCacheLayout] | None = None
+) -> dict[BufferSetName, int]:
+    """Layer buffers of each set in use: the most layers of any cached group in it.
+
+    ``layouts`` maps group id -> its backend's layout (absent: ``"interleaved"``).
+    Sets no cached group uses are left out.
+    """
+    counts: dict[BufferSetName, int] = {}
+    for group in groups:
+        if group.has_cache:
+            name = buffer_set_of((layouts or {}).get(group.group_id, "interleaved"))
+            counts[name] = max(counts.get(name, 0), len(group.layer_names))
+    return counts
+
+
 def num_blocks_for_budget(
-    groups: Sequence[KVCacheGroup], page_size_bytes: int, memory_budget_bytes: int
+    groups: Sequence[KVCacheGroup],
+    page_size_bytes: int,
+    memory_budget_bytes: int,
+    layouts: Mapping[int, KVCacheLayout] | None = None,
 ) -> int:
     """How many blocks (the null block included) fit in ``memory_budget_bytes``.
+
+    Each block costs one page in every layer buffer of every set in use
+    (``buffers_per_set``; ``layouts`` as there).
 
     Raises:
         ValueError: if the budget does not hold the null block and one more block.
     """
     if not is_positive_int(memory_budget_bytes):
         raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
-    slots = max((len(g.layer_names) for g in groups if g.has_cache), default=0)
+    slots = sum(buffers_per_set(groups, layouts).values())
     if slots == 0 or page_size_bytes == 0:
         return 2  # nothing is cached: only the bookkeeping exists
     per_block = page_size_bytes * slots
@@ -188,32 +238,48 @@ class BlockPool:
                 f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
             )
         self.num_blocks = num_blocks
-        # A stack popped from the end: low ids are handed out first (readable tests).
-        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
-        self._in_use = np.zeros(num_blocks, dtype=np.bool_)
+        # The free ids as a stack in a numpy array, top at ``_top``: ids are stacked
+        # high to low, so low ids are handed out first (readable tests).
+        self._free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)
+        self._top = num_blocks - 1
+        # Which ids are handed out: built from the stack the first time a checked call
+        # needs it, then kept current; a pool only driven by the manager's fast path
+        # never pays for it.
+        self._in_use_cache: npt.NDArray[np.bool_] | None = None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._top
+
+    @property
+    def _in_use(self) -> npt.NDArray[np.bool_]:
+        if self._in_use_cache is None:
+            in_use = np.ones(self.num_blocks, dtype=np.bool_)
+            in_use[NULL_BLOCK] = False
+            in_use[self._free[: self._top]] = False
+            self._in_use_cache = in_use
+        return self._in_use_cache
 
     def is_allocated(self, block: int) -> bool:
         return 0 < block < self.num_blocks and bool(self._in_use[block])
 
     def take(self, n: int) -> Ints32:
         """Take ``n`` free blocks (the caller has checked that ``n`` are free)."""
-        if n == 0:
-            return _NO_BLOCKS
-        taken = self._free[-n:]
-        del self._free[-n:]
-        blocks = np.array(taken[::-1], dtype=np.int32)
-        self._in_use[blocks] = True
+        top = self._top
+        blocks: Ints32 = np.flip(self._free[top - n : top])
+        blocks = blocks.astype(np.int32)  # a copy: the stack slots are reused
+        self._top = top - n
+        if self._in_use_cache is not None:
+            self._in_use_cache[blocks] = True
         return blocks
 
     def give_back(self, blocks: Ints32) -> None:
         """Return blocks the caller owns (no checks)."""
-        if blocks.size:
-            self._in_use[blocks] = False
-            self._free.extend(blocks.tolist())
+        top, n = self._top, blocks.size
+        self._free[top : top + n] = blocks
+        self._top = top + n
+        if self._in_use_cache is not None:
+            self._in_use_cache[blocks] = False
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks.
@@ -223,9 +289,9 @@ class BlockPool:
         """
         if not is_nonnegative_int(n):
             raise ValueError(f"n must be an int >= 0, got {n!r}")
-        if n > len(self._free):
+        if n > self._top:
             raise OutOfBlocksError(
-                f"need {n} free block(s) but only {len(self._free)} of {self.num_blocks - 1} are free"
+                f"need {n} free block(s) but only {self._top} of {self.num_blocks - 1} are free"
             )
         taken: list[int] = self.take(n).tolist()
         return taken
@@ -238,21 +304,25 @@ class BlockPool:
                 allocated, or one given twice (the pool is unchanged).
         """
         given = list(blocks)
-        for block in given:
-            if not (is_positive_int(block) and block < self.num_blocks):
-                raise ValueError(
-                    f"cannot free block {block!r}: ids run from 1 to {self.num_blocks - 1}"
-                )
-        arr = np.asarray(given, dtype=np.int32)
-        unique, counts = np.unique(arr, return_counts=True)
-        bad = unique[(counts > 1) | ~self._in_use[unique]]
-        if bad.size:
-            raise ValueError(f"cannot free block {int(bad[0])}: it is not allocated (double free?)")
-        self.give_back(arr)
+        if not given:
+            return
+        if not set(map(type, given)) <= {int}:
+            bad = next(b for b in given if type(b) is not int)
+            raise ValueError(f"cannot free block {bad!r}: ids run from 1 to {self.num_blocks - 1}")
+        arr = np.array(given, dtype=np.int64)
+        if arr.min() < 1 or arr.max() >= self.num_blocks:
+            bad = next(b for b in given if not 0 < b < self.num_blocks)
+            raise ValueError(f"cannot free block {bad!r}: ids run from 1 to {self.num_blocks - 1}")
+        if len(set(given)) != len(given) or not self._in_use[arr].all():
+            seen: set[int] = set()
+            for block in given:
+                if block in seen or not self._in_use[block]:
+                    raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
+                seen.add(block)
+        self.give_back(arr.astype(np.int32))
 
 
 Ints32 = npt.NDArray[np.int32]
-_NO_BLOCKS: Ints32 = np.zeros(0, dtype=np.int32)
 
 
 class _Tables:
@@ -550,31 +620,58 @@ def allocate_kv_cache_tensors(
     page_size_bytes: int,
     device: torch.device,
     fill: float | None = None,
+    layouts: Mapping[int, KVCacheLayout] | None = None,
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Per-layer cache tensors, aliased across groups as the module docstring says.
+    """Per-layer cache tensors, aliased within each buffer set as the module docstring says.
+
+    Every tensor is a view of a layer buffer (nothing is copied, ever): writing
+    through it writes the buffer.
 
     Args:
         groups: unified groups.
         shapes: group id -> the shapes its backend declares (``get_kv_cache_shapes``);
-            each shape starts with ``num_blocks``.
+            page-major shapes start with ``num_blocks``; a planes group declares two
+            shapes (K plane, V plane) starting with ``num_blocks * block_size``.
         num_blocks, page_size_bytes: the pool's geometry.
         device: where the buffers live.
         fill: a value to fill every tensor with (tests use NaN to catch reads of
             unwritten slots); ``None`` leaves memory uninitialised. Block 0, the null
             block, is always zeroed.
+        layouts: group id -> its backend's ``kv_cache_layout`` (absent:
+            ``"interleaved"``); it picks the group's buffer set.
 
     Raises:
-        ValueError: if a group's tensors do not fit one page per block.
+        ValueError: if a page-major group's tensors do not fit one page per block, or a
+            planes group's are not two planes whose block rows fill half a page each.
     """
-    slots = max((len(g.layer_names) for g in groups if g.has_cache), default=0)
+    counts = buffers_per_set(groups, layouts)
     buffers = [
         torch.empty((num_blocks, page_size_bytes), dtype=torch.uint8, device=device)
-        for _ in range(slots)
+        for _ in range(counts.get("page_major", 0))
+    ]
+    # Planes set: flat buffers, K plane = first half, V plane = second half.
+    plane_buffers = [
+        torch.empty(num_blocks * page_size_bytes, dtype=torch.uint8, device=device)
+        for _ in range(counts.get("planes", 0))
     ]
     caches: dict[str, tuple[torch.Tensor, ...]] = {}
     for group in groups:
         group_shapes = shapes.get(group.group_id, ())
         dtypes = _tensor_dtypes(group.spec, len(group_shapes))
+        layout = (layouts or {}).get(group.group_id, "interleaved")
+        if group.has_cache and buffer_set_of(layout) == "planes":
+            _check_planes(group, group_shapes, dtypes, num_blocks, page_size_bytes)
+            half = num_blocks * page_size_bytes // 2
+            for j, layer in enumerate(group.layer_names):
+                planes = tuple(
+                    plane_buffers[j][i * half : (i + 1) * half].view(dtype).view(shape)
+                    for i, (shape, dtype) in enumerate(zip(group_shapes, dtypes, strict=True))
+                )
+                if fill is not None:
+                    for plane in planes:
+                        plane.fill_(fill)
+                caches[layer] = planes
+            continue
         offsets: list[int] = []
         offset = 0
         for shape, dtype in zip(group_shapes, dtypes, strict=True):
@@ -604,7 +701,42 @@ def allocate_kv_cache_tensors(
     # that load whole tiles may touch it, so it must hold finite zeros (after any fill).
     for buffer in buffers:
         buffer[NULL_BLOCK].zero_()
+    half_page, half = page_size_bytes // 2, num_blocks * page_size_bytes // 2
+    for buffer in plane_buffers:  # the null block's K rows and V rows
+        buffer[NULL_BLOCK * half_page : (NULL_BLOCK + 1) * half_page].zero_()
+        buffer[half + NULL_BLOCK * half_page : half + (NULL_BLOCK + 1) * half_page].zero_()
     return caches
+
+
+def _check_planes(
+    group: KVCacheGroup,
+    group_shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    num_blocks: int,
+    page_size_bytes: int,
+) -> None:
+    """A planes group declares a K and a V plane, token-major, whose block rows fill
+    exactly half a page: then block ``c``'s rows sit at the same bytes in every planes
+    group, and block ownership keeps the groups apart."""
+    where = f"group {group.group_id} ({group.kind.value}, planes layout)"
+    if len(group_shapes) != 2:
+        raise ValueError(
+            f"{where}: needs two cache tensors (the K and V planes), got {len(group_shapes)}"
+        )
+    block_size = group.spec.block_size
+    rows = num_blocks * block_size
+    for shape, dtype in zip(group_shapes, dtypes, strict=True):
+        if not shape or shape[0] != rows:
+            raise ValueError(
+                f"{where}: plane shape {shape} must start with "
+                f"num_blocks * block_size = {num_blocks} * {block_size} = {rows}"
+            )
+        block_bytes = block_size * math.prod(shape[1:]) * dtype.itemsize
+        if 2 * block_bytes != page_size_bytes:
+            raise ValueError(
+                f"{where}: a block's rows of plane {shape} take {block_bytes} bytes but must "
+                f"fill half a page ({page_size_bytes} / 2 = {page_size_bytes / 2:g} bytes)"
+            )
 
 
 def _tensor_dtypes(spec: KVCacheSpec, count: int) -> tuple[torch.dtype, ...]:

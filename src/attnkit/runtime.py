@@ -19,6 +19,7 @@ exactly once; every ``forward`` of the step reuses it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -29,14 +30,17 @@ import torch
 from ._validation import is_nonnegative_int, is_positive_int
 from .backend import AnyBinding, AttentionBackend
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
-from .capabilities import AttentionFeature
+from .capabilities import AttentionFeature, KVCacheLayout
 from .config import AttentionConfig
 from .impl import AttentionImpl, StateImpl
 from .kinds import Ints, StepLens, rules_for
 from .kv_cache import (
+    BufferSetName,
     KVCacheGroup,
     KVCacheManager,
     allocate_kv_cache_tensors,
+    buffer_set_of,
+    buffers_per_set,
     group_layers,
     num_blocks_for_budget,
     unify_page_sizes,
@@ -53,9 +57,19 @@ from .spec import (
 )
 from .state_inputs import StateInputs
 
-__all__ = ["AttentionRuntime", "RoutingRow", "ScheduledRequest", "StateLayer", "StepBatch"]
+__all__ = [
+    "AttentionRuntime",
+    "GroupMemory",
+    "MemoryReport",
+    "RoutingRow",
+    "ScheduledRequest",
+    "StateLayer",
+    "StepBatch",
+]
 
 InputsT = TypeVar("InputsT", bound=StateInputs)
+
+_LOG = logging.getLogger(__name__)
 
 # torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
 _from_numpy: Callable[[np.ndarray[Any, Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
@@ -129,6 +143,87 @@ class RoutingRow:
     source: str
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupMemory:
+    """One group's share of the KV cache (a row of ``MemoryReport.groups``).
+
+    Attributes:
+        group_id, kind, backend: as in the routing table.
+        layout: the cache layout its backend declares (``AttentionBackend.kv_cache_layout``).
+        buffer_set: the set of layer buffers its layers view (``"page_major"`` or
+            ``"planes"``); ``None`` for a group that keeps no cache (encoder-only).
+        num_layers: its layers.
+        bytes: what its layers' views span, ``num_layers * num_blocks * page``; shared
+            with the other groups of its set (the set's bytes count once in
+            ``MemoryReport.total_bytes``).
+    """
+
+    group_id: int
+    kind: KVCacheSpecKind
+    backend: str
+    layout: KVCacheLayout
+    buffer_set: BufferSetName | None
+    num_layers: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Where the KV cache's bytes go (``AttentionRuntime.memory_report()``).
+
+    Groups of one buffer set alias its layer buffers (block ownership keeps them
+    apart); page-major and planes views cannot alias each other, so a model whose
+    groups use both sets pays for both.
+
+    Attributes:
+        num_blocks, page_size_bytes: the pool's geometry (null block included).
+        groups: one row per group, in group order.
+        buffers: buffer set -> its layer buffers (sets in use only).
+        set_bytes: buffer set -> its bytes, ``buffers * num_blocks * page``.
+        total_bytes: the cache's bytes, the sum of ``set_bytes``.
+        extra_bytes: what a second set costs at this ``num_blocks``: ``total_bytes``
+            minus one set of the larger buffer count (0 with one set).
+        num_blocks_one_set: blocks the same budget would hold if every group shared
+            one set (``num_blocks`` when there is one set).
+    """
+
+    num_blocks: int
+    page_size_bytes: int
+    groups: tuple[GroupMemory, ...]
+    buffers: Mapping[BufferSetName, int]
+    set_bytes: Mapping[BufferSetName, int]
+    total_bytes: int
+    extra_bytes: int
+    num_blocks_one_set: int
+
+    def describe(self) -> str:
+        """The report as text (what the runtime logs at construction)."""
+        lines = [
+            f"KV cache: {self.total_bytes} B = {self.num_blocks} blocks x page "
+            f"{self.page_size_bytes} B x {sum(self.buffers.values())} layer buffer(s) "
+            f"in {len(self.buffers)} set(s)"
+        ]
+        for g in self.groups:
+            where = (
+                f"buffer set {g.buffer_set}, {g.bytes} B in {g.num_layers} view(s)"
+                if g.buffer_set is not None
+                else "no cache"
+            )
+            lines.append(
+                f"  group {g.group_id} ({g.kind.value}, backend {g.backend}, "
+                f"{g.num_layers} layer(s)): layout {g.layout}, {where}"
+            )
+        for name, count in self.buffers.items():
+            lines.append(f"  set {name}: {count} buffer(s), {self.set_bytes[name]} B")
+        if self.extra_bytes:
+            lines.append(
+                f"  page-major and planes views cannot alias: the second set costs "
+                f"{self.extra_bytes} B; one shared set would hold {self.num_blocks_one_set} "
+                f"blocks in this budget instead of {self.num_blocks}"
+            )
+        return "\n".join(lines)
+
+
 @dataclasses.dataclass
 class _Group:
     group: KVCacheGroup
@@ -152,6 +247,10 @@ class AttentionRuntime:
         registry, capability, priority: passed to ``select_backend``.
         cache_fill: fill the cache at allocation (tests pass ``float("nan")`` so a
             kernel that reads an unwritten slot is caught); ``None`` leaves it as is.
+
+    Backends are selected first, then the pool is sized for the buffer sets their
+    cache layouts need (``kv_cache``, "Memory"), then the cache is allocated; the
+    ``memory_report()`` is logged once (``attnkit.runtime``, INFO).
 
     Raises:
         NoBackendError / BackendNotSupportedError: a group cannot be served.
@@ -185,8 +284,8 @@ class AttentionRuntime:
             _check_params(name, spec, self.layer_params[name])
         self._groups: list[_Group] = []
         self._layer_group: dict[str, int] = {}
-        shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
-        self.num_blocks = num_blocks_for_budget(groups, self.page_size_bytes, memory_budget_bytes)
+        # Select first (selection does not depend on the pool's size), then size the
+        # pool for the buffer sets the backends' layouts need, then shapes and buffers.
         for group in groups:
             layer_params_of_group = [self.layer_params[n] for n in group.layer_names]
             selection = select_backend(
@@ -202,13 +301,24 @@ class AttentionRuntime:
             binding = selection.backend.get_binding(group.spec)
             builder = binding.create(group.spec, group.layer_names, config, self.device)
             self._groups.append(_Group(group, selection, binding, builder))
-            shapes[group.group_id] = (
-                selection.backend.get_kv_cache_shapes(self.num_blocks, group.spec)
-                if group.has_cache
-                else ()
-            )
             for name in group.layer_names:
                 self._layer_group[name] = group.group_id
+        self.layouts: dict[int, KVCacheLayout] = {
+            e.group.group_id: e.selection.backend.kv_cache_layout for e in self._groups
+        }
+        """Group id -> the cache layout its backend declared."""
+        self.memory_budget_bytes = memory_budget_bytes
+        self.num_blocks = num_blocks_for_budget(
+            groups, self.page_size_bytes, memory_budget_bytes, self.layouts
+        )
+        shapes: dict[int, tuple[tuple[int, ...], ...]] = {
+            e.group.group_id: (
+                e.selection.backend.get_kv_cache_shapes(self.num_blocks, e.group.spec)
+                if e.group.has_cache
+                else ()
+            )
+            for e in self._groups
+        }
         self._attention_impls: dict[str, AttentionImpl[Any, Any, Any]] = {}
         self._state_impls: dict[str, StateImpl[Any, Any, Any]] = {}
         for entry in self._groups:
@@ -231,7 +341,9 @@ class AttentionRuntime:
             page_size_bytes=self.page_size_bytes,
             device=self.device,
             fill=cache_fill,
+            layouts=self.layouts,
         )
+        _LOG.info("%s", self.memory_report().describe())
         self.manager = KVCacheManager(groups, self.num_blocks)
         thresholds = {
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
@@ -266,6 +378,42 @@ class AttentionRuntime:
         ]
         order = {name: i for i, name in enumerate(self.layer_params)}
         return sorted(rows, key=lambda r: order[r.layer])
+
+    def memory_report(self) -> MemoryReport:
+        """Each group's layout, buffer set and bytes, and what a second set costs."""
+        page, blocks = self.page_size_bytes, self.num_blocks
+        buffers = buffers_per_set(self.groups, self.layouts)
+        set_bytes: dict[BufferSetName, int] = {
+            name: count * blocks * page for name, count in buffers.items()
+        }
+        total = sum(set_bytes.values())
+        largest = max(buffers.values(), default=0)
+        extra = total - largest * blocks * page
+        one_set = self.memory_budget_bytes // (largest * page) if extra else blocks
+        rows = tuple(
+            GroupMemory(
+                group_id=e.group.group_id,
+                kind=e.group.kind,
+                backend=e.selection.backend_name,
+                layout=self.layouts[e.group.group_id],
+                buffer_set=(
+                    buffer_set_of(self.layouts[e.group.group_id]) if e.group.has_cache else None
+                ),
+                num_layers=len(e.group.layer_names),
+                bytes=len(e.group.layer_names) * blocks * page if e.group.has_cache else 0,
+            )
+            for e in self._groups
+        )
+        return MemoryReport(
+            num_blocks=blocks,
+            page_size_bytes=page,
+            groups=rows,
+            buffers=buffers,
+            set_bytes=set_bytes,
+            total_bytes=total,
+            extra_bytes=extra,
+            num_blocks_one_set=one_set,
+        )
 
     def backend_for(self, layer_name: str) -> type[AttentionBackend]:
         return self._groups[self._group_id(layer_name)].selection.backend
@@ -316,8 +464,9 @@ class AttentionRuntime:
             self.manager.row_of(req_id)  # KeyError for an unknown id, before any change
         if len(set(finished)) != len(finished):
             raise ValueError(f"finished names a request twice: {finished}")
+        _check_types(scheduled)
         ids: list[str] = list(map(_REQ_ID, scheduled))
-        _check_schedule(scheduled, ids)
+        _check_unique(ids)
         count = len(ids)
         counts = np.fromiter(map(_NUM_NEW, scheduled), dtype=np.int64, count=count)
         encoder = (
@@ -607,12 +756,16 @@ def _token_positions(counts: Ints, starts: Ints) -> tuple[Ints, Ints]:
     return req, np.arange(total) - first[req] + starts[req]
 
 
-def _check_schedule(scheduled: Sequence[ScheduledRequest], ids: list[str]) -> None:
-    """What the requests' own checks cannot see: their type and duplicates."""
-    if set(map(type, scheduled)) - {ScheduledRequest}:
+def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:
+    """Every entry must be a ``ScheduledRequest`` (or a subclass): its own checks ran."""
+    types = set(map(type, scheduled)) - {ScheduledRequest}
+    if types and not all(issubclass(t, ScheduledRequest) for t in types):
         given: Sequence[object] = scheduled  # untyped callers reach here too
         bad = next(r for r in given if not isinstance(r, ScheduledRequest))
         raise TypeError(f"scheduled must hold ScheduledRequest objects, got {bad!r}")
+
+
+def _check_unique(ids: list[str]) -> None:
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
         for req_id in ids:

@@ -1,0 +1,424 @@
+"""``attnkit.kinds``: each kind's rules against a scalar, per-request definition.
+
+The reference below is written from the kinds' meaning, one request at a time, with
+no numpy: a request's tokens sit at positions ``shift + t``; a block is needed when it
+holds an occupied position; a query at position ``p`` of a sliding window ``w`` sees
+keys ``p - w + 1 .. p``, of a chunked-local layer the keys of its own chunk up to
+``p``; a block is live when some query of this step (or a later one) sees a key in
+it. ``rules_for(spec)``'s vectorised methods must agree with it for every request of
+hypothesis-generated steps, with windows, chunks, sinks and block sizes near each
+other's boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from attnkit.kinds import StepLens, rules_for
+
+K = KVCacheSpecKind
+HEADS, HEAD_SIZE = 2, 8
+
+# ---------------------------------------------------------------------------- reference
+# One request at a time, from the definitions in the module docstring.
+
+DECODER_KINDS = {
+    K.FULL_ATTENTION,
+    K.SINK_FULL_ATTENTION,
+    K.MLA_ATTENTION,
+    K.SLIDING_WINDOW,
+    K.SLIDING_WINDOW_MLA,
+    K.CHUNKED_LOCAL_ATTENTION,
+}
+PAGED_KINDS = {
+    K.FULL_ATTENTION,
+    K.SINK_FULL_ATTENTION,
+    K.SLIDING_WINDOW,
+    K.CHUNKED_LOCAL_ATTENTION,
+    K.CROSS_ATTENTION,
+}
+LATENT_KINDS = {K.MLA_ATTENTION, K.SLIDING_WINDOW_MLA}
+RELEASING_KINDS = {K.SLIDING_WINDOW, K.SLIDING_WINDOW_MLA, K.CHUNKED_LOCAL_ATTENTION}
+
+
+def ref_shift(spec: KVCacheSpec) -> int:
+    return spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+
+
+def blocks_holding(num_positions: int, block_size: int) -> int:
+    """Blocks that positions ``0 .. num_positions - 1`` occupy (counted, not divided)."""
+    blocks = 0
+    while blocks * block_size < num_positions:
+        blocks += 1
+    return blocks
+
+
+def ref_blocks_needed(spec: KVCacheSpec, computed: int, query: int, encoder: int) -> int:
+    if spec.kind is K.ENCODER_ONLY_ATTENTION:
+        return 0  # nothing is kept
+    if spec.kind is K.MAMBA:
+        return 1  # the whole state in one block
+    if spec.kind is K.CROSS_ATTENTION:
+        return blocks_holding(encoder, spec.block_size)
+    return blocks_holding(ref_shift(spec) + computed + query, spec.block_size)
+
+
+def lowest_visible_key(spec: KVCacheSpec, p: int) -> int:
+    """The lowest key position a query at position ``p`` sees."""
+    if isinstance(spec, SlidingWindowSpec):  # also SlidingWindowMLASpec
+        return max(0, p - (spec.sliding_window - 1))
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk_start = p
+        while chunk_start % spec.attention_chunk_size:
+            chunk_start -= 1
+        return chunk_start
+    return 0
+
+
+def ref_first_live_block(spec: KVCacheSpec, computed: int, query: int) -> int:
+    """The lowest block holding a key that a query of this step or a later one sees."""
+    if spec.kind not in RELEASING_KINDS:
+        return 0
+    # This step's queries are computed .. computed+query-1; later ones come after, and
+    # see no further back than these (checked a few positions past the step).
+    queries = range(computed, computed + query + 3)
+    return min(lowest_visible_key(spec, p) for p in queries) // spec.block_size
+
+
+def ref_seq_len(spec: KVCacheSpec, computed: int, query: int, encoder: int) -> int:
+    if spec.kind is K.ENCODER_ONLY_ATTENTION:
+        return query  # the request is encoded whole, in this step
+    if spec.kind is K.CROSS_ATTENTION:
+        return encoder  # queries see every encoder token
+    return ref_shift(spec) + computed + query
+
+
+def ref_writes(spec: KVCacheSpec) -> str:
+    if spec.kind in DECODER_KINDS:
+        return "step"
+    if spec.kind is K.CROSS_ATTENTION:
+        return "encoder"
+    return "none"
+
+
+def ref_cache_shapes(spec: KVCacheSpec, num_blocks: int) -> tuple[tuple[int, ...], ...]:
+    if isinstance(spec, MambaSpec):
+        return tuple((num_blocks, *shape) for shape in spec.shapes)
+    if spec.kind is K.ENCODER_ONLY_ATTENTION:
+        return ()
+    assert isinstance(
+        spec,
+        FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | CrossAttentionSpec,
+    )
+    if spec.kind in LATENT_KINDS:
+        return ((num_blocks, spec.block_size, spec.head_size),)
+    return ((num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size),)
+
+
+def ref_admission(
+    spec: KVCacheSpec, computed: list[int], encoder: list[int]
+) -> tuple[int, str] | None:
+    """The first request the kind refuses, and a phrase its reason must contain."""
+    for i, (c, e) in enumerate(zip(computed, encoder, strict=True)):
+        if spec.kind is K.ENCODER_ONLY_ATTENTION and c > 0:
+            return i, "was already encoded"
+        if spec.kind is K.CROSS_ATTENTION and c == 0 and e < 1:
+            return i, f"encoder_len must be >= 1, got {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------- specs
+
+
+def make_spec(kind: KVCacheSpecKind, block_size: int, param: int) -> KVCacheSpec:
+    """A spec of ``kind``; ``param`` is its window, chunk or sink length where it has one."""
+    attn: dict[str, Any] = {
+        "block_size": block_size,
+        "head_size": HEAD_SIZE,
+        "dtype": torch.float16,
+    }
+    if kind is K.FULL_ATTENTION:
+        return FullAttentionSpec(num_kv_heads=HEADS, **attn)
+    if kind is K.SINK_FULL_ATTENTION:
+        return SinkFullAttentionSpec(num_kv_heads=HEADS, sink_len=param, **attn)
+    if kind is K.MLA_ATTENTION:
+        return MLAAttentionSpec(**attn)
+    if kind is K.SLIDING_WINDOW:
+        return SlidingWindowSpec(num_kv_heads=HEADS, sliding_window=param, **attn)
+    if kind is K.SLIDING_WINDOW_MLA:
+        return SlidingWindowMLASpec(sliding_window=param, **attn)
+    if kind is K.CHUNKED_LOCAL_ATTENTION:
+        return ChunkedLocalAttentionSpec(num_kv_heads=HEADS, attention_chunk_size=param, **attn)
+    if kind is K.ENCODER_ONLY_ATTENTION:
+        return EncoderOnlyAttentionSpec(num_kv_heads=HEADS, **attn)
+    if kind is K.CROSS_ATTENTION:
+        return CrossAttentionSpec(num_kv_heads=HEADS, **attn)
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((param, 3), (2, param, 4)),
+        dtypes=(torch.float32, torch.bfloat16),
+    )
+
+
+def test_every_kind_is_covered() -> None:
+    assert {make_spec(k, 4, 3).kind for k in KVCacheSpecKind} == set(KVCacheSpecKind)
+
+
+@st.composite
+def near(draw: st.DrawFn, anchor: int) -> int:
+    """A positive int at or next to ``anchor`` or one of its small multiples."""
+    base = anchor * draw(st.sampled_from([1, 1, 2, 3]))
+    return max(1, base + draw(st.integers(-1, 1)))
+
+
+@st.composite
+def specs(draw: st.DrawFn, kind: KVCacheSpecKind) -> KVCacheSpec:
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
+    param = draw(st.one_of(near(block_size), st.integers(1, 40)))
+    return make_spec(kind, block_size, param)
+
+
+@st.composite
+def step_lens(draw: st.DrawFn, spec: KVCacheSpec) -> tuple[list[int], list[int], list[int]]:
+    """Per-request (computed, query, encoder), with lengths at and next to the spec's
+    boundaries: multiples of the block size, window or chunk, and (windows) the
+    positions whose first visible key starts a block (``k * block_size + w - 1``)."""
+    n = draw(st.integers(0, 8))
+    periods, offsets = [spec.block_size], [0]
+    if isinstance(spec, SlidingWindowSpec):
+        periods.append(spec.sliding_window)
+        offsets.append(spec.sliding_window - 1)
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        periods.append(spec.attention_chunk_size)
+    elif isinstance(spec, SinkFullAttentionSpec):
+        offsets.append(spec.block_size - spec.sink_len % spec.block_size)
+
+    def at(k: int, period: int, offset: int, d: int) -> int:
+        return max(0, k * period + offset + d)
+
+    boundary = st.builds(
+        at,
+        st.integers(0, 4),
+        st.sampled_from(periods),
+        st.sampled_from(offsets),
+        st.integers(-1, 1),
+    )
+    computed = draw(
+        st.lists(st.one_of(st.just(0), boundary, st.integers(0, 70)), min_size=n, max_size=n)
+    )
+    positive = st.one_of(st.just(1), boundary.map(lambda v: max(1, v)), st.integers(1, 40))
+    query = draw(st.lists(positive, min_size=n, max_size=n))
+    encoder = draw(st.lists(st.one_of(st.just(0), positive), min_size=n, max_size=n))
+    return computed, query, encoder
+
+
+def as_lens(computed: list[int], query: list[int], encoder: list[int]) -> StepLens:
+    def arr(values: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return np.array(values, dtype=np.int64)
+
+    return StepLens(arr(computed), arr(query), arr(encoder))
+
+
+def per_request(
+    result: np.ndarray[Any, Any], n: int
+) -> list[int]:
+    """A rules method's result as a list, after checking it is one int per request."""
+    assert isinstance(result, np.ndarray)
+    assert result.shape == (n,)
+    assert np.issubdtype(result.dtype, np.integer)
+    values: list[int] = result.tolist()
+    return values
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_rules_agree_with_the_scalar_definition(
+    kind: KVCacheSpecKind, data: st.DataObject
+) -> None:
+    spec = data.draw(specs(kind), label="spec")
+    computed, query, encoder = data.draw(step_lens(spec), label="computed, query, encoder")
+    n = len(computed)
+    rules = rules_for(spec)
+    lens = as_lens(computed, query, encoder)
+    rows = list(zip(computed, query, encoder, strict=True))
+
+    assert per_request(rules.blocks_needed(spec, lens), n) == [
+        ref_blocks_needed(spec, c, q, e) for c, q, e in rows
+    ]
+    assert per_request(rules.first_live_block(spec, lens), n) == [
+        ref_first_live_block(spec, c, q) for c, q, _ in rows
+    ]
+    assert per_request(rules.seq_lens(spec, lens), n) == [
+        ref_seq_len(spec, c, q, e) for c, q, e in rows
+    ]
+    problem = rules.admission_problems(lens)
+    expected = ref_admission(spec, computed, encoder)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None
+        assert problem[0] == expected[0]
+        assert expected[1] in problem[1]
+    # The inputs are not modified.
+    assert lens.computed.tolist() == computed
+    assert lens.query.tolist() == query
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_rules_constants_and_cache_shapes(kind: KVCacheSpecKind, data: st.DataObject) -> None:
+    spec = data.draw(specs(kind), label="spec")
+    num_blocks = data.draw(st.integers(2, 10_000), label="num_blocks")
+    rules = rules_for(spec)
+    assert rules.shift(spec) == ref_shift(spec)
+    assert rules.writes == ref_writes(spec)
+    assert rules.has_cache is (kind is not K.ENCODER_ONLY_ATTENTION)
+    assert rules.causal is (kind not in {K.ENCODER_ONLY_ATTENTION, K.CROSS_ATTENTION})
+    assert rules.releases is (kind in RELEASING_KINDS)
+    assert rules.cache_shapes(spec, num_blocks) == ref_cache_shapes(spec, num_blocks)
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+def test_a_step_of_no_requests(kind: KVCacheSpecKind) -> None:
+    spec = make_spec(kind, 4, 3)
+    rules = rules_for(spec)
+    lens = as_lens([], [], [])
+    for method in (rules.blocks_needed, rules.first_live_block, rules.seq_lens):
+        assert per_request(method(spec, lens), 0) == []
+    assert rules.admission_problems(lens) is None
+
+
+# ---------------------------------------------------------------------------- readable cases
+# Hand-computed: (spec, computed, query) -> (blocks needed, first live block, seq_len).
+
+
+def window(w: int, block_size: int) -> SlidingWindowSpec:
+    spec = make_spec(K.SLIDING_WINDOW, block_size, w)
+    assert isinstance(spec, SlidingWindowSpec)
+    return spec
+
+
+def chunked(c: int, block_size: int) -> ChunkedLocalAttentionSpec:
+    spec = make_spec(K.CHUNKED_LOCAL_ATTENTION, block_size, c)
+    assert isinstance(spec, ChunkedLocalAttentionSpec)
+    return spec
+
+
+BOUNDARY_CASES = [
+    # Sliding window w, block size 4: the step's first query at position `computed`
+    # sees keys computed-w+1 .. computed.
+    pytest.param(window(5, 4), 0, 6, 2, 0, 6, id="window-new-request-keeps-all"),
+    pytest.param(window(5, 4), 4, 1, 2, 0, 5, id="window-first-key-0-block-0"),
+    pytest.param(window(5, 4), 7, 1, 2, 0, 8, id="window-first-key-3-last-of-block-0"),
+    pytest.param(window(5, 4), 8, 1, 3, 1, 9, id="window-first-key-4-starts-block-1"),
+    pytest.param(window(5, 4), 11, 1, 3, 1, 12, id="window-first-key-7-last-of-block-1"),
+    pytest.param(window(5, 4), 12, 1, 4, 2, 13, id="window-first-key-8-starts-block-2"),
+    pytest.param(window(5, 4), 8, 9, 5, 1, 17, id="window-prefill-chunk-first-query-rules"),
+    pytest.param(window(4, 4), 7, 1, 2, 1, 8, id="window-equals-block-first-key-4"),
+    pytest.param(window(4, 4), 6, 1, 2, 0, 7, id="window-equals-block-first-key-3"),
+    pytest.param(window(1, 4), 8, 1, 3, 2, 9, id="window-1-sees-only-itself-new-block"),
+    pytest.param(window(1, 4), 7, 1, 2, 1, 8, id="window-1-last-slot-of-block-1"),
+    pytest.param(window(100, 4), 50, 1, 13, 0, 51, id="window-longer-than-context"),
+    pytest.param(window(3, 1), 5, 2, 7, 3, 7, id="window-block-size-1"),
+    # Chunked local c, block size 4: queries see their own chunk only.
+    pytest.param(chunked(8, 4), 7, 1, 2, 0, 8, id="chunk-last-query-of-chunk-0"),
+    pytest.param(chunked(8, 4), 8, 1, 3, 2, 9, id="chunk-first-query-of-chunk-1"),
+    pytest.param(chunked(8, 4), 15, 1, 4, 2, 16, id="chunk-last-query-of-chunk-1"),
+    pytest.param(chunked(8, 4), 16, 1, 5, 4, 17, id="chunk-first-query-of-chunk-2"),
+    pytest.param(chunked(8, 4), 6, 4, 3, 0, 10, id="chunk-step-crosses-a-chunk-boundary"),
+    pytest.param(chunked(2, 4), 5, 1, 2, 1, 6, id="chunk-smaller-than-block"),
+    pytest.param(chunked(2, 4), 3, 1, 1, 0, 4, id="chunk-smaller-than-block-keeps-block-0"),
+    pytest.param(chunked(6, 4), 6, 1, 2, 1, 7, id="chunk-not-a-multiple-of-block"),
+    pytest.param(chunked(6, 4), 11, 1, 3, 1, 12, id="chunk-not-a-multiple-end-of-chunk-1"),
+    pytest.param(chunked(6, 4), 12, 1, 4, 3, 13, id="chunk-not-a-multiple-chunk-2"),
+    # Sink tokens sit in front: sink 3, block size 4.
+    pytest.param(make_spec(K.SINK_FULL_ATTENTION, 4, 3), 0, 1, 1, 0, 4, id="sink-fills-block-0"),
+    pytest.param(make_spec(K.SINK_FULL_ATTENTION, 4, 3), 1, 1, 2, 0, 5, id="sink-spills-to-1"),
+    pytest.param(make_spec(K.SINK_FULL_ATTENTION, 4, 4), 0, 4, 2, 0, 8, id="sink-of-a-block"),
+    # Full attention: a block per block_size tokens.
+    pytest.param(make_spec(K.FULL_ATTENTION, 4, 0), 3, 1, 1, 0, 4, id="full-exactly-one-block"),
+    pytest.param(make_spec(K.FULL_ATTENTION, 4, 0), 4, 1, 2, 0, 5, id="full-one-past-a-block"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "computed", "query", "blocks", "first_live", "seq_len"), BOUNDARY_CASES
+)
+def test_window_chunk_and_sink_boundaries(
+    spec: KVCacheSpec, computed: int, query: int, blocks: int, first_live: int, seq_len: int
+) -> None:
+    rules = rules_for(spec)
+    lens = as_lens([computed], [query], [0])
+    got = (
+        int(rules.blocks_needed(spec, lens)[0]),
+        int(rules.first_live_block(spec, lens)[0]),
+        int(rules.seq_lens(spec, lens)[0]),
+    )
+    assert got == (blocks, first_live, seq_len)
+    # The scalar reference agrees with the hand-computed figures too.
+    assert (
+        ref_blocks_needed(spec, computed, query, 0),
+        ref_first_live_block(spec, computed, query),
+        ref_seq_len(spec, computed, query, 0),
+    ) == (blocks, first_live, seq_len)
+
+
+ADMISSION_CASES = [
+    pytest.param(
+        K.ENCODER_ONLY_ATTENTION, [0, 0, 5, 7], [0, 0, 0, 0], (2, "was already encoded"),
+        id="encoder-only-second-step",
+    ),
+    pytest.param(K.ENCODER_ONLY_ATTENTION, [0, 0], [0, 0], None, id="encoder-only-all-new"),
+    pytest.param(
+        K.CROSS_ATTENTION, [3, 0, 0], [0, 4, 0], (2, "encoder_len must be >= 1, got 0"),
+        id="cross-new-without-encoder",
+    ),
+    pytest.param(
+        K.CROSS_ATTENTION, [3, 0], [0, 1], None, id="cross-continuing-needs-no-encoder-len"
+    ),
+    pytest.param(K.SLIDING_WINDOW, [5, 0], [0, 0], None, id="window-takes-anything"),
+    pytest.param(K.MAMBA, [5, 0], [0, 0], None, id="mamba-takes-anything"),
+]
+
+
+@pytest.mark.parametrize(("kind", "computed", "encoder", "expected"), ADMISSION_CASES)
+def test_admission_problems_cases(
+    kind: KVCacheSpecKind,
+    computed: list[int],
+    encoder: list[int],
+    expected: tuple[int, str] | None,
+) -> None:
+    spec = make_spec(kind, 4, 3)
+    problem = rules_for(spec).admission_problems(as_lens(computed, [1] * len(computed), encoder))
+    assert ref_admission(spec, computed, encoder) == expected
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None
+        assert problem[0] == expected[0]
+        assert expected[1] in problem[1]
+
