@@ -537,16 +537,15 @@ class AttentionRuntime:
         else:
             table = np.zeros((num_reqs, 0), dtype=np.int32)
         if rules.writes == "step":
-            shift = rules.shift(spec)
-            positions = shared.token_pos + shift if shift else shared.token_pos
-            slots = _slots(table, shared.token_req, positions, bs)
+            block_idx, offset = shared.block_coords(rules.shift(spec), bs)
+            slots = _slots(table, shared.token_req, block_idx, offset, bs)
         elif rules.writes == "encoder":
             slots = np.full(shared.num_tokens, -1, dtype=np.int64)
             writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
             if writers.size:
                 counts = lens.encoder[writers]
                 req, pos = _token_positions(counts, np.zeros_like(counts))
-                written = _slots(table, writers[req], pos, bs)
+                written = _slots(table, writers[req], pos // bs, pos % bs, bs)
                 if written.size > slots.size:
                     slots = np.full(written.size, -1, dtype=np.int64)
                 slots[: written.size] = written
@@ -732,6 +731,17 @@ class _SharedStep:
         # Request index and (unshifted) position of every token of the step.
         self.token_req, self.token_pos = _token_positions(lens.query, lens.computed)
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
+        self._coords: dict[tuple[int, int], tuple[Ints, Ints]] = {}
+
+    def block_coords(self, shift: int, block_size: int) -> tuple[Ints, Ints]:
+        """Each token's logical block and offset in it, made once per geometry per step."""
+        key = (shift, block_size)
+        found = self._coords.get(key)
+        if found is None:
+            positions = self.token_pos + shift if shift else self.token_pos
+            found = (positions // block_size, positions % block_size)
+            self._coords[key] = found
+        return found
 
     def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
         """``values`` as an int32 CPU tensor and its maximum, made once per array per step
@@ -749,9 +759,9 @@ def _token_positions(counts: Ints, starts: Ints) -> tuple[Ints, Ints]:
     """For requests with ``counts[b]`` tokens from position ``starts[b]``: each token's
     request index and position, flattened in request order."""
     total = int(counts.sum())
-    req = np.repeat(np.arange(counts.size), counts)
     if total == counts.size:  # one token each (decodes): no offsets to add
-        return req, np.array(starts, dtype=np.int64)
+        return np.arange(total), np.array(starts, dtype=np.int64)
+    req = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
     return req, np.arange(total) - first[req] + starts[req]
 
@@ -774,12 +784,14 @@ def _check_unique(ids: list[str]) -> None:
             seen.add(req_id)
 
 
-def _slots(table: np.ndarray, token_req: Ints, positions: Ints, block_size: int) -> Ints:
-    """Cache slot of each token: its request's block holding ``position``, and the offset."""
-    blocks = table[token_req, positions // block_size].astype(np.int64)
+def _slots(
+    table: np.ndarray, token_req: Ints, block_idx: Ints, offset: Ints, block_size: int
+) -> Ints:
+    """Cache slot of each token: its request's block ``block_idx`` and the offset in it."""
+    blocks = table[token_req, block_idx].astype(np.int64)
     if not blocks.all():  # the null block (0) for a live position: a manager bug
         raise AssertionError("a live position maps to the null block")
-    slots: Ints = blocks * block_size + positions % block_size
+    slots: Ints = blocks * block_size + offset
     return slots
 
 
