@@ -40,7 +40,7 @@ from .spec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["KindRules", "StepLens", "rules_for"]
+__all__ = ["KindRules", "StepLens", "rules_for", "spans"]
 
 Ints = npt.NDArray[np.int64]
 S = TypeVar("S", bound=KVCacheSpec)
@@ -65,6 +65,22 @@ class StepLens:
         self.is_new = computed == 0
         self.total = computed + query
         """Tokens after the step."""
+
+
+def spans(counts: Ints, starts: Ints, labels: Ints | None = None) -> tuple[Ints, Ints]:
+    """Every entry of the spans ``starts[i] .. starts[i] + counts[i] - 1``, flattened in
+    order, as ``(label of its span, value)``; labels default to the span index.
+
+    Vectorised; ``counts`` must be >= 1. One entry per span (decodes) takes no repeat.
+    """
+    n = counts.size
+    total = int(counts.sum())
+    if total == n:
+        return (np.arange(n) if labels is None else labels), starts
+    index = np.repeat(np.arange(n), counts)
+    first = np.cumsum(counts) - counts
+    values: Ints = np.arange(total) - first[index] + starts[index]
+    return (index if labels is None else labels[index]), values
 
 
 def _ceil_div(a: Ints, b: int) -> Ints:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -64,7 +64,7 @@ import torch
 from ._validation import is_nonnegative_int, is_positive_int
 from .capabilities import KVCacheLayout
 from .errors import OutOfBlocksError
-from .kinds import Ints, KindRules, StepLens, rules_for
+from .kinds import Ints, StepLens, rules_for, spans
 from .spec import (
     AttentionSpec,
     KVCacheSpec,
@@ -362,7 +362,6 @@ class _StepPlan:
     """What one group does in a step, computed before anything changes."""
 
     group: KVCacheGroup
-    rules: KindRules[Any]
     grow: Ints  # new blocks per scheduled request
     release_from: Ints  # first_live before the step
     release_to: Ints  # first_live after the step
@@ -509,7 +508,7 @@ class KVCacheManager:
             else:
                 before = after = _NO_INTS
             total_new += int(grow.sum())
-            plans.append(_StepPlan(group, rules, grow, before, after))
+            plans.append(_StepPlan(group, grow, before, after))
         held = sum(self._blocks_held(self.row_of(r)) for r in finished)
         if total_new > self.pool.num_free_blocks + total_released + held:
             raise OutOfBlocksError(
@@ -558,7 +557,7 @@ class KVCacheManager:
         if moved.size == 0:
             return
         rows, before, after = rows[moved], before[moved], after[moved]
-        owners, cols = _spans(rows, before, after - before)
+        owners, cols = spans(after - before, before, rows)
         dead = tables.table[owners, cols]
         tables.table[owners, cols] = NULL_BLOCK
         self.pool.give_back(dead[dead != NULL_BLOCK])
@@ -571,7 +570,7 @@ class KVCacheManager:
         rows, grow = rows[growing], grow[growing]
         have = tables.num_blocks[rows]
         tables.grow(0, int((have + grow).max()))
-        owners, cols = _spans(rows, have, grow)
+        owners, cols = spans(grow, have, rows)
         tables.table[owners, cols] = self.pool.take(owners.size)
         tables.num_blocks[rows] = have + grow
 
@@ -598,18 +597,6 @@ class KVCacheManager:
 
 
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)
-
-
-def _spans(rows: Ints, starts: Ints, counts: Ints) -> tuple[Ints, Ints]:
-    """(row, column) of every entry of the spans ``starts[i] .. starts[i]+counts[i]-1``
-    of ``rows[i]``, flattened (vectorised; one entry each is the common decode case)."""
-    if (counts == 1).all():
-        return rows, starts
-    total = int(counts.sum())
-    owners = np.repeat(rows, counts)
-    first = np.cumsum(counts) - counts
-    cols = np.repeat(starts - first, counts) + np.arange(total)
-    return owners, cols
 
 
 def allocate_kv_cache_tensors(

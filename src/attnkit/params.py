@@ -19,7 +19,7 @@ import torch
 
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
-from .spec import AttentionSpec, MambaType
+from .spec import AttentionSpec, MambaSpec, MambaType
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -37,6 +37,7 @@ __all__ = [
     "ShortConvLayerParams",
     "StateLayerParams",
     "attention_params_problems",
+    "check_state_shapes",
 ]
 
 
@@ -399,3 +400,13 @@ STATE_PARAMS_BY_TYPE: Mapping[MambaType, type[StateLayerParams]] = {
 
 LayerParams = AttentionLayerParams | StateLayerParams
 """Per-layer parameters an impl is built with."""
+
+
+def check_state_shapes(owner: str, spec: MambaSpec, params: StateLayerParams) -> None:
+    """Raise ``ValueError`` unless the spec's state shapes are the parameters' ``state_shapes``
+    (for state impls to call at construction)."""
+    if spec.shapes != params.state_shapes:
+        raise ValueError(
+            f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes="
+            f"{params.state_shapes}, got {spec.shapes}"
+        )

@@ -33,7 +33,7 @@ from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .capabilities import AttentionFeature, KVCacheLayout
 from .config import AttentionConfig
 from .impl import AttentionImpl, StateImpl
-from .kinds import Ints, StepLens, rules_for
+from .kinds import Ints, StepLens, rules_for, spans
 from .kv_cache import (
     BufferSetName,
     KVCacheGroup,
@@ -544,8 +544,8 @@ class AttentionRuntime:
             writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
             if writers.size:
                 counts = lens.encoder[writers]
-                req, pos = _token_positions(counts, np.zeros_like(counts))
-                written = _slots(table, writers[req], pos // bs, pos % bs, bs)
+                owners, pos = spans(counts, np.zeros_like(counts), writers)
+                written = _slots(table, owners, pos // bs, pos % bs, bs)
                 if written.size > slots.size:
                     slots = np.full(written.size, -1, dtype=np.int64)
                 slots[: written.size] = written
@@ -729,7 +729,7 @@ class _SharedStep:
         self.num_tokens = int(qsl[-1])
         self.max_query_len = int(lens.query.max()) if lens.query.size else 0
         # Request index and (unshifted) position of every token of the step.
-        self.token_req, self.token_pos = _token_positions(lens.query, lens.computed)
+        self.token_req, self.token_pos = spans(lens.query, lens.computed)
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
         self._coords: dict[tuple[int, int], tuple[Ints, Ints]] = {}
 
@@ -753,17 +753,6 @@ class _SharedStep:
         largest = int(values.max()) if values.size else 0
         self._seq.append((values, tensor, largest))
         return tensor, largest
-
-
-def _token_positions(counts: Ints, starts: Ints) -> tuple[Ints, Ints]:
-    """For requests with ``counts[b]`` tokens from position ``starts[b]``: each token's
-    request index and position, flattened in request order."""
-    total = int(counts.sum())
-    if total == counts.size:  # one token each (decodes): no offsets to add
-        return np.arange(total), np.array(starts, dtype=np.int64)
-    req = np.repeat(np.arange(counts.size), counts)
-    first = np.cumsum(counts) - counts
-    return req, np.arange(total) - first[req] + starts[req]
 
 
 def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:

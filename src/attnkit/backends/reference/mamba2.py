@@ -23,7 +23,7 @@ from ...impl import StateImpl
 from ...kernels.torch.conv1d import causal_conv1d_varlen
 from ...kernels.torch.mamba2 import ssd_chunked_varlen
 from ...metadata import CommonAttentionMetadata
-from ...params import Mamba2LayerParams
+from ...params import Mamba2LayerParams, check_state_shapes
 from ...spec import MambaSpec
 from ...state_inputs import Mamba2Inputs
 from ._checks import check_tensor, describe
@@ -123,11 +123,7 @@ class ReferenceMamba2Impl(StateImpl[ReferenceStateMetadata, Mamba2LayerParams, M
         problems = mamba2_spec_problems(kv_cache_spec)
         if problems:
             raise ValueError(f"{owner}: kv_cache_spec: {'; '.join(problems)}")
-        if kv_cache_spec.shapes != layer_params.state_shapes:
-            raise ValueError(
-                f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes="
-                f"{layer_params.state_shapes}, got {kv_cache_spec.shapes}"
-            )
+        check_state_shapes(owner, kv_cache_spec, layer_params)
 
     def _check_inputs(
         self,

@@ -25,6 +25,7 @@ from ...params import (
     LinearAttentionLayerParams,
     ShortConvLayerParams,
     StateLayerParams,
+    check_state_shapes,
 )
 from ...spec import MambaSpec
 from ...state_inputs import (
@@ -49,11 +50,7 @@ def _check_spec(owner: str, spec: MambaSpec, params: StateLayerParams, mamba_typ
         raise ValueError(
             f"{owner}: kv_cache_spec.mamba_type must be {mamba_type!r}, got {spec.mamba_type!r}"
         )
-    if spec.shapes != params.state_shapes:
-        raise ValueError(
-            f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes={params.state_shapes}, "
-            f"got {spec.shapes}"
-        )
+    check_state_shapes(owner, spec, params)
 
 
 def _states(owner: str, kv_cache: Sequence[torch.Tensor], spec: MambaSpec) -> list[torch.Tensor]:

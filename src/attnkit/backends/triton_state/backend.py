@@ -34,7 +34,7 @@ from ...params import (
     LinearAttentionLayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
-    StateLayerParams,
+    check_state_shapes,
 )
 from ...spec import MambaSpec, MambaType
 from ...state_inputs import (
@@ -160,14 +160,6 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
         return dataclasses.replace(meta, state_indices=indices)
 
 
-def _check_spec(who: str, spec: MambaSpec, params: StateLayerParams) -> None:
-    if spec.shapes != params.state_shapes:
-        raise ValueError(
-            f"{who}: kv_cache_spec.shapes must be layer_params.state_shapes="
-            f"{params.state_shapes}, got {spec.shapes}"
-        )
-
-
 class _ConvMixin:
     """The SiLU causal conv shared by Mamba2 and Gated DeltaNet layers."""
 
@@ -221,7 +213,7 @@ class TritonMamba2Impl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba2LayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        _check_spec(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
         from ...kernels.triton.mamba2 import (
             selective_state_update,
@@ -298,8 +290,8 @@ class TritonGatedDeltaNetImpl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
+        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
         who = type(self).__name__
-        _check_spec(who, kv_cache_spec, layer_params)
         # What the Triton kernels accept beyond the parameter class's own checks.
         if layer_params.chunk_size not in (16, 32, 64):
             raise ValueError(
@@ -371,8 +363,8 @@ class TritonLinearAttentionImpl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: LinearAttentionLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
+        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
         who = type(self).__name__
-        _check_spec(who, kv_cache_spec, layer_params)
         if layer_params.chunk_size > 128:
             raise ValueError(
                 f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
@@ -434,7 +426,7 @@ class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, S
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        _check_spec(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
         from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
 
         self._varlen = short_conv_varlen
