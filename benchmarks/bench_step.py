@@ -24,7 +24,7 @@ contexts. Targets (issue "Engine hot path"): ratio <= 2 at 256 and 1024 decodes
 Allocator section: allocate+free cycles of ``n`` blocks (n = 1, 16, 256; a decode
 step of 256 requests with block size 16 takes about 16 blocks per group) on a pool of
 65536 blocks, half of them held. Four variants, timed back to back in each
-repetition: ``BlockPool.take(n)`` + ``give_back(array)`` (the manager's unchecked fast
+repetition: ``BlockPool.take(n)`` + ``give_back(ids)`` (the manager's unchecked fast
 path), ``BlockPool.allocate(n)`` + ``free(list)`` (the checked public API), the
 pre-change pool kept here for comparison (``_PreviousBlockPool``: commit 6ecc9c0's
 ``BlockPool``, a list popped one id at a time, a bytearray in-use map, per-block

@@ -171,9 +171,7 @@ def test_block_pool_basics() -> None:
         pytest.param(
             [3], r"cannot free block 3: it is not allocated \(double free\?\)", id="not-allocated"
         ),
-        pytest.param(
-            [1, 1], r"cannot free block 1: it is not allocated \(double free\?\)", id="twice"
-        ),
+        pytest.param([1, 1], r"cannot free block 1: it is given twice", id="twice"),
     ],
 )
 def test_block_pool_free_errors_change_nothing(blocks: list[int], match: str) -> None:
@@ -184,6 +182,49 @@ def test_block_pool_free_errors_change_nothing(blocks: list[int], match: str) ->
     assert pool.num_free_blocks == 2
     assert pool.is_allocated(1)
     assert pool.is_allocated(2)
+
+
+@pytest.mark.parametrize("size", [3, 40], ids=["per-id-checks", "vectorised-checks"])
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        pytest.param(0, ValueError, r"cannot free block 0: ids run from 1 to 99", id="null"),
+        pytest.param(
+            100, ValueError, r"cannot free block 100: ids run from 1 to 99", id="out-of-range"
+        ),
+        pytest.param(-3, ValueError, r"cannot free block -3: ids run from 1 to 99", id="negative"),
+        pytest.param("7", TypeError, r"block ids must be ints, got '7' \(str\)", id="str"),
+        pytest.param(2.0, TypeError, r"block ids must be ints, got 2.0 \(float\)", id="float"),
+        pytest.param(True, TypeError, r"block ids must be ints, got True \(bool\)", id="bool"),
+        pytest.param(99, ValueError, r"cannot free block 99: it is not allocated", id="free-id"),
+        pytest.param("dup", ValueError, r"it is given twice", id="twice"),
+    ],
+)
+def test_block_pool_checked_free_at_both_sizes(
+    size: int, bad: object, error: type[Exception], match: str
+) -> None:
+    """The small (per-id) and large (vectorised) checks reject the same inputs, and a
+    rejected free changes nothing (checked against a set kept beside the pool)."""
+    pool = BlockPool(100)
+    held = set(pool.allocate(60))
+    pool.free([7])  # the in-use map now exists; its updates are checked too
+    held.discard(7)
+    pool.give_back(pool.take(2))  # the fast path keeps the map current as well
+    given: list[object] = sorted(held)[: size - 1]
+    given.append(given[0] if bad == "dup" else bad)
+    with pytest.raises(error, match=match):
+        pool.free(given)  # type: ignore[arg-type]  # bad ids on purpose
+    assert pool.num_free_blocks == 100 - 1 - len(held)
+    assert {b for b in range(100) if pool.is_allocated(b)} == held
+    pool.free(sorted(held)[:size])
+    assert {b for b in range(100) if pool.is_allocated(b)} == set(sorted(held)[size:])
+
+
+def test_block_pool_frees_numpy_ids() -> None:
+    pool = BlockPool(10)
+    taken = pool.allocate(4)
+    pool.free(np.array(taken[:2], dtype=np.int32))  # ids read out of a block table
+    assert [b for b in range(10) if pool.is_allocated(b)] == taken[2:]
 
 
 def test_block_pool_rejects_tiny_pool() -> None:
@@ -268,9 +309,7 @@ def machine_groups() -> list[KVCacheGroup]:
     encoder-only (no cache), a window of one token over blocks of two (many blocks per
     request: table-width growth), and chunks of 6 over blocks of 4 (not a multiple)."""
     extra = {
-        "cross": CrossAttentionSpec(
-            block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32
-        ),
+        "cross": CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32),
         "enc": EncoderOnlyAttentionSpec(
             block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32
         ),
@@ -632,7 +671,12 @@ def test_null_block_is_zero_even_after_a_fill() -> None:
     groups, page = unify_page_sizes(group_layers({"a0": full(), "m0": mamba((64, 2))}))
     shapes = {0: ((4, 2, 16, 2, 32),), 1: ((4, 64, 2), (4, 4, 8, 16))}
     caches = allocate_kv_cache_tensors(
-        groups, shapes, num_blocks=4, page_size_bytes=page, device=torch.device("cpu"), fill=float("nan")
+        groups,
+        shapes,
+        num_blocks=4,
+        page_size_bytes=page,
+        device=torch.device("cpu"),
+        fill=float("nan"),
     )
     (a0,), (conv, ssm) = caches["a0"], caches["m0"]
     assert bool((a0[NULL_BLOCK] == 0).all())

@@ -53,9 +53,10 @@ Block ownership
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -230,7 +231,16 @@ class BlockPool:
     raise and change nothing. The block manager uses the batched, unchecked
     ``take``/``give_back`` on its hot path, for blocks whose ownership it tracks
     itself; its own invariants are checked by the state-machine test.
+
+    The free ids are a Python list used as a stack (slice deletion and ``extend`` run
+    in C, whatever the count). Which ids are handed out is a ``bytearray`` built the
+    first time a checked call needs it, then kept current; it is read per id from
+    Python for a few ids and through a numpy view of the same bytes for many, and a
+    pool driven only by the manager's fast path never pays for it.
     """
+
+    _SMALL = 16
+    """Up to this many ids, the checked calls loop in Python; above, they vectorise."""
 
     def __init__(self, num_blocks: int) -> None:
         if not is_positive_int(num_blocks) or num_blocks < 2:
@@ -238,48 +248,57 @@ class BlockPool:
                 f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
             )
         self.num_blocks = num_blocks
-        # The free ids as a stack in a numpy array, top at ``_top``: ids are stacked
-        # high to low, so low ids are handed out first (readable tests).
-        self._free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)
-        self._top = num_blocks - 1
-        # Which ids are handed out: built from the stack the first time a checked call
-        # needs it, then kept current; a pool only driven by the manager's fast path
-        # never pays for it.
-        self._in_use_cache: npt.NDArray[np.bool_] | None = None
+        # Stacked high to low, so low ids are handed out first (readable tests).
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._in_use_cache: bytearray | None = None
+        self._in_use_view: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
 
     @property
     def num_free_blocks(self) -> int:
-        return self._top
+        return len(self._free)
 
     @property
-    def _in_use(self) -> npt.NDArray[np.bool_]:
+    def _in_use(self) -> bytearray:
         if self._in_use_cache is None:
-            in_use = np.ones(self.num_blocks, dtype=np.bool_)
-            in_use[NULL_BLOCK] = False
-            in_use[self._free[: self._top]] = False
-            self._in_use_cache = in_use
+            in_use = bytearray(b"\x01") * self.num_blocks
+            view = np.frombuffer(in_use, dtype=np.bool_)
+            view[NULL_BLOCK] = False
+            view[self._free] = False
+            self._in_use_cache, self._in_use_view = in_use, view
         return self._in_use_cache
+
+    def _mark(self, blocks: list[int], value: bool) -> None:
+        """Record ``blocks`` as handed out (``True``) or free, if the map exists."""
+        in_use = self._in_use_cache
+        if in_use is None:
+            return
+        if len(blocks) <= self._SMALL:
+            flag = 1 if value else 0
+            for block in blocks:
+                in_use[block] = flag
+        else:
+            self._in_use_view[blocks] = value
 
     def is_allocated(self, block: int) -> bool:
         return 0 < block < self.num_blocks and bool(self._in_use[block])
 
-    def take(self, n: int) -> Ints32:
+    def take(self, n: int) -> list[int]:
         """Take ``n`` free blocks (the caller has checked that ``n`` are free)."""
-        top = self._top
-        blocks: Ints32 = np.flip(self._free[top - n : top])
-        blocks = blocks.astype(np.int32)  # a copy: the stack slots are reused
-        self._top = top - n
+        if n <= 0:
+            return []
+        free = self._free
+        blocks = free[: -n - 1 : -1]  # the top n, top first
+        del free[-n:]
         if self._in_use_cache is not None:
-            self._in_use_cache[blocks] = True
+            self._mark(blocks, True)
         return blocks
 
-    def give_back(self, blocks: Ints32) -> None:
+    def give_back(self, blocks: Ints32 | list[int]) -> None:
         """Return blocks the caller owns (no checks)."""
-        top, n = self._top, blocks.size
-        self._free[top : top + n] = blocks
-        self._top = top + n
+        given: list[int] = blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
+        self._free.extend(given)
         if self._in_use_cache is not None:
-            self._in_use_cache[blocks] = False
+            self._mark(given, False)
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks.
@@ -289,12 +308,12 @@ class BlockPool:
         """
         if not is_nonnegative_int(n):
             raise ValueError(f"n must be an int >= 0, got {n!r}")
-        if n > self._top:
+        if n > len(self._free):
             raise OutOfBlocksError(
-                f"need {n} free block(s) but only {self._top} of {self.num_blocks - 1} are free"
+                f"need {n} free block(s) but only {len(self._free)} of "
+                f"{self.num_blocks - 1} are free"
             )
-        taken: list[int] = self.take(n).tolist()
-        return taken
+        return self.take(n)
 
     def free(self, blocks: Iterable[int]) -> None:
         """Return blocks to the pool.
@@ -307,22 +326,50 @@ class BlockPool:
         if not given:
             return
         if not set(map(type, given)) <= {int}:
-            bad = next(b for b in given if type(b) is not int)
-            raise ValueError(f"cannot free block {bad!r}: ids run from 1 to {self.num_blocks - 1}")
-        arr = np.array(given, dtype=np.int64)
-        if arr.min() < 1 or arr.max() >= self.num_blocks:
-            bad = next(b for b in given if not 0 < b < self.num_blocks)
-            raise ValueError(f"cannot free block {bad!r}: ids run from 1 to {self.num_blocks - 1}")
-        if len(set(given)) != len(given) or not self._in_use[arr].all():
-            seen: set[int] = set()
+            given = [_block_id(b) for b in given]
+        in_use = self._in_use
+        if len(given) <= self._SMALL:
+            limit = self.num_blocks
             for block in given:
-                if block in seen or not self._in_use[block]:
-                    raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
-                seen.add(block)
-        self.give_back(arr.astype(np.int32))
+                if not 0 < block < limit or not in_use[block]:
+                    self._reject(given, in_use)
+            if len(given) > 1 and len(set(given)) != len(given):
+                self._reject(given, in_use)
+        else:
+            arr = np.array(given, dtype=np.int64)
+            if (
+                arr.min() < 1
+                or arr.max() >= self.num_blocks
+                or len(set(given)) != len(given)
+                or not self._in_use_view[arr].all()
+            ):
+                self._reject(given, in_use)
+        self.give_back(given)
+
+    def _reject(self, given: list[int], in_use: bytearray) -> NoReturn:
+        """Raise for the first block of ``given`` that cannot be freed."""
+        seen: set[int] = set()
+        for block in given:
+            if not 0 < block < self.num_blocks:
+                raise ValueError(
+                    f"cannot free block {block!r}: ids run from 1 to {self.num_blocks - 1}"
+                )
+            if block in seen:
+                raise ValueError(f"cannot free block {block}: it is given twice")
+            if not in_use[block]:
+                raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
+            seen.add(block)
+        raise AssertionError("_reject called for blocks that can all be freed")
 
 
 Ints32 = npt.NDArray[np.int32]
+
+
+def _block_id(block: object) -> int:
+    """``block`` as a Python int: ints and numpy integers are ids, nothing else is."""
+    if isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)):
+        return int(block)
+    raise TypeError(f"block ids must be ints, got {block!r} ({type(block).__name__})")
 
 
 class _Tables:
@@ -365,6 +412,7 @@ class _StepPlan:
     grow: Ints  # new blocks per scheduled request
     release_from: Ints  # first_live before the step
     release_to: Ints  # first_live after the step
+    width: int  # the largest table length among the step's requests after it
 
 
 class KVCacheManager:
@@ -391,6 +439,7 @@ class KVCacheManager:
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
         self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
+        self._step_widths: list[int] = [0] * len(self.groups)
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
         self._tables = [_Tables(capacity, 16) for _ in self.groups]
@@ -422,6 +471,11 @@ class KVCacheManager:
         blocks: list[int] = tables.table[row, : tables.num_blocks[row]].tolist()
         return blocks
 
+    def step_width(self, group_id: int) -> int:
+        """The largest table length (logical blocks) in group ``group_id`` among the
+        requests of the last ``allocate_rows`` call."""
+        return self._step_widths[group_id]
+
     def num_blocks_of(self, group_id: int, rows: Ints) -> Ints:
         """Logical blocks of each of ``rows`` in group ``group_id`` (released ones included)."""
         return self._tables[group_id].num_blocks[rows]
@@ -433,16 +487,20 @@ class KVCacheManager:
     def owned_blocks(self) -> dict[str, set[int]]:
         """Request -> every non-null block it holds in any group (for checks)."""
         return {
-            rid: {b for t in range(len(self.groups)) for b in self.block_table(t, rid) if b != NULL_BLOCK}
+            rid: {
+                b
+                for t in range(len(self.groups))
+                for b in self.block_table(t, rid)
+                if b != NULL_BLOCK
+            }
             for rid in self._rows
         }
 
     def lookup_rows(self, req_ids: Sequence[str]) -> Ints:
         """Rows of ``req_ids``, -1 for ids not live."""
-        found = list(map(self._rows.get, req_ids))
-        if None in found:
-            found = [-1 if row is None else row for row in found]
-        return np.array(found, dtype=np.int64)
+        return np.fromiter(
+            map(self._rows.get, req_ids, itertools.repeat(-1)), dtype=np.int64, count=len(req_ids)
+        )
 
     def step_lens(self, rows: Ints, num_new: Ints, encoder_lens: Ints) -> StepLens:
         """The step's lengths for ``rows`` (-1: a new request)."""
@@ -498,17 +556,21 @@ class KVCacheManager:
             have = tables.num_blocks[old_rows]
             if any_new:
                 have[new] = 0
-            grow = np.maximum(rules.blocks_needed(group.spec, lens) - have, 0)
+            after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
+            grow = after_grow - have
+            width = int(after_grow.max()) if after_grow.size else 0
             if rules.releases:
                 before = tables.first_live[old_rows]
                 if any_new:
                     before[new] = 0
-                after = np.maximum(np.minimum(rules.first_live_block(group.spec, lens), have), before)
+                after = np.maximum(
+                    np.minimum(rules.first_live_block(group.spec, lens), have), before
+                )
                 total_released += int((after - before).sum())
             else:
                 before = after = _NO_INTS
             total_new += int(grow.sum())
-            plans.append(_StepPlan(group, grow, before, after))
+            plans.append(_StepPlan(group, grow, before, after, width))
         held = sum(self._blocks_held(self.row_of(r)) for r in finished)
         if total_new > self.pool.num_free_blocks + total_released + held:
             raise OutOfBlocksError(
@@ -526,10 +588,13 @@ class KVCacheManager:
         # the blocks a later one releases.
         for plan in plans:
             if plan.release_to.size:
-                self._release(self._tables[plan.group.group_id], rows, plan.release_from, plan.release_to)
+                self._release(
+                    self._tables[plan.group.group_id], rows, plan.release_from, plan.release_to
+                )
         for plan in plans:
-            self._grow(self._tables[plan.group.group_id], rows, plan.grow)
+            self._grow(self._tables[plan.group.group_id], rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
+        self._step_widths = [plan.width for plan in plans]
         return rows
 
     def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
@@ -563,13 +628,13 @@ class KVCacheManager:
         self.pool.give_back(dead[dead != NULL_BLOCK])
         tables.first_live[rows] = after
 
-    def _grow(self, tables: _Tables, rows: Ints, grow: Ints) -> None:
+    def _grow(self, tables: _Tables, rows: Ints, grow: Ints, width: int) -> None:
         growing = np.flatnonzero(grow)
         if growing.size == 0:
             return
         rows, grow = rows[growing], grow[growing]
         have = tables.num_blocks[rows]
-        tables.grow(0, int((have + grow).max()))
+        tables.grow(0, width)
         owners, cols = spans(grow, have, rows)
         tables.table[owners, cols] = self.pool.take(owners.size)
         tables.num_blocks[rows] = have + grow
@@ -586,7 +651,7 @@ class KVCacheManager:
         row = self.row_of(req_id)
         for tables in self._tables:
             used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
-            self.pool.give_back(used[used != NULL_BLOCK].astype(np.int32))
+            self.pool.give_back(used[used != NULL_BLOCK])
             tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
             tables.num_blocks[row] = 0
             tables.first_live[row] = 0

@@ -350,9 +350,7 @@ class AttentionRuntime:
         }
         self._thresholds = tuple(sorted(thresholds))
         self._rules_of = {g.group_id: rules_for(g.spec) for g in groups}
-        self._reads_encoder = any(
-            rules_for(g.spec).writes == "encoder" for g in groups
-        )
+        self._reads_encoder = any(rules_for(g.spec).writes == "encoder" for g in groups)
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step: StepBatch | None = None
@@ -491,9 +489,7 @@ class AttentionRuntime:
         if self._thresholds:
             # Stable: for every builder's threshold, continuing requests at or under it
             # come first. A new request is never a decode (nothing cached to extend).
-            key = sum(
-                (lens.is_new | (lens.query > t)).astype(np.int64) for t in self._thresholds
-            )
+            key = sum((lens.is_new | (lens.query > t)).astype(np.int64) for t in self._thresholds)
             order = np.argsort(key, kind="stable")
             if (order != np.arange(order.size)).any():
                 ids = [ids[i] for i in order.tolist()]
@@ -525,7 +521,7 @@ class AttentionRuntime:
         rules = self._rules_of[group.group_id]
         num_reqs, bs = rows.size, spec.block_size
         if rules.has_cache and num_reqs:
-            width = int(self.manager.num_blocks_of(group.group_id, rows).max())
+            width = self.manager.step_width(group.group_id)
             persistent = self.manager.table_array(group.group_id)
             first = int(rows[0])
             if shared.rows_contiguous:
@@ -718,18 +714,23 @@ class _SharedStep:
     def __init__(
         self, lens: StepLens, rows: Ints, to_device: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
+        n = rows.size
         self.rows_contiguous = bool(
-            rows.size and rows[-1] - rows[0] == rows.size - 1 and (np.diff(rows) == 1).all()
+            n and rows[-1] - rows[0] == n - 1 and (rows[1:] == rows[:-1] + 1).all()
         )
-        qsl = np.zeros(lens.query.size + 1, dtype=np.int32)
+        qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lens.query, out=qsl[1:])
         self.query_start_loc = _from_numpy(qsl)
         self.query_start_loc_device = to_device(self.query_start_loc)
         self.computed = _from_numpy(lens.computed.astype(np.int32))
         self.num_tokens = int(qsl[-1])
-        self.max_query_len = int(lens.query.max()) if lens.query.size else 0
-        # Request index and (unshifted) position of every token of the step.
-        self.token_req, self.token_pos = spans(lens.query, lens.computed)
+        if self.num_tokens == n:  # every request decodes one token (each has >= 1)
+            self.max_query_len = 1 if n else 0
+            self.token_req, self.token_pos = _arange(n), lens.computed
+        else:
+            self.max_query_len = int(lens.query.max())
+            # Request index and (unshifted) position of every token of the step.
+            self.token_req, self.token_pos = spans(lens.query, lens.computed)
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
         self._coords: dict[tuple[int, int], tuple[Ints, Ints]] = {}
 
@@ -739,7 +740,7 @@ class _SharedStep:
         found = self._coords.get(key)
         if found is None:
             positions = self.token_pos + shift if shift else self.token_pos
-            found = (positions // block_size, positions % block_size)
+            found = np.divmod(positions, block_size)
             self._coords[key] = found
         return found
 
@@ -753,6 +754,19 @@ class _SharedStep:
         largest = int(values.max()) if values.size else 0
         self._seq.append((values, tensor, largest))
         return tensor, largest
+
+
+_ARANGE: list[Ints] = [np.arange(1024)]
+_ARANGE[0].flags.writeable = False
+
+
+def _arange(n: int) -> Ints:
+    """``np.arange(n)`` as a read-only view of a cached array (decode steps use it)."""
+    if n > _ARANGE[0].size:
+        grown = np.arange(max(n, 2 * _ARANGE[0].size))
+        grown.flags.writeable = False
+        _ARANGE[0] = grown
+    return _ARANGE[0][:n]
 
 
 def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:
