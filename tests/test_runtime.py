@@ -181,6 +181,40 @@ def test_a_rejected_step_keeps_its_finished_requests() -> None:
     assert runtime.manager.num_tokens("c") == 2
 
 
+def test_repeated_schedules_follow_frees_and_reuse_of_rows() -> None:
+    """The same id list step after step (the steady state begin_step caches) stays
+    right across frees, finishes, new requests taking freed rows, and manager calls
+    made behind the runtime's back; counts kept here are the reference."""
+    runtime = small_runtime()
+    tokens: dict[str, int] = {}
+
+    def step(ids: list[str], finished: tuple[str, ...] = ()) -> None:
+        for rid in finished:
+            tokens.pop(rid)
+        runtime.begin_step([ScheduledRequest(r, 1) for r in ids], finished=finished)
+        for rid in ids:
+            tokens[rid] = tokens.get(rid, 0) + 1
+        seq = runtime._groups[0].common.seq_lens_cpu.tolist()
+        assert seq == [tokens[r] for r in ids]
+        assert {r: runtime.manager.num_tokens(r) for r in tokens} == tokens
+
+    for _ in range(3):
+        step(["a", "b", "c"])
+    runtime.free(["b"])
+    tokens.pop("b")
+    step(["a", "b", "c"])  # b starts anew
+    step(["a", "b", "c"])
+    step(["a", "b", "c"], finished=("a",))  # a starts anew in the same step
+    step(["a", "b", "c"])
+    runtime.manager.free_request("c")  # behind the runtime's back
+    tokens.pop("c")
+    step(["a", "b", "c"])
+    runtime.free(["a", "b", "c"])
+    tokens.clear()
+    step(["c", "b", "a"])  # fresh rows, reverse order
+    step(["c", "b", "a"])
+
+
 @dataclasses.dataclass(frozen=True)
 class TaggedRequest(ScheduledRequest):
     tag: str = ""

@@ -440,6 +440,9 @@ class KVCacheManager:
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
         self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._step_widths: list[int] = [0] * len(self.groups)
+        self.rows_version = 0
+        """Bumped whenever a request id gains or loses its row (callers may cache
+        ``lookup_rows`` results while it is unchanged)."""
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
         self._tables = [_Tables(capacity, 16) for _ in self.groups]
@@ -610,6 +613,7 @@ class KVCacheManager:
             for tables in self._tables:
                 tables.grow(size, 0)
             self._free_rows[:0] = range(size - 1, capacity - 1, -1)
+        self.rows_version += 1
         for i in (int(k) for k in new_idx):
             row = self._free_rows.pop()
             rows[i] = row
@@ -659,6 +663,7 @@ class KVCacheManager:
         self._encoder_len[row] = 0
         del self._rows[req_id]
         self._free_rows.append(row)
+        self.rows_version += 1
 
 
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)
