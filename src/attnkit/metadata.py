@@ -23,9 +23,20 @@ from ._validation import describe_tensor, dtype_name, is_nonnegative_int, is_pos
 __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "host_to_device",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
 ]
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: itself on the CPU; on
+    CUDA through pinned memory with a non-blocking copy (torch's caching host allocator
+    keeps the pinned block alive until the copy is done). What ``begin_step`` and the
+    builders use for every per-step tensor, so no step synchronises with the device."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(kw_only=True)

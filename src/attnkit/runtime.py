@@ -45,7 +45,7 @@ from .kv_cache import (
     num_blocks_for_budget,
     unify_page_sizes,
 )
-from .metadata import CommonAttentionMetadata
+from .metadata import CommonAttentionMetadata, host_to_device
 from .params import STATE_PARAMS_BY_TYPE, AttentionLayerParams, LayerParams
 from .registry import BackendRegistry
 from .selector import Selection, select_backend
@@ -581,12 +581,10 @@ class AttentionRuntime:
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the runtime's device: itself on the CPU; on CUDA, through
-        pinned memory with a non-blocking copy (torch's caching host allocator keeps the
-        pinned block alive until the copy is done), so the host never waits."""
+        """A host tensor on the runtime's device, without a wait (``host_to_device``)."""
         if self.device.type == "cpu":
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return host_to_device(t, self.device)
 
     def _current_step(self) -> StepBatch:
         if self._step is None:

@@ -33,7 +33,7 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange, SizeRule
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
-from ...metadata import CommonAttentionMetadata
+from ...metadata import CommonAttentionMetadata, host_to_device
 from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
     AttentionSpec,
@@ -273,8 +273,8 @@ class TritonAttentionMetadataBuilder(
         slots = (first_block[req] + offset // bs) * bs + offset % bs
         device = cm.query_start_loc.device
         return _ScratchLayout(
-            block_table=table.to(device=device, dtype=torch.int32),
-            slot_mapping=slots.to(device),
+            block_table=host_to_device(table.to(torch.int32), device),
+            slot_mapping=host_to_device(slots, device),
             num_blocks=int(blocks_per_req.sum()),
         )
 
