@@ -14,6 +14,7 @@ import attnkit
 import attnkit.backend_api
 
 PUBLIC_API = [
+    "ArgumentTypeError",
     "AttentionCGSupport",
     "AttentionConfig",
     "AttentionFeature",
@@ -27,12 +28,16 @@ PUBLIC_API = [
     "BackendRegistry",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
+    "DeviceUnavailableError",
     "DuplicateBackendError",
+    "DuplicateRequestError",
     "EncoderOnlyAttentionSpec",
+    "EngineLimitError",
     "FullAttentionSpec",
     "GatedDeltaNetInputs",
     "GatedDeltaNetLayerParams",
     "GroupMemory",
+    "InvalidArgumentError",
     "InvalidBackendError",
     "KVCacheDType",
     "KVCacheSpec",
@@ -48,6 +53,7 @@ PUBLIC_API = [
     "MemoryReport",
     "NoBackendError",
     "OutOfBlocksError",
+    "PluginError",
     "Rejection",
     "RoutingRow",
     "ScheduledRequest",
@@ -57,11 +63,13 @@ PUBLIC_API = [
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StaleStepError",
     "StateInputs",
     "StateLayer",
     "StateLayerParams",
     "StepBatch",
     "UnknownBackendError",
+    "UnknownRequestError",
     "__version__",
     "default_registry",
     "get_attn_spec_kind",
@@ -136,8 +144,11 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
 
 def test_every_error_is_an_attnkit_error() -> None:
     errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
-    assert len(errors) == 7
+    assert len(errors) == 15
     assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
+    # Each also derives from the builtin it resembles, so existing clauses catch it.
+    builtins = (ValueError, TypeError, KeyError, RuntimeError)
+    assert all(issubclass(e, builtins) for e in errors if e is not attnkit.AttnkitError)
 
 
 @pytest.mark.parametrize("module", [attnkit, attnkit.backend_api], ids=["attnkit", "backend_api"])

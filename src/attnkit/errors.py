@@ -22,14 +22,22 @@ from collections.abc import Sequence
 from typing_extensions import override
 
 __all__ = [
+    "ArgumentTypeError",
     "AttnkitError",
     "BackendNotSupportedError",
+    "DeviceUnavailableError",
     "DuplicateBackendError",
+    "DuplicateRequestError",
+    "EngineLimitError",
+    "InvalidArgumentError",
     "InvalidBackendError",
     "NoBackendError",
     "OutOfBlocksError",
+    "PluginError",
     "Rejection",
+    "StaleStepError",
     "UnknownBackendError",
+    "UnknownRequestError",
 ]
 
 
@@ -80,3 +88,47 @@ class BackendNotSupportedError(NoBackendError):
 
 class OutOfBlocksError(AttnkitError, RuntimeError):
     """The pool has fewer free blocks than a step needs. Nothing was changed."""
+
+
+class InvalidArgumentError(AttnkitError, ValueError):
+    """An argument of the right type with a value attnkit does not take (out of range,
+    not one of the allowed names). The message names the argument, the value given and
+    what is allowed."""
+
+
+class ArgumentTypeError(AttnkitError, TypeError):
+    """An argument of the wrong type. The message names the argument, the type given
+    and the type expected."""
+
+
+class UnknownRequestError(AttnkitError, KeyError):
+    """A request id that is not live: never scheduled, or already freed (the message
+    says which)."""
+
+    @override
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequestError(AttnkitError, ValueError):
+    """A request id given twice in one call (scheduled twice, finished twice)."""
+
+
+class EngineLimitError(AttnkitError, ValueError):
+    """A step breaks one of ``AttentionConfig``'s engine limits (``max_model_len``,
+    ``max_num_batched_tokens``, ``max_num_reqs``). Nothing was changed."""
+
+
+class StaleStepError(AttnkitError, RuntimeError):
+    """Step metadata used when it no longer describes the cache: before the first
+    ``begin_step``, or after requests of the step were freed."""
+
+
+class DeviceUnavailableError(AttnkitError, RuntimeError):
+    """A device that does not exist on this machine (no CUDA, or an index past the
+    device count)."""
+
+
+class PluginError(AttnkitError, RuntimeError):
+    """A backend plugin failed (on import, in its declarations or in a hook); the
+    message names the plugin and what it raised."""
