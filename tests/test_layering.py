@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "attnkit.state_inputs": 0,
     "attnkit.spec": 1,
     "attnkit.capabilities": 1,
+    "attnkit.devices": 1,
     "attnkit.metadata": 2,
     "attnkit.kinds": 2,
     "attnkit.config": 3,

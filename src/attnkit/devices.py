@@ -1,0 +1,77 @@
+"""Devices at the boundary: parse what the user gave, and say why one is unusable.
+
+``parse_device`` turns a ``torch.device`` or a string into a ``torch.device`` of a
+type attnkit serves (``cpu``, ``cuda``), with attnkit errors for anything else;
+``device_problem`` says why a parsed device cannot be used on this machine (no CUDA,
+an index past the device count), for backends to report as a rejection reason and for
+the runtime and the CLI to raise as ``DeviceUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
+
+__all__ = ["SUPPORTED_DEVICE_TYPES", "check_device_available", "device_problem", "parse_device"]
+
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+"""Device types attnkit runs on."""
+
+
+def parse_device(value: object, *, argument: str = "device") -> torch.device:
+    """``value`` (a ``torch.device`` or a string such as ``"cuda:1"``) as a ``torch.device``.
+
+    Does not check that the device exists (``device_problem`` does).
+
+    Raises:
+        ArgumentTypeError: ``value`` is neither a ``torch.device`` nor a string.
+        InvalidArgumentError: the string is not a device, or its type is not one of
+            ``SUPPORTED_DEVICE_TYPES``.
+    """
+    allowed = "'cpu', 'cuda' or 'cuda:N'"
+    if isinstance(value, torch.device):
+        device = value
+    elif isinstance(value, str):
+        try:
+            device = torch.device(value)
+        except (RuntimeError, ValueError):
+            raise InvalidArgumentError(f"{argument} must be {allowed}, got {value!r}") from None
+    else:
+        raise ArgumentTypeError(
+            f"{argument} must be a torch.device or a string such as {allowed}, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise InvalidArgumentError(
+            f"{argument} must be {allowed}, got {str(device)!r} "
+            f"(attnkit runs on {', '.join(SUPPORTED_DEVICE_TYPES)})"
+        )
+    return device
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why ``device`` cannot be used on this machine, or ``None`` if it can."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
+        return f"device {str(device)!r} is not available: {why}"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return (
+            f"device {str(device)!r} does not exist: {count} CUDA device(s) are visible "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+    return None
+
+
+def check_device_available(device: torch.device) -> None:
+    """Raise ``DeviceUnavailableError`` with ``device_problem``'s reason, if any."""
+    problem = device_problem(device)
+    if problem is not None:
+        raise DeviceUnavailableError(problem)
