@@ -62,7 +62,8 @@ def device_problem(device: torch.device) -> str | None:
         )
         return f"device {str(device)!r} is not available: {why}"
     count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
+    index: int | None = device.index  # None for a bare "cuda" (torch types it as int)
+    if index is not None and index >= count:
         return (
             f"device {str(device)!r} does not exist: {count} CUDA device(s) are visible "
             f"(cuda:0 to cuda:{count - 1})"
