@@ -9,6 +9,8 @@ the runtime and the CLI to raise as ``DeviceUnavailableError``.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from .errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
@@ -62,7 +64,8 @@ def device_problem(device: torch.device) -> str | None:
         )
         return f"device {str(device)!r} is not available: {why}"
     count = torch.cuda.device_count()
-    index: int | None = device.index  # None for a bare "cuda" (torch types it as int)
+    # None for a bare "cuda", although torch's stubs type it as int.
+    index = cast("int | None", device.index)
     if index is not None and index >= count:
         return (
             f"device {str(device)!r} does not exist: {count} CUDA device(s) are visible "
