@@ -27,6 +27,7 @@ FlashAttentionOptions)``.
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -37,6 +38,7 @@ from pydantic import (
     SerializeAsAny,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
 )
 
@@ -157,12 +159,14 @@ class AttentionConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: str | None = None
-    backend_per_kind: dict[KVCacheSpecKind, str] = Field(
-        default_factory=dict[KVCacheSpecKind, str]
+    # Read-only mappings (``MappingProxyType``) once validated: the model is frozen,
+    # and a mutable dict inside it would let a caller bypass the validation.
+    backend_per_kind: Mapping[KVCacheSpecKind, str] = Field(
+        default_factory=lambda: MappingProxyType({})
     )
     # SerializeAsAny: dump a typed options object with its own fields, not the base's.
-    backend_options: dict[str, SerializeAsAny[BackendOptions] | dict[str, Any]] = Field(
-        default_factory=dict
+    backend_options: Mapping[str, SerializeAsAny[BackendOptions] | Mapping[str, Any]] = Field(
+        default_factory=lambda: MappingProxyType({})
     )
     plugins: frozenset[str] | None = None
     max_num_reqs: int = Field(default=DEFAULT_MAX_NUM_REQS, ge=1)
@@ -217,6 +221,14 @@ class AttentionConfig(BaseModel):
             }
         return value
 
+    @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
+    @classmethod
+    def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic would take True as 1.
+        if isinstance(value, bool):
+            raise ValueError(f"{info.field_name} must be an int >= 1, got {value!r}")
+        return value
+
     @field_validator("backend")
     @classmethod
     def _check_backend(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -227,20 +239,30 @@ class AttentionConfig(BaseModel):
     @field_validator("backend_per_kind")
     @classmethod
     def _check_per_kind(
-        cls, value: dict[KVCacheSpecKind, str], info: ValidationInfo
-    ) -> dict[KVCacheSpecKind, str]:
+        cls, value: Mapping[KVCacheSpecKind, str], info: ValidationInfo
+    ) -> Mapping[KVCacheSpecKind, str]:
         for kind, name in value.items():
             _check_name(name, f"backend_per_kind[{kind.value!r}]", info)
-        return value
+        return MappingProxyType(dict(value))
 
     @field_validator("backend_options")
     @classmethod
     def _check_options_names(
-        cls, value: dict[str, BackendOptions | dict[str, Any]], info: ValidationInfo
-    ) -> dict[str, BackendOptions | dict[str, Any]]:
+        cls, value: Mapping[str, BackendOptions | Mapping[str, Any]], info: ValidationInfo
+    ) -> Mapping[str, BackendOptions | Mapping[str, Any]]:
         for name in value:
             _check_name(name, "backend_options key", info)
-        return value
+        return MappingProxyType(
+            {
+                k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
+                for k, v in value.items()
+            }
+        )
+
+    @field_serializer("backend_per_kind", "backend_options")
+    def _plain_mappings(self, value: Mapping[Any, Any]) -> dict[Any, Any]:
+        # The read-only views are dumped as plain dicts (options models as themselves).
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}
 
     def options_for(self, backend: str, options_type: type[OptionsT]) -> OptionsT:
         """The settings given for ``backend`` as ``options_type`` (its defaults if none).

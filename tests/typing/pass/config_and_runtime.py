@@ -3,6 +3,7 @@ and a typed state-layer handle takes its own input class."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -29,7 +30,7 @@ validated = AttentionConfig.model_validate(
     {"backend_per_kind": {"sliding_window": "triton_attn"}},
     context={"known_backends": ["triton_attn"]},
 )
-assert_type(by_kind.backend_per_kind, dict[KVCacheSpecKind, str])
+assert_type(by_kind.backend_per_kind, Mapping[KVCacheSpecKind, str])
 assert_type(one_backend.backend, str | None)
 assert_type(plugin_list.plugins, frozenset[str] | None)
 
