@@ -29,6 +29,7 @@ from attnkit import (
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UnknownRequestError,
 )
 from attnkit.kv_cache import (
     NULL_BLOCK,
@@ -279,8 +280,10 @@ def test_tables_grow_and_windows_release() -> None:
     assert len(owned) == mgr.pool.num_blocks - 1 - mgr.pool.num_free_blocks
     mgr.free_request("r")
     assert mgr.pool.num_free_blocks == 63
-    with pytest.raises(KeyError, match=r"unknown request 'r'"):
+    with pytest.raises(UnknownRequestError, match=r"request 'r' was already freed"):
         mgr.num_tokens("r")
+    with pytest.raises(UnknownRequestError, match=r"unknown request 'q': it was never scheduled"):
+        mgr.num_tokens("q")
 
 
 def test_out_of_blocks_leaves_everything_unchanged() -> None:

@@ -69,6 +69,7 @@ PUBLIC_API = [
     "StateLayerParams",
     "StepBatch",
     "UnknownBackendError",
+    "UnknownLayerError",
     "UnknownRequestError",
     "__version__",
     "default_registry",
@@ -144,7 +145,7 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
 
 def test_every_error_is_an_attnkit_error() -> None:
     errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
-    assert len(errors) == 15
+    assert len(errors) == 16
     assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
     # Each also derives from the builtin it resembles, so existing clauses catch it.
     builtins = (ValueError, TypeError, KeyError, RuntimeError)

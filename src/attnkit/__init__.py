@@ -38,6 +38,7 @@ from .errors import (
     Rejection,
     StaleStepError,
     UnknownBackendError,
+    UnknownLayerError,
     UnknownRequestError,
 )
 from .params import (
@@ -145,6 +146,7 @@ __all__ = [
     "StateLayerParams",
     "StepBatch",
     "UnknownBackendError",
+    "UnknownLayerError",
     "UnknownRequestError",
     "__version__",
     "default_registry",

@@ -27,8 +27,8 @@ FlashAttentionOptions)``.
 from __future__ import annotations
 
 import re
-from types import MappingProxyType
 from collections.abc import Collection, Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import (
@@ -262,7 +262,11 @@ class AttentionConfig(BaseModel):
     @field_serializer("backend_per_kind", "backend_options")
     def _plain_mappings(self, value: Mapping[Any, Any]) -> dict[Any, Any]:
         # The read-only views are dumped as plain dicts (options models as themselves).
-        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}
+        plain: dict[Any, Any] = {}
+        for key, item in value.items():
+            # pyright narrows Any to Mapping[Unknown, Unknown]; the items are any values.
+            plain[key] = dict(item) if isinstance(item, Mapping) else item  # pyright: ignore[reportUnknownArgumentType]
+        return plain
 
     def options_for(self, backend: str, options_type: type[OptionsT]) -> OptionsT:
         """The settings given for ``backend`` as ``options_type`` (its defaults if none).

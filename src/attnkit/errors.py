@@ -37,6 +37,7 @@ __all__ = [
     "Rejection",
     "StaleStepError",
     "UnknownBackendError",
+    "UnknownLayerError",
     "UnknownRequestError",
 ]
 
@@ -104,6 +105,14 @@ class ArgumentTypeError(AttnkitError, TypeError):
 class UnknownRequestError(AttnkitError, KeyError):
     """A request id that is not live: never scheduled, or already freed (the message
     says which)."""
+
+    @override
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownLayerError(AttnkitError, KeyError):
+    """A layer name the runtime does not have; the message lists its layers."""
 
     @override
     def __str__(self) -> str:

@@ -55,8 +55,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, SupportsIndex, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -64,7 +65,7 @@ import torch
 
 from ._validation import is_nonnegative_int, is_positive_int
 from .capabilities import KVCacheLayout
-from .errors import OutOfBlocksError
+from .errors import ArgumentTypeError, OutOfBlocksError, UnknownRequestError
 from .kinds import Ints, StepLens, rules_for, spans
 from .spec import (
     AttentionSpec,
@@ -365,11 +366,17 @@ class BlockPool:
 Ints32 = npt.NDArray[np.int32]
 
 
+RECENTLY_FREED = 4096
+"""How many freed request ids the manager remembers, to tell "already freed" apart
+from "never scheduled" in errors."""
+
+
 def _block_id(block: object) -> int:
     """``block`` as a Python int: ints and numpy integers are ids, nothing else is."""
-    if isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)):
-        return int(block)
-    raise TypeError(f"block ids must be ints, got {block!r} ({type(block).__name__})")
+    given = f"{block!r} ({type(block).__name__})"
+    if isinstance(block, bool | np.bool_) or not isinstance(block, int | np.integer):
+        raise TypeError(f"block ids must be ints, got {given}")
+    return operator.index(cast("SupportsIndex", block))
 
 
 class _Tables:
@@ -441,6 +448,8 @@ class KVCacheManager:
         self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._step_widths: list[int] = [0] * len(self.groups)
         self.rows_version = 0
+        # Ids of the last frees (oldest first), so a second free can say "already freed".
+        self._recently_freed: dict[str, None] = {}
         """Bumped whenever a request id gains or loses its row (callers may cache
         ``lookup_rows`` results while it is unchanged)."""
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
@@ -454,11 +463,37 @@ class KVCacheManager:
         return len(self._rows)
 
     def row_of(self, req_id: str) -> int:
-        """The table row of a live request."""
+        """The table row of a live request.
+
+        Raises:
+            UnknownRequestError: ``req_id`` is not live; the message says whether it
+                was freed (among the last ``RECENTLY_FREED`` frees) or never seen.
+        """
         try:
             return self._rows[req_id]
         except KeyError:
-            raise KeyError(f"unknown request {req_id!r}") from None
+            raise self.unknown_request(req_id) from None
+        except TypeError:  # unhashable
+            raise ArgumentTypeError(
+                f"request ids are strings, got {req_id!r} ({type(req_id).__name__})"
+            ) from None
+
+    def unknown_request(self, req_id: object) -> UnknownRequestError:
+        """The error for a request id that is not live (see ``row_of``)."""
+        if not isinstance(req_id, str):
+            return UnknownRequestError(
+                f"unknown request {req_id!r}: request ids are strings, "
+                f"got {type(req_id).__name__}"
+            )
+        if req_id in self._recently_freed:
+            return UnknownRequestError(
+                f"request {req_id!r} was already freed (it has no cache now; schedule it "
+                f"as a new request to start it again)"
+            )
+        return UnknownRequestError(
+            f"unknown request {req_id!r}: it was never scheduled, or was freed long ago "
+            f"({len(self._rows)} live request(s))"
+        )
 
     def num_tokens(self, req_id: str) -> int:
         """Tokens of ``req_id`` whose K/V (or state) are in the cache after the last step."""
@@ -618,6 +653,8 @@ class KVCacheManager:
             row = self._free_rows.pop()
             rows[i] = row
             self._rows[req_ids[i]] = row
+            if self._recently_freed:
+                self._recently_freed.pop(req_ids[i], None)
         self._encoder_len[rows[new_idx]] = lens.encoder[new_idx]
         self._num_tokens[rows[new_idx]] = 0
 
@@ -664,6 +701,10 @@ class KVCacheManager:
         del self._rows[req_id]
         self._free_rows.append(row)
         self.rows_version += 1
+        recent = self._recently_freed
+        recent[req_id] = None
+        if len(recent) > RECENTLY_FREED:
+            del recent[next(iter(recent))]
 
 
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,15 @@ from .backend import AnyBinding, AttentionBackend
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .capabilities import AttentionFeature, KVCacheLayout
 from .config import AttentionConfig
+from .devices import check_device_available, parse_device
+from .errors import (
+    ArgumentTypeError,
+    DuplicateRequestError,
+    EngineLimitError,
+    InvalidArgumentError,
+    StaleStepError,
+    UnknownLayerError,
+)
 from .impl import AttentionImpl, StateImpl
 from .kinds import Ints, StepLens, rules_for, spans
 from .kv_cache import (
@@ -94,14 +103,19 @@ class ScheduledRequest:
         # Checked here, where the engine makes it, so begin_step need not re-check
         # every field of every request on the hot path.
         if not isinstance(self.req_id, str):
-            raise TypeError(f"ScheduledRequest.req_id must be a str, got {self.req_id!r}")
+            raise ArgumentTypeError(
+                f"ScheduledRequest.req_id must be a str, got {self.req_id!r} "
+                f"({type(self.req_id).__name__})"
+            )
+        if not self.req_id:
+            raise InvalidArgumentError("ScheduledRequest.req_id must be a non-empty str, got ''")
         if not is_positive_int(self.num_new_tokens):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"request {self.req_id!r}: num_new_tokens must be an int >= 1, "
                 f"got {self.num_new_tokens!r}"
             )
         if not is_nonnegative_int(self.encoder_len):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"request {self.req_id!r}: encoder_len must be an int >= 0, got {self.encoder_len!r}"
             )
 
@@ -270,12 +284,17 @@ class AttentionRuntime:
         priority: Mapping[str, Sequence[str]] | None = None,
         cache_fill: float | None = None,
     ) -> None:
-        self.device = torch.device(device)
+        _check_constructor_args(layer_specs, config, layer_params, memory_budget_bytes, cache_fill)
+        self.device = parse_device(device)
+        check_device_available(self.device)
         self.config = config
         params = dict(layer_params or {})
         unknown = sorted(set(params) - set(layer_specs))
         if unknown:
-            raise ValueError(f"layer_params names layers that layer_specs lacks: {unknown}")
+            raise InvalidArgumentError(
+                f"layer_params names layers that layer_specs lacks: {unknown}; "
+                f"layers: {', '.join(layer_specs)}"
+            )
         groups, self.page_size_bytes = unify_page_sizes(group_layers(layer_specs))
         self.layer_params: dict[str, LayerParams | None] = {
             name: params.get(name, _default_params(spec)) for name, spec in layer_specs.items()
@@ -354,6 +373,8 @@ class AttentionRuntime:
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step: StepBatch | None = None
+        self._stale: str | None = "forward() called before begin_step()"
+        self._step_rows_version = -1
         self._last_ids: list[str] = []
         self._last_rows: Ints = np.zeros(0, dtype=np.int64)
         self._last_rows_version = -1
@@ -420,8 +441,14 @@ class AttentionRuntime:
         return self._groups[self._group_id(layer_name)].selection.backend
 
     def metadata_for(self, layer_name: str) -> Any:
-        """The backend metadata the current step built for ``layer_name``'s group."""
-        return self._groups[self._group_id(layer_name)].metadata
+        """The backend metadata the current step built for ``layer_name``'s group.
+
+        Raises:
+            StaleStepError: no step yet, or requests of the step were freed since.
+        """
+        group = self._groups[self._group_id(layer_name)]
+        self._check_step_live()
+        return group.metadata
 
     def cudagraph_support(self) -> tuple[AttentionCGSupport, str]:
         """The model's CUDA-graph support: the minimum over its groups, and who limits it."""
@@ -438,8 +465,8 @@ class AttentionRuntime:
     def _group_id(self, layer_name: str) -> int:
         try:
             return self._layer_group[layer_name]
-        except KeyError:
-            raise KeyError(
+        except (KeyError, TypeError):  # TypeError: an unhashable name
+            raise UnknownLayerError(
                 f"unknown layer {layer_name!r}; layers: {', '.join(self._layer_group)}"
             ) from None
 
@@ -454,17 +481,18 @@ class AttentionRuntime:
         so the same call can be retried.
 
         Raises:
-            KeyError: ``finished`` names an unknown request.
-            ValueError: a request scheduled twice or finished twice, an encoder-only
-                request split over steps, a new cross-attention request without
-                encoder tokens.
+            ArgumentTypeError: ``scheduled`` is not a sequence of ``ScheduledRequest``,
+                or ``finished`` not an iterable of ids (a bare string is refused).
+            UnknownRequestError: ``finished`` names a request that is not live.
+            DuplicateRequestError: a request scheduled twice or finished twice.
+            EngineLimitError: more requests than ``config.max_num_reqs``, more tokens
+                than ``config.max_num_batched_tokens``, or a request longer than
+                ``config.max_model_len``.
+            InvalidArgumentError: an encoder-only request split over steps, a new
+                cross-attention request without encoder tokens.
             OutOfBlocksError: the cache cannot hold the step.
         """
-        finished = list(finished)
-        for req_id in finished:
-            self.manager.row_of(req_id)  # KeyError for an unknown id, before any change
-        if len(set(finished)) != len(finished):
-            raise ValueError(f"finished names a request twice: {finished}")
+        finished = self._check_ids("finished", finished)
         _check_types(scheduled)
         ids: list[str] = list(map(_REQ_ID, scheduled))
         # The steady state schedules the same requests as the last step: their rows
@@ -477,7 +505,20 @@ class AttentionRuntime:
         if not cached:
             _check_unique(ids)
         count = len(ids)
+        limits = self.config
+        if count > limits.max_num_reqs:
+            raise EngineLimitError(
+                f"the step schedules {count} requests; AttentionConfig.max_num_reqs="
+                f"{limits.max_num_reqs} allows at most that many per step"
+            )
         counts = np.fromiter(map(_NUM_NEW, scheduled), dtype=np.int64, count=count)
+        step_tokens = int(counts.sum())
+        if step_tokens > limits.max_num_batched_tokens:
+            raise EngineLimitError(
+                f"the step schedules {step_tokens} tokens; AttentionConfig."
+                f"max_num_batched_tokens={limits.max_num_batched_tokens} allows at most "
+                f"that many per step"
+            )
         encoder = (
             np.fromiter(map(_ENCODER_LEN, scheduled), dtype=np.int64, count=count)
             if self._reads_encoder
@@ -494,11 +535,19 @@ class AttentionRuntime:
                 if req_id in gone:
                     rows[i] = -1
         lens = self.manager.step_lens(rows, counts, encoder)
+        longest = int(lens.total.max()) if count else 0
+        if longest > limits.max_model_len:
+            index = int(lens.total.argmax())
+            raise EngineLimitError(
+                f"request {ids[index]!r} would reach {longest} tokens "
+                f"({int(lens.computed[index])} cached + {int(lens.query[index])} new); "
+                f"AttentionConfig.max_model_len={limits.max_model_len}"
+            )
         for rules in self._kind_rules:
             problem = rules.admission_problems(lens)
             if problem is not None:
                 index, why = problem
-                raise ValueError(f"request {ids[index]!r} {why}")
+                raise InvalidArgumentError(f"request {ids[index]!r} {why}")
         if self._thresholds:
             # Stable: for every builder's threshold, continuing requests at or under it
             # come first. A new request is never a decode (nothing cached to extend).
@@ -517,6 +566,8 @@ class AttentionRuntime:
             entry.common = self._common_metadata(entry.group, rows, lens, shared)
             entry.metadata = entry.builder.build(0, entry.common)
         query_lens = tuple(lens.query.tolist())
+        self._stale = None
+        self._step_rows_version = self.manager.rows_version
         self._step = StepBatch(
             order=tuple(ids),
             query_lens=query_lens,
@@ -588,15 +639,30 @@ class AttentionRuntime:
 
     def _current_step(self) -> StepBatch:
         if self._step is None:
-            raise RuntimeError("forward() called before begin_step()")
+            raise StaleStepError("forward() called before begin_step()")
         return self._step
 
+    def _check_step_live(self) -> None:
+        """Raise ``StaleStepError`` unless the current step's metadata still holds."""
+        if self._stale is None and self.manager.rows_version != self._step_rows_version:
+            self._stale = (
+                "requests gained or lost their cache since begin_step() (through the "
+                "manager); call begin_step() again"
+            )
+        if self._stale is not None:
+            raise StaleStepError(self._stale)
+
     def _check_rows(self, layer_name: str, what: str, rows: int, device: torch.device) -> None:
+        self._check_step_live()
         n = self._current_step().num_tokens
         if rows < n:
-            raise ValueError(f"{layer_name}: {what} has {rows} rows but the step has {n} tokens")
+            raise InvalidArgumentError(
+                f"{layer_name}: {what} has {rows} rows but the step has {n} tokens"
+            )
         if device != self.device:
-            raise ValueError(f"{layer_name}: {what} is on {device}, the runtime on {self.device}")
+            raise InvalidArgumentError(
+                f"{layer_name}: {what} is on {device}, the runtime on {self.device}"
+            )
 
     def forward(
         self,
@@ -617,17 +683,28 @@ class AttentionRuntime:
             TypeError: ``layer_name`` is a state layer.
             ValueError: too few rows, or tensors on another device.
         """
-        impl = self._attention_impls.get(layer_name)
+        name: object = layer_name  # untyped callers may pass anything
+        impl = self._attention_impls.get(layer_name) if isinstance(name, str) else None
         if impl is None:
-            self._group_id(layer_name)  # unknown layers: KeyError listing the layers
-            raise TypeError(
+            self._group_id(layer_name)  # unknown layers: the error lists the layers
+            raise ArgumentTypeError(
                 f"{layer_name} is a state layer: call forward_state({layer_name!r}, "
                 f"{self._state_impls[layer_name].layer_params.inputs_type.__name__}(...))"
             )
+        for what, tensor in (("query", query), ("key", key), ("value", value), ("output", output)):
+            if not isinstance(tensor, torch.Tensor) and (what == "query" or tensor is not None):
+                raise ArgumentTypeError(
+                    f"{layer_name}: {what} must be a torch.Tensor"
+                    + ("" if what == "query" else " or None")
+                    + f", got {type(tensor).__name__}"
+                )
+        if query.dim() != 3:
+            raise InvalidArgumentError(
+                f"{layer_name}: query must be [T, Hq, D] (3 dimensions), got shape "
+                f"{list(query.shape)}"
+            )
         self._check_rows(layer_name, "query", query.shape[0], query.device)
         if output is None:
-            if query.dim() != 3:
-                raise ValueError(f"{layer_name}: query must be [T, Hq, D], got {list(query.shape)}")
             params: AttentionLayerParams = impl.layer_params
             v_size = params.v_head_size or impl.kv_cache_spec.head_size
             output = query.new_empty((query.shape[0], query.shape[1], v_size))
@@ -650,15 +727,20 @@ class AttentionRuntime:
             TypeError: an attention layer, or inputs of another layer type.
             ValueError: too few rows, or tensors on another device.
         """
-        impl = self._state_impls.get(layer_name)
+        name: object = layer_name  # untyped callers may pass anything
+        impl = self._state_impls.get(layer_name) if isinstance(name, str) else None
         if impl is None:
             self._group_id(layer_name)
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{layer_name} is an attention layer: call forward({layer_name!r}, query, key, value)"
             )
         expected = impl.layer_params.inputs_type
+        if output is not None and not isinstance(output, torch.Tensor):
+            raise ArgumentTypeError(
+                f"{layer_name}: output must be a torch.Tensor or None, got {type(output).__name__}"
+            )
         if not isinstance(inputs, expected):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{layer_name} is a {impl.kv_cache_spec.mamba_type} layer: inputs must be "
                 f"{expected.__name__}, got {type(inputs).__name__}"
             )
@@ -691,12 +773,62 @@ class AttentionRuntime:
         return StateLayer(self, layer_name, inputs_type)
 
     def free(self, req_ids: Iterable[str]) -> None:
-        """Release finished requests now (``begin_step(finished=...)`` does the same)."""
-        for req_id in req_ids:
+        """Release finished requests now (``begin_step(finished=...)`` does the same).
+
+        All or nothing: every id is checked before any is freed. Freeing a request of
+        the current step makes the step's metadata stale: ``forward`` then raises
+        ``StaleStepError`` instead of writing into blocks that are back in the pool.
+
+        Raises:
+            ArgumentTypeError: ``req_ids`` is a bare string or holds a non-string.
+            UnknownRequestError: an id is not live (the message says whether it was
+                already freed or never scheduled).
+            DuplicateRequestError: an id given twice.
+        """
+        ids = self._check_ids("req_ids", req_ids)
+        step = self._step
+        for req_id in ids:
             self.manager.free_request(req_id)
+        if step is not None and self._stale is None:
+            hit = set(ids).intersection(step.order)
+            if hit:
+                self._stale = (
+                    f"request(s) {sorted(hit)} of the current step were freed after "
+                    f"begin_step(); its metadata would write into blocks back in the pool. "
+                    f"Call begin_step() again"
+                )
+            else:  # unrelated requests: the step's metadata still holds
+                self._step_rows_version = self.manager.rows_version
+
+    def _check_ids(self, argument: str, req_ids: Iterable[str]) -> list[str]:
+        """``req_ids`` as a list of live, distinct ids, or an error naming ``argument``."""
+        given: object = req_ids  # untyped callers reach here too
+        if isinstance(given, str | bytes) or not isinstance(given, Iterable):
+            raise ArgumentTypeError(
+                f"{argument} must be an iterable of request ids (e.g. a list of str), "
+                f"got {req_ids!r}"
+            )
+        ids: list[object] = list(cast("Iterable[object]", given))
+        for req_id in ids:
+            if not isinstance(req_id, str):
+                raise ArgumentTypeError(
+                    f"{argument} must hold request ids (str), got {req_id!r} "
+                    f"({type(req_id).__name__})"
+                )
+            if req_id not in self.manager:
+                raise self.manager.unknown_request(req_id)
+        checked = cast("list[str]", ids)
+        if len(set(checked)) != len(checked):
+            twice = sorted({r for r in checked if checked.count(r) > 1})
+            raise DuplicateRequestError(f"{argument} names request(s) {twice} twice")
+        return checked
 
     def block_table(self, layer_name: str, req_id: str) -> list[int]:
-        """``req_id``'s blocks in ``layer_name``'s group (null entries are released blocks)."""
+        """``req_id``'s blocks in ``layer_name``'s group (null entries are released blocks).
+
+        Raises:
+            UnknownLayerError / UnknownRequestError: an unknown layer or request.
+        """
         return self.manager.block_table(self._group_id(layer_name), req_id)
 
 
@@ -783,13 +915,60 @@ def _arange(n: int) -> Ints:
     return _ARANGE[0][:n]
 
 
+def _check_constructor_args(
+    layer_specs: object,
+    config: object,
+    layer_params: object,
+    memory_budget_bytes: object,
+    cache_fill: object,
+) -> None:
+    """The runtime's arguments, by type, before anything is built (untyped callers)."""
+    if not isinstance(layer_specs, Mapping) or not layer_specs:
+        raise ArgumentTypeError(
+            f"layer_specs must be a non-empty mapping of layer name -> KVCacheSpec, got "
+            f"{layer_specs!r}"
+        )
+    for name, spec in cast("Mapping[object, object]", layer_specs).items():
+        if not isinstance(name, str) or not isinstance(spec, KVCacheSpec):
+            raise ArgumentTypeError(
+                f"layer_specs must map layer names (str) to KVCacheSpec, got "
+                f"{name!r}: {type(spec).__name__}"
+            )
+    if not isinstance(config, AttentionConfig):
+        raise ArgumentTypeError(
+            f"config must be an AttentionConfig, got {type(config).__name__} "
+            f"(build one with AttentionConfig(...) or AttentionConfig.model_validate(...))"
+        )
+    if layer_params is not None and not isinstance(layer_params, Mapping):
+        raise ArgumentTypeError(
+            f"layer_params must be a mapping of layer name -> LayerParams or None, got "
+            f"{type(layer_params).__name__}"
+        )
+    if not is_positive_int(memory_budget_bytes):
+        raise InvalidArgumentError(
+            f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}"
+        )
+    if cache_fill is not None and (
+        not isinstance(cache_fill, int | float) or isinstance(cache_fill, bool)
+    ):
+        raise ArgumentTypeError(f"cache_fill must be a float or None, got {cache_fill!r}")
+
+
 def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:
-    """Every entry must be a ``ScheduledRequest`` (or a subclass): its own checks ran."""
+    """``scheduled`` must be a sequence whose entries are ``ScheduledRequest`` (or a
+    subclass): their own checks ran."""
+    given_object: object = scheduled  # untyped callers reach here too
+    if not isinstance(given_object, Sequence) or isinstance(given_object, str | bytes):
+        raise ArgumentTypeError(
+            f"scheduled must be a sequence (e.g. a list) of ScheduledRequest, got "
+            f"{type(given_object).__name__}"
+            + (" (wrap it in a list)" if isinstance(given_object, ScheduledRequest) else "")
+        )
     types = set(map(type, scheduled)) - {ScheduledRequest}
     if types and not all(issubclass(t, ScheduledRequest) for t in types):
         given: Sequence[object] = scheduled  # untyped callers reach here too
         bad = next(r for r in given if not isinstance(r, ScheduledRequest))
-        raise TypeError(f"scheduled must hold ScheduledRequest objects, got {bad!r}")
+        raise ArgumentTypeError(f"scheduled must hold ScheduledRequest objects, got {bad!r}")
 
 
 def _check_unique(ids: list[str]) -> None:
@@ -797,7 +976,7 @@ def _check_unique(ids: list[str]) -> None:
         seen: set[str] = set()
         for req_id in ids:
             if req_id in seen:
-                raise ValueError(f"request {req_id!r} is scheduled twice in one step")
+                raise DuplicateRequestError(f"request {req_id!r} is scheduled twice in one step")
             seen.add(req_id)
 
 
