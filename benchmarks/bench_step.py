@@ -162,8 +162,14 @@ class Case:
         max_blocks = -(-max_ctx // BLOCK)
         num_blocks = 2 * num_reqs * (max_blocks + WINDOW // BLOCK + 2) + 16
         page = next(iter(specs.values())).page_size_bytes
+        # Limits that admit the (untimed) one-step prefill of every request's context.
+        config = AttentionConfig(
+            max_num_reqs=num_reqs,
+            max_num_batched_tokens=int(contexts[:num_decodes].sum()) + prefill + 1,
+            max_model_len=max_ctx + prefill * (2 * reps + 4),
+        )
         self.runtime = AttentionRuntime(
-            specs, AttentionConfig(), device="cpu", memory_budget_bytes=num_blocks * page * 24
+            specs, config, device="cpu", memory_budget_bytes=num_blocks * page * 24
         )
         self.engine = IncrementalEngine(self.runtime.num_blocks, num_reqs, max_blocks + 1)
         ids = [f"r{i}" for i in range(num_reqs)]
