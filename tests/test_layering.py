@@ -20,29 +20,29 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # Lower number = lower layer. Modules of one layer may not import each other.
 LAYERS: dict[str, int] = {
-    "attnkit._validation": 0,
+    "attnkit._validation": 1,
     "attnkit.errors": 0,
-    "attnkit.state_inputs": 0,
-    "attnkit.spec": 1,
-    "attnkit.capabilities": 1,
-    "attnkit.devices": 1,
-    "attnkit.metadata": 2,
-    "attnkit.kinds": 2,
-    "attnkit.config": 3,
-    "attnkit.params": 3,
-    "attnkit.builder": 4,
-    "attnkit.impl": 4,
-    "attnkit.binding": 5,
-    "attnkit.backend": 6,
-    "attnkit.registry": 7,
-    "attnkit.kv_cache": 7,
-    "attnkit.selector": 8,
-    "attnkit.runtime": 9,
-    "attnkit.backend_api": 10,
-    "attnkit.demo": 10,
-    "attnkit.cli": 11,
-    "attnkit": 12,
-    "attnkit.__main__": 13,
+    "attnkit.state_inputs": 1,
+    "attnkit.spec": 2,
+    "attnkit.capabilities": 2,
+    "attnkit.devices": 2,
+    "attnkit.metadata": 3,
+    "attnkit.kinds": 3,
+    "attnkit.config": 4,
+    "attnkit.params": 4,
+    "attnkit.builder": 5,
+    "attnkit.impl": 5,
+    "attnkit.binding": 6,
+    "attnkit.backend": 7,
+    "attnkit.registry": 8,
+    "attnkit.kv_cache": 8,
+    "attnkit.selector": 9,
+    "attnkit.runtime": 10,
+    "attnkit.backend_api": 11,
+    "attnkit.demo": 11,
+    "attnkit.cli": 12,
+    "attnkit": 13,
+    "attnkit.__main__": 14,
 }
 """Core modules and their layer."""
 
@@ -172,7 +172,7 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
     tree = ast.parse(code)
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
     assert _targets("attnkit.config", False, node) == ["attnkit.registry"]
-    assert _violation("attnkit.config", "attnkit.registry") == "layer 3 imports layer 7"
+    assert _violation("attnkit.config", "attnkit.registry") == "layer 4 imports layer 8"
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidArgumentError
+
 
 def is_positive_int(value: object) -> bool:
     """``value`` is an ``int`` (not a ``bool``, which is an ``int`` subclass) and >= 1."""
@@ -11,9 +13,10 @@ def is_positive_int(value: object) -> bool:
 
 
 def check_positive_int(owner: str, name: str, value: object) -> None:
-    """Raise ``ValueError("{owner}.{name} must be a positive int, got ...")`` unless it is one."""
+    """Raise ``InvalidArgumentError("{owner}.{name} must be a positive int, got ...")``
+    unless it is one."""
     if not is_positive_int(value):
-        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+        raise InvalidArgumentError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
 def is_nonnegative_int(value: object) -> bool:

@@ -18,6 +18,7 @@ from typing import Literal, get_args
 from typing_extensions import override
 
 from ._validation import is_positive_int
+from .errors import InvalidArgumentError
 
 __all__ = [
     "KV_CACHE_LAYOUTS",
@@ -72,7 +73,7 @@ class MultipleOf:
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.n):
-            raise ValueError(f"MultipleOf.n must be a positive int, got {self.n!r}")
+            raise InvalidArgumentError(f"MultipleOf.n must be a positive int, got {self.n!r}")
 
     @override
     def __str__(self) -> str:
@@ -88,7 +89,7 @@ class SizeRange:
 
     def __post_init__(self) -> None:
         if not (is_positive_int(self.low) and is_positive_int(self.high) and self.low <= self.high):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"SizeRange needs positive ints with low <= high, got ({self.low!r}, {self.high!r})"
             )
 

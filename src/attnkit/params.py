@@ -19,6 +19,7 @@ import torch
 
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
+from .errors import InvalidArgumentError
 from .spec import AttentionSpec, MambaSpec, MambaType
 from .state_inputs import (
     GatedDeltaNetInputs,
@@ -75,48 +76,48 @@ class AttentionLayerParams:
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.num_heads):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.num_heads must be a positive int, got {self.num_heads!r}"
             )
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.scale must be a finite float > 0, got {self.scale!r}"
             )
         if self.logits_soft_cap is not None and not (
             math.isfinite(self.logits_soft_cap) and self.logits_soft_cap > 0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.logits_soft_cap must be a finite float > 0 or None, "
                 f"got {self.logits_soft_cap!r}"
             )
         if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_heads:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.alibi_slopes must have num_heads={self.num_heads} "
                 f"entries, got {len(self.alibi_slopes)}"
             )
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.sinks must have shape [num_heads={self.num_heads}], "
                 f"got {list(self.sinks.shape)}"
             )
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"AttentionLayerParams.{name} must be a finite float > 0, got {value!r}"
                 )
         if self.v_head_size is not None and not is_positive_int(self.v_head_size):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"
             )
         if (self.sink_key is None) != (self.sink_value is None):
-            raise ValueError("AttentionLayerParams.sink_key and sink_value must be given together")
+            raise InvalidArgumentError("AttentionLayerParams.sink_key and sink_value must be given together")
         if (
             self.sink_key is not None
             and self.sink_value is not None
             and (self.sink_key.dim() != 3 or self.sink_key.shape != self.sink_value.shape)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"AttentionLayerParams.sink_key and sink_value must both be [sink_len, Hkv, D], "
                 f"got {list(self.sink_key.shape)} and {list(self.sink_value.shape)}"
             )
@@ -204,15 +205,15 @@ class Mamba2LayerParams:
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "n_groups", "d_state", "chunk_size"):
             if not is_positive_int(getattr(self, name)):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Mamba2LayerParams.{name} must be a positive int, got {getattr(self, name)!r}"
                 )
         if self.num_heads % self.n_groups:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Mamba2LayerParams.num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
             )
         if self.conv_weight.dim() != 2 or self.conv_weight.shape[0] != self.conv_dim:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Mamba2LayerParams.conv_weight must be [conv_dim={self.conv_dim}, W], "
                 f"got {list(self.conv_weight.shape)}"
             )
@@ -224,7 +225,7 @@ class Mamba2LayerParams:
         ):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Mamba2LayerParams.{name} must have shape {list(shape)}, got {list(value.shape)}"
                 )
 
@@ -254,18 +255,18 @@ class Mamba2LayerParams:
 def _check_state_params(owner: str, obj: object, ints: Sequence[str]) -> None:
     for name in ints:
         if not is_positive_int(getattr(obj, name)):
-            raise ValueError(f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}")
+            raise InvalidArgumentError(f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}")
 
 
 def _check_conv_weight(
     owner: str, weight: torch.Tensor, bias: torch.Tensor | None, channels: int
 ) -> None:
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}.conv_weight must be [channels={channels}, W >= 1], got {list(weight.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (channels,):
-        raise ValueError(f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}")
+        raise InvalidArgumentError(f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -342,7 +343,7 @@ class LinearAttentionLayerParams:
         owner = type(self).__name__
         _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
         if tuple(self.decay.shape) != (self.num_heads,) or bool((self.decay < 0).any()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.decay must be [num_heads={self.num_heads}] and >= 0, got "
                 f"{list(self.decay.shape)} with min {float(self.decay.min()) if self.decay.numel() else 'n/a'}"
             )
@@ -406,7 +407,7 @@ def check_state_shapes(owner: str, spec: MambaSpec, params: StateLayerParams) ->
     """Raise ``ValueError`` unless the spec's state shapes are the parameters' ``state_shapes``
     (for state impls to call at construction)."""
     if spec.shapes != params.state_shapes:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{owner}: kv_cache_spec.shapes must be layer_params.state_shapes="
             f"{params.state_shapes}, got {spec.shapes}"
         )

@@ -29,6 +29,7 @@ import torch
 from typing_extensions import override
 
 from ._validation import check_positive_int, dtype_name, is_positive_int
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "ATTENTION_SPEC_CLASSES",
@@ -132,7 +133,7 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         if type(self) in _ABSTRACT_SPECS:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{type(self).__name__} is abstract; construct one of its concrete "
                 f"subclasses ({', '.join(sorted(c.__name__ for c in _concrete_specs()))})"
             )
@@ -169,11 +170,11 @@ class KVCacheSpec:
                 the first differing field and both values.
         """
         if not specs:
-            raise ValueError(f"{cls.__name__}.merge needs at least one spec, got none")
+            raise InvalidArgumentError(f"{cls.__name__}.merge needs at least one spec, got none")
         first = specs[0]
         for index, other in enumerate(specs[1:], start=1):
             if type(other) is not type(first):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot merge specs: spec 0 is {type(first).__name__} "
                     f"(kind={first.kind}) but spec {index} is {type(other).__name__} "
                     f"(kind={other.kind})"
@@ -181,7 +182,7 @@ class KVCacheSpec:
             for field in dataclasses.fields(first):
                 mine, theirs = getattr(first, field.name), getattr(other, field.name)
                 if mine != theirs:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"cannot merge specs: field {field.name!r} differs between spec 0 "
                         f"({mine!r}) and spec {index} ({theirs!r})"
                     )
@@ -216,11 +217,11 @@ class AttentionSpec(KVCacheSpec):
         dtype: object = self.dtype
         if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
             supported = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.dtype must be a torch.dtype among ({supported}), got {self.dtype!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
@@ -296,7 +297,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 def _check_mla_heads(spec: AttentionSpec) -> None:
     if spec.num_kv_heads != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{type(spec).__name__}.num_kv_heads must be 1 (the MLA latent is shared by "
             f"every head), got {spec.num_kv_heads}"
         )
@@ -401,26 +402,26 @@ class MambaSpec(KVCacheSpec):
         owner = type(self).__name__
         shapes: object = self.shapes
         if not isinstance(shapes, tuple) or not shapes:
-            raise ValueError(f"{owner}.shapes must be a non-empty tuple of shapes, got {shapes!r}")
+            raise InvalidArgumentError(f"{owner}.shapes must be a non-empty tuple of shapes, got {shapes!r}")
         for i, shape in enumerate(shapes):
             if not isinstance(shape, tuple) or not shape or not all(map(is_positive_int, shape)):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{owner}.shapes[{i}] must be a non-empty tuple of positive ints, got {shape!r}"
                 )
         dtypes: object = self.dtypes
         if not isinstance(dtypes, tuple) or len(dtypes) != len(shapes):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.dtypes must be a tuple with one dtype per shape "
                 f"({len(shapes)}), got {dtypes!r}"
             )
         for i, dtype in enumerate(dtypes):
             if not isinstance(dtype, torch.dtype) or dtype not in _STATE_DTYPES:
                 supported = ", ".join(sorted(dtype_name(d) for d in _STATE_DTYPES))
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{owner}.dtypes[{i}] must be a torch.dtype among ({supported}), got {dtype!r}"
                 )
         if self.mamba_type not in _MAMBA_TYPES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.mamba_type must be one of {_MAMBA_TYPES}, got {self.mamba_type!r}"
             )
 
@@ -503,7 +504,7 @@ def get_attn_spec_kind(
     """
     attn_type = AttentionType(attn_type)
     if not isinstance(use_mla, bool):
-        raise ValueError(f"get_attn_spec_kind: use_mla must be a bool, got {use_mla!r}")
+        raise InvalidArgumentError(f"get_attn_spec_kind: use_mla must be a bool, got {use_mla!r}")
     for name, value in (
         ("sliding_window", sliding_window),
         ("attention_chunk_size", attention_chunk_size),

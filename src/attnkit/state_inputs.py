@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 __all__ = [
     "GatedDeltaNetInputs",
     "LinearAttentionInputs",
@@ -31,14 +33,14 @@ def _check_tensors(owner: str, tensors: dict[str, object]) -> None:
     device: torch.device | None = None
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(value).__name__}")
+            raise ArgumentTypeError(f"{owner}.{name} must be a torch.Tensor, got {type(value).__name__}")
         if value.dim() < 1:
-            raise ValueError(f"{owner}.{name} must have a token dimension, got a 0-d tensor")
+            raise InvalidArgumentError(f"{owner}.{name} must have a token dimension, got a 0-d tensor")
         if rows is None:
             rows, device = value.shape[0], value.device
         elif value.shape[0] != rows or value.device != device:
             first = next(iter(tensors))
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}.{name} must have the same rows and device as {first} "
                 f"({rows} on {device}), got {value.shape[0]} on {value.device}"
             )
