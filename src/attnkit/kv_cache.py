@@ -65,7 +65,12 @@ import torch
 
 from ._validation import is_nonnegative_int, is_positive_int
 from .capabilities import KVCacheLayout
-from .errors import ArgumentTypeError, OutOfBlocksError, UnknownRequestError
+from .errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
 from .kinds import Ints, StepLens, rules_for, spans
 from .spec import (
     AttentionSpec,
@@ -126,11 +131,11 @@ def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
         ValueError: if there are no layers, or a value is not a ``KVCacheSpec``.
     """
     if not layer_specs:
-        raise ValueError("layer_specs must name at least one layer, got none")
+        raise InvalidArgumentError("layer_specs must name at least one layer, got none")
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
         if not isinstance(spec, KVCacheSpec):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layer_specs[{name!r}] must be a KVCacheSpec, got {type(spec).__name__}"
             )
         by_spec.setdefault(spec, []).append(name)
@@ -210,14 +215,14 @@ def num_blocks_for_budget(
         ValueError: if the budget does not hold the null block and one more block.
     """
     if not is_positive_int(memory_budget_bytes):
-        raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
+        raise InvalidArgumentError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
     slots = sum(buffers_per_set(groups, layouts).values())
     if slots == 0 or page_size_bytes == 0:
         return 2  # nothing is cached: only the bookkeeping exists
     per_block = page_size_bytes * slots
     num_blocks = memory_budget_bytes // per_block
     if num_blocks < 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"memory_budget_bytes={memory_budget_bytes} holds {num_blocks} block(s) of "
             f"{per_block} bytes ({slots} layer buffer(s) x page {page_size_bytes} B); "
             f"at least 2 are needed (the null block and one more), i.e. {2 * per_block} bytes"
@@ -245,7 +250,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         if not is_positive_int(num_blocks) or num_blocks < 2:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
             )
         self.num_blocks = num_blocks
@@ -308,7 +313,7 @@ class BlockPool:
             OutOfBlocksError: if fewer than ``n`` are free (the pool is unchanged).
         """
         if not is_nonnegative_int(n):
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+            raise InvalidArgumentError(f"n must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"need {n} free block(s) but only {len(self._free)} of "
@@ -352,13 +357,13 @@ class BlockPool:
         seen: set[int] = set()
         for block in given:
             if not 0 < block < self.num_blocks:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot free block {block!r}: ids run from 1 to {self.num_blocks - 1}"
                 )
             if block in seen:
-                raise ValueError(f"cannot free block {block}: it is given twice")
+                raise InvalidArgumentError(f"cannot free block {block}: it is given twice")
             if not in_use[block]:
-                raise ValueError(f"cannot free block {block}: it is not allocated (double free?)")
+                raise InvalidArgumentError(f"cannot free block {block}: it is not allocated (double free?)")
             seen.add(block)
         raise AssertionError("_reject called for blocks that can all be freed")
 
@@ -375,7 +380,7 @@ def _block_id(block: object) -> int:
     """``block`` as a Python int: ints and numpy integers are ids, nothing else is."""
     given = f"{block!r} ({type(block).__name__})"
     if isinstance(block, bool | np.bool_) or not isinstance(block, int | np.integer):
-        raise TypeError(f"block ids must be ints, got {given}")
+        raise ArgumentTypeError(f"block ids must be ints, got {given}")
     return operator.index(cast("SupportsIndex", block))
 
 
@@ -774,7 +779,7 @@ def allocate_kv_cache_tensors(
         offset = 0
         for shape, dtype in zip(group_shapes, dtypes, strict=True):
             if not shape or shape[0] != num_blocks:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"group {group.group_id} ({group.kind.value}): cache shape {shape} must "
                     f"start with num_blocks={num_blocks}"
                 )
@@ -782,7 +787,7 @@ def allocate_kv_cache_tensors(
             offsets.append(offset)
             offset += math.prod(shape[1:]) * dtype.itemsize
         if offset > page_size_bytes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"group {group.group_id} ({group.kind.value}) needs {offset} bytes per block "
                 f"but pages are {page_size_bytes} bytes"
             )
@@ -818,20 +823,20 @@ def _check_planes(
     group, and block ownership keeps the groups apart."""
     where = f"group {group.group_id} ({group.kind.value}, planes layout)"
     if len(group_shapes) != 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{where}: needs two cache tensors (the K and V planes), got {len(group_shapes)}"
         )
     block_size = group.spec.block_size
     rows = num_blocks * block_size
     for shape, dtype in zip(group_shapes, dtypes, strict=True):
         if not shape or shape[0] != rows:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where}: plane shape {shape} must start with "
                 f"num_blocks * block_size = {num_blocks} * {block_size} = {rows}"
             )
         block_bytes = block_size * math.prod(shape[1:]) * dtype.itemsize
         if 2 * block_bytes != page_size_bytes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where}: a block's rows of plane {shape} take {block_bytes} bytes but must "
                 f"fill half a page ({page_size_bytes} / 2 = {page_size_bytes / 2:g} bytes)"
             )
@@ -840,7 +845,7 @@ def _check_planes(
 def _tensor_dtypes(spec: KVCacheSpec, count: int) -> tuple[torch.dtype, ...]:
     if isinstance(spec, MambaSpec):
         if count != len(spec.dtypes):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a Mamba layer declares {len(spec.dtypes)} state dtypes but its backend "
                 f"declares {count} cache tensors"
             )

@@ -763,10 +763,10 @@ class AttentionRuntime:
         impl = self._state_impls.get(layer_name)
         if impl is None:
             self._group_id(layer_name)
-            raise TypeError(f"{layer_name} is an attention layer, not a state layer")
+            raise ArgumentTypeError(f"{layer_name} is an attention layer, not a state layer")
         expected = impl.layer_params.inputs_type
         if inputs_type is not expected:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{layer_name} is a {impl.kv_cache_spec.mamba_type} layer taking "
                 f"{expected.__name__}, not {getattr(inputs_type, '__name__', inputs_type)}"
             )
@@ -1014,12 +1014,12 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
     """A layer's params must fit its spec; each layer is checked (selection asks once per group)."""
     if isinstance(spec, AttentionSpec):
         if not isinstance(params, AttentionLayerParams):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layer_params[{name!r}] must be AttentionLayerParams for a {type(spec).__name__}, "
                 f"got {type(params).__name__}"
             )
         if params.num_heads % spec.num_kv_heads:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layer_params[{name!r}].num_heads={params.num_heads} is not a multiple of the "
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
@@ -1028,12 +1028,12 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
         if expected is None:
             return  # no parameter class yet (mamba1): selection reports it
         if not isinstance(params, expected):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "
                 f"layer, got {type(params).__name__}"
             )
         if params.state_shapes != spec.shapes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layer_params[{name!r}].state_shapes={params.state_shapes} do not match the "
                 f"spec's shapes={spec.shapes}"
             )
