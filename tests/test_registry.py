@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -16,6 +17,7 @@ from attnkit import (
     FullAttentionSpec,
     InvalidBackendError,
     KVCacheSpecKind,
+    PluginError,
     SlidingWindowSpec,
     UnknownBackendError,
     default_registry,
@@ -193,6 +195,19 @@ def test_unknown_backend_lists_registered() -> None:
         reg.get("nope")
 
 
+def test_unknown_backend_suggests_close_names() -> None:
+    reg = BackendRegistry(discover_plugins=False)
+    reg.register(GenericToyBackend)
+    reg.register(SlidingOnlyBackend)
+    with pytest.raises(
+        UnknownBackendError,
+        match=r"^unknown backend 'toy_generik'; registered backends: toy_generic, "
+        r"toy_sliding_only\. Did you mean 'toy_generic'\?$",
+    ):
+        reg.get("toy_generik")
+    assert reg.names() == ["toy_generic", "toy_sliding_only"]
+
+
 def test_unregister() -> None:
     reg = BackendRegistry(discover_plugins=False)
     reg.register(GenericToyBackend)
@@ -222,7 +237,11 @@ def test_plugin_is_discovered_but_imported_lazily(plugin_dir: Path) -> None:
             r"ModuleNotFoundError: No module named 'attnkit_no_such_module'",
             id="import-error",
         ),
-        pytest.param("os.path:join", r"InvalidBackendError: <function join .*> is not an AttentionBackend subclass", id="not-a-class"),
+        pytest.param(
+            "os.path:join",
+            r"InvalidBackendError: <function join .*> is not an AttentionBackend subclass",
+            id="not-a-class",
+        ),
         pytest.param(
             "toy_backends:GenericToyBackend",
             r"InvalidBackendError: entry point 'bad' loads a backend named 'toy_generic'; the two names must match",
@@ -235,16 +254,28 @@ def test_broken_plugin_is_excluded_with_reason(
 ) -> None:
     reg = BackendRegistry(entry_points=[ep("bad", value)], allowlist=None)
     assert reg.names() == ["bad"]  # known by name until it is loaded
+    failure = (
+        rf"^plugin 'bad' \(entry point bad = {re.escape(value)}\) failed to load and is "
+        rf"excluded: {reason}$"
+    )
     with (
         caplog.at_level(logging.WARNING, logger="attnkit.registry"),
-        pytest.raises(UnknownBackendError, match=r"A plugin named 'bad' was excluded: " + reason),
+        pytest.raises(PluginError, match=failure),
     ):
         reg.get("bad")
     assert reg.names() == []
     (key, why), = reg.excluded().items()
     assert key == f"bad (entry point bad = {value})"
-    assert why.split(": ", 1)[0] in {"ModuleNotFoundError", "InvalidBackendError"}
+    assert re.fullmatch(reason, why)
     assert any("excluded backend plugin bad" in r.getMessage() for r in caplog.records)
+    # Named again later, it still reports its failure, not "unknown backend".
+    for lookup in (reg.get, reg.entry):
+        with pytest.raises(PluginError, match=failure):
+            lookup("bad")
+    (name, message), = reg.failures().items()
+    assert name == "bad"
+    assert re.match(failure, message)
+    assert reg.excluded() == {key: why}
 
 
 def test_load_all_lists_good_and_excluded(plugin_dir: Path) -> None:

@@ -216,6 +216,14 @@ def test_no_backend_registered_at_all() -> None:
         select_backend(FULL, config(reg), device="cpu", registry=reg)
 
 
+@pytest.fixture
+def stand_in_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CUDA device counts as present (the shared ``device_reasons`` check says
+    nothing), so CUDA-only declarations can be exercised on a CPU-only machine."""
+    monkeypatch.setattr(attnkit.backend, "device_problem", lambda device: None)
+
+
+@pytest.mark.usefixtures("stand_in_gpu")
 def test_features_capability_and_heads_reach_the_backends() -> None:
     reg = registry(FastCudaBackend)
     cfg = config(reg)
@@ -269,8 +277,67 @@ def test_selection_depends_only_on_arguments() -> None:
 
 def test_spec_must_be_a_spec() -> None:
     reg = registry(GenericToyBackend)
-    with pytest.raises(TypeError, match=r"spec must be a KVCacheSpec, got dict"):
+    with pytest.raises(
+        errors.ArgumentTypeError,
+        match=r"^spec must be a KVCacheSpec \(e\.g\. FullAttentionSpec, SlidingWindowSpec, "
+        r"MambaSpec\), got \{\} \(dict\)$",
+    ):
         select_backend({}, config(reg), device="cpu", registry=reg)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+
+
+def _device_registry() -> BackendRegistry:
+    from attnkit.registry import BUILTIN_BACKENDS
+
+    return BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", torch.device("cuda:0")], ids=str)
+def test_an_absent_device_rejects_every_builtin_with_the_reason(device: str | torch.device) -> None:
+    reg = _device_registry()
+    with pytest.raises(NoBackendError) as info:
+        select_backend(FULL, config(reg), device=device, capability=(9, 0), registry=reg)
+    shown = str(torch.device(device))
+    problem = f"device '{shown}' is not available: this torch build has no CUDA support"
+    rejected = {r.backend: r.reasons for r in info.value.rejected}
+    assert set(rejected) == set(reg.names())  # every built-in was asked, none chosen
+    for name, reasons in rejected.items():
+        if name == "flash_attn":  # it says so in its own words (its own probe)
+            assert "no CUDA device is available (torch.cuda.is_available() is False)" in reasons
+        else:
+            assert reasons[0] == problem, name
+            assert f"  `{name}` is not supported because:\n    {problem}" in str(info.value)
+    # Asked directly, every built-in gives the reason too.
+    for name in reg.names():
+        assert reg.get(name).device_reasons(torch.device(device)), name
+
+
+def test_a_present_device_has_no_device_reason() -> None:
+    reg = _device_registry()
+    for name in reg.names():
+        assert reg.get(name).device_reasons(torch.device("cpu")) == [], name
+    assert select_backend(FULL, config(reg), device="cpu", registry=reg).backend_name == "reference"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_a_backend_overriding_not_supported_reasons_still_gets_the_device_reason() -> None:
+    class SaysYes(GenericToyBackend):
+        name = "toy_says_yes"
+
+        @classmethod
+        @override
+        def not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+            return []
+
+    reg = registry(SaysYes)
+    with pytest.raises(NoBackendError) as info:
+        select_backend(FULL, config(reg), device="cuda:3", registry=reg)
+    assert info.value.rejected == (
+        Rejection(
+            "toy_says_yes",
+            ("device 'cuda:3' is not available: this torch build has no CUDA support",),
+        ),
+    )
 
 
 def test_a_plugin_that_fails_to_load_during_selection_is_a_reason() -> None:
@@ -280,7 +347,21 @@ def test_a_plugin_that_fails_to_load_during_selection_is_a_reason() -> None:
     assert selection.backend is GenericToyBackend
     (rejection,) = selection.rejected
     assert rejection.backend == "fragile"
-    assert "A plugin named 'fragile' was excluded: ModuleNotFoundError" in rejection.reasons[0]
+    assert rejection.reasons == (
+        "plugin 'fragile' (entry point fragile = attnkit_missing_plugin_module:X) failed to "
+        "load and is excluded: ModuleNotFoundError: No module named "
+        "'attnkit_missing_plugin_module'",
+    )
+    # Once failed, it is still a candidate with the same reason: selection reads the same.
+    again = select_backend(
+        FULL, config(reg), device="cpu", registry=reg, priority={"cpu": ("fragile",)}
+    )
+    assert again == selection
+    # Named explicitly, its failure is the reason (not "unknown backend").
+    cfg = AttentionConfig(backend="fragile")
+    with pytest.raises(BackendNotSupportedError, match=r"ModuleNotFoundError: No module") as info:
+        select_backend(FULL, cfg, device="cpu", registry=reg)
+    assert info.value.rejected == (Rejection("fragile", rejection.reasons),)
 
 
 def test_backends_see_the_config() -> None:
@@ -313,6 +394,14 @@ def test_backends_see_the_config() -> None:
         pytest.param(errors.NoBackendError, RuntimeError, id="no-backend"),
         pytest.param(errors.BackendNotSupportedError, errors.NoBackendError, id="not-supported"),
         pytest.param(errors.OutOfBlocksError, RuntimeError, id="out-of-blocks"),
+        pytest.param(errors.ArgumentTypeError, TypeError, id="argument-type"),
+        pytest.param(errors.InvalidArgumentError, ValueError, id="invalid-argument"),
+        pytest.param(errors.UnknownRequestError, KeyError, id="unknown-request"),
+        pytest.param(errors.DuplicateRequestError, ValueError, id="duplicate-request"),
+        pytest.param(errors.EngineLimitError, ValueError, id="engine-limit"),
+        pytest.param(errors.StaleStepError, RuntimeError, id="stale-step"),
+        pytest.param(errors.DeviceUnavailableError, RuntimeError, id="device-unavailable"),
+        pytest.param(errors.PluginError, RuntimeError, id="plugin"),
     ],
 )
 def test_every_error_is_an_attnkit_error_and_its_builtin(error: type[Exception], builtin: type[Exception]) -> None:
@@ -322,19 +411,22 @@ def test_every_error_is_an_attnkit_error_and_its_builtin(error: type[Exception],
 
 
 def test_the_error_family_is_complete() -> None:
-    # Every exception class errors.py defines is in the family (and listed above).
+    # Every exception class errors.py defines is in the family, listed in its __all__
+    # and importable from attnkit; the ones above are among them.
     defined = {
         obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, BaseException)
     }
-    assert {cls for cls in defined if cls is not AttnkitError} == {
-        errors.UnknownBackendError,
-        errors.DuplicateBackendError,
-        errors.InvalidBackendError,
-        errors.NoBackendError,
-        errors.BackendNotSupportedError,
-        errors.OutOfBlocksError,
-    }
     assert all(issubclass(cls, AttnkitError) for cls in defined)
+    assert {cls.__name__ for cls in defined} <= set(errors.__all__)
+    assert all(getattr(attnkit, cls.__name__) is cls for cls in defined)
+    assert {
+        errors.UnknownBackendError,
+        errors.NoBackendError,
+        errors.ArgumentTypeError,
+        errors.InvalidArgumentError,
+        errors.PluginError,
+        errors.DeviceUnavailableError,
+    } <= defined
 
 
 def test_one_except_clause_catches_an_unknown_backend() -> None:

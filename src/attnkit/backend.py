@@ -41,6 +41,7 @@ from .capabilities import (
     size_allowed,
 )
 from .config import AttentionConfig, BackendOptions
+from .devices import SUPPORTED_DEVICE_TYPES, device_problem
 from .kinds import rules_for
 from .spec import (
     MODEL_DTYPES,
@@ -241,6 +242,21 @@ class AttentionBackend(ABC):
         return reasons
 
     @classmethod
+    def device_reasons(cls, device: torch.device) -> list[str]:
+        """Why ``device`` does not exist on this machine (no CUDA, an index past the
+        device count); empty when it does.
+
+        Selection (``select_backend``) asks every candidate, built-in or plugin, and adds
+        these reasons to the candidate's ``not_supported_reasons``, so no backend is
+        chosen for an absent device. Declarations alone (``not_supported_reasons``) do
+        not include them: they describe what a backend serves, on any machine. The
+        default is ``attnkit.devices.device_problem``; override only to answer from a
+        backend's own probe of the device.
+        """
+        problem = device_problem(device)
+        return [problem] if problem is not None else []
+
+    @classmethod
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """Hook: environment conditions no declaration expresses (e.g. an interpreter flag)."""
         return []
@@ -333,6 +349,26 @@ class AttentionBackend(ABC):
                 f"kv_cache_layout must be one of {', '.join(map(repr, KV_CACHE_LAYOUTS))}, "
                 f"got {layout!r}"
             )
+        devices: object = getattr(cls, "supported_devices", None)
+        if not (
+            isinstance(devices, frozenset)
+            and devices
+            and all(d in SUPPORTED_DEVICE_TYPES for d in cast("frozenset[object]", devices))
+        ):
+            problems.append(
+                "supported_devices must be a non-empty frozenset of "
+                f"{', '.join(map(repr, SUPPORTED_DEVICE_TYPES))}, got {devices!r}"
+            )
+        for attr in ("min_compute_capability", "max_compute_capability"):
+            capability: object = getattr(cls, attr, None)
+            if capability is not None and not _is_capability(capability):
+                problems.append(
+                    f"{attr} must be None or a (major, minor) tuple of ints >= 0, "
+                    f"got {capability!r}"
+                )
+        description: object = getattr(cls, "description", None)
+        if not isinstance(description, str):
+            problems.append(f"description must be a str, got {description!r}")
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):
             problems.append(f"options_type must be None or a BackendOptions subclass, got {options!r}")
@@ -353,3 +389,13 @@ class AttentionBackend(ABC):
                     f"{attr} must be None or a non-empty tuple of positive ints/MultipleOf, got {rule!r}"
                 )
         return problems
+
+
+def _is_capability(value: object) -> bool:
+    """``value`` is a ``(major, minor)`` tuple of two ints >= 0 (not bools)."""
+    if not isinstance(value, tuple):
+        return False
+    items = cast("tuple[object, ...]", value)
+    return len(items) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items
+    )

@@ -611,6 +611,23 @@ class FlashAttentionBackend(AttentionBackend):
 
     @classmethod
     @override
+    def device_reasons(cls, device: torch.device) -> list[str]:
+        """No CUDA here (``NO_CUDA_REASON``, as ``extra_environment_reasons`` says), or
+        the shared check (an index past the device count).
+
+        Asks ``_versions.cuda_available`` first, the probe this backend's other reasons
+        use, so a stand-in GPU (tests) answers consistently.
+        """
+        if device.type != "cuda":
+            return []
+        if not _versions.cuda_available():
+            return [_versions.NO_CUDA_REASON]
+        if not torch.cuda.is_available():
+            return []  # a stand-in for a GPU (tests): nothing more to ask torch
+        return super().device_reasons(device)
+
+    @classmethod
+    @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         """What the chosen flash-attn version cannot do for this request."""
         spec = request.spec
