@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 from typing_extensions import override
 
 from attnkit import (
@@ -952,6 +953,9 @@ def test_plugin_that_fails_to_load(
     assert selection.backend is GenericToyBackend
     assert [r.backend for r in selection.rejected] == [name]
     assert re.fullmatch(failure, selection.rejected[0].reasons[0])
+    # A config validated against the registry says the same.
+    with pytest.raises(ValidationError, match=rf"backend '{name}' failed to load: {failure}"):
+        AttentionConfig.model_validate({"backend": name}, context={"registry": reg})
     assert snapshot(reg) == before
 
 

@@ -95,10 +95,14 @@ def parse_backend_per_kind(value: str | Mapping[str, str] | Mapping[KVCacheSpecK
     return parsed
 
 
+def _context(info: ValidationInfo) -> Mapping[str, Any]:
+    raw: object = info.context
+    return cast("Mapping[str, Any]", raw) if isinstance(raw, Mapping) else {}
+
+
 def _known_backends(info: ValidationInfo) -> Collection[str] | None:
     """The names to check against, when the validation context gives them."""
-    raw: object = info.context
-    context: Mapping[str, Any] = cast("Mapping[str, Any]", raw) if isinstance(raw, Mapping) else {}
+    context = _context(info)
     known = context.get("known_backends")
     if known is not None:
         return frozenset(known)
@@ -114,6 +118,12 @@ def _check_name(name: str, what: str, info: ValidationInfo) -> None:
         raise ValueError(f"{what} must be a backend name, got {name!r}")
     known = _known_backends(info)
     if known is not None and name not in known:
+        # A plugin that failed to load is not "unknown": say what it raised. (The
+        # registry is read by duck typing: config sits below the registry's layer.)
+        failures: object = getattr(_context(info).get("registry"), "failures", None)
+        failed = cast("Mapping[str, str]", failures() if callable(failures) else {})
+        if name in failed:
+            raise ValueError(f"{what}: backend {name!r} failed to load: {failed[name]}")
         listed = ", ".join(sorted(known)) or "none"
         raise ValueError(f"{what}: unknown backend {name!r}; registered backends: {listed}")
 
