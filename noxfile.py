@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``bench``.
+"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``soak``, ``bench``.
 
 Every session installs torch first, pinned to the CPU build this project tests with,
 so pip never resolves ``torch>=2.4`` to a multi-GB CUDA build by itself. On a GPU
@@ -57,6 +57,17 @@ def lint(session: nox.Session) -> None:
     """ruff over the whole tree."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """The runtime soak, tests/test_soak.py, at ATTNKIT_SOAK_STEPS=5000 steps per seed."""
+    _install(session)
+    env = {
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+        "ATTNKIT_SOAK_STEPS": "5000",
+    }
+    session.run("pytest", *(session.posargs or ["-q"]), "tests/test_soak.py", env=env)
 
 
 @nox.session(python=PYTHON)

@@ -562,9 +562,19 @@ class AttentionRuntime:
             self._last_ids, self._last_rows = given_ids, given_rows
             self._last_rows_version = version
         shared = _SharedStep(lens, rows, self._to_device)
-        for entry in self._groups:
-            entry.common = self._common_metadata(entry.group, rows, lens, shared)
-            entry.metadata = entry.builder.build(0, entry.common)
+        try:
+            for entry in self._groups:
+                entry.common = self._common_metadata(entry.group, rows, lens, shared)
+                entry.metadata = entry.builder.build(0, entry.common)
+        except BaseException as exc:
+            # The cache already holds the step (builders run on its tables): a builder
+            # that fails here is a backend bug. No layer may run on half-built metadata.
+            self._stale = (
+                f"begin_step() failed while building metadata ({type(exc).__name__}: "
+                f"{exc}); the step's blocks are allocated, call begin_step() again"
+            )
+            self._step_rows_version = self.manager.rows_version
+            raise
         query_lens = tuple(lens.query.tolist())
         self._stale = None
         self._step_rows_version = self.manager.rows_version
@@ -598,7 +608,9 @@ class AttentionRuntime:
             else:
                 table = persistent[rows, :width]
         else:
-            table = np.zeros((num_reqs, 0), dtype=np.int32)
+            # No request (a step that only finishes requests) or no cache: an empty
+            # table, one column wide for cached kinds (state builders read column 0).
+            table = np.zeros((num_reqs, 1 if rules.has_cache else 0), dtype=np.int32)
         if rules.writes == "step":
             block_idx, offset = shared.block_coords(rules.shift(spec), bs)
             slots = _slots(table, shared.token_req, block_idx, offset, bs)
