@@ -390,3 +390,22 @@ def test_manager_calls_validate_before_changing() -> None:
     with pytest.raises(ArgumentTypeError, match=r"request ids are strings, got \['a'\] \(list\)"):
         mgr.row_of(["a"])  # type: ignore[arg-type]  # the wrong type is the test
     assert (mgr.pool.num_free_blocks, mgr.owned_blocks(), mgr.num_tokens("a")) == state
+
+
+def test_a_builder_that_fails_leaves_no_half_built_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A builder error after allocation (a backend bug) must not let layers run on a
+    mix of this step's and the last step's metadata."""
+    runtime = make_runtime()
+    group = runtime._groups[runtime._layer_group["layers.2"]]
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("builder bug")
+
+    monkeypatch.setattr(group.builder, "build", broken)
+    with pytest.raises(RuntimeError, match=r"builder bug"):
+        runtime.begin_step([R("a", 1), R("b", 1)])
+    with pytest.raises(StaleStepError, match=r"failed while building metadata \(RuntimeError: builder bug\)"):
+        runtime.forward("layers.0", hidden(2), hidden(2)[:, :2], hidden(2)[:, :2])
+    monkeypatch.undo()
+    runtime.begin_step([R("a", 1)])
+    runtime.forward("layers.0", hidden(1), hidden(1)[:, :2], hidden(1)[:, :2])

@@ -1,21 +1,43 @@
-"""The ``attnkit`` command: ``backends`` and ``plan``."""
+"""The ``attnkit`` command, in process: ``backends``, ``plan``, and ``run_demo``'s
+argument checks (the catalogue of bad command lines, run as subprocesses, is
+tests/test_bad_inputs_cli.py)."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from importlib.metadata import EntryPoint
+from typing import Any
 
+import pydantic
 import pytest
+import torch
 
-from attnkit import BackendRegistry, KVCacheSpecKind
+from attnkit import (
+    ArgumentTypeError,
+    BackendRegistry,
+    DeviceUnavailableError,
+    InvalidArgumentError,
+    KVCacheSpecKind,
+)
 from attnkit.backend_api import ENTRY_POINT_GROUP
 from attnkit.cli import EXAMPLE_MODELS, example_model, main
+from attnkit.demo import run_demo
+from attnkit.devices import device_problem
 from toy_backends import FastCudaBackend, GenericToyBackend, ToyMambaBackend
+
+CUDA_PROBLEM = device_problem(torch.device("cuda"))
+"""Why "cuda" is absent here (None on a CUDA machine)."""
+NOTE = "showing what attnkit reports for it"
 
 
 def registry(with_broken_plugin: bool = False) -> BackendRegistry:
-    eps = [EntryPoint("broken_plugin", "attnkit_no_such_module:B", ENTRY_POINT_GROUP)] if with_broken_plugin else []
+    eps = (
+        [EntryPoint("broken_plugin", "attnkit_no_such_module:B", ENTRY_POINT_GROUP)]
+        if with_broken_plugin
+        else []
+    )
     reg = BackendRegistry(entry_points=eps, allowlist=None)
     for backend in (GenericToyBackend, ToyMambaBackend, FastCudaBackend):
         reg.register(backend)
@@ -23,29 +45,50 @@ def registry(with_broken_plugin: bool = False) -> BackendRegistry:
 
 
 def run(argv: list[str], reg: BackendRegistry) -> tuple[int, str]:
-    out = io.StringIO()
-    status = main(argv, registry=reg, out=out)
-    return status, out.getvalue()
+    """Status and stdout; asserts that nothing went to stderr."""
+    status, text, err = run_both(argv, reg)
+    assert err == ""
+    return status, text
+
+
+def run_both(argv: list[str], reg: BackendRegistry) -> tuple[int, str, str]:
+    """Status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    status = main(argv, registry=reg, out=out, err=err)
+    return status, out.getvalue(), err.getvalue()
 
 
 def test_backends_lists_availability_and_exclusions() -> None:
     status, text = run(["backends"], registry(with_broken_plugin=True))
     assert status == 0
-    assert "  toy_generic [registered] available\n    kinds: full_attention, sliding_window\n" in text
+    assert (
+        "  toy_generic [registered] available\n    kinds: full_attention, sliding_window\n"
+        in text
+    )
     assert "  toy_fast_cuda [registered] unavailable\n" in text
     assert "    - device=cpu not supported (supported: cuda)\n" in text
     assert "  broken_plugin [plugin] unavailable\n" in text
-    assert "    - excluded: ModuleNotFoundError: No module named 'attnkit_no_such_module'\n" in text
+    assert (
+        "    - excluded: ModuleNotFoundError: No module named 'attnkit_no_such_module'\n"
+        in text
+    )
 
 
 def test_backends_json_on_cuda() -> None:
-    status, text = run(["backends", "--json", "--device", "cuda"], registry())
+    status, text, err = run_both(["backends", "--json", "--device", "cuda"], registry())
     assert status == 0
     data = json.loads(text)
     assert data["device"] == "cuda"
     rows = {r["name"]: r for r in data["backends"]}
-    assert rows["toy_fast_cuda"]["reasons"] == ["compute capability unknown (pass capability=(major, minor))"]
-    assert rows["toy_generic"]["available"] is True
+    # Where CUDA is absent, every row says so, and a note on stderr too.
+    absent = [CUDA_PROBLEM] if CUDA_PROBLEM is not None else []
+    assert err == "".join(f"attnkit backends: note: {p}; {NOTE}\n" for p in absent)
+    assert rows["toy_fast_cuda"]["reasons"] == [
+        "compute capability unknown (pass capability=(major, minor))",
+        *absent,
+    ]
+    assert rows["toy_generic"]["reasons"] == absent
+    assert rows["toy_generic"]["available"] is (CUDA_PROBLEM is None)
     # The kinds listed are those the backend binds, nothing more.
     assert rows["toy_generic"]["kinds"] == ["full_attention", "sliding_window"]
     assert rows["toy_mamba"]["kinds"] == ["mamba"]
@@ -53,7 +96,8 @@ def test_backends_json_on_cuda() -> None:
 
 def test_backends_lists_the_kinds_each_builtin_binds() -> None:
     reg = BackendRegistry(
-        builtins={"reference": "attnkit.backends.reference:ReferenceBackend"}, discover_plugins=False
+        builtins={"reference": "attnkit.backends.reference:ReferenceBackend"},
+        discover_plugins=False,
     )
     status, text = run(["backends", "--json"], reg)
     assert status == 0
@@ -65,56 +109,141 @@ def test_backends_lists_the_kinds_each_builtin_binds() -> None:
 
 
 def test_backends_with_none_registered() -> None:
-    assert run(["backends"], BackendRegistry(discover_plugins=False)) == (0, "no backends are registered\n")
+    reg = BackendRegistry(discover_plugins=False)
+    assert run(["backends"], reg) == (0, "no backends are registered\n")
+
+
+def test_a_failing_plugin_hook_is_a_row_not_an_error() -> None:
+    class Broken(GenericToyBackend):
+        name = "toy_broken_hooks"
+
+        @classmethod
+        def device_reasons(cls, device: torch.device) -> list[str]:
+            raise RuntimeError("probe failed")
+
+    reg = registry()
+    reg.register(Broken)
+    status, text = run(["backends", "--json"], reg)
+    assert status == 0
+    row = {r["name"]: r for r in json.loads(text)["backends"]}["toy_broken_hooks"]
+    assert row["available"] is False
+    (reason,) = row["reasons"]
+    assert re.fullmatch(
+        r"registered backend 'toy_broken_hooks' \(.*\) failed in device_reasons\(\): "
+        r"RuntimeError: probe failed",
+        reason,
+    ), reason
+    assert row["kinds"] == ["full_attention", "sliding_window"]
 
 
 def test_plan_routes_groups_and_explains() -> None:
-    status, text = run(["plan", "--model", "hybrid"], registry())
-    assert status == 0
-    assert "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority)\n" in text
-    assert "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority)\n" in text
+    status, text, err = run_both(["plan", "--model", "hybrid", "--report-only"], registry())
+    assert (status, err) == (0, "")
+    assert (
+        "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority)\n"
+        in text
+    )
+    assert (
+        "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority)\n"
+        in text
+    )
     # Alphabetical fallback order: toy_fast_cuda and toy_generic are tried first.
     assert "     skipped toy_fast_cuda: device=cpu not supported (supported: cuda)" in text
     assert "layers.4: chunked_local_attention (ChunkedLocalAttentionSpec)\n  NO BACKEND\n" in text
     assert text.endswith("\n1 group(s) have no backend\n")
 
 
-def test_plan_strict_fails_on_unserved_layers() -> None:
-    status, _ = run(["plan", "--model", "hybrid", "--strict"], registry())
+@pytest.mark.parametrize("flags", [[], ["--strict"]], ids=["default", "strict"])
+def test_plan_fails_on_unserved_layers(flags: list[str]) -> None:
+    status, text, err = run_both(["plan", "--model", "hybrid", *flags], registry())
     assert status == 1
-    status, _ = run(["plan", "--model", "gemma2", "--strict"], registry())
-    assert status == 0
+    # The same report as --report-only on stdout; the verdict on stderr.
+    assert text == run(["plan", "--model", "hybrid", "--report-only"], registry())[1]
+    assert err == (
+        "attnkit plan: error: no backend for 1 of 4 layer group(s): "
+        "layers.4 (chunked_local_attention) "
+        "(the report on stdout says why; --report-only exits 0)\n"
+    )
+    assert run(["plan", "--model", "gemma2", *flags], registry())[0] == 0
 
 
 def test_plan_per_kind_override_and_explicit_failure() -> None:
     status, text = run(
-        ["plan", "--model", "gemma2", "--device", "cuda", "--capability", "9.0",
+        ["plan", "--model", "gemma2", "--backend-per-kind", "sliding_window=toy_generic"],
+        registry(),
+    )
+    assert status == 0
+    assert (
+        "layers.0, layers.2, layers.4: sliding_window (SlidingWindowSpec)\n"
+        "  -> toy_generic (chosen by backend_per_kind)"
+    ) in text
+    status, text = run(
+        ["plan", "--model", "gemma2", "--report-only",
          "--backend-per-kind", "sliding_window=toy_fast_cuda"],
         registry(),
     )
     assert status == 0
-    assert "layers.0, layers.2, layers.4: sliding_window (SlidingWindowSpec)\n  -> toy_fast_cuda (chosen by backend_per_kind)" in text
-    status, text = run(
-        ["plan", "--model", "gemma2", "--backend-per-kind", "sliding_window=toy_fast_cuda"], registry()
-    )
     assert "NO BACKEND" in text
-    assert "backend 'toy_fast_cuda' was requested by AttentionConfig.backend_per_kind['sliding_window']" in text
+    assert (
+        "backend 'toy_fast_cuda' was requested by "
+        "AttentionConfig.backend_per_kind['sliding_window']"
+    ) in text
     assert "- device=cpu not supported (supported: cuda)" in text
 
 
+@pytest.mark.skipif(CUDA_PROBLEM is None, reason="CUDA is available here")
+def test_plan_on_an_absent_device_reports_it() -> None:
+    status, text, err = run_both(
+        ["plan", "--model", "llama", "--device", "cuda", "--capability", "9.0",
+         "--backend-per-kind", "full_attention=toy_fast_cuda"],
+        registry(),
+    )
+    assert status == 1
+    assert f"    - {CUDA_PROBLEM}\n" in text
+    assert err.startswith(f"attnkit plan: note: {CUDA_PROBLEM}; {NOTE}\n")
+    assert "attnkit plan: error: no backend for 1 of 1 layer group(s)" in err
+
+
 def test_plan_bad_config_is_a_usage_error() -> None:
-    status, text = run(["plan", "--backend-per-kind", "slidingwindow=toy_generic"], registry())
-    assert status == 2
-    assert text.startswith("error: backend_per_kind: unknown kind 'slidingwindow'; valid kinds: full_attention,")
-    status, text = run(["plan", "--backend", "nope"], registry())
-    assert (status, text) == (2, "error: backend: unknown backend 'nope'; registered backends: toy_fast_cuda, toy_generic, toy_mamba\n")
+    status, text, err = run_both(
+        ["plan", "--backend-per-kind", "slidingwindow=toy_generic"], registry()
+    )
+    assert (status, text) == (2, "")
+    assert err.startswith(
+        "attnkit plan: error: backend_per_kind: unknown kind 'slidingwindow'; "
+        "valid kinds: full_attention,"
+    )
+    assert err.count("\n") == 1
+    status, text, err = run_both(["plan", "--backend", "nope"], registry())
+    assert (status, text, err) == (
+        2,
+        "",
+        "attnkit plan: error: backend: unknown backend 'nope'; "
+        "registered backends: toy_fast_cuda, toy_generic, toy_mamba\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--debug", "plan", "--backend", "nope"], ["plan", "--debug", "--backend", "nope"]],
+    ids=["global", "after-the-command"],
+)
+def test_debug_reraises_user_errors(argv: list[str]) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.raises(pydantic.ValidationError, match="unknown backend 'nope'"):
+        main(argv, registry=registry(), out=out, err=err)
+    assert (out.getvalue(), err.getvalue()) == ("", "")
 
 
 def test_plan_rejects_bad_capability(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["plan", "--capability", "9"], registry=registry())
     assert info.value.code == 2
-    assert "--capability must look like 9.0, got '9'" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "attnkit plan: error: argument --capability: must look like 9.0 "
+        "(MAJOR.MINOR, digits only), got '9'\n"
+        "see 'attnkit plan --help'\n"
+    )
 
 
 def test_example_models() -> None:
@@ -123,6 +252,79 @@ def test_example_models() -> None:
         assert layers
         assert all(key.startswith("layers.") for key in layers)
     kinds = [s.kind.value for s in example_model("llama4").values()]
-    assert kinds == ["chunked_local_attention"] * 3 + ["full_attention"] + ["chunked_local_attention"] * 3 + ["full_attention"]
-    with pytest.raises(ValueError, match=r"unknown example model 'gpt'; choose one of hybrid, llama, gemma2, llama4"):
+    assert kinds == (["chunked_local_attention"] * 3 + ["full_attention"]) * 2
+    with pytest.raises(
+        ValueError,
+        match=r"unknown example model 'gpt'; choose one of hybrid, llama, gemma2, llama4",
+    ):
         example_model("gpt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        pytest.param(
+            {"decode_steps": 0},
+            InvalidArgumentError,
+            r"^decode_steps must be an int >= 1, got 0$",
+            id="steps-0",
+        ),
+        pytest.param(
+            {"decode_steps": True},
+            ArgumentTypeError,
+            r"^decode_steps must be an int >= 1, got True \(bool\)$",
+            id="steps-bool",
+        ),
+        pytest.param(
+            {"token_budget": -1},
+            InvalidArgumentError,
+            r"^token_budget must be an int >= 1, got -1$",
+            id="budget",
+        ),
+        pytest.param(
+            {"dtype": torch.int8},
+            InvalidArgumentError,
+            r"^dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+            r"got torch.int8$",
+            id="dtype",
+        ),
+        pytest.param(
+            {"dtype": "float16"},
+            ArgumentTypeError,
+            r"^dtype must be a torch.dtype, got 'float16' \(str\)$",
+            id="dtype-str",
+        ),
+        pytest.param(
+            {"model_name": "big"},
+            InvalidArgumentError,
+            r"^unknown model 'big'; choose one of default, hybrid$",
+            id="model",
+        ),
+        pytest.param(
+            {"prefer": "fast"},
+            InvalidArgumentError,
+            r"^prefer must be one of reference, triton, got 'fast'$",
+            id="prefer",
+        ),
+        pytest.param(
+            {"device": "tpu"},
+            InvalidArgumentError,
+            r"^device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'",
+            id="tpu",
+        ),
+        pytest.param(
+            {"device": "cuda"},
+            DeviceUnavailableError,
+            re.escape(str(CUDA_PROBLEM)),
+            marks=pytest.mark.skipif(CUDA_PROBLEM is None, reason="CUDA is available here"),
+            id="absent-cuda",
+        ),
+    ],
+)
+def test_run_demo_rejects_bad_arguments_before_running(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    out = io.StringIO()
+    with pytest.raises(error, match=match):
+        run_demo(out=out, registry=registry(), **kwargs)
+    assert out.getvalue() == ""  # nothing ran

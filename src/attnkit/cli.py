@@ -6,6 +6,15 @@
                       every skipped candidate and why.
 ``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers)
                       through the runtime, checking every step against a dense recompute.
+
+Output and exit status: reports go to stdout, errors to stderr. A user error (a bad
+option value, an unknown backend or kind, a backend that cannot serve what was asked,
+an absent device) prints ``attnkit <command>: error: <what is wrong>`` (a
+``NoBackendError`` follows with its reasons, one per line) and exits with status 2,
+without a traceback; ``--debug`` lets the exception propagate with its traceback
+instead. Status 1: ``plan`` found a layer with no backend (unless ``--report-only``),
+or ``demo`` failed its check against the dense recompute. Option names are never
+abbreviated.
 """
 
 from __future__ import annotations
@@ -15,14 +24,18 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NoReturn, TextIO
 
 import pydantic
 import torch
+from typing_extensions import override
 
 from .config import AttentionConfig
-from .registry import BackendRegistry, default_registry
+from .devices import check_device_available, device_problem, parse_device
+from .errors import AttnkitError, DeviceUnavailableError, PluginError
+from .registry import BackendRegistry, call_backend_code, default_registry
 from .selector import NoBackendError, Selection, select_backend
 from .spec import (
     ChunkedLocalAttentionSpec,
@@ -32,9 +45,29 @@ from .spec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["EXAMPLE_MODELS", "BackendRow", "backend_rows", "example_model", "main"]
+__all__ = [
+    "DEMO_MAX_STEPS",
+    "EXAMPLE_MODELS",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "BackendRow",
+    "backend_rows",
+    "build_parser",
+    "example_model",
+    "main",
+]
 
 EXAMPLE_MODELS = ("hybrid", "llama", "gemma2", "llama4")
+
+EXIT_FAILED = 1
+"""``plan``: a layer has no backend (without ``--report-only``); ``demo``: a step failed
+its check."""
+EXIT_USAGE = 2
+"""A user error: bad options, or a configuration attnkit rejects."""
+
+DEMO_MAX_STEPS = 10_000
+"""Most decode steps ``attnkit demo`` takes (the sequences stay far below
+``AttentionConfig.max_model_len``)."""
 
 
 def example_model(name: str, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, KVCacheSpec]:
@@ -74,8 +107,29 @@ def example_model(name: str, *, dtype: torch.dtype = torch.bfloat16) -> dict[str
 def _parse_capability(text: str) -> tuple[int, int]:
     major, sep, minor = text.partition(".")
     if not sep or not major.isdigit() or not minor.isdigit():
-        raise argparse.ArgumentTypeError(f"--capability must look like 9.0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must look like 9.0 (MAJOR.MINOR, digits only), got {text!r}"
+        )
     return int(major), int(minor)
+
+
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a decimal integer ``>= low`` (and ``<= high`` if given).
+
+    argparse prefixes the error with the option's name (``argument --steps: ...``).
+    """
+    allowed = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    return parse
 
 
 @dataclasses.dataclass
@@ -111,13 +165,30 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 )
             )
             continue
-        reasons = backend.environment_reasons(device)
+        # A plugin's hooks run behind the plugin guard: what they raise becomes a
+        # reason on its row (the PluginError's message), not an error of the listing.
+        reasons: list[str] = []
+        kinds: list[str] = []
+        try:
+            declared = call_backend_code(entry, "supported_kinds()", backend.supported_kinds)
+            kinds = sorted(k.value for k in declared)
+        except PluginError as exc:
+            reasons.append(str(exc))
+        for what, hook in (
+            ("environment_reasons()", backend.environment_reasons),
+            ("device_reasons()", backend.device_reasons),  # the device is absent here
+        ):
+            try:
+                found = call_backend_code(entry, what, partial(hook, device))
+            except PluginError as exc:
+                found = [str(exc)]
+            reasons += [r for r in found if r not in reasons]
         rows.append(
             BackendRow(
-                name=backend.name,
+                name=entry.name,
                 origin=entry.origin,
                 source=entry.source,
-                kinds=sorted(k.value for k in backend.supported_kinds()),
+                kinds=kinds,
                 devices=sorted(backend.supported_devices),
                 available=not reasons,
                 reasons=reasons,
@@ -127,8 +198,34 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
     return rows
 
 
-def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -> int:
-    device = torch.device(args.device)
+@dataclasses.dataclass
+class _Streams:
+    prog: str
+    out: TextIO
+    err: TextIO
+
+    def note(self, text: str) -> None:
+        self.err.write(f"{self.prog}: note: {text}\n")
+
+    def error(self, text: str) -> None:
+        """``prog: error: <first line>``, then the other lines as they are."""
+        first, *rest = text.splitlines() or [""]
+        self.err.write(f"{self.prog}: error: {first}\n" + "".join(f"{line}\n" for line in rest))
+
+
+def _inspected_device(args: argparse.Namespace, io: _Streams) -> torch.device:
+    """``--device`` of ``backends`` and ``plan``: these describe a device, so an absent
+    one is reported on stderr (as a note) rather than refused."""
+    device = parse_device(args.device, argument="--device")
+    problem = device_problem(device)
+    if problem is not None:
+        io.note(f"{problem}; showing what attnkit reports for it")
+    return device
+
+
+def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) -> int:
+    device = _inspected_device(args, io)
+    out = io.out
     rows = backend_rows(registry, device)
     if args.json:
         json.dump(
@@ -154,22 +251,18 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, out: TextI
     return 0
 
 
-def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -> int:
-    try:
-        config = AttentionConfig.model_validate(
-            {"backend": args.backend, "backend_per_kind": args.backend_per_kind or {}},
-            context={"registry": registry},
-        )
-    except pydantic.ValidationError as exc:
-        messages = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-        out.write(f"error: {messages}\n")
-        return 2
-    device = torch.device(args.device)
+def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) -> int:
+    config = AttentionConfig.model_validate(
+        {"backend": args.backend, "backend_per_kind": args.backend_per_kind or {}},
+        context={"registry": registry},
+    )
+    device = _inspected_device(args, io)
+    out = io.out
     layers = example_model(args.model)
     groups: dict[KVCacheSpec, list[str]] = {}
     for layer, spec in layers.items():
         groups.setdefault(spec, []).append(layer)
-    unserved = 0
+    unserved: list[str] = []
     out.write(f"model {args.model} on {device} ({config.describe()})\n")
     for spec, names in groups.items():
         out.write(f"\n{', '.join(names)}: {spec.kind.value} ({type(spec).__name__})\n")
@@ -178,58 +271,112 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -
                 spec, config, device=device, capability=args.capability, registry=registry
             )
         except NoBackendError as exc:
-            unserved += 1
+            unserved.append(f"{', '.join(names)} ({spec.kind.value})")
             out.write("  NO BACKEND\n" + "".join(f"    {line}\n" for line in str(exc).splitlines()))
             continue
         out.write(f"  -> {selection.backend_name} (chosen by {selection.source})\n")
         for rejection in selection.rejected:
             out.write(f"     skipped {rejection}\n")
-    if unserved:
-        out.write(f"\n{unserved} group(s) have no backend\n")
-    return 1 if unserved and args.strict else 0
+    if not unserved:
+        return 0
+    out.write(f"\n{len(unserved)} group(s) have no backend\n")
+    if args.report_only:
+        return 0
+    io.error(
+        f"no backend for {len(unserved)} of {len(groups)} layer group(s): "
+        f"{'; '.join(unserved)} (the report on stdout says why; --report-only exits 0)"
+    )
+    return EXIT_FAILED
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, out: TextIO) -> int:
-    if torch.device(args.device).type == "cpu" and "triton" not in sys.modules:
+def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) -> int:
+    device = parse_device(args.device, argument="--device")
+    try:
+        check_device_available(device)
+    except DeviceUnavailableError as exc:
+        raise DeviceUnavailableError(
+            f"--device {args.device}: {exc} (--device cpu runs anywhere)"
+        ) from exc
+    if device.type == "cpu" and "triton" not in sys.modules:
         # Triton kernels run on CPU tensors only under its interpreter, which must be
         # chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .demo import run_demo
+    # Check the settings before building the model (run_demo checks them again).
+    AttentionConfig.model_validate(
+        {"backend_per_kind": args.backend_per_kind or {}}, context={"registry": registry}
+    )
+    from .demo import TOLERANCE, run_demo
 
-    try:
-        config_check = AttentionConfig.model_validate(
-            {"backend_per_kind": args.backend_per_kind or {}}, context={"registry": registry}
-        )
-    except pydantic.ValidationError as exc:
-        messages = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-        out.write(f"error: {messages}\n")
-        return 2
-    del config_check
+    dtype = _DTYPES[args.dtype]
     result = run_demo(
-        device=args.device,
+        device=str(device),
         backend_per_kind=args.backend_per_kind,
         decode_steps=args.steps,
-        dtype=_DTYPES[args.dtype],
-        out=out,
+        dtype=dtype,
+        out=io.out,
         registry=registry,
         model_name=args.model,
         prefer=args.prefer,
     )
-    return 0 if result.passed else 1
+    if result.passed:
+        return 0
+    io.error(
+        f"the runtime's outputs differ from the dense recompute: max|err| "
+        f"{result.max_error:.2e} > tolerance {TOLERANCE[dtype]:.0e} for {args.dtype}"
+    )
+    return EXIT_FAILED
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnkit", description=(__doc__ or "attnkit").splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    backends = sub.add_parser("backends", help="list registered backends and their availability")
-    backends.add_argument("--device", default="cpu", help="device to check availability on")
+class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviations; an error is ``prog: error: ...`` first, then a hint."""
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+
+def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help="on an error, raise it with its traceback instead of one line on stderr",
+    )
+
+
+def _build() -> tuple[_Parser, dict[str, _Parser]]:
+    parser = _Parser(
+        prog="attnkit",
+        description=(__doc__ or "attnkit").splitlines()[0],
+        epilog="exit status: 0 done; 1 plan found a layer with no backend (without "
+        "--report-only) or demo failed its check; 2 bad options or settings (one line on "
+        "stderr; --debug raises the error with its traceback instead)",
+        allow_abbrev=False,
+    )
+    _add_debug(parser, False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands: dict[str, _Parser] = {}
+
+    def add(name: str, summary: str) -> _Parser:
+        # parser_class is _Parser: add_subparsers passes type(parser).
+        command = sub.add_parser(name, help=summary, allow_abbrev=False)
+        # SUPPRESS: without --debug here, the top-level value stays.
+        _add_debug(command, argparse.SUPPRESS)
+        commands[name] = command
+        return command
+
+    backends = add("backends", "list registered backends and their availability")
+    backends.add_argument(
+        "--device", default="cpu", help="device to check availability on: cpu, cuda, cuda:N"
+    )
     backends.add_argument("--json", action="store_true", help="print JSON instead of text")
-    plan = sub.add_parser("plan", help="show which backend serves each layer of an example model")
+
+    plan = add("plan", "show which backend serves each layer of an example model")
     plan.add_argument("--model", choices=EXAMPLE_MODELS, default="hybrid")
-    plan.add_argument("--device", default="cpu")
+    plan.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     plan.add_argument(
         "--capability", type=_parse_capability, default=None, help="CUDA capability, e.g. 9.0"
     )
@@ -239,15 +386,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="kind=backend pairs, e.g. sliding_window=triton_attn,full_attention=reference",
     )
-    plan.add_argument("--strict", action="store_true", help="exit 1 if a layer has no backend")
-    demo = sub.add_parser("demo", help="serve a tiny hybrid model and check every step")
-    demo.add_argument("--device", default="cpu")
+    exits = plan.add_mutually_exclusive_group()
+    exits.add_argument(
+        "--report-only",
+        action="store_true",
+        help="exit 0 even if a layer has no backend (default: exit 1)",
+    )
+    exits.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 if a layer has no backend (the default; kept for old scripts)",
+    )
+
+    demo = add("demo", "serve a tiny hybrid model and check every step")
+    demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (must exist here)")
     demo.add_argument(
         "--backend-per-kind",
         default=None,
         help="kind=backend pairs, e.g. full_attention=triton_attn,sliding_window=triton_attn",
     )
-    demo.add_argument("--steps", type=int, default=8, help="decode steps per request")
+    demo.add_argument(
+        "--steps",
+        type=int_range(1, DEMO_MAX_STEPS),
+        default=8,
+        help=f"decode steps per request, 1 to {DEMO_MAX_STEPS}",
+    )
     demo.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     demo.add_argument(
         "--model",
@@ -262,7 +425,41 @@ def build_parser() -> argparse.ArgumentParser:
         default="reference",
         help="triton: try the Triton backends first for every kind (on CPU, under the interpreter)",
     )
-    return parser
+    return parser, commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``attnkit`` argument parser (no abbreviations, errors exit with status 2)."""
+    return _build()[0]
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser, commands = _build()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Report unknown options from the subcommand, with the options it does take.
+        command = commands[args.command]
+        actions = command._actions  # argparse has no public list of its options
+        options = sorted(
+            {o for a in actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        )
+        command.error(
+            f"unrecognized arguments: {' '.join(extra)} ({args.command} takes {', '.join(options)})"
+        )
+    return args
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, BackendRegistry, _Streams], int]] = {
+    "backends": cmd_backends,
+    "plan": cmd_plan,
+    "demo": cmd_demo,
+}
+
+
+def _message(exc: AttnkitError | pydantic.ValidationError) -> str:
+    if isinstance(exc, pydantic.ValidationError):
+        return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+    return str(exc) or type(exc).__name__
 
 
 def main(
@@ -270,13 +467,26 @@ def main(
     *,
     registry: BackendRegistry | None = None,
     out: TextIO | None = None,
+    err: TextIO | None = None,
 ) -> int:
-    """Entry point of the ``attnkit`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    registry = registry if registry is not None else default_registry()
-    stream = out if out is not None else sys.stdout
-    if args.command == "backends":
-        return cmd_backends(args, registry, stream)
-    if args.command == "demo":
-        return cmd_demo(args, registry, stream)
-    return cmd_plan(args, registry, stream)
+    """Entry point of the ``attnkit`` command; returns the exit status.
+
+    Bad command lines exit through argparse (``SystemExit(2)``, the message on
+    stderr). Otherwise: 0 on success, ``EXIT_FAILED`` (1), or ``EXIT_USAGE`` (2) for a
+    user error (an ``AttnkitError`` or a rejected configuration), reported as one line
+    on ``err`` (a ``NoBackendError``'s reasons follow) unless ``--debug`` re-raises it.
+    """
+    args = _parse(argv)
+    io = _Streams(
+        f"attnkit {args.command}",
+        out if out is not None else sys.stdout,
+        err if err is not None else sys.stderr,
+    )
+    try:
+        registry = registry if registry is not None else default_registry()
+        return _COMMANDS[args.command](args, registry, io)
+    except (AttnkitError, pydantic.ValidationError) as exc:
+        if args.debug:
+            raise
+        io.error(_message(exc))
+        return EXIT_USAGE

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from .config import AttentionConfig
+from .devices import check_device_available, parse_device
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .kernels.torch.attention import dense_attention
 from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
 from .kernels.torch.linear_attention import linear_attention_recurrent_reference
@@ -456,7 +458,7 @@ class DemoModel:
             elif kind == "short_conv":
                 mixer = _ShortConv(rand, hidden=hidden, width=3, block_size=block_size, dtype=dtype)
             else:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"unknown layer kind {kind!r} in layout; use one of {', '.join(LAYER_KINDS)}"
                 )
             self.layers[f"layers.{i}"] = mixer
@@ -518,6 +520,33 @@ def _schedule(
     return scheduled
 
 
+def _check_demo_arguments(
+    *, decode_steps: object, dtype: object, token_budget: object, model_name: object, prefer: object
+) -> None:
+    """``run_demo``'s checks of its plain arguments (``device`` is parsed separately)."""
+    for argument, value in (("decode_steps", decode_steps), ("token_budget", token_budget)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ArgumentTypeError(
+                f"{argument} must be an int >= 1, got {value!r} ({type(value).__name__})"
+            )
+        if value < 1:
+            raise InvalidArgumentError(f"{argument} must be an int >= 1, got {value}")
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(
+            f"dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})"
+        )
+    if dtype not in TOLERANCE:
+        raise InvalidArgumentError(
+            f"dtype must be one of {', '.join(map(str, TOLERANCE))}, got {dtype}"
+        )
+    if model_name not in MODELS:
+        raise InvalidArgumentError(
+            f"unknown model {model_name!r}; choose one of {', '.join(MODELS)}"
+        )
+    if prefer not in PRIORITIES:
+        raise InvalidArgumentError(f"prefer must be one of {', '.join(PRIORITIES)}, got {prefer!r}")
+
+
 def run_demo(
     *,
     device: str = "cpu",
@@ -534,11 +563,25 @@ def run_demo(
 
     ``model_name``: a key of ``MODELS``. ``prefer="triton"`` puts the Triton backends
     first in the device's priority list (kinds without a per-kind setting).
+
+    Raises:
+        ArgumentTypeError, InvalidArgumentError: a bad argument (checked before
+            anything runs; the message names it, the value and what is allowed).
+        DeviceUnavailableError: ``device`` does not exist on this machine.
+        pydantic.ValidationError: ``backend_per_kind`` is not a valid setting.
+        NoBackendError: a layer has no backend (``BackendNotSupportedError``: the one
+            ``backend_per_kind`` names cannot serve it).
     """
-    if model_name not in MODELS:
-        raise ValueError(f"unknown model {model_name!r}; choose one of {', '.join(MODELS)}")
-    if prefer not in PRIORITIES:
-        raise ValueError(f"prefer must be one of {', '.join(PRIORITIES)}, got {prefer!r}")
+    _check_demo_arguments(
+        decode_steps=decode_steps,
+        dtype=dtype,
+        token_budget=token_budget,
+        model_name=model_name,
+        prefer=prefer,
+    )
+    torch_device = parse_device(device)
+    check_device_available(torch_device)
+    device = str(torch_device)
     torch.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # torch leaves seed unannotated
     model = DemoModel(layout=MODELS[model_name], dtype=dtype, device=device)
     config = AttentionConfig.model_validate(
@@ -605,7 +648,7 @@ def run_demo(
             )
         tokens = torch.tensor(inputs, device=model.device)
         hidden = model.forward_step(runtime, tokens)
-        if device.startswith("cuda"):
+        if torch_device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         # The check: each request's whole sequence so far, recomputed densely.

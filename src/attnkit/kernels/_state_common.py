@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnkit.kernels._checks import KernelTypeError, describe
 from attnkit.kernels.torch.conv1d import (
     _check_has_initial_state,
     _check_index,
@@ -25,7 +26,9 @@ from attnkit.kernels.torch.conv1d import (
 
 
 def check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise KernelTypeError(f"scale: expected a finite float, got {describe(scale)}")
+    if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     return float(scale)
 

@@ -76,10 +76,13 @@ Quantisation scales
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
 from torch import Tensor
+
+from attnkit.kernels._checks import KernelTypeError, check_bool, describe
 
 __all__ = ["dense_attention", "gather_kv", "paged_attention", "write_kv_cache"]
 
@@ -92,17 +95,64 @@ def _describe(t: Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
+def _tensor(name: str, value: object, expected: str) -> Tensor:
+    """``value`` when it is a tensor, else a ``TypeError`` naming ``name``."""
+    if not isinstance(value, Tensor):
+        raise KernelTypeError(f"{name} must be {expected}, got {describe(value)}")
+    return value
+
+
+def _check_float(name: str, value: object, *, positive: bool = False) -> float:
+    """A finite Python number (``> 0`` with ``positive``), returned as a float."""
+    allowed = "a finite float > 0" if positive else "a finite float"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KernelTypeError(f"{name} must be {allowed}, got {describe(value)}")
+    if not math.isfinite(value) or (positive and not value > 0):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KernelTypeError(f"{name} must be an int >= 1 or None, got {describe(value)}")
+    return value
+
+
 def _check_options(
     *,
     num_q_heads: int,
-    causal: bool,
-    sliding_window: int | None,
-    chunk_size: int | None,
-    logits_soft_cap: float | None,
-    alibi_slopes: Tensor | None,
-    sinks: Tensor | None,
+    scale: object,
+    causal: object,
+    sliding_window: object,
+    chunk_size: object,
+    logits_soft_cap: object,
+    alibi_slopes: object,
+    sinks: object,
 ) -> None:
     """Validate the mask and score options shared by both attention entry points."""
+    _check_float("scale", scale)
+    causal = check_bool("causal", causal)
+    sliding_window = _optional_int("sliding_window", sliding_window)
+    chunk_size = _optional_int("chunk_size", chunk_size)
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+            raise KernelTypeError(
+                f"logits_soft_cap must be a float > 0 or None, got {describe(logits_soft_cap)}"
+            )
+        # inf is refused too: cap * tanh(s / cap) would be inf * 0 = NaN.
+        if not 0 < logits_soft_cap < math.inf:
+            raise ValueError(f"logits_soft_cap must be a float > 0 or None, got {logits_soft_cap}")
+    for name, tensor in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if tensor is None:
+            continue
+        tensor = _tensor(name, tensor, f"a float tensor of shape [Hq]=[{num_q_heads}] or None")
+        if tensor.dim() != 1 or tensor.shape[0] != num_q_heads or not tensor.is_floating_point():
+            raise ValueError(
+                f"{name} must be a float tensor of shape [Hq]=[{num_q_heads}], "
+                f"got {_describe(tensor)}"
+            )
     if sliding_window is not None and chunk_size is not None:
         raise ValueError(
             f"sliding_window and chunk_size are mutually exclusive, got "
@@ -118,16 +168,6 @@ def _check_options(
             raise ValueError(f"chunk_size={chunk_size} requires causal=True")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size}")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be a float > 0 or None, got {logits_soft_cap}")
-    for name, tensor in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if tensor is not None and (
-            tensor.dim() != 1 or tensor.shape[0] != num_q_heads or not tensor.is_floating_point()
-        ):
-            raise ValueError(
-                f"{name} must be a float tensor of shape [Hq]=[{num_q_heads}], "
-                f"got {_describe(tensor)}"
-            )
 
 
 def _visible_keys(
@@ -179,6 +219,13 @@ def write_kv_cache(
         k_scale: stored key is ``key / k_scale`` cast to the cache dtype.
         v_scale: stored value is ``value / v_scale`` cast to the cache dtype.
     """
+    key = _tensor("key", key, "a tensor of shape [T, Hkv, D]")
+    value = _tensor("value", value, "a tensor of shape [T, Hkv, D]")
+    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
+    slot_mapping = _tensor("slot_mapping", slot_mapping, "an int64 tensor of shape [T]")
+    # Divided by: 0 would store inf, NaN would store NaN.
+    k_scale = _check_float("k_scale", k_scale, positive=True)
+    v_scale = _check_float("v_scale", v_scale, positive=True)
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache must have shape [NB, 2, BS, Hkv, D], got {_describe(kv_cache)}")
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -232,7 +279,43 @@ def gather_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[
 
     Returns:
         ``(key, value)``, each ``[seq_len, Hkv, D]`` in the cache dtype (fresh tensors).
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type or shape, a ``seq_len``
+            the row cannot hold, or a needed entry that is not a block of the cache
+            (the entries are read back to the host to check them).
     """
+    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
+    row = _tensor("block_table_row", block_table_row, "an integer tensor of shape [max_blocks]")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[2] == 0:
+        raise ValueError(
+            f"kv_cache must have shape [NB, 2, BS, Hkv, D] with BS >= 1, got {_describe(kv_cache)}"
+        )
+    if row.dim() != 1 or row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+        raise ValueError(
+            f"block_table_row must be an integer tensor of shape [max_blocks], got {_describe(row)}"
+        )
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise KernelTypeError(f"seq_len must be an int >= 0, got {describe(seq_len)}")
+    num_blocks, _, block_size, _, _ = kv_cache.shape
+    if not 0 <= seq_len <= row.shape[0] * block_size:
+        raise ValueError(
+            f"seq_len must be an int in [0, {row.shape[0] * block_size}] (max_blocks * BS), "
+            f"got {seq_len}"
+        )
+    needed = row[: -(-seq_len // block_size)]
+    if needed.numel() > 0:
+        lo, hi = int(needed.min()), int(needed.max())
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(
+                f"block_table_row entries must be physical block indices in [0, NB)=[0, "
+                f"{num_blocks}), got values in [{lo}, {hi}]"
+            )
+    return _gather_kv(kv_cache, row, seq_len)
+
+
+def _gather_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`gather_kv` without the checks (``paged_attention`` has made them)."""
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     num_needed = -(-seq_len // block_size)  # ceil division
     blocks = block_table_row[:num_needed].to(device=kv_cache.device, dtype=torch.int64)
@@ -334,6 +417,10 @@ def dense_attention(
     Returns:
         ``out`` ``[Tq, Hq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
     """
+    query = _tensor("query", query, "a tensor of shape [Tq, Hq, D]")
+    key = _tensor("key", key, "a tensor of shape [Tk, Hkv, D]")
+    value = _tensor("value", value, "a tensor of shape [Tk, Hkv, D]")
+    return_lse = check_bool("return_lse", return_lse)
     if query.dim() != 3:
         raise ValueError(f"query must have shape [Tq, Hq, D], got {_describe(query)}")
     if key.dim() != 3:
@@ -352,6 +439,7 @@ def dense_attention(
         )
     _check_options(
         num_q_heads=num_q_heads,
+        scale=scale,
         causal=causal,
         sliding_window=sliding_window,
         chunk_size=chunk_size,
@@ -362,6 +450,11 @@ def dense_attention(
     device = query.device
     if q_positions is None:
         q_positions = torch.arange(num_keys - num_queries, num_keys, device=device)
+    elif not isinstance(q_positions, Tensor):
+        raise KernelTypeError(
+            f"q_positions must be an integer tensor of shape [Tq]=[{num_queries}] or None, "
+            f"got {describe(q_positions)}"
+        )
     elif q_positions.shape != (num_queries,) or q_positions.is_floating_point():
         raise ValueError(
             f"q_positions must be an integer tensor of shape [Tq]=[{num_queries}], "
@@ -434,8 +527,16 @@ def _check_paged_inputs(
 ) -> None:
     """Validate shapes, dtypes and per-request consistency of a paged batch.
 
-    Non-causal batches (cross attention) may have more queries than keys.
+    Non-causal batches (cross attention) may have more queries than keys. The oracle
+    reads the metadata's values back to the host to check them (unlike the kernels).
     """
+    query = _tensor("query", query, "a tensor of shape [T, Hq, D]")
+    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
+    query_start_loc = _tensor("query_start_loc", query_start_loc, "an int32 tensor of shape [B+1]")
+    seq_lens = _tensor("seq_lens", seq_lens, "an int32 tensor of shape [B]")
+    block_table = _tensor("block_table", block_table, "an int32 tensor of shape [B, max_blocks]")
+    if output is not None:
+        output = _tensor("output", output, "a tensor of shape [T, Hq, D] or None")
     if query.dim() != 3:
         raise ValueError(f"query must have shape [T, Hq, D], got {_describe(query)}")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
@@ -626,11 +727,16 @@ def paged_attention(
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
     """
+    causal = check_bool("causal", causal)
+    return_lse = check_bool("return_lse", return_lse)
+    k_scale = _check_float("k_scale", k_scale, positive=True)
+    v_scale = _check_float("v_scale", v_scale, positive=True)
     _check_paged_inputs(
         query, kv_cache, query_start_loc, seq_lens, block_table, output, causal=causal
     )
     _check_options(
         num_q_heads=query.shape[1],
+        scale=scale,
         causal=causal,
         sliding_window=sliding_window,
         chunk_size=chunk_size,
@@ -650,7 +756,7 @@ def paged_attention(
         q_start, q_end = starts[b], starts[b + 1]
         if q_end == q_start:
             continue
-        key, value = gather_kv(kv_cache, block_table[b], seq_len)
+        key, value = _gather_kv(kv_cache, block_table[b], seq_len)
         out_b, lse_b = dense_attention(
             query[q_start:q_end],
             key.float() * k_scale,

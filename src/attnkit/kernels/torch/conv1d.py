@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.kernels._checks import KernelTypeError, describe, require_tensor
+
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
 _ACTIVATIONS = ("silu", None)
@@ -72,8 +74,7 @@ def _check_tensor(
 
     ``device=None`` skips the device check (used for ``x``, which defines the device).
     """
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor {layout}, got {type(t).__name__}")
+    t = require_tensor(name, t, f"a torch.Tensor {layout}")
     if t.dim() != len(shape) or any(
         want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
     ):
@@ -81,7 +82,9 @@ def _check_tensor(
             f"{name}: expected shape {layout} = {_fmt_shape(shape)}, got {list(t.shape)}"
         )
     if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on device {device}, got device {t.device}")
+        raise ValueError(
+            f"{name}: expected a tensor on device {device}, got device {t.device} ({describe(t)})"
+        )
     return t
 
 
@@ -152,6 +155,8 @@ def _check_has_initial_state(
 
 
 def _check_activation(activation: object) -> None:
+    if activation is not None and not isinstance(activation, str):
+        raise KernelTypeError(f"activation: expected 'silu' or None, got {describe(activation)}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
 

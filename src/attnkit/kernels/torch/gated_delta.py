@@ -80,6 +80,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from attnkit.kernels._checks import KernelTypeError
 from attnkit.kernels._state_common import check_scale, check_state_lists, check_states
 from attnkit.kernels.torch.conv1d import _check_float, _check_state_indices, _check_tensor
 
@@ -132,7 +133,11 @@ def _alloc_out(out: object, v: Tensor, lead: str) -> Tensor:
 
 
 def _check_chunk_size(chunk_size: object, allowed: tuple[int, ...] | None = None) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise KernelTypeError(
+            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
+        )
+    if chunk_size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
     if allowed is not None and chunk_size not in allowed:
         raise ValueError(f"chunk_size: expected one of {allowed}, got {chunk_size}")

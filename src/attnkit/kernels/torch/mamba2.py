@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.kernels._checks import check_bool, check_chunk_size
 from attnkit.kernels.torch.conv1d import (
     _check_float,
     _check_has_initial_state,
@@ -247,6 +248,7 @@ def ssd_recurrent_reference(
         the last token, ``[H, P, N]`` float32.
     """
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="L")
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     length, heads, head_dim = x.shape
     n = B.shape[-1]
     if initial_state is None:
@@ -309,9 +311,8 @@ def ssd_chunked_varlen(
     """
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
-    size: object = chunk_size  # checked at run time whatever the static type says
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     offsets = _check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
     batch = len(offsets) - 1
     slots = _check_state_indices(
@@ -364,6 +365,7 @@ def selective_state_update(
     """
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     _check_state_indices(
         state_indices, batch=x.shape[0], num_slots=ssm_states.shape[0], device=x.device
     )

@@ -18,11 +18,32 @@ Launcher-side argument checks (plain Python) are shared by those launchers and
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from attnkit.kernels._checks import (
+    KernelTypeError,
+    check_finite_float,
+    check_int_arg,
+    describe,
+    require_tensor,
+)
+
+__all__ = [
+    "check_batch_metadata",
+    "check_block_table_width",
+    "check_device",
+    "check_finite_float",
+    "check_index_tensor",
+    "check_int_arg",
+    "check_paged_kv_cache",
+    "check_scale_tensor",
+    "e4m3_bits_to_f32",
+    "load_kv_tile",
+    "mask_scores",
+    "online_softmax_update",
+]
 
 # ------------------------------------------------------------------------ device
 
@@ -119,39 +140,25 @@ def online_softmax_update(
 # ------------------------------------------------------------------------ launchers
 
 
-def check_int_arg(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    # bool is an int subclass; reject it so a stray True is not read as 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
-
-
-def check_finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite float, got {value!r}")
-    return float(value)
-
-
 def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "query") -> None:
     """``t`` on ``device``, described in the error as "the ``of`` device"."""
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the {of} device), got {t.device}")
+        raise ValueError(
+            f"{name}: expected device {device} (the {of} device), got {t.device} ({describe(t)})"
+        )
 
 
 def check_index_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device
-) -> None:
+    name: str, t: object, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     """An int32 tensor of ``shape`` (``-1``: any size) on ``device``, unit last stride."""
+    pretty = ", ".join("*" if s < 0 else str(s) for s in shape)
+    t = require_tensor(name, t, f"an int32 torch.Tensor [{pretty}]")
     if t.dtype != torch.int32:
         raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
     if t.dim() != len(shape) or any(
         want >= 0 and got != want for want, got in zip(shape, t.shape, strict=True)
     ):
-        pretty = ", ".join("*" if s < 0 else str(s) for s in shape)
         raise ValueError(f"{name}: expected shape [{pretty}], got {tuple(t.shape)}")
     check_device(name, t, device)
     # The kernels index the last dim with unit stride; checked here rather than copied
@@ -160,13 +167,14 @@ def check_index_tensor(
         raise ValueError(
             f"{name}: expected unit stride in the last dim, got strides {tuple(t.stride())}"
         )
+    return t
 
 
 def check_scale_tensor(name: str, t: object, device: torch.device, of: str) -> torch.Tensor:
     """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor or None, got {type(t).__name__}"
+        raise KernelTypeError(
+            f"{name}: expected a one-element torch.float32 tensor or None, got {describe(t)}"
         )
     if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
         raise ValueError(
@@ -188,10 +196,17 @@ def check_paged_kv_cache(
     max_head_dim: int,
 ) -> None:
     """The checks on a ``[NB, 2, BS, Hkv, D]`` cache that follow its dtype check."""
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    num_blocks, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     check_device("kv_cache", kv_cache, device)
+    if num_blocks == 0:
+        raise ValueError(
+            f"kv_cache: expected at least one block (NB >= 1), got {describe(kv_cache)}"
+        )
     if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
+        raise ValueError(
+            "kv_cache: expected a contiguous tensor, got a non-contiguous one "
+            f"({describe(kv_cache)}, strides {tuple(kv_cache.stride())})"
+        )
     if cache_head_dim != head_dim:
         raise ValueError(
             f"kv_cache: expected head size {head_dim} (the query head size), got {cache_head_dim}"
@@ -210,13 +225,14 @@ def check_paged_kv_cache(
 
 
 def check_batch_metadata(
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_table: torch.Tensor,
+    seq_lens: object,
+    query_start_loc: object,
+    block_table: object,
     device: torch.device,
 ) -> int:
     """Check ``seq_lens`` ``[B]``, ``query_start_loc`` ``[B + 1]``, ``block_table``
     ``[B, MB]`` (int32, on ``device``); returns ``B``."""
+    seq_lens = require_tensor("seq_lens", seq_lens, "an int32 torch.Tensor [B]")
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected shape [B], got {tuple(seq_lens.shape)}")
     num_requests: int = seq_lens.shape[0]

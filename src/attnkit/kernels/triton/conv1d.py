@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
 from attnkit.kernels.torch.conv1d import _check_conv_params, _check_tensor
 
@@ -366,7 +367,10 @@ def causal_conv1d_varlen(
         query_start_loc, state_indices, has_initial_state, device=x.device, num_tokens=x.shape[0]
     )
     batch = qsl.shape[0] - 1
+    check_has_slots("conv_states", conv_states, batch)
     result = alloc_out(out, x, "[T, C]")
+    # Kernel 2 reads x again after kernel 1 has written the outputs.
+    check_distinct_output("out", result, {"x": x, "conv_states": conv_states})
 
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -455,6 +459,7 @@ def causal_conv1d_update(
     check_dtype("bias", bias)
     batch, channels = x.shape
     slots = check_slot_tensor(state_indices, batch=batch, device=x.device)
+    check_has_slots("conv_states", conv_states, batch)
     result = alloc_out(out, x, "[B, C]")
     if batch == 0 or channels == 0:
         return result

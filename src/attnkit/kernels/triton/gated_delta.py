@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import (
     check_scale,
     check_slot_tensor,
@@ -362,6 +363,8 @@ def chunk_gated_delta_rule_varlen(
     Same contract as the torch oracle of the same name, except that ``chunk_size`` must
     be 16, 32 or 64 and the index tensors' values are trusted (not read back). Returns
     ``out`` (allocated when None); rows past ``query_start_loc[-1]`` are left untouched.
+    ``out`` must not be ``q``, ``k``, ``v`` or ``states`` (programs of other value
+    blocks still read the inputs).
     """
     q, k, v, g, beta, scale, states = _check_triton_inputs(
         q, k, v, g, beta, scale, states, lead="T"
@@ -371,7 +374,9 @@ def chunk_gated_delta_rule_varlen(
         query_start_loc, state_indices, has_initial_state, device=q.device
     )
     batch = qsl.numel() - 1
+    check_has_slots("states", states, batch)
     out = _alloc_out(out, v, "T")
+    check_distinct_output("out", out, {"q": q, "k": k, "v": v, "states": states})
     if batch == 0:
         return out
 
@@ -443,14 +448,17 @@ def fused_recurrent_gated_delta_rule_update(
     """One decode step for ``B`` requests, each continuing from its cache slot.
 
     Same contract as the torch oracle of the same name, except that ``state_indices``'
-    values are trusted (not read back). Returns ``out`` (allocated when None).
+    values are trusted (not read back). Returns ``out`` (allocated when None), which
+    must not be ``q``, ``k``, ``v`` or ``states``.
     """
     q, k, v, g, beta, scale, states = _check_triton_inputs(
         q, k, v, g, beta, scale, states, lead="B"
     )
     batch = q.shape[0]
     slots = check_slot_tensor(state_indices, batch=batch, device=q.device)
+    check_has_slots("states", states, batch)
     out = _alloc_out(out, v, "B")
+    check_distinct_output("out", out, {"q": q, "k": k, "v": v, "states": states})
     if batch == 0:
         return out
 

@@ -17,7 +17,7 @@ Tensors:
   required with an fp8 cache, optional otherwise. When given, the cache stores
   ``key / k_scale`` (float32 division, then for fp8 a clamp to the finite e4m3 range
   ``[-448, 448]`` and a round-to-nearest-even cast); when absent, ``key`` unchanged.
-* ``slot_mapping``: int64 ``[T]``; token ``t`` goes to physical slot
+* ``slot_mapping``: int64 ``[T]`` with unit stride; token ``t`` goes to physical slot
   ``slot_mapping[t] = block * BS + offset``. ``-1`` marks a padding token whose K/V is
   dropped.
 
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels._checks import describe, require_tensor
 from attnkit.kernels.triton._attention_common import check_device, check_scale_tensor
 
 __all__ = ["write_kv_cache"]
@@ -167,7 +168,8 @@ def _write_kv_cache_kernel(
 _INTERPRETED = isinstance(_write_kv_cache_kernel, InterpretedFunction)
 
 
-def _check_kv_cache(kv_cache: torch.Tensor) -> None:
+def _check_kv_cache(kv_cache: object) -> torch.Tensor:
+    kv_cache = require_tensor("kv_cache", kv_cache, "a torch.Tensor [NB, 2, BS, Hkv, D]")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
@@ -177,7 +179,18 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
             f"kv_cache: expected dtype in {(*_SUPPORTED_DTYPES, _FP8_DTYPE)}, got {kv_cache.dtype}"
         )
     if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache: expected a contiguous tensor, got a non-contiguous one")
+        raise ValueError(
+            "kv_cache: expected a contiguous tensor, got a non-contiguous one "
+            f"({describe(kv_cache)}, strides {tuple(kv_cache.stride())})"
+        )
+    # A zero block size, head count or head size leaves nothing to write (and no valid
+    # Triton tile shape); zero blocks would silently drop every token.
+    if 0 in kv_cache.shape:
+        raise ValueError(
+            f"kv_cache: expected NB, BS, Hkv and D >= 1 in [NB, 2, BS, Hkv, D], "
+            f"got {describe(kv_cache)}"
+        )
+    return kv_cache
 
 
 def write_kv_cache(
@@ -201,11 +214,13 @@ def write_kv_cache(
     the cache dtype and the scales are optional: when given, the cache stores
     ``key / k_scale`` cast back to the cache dtype (meant for scales of 1).
     """
-    _check_kv_cache(kv_cache)
+    kv_cache = _check_kv_cache(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     is_fp8 = kv_cache.dtype == _FP8_DTYPE
     device = kv_cache.device
 
+    key = require_tensor("key", key, "a torch.Tensor [T, Hkv, D]")
+    value = require_tensor("value", value, "a torch.Tensor [T, Hkv, D]")
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(
@@ -227,6 +242,7 @@ def write_kv_cache(
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"value: expected {key.shape[0]} tokens (as key), got {value.shape[0]}")
     num_tokens = key.shape[0]
+    slot_mapping = require_tensor("slot_mapping", slot_mapping, "an int64 torch.Tensor [T]")
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping: expected dtype torch.int64, got {slot_mapping.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
@@ -235,6 +251,12 @@ def write_kv_cache(
             f"got {tuple(slot_mapping.shape)}"
         )
     check_device("slot_mapping", slot_mapping, device, "kv_cache")
+    # The kernel reads slot_mapping[t] at offset t: a strided view would be misread.
+    if num_tokens > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(
+            f"slot_mapping: expected unit stride, got stride {slot_mapping.stride(0)} "
+            f"({describe(slot_mapping)})"
+        )
     if k_scale is not None:
         check_scale_tensor("k_scale", k_scale, device, "kv_cache")
     if v_scale is not None:

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import (
     check_scale,
     check_slot_tensor,
@@ -309,7 +310,8 @@ def chunk_linear_attention_varlen(
     back to the host: ``query_start_loc`` must be valid (starts at 0, ends at ``T``,
     non-decreasing), ``state_indices`` distinct and in ``[0, S)``, ``decay >= 0``.
     ``q``/``k``/``v`` are float32, float16 or bfloat16 with ``K <= 256``;
-    ``chunk_size`` is in ``[1, 128]``. Any strides everywhere.
+    ``chunk_size`` is in ``[1, 128]``. Any strides everywhere; ``out`` must not be
+    ``q``, ``k``, ``v`` or ``states``.
     """
     q, k, v, decay, scale, states = _check_common(q, k, v, decay, scale, states, lead="T")
     chunk_size = _check_chunk_size(chunk_size, maximum=_MAX_CHUNK_SIZE)
@@ -317,7 +319,9 @@ def chunk_linear_attention_varlen(
         query_start_loc, state_indices, has_initial_state, device=q.device
     )
     batch = qsl.shape[0] - 1
+    check_has_slots("states", states, batch)
     o = _alloc_out(out, q, v, lead="T")
+    check_distinct_output("out", o, {"q": q, "k": k, "v": v, "states": states})
 
     _, heads, key_dim = q.shape
     value_dim = v.shape[2]
@@ -386,12 +390,15 @@ def linear_attention_decode(
     """One decode step for ``B`` requests, each continuing from its cache slot.
 
     Same contract as the torch oracle of the same name; ``state_indices`` (distinct, in
-    ``[0, S)``) and ``decay >= 0`` are trusted, not read back.
+    ``[0, S)``) and ``decay >= 0`` are trusted, not read back; ``out`` must not be
+    ``q``, ``k``, ``v`` or ``states``.
     """
     q, k, v, decay, scale, states = _check_common(q, k, v, decay, scale, states, lead="B")
     batch, heads, key_dim = q.shape
     si = check_slot_tensor(state_indices, batch=batch, device=q.device)
+    check_has_slots("states", states, batch)
     o = _alloc_out(out, q, v, lead="B")
+    check_distinct_output("out", o, {"q": q, "k": k, "v": v, "states": states})
     value_dim = v.shape[2]
     if batch == 0 or heads == 0:
         return o

@@ -60,6 +60,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnkit.kernels._checks import (
+    check_bool,
+    check_chunk_size,
+    check_distinct_output,
+    check_has_slots,
+    check_int_arg,
+    describe,
+    require_tensor,
+)
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
 from attnkit.kernels.torch.mamba2 import _check_ssm_inputs, _check_ssm_states
 from attnkit.kernels.triton.conv1d import _find_segment, alloc_out, check_dtype, search_iters
@@ -528,12 +537,49 @@ def _effective_chunk(chunk_size: int, num_tokens: int) -> int:
     return min(chunk_size, max(num_tokens, 1))
 
 
+def _check_cu_chunks(cu_chunks: object, batch: int, device: torch.device) -> Tensor:
+    """int32 ``[B+1]`` on ``device`` with unit stride (the kernels index it directly)."""
+    cu_chunks = require_tensor(
+        "cu_chunks", cu_chunks, f"an int32 torch.Tensor [B+1]=[{batch + 1}] or None"
+    )
+    if (
+        cu_chunks.dtype != torch.int32
+        or tuple(cu_chunks.shape) != (batch + 1,)
+        or cu_chunks.device != device
+    ):
+        raise ValueError(
+            f"cu_chunks: expected int32 [B+1]=[{batch + 1}] on {device}, got "
+            f"{cu_chunks.dtype} {list(cu_chunks.shape)} on {cu_chunks.device}"
+        )
+    if batch > 0 and cu_chunks.stride(0) != 1:
+        raise ValueError(
+            f"cu_chunks: expected unit stride, got stride {cu_chunks.stride(0)} "
+            f"({describe(cu_chunks)})"
+        )
+    return cu_chunks
+
+
 def ssd_chunk_offsets(query_start_loc: Tensor, num_tokens: int, chunk_size: int) -> Tensor:
     """int32 ``[B+1]`` cumulative chunk counts of a varlen batch (chunks start at each
     request's first token): the chunk bookkeeping ``ssd_chunked_varlen`` takes.
 
     Device ops only (no host read); compute it once per step and pass it to every layer.
+    ``query_start_loc`` is int32 ``[B+1]`` (``B >= 0``), ``num_tokens`` the batch's
+    ``T >= 0`` and ``chunk_size >= 1``; only their metadata is checked.
     """
+    query_start_loc = require_tensor(
+        "query_start_loc", query_start_loc, "an int32 torch.Tensor [B+1]"
+    )
+    if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1:
+        raise ValueError(
+            f"query_start_loc: expected an int32 tensor [B+1], got {describe(query_start_loc)}"
+        )
+    if query_start_loc.shape[0] < 1:
+        raise ValueError(
+            f"query_start_loc: expected shape [B+1] with B >= 0, got {describe(query_start_loc)}"
+        )
+    num_tokens = check_int_arg("num_tokens", num_tokens, 0)
+    chunk_size = check_chunk_size(chunk_size)
     q = _effective_chunk(chunk_size, num_tokens)
     lengths = query_start_loc[1:] - query_start_loc[:-1]
     offsets = torch.zeros(
@@ -572,21 +618,27 @@ def ssd_chunked_varlen(
     (``[T, H, P]``, dtype of ``x``, any strides) receives the result when given.
     ``cu_chunks``: the batch's chunk bookkeeping from :func:`ssd_chunk_offsets` for the
     same ``query_start_loc``, ``T`` and ``chunk_size``, planned once per step and shared
-    by every layer; computed here when ``None``.
-    Returns ``y`` ``[T, H, P]`` in the dtype of ``x``.
+    by every layer; computed here when ``None`` (given, it is int32 ``[B+1]`` with unit
+    stride on the device of ``x``). ``out`` must not be ``x``, ``B``, ``C``, ``dt`` or
+    ``ssm_states``. Returns ``y`` ``[T, H, P]`` in the dtype of ``x``.
     """
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
     _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
-    size: object = chunk_size  # checked at run time whatever the static type says
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     num_tokens, heads, head_dim = x.shape
     qsl, slots, flags = check_varlen_tensors(
         query_start_loc, state_indices, has_initial_state, device=x.device, num_tokens=num_tokens
     )
     batch = qsl.shape[0] - 1
+    check_has_slots("ssm_states", ssm_states, batch)
     result = alloc_out(out, x, "[T, H, P]")
+    check_distinct_output(
+        "out", result, {"x": x, "B": B, "C": C, "dt": dt, "ssm_states": ssm_states}
+    )
+    if cu_chunks is not None:
+        cu_chunks = _check_cu_chunks(cu_chunks, batch, x.device)
     groups, state_size = B.shape[1], B.shape[2]
     if batch == 0 or heads == 0 or head_dim == 0 or state_size == 0:
         # Nothing to compute (a zero-size state has nothing to carry); y is all D x.
@@ -600,15 +652,6 @@ def ssd_chunked_varlen(
     dev = x.device
     if cu_chunks is None:
         cu_chunks = ssd_chunk_offsets(qsl, num_tokens, chunk_size)
-    elif (
-        cu_chunks.dtype != torch.int32
-        or tuple(cu_chunks.shape) != (batch + 1,)
-        or cu_chunks.device != dev
-    ):
-        raise ValueError(
-            f"cu_chunks: expected int32 [B+1]=[{batch + 1}] on {dev}, got "
-            f"{cu_chunks.dtype} {list(cu_chunks.shape)} on {cu_chunks.device}"
-        )
     # Workspaces: dt' and the within-chunk cumulative log-decay per token, and one state
     # per chunk (at least one row each so that every pointer is valid).
     dtp = torch.empty(max(num_tokens, 1), heads, dtype=torch.float32, device=dev)
@@ -779,8 +822,10 @@ def selective_state_update(
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
     _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     batch, heads, head_dim = x.shape
     slots = check_slot_tensor(state_indices, batch=batch, device=x.device)
+    check_has_slots("ssm_states", ssm_states, batch)
     result = alloc_out(out, x, "[B, H, P]")
     if batch == 0 or heads == 0 or head_dim == 0:
         return result

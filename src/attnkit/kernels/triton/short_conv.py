@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors, flags_as_bytes
 from attnkit.kernels.torch.conv1d import _check_conv_params
 from attnkit.kernels.torch.short_conv import _check_gates, _check_out
@@ -334,7 +335,10 @@ def short_conv_varlen(
 
     Same contract as the torch oracle of the same name, except that nothing is read
     back to the host (``query_start_loc`` and ``state_indices`` are trusted). ``b``,
-    ``c``, ``x`` are float32, float16 or bfloat16; ``W <= 32``. Any strides everywhere.
+    ``c``, ``x`` are float32, float16 or bfloat16; ``W <= 32``. Any strides everywhere;
+    ``out`` must not be ``b``, ``c``, ``x`` or ``conv_states`` (the kernel reads earlier
+    tokens' inputs after writing their outputs), and ``conv_states`` needs a slot
+    (``S >= 1``) when there are requests.
     """
     b, c, x, weight, bias, conv_states, y = _check_all(
         b, c, x, weight, bias, conv_states, out, lead="T"
@@ -343,6 +347,9 @@ def short_conv_varlen(
         query_start_loc, state_indices, has_initial_state, device=x.device
     )
     batch = qsl.shape[0] - 1
+    check_has_slots("conv_states", conv_states, batch)
+    # The kernel reads earlier tokens' inputs after it has written their outputs.
+    check_distinct_output("out", y, {"b": b, "c": c, "x": x, "conv_states": conv_states})
     channels = x.shape[1]
     width = weight.shape[1]
     if batch == 0 or channels == 0:
@@ -414,6 +421,7 @@ def short_conv_update(
     )
     batch, channels = x.shape
     si = check_slot_tensor(state_indices, batch=batch, device=x.device)
+    check_has_slots("conv_states", conv_states, batch)
     width = weight.shape[1]
     if batch == 0 or channels == 0:
         return y

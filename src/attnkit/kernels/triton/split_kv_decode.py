@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels._checks import KernelTypeError, check_bool, describe, require_tensor
 from attnkit.kernels.triton._attention_common import (
     check_batch_metadata,
     check_block_table_width,
@@ -436,6 +437,16 @@ def split_kv_workspace(
     num_tokens = check_int_arg("num_tokens", num_tokens, 0)
     num_q_heads = check_int_arg("num_q_heads", num_q_heads, 1)
     head_dim = check_int_arg("head_dim", head_dim, 1)
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise KernelTypeError(
+            f"device: expected a torch.device, a device string or None, got {describe(device)}"
+        )
+    try:
+        device = torch.device(device) if isinstance(device, str) else device
+    except RuntimeError as exc:
+        raise ValueError(
+            f"device: expected a device string such as 'cuda:0', got {device!r}"
+        ) from exc
     return SplitKVWorkspace(
         partial_out=torch.empty(
             (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
@@ -489,7 +500,8 @@ def _check_float_arg(name: str, value: object, *, positive: bool) -> float:
     return checked
 
 
-def _check_head_vector(name: str, t: torch.Tensor, num_q_heads: int, device: torch.device) -> None:
+def _check_head_vector(name: str, t: object, num_q_heads: int, device: torch.device) -> None:
+    t = require_tensor(name, t, f"a float torch.Tensor [{num_q_heads}] ([Hq]) or None")
     if t.dim() != 1 or t.shape[0] != num_q_heads:
         raise ValueError(f"{name}: expected shape [{num_q_heads}] ([Hq]), got {tuple(t.shape)}")
     if t.dtype not in _SUPPORTED_DTYPES:
@@ -516,16 +528,18 @@ def _check_kv_scale(
 
 def _check_output_like(
     name: str,
-    t: torch.Tensor,
+    t: object,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
-) -> None:
+) -> torch.Tensor:
+    t = require_tensor(name, t, f"a {dtype} torch.Tensor {list(shape)} or None")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     check_device(name, t, device)
+    return t
 
 
 def _check_workspace(
@@ -537,9 +551,9 @@ def _check_workspace(
     device: torch.device,
 ) -> SplitKVWorkspace:
     if not isinstance(workspace, tuple) or len(workspace) != 2:
-        raise ValueError(
+        raise KernelTypeError(
             "workspace: expected a SplitKVWorkspace(partial_out, partial_lse), "
-            f"got {type(workspace).__name__}"
+            f"got {describe(workspace)}"
         )
     part_out, part_lse = workspace
     for name, t, tail in (
@@ -548,7 +562,7 @@ def _check_workspace(
     ):
         want = f"[S >= {num_splits}, T >= {num_tokens}, {', '.join(map(str, tail))}]"
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"workspace.{name}: expected a tensor, got {type(t).__name__}")
+            raise KernelTypeError(f"workspace.{name}: expected a tensor, got {describe(t)}")
         if (
             t.dim() != 2 + len(tail)
             or t.shape[0] < num_splits
@@ -621,6 +635,7 @@ def split_kv_decode(
         ``output`` (allocated when not given). Rows at or past ``query_start_loc[B]``
         of ``output`` and ``lse`` are left untouched.
     """
+    query = require_tensor("query", query, "a torch.Tensor [T, Hq, D]")
     if query.dim() != 3:
         raise ValueError(f"query: expected shape [T, Hq, D], got {tuple(query.shape)}")
     if query.dtype not in _SUPPORTED_DTYPES:
@@ -628,6 +643,7 @@ def split_kv_decode(
     num_tokens, num_q_heads, head_dim = query.shape
     device = query.device
 
+    kv_cache = require_tensor("kv_cache", kv_cache, "a torch.Tensor [NB, 2, BS, Hkv, D]")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
@@ -649,6 +665,7 @@ def split_kv_decode(
     )
     num_requests = check_batch_metadata(seq_lens, query_start_loc, block_table, device)
 
+    causal = check_bool("causal", causal)
     max_query_len = check_int_arg("max_query_len", max_query_len, 0, MAX_QUERY_LEN)
     max_seq_len = check_int_arg("max_seq_len", max_seq_len, 0)
     if causal and max_seq_len < max_query_len:
@@ -659,8 +676,6 @@ def split_kv_decode(
     check_block_table_width(block_table, block_size, max_seq_len)
     num_splits = check_int_arg("num_splits", num_splits, 1, MAX_NUM_SPLITS)
     scale = _check_float_arg("scale", scale, positive=False)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
     if sliding_window is not None and chunk_size is not None:
         raise ValueError(
             "sliding_window and chunk_size: expected at most one, got "
@@ -693,9 +708,9 @@ def split_kv_decode(
     if output is None:
         output = torch.empty_like(query)
     else:
-        _check_output_like("output", output, tuple(query.shape), query.dtype, device)
+        output = _check_output_like("output", output, tuple(query.shape), query.dtype, device)
     if lse is not None:
-        _check_output_like("lse", lse, (num_tokens, num_q_heads), torch.float32, device)
+        lse = _check_output_like("lse", lse, (num_tokens, num_q_heads), torch.float32, device)
     if workspace is None:
         if num_tokens == 0 or num_requests == 0 or max_query_len == 0:
             return output

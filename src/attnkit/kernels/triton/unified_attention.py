@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnkit.kernels._checks import KernelTypeError, check_bool, describe, require_tensor
 from attnkit.kernels.triton._attention_common import (
     check_batch_metadata,
     check_block_table_width,
@@ -307,12 +308,11 @@ _INTERPRETED = isinstance(_unified_attention_kernel, InterpretedFunction)
 
 
 def _check_softcap(value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not value > 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KernelTypeError(
+            f"logits_soft_cap: expected a finite float > 0 or None, got {describe(value)}"
+        )
+    if not math.isfinite(value) or not value > 0:
         raise ValueError(f"logits_soft_cap: expected a finite float > 0 or None, got {value!r}")
     return float(value)
 
@@ -322,7 +322,7 @@ def _check_float32_tensor(
 ) -> torch.Tensor:
     """A float32 tensor of exactly ``shape`` on ``device`` (any strides)."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+        raise KernelTypeError(f"{name}: expected a torch.Tensor or None, got {describe(t)}")
     if t.dtype != torch.float32:
         raise ValueError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     if tuple(t.shape) != shape:
@@ -370,6 +370,7 @@ def unified_attention(
     ``torch.float8_e4m3fn`` cache (which stores ``key / k_scale``), optional otherwise
     (the cached keys / values are multiplied by them either way).
     """
+    query = require_tensor("query", query, "a torch.Tensor [T, Hq, D]")
     if query.dim() != 3:
         raise ValueError(f"query: expected shape [T, Hq, D], got {tuple(query.shape)}")
     if query.dtype not in _SUPPORTED_DTYPES:
@@ -377,6 +378,7 @@ def unified_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     device = query.device
 
+    kv_cache = require_tensor("kv_cache", kv_cache, "a torch.Tensor [NB, 2, BS, Hkv, D]")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache: expected shape [NB, 2, BS, Hkv, D], got {tuple(kv_cache.shape)}"
@@ -399,8 +401,7 @@ def unified_attention(
     )
     num_requests = check_batch_metadata(seq_lens, query_start_loc, block_table, device)
 
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    causal = check_bool("causal", causal)
     max_query_len = check_int_arg("max_query_len", max_query_len, 0)
     # Only causal requests must hold their queries among their keys.
     max_seq_len = check_int_arg("max_seq_len", max_seq_len, max_query_len if causal else 0)
@@ -440,6 +441,7 @@ def unified_attention(
     if output is None:
         output = torch.empty_like(query)
     else:
+        output = require_tensor("output", output, "a torch.Tensor [T, Hq, D] or None")
         if tuple(output.shape) != tuple(query.shape):
             raise ValueError(
                 f"output: expected shape {tuple(query.shape)} (the query shape), "
