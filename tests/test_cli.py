@@ -193,15 +193,38 @@ def test_plan_per_kind_override_and_explicit_failure() -> None:
 
 @pytest.mark.skipif(CUDA_PROBLEM is None, reason="CUDA is available here")
 def test_plan_on_an_absent_device_reports_it() -> None:
+    """Without a capability there is nothing to plan for: every backend is rejected
+    with the device reason."""
     status, text, err = run_both(
-        ["plan", "--model", "llama", "--device", "cuda", "--capability", "9.0",
+        ["plan", "--model", "llama", "--device", "cuda",
          "--backend-per-kind", "full_attention=toy_fast_cuda"],
         registry(),
     )
     assert status == 1
     assert f"    - {CUDA_PROBLEM}\n" in text
-    assert err.startswith(f"attnkit plan: note: {CUDA_PROBLEM}; {NOTE}\n")
+    assert err.startswith(
+        f"attnkit plan: note: {CUDA_PROBLEM}; pass --capability X.Y to plan for it as a "
+        "hypothetical device\n"
+    )
     assert "attnkit plan: error: no backend for 1 of 1 layer group(s)" in err
+
+
+@pytest.mark.skipif(CUDA_PROBLEM is None, reason="CUDA is available here")
+def test_plan_for_a_gpu_this_machine_lacks() -> None:
+    """With --capability, an absent CUDA device is planned for as hypothetical
+    hardware: the routing a GPU machine would get (the toy CUDA backend serves)."""
+    status, text, err = run_both(
+        ["plan", "--model", "llama", "--device", "cuda", "--capability", "9.0",
+         "--backend-per-kind", "full_attention=toy_fast_cuda"],
+        registry(),
+    )
+    assert status == 0
+    assert "  -> toy_fast_cuda (chosen by backend_per_kind)" in text
+    assert CUDA_PROBLEM not in text
+    assert err == (
+        f"attnkit plan: note: {CUDA_PROBLEM}; planning for it as a hypothetical device of "
+        "capability 9.0 (installed packages still count)\n"
+    )
 
 
 def test_plan_bad_config_is_a_usage_error() -> None:

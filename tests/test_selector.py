@@ -12,6 +12,7 @@ from typing_extensions import override
 
 import attnkit
 from attnkit import (
+    ArgumentTypeError,
     AttentionConfig,
     AttentionFeature,
     AttnkitError,
@@ -21,6 +22,7 @@ from attnkit import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    InvalidArgumentError,
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
@@ -310,6 +312,31 @@ def test_an_absent_device_rejects_every_builtin_with_the_reason(device: str | to
     # Asked directly, every built-in gives the reason too.
     for name in reg.names():
         assert reg.get(name).device_reasons(torch.device(device)), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_planning_for_a_hypothetical_gpu() -> None:
+    """hypothetical_device: the routing a GPU machine would get, from a CPU machine;
+    declared rules (capability, kinds) and installed packages still decide."""
+    reg = _device_registry()
+    chosen = select_backend(
+        FULL, config(reg), device="cuda", capability=(9, 0), registry=reg,
+        hypothetical_device=True,
+    )
+    assert chosen.backend_name == "triton_attn"
+    flash = dict((r.backend, r.reasons) for r in chosen.rejected)["flash_attn"]
+    assert any("flash-attn is not installed" in r for r in flash)
+    assert not any("this torch build has no CUDA support" in r for r in flash)
+    mamba = MambaSpec(block_size=16, shapes=((8, 3), (2, 4, 4)), dtypes=(torch.float32, torch.float32),
+                      mamba_type="mamba2")
+    assert select_backend(
+        mamba, config(reg), device="cuda", capability=(9, 0), registry=reg,
+        hypothetical_device=True,
+    ).backend_name == "triton_mamba2"
+    with pytest.raises(InvalidArgumentError, match=r"needs its capability, e.g. capability=\(9, 0\)"):
+        select_backend(FULL, config(reg), device="cuda", registry=reg, hypothetical_device=True)
+    with pytest.raises(ArgumentTypeError, match=r"hypothetical_device must be a bool, got 1"):
+        select_backend(FULL, config(reg), device="cpu", registry=reg, hypothetical_device=1)  # type: ignore[arg-type]  # the wrong type is the test
 
 
 def test_a_present_device_has_no_device_reason() -> None:

@@ -256,7 +256,18 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
         {"backend": args.backend, "backend_per_kind": args.backend_per_kind or {}},
         context={"registry": registry},
     )
-    device = _inspected_device(args, io)
+    device = parse_device(args.device, argument="--device")
+    problem = device_problem(device)
+    # An absent CUDA device with an explicit capability is a plan for hardware this
+    # machine lacks; without a capability there is nothing to plan for.
+    hypothetical = problem is not None and args.capability is not None
+    if hypothetical:
+        io.note(
+            f"{problem}; planning for it as a hypothetical device of capability "
+            f"{args.capability[0]}.{args.capability[1]} (installed packages still count)"
+        )
+    elif problem is not None:
+        io.note(f"{problem}; pass --capability X.Y to plan for it as a hypothetical device")
     out = io.out
     layers = example_model(args.model)
     groups: dict[KVCacheSpec, list[str]] = {}
@@ -268,7 +279,12 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
         out.write(f"\n{', '.join(names)}: {spec.kind.value} ({type(spec).__name__})\n")
         try:
             selection: Selection = select_backend(
-                spec, config, device=device, capability=args.capability, registry=registry
+                spec,
+                config,
+                device=device,
+                capability=args.capability,
+                registry=registry,
+                hypothetical_device=hypothetical,
             )
         except NoBackendError as exc:
             unserved.append(f"{', '.join(names)} ({spec.kind.value})")

@@ -242,7 +242,12 @@ def _blocked_by_config(name: str, is_plugin: bool, config: AttentionConfig) -> s
 
 
 def _reasons_for(
-    name: str, request: BackendRequest, config: AttentionConfig, registry: BackendRegistry
+    name: str,
+    request: BackendRequest,
+    config: AttentionConfig,
+    registry: BackendRegistry,
+    *,
+    ask_device: bool = True,
 ) -> tuple[type[AttentionBackend] | None, tuple[str, ...]]:
     try:
         entry = registry.entry(name)
@@ -262,8 +267,12 @@ def _reasons_for(
         reasons: object = call_backend_code(
             entry, "not_supported_reasons()", lambda: backend.not_supported_reasons(request)
         )
-        device: object = call_backend_code(
-            entry, "device_reasons()", lambda: backend.device_reasons(request.device)
+        device: object = (
+            call_backend_code(
+                entry, "device_reasons()", lambda: backend.device_reasons(request.device)
+            )
+            if ask_device
+            else []
         )
     except PluginError as exc:
         return None, (str(exc),)
@@ -305,6 +314,7 @@ def select_backend(
     num_heads: int | None = None,
     registry: BackendRegistry | None = None,
     priority: Mapping[str, Sequence[str]] | None = None,
+    hypothetical_device: bool = False,
 ) -> Selection:
     """Choose the backend for ``spec`` on ``device`` under ``config``.
 
@@ -323,6 +333,10 @@ def select_backend(
         num_heads: query heads, if known.
         registry: where names are looked up (default: ``default_registry()``).
         priority: device type -> names, replacing ``DEFAULT_PRIORITY``.
+        hypothetical_device: plan for a device this machine may not have (``attnkit
+            plan --device cuda --capability 9.0`` on a laptop): backends are not asked
+            whether the device exists (``device_reasons``); everything else, installed
+            packages included, is checked as usual. Needs ``capability`` for CUDA.
 
     Raises:
         ArgumentTypeError: an argument of the wrong type (the message names it, the
@@ -355,6 +369,15 @@ def select_backend(
             f"registry must be None or a BackendRegistry, got {_show(registry)}"
         )
     checked_priority = _check_priority(priority)
+    if not isinstance(hypothetical_device, bool):
+        raise ArgumentTypeError(
+            f"hypothetical_device must be a bool, got {_show(hypothetical_device)}"
+        )
+    if hypothetical_device and parsed_device.type == "cuda" and capability is None:
+        raise InvalidArgumentError(
+            "hypothetical_device=True for a CUDA device needs its capability, e.g. "
+            "capability=(9, 0), got capability=None"
+        )
 
     if (
         capability is None
@@ -395,7 +418,9 @@ def select_backend(
 
     if explicit is not None:
         name, source = explicit
-        backend, reasons = _reasons_for(name, request, config, registry)
+        backend, reasons = _reasons_for(
+            name, request, config, registry, ask_device=not hypothetical_device
+        )
         if backend is not None and not reasons:
             return Selection(backend, kind, source, tuple(rejected), request)
         setting = (
@@ -420,7 +445,9 @@ def select_backend(
     for name in order:
         if name not in available:
             continue  # a priority name that is not installed here
-        backend, reasons = _reasons_for(name, request, config, registry)
+        backend, reasons = _reasons_for(
+            name, request, config, registry, ask_device=not hypothetical_device
+        )
         if backend is not None and not reasons:
             return Selection(backend, kind, "priority", tuple(rejected), request)
         rejected.append(Rejection(name, reasons))
