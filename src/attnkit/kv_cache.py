@@ -290,11 +290,14 @@ class BlockPool:
 
     def take(self, n: int) -> list[int]:
         """Take ``n`` free blocks (the caller has checked that ``n`` are free)."""
-        if n <= 0:
-            return []
         free = self._free
-        blocks = free[: -n - 1 : -1]  # the top n, top first
-        del free[-n:]
+        if n == 1:  # one decode growing: the common case
+            blocks = [free.pop()]
+        elif n > 0:
+            blocks = free[: -n - 1 : -1]  # the top n, top first
+            del free[-n:]
+        else:
+            return []
         if self._in_use_cache is not None:
             self._mark(blocks, True)
         return blocks
@@ -329,19 +332,24 @@ class BlockPool:
                 allocated, or one given twice (the pool is unchanged).
         """
         given = list(blocks)
-        if not given:
+        count = len(given)
+        if count == 0:
             return
-        if not set(map(type, given)) <= {int}:
-            given = [_block_id(b) for b in given]
-        in_use = self._in_use
-        if len(given) <= self._SMALL:
+        in_use = self._in_use_cache if self._in_use_cache is not None else self._in_use
+        if count <= self._SMALL:
             limit = self.num_blocks
             for block in given:
-                if not 0 < block < limit or not in_use[block]:
-                    self._reject(given, in_use)
-            if len(given) > 1 and len(set(given)) != len(given):
+                if type(block) is not int or not 0 < block < limit or not in_use[block]:
+                    # Rare: convert numpy ids, then find the culprit (or free them).
+                    given = [_block_id(b) for b in given]
+                    if any(not 0 < b < limit or not in_use[b] for b in given):
+                        self._reject(given, in_use)
+                    break
+            if count > 1 and len(set(given)) != count:
                 self._reject(given, in_use)
         else:
+            if not set(map(type, given)) <= {int}:
+                given = [_block_id(b) for b in given]
             arr = np.array(given, dtype=np.int64)
             if (
                 arr.min() < 1
