@@ -31,11 +31,10 @@ python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-try:
-    import flash_attn
-    print("flash_attn", getattr(flash_attn, "__version__", "?"))
-except ImportError as exc:
-    print("flash_attn not installed:", exc)
+# What the flash_attn backend detects (distribution metadata; imports nothing).
+from attnkit.backends.flash_attn import _versions
+found = _versions.installed_releases()
+print("flash-attn", ", ".join(f"{v}: {r}" for v, r in sorted(found.items())) or "not installed")
 PY
 
 status=0

@@ -260,11 +260,12 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
     problem = device_problem(device)
     # An absent CUDA device with an explicit capability is a plan for hardware this
     # machine lacks; without a capability there is nothing to plan for.
-    hypothetical = problem is not None and args.capability is not None
-    if hypothetical:
+    capability: tuple[int, int] | None = args.capability
+    hypothetical = problem is not None and capability is not None
+    if problem is not None and capability is not None:
         io.note(
             f"{problem}; planning for it as a hypothetical device of capability "
-            f"{args.capability[0]}.{args.capability[1]} (installed packages still count)"
+            f"{capability[0]}.{capability[1]} (installed packages still count)"
         )
     elif problem is not None:
         io.note(f"{problem}; pass --capability X.Y to plan for it as a hypothetical device")

@@ -4,8 +4,8 @@ flash-attn needs CUDA and is not installed where this suite usually runs, so mos
 this file checks what attnkit controls:
 
 * capability and selection reasons, exact sentence by exact sentence, with flash-attn
-  truly missing and with its presence simulated (``_versions.installed_versions``
-  replaced);
+  truly missing and with its presence simulated (``_versions.installed_releases``
+  replaced; detection itself, on fake distributions, is in test_flash_attn_versions.py);
 * the builder's metadata field by field against the documented meaning of each
   ``flash_attn_varlen_func`` argument, by running the builder and impl through a small
   pure-torch model of that documented contract (``fa2_contract`` / ``fa4_contract``
@@ -13,7 +13,11 @@ this file checks what attnkit controls:
   shuffled blocks. This checks our half of the contract (what we pass and how we lay
   out the cache), not the kernel: the models are written from the docstrings and
   argument checks of flash-attn's ``flash_attn_interface.py`` and
-  ``cute/interface.py``, and a misreading of those would pass here and fail on a GPU;
+  ``cute/interface.py``, and a misreading of those would pass here and fail on a GPU.
+  The models also hold the kernels' hidden preconditions: the flash-attn 4 model reads
+  whole pages and fails on a non-finite row in them (TMA page loads, b36), the flash-attn
+  2 model fails a GQA decode call (``max_seqlen_q == 1``) whose batch has an empty
+  query row (2.8.3 ``flash_api.cpp`` reshape);
 * on a GPU with flash-attn installed (``gpu`` marker), the real kernels on the same
   batches against the reference backend.
 """
@@ -21,15 +25,14 @@ this file checks what attnkit controls:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
 import re
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -95,13 +98,21 @@ def full_spec(**overrides: Any) -> FullAttentionSpec:
     return FullAttentionSpec(**fields)
 
 
+LATEST = {2: "2.8.3", 4: "4.0.0b36"}
+"""The newest releases read (their rules apply when a test installs just a version)."""
+
+
 @pytest.fixture
 def simulate(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """``simulate(installed={2, 4}, cuda=True)``: pretend flash-attn and a GPU are here."""
+    """``simulate(installed={2, 4}, cuda=True)``: pretend flash-attn and a GPU are here.
 
-    def apply(installed: Iterable[int] = (2, 4), cuda: bool = True) -> None:
-        found = frozenset(installed)
-        monkeypatch.setattr(_versions, "installed_versions", lambda: found)
+    ``installed`` is versions (each at its ``LATEST`` release) or version -> release."""
+
+    def apply(installed: Iterable[int] | dict[int, str] = (2, 4), cuda: bool = True) -> None:
+        found = (
+            dict(installed) if isinstance(installed, dict) else {v: LATEST[v] for v in installed}
+        )
+        monkeypatch.setattr(_versions, "installed_releases", lambda: dict(found))
         monkeypatch.setattr(_versions, "cuda_available", lambda: cuda)
 
     return apply
@@ -168,21 +179,6 @@ def test_not_installed_is_a_reason_here() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_no_cuda_device_is_a_reason_here() -> None:
     assert NO_CUDA in FlashAttentionBackend.environment_reasons(CUDA, (9, 0))
-
-
-def test_installed_versions_finds_packages_without_importing_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # flash-attn 2: a top-level compiled extension; flash-attn 4: flash_attn/cute in a
-    # namespace package. Both are fakes that would fail if imported.
-    (tmp_path / "flash_attn_2_cuda.py").write_text("raise RuntimeError('imported')\n")
-    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
-    (tmp_path / "flash_attn" / "cute" / "interface.py").write_text("raise RuntimeError\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    assert _versions.installed_versions() == frozenset({2, 4})
-    assert "flash_attn_2_cuda" not in sys.modules
-    assert "flash_attn" not in sys.modules
 
 
 def test_import_does_not_pull_flash_attn() -> None:
@@ -282,26 +278,73 @@ def test_version_choice(
             {2}, {"capability": (7, 5)}, ["compute capability 7.5 < minimum 8.0"], id="fa2-turing"
         ),
         pytest.param(
-            {2, 4},
+            {2: "2.8.3", 4: "4.0.0b3"},
             {"capability": (8, 6), "version": 4, "spec": full_spec(block_size=16)},
-            ["compute capability 8.6 is too old for flash-attn 4 (it needs 9.0 to 11.x)"],
-            id="fa4-too-old",
+            [
+                "compute capability 8.6 is too old for flash-attn 4 (it needs 9.0 to 11.x; "
+                "installed: 4.0.0b3; 4.0.0b20 and later: 8.0 to 12.x)"
+            ],
+            id="fa4-b3-too-old",
         ),
         pytest.param(
-            {2, 4},
+            {2: "2.8.3", 4: "4.0.0b3"},
             {"capability": (12, 0), "version": 4, "spec": full_spec(block_size=16)},
-            ["compute capability 12.0 is too new for flash-attn 4 (it supports 9.0 to 11.x)"],
-            id="fa4-too-new",
+            [
+                "compute capability 12.0 is too new for flash-attn 4 (it supports 9.0 to "
+                "11.x; installed: 4.0.0b3; 4.0.0b20 and later: 8.0 to 12.x)"
+            ],
+            id="fa4-b3-too-new",
+        ),
+        pytest.param(
+            {2: "2.8.3", 4: "4.0.0b3"},
+            {"capability": (9, 0), "version": 4, "spec": full_spec(block_size=128)},
+            [
+                "flash-attn 4 has no paged KV cache on compute capability 9.0 before "
+                "4.0.0b20 (installed: 4.0.0b3), which kind=full_attention needs (upgrade "
+                "flash-attn-4, or use backend_options={'flash_attn': {'version': 2}})"
+            ],
+            id="fa4-b3-hopper-paged",
         ),
         pytest.param(
             {2, 4},
             {"capability": (9, 0), "version": 4, "spec": full_spec(block_size=128)},
+            [],
+            id="fa4-b36-hopper-paged",
+        ),
+        pytest.param(
+            {2, 4},
+            {"capability": (8, 6), "version": 4, "spec": full_spec(block_size=16)},
             [
-                "flash-attn 4 has no paged KV cache on compute capability 9.0, which "
+                "flash-attn 4 has no paged KV cache on compute capability 8.6, which "
                 "kind=full_attention needs (use backend_options={'flash_attn': {'version': 2}} "
                 "on this GPU)"
             ],
-            id="fa4-hopper-paged",
+            id="fa4-b36-ampere-paged",
+        ),
+        pytest.param(
+            {2, 4},
+            {"capability": (12, 0), "version": 4, "spec": full_spec(block_size=16)},
+            [
+                "flash-attn 4 has no paged KV cache on compute capability 12.0, which "
+                "kind=full_attention needs (use backend_options={'flash_attn': {'version': 2}} "
+                "on this GPU)"
+            ],
+            id="fa4-b36-sm120-paged",
+        ),
+        pytest.param(
+            {2, 4},
+            {
+                "capability": (13, 0),
+                "version": 4,
+                "spec": EncoderOnlyAttentionSpec(
+                    block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+                ),
+            },
+            [
+                "compute capability 13.0 is too new for flash-attn 4 (it supports 8.0 to "
+                "12.x; installed: 4.0.0b36)"
+            ],
+            id="fa4-b36-too-new",
         ),
         pytest.param(
             {2, 4},
@@ -327,7 +370,7 @@ def test_version_choice(
             {"capability": (10, 0), "spec": full_spec(head_size=192, block_size=16)},
             [
                 "head_size=192 not supported by flash-attn 4 on compute capability 10.0 "
-                "(supported: multiples of 8 up to 128)"
+                "(supported: multiples of 8 up to 128, and 256)"
             ],
             id="fa4-head-192-blackwell",
         ),
@@ -447,7 +490,7 @@ def test_version_choice(
 )
 def test_exact_reasons(
     simulate: Callable[..., None],
-    installed: set[int],
+    installed: set[int] | dict[int, str],
     kwargs: dict[str, Any],
     expected: list[str],
 ) -> None:
@@ -656,19 +699,49 @@ def check_max(name: str, value: object, lengths: list[int]) -> int:
     return value
 
 
-def paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+def paged_rows(
+    cache: torch.Tensor, table_row: torch.Tensor, length: int, *, whole_pages: bool = False
+) -> torch.Tensor:
+    """The first ``length`` key rows of one sequence. ``whole_pages``: read every row of
+    every page those keys touch, as flash-attn 4's TMA page loads do (b36
+    ``flash_attn_varlen_func`` docstring, ``page_table``), and require them all finite:
+    a masked score still multiplies its V row, and ``0 * NaN`` is NaN."""
     page = cache.shape[1]
     needed = -(-length // page)
     expect(needed <= table_row.shape[0], f"block table row too short for {length} keys")
     pages = table_row[:needed].long()
-    return cache[pages].reshape(needed * page, *cache.shape[2:])[:length]
+    rows = cache[pages].reshape(needed * page, *cache.shape[2:])
+    if whole_pages:
+        non_finite = (~torch.isfinite(rows.float())).flatten(1).any(dim=1)
+        bad = [int(i) for i in non_finite.nonzero().flatten()]
+        expect(
+            not bad,
+            f"rows {bad} of the pages read (sequence of {length} keys, page size {page}) "
+            f"are not finite: flash-attn 4 loads whole pages, rows past seqused_k included",
+        )
+    return rows[:length]
+
+
+def fa4_beta(release: str | None) -> int:
+    """The beta number of a flash-attn 4 release ``4.0.0bN`` (a final release counts as
+    after every beta; unknown as before all)."""
+    if release is None:
+        return -1
+    match = re.fullmatch(r"4\.0\.0b(\d+)", release)
+    return int(match.group(1)) if match else 10**6
 
 
 class Contract:
-    """Records every call; ``fa2`` / ``fa4`` are the models for each version."""
+    """Records every call; ``fa2`` / ``fa4`` are the models for each version.
 
-    def __init__(self) -> None:
+    ``release``: the flash-attn release modelled, for the rules that differ between
+    releases (flash-attn 4's ``learnable_sink`` dtypes); ``run_case`` also presents it
+    as installed. ``None``: not installed, the backend applies the oldest rules.
+    """
+
+    def __init__(self, release: str | None = None) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.release = release
 
     def fa2(
         self,
@@ -715,6 +788,23 @@ class Contract:
         if alibi_slopes is not None:
             expect(alibi_slopes.dtype == torch.float32, "alibi_slopes must be fp32")
             expect(tuple(alibi_slopes.shape) == (q.shape[1],), "alibi_slopes must be (nheads,)")
+        # mha_varlen_fwd (2.8.3 flash_api.cpp 585-598): causal is dropped when
+        # max_seqlen_q == 1 (no ALiBi), then with GQA, no window and no ALiBi q is
+        # reshaped to (batch, nheads_k, ngroups, d) and cu_seqlens_q is ignored.
+        still_causal = causal and not (max_seqlen_q == 1 and alibi_slopes is None)
+        swapped = (
+            max_seqlen_q == 1
+            and q.shape[1] > k.shape[-2]
+            and left < 0
+            and (0 if still_causal else right) < 0
+            and alibi_slopes is None
+        )
+        if swapped:
+            expect(
+                q.shape[0] == b,
+                f"GQA decode path (max_seqlen_q == 1) reshapes q of {q.shape[0]} rows to "
+                f"(batch={b}, nheads_k, ngroups, d): every request needs exactly one query",
+            )
         expect(isinstance(softcap, float), "softcap is a float, 0.0 = off")
         out = torch.full_like(q, NAN)
         for r in range(b):
@@ -789,7 +879,16 @@ class Contract:
         if max_seqlen_k is not None:
             check_max("max_seqlen_k", max_seqlen_k, k_lens)
         if learnable_sink is not None:
-            expect(learnable_sink.dtype == torch.bfloat16, "learnable_sink must be bfloat16")
+            # bfloat16 only before 4.0.0b30; float16/bfloat16/float32 from b30 (b30, b36).
+            accepted = (
+                (torch.float16, torch.bfloat16, torch.float32)
+                if fa4_beta(self.release) >= 30
+                else (torch.bfloat16,)
+            )
+            expect(
+                learnable_sink.dtype in accepted,
+                f"learnable_sink must be one of {accepted} in {self.release}",
+            )
             expect(tuple(learnable_sink.shape) == (q.shape[1],), "learnable_sink must be (nheads,)")
         expect(num_splits == 1 and not return_lse, "defaults only")
         left, right = window_size
@@ -798,8 +897,8 @@ class Contract:
         out = torch.full_like(q, NAN)
         for r in range(b):
             if page_table is not None:
-                keys = paged_rows(k, page_table[r], k_lens[r])
-                values = paged_rows(v, page_table[r], k_lens[r])
+                keys = paged_rows(k, page_table[r], k_lens[r], whole_pages=True)
+                values = paged_rows(v, page_table[r], k_lens[r], whole_pages=True)
             else:
                 assert cu_seqlens_k is not None
                 start = int(cu_seqlens_k[r])
@@ -842,6 +941,8 @@ class Case:
     num_kv_heads: int = 2
     head_size: int = 16
     pad: int = 2
+    idle: bool = False
+    """Keep started requests with no new token in the batch (zero-length query rows)."""
 
 
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -876,6 +977,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+def assert_same_cache(got: torch.Tensor, want: torch.Tensor, step: int) -> None:
+    """Bit for bit where the reference wrote; where it did not (the NaN fill), flash_attn
+    may have zeroed the row (flash-attn 4 zeroes each last page's tail) or left it."""
+    got, want = got.cpu(), want.cpu()
+    unwritten = torch.isnan(want)
+    assert torch.equal(bits(got)[~unwritten], bits(want)[~unwritten]), f"step {step}: caches differ"
+    left = got[unwritten]
+    assert bool((torch.isnan(left) | (left == 0)).all()), f"step {step}: unwritten rows changed"
+
+
 def run_case(
     case: Case,
     version: int,
@@ -887,6 +998,21 @@ def run_case(
     """Every step through flash_attn (the contract model, or the real kernel when
     ``contract`` is None) and through the reference backend, on copies of one cache.
     Outputs must agree within ``TOL``, caches bit for bit. Returns the metadata built."""
+    if contract is not None:  # the modelled release is the installed one
+        installed = {version: contract.release} if contract.release is not None else {}
+        with mock.patch.object(_versions, "installed_releases", return_value=installed):
+            return _run_case(case, version, device=device, contract=contract, seed=seed)
+    return _run_case(case, version, device=device, contract=contract, seed=seed)
+
+
+def _run_case(
+    case: Case,
+    version: int,
+    *,
+    device: torch.device,
+    contract: Contract | None,
+    seed: int,
+) -> list[FlashAttentionMetadata]:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     spec = make_spec(case)
@@ -944,7 +1070,7 @@ def run_case(
         return tables[r][p // bs] * bs + p % bs
 
     for s, step in enumerate(case.steps):
-        batch = [r for r in range(num_reqs) if step[r] > 0]
+        batch = [r for r in range(num_reqs) if step[r] > 0 or (case.idle and done[r] > 0)]
         if s % 2:
             batch.reverse()
         q_rows, k_rows, v_rows, slots, seq_lens = [], [], [], [], []
@@ -1008,7 +1134,7 @@ def run_case(
             msg=lambda m, s=s: f"step {s}: {m}",
         )
         for got, want in zip(caches, ref_caches, strict=True):
-            assert torch.equal(bits(got), bits(want)), f"step {s}: caches differ"
+            assert_same_cache(got, want, s)
         for r in batch:
             done[r] += step[r]
             if case.window is not None:  # blocks no later query sees go back to the pool
@@ -1046,6 +1172,12 @@ FA2_CASES = [
         Case(F.ENCODER_ONLY_ATTENTION, ((5, 1, 0), (0, 0, 9)), 256, softcap=2.0),
         id="encoder-only-softcap",
     ),
+    # Decode steps (longest query 1) with a started request that has no new token: the
+    # GQA decode path of flash-attn 2 would need one query per request.
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((300, 5, 7), (1, 0, 1), (0, 1, 1)), 256, idle=True),
+        id="decode-idle-rows-gqa",
+    ),
 ]
 FA4_CASES = [
     pytest.param(Case(F.FULL_ATTENTION, ((5, 40, 0), (1, 1, 33), (1, 7, 1)), 16), id="full"),
@@ -1071,12 +1203,22 @@ FA4_CASES = [
         Case(F.ENCODER_ONLY_ATTENTION, ((5, 1, 0), (0, 0, 9)), 16, sinks=True, num_kv_heads=1),
         id="encoder-only-sinks-mqa",
     ),
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((20, 5, 7), (1, 0, 1), (0, 1, 1)), 16, idle=True),
+        id="decode-idle-rows",
+    ),
 ]
+
+
+def case_named(cases: list[Any], name: str) -> Case:
+    (case,) = next(p.values for p in cases if p.id == name)
+    assert isinstance(case, Case)
+    return case
 
 
 @pytest.mark.parametrize("case", FA2_CASES)
 def test_fa2_contract_matches_reference(case: Case) -> None:
-    contract = Contract()
+    contract = Contract(LATEST[2])
     run_case(case, 2, contract=contract)
     assert contract.calls
     assert all(c["version"] == 2 for c in contract.calls)
@@ -1084,16 +1226,85 @@ def test_fa2_contract_matches_reference(case: Case) -> None:
 
 @pytest.mark.parametrize("case", FA4_CASES)
 def test_fa4_contract_matches_reference(case: Case) -> None:
-    contract = Contract()
+    contract = Contract(LATEST[4])
     run_case(case, 4, contract=contract)
     assert contract.calls
     assert all(c["version"] == 4 for c in contract.calls)
 
 
+def test_fa4_model_catches_non_finite_page_tails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the impl's zeroing, the NaN-filled tail of a last page reaches the model."""
+    from attnkit.backends.flash_attn import backend
+
+    def no_zeroing(cache: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        pass
+
+    monkeypatch.setattr(backend, "_zero_page_tails", no_zeroing)
+    with pytest.raises(ContractViolation, match="not finite: flash-attn 4 loads whole pages"):
+        run_case(case_named(FA4_CASES, "full"), 4, contract=Contract(LATEST[4]))
+
+
+def test_fa2_model_catches_gqa_decode_with_empty_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passing the true max_seqlen_q=1 for a decode step with an idle request breaks
+    flash-attn 2's GQA decode reshape; the builder passes 2 there."""
+    from attnkit.backends.flash_attn import backend
+
+    def true_max(cm: CommonAttentionMetadata) -> int:
+        return cm.max_query_len
+
+    case = case_named(FA2_CASES, "decode-idle-rows-gqa")
+    monkeypatch.setattr(backend, "_fa2_max_seqlen_q", true_max)
+    with pytest.raises(ContractViolation, match="GQA decode path"):
+        run_case(case, 2, contract=Contract(LATEST[2]))
+
+
+def test_fa2_max_seqlen_q_avoids_the_gqa_decode_reshape_only_when_needed() -> None:
+    builders = {
+        v: FlashAttentionMetadataBuilder(full_spec(), ["l"], config(v), CPU) for v in (2, 4)
+    }
+    idle = batch([1, 0, 1], [5, 3, 9], [[1], [2], [3]])
+    assert builders[2].build(0, idle).max_seqlen_q == 2
+    assert builders[4].build(0, idle).max_seqlen_q == 1
+    assert builders[2].build(0, batch([1, 1], [5, 9], [[1], [2]])).max_seqlen_q == 1
+    assert builders[2].build(0, batch([2, 0], [5, 9], [[1], [2]])).max_seqlen_q == 2
+    assert builders[2].build(0, batch([3, 0], [5, 9], [[1], [2]])).max_seqlen_q == 3
+
+
+def test_zero_page_tails_clears_only_the_unused_rows_of_last_pages() -> None:
+    from attnkit.backends.flash_attn.backend import _zero_page_tails
+
+    cache = torch.full((6, 2, 4, 1, 8), NAN, dtype=torch.float16)
+    cache[0] = 0
+    # Request 0: 6 keys on pages 3, 1 (rows 2, 3 of page 1 unused); request 1: 8 keys,
+    # pages full; request 2: no keys, its table row stale (page 5 belongs to no one here).
+    table = torch.tensor([[3, 1, 0], [2, 4, 0], [5, 5, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([6, 8, 0], dtype=torch.int32)
+    before = cache.clone()
+    _zero_page_tails(cache, table, seq_lens)
+    changed = (bits(cache) != bits(before)).flatten(3).any(dim=3)  # [page, plane, row]
+    expected = torch.zeros_like(changed)
+    expected[1, :, 2:] = True
+    assert torch.equal(changed, expected)
+    assert bool((cache[1, :, 2:] == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("release", "dtype"),
+    [("4.0.0b20", torch.bfloat16), ("4.0.0b30", torch.float32), (None, torch.bfloat16)],
+)
+def test_sinks_keep_float32_where_the_release_accepts_it(
+    release: str | None, dtype: torch.dtype
+) -> None:
+    case = case_named(FA4_CASES, "cross-sinks")
+    contract = Contract(release)
+    run_case(case, 4, contract=contract)
+    assert {c["learnable_sink"].dtype for c in contract.calls} == {dtype}
+
+
 def test_calls_pass_the_metadata_fields_unchanged() -> None:
     """Field by field: each argument is the metadata's own object (no conversion)."""
     for version, case in ((2, FA2_CASES[0].values[0]), (4, FA4_CASES[2].values[0])):
-        contract = Contract()
+        contract = Contract(LATEST[version])
         built = run_case(case, version, contract=contract)
         assert len(built) == len(contract.calls)
         for md, call in zip(built, contract.calls, strict=True):
@@ -1103,7 +1314,8 @@ def test_calls_pass_the_metadata_fields_unchanged() -> None:
             assert table is md.block_table
             if version == 4:
                 assert call["seqused_k"] is md.seqused_k
-                assert call["learnable_sink"].dtype == torch.bfloat16
+                assert call["learnable_sink"].dtype == torch.float32  # b36 takes fp32 sinks
+                assert md.release == LATEST[4]
             assert call["max_seqlen_q"] == md.max_seqlen_q
             assert call["max_seqlen_k"] == md.max_seqlen_k
             assert call["window_size"] == md.window_size

@@ -1,61 +1,82 @@
-"""What each flash-attn version can do, and which one serves a request: the one place
-where the ``flash_attn`` backend's version rules live.
+"""What each flash-attn version (and release) can do, and which one serves a request:
+the one place where the ``flash_attn`` backend's version rules live.
 
 ``choose_version`` picks flash-attn 2 or 4 (``FlashAttentionOptions.version``,
 else by compute capability) and returns every reason the chosen version cannot serve
-a request. ``installed_versions`` finds the packages with ``importlib.util.find_spec``
-only: nothing here imports flash-attn.
+a request. ``installed_releases`` finds the installed distributions with
+``importlib.metadata`` only: nothing here imports flash-attn.
 
-Facts relied on (public sources of Dao-AILab/flash-attention, read while writing this):
+Detection (by distribution, never by module layout): flash-attn 2 is the ``flash-attn``
+distribution (major version 2), flash-attn 4 the ``flash-attn-4`` distribution.
+flash-attn 2.8.0 to 2.8.3 ship a prototype ``flash_attn/cute/`` package inside the
+``flash-attn`` distribution (flash_attn-2.8.3 sdist: ``flash_attn/cute/interface.py``,
+whose ``flash_attn_varlen_func`` has no ``max_seqlen_q``), so the presence of
+``flash_attn.cute`` says nothing about flash-attn 4.
+
+Facts relied on, each with the release it was read in (docs/flash-attn.md has the table):
 
 flash-attn 2 (``pip install flash-attn``, module ``flash_attn``, compiled extension
-``flash_attn_2_cuda``):
-  * GPUs: README "Ampere, Ada, or Hopper GPUs"; ``csrc/flash_attn/flash_api.cpp``
-    checks compute capability major >= 8 (older releases: 8.x and 9.0 only).
-  * fp16 and bf16; head dimensions up to 256 (README; ``flash_api.cpp`` "head dimension
-    at most 256"). The Python wrapper pads a head size that is not a multiple of 8, which
-    would copy a whole paged cache per call, so only multiples of 8 are declared.
+``flash_attn_2_cuda``; sdists 2.6.3, 2.7.3, 2.7.4.post1 and 2.8.3 read):
+  * GPUs: ``csrc/flash_attn/flash_api.cpp`` checks ``cc_major >= 8`` in 2.7.3, 2.7.4.post1
+    and 2.8.3; 2.6.3 checks ``is_sm8x || is_sm90`` (8.x and 9.0 only). Releases before
+    2.7.3 are held to the 2.6.3 rule (the change between them was not located).
+  * fp16 and bf16; head dimensions multiples of 8 up to 256 (``flash_api.cpp``
+    ``mha_varlen_fwd``). The Python wrapper would pad other sizes, which would copy a
+    whole paged cache per call, so only multiples of 8 are declared.
   * ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, dropout_p, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
     alibi_slopes, deterministic, return_attn_probs, block_table)``
-    (``flash_attn/flash_attn_interface.py``): no ``seqused_k``, no ``out``, no sinks.
-    With ``block_table``, k/v are ``(num_blocks, page_block_size, nheads_k, headdim)``
-    and the key lengths still come from ``cu_seqlens_k``.
-  * Paged KV: ``mha_varlen_fwd`` in ``flash_api.cpp`` checks
-    ``page_block_size % 256 == 0``; the ``flash_attn_with_kvcache`` docstring says
-    "page_block_size must be a multiple of 256".
+    (``flash_attn/flash_attn_interface.py``, 2.7.3 and 2.8.3): no ``seqused_k``, no
+    ``out``, no sinks. With ``block_table``, k/v are
+    ``(num_blocks, page_block_size, nheads_k, headdim)`` and the key lengths still come
+    from ``cu_seqlens_k``.
+  * Paged KV: ``mha_varlen_fwd`` checks ``page_block_size % 256 == 0``.
+  * GQA decode: when ``max_seqlen_q == 1``, ``num_heads > num_heads_k``, no window, no
+    ALiBi (causal is dropped first), ``mha_varlen_fwd`` reshapes ``q`` to
+    ``(batch, num_heads_k, ngroups, d)`` and ignores ``cu_seqlens_q`` (2.8.3
+    ``flash_api.cpp`` lines 585-598): ``total_q`` must equal the batch size. The
+    builder passes ``max_seqlen_q=2`` for a decode batch with zero-length query rows
+    (see ``backend.py``).
   * ``window_size=(left, right)``, -1 = unbounded: query ``i`` sees keys
     ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; ``causal``
     is aligned to the bottom-right corner; ``softcap > 0`` caps the scaled scores;
     ``alibi_slopes`` adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
 
-flash-attn 4 (``pip install flash-attn-4``, module ``flash_attn.cute``, CuTe DSL):
-  * ``flash_attn/cute/interface.py``: ``flash_attn_varlen_func(q, k, v, cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
-    softmax_scale, causal, window_size=(None, None), learnable_sink, softcap=0.0, ...)``
-    returning ``(out, lse)``; ``page_table`` excludes ``cu_seqlens_k`` (key lengths come
-    from ``seqused_k``); ``learnable_sink`` must be bfloat16 of shape ``(num_heads,)``;
-    no ALiBi; window ``None`` = unbounded.
-  * Compute capability 9.x, 10.x, 11.x ("Unsupported compute capability. Supported:
-    9.x, 10.x, 11.x"); later releases add 8.x and 12.x without paged KV. Paged KV on
-    9.x: "paged KV not supported on SM 9.0" in the releases read (newer sources add
-    it), so attnkit does not claim it there.
-  * Head sizes: multiples of 8 (16-byte alignment of 16-bit types); on 10.x/11.x up to
-    128 (``_validate_head_dims``; the dedicated 256 kernel has no softcap, sinks or
-    ``seqused_k``), on 9.x up to 256.
-  * Any page size (``page_size`` other than the tile size takes the cp.async path).
+flash-attn 4 (``pip install flash-attn-4``, module ``flash_attn.cute``, CuTe DSL; wheels
+4.0.0b3, b20, b30 and b36 read, ``flash_attn/cute/interface.py``):
+  * ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, seqused_q, seqused_k, page_table, softmax_scale, causal,
+    window_size=(None, None), learnable_sink, softcap=0.0, ...)`` returning
+    ``(out, lse)``; ``page_table`` excludes ``cu_seqlens_k`` (key lengths come from
+    ``seqused_k``); no ALiBi; window ``None`` = unbounded. Same names in every release
+    read.
+  * Compute capability: b3 accepts 9.x-11.x; b20, b30, b36 accept 8.x-12.x, with no
+    paged KV on 8.x ("paged KV not supported on SM 8.0") or 12.x ("Paged KV not
+    supported on SM 12.0") and no learnable sink in the SM80-MMA kernel that 8.x and
+    12.x run (``flash_fwd.py`` ``FlashAttentionForwardSm80``, b20/b30/b36). Paged KV on 9.x: refused in b3 ("paged KV not
+    supported on SM 9.0"), accepted from b20 (cp.async path for pages that are not a
+    whole tile).
+  * Head sizes: multiples of 8. 9.x: up to 256. 10.x/11.x: up to 128, and from b36 also
+    256 (``_validate_head_dims``; b20 and b30 route 256 to a dedicated kernel with extra
+    paged-KV conditions, so attnkit does not claim it there). 8.x/12.x: not validated by
+    the interface; attnkit claims up to 128 only.
+  * ``learnable_sink``: bfloat16 only in b3 and b20; float16, bfloat16 or float32 from
+    b30 (``_LEARNABLE_SINK_DTYPES``), so attnkit passes float32 sinks unchanged there.
+  * Paged KV reads whole pages when they load by TMA (b36 ``flash_attn_varlen_func``
+    docstring): rows past ``seqused_k`` in a sequence's last page must be finite. The
+    impl zeroes them before each call (``backend._zero_page_tails``).
 
-These facts move with releases; when a newer flash-attn widens them, this module is
-the only one to update.
+A release between two read ones is held to the older one's rules (conservative); an
+unknown release (not parseable, or not installed) to the oldest. When a newer
+flash-attn widens a rule, this module is the only one to update.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.machinery
-import importlib.util
-from collections.abc import Iterable
-from pathlib import Path
+import importlib.metadata
+import re
+from collections.abc import Mapping, Set
 from typing import Literal
 
 import torch
@@ -64,7 +85,9 @@ from ...capabilities import AttentionFeature
 from ...spec import AttentionSpec, KVCacheSpecKind
 
 __all__ = [
+    "FA2_DIST",
     "FA2_PIP",
+    "FA4_DIST",
     "FA4_PIP",
     "NOT_INSTALLED_REASON",
     "NO_CUDA_REASON",
@@ -73,12 +96,19 @@ __all__ = [
     "VersionChoice",
     "choose_version",
     "cuda_available",
+    "installed_releases",
     "installed_versions",
+    "release_at_least",
+    "sink_dtypes",
     "window_size",
 ]
 
 FlashAttnVersion = Literal[2, 4]
 
+FA2_DIST = "flash-attn"
+"""The distribution that is flash-attn 2 (when its major version is 2)."""
+FA4_DIST = "flash-attn-4"
+"""The distribution that is flash-attn 4."""
 FA2_PIP = "pip install 'attnkit[flash-attn]'"
 FA4_PIP = "pip install flash-attn-4"
 NOT_INSTALLED_REASON = (
@@ -104,10 +134,37 @@ _FEATURES: dict[int, frozenset[AttentionFeature]] = {
 }
 FA2_PAGE_MULTIPLE = 256
 """flash-attn 2's paged KV block size must be a multiple of this (flash_api.cpp)."""
+FA2_ANY_AMPERE_OR_NEWER = "2.7.3"
+"""From this release flash-attn 2 runs on any capability >= 8.0 (2.7.3 ``flash_api.cpp``
+``cc_major >= 8``); before it, 8.x and 9.0 only (2.6.3 ``is_sm8x || is_sm90``)."""
+FA2_OLD_MAJORS = ((8, None), (9, 0))
+"""flash-attn 2 before ``FA2_ANY_AMPERE_OR_NEWER``: (major, minor or None = any)."""
+
 FA4_CAPABILITY_MAJORS = (9, 10, 11)
-"""Compute capability majors flash-attn 4 runs on (interface.py's arch check)."""
+"""Compute capability majors flash-attn 4 before ``FA4_WIDE`` runs on (b3 interface.py)."""
+FA4_WIDE = "4.0.0b20"
+"""From this release (b20, b30, b36 read) flash-attn 4 accepts majors 8 to 12 and pages
+KV on 9.x; before it (b3) majors 9 to 11, no paged KV on 9.x."""
+FA4_WIDE_CAPABILITY_MAJORS = (8, 9, 10, 11, 12)
+FA4_UNPAGED_MAJORS = (8, 12)
+"""Majors where flash-attn 4 (``FA4_WIDE`` and later) has no paged KV and no learnable
+sink (the SM80-MMA kernel)."""
+FA4_FLOAT_SINKS = "4.0.0b30"
+"""From this release ``learnable_sink`` may be float16, bfloat16 or float32 (b30, b36
+``_LEARNABLE_SINK_DTYPES``); before it bfloat16 only (b3, b20)."""
+FA4_HEAD_256_BLACKWELL = "4.0.0b36"
+"""From this release head size 256 runs on 10.x/11.x in the general kernel (b36
+``_validate_head_dims``); b20/b30 route it to a dedicated kernel with extra paged-KV
+conditions, b3 does not validate it."""
 FA4_AUTO_MAJORS = (10, 11)
 """Where ``version=None`` picks flash-attn 4 (all kinds served there)."""
+NEWEST_READ: dict[int, str] = {2: "2.8.3", 4: "4.0.0b36"}
+"""The newest release of each version whose sources these rules were checked against;
+its rules apply to a version that is requested but not installed (what would be
+installed now)."""
+
+_BF16_ONLY = frozenset({torch.bfloat16})
+_FLOAT_SINKS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,34 +174,76 @@ class VersionChoice:
     Attributes:
         version: 2 or 4; ``None`` only when no version was set and none is installed.
         reasons: every version-specific reason it cannot serve the request (empty: it can).
+        release: the installed release of ``version`` whose rules were applied (``None``:
+            not installed or unknown; the oldest rules then apply).
     """
 
     version: FlashAttnVersion | None
     reasons: tuple[str, ...]
+    release: str | None = None
+
+
+def installed_releases() -> dict[FlashAttnVersion, str]:
+    """The flash-attn versions installed here and their releases, from distribution
+    metadata (``importlib.metadata``): nothing is imported.
+
+    ``flash-attn`` with major version 2 is flash-attn 2; ``flash-attn-4`` is flash-attn 4.
+    The ``flash_attn/cute`` package that ``flash-attn`` 2.8.x ships is not flash-attn 4.
+    """
+    found: dict[FlashAttnVersion, str] = {}
+    fa2 = _dist_version(FA2_DIST)
+    if fa2 is not None and (key := _release_key(fa2)) is not None and key[0][0] == 2:
+        found[2] = fa2
+    fa4 = _dist_version(FA4_DIST)
+    if fa4 is not None:
+        found[4] = fa4
+    return found
 
 
 def installed_versions() -> frozenset[FlashAttnVersion]:
-    """The flash-attn versions installed here, found without importing anything.
-
-    flash-attn 2 ships the top-level compiled extension ``flash_attn_2_cuda``;
-    flash-attn 4 ships ``flash_attn/cute/interface.py`` (possibly in a ``flash_attn``
-    namespace package of its own). ``find_spec`` of a top-level name imports nothing.
-    """
-    found: set[FlashAttnVersion] = set()
-    if _find_spec("flash_attn_2_cuda") is not None:
-        found.add(2)
-    spec = _find_spec("flash_attn")
-    locations: Iterable[str] = (spec.submodule_search_locations or ()) if spec is not None else ()
-    if any((Path(loc) / "cute" / "interface.py").is_file() for loc in locations):
-        found.add(4)
-    return frozenset(found)
+    """The flash-attn versions installed here (``installed_releases``' keys)."""
+    return frozenset(installed_releases())
 
 
-def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+def _dist_version(name: str) -> str | None:
     try:
-        return importlib.util.find_spec(name)
-    except (ImportError, ValueError):  # a broken install, or a module without __spec__
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
         return None
+
+
+_RELEASE = re.compile(r"(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc)(\d+))?(?:[-_.]?post(\d+))?")
+_PRE_RANK = {"a": 0, "b": 1, "rc": 2, None: 3}
+
+
+def _release_key(release: str) -> tuple[tuple[int, ...], int, int, int] | None:
+    """A sortable key for a PEP 440 release (``4.0.0b36``, ``2.7.4.post1``); dev and
+    local parts are ignored. ``None`` if it does not parse."""
+    match = _RELEASE.match(release.strip().lower().lstrip("v"))
+    if match is None:
+        return None
+    numbers = tuple(int(n) for n in match.group(1).split("."))
+    numbers = numbers + (0,) * (3 - len(numbers))
+    pre = match.group(2)
+    return (
+        numbers,
+        _PRE_RANK[pre],
+        int(match.group(3) or 0),
+        int(match.group(4) or 0),
+    )
+
+
+def release_at_least(release: str | None, threshold: str) -> bool:
+    """Whether ``release`` is ``threshold`` or later; an unknown release is not."""
+    if release is None:
+        return False
+    key, floor = _release_key(release), _release_key(threshold)
+    return key is not None and floor is not None and key >= floor
+
+
+def sink_dtypes(release: str | None) -> frozenset[torch.dtype]:
+    """The dtypes flash-attn 4 ``release`` accepts for ``learnable_sink``."""
+    return _FLOAT_SINKS if release_at_least(release, FA4_FLOAT_SINKS) else _BF16_ONLY
 
 
 def cuda_available() -> bool:
@@ -174,11 +273,15 @@ def _cc(capability: tuple[int, int]) -> str:
     return f"{capability[0]}.{capability[1]}"
 
 
+def _installed(release: str | None) -> str:
+    return f"installed: {release}" if release is not None else "release unknown"
+
+
 def choose_version(
     setting: FlashAttnVersion | None,
     capability: tuple[int, int] | None,
     *,
-    installed: frozenset[FlashAttnVersion],
+    installed: Set[FlashAttnVersion] | Mapping[FlashAttnVersion, str],
     spec: AttentionSpec | None = None,
     features: frozenset[AttentionFeature] = frozenset(),
 ) -> VersionChoice:
@@ -189,7 +292,9 @@ def choose_version(
             on compute capability 10.x/11.x when it is installed, else flash-attn 2 when
             installed, else flash-attn 4 when installed.
         capability: the CUDA device's compute capability, if known.
-        installed: ``installed_versions()``.
+        installed: ``installed_releases()`` (version -> release), or just the versions
+            (releases unknown: the oldest rules apply). A version requested but not
+            installed is judged by ``NEWEST_READ``.
         spec: the layer group's spec (of a kind the backend serves), for the
             spec-dependent rules; ``None`` checks only installation and capability.
         features: the optional features the group's layers need.
@@ -198,6 +303,7 @@ def choose_version(
     range, minimum capability 8.0) and "nothing is installed" (an environment reason)
     are not repeated here.
     """
+    releases: Mapping[FlashAttnVersion, str] = installed if isinstance(installed, Mapping) else {}
     version: FlashAttnVersion | None
     if setting is not None:
         version = setting
@@ -209,6 +315,9 @@ def choose_version(
         version = 4
     else:
         return VersionChoice(None, ())
+    release = releases.get(version)
+    # Not installed: judge by the newest release read (what an install would bring).
+    rules = release if release is not None or version in installed else NEWEST_READ[version]
 
     reasons: list[str] = []
     if installed and version not in installed:
@@ -216,25 +325,57 @@ def choose_version(
             f"backend_options flash_attn version={version} was requested but {_label(version)} is not "
             f"installed ({_PIP[version]})"
         )
-    if version == 4 and capability is not None:
-        low, high = FA4_CAPABILITY_MAJORS[0], FA4_CAPABILITY_MAJORS[-1]
-        if capability[0] < low:
-            reasons.append(
-                f"compute capability {_cc(capability)} is too old for flash-attn 4 "
-                f"(it needs {low}.0 to {high}.x)"
-            )
-        elif capability[0] > high:
-            reasons.append(
-                f"compute capability {_cc(capability)} is too new for flash-attn 4 "
-                f"(it supports {low}.0 to {high}.x)"
-            )
+    if capability is not None:
+        reasons.extend(_capability_reasons(version, rules, capability))
     if spec is not None:
-        reasons.extend(_spec_reasons(version, spec, capability, features))
-    return VersionChoice(version, tuple(reasons))
+        reasons.extend(_spec_reasons(version, rules, spec, capability, features))
+    return VersionChoice(version, tuple(reasons), release)
+
+
+def _capability_reasons(
+    version: FlashAttnVersion, release: str | None, capability: tuple[int, int]
+) -> list[str]:
+    major, minor = capability
+    if version == 2:
+        if major < 8 or release_at_least(release, FA2_ANY_AMPERE_OR_NEWER):
+            return []  # below 8.0: the backend's declared minimum says so
+        if any(major == m and (n is None or minor == n) for m, n in FA2_OLD_MAJORS):
+            return []
+        return [
+            f"compute capability {_cc(capability)} not supported by flash-attn 2 before "
+            f"{FA2_ANY_AMPERE_OR_NEWER} ({_installed(release)}; it runs on 8.x and 9.0 "
+            f"only; {FA2_ANY_AMPERE_OR_NEWER} and later run on 8.0 and newer)"
+        ]
+    wide = release_at_least(release, FA4_WIDE)
+    majors = FA4_WIDE_CAPABILITY_MAJORS if wide else FA4_CAPABILITY_MAJORS
+    low, high = majors[0], majors[-1]
+    since = "" if wide else f"; {FA4_WIDE} and later: 8.0 to 12.x"
+    if major < low:
+        return [
+            f"compute capability {_cc(capability)} is too old for flash-attn 4 "
+            f"(it needs {low}.0 to {high}.x; {_installed(release)}{since})"
+        ]
+    if major > high:
+        return [
+            f"compute capability {_cc(capability)} is too new for flash-attn 4 "
+            f"(it supports {low}.0 to {high}.x; {_installed(release)}{since})"
+        ]
+    return []
+
+
+def _fa4_max_head(release: str | None, capability: tuple[int, int] | None) -> int:
+    """flash-attn 4's largest head size attnkit claims on ``capability`` (multiples of 8)."""
+    major = capability[0] if capability is not None else None
+    if major == 9:
+        return 256
+    if major in (10, 11) and release_at_least(release, FA4_HEAD_256_BLACKWELL):
+        return 256  # 136..248 stay out: only 256 itself is validated there
+    return 128
 
 
 def _spec_reasons(
     version: FlashAttnVersion,
+    release: str | None,
     spec: AttentionSpec,
     capability: tuple[int, int] | None,
     features: frozenset[AttentionFeature],
@@ -242,22 +383,50 @@ def _spec_reasons(
     reasons: list[str] = []
     label, kind = _label(version), spec.kind
     paged = kind in PAGED_KINDS
-    hopper = capability is not None and capability[0] == 9
-    if version == 4 and paged and hopper:
+    major = capability[0] if capability is not None else None
+    wide = release_at_least(release, FA4_WIDE)
+    if version == 4 and paged and capability is not None:
+        if major == 9 and not wide:
+            reasons.append(
+                f"flash-attn 4 has no paged KV cache on compute capability {_cc(capability)} "
+                f"before {FA4_WIDE} ({_installed(release)}), which kind={kind.value} needs "
+                f"(upgrade flash-attn-4, or use backend_options={{'flash_attn': {{'version': 2}}}})"
+            )
+        elif major in FA4_UNPAGED_MAJORS and wide:
+            reasons.append(
+                f"flash-attn 4 has no paged KV cache on compute capability {_cc(capability)}, "
+                f"which kind={kind.value} needs (use backend_options={{'flash_attn': "
+                f"{{'version': 2}}}} on this GPU)"
+            )
+    if (
+        version == 4
+        and wide
+        and major in FA4_UNPAGED_MAJORS
+        and AttentionFeature.ATTENTION_SINKS in features
+    ):
         assert capability is not None
         reasons.append(
-            f"flash-attn 4 has no paged KV cache on compute capability {_cc(capability)}, "
-            f"which kind={kind.value} needs (use backend_options={{'flash_attn': {{'version': 2}}}} on this GPU)"
+            f"feature attention_sinks not supported by flash-attn 4 on compute capability "
+            f"{_cc(capability)} (its SM80-MMA kernel takes no learnable_sink)"
         )
 
     # Head sizes: the declared range (8 to 256) is checked by the backend; here the
     # per-version rule within it.
-    max_head = 128 if version == 4 and not hopper else 256
-    if 8 <= spec.head_size <= 256 and (spec.head_size % 8 or spec.head_size > max_head):
+    if version == 4:
+        max_head = _fa4_max_head(release, capability)
+        if major in (10, 11) and max_head == 256:  # 8..128, and 256 itself
+            fits = spec.head_size % 8 == 0 and (spec.head_size <= 128 or spec.head_size == 256)
+            supported = "multiples of 8 up to 128, and 256"
+        else:
+            fits = spec.head_size % 8 == 0 and spec.head_size <= max_head
+            supported = f"multiples of 8 up to {max_head}"
+    else:
+        fits = spec.head_size % 8 == 0
+        supported = "multiples of 8 up to 256"
+    if 8 <= spec.head_size <= 256 and not fits:
         where = f" on compute capability {_cc(capability)}" if version == 4 and capability else ""
         reasons.append(
-            f"head_size={spec.head_size} not supported by {label}{where} "
-            f"(supported: multiples of 8 up to {max_head})"
+            f"head_size={spec.head_size} not supported by {label}{where} (supported: {supported})"
         )
 
     if version == 2 and paged and spec.block_size % FA2_PAGE_MULTIPLE:
@@ -266,9 +435,9 @@ def _spec_reasons(
             f"cache needs a multiple of {FA2_PAGE_MULTIPLE})"
         )
 
-    supported = _FEATURES[version]
-    names = ", ".join(sorted(f.value for f in supported))
-    for feature in sorted(features - supported, key=lambda f: f.value):
+    supported_features = _FEATURES[version]
+    names = ", ".join(sorted(f.value for f in supported_features))
+    for feature in sorted(features - supported_features, key=lambda f: f.value):
         if feature in _FEATURES[2] | _FEATURES[4]:  # others: the backend's declaration says so
             reasons.append(f"feature {feature.value} not supported by {label} (supported: {names})")
     if version == 2 and AttentionFeature.ALIBI in features and kind not in _CAUSAL_KINDS:

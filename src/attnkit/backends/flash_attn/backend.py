@@ -5,7 +5,10 @@ Serves ``full_attention``, ``sliding_window``, ``encoder_only_attention`` and
 per group (``FlashAttentionOptions.version``, else by compute capability; every
 version rule is in ``_versions``). The builder emits exactly the arguments
 ``flash_attn_varlen_func`` takes; ``forward`` writes the step's keys/values into the
-cache and calls it with them unchanged.
+cache and calls it with them unchanged. Two adjustments keep the real kernels' hidden
+preconditions (docs/flash-attn.md): flash-attn 2 gets ``max_seqlen_q=2`` for a decode
+step with zero-length query rows (``_fa2_max_seqlen_q``), and before a flash-attn 4
+call the unused rows of each request's last page are zeroed (``_zero_page_tails``).
 
 Not served: ``chunked_local_attention`` (neither version's ``window_size`` can express
 a chunk mask, and a chunk-splitting rewrite of the batch is not "the call as it is"),
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Literal, Protocol, cast, overload
 
 import torch
@@ -166,12 +170,15 @@ class FlashAttentionMetadata:
             first ``ceil(seq_len / block_size)`` entries of a row are read):
             flash-attn 2's ``block_table``, flash-attn 4's ``page_table``; ``None`` for
             encoder-only layers.
-        max_seqlen_q: the step's longest query (a Python int).
+        max_seqlen_q: the step's longest query (a Python int); flash-attn 2: 2 when the
+            longest is 1 and some request has no query row (``_fa2_max_seqlen_q``).
         max_seqlen_k: the step's longest key range (a Python int; in a CUDA-graph
             capture, the longest the buffers hold).
         causal: ``causal=`` (False for encoder-only and cross attention).
         window_size: ``window_size=(left, right)`` as the version takes it.
         slot_mapping: int64 ``[T']`` cache slot of each new key/value, -1 = none.
+        release: the installed release of ``version`` whose rules apply (``None``:
+            unknown, the oldest rules); it decides the ``learnable_sink`` dtype.
 
     Tensors live in the builder's persistent buffers when the batch fits them, so a
     metadata object is valid until the builder's next ``build``.
@@ -189,6 +196,7 @@ class FlashAttentionMetadata:
     causal: bool
     window_size: tuple[int | None, int | None]
     slot_mapping: torch.Tensor
+    release: str | None = None
 
 
 class FlashAttentionMetadataBuilder(
@@ -238,11 +246,12 @@ class FlashAttentionMetadataBuilder(
         choice = _versions.choose_version(
             _options(config).version,
             _capability(device),
-            installed=_versions.installed_versions(),
+            installed=_versions.installed_releases(),
         )
         if choice.version is None:
             raise ValueError(f"{type(self).__name__}: {_versions.NOT_INSTALLED_REASON}")
         self.version: FlashAttnVersion = choice.version
+        self.release = choice.release
         self.kind = spec.kind
         self.causal = spec.kind not in _BIDIRECTIONAL
         self.paged = spec.kind in _versions.PAGED_KINDS
@@ -328,6 +337,9 @@ class FlashAttentionMetadataBuilder(
                     else torch.zeros(b + 1, dtype=torch.int32, device=cm.seq_lens.device)
                 )
                 torch.cumsum(cm.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
+        max_seqlen_q = cm.max_query_len
+        if self.version == 2:
+            max_seqlen_q = _fa2_max_seqlen_q(cm)
         return FlashAttentionMetadata(
             version=self.version,
             num_reqs=b,
@@ -336,11 +348,12 @@ class FlashAttentionMetadataBuilder(
             cu_seqlens_k=cu_seqlens_k,
             seqused_k=seqused_k,
             block_table=block_table,
-            max_seqlen_q=cm.max_query_len,
+            max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
             causal=self.causal,
             window_size=self.window_size,
             slot_mapping=slot_mapping,
+            release=self.release,
         )
 
     @override
@@ -361,6 +374,55 @@ class FlashAttentionMetadataBuilder(
                 md, max_seqlen_k=self.max_blocks * self.kv_cache_spec.block_size
             )
         return md
+
+
+def _fa2_max_seqlen_q(cm: CommonAttentionMetadata) -> int:
+    """flash-attn 2's ``max_seqlen_q`` for the step: the longest query, except 2 for a
+    step whose longest query is 1 but where some request has none.
+
+    With ``max_seqlen_q == 1`` (and GQA, no window, no ALiBi) flash-attn 2 reshapes ``q``
+    to ``(batch, num_heads_k, ngroups, d)`` and ignores ``cu_seqlens_q`` (2.8.3
+    ``csrc/flash_attn/flash_api.cpp``, ``mha_varlen_fwd``, lines 585-598): that needs
+    ``total_q == batch``, which a zero-length query row breaks. ``max_seqlen_q`` is an
+    upper bound (it sizes the grid: one query tile either way), so 2 takes the general
+    varlen path, which reads ``cu_seqlens_q`` and skips empty rows; bottom-right causal
+    alignment gives a one-token row every key, as before. Reads host data only.
+    """
+    longest = cm.max_query_len
+    if longest == 1 and cm.num_actual_tokens < cm.num_reqs:
+        return 2
+    return longest
+
+
+def _zero_page_tails(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    """Zero the rows past ``seq_lens[r]`` in request ``r``'s last page (both planes).
+
+    flash-attn 4 loads whole pages when they load by TMA: rows past ``seqused_k`` in a
+    sequence's last, partly used page are read, their scores masked, but ``0 * NaN`` in
+    ``P @ V`` is NaN, so they must be finite (b36 ``flash_attn_varlen_func`` docstring,
+    ``page_table``). attnkit's cache is uninitialised memory (and a freed page may have
+    held another group's bytes), so before each call the tail of every last page is
+    zeroed: ``B * block_size`` rows per plane, whatever the step's token count. Every
+    other row the kernel reads is a written key/value (rows below ``seq_len``) or the
+    null block (zeros). No host sync, fixed shapes (CUDA-graph safe): rows not to clear
+    (and requests with no keys, whose table row may be stale) rewrite the null block's
+    first row with the zeros it holds.
+    """
+    if block_table.shape[0] == 0 or block_table.shape[1] == 0:
+        return
+    block_size = cache.shape[2]
+    lens = seq_lens.long()
+    last = torch.clamp(lens - 1, min=0) // block_size
+    pages = block_table.long().gather(1, last[:, None])
+    rows = torch.arange(block_size, device=cache.device)[None, :]
+    tail = (rows >= (lens - last * block_size)[:, None]) & (lens > 0)[:, None]
+    blocks = torch.where(tail, pages, torch.zeros_like(pages)).flatten()
+    offsets = torch.where(tail, rows, torch.zeros_like(rows)).flatten()
+    zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
+    for plane in (0, 1):
+        cache[:, plane].index_put_((blocks, offsets), zero)
 
 
 def _write_kv(
@@ -388,21 +450,51 @@ def _import_varlen_func(version: Literal[2]) -> FlashAttn2VarlenFunc: ...
 @overload
 def _import_varlen_func(version: Literal[4]) -> FlashAttn4VarlenFunc: ...
 def _import_varlen_func(version: FlashAttnVersion) -> VarlenFunc:
-    """Import ``flash_attn_varlen_func`` of flash-attn ``version`` (on first use)."""
+    """Import ``flash_attn_varlen_func`` of flash-attn ``version`` (on first use), and
+    check that it takes every keyword the backend passes.
+
+    The check catches a ``flash_attn.cute`` that is not flash-attn 4's: flash-attn
+    2.8.0-2.8.3 ship a prototype ``flash_attn/cute`` package (no ``max_seqlen_q``), and
+    it can shadow flash-attn-4's files when both distributions are installed.
+    """
     module_name = "flash_attn.flash_attn_interface" if version == 2 else "flash_attn.cute"
     pip = _versions.FA2_PIP if version == 2 else _versions.FA4_PIP
+    where = f"{module_name}.flash_attn_varlen_func"
     try:
         module = importlib.import_module(module_name)
         # Untyped package: the attribute is trusted to be the function the protocol of
-        # ``version`` describes (the overloads above say which).
+        # ``version`` describes (the overloads above say which), once its keywords match.
         func: VarlenFunc = module.flash_attn_varlen_func
     except (ImportError, AttributeError) as exc:
         raise ImportError(
-            f"the flash_attn backend runs flash-attn {version}, but "
-            f"{module_name}.flash_attn_varlen_func could not be imported ({exc}); "
-            f"install it with: {pip}"
+            f"the flash_attn backend runs flash-attn {version}, but {where} could not be "
+            f"imported ({exc}); install it with: {pip}"
         ) from exc
+    protocol = FlashAttn2VarlenFunc if version == 2 else FlashAttn4VarlenFunc
+    missing = _missing_keywords(func, protocol)
+    if missing:
+        raise ImportError(
+            f"the flash_attn backend runs flash-attn {version}, but {where} does not take "
+            f"{', '.join(missing)}: it is not flash-attn {version}'s interface (flash-attn "
+            f"2.8.x ships a prototype flash_attn.cute); install it with: {pip}"
+        )
     return func
+
+
+def _missing_keywords(func: Callable[..., object], protocol: type) -> list[str]:
+    """The keyword arguments of ``protocol.__call__`` that ``func`` does not take."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # no signature to read (a C function): trust it
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    wanted = [
+        name
+        for name, p in inspect.signature(protocol.__call__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    return [name for name in wanted if name not in params]
 
 
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, AttentionLayerParams]):
@@ -448,8 +540,10 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
             if params.alibi_slopes is not None
             else None
         )
-        # flash-attn 4's learnable_sink must be bfloat16.
-        self._sinks = params.sinks.to(torch.bfloat16) if params.sinks is not None else None
+        # The layer's sink logits as given; flash-attn 4 gets them in a dtype its release
+        # accepts (``_versions.sink_dtypes``), converted once per dtype and device.
+        self._sinks_given = params.sinks
+        self._sinks: torch.Tensor | None = None
         funcs = varlen_funcs or {}
         # By the documented contract, key 2 holds a flash-attn 2 function and key 4 a
         # flash-attn 4 one; a mapping cannot say so per key, hence the casts.
@@ -478,13 +572,22 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
         return self._fa4
 
     def _layer_tensors(
-        self, device: torch.device
+        self, device: torch.device, release: str | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """ALiBi slopes and sink logits on ``device`` (moved once, on first use)."""
+        """ALiBi slopes and sink logits on ``device`` (moved once, on first use).
+
+        Sinks keep their dtype when flash-attn 4 ``release`` accepts it (float16,
+        bfloat16 or float32 from 4.0.0b30), else become bfloat16 (the only dtype before).
+        """
         if self._alibi is not None and self._alibi.device != device:
             self._alibi = self._alibi.to(device)
-        if self._sinks is not None and self._sinks.device != device:
-            self._sinks = self._sinks.to(device)
+        given = self._sinks_given
+        if given is None:
+            return self._alibi, None
+        accepted = _versions.sink_dtypes(release)
+        dtype = given.dtype if given.dtype in accepted else torch.bfloat16
+        if self._sinks is None or self._sinks.dtype != dtype or self._sinks.device != device:
+            self._sinks = given.to(device=device, dtype=dtype)
         return self._alibi, self._sinks
 
     @override
@@ -529,9 +632,12 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
             k, v = cache[:, 0], cache[:, 1]
         if n == 0 or md.num_reqs == 0:
             return output
+        if fa4 is not None and md.block_table is not None and md.seqused_k is not None:
+            # Rows past seq_len in each last page must be finite (``_zero_page_tails``).
+            _zero_page_tails(kv_cache[0], md.block_table, md.seqused_k)
 
         q = query[:n]
-        alibi_slopes, learnable_sink = self._layer_tensors(q.device)
+        alibi_slopes, learnable_sink = self._layer_tensors(q.device, md.release)
         if fa2 is not None:
             out = fa2(
                 q,
@@ -603,7 +709,7 @@ class FlashAttentionBackend(AttentionBackend):
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """Nothing installed; a CUDA device asked for where there is none."""
         reasons: list[str] = []
-        if not _versions.installed_versions():
+        if not _versions.installed_releases():
             reasons.append(_versions.NOT_INSTALLED_REASON)
         if device.type == "cuda" and not _versions.cuda_available():
             reasons.append(_versions.NO_CUDA_REASON)
@@ -636,7 +742,7 @@ class FlashAttentionBackend(AttentionBackend):
         choice = _versions.choose_version(
             _options(request.config).version,
             request.capability if request.device.type == "cuda" else None,
-            installed=_versions.installed_versions(),
+            installed=_versions.installed_releases(),
             spec=spec,
             features=request.features,
         )
