@@ -1225,6 +1225,46 @@ def _reasons(
     )
 
 
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "capability", "refused"),
+    [
+        ("fp8_e4m3", (8, 0), True),
+        ("fp8_e4m3", (8, 6), True),
+        ("fp8_e4m3", (8, 9), False),
+        ("fp8_e4m3", (9, 0), False),
+        ("fp8_e4m3", (10, 0), False),
+        ("fp8_e4m3", None, False),  # unknown capability: nothing to judge
+        ("auto", (8, 0), False),
+    ],
+)
+def test_fp8_e4m3_cache_needs_sm89_on_cuda(
+    kv_cache_dtype: str, capability: tuple[int, int] | None, refused: bool
+) -> None:
+    """Triton has the e4m3 type only from sm_89 (an sm_80 compile fails): an A100 with an
+    fp8_e4m3 cache is refused with the reason, not routed to kernels that cannot build."""
+    spec = dataclasses.replace(SPEC, kv_cache_dtype=kv_cache_dtype)
+    reasons = TritonAttentionBackend.not_supported_reasons(
+        BackendRequest(spec=spec, device=torch.device("cuda"), capability=capability)
+    )
+    expected = (
+        [
+            f"kv_cache_dtype='fp8_e4m3' needs compute capability >= 8.9 (Triton has no e4m3 "
+            f"type before sm_89), got {capability[0]}.{capability[1]}"
+        ]
+        if refused and capability is not None
+        else []
+    )
+    assert [r for r in reasons if "fp8" in r] == expected
+    # On CPU (the interpreter) the fp8 cache stays served.
+    assert not [
+        r
+        for r in TritonAttentionBackend.not_supported_reasons(
+            BackendRequest(spec=spec, device=torch.device("cpu"))
+        )
+        if "fp8" in r
+    ]
+
+
 def test_declarations_are_valid() -> None:
     assert TritonAttentionBackend.declaration_problems() == []
     assert TritonAttentionBackend.name == "triton_attn"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionBackend
+from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange, SizeRule
@@ -553,6 +553,10 @@ class TritonAttentionImpl(
         return self._scratch
 
 
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+"""The first compute capability whose Triton target has the fp8 e4m3 type (Ada)."""
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: every causal and bidirectional kind but sinks tokens and MLA."""
 
@@ -585,3 +589,30 @@ class TritonAttentionBackend(AttentionBackend):
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
         return triton_cpu_reasons(device, _KERNEL_MODULE)
+
+    @classmethod
+    @override
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        """fp8_e4m3 caches need compute capability >= 8.9 on CUDA: Triton compiles the
+        e4m3 type (``fp8e4nv``) only for sm_89 and newer; sm_80-sm_87 have ``fp8e4b15``
+        and ``fp8e5`` only (``triton/backends/nvidia/compiler.py``, ``supported_fp8_dtypes``;
+        an ahead-of-time compile of these kernels for sm_80 fails with "type fp8e4nv not
+        supported in this architecture"). A decode path that widens e4m3 bytes by hand
+        on sm_80 would cost a bit-manipulation per element on the hottest loop for GPUs
+        whose fp8 cache saves memory but not bandwidth-bound time, so it is declared
+        instead."""
+        spec = request.spec
+        capability = request.capability
+        if (
+            isinstance(spec, AttentionSpec)
+            and spec.kv_cache_dtype == "fp8_e4m3"
+            and request.device.type == "cuda"
+            and capability is not None
+            and capability < FP8_E4M3_MIN_CAPABILITY
+        ):
+            major, minor = FP8_E4M3_MIN_CAPABILITY
+            return [
+                f"kv_cache_dtype='fp8_e4m3' needs compute capability >= {major}.{minor} "
+                f"(Triton has no e4m3 type before sm_89), got {capability[0]}.{capability[1]}"
+            ]
+        return []
