@@ -40,6 +40,13 @@ LAYERS: dict[str, int] = {
     "attnkit.runtime": 10,
     "attnkit.backend_api": 11,
     "attnkit.demo": 11,
+    # The conformance kit (docs/backend-authors.md): beside backend_api and demo, above
+    # the runtime; its own modules stack inside the package, and nothing imports it.
+    "attnkit.testing.tolerances": 11,
+    "attnkit.testing.strategies": 11,
+    "attnkit.testing._cases": 12,
+    "attnkit.testing": 13,
+    "attnkit.testing.pytest_plugin": 14,
     "attnkit.cli": 12,
     "attnkit": 13,
     "attnkit.__main__": 14,

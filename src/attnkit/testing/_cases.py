@@ -1,0 +1,520 @@
+"""Running one conformance case: the backend under test beside ``reference``.
+
+Both run the same case through their own ``AttentionRuntime`` (caches filled with NaN,
+block pools shuffled by the case's seed, so blocks are neither contiguous nor in
+order), with identical inputs per request and step; outputs are compared per request
+with the dtype's tolerance. ``run_case`` returns ``None`` when they agree and the
+first disagreement, as text, otherwise. Anything the backend under test raises is a
+failure; anything ``reference`` raises is a problem of the kit (``KitError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import torch
+
+from ..builder import AttentionCGSupport
+from ..capabilities import AttentionFeature
+from ..config import AttentionConfig
+from ..params import (
+    AttentionLayerParams,
+    GatedDeltaNetLayerParams,
+    LayerParams,
+    LinearAttentionLayerParams,
+    Mamba2LayerParams,
+    ShortConvLayerParams,
+)
+from ..registry import BackendRegistry
+from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
+from ..spec import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from ..state_inputs import (
+    GatedDeltaNetInputs,
+    LinearAttentionInputs,
+    Mamba2Inputs,
+    ShortConvInputs,
+    StateInputs,
+)
+from .strategies import Case, LayerChoice, Step
+from .tolerances import Tolerance, tolerance_for
+
+__all__ = ["KitError", "check_cudagraph", "config_for", "make_layer", "run_case", "tolerance_of"]
+
+LAYER = "layer"
+REFERENCE = "reference"
+SOFT_CAP = 1.5
+"""Small enough that the cap changes scores of the kit's inputs by several percent."""
+
+
+class KitError(Exception):
+    """The reference side of a case failed: a problem of the kit or of the case, not of
+    the backend under test."""
+
+
+def config_for(kind: KVCacheSpecKind, backend: str) -> AttentionConfig:
+    """Small engine limits (they size CUDA-graph buffers and bound the interpreter's grids)."""
+    return AttentionConfig(
+        backend_per_kind={kind: backend},
+        max_num_reqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=160,
+    )
+
+
+def tolerance_of(choice: LayerChoice) -> Tolerance:
+    if choice.kind is KVCacheSpecKind.MAMBA:
+        return tolerance_for(torch.float32)
+    cache = choice.kv_cache_dtype
+    if choice.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        cache = "auto"  # no cache: nothing is quantised
+    return tolerance_for(choice.dtype, cache)
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerParams]:
+    """The case's spec and layer parameters (weights drawn from the case's seed)."""
+    choice = case.choice
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    if choice.kind is KVCacheSpecKind.MAMBA:
+        return _state_layer(choice, gen, device)
+    common: dict[str, Any] = {
+        "block_size": choice.block_size,
+        "num_kv_heads": case.num_kv_heads,
+        "head_size": choice.head_size,
+        "dtype": choice.dtype,
+        "kv_cache_dtype": choice.kv_cache_dtype,
+    }
+    window = case.window if case.window is not None else 1
+    kind = choice.kind
+    spec: KVCacheSpec
+    if kind is KVCacheSpecKind.FULL_ATTENTION:
+        spec = FullAttentionSpec(**common)
+    elif kind is KVCacheSpecKind.SLIDING_WINDOW:
+        spec = SlidingWindowSpec(**common, sliding_window=window)
+    elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
+        spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
+    elif kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
+        spec = SinkFullAttentionSpec(**common, sink_len=window)
+    elif kind is KVCacheSpecKind.MLA_ATTENTION:
+        spec = MLAAttentionSpec(**common)
+    elif kind is KVCacheSpecKind.SLIDING_WINDOW_MLA:
+        spec = SlidingWindowMLASpec(**common, sliding_window=window)
+    elif kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        spec = EncoderOnlyAttentionSpec(**common)
+    else:
+        spec = CrossAttentionSpec(**common)
+    hq = case.num_heads
+    features = choice.features
+    sink_kv: dict[str, Any] = {}
+    if kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
+        shape = (window, case.num_kv_heads, choice.head_size)
+        sink_kv = {
+            "sink_key": _randn(gen, *shape).to(device, choice.dtype),
+            "sink_value": _randn(gen, *shape).to(device, choice.dtype),
+        }
+    params = AttentionLayerParams(
+        num_heads=hq,
+        logits_soft_cap=SOFT_CAP if AttentionFeature.LOGITS_SOFT_CAP in features else None,
+        alibi_slopes=(
+            tuple(2.0 ** (-(i + 1) / 2) for i in range(hq))
+            if AttentionFeature.ALIBI in features
+            else None
+        ),
+        sinks=(
+            _randn(gen, hq).to(device) if AttentionFeature.ATTENTION_SINKS in features else None
+        ),
+        k_scale=0.5 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
+        v_scale=2.0 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
+        **sink_kv,
+    )
+    return spec, params
+
+
+def _state_layer(
+    choice: LayerChoice, gen: torch.Generator, device: torch.device
+) -> tuple[KVCacheSpec, LayerParams]:
+    bs = choice.block_size
+    params: LayerParams
+    if choice.mamba_type == "mamba2":
+        heads, head_dim, groups, d_state = 2, 8, 1, 8
+        conv_dim = heads * head_dim + 2 * groups * d_state
+        params = Mamba2LayerParams(
+            num_heads=heads,
+            head_dim=head_dim,
+            n_groups=groups,
+            d_state=d_state,
+            conv_weight=_randn(gen, conv_dim, 4, scale=0.5).to(device),
+            conv_bias=_randn(gen, conv_dim, scale=0.1).to(device),
+            A=-torch.rand(heads, generator=gen).add(0.5).to(device),
+            D=_randn(gen, heads).to(device),
+            dt_bias=_randn(gen, heads, scale=0.5).to(device),
+            dt_softplus=True,
+            chunk_size=8,
+        )
+        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float32)
+    elif choice.mamba_type == "gdn":
+        heads, key_dim, value_dim = 2, 8, 8
+        conv_dim = heads * (2 * key_dim + value_dim)
+        params = GatedDeltaNetLayerParams(
+            num_heads=heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            conv_weight=_randn(gen, conv_dim, 4, scale=0.5).to(device),
+            conv_bias=None,
+            chunk_size=16,
+        )
+        dtypes = (torch.float32, torch.float32)
+    elif choice.mamba_type == "linear":
+        heads = 2
+        decay = torch.tensor([2.0 ** (-4.0 * (i + 1)) for i in range(heads)], device=device)
+        params = LinearAttentionLayerParams(
+            num_heads=heads, key_dim=8, value_dim=8, decay=decay, chunk_size=16
+        )
+        dtypes = (torch.float32,)
+    elif choice.mamba_type == "short_conv":
+        params = ShortConvLayerParams(
+            channels=16, conv_weight=_randn(gen, 16, 3, scale=0.5).to(device)
+        )
+        dtypes = (torch.float32,)
+    else:
+        raise KitError(f"the kit has no inputs for mamba_type={choice.mamba_type}")
+    spec = MambaSpec(
+        block_size=bs, shapes=params.state_shapes, dtypes=dtypes, mamba_type=choice.mamba_type
+    )
+    return spec, params
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """One request's inputs of one step (attention: q, k, v; state: the input class)."""
+
+    tensors: dict[str, torch.Tensor]
+    encoder: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _request_inputs(
+    case: Case, n: int, encoder_len: int, gen: torch.Generator, device: torch.device
+) -> _Inputs:
+    choice = case.choice
+    if choice.kind is KVCacheSpecKind.MAMBA:
+        return _Inputs(_state_inputs(choice, n, gen, device))
+    d, hkv, hq = choice.head_size, case.num_kv_heads, case.num_heads
+
+    def t(*shape: int) -> torch.Tensor:
+        return _randn(gen, *shape).to(device, choice.dtype)
+
+    tensors = {"q": t(n, hq, d), "k": t(n, hkv, d), "v": t(n, hkv, d)}
+    encoder = (t(encoder_len, hkv, d), t(encoder_len, hkv, d)) if encoder_len else None
+    return _Inputs(tensors, encoder)
+
+
+def _state_inputs(
+    choice: LayerChoice, n: int, gen: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return _randn(gen, *shape, scale=scale).to(device)
+
+    if choice.mamba_type == "mamba2":
+        return {"xBC": t(n, 2 * 8 + 2 * 8), "dt": t(n, 2, scale=0.5)}
+    if choice.mamba_type == "gdn":
+        return {
+            "qkv": t(n, 2 * (2 * 8 + 8), scale=0.5),
+            "g": -torch.nn.functional.softplus(t(n, 2)),
+            "beta": torch.sigmoid(t(n, 2)),
+        }
+    if choice.mamba_type == "linear":
+        return {
+            "q": torch.nn.functional.silu(t(n, 2, 8)),
+            "k": torch.nn.functional.silu(t(n, 2, 8)),
+            "v": t(n, 2, 8),
+        }
+    return {"b": t(n, 16), "c": t(n, 16), "x": t(n, 16)}
+
+
+def _as_state_inputs(choice: LayerChoice, tensors: dict[str, torch.Tensor]) -> StateInputs:
+    if choice.mamba_type == "mamba2":
+        return Mamba2Inputs(xBC=tensors["xBC"], dt=tensors["dt"])
+    if choice.mamba_type == "gdn":
+        return GatedDeltaNetInputs(qkv=tensors["qkv"], g=tensors["g"], beta=tensors["beta"])
+    if choice.mamba_type == "linear":
+        return LinearAttentionInputs(q=tensors["q"], k=tensors["k"], v=tensors["v"])
+    return ShortConvInputs(b=tensors["b"], c=tensors["c"], x=tensors["x"])
+
+
+def _budget(spec: KVCacheSpec, case: Case) -> int:
+    live = max(len(s.scheduled) + len(s.finished) for s in case.steps)
+    longest = sum(n + enc for s in case.steps for _, n, enc in s.scheduled)
+    sink = case.window if case.choice.kind is KVCacheSpecKind.SINK_FULL_ATTENTION else 0
+    per_request = -(-(longest + (sink or 0)) // spec.block_size) + 2
+    return spec.page_size_bytes * (live * per_request + 8)
+
+
+class _Side:
+    """One runtime of a case (the backend under test or reference)."""
+
+    def __init__(
+        self,
+        backend: str,
+        case: Case,
+        spec: KVCacheSpec,
+        params: LayerParams,
+        registry: BackendRegistry,
+        device: torch.device,
+    ) -> None:
+        self.runtime = AttentionRuntime(
+            {LAYER: spec},
+            config_for(case.choice.kind, backend),
+            device=device,
+            memory_budget_bytes=_budget(spec, case),
+            layer_params={LAYER: params},
+            registry=registry,
+            cache_fill=float("nan"),
+        )
+        # Blocks handed out in a shuffled order: tables are neither contiguous nor sorted.
+        random.Random(case.seed).shuffle(self.runtime.manager.pool._free)
+
+    def begin(self, step: Step) -> StepBatch:
+        return self.runtime.begin_step(
+            [ScheduledRequest(rid, n, enc) for rid, n, enc in step.scheduled],
+            finished=step.finished,
+        )
+
+    def forward(
+        self, case: Case, batch: StepBatch, inputs: dict[str, _Inputs]
+    ) -> dict[str, torch.Tensor]:
+        """The step's output per request (rows of ``batch.order``)."""
+        choice = case.choice
+        order = batch.order
+        keys = list(inputs[order[0]].tensors)
+        joined = {k: torch.cat([inputs[r].tensors[k] for r in order]) for k in keys}
+        if choice.kind is KVCacheSpecKind.MAMBA:
+            out = self.runtime.forward_state(LAYER, _as_state_inputs(choice, joined))
+        elif choice.kind is KVCacheSpecKind.CROSS_ATTENTION:
+            enc = [e for r in batch.encoder_order if (e := inputs[r].encoder) is not None]
+            key = torch.cat([e[0] for e in enc]) if enc else None
+            value = torch.cat([e[1] for e in enc]) if enc else None
+            out = self.runtime.forward(LAYER, joined["q"], key, value)
+        else:
+            out = self.runtime.forward(LAYER, joined["q"], joined["k"], joined["v"])
+        return {rid: out[rows] for rid, rows in batch.token_slices().items()}
+
+
+def _compare(where: str, got: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> str | None:
+    if got.shape != expected.shape:
+        return f"{where}: output shape {list(got.shape)}, expected {list(expected.shape)}"
+    g, e = got.double(), expected.double()
+    if e.isnan().any():
+        raise KitError(f"{where}: the reference output holds NaN")
+    bad = ~((g - e).abs() <= tol.atol + tol.rtol * e.abs())  # NaN compares False: bad
+    if not bad.any():
+        return None
+    nan = int(g.isnan().sum())
+    err = (g - e).abs().nan_to_num(float("inf")).max().item()
+    what = f"{nan} NaN value(s)" if nan else f"max abs error {err:.3g}"
+    return (
+        f"{where}: {int(bad.sum())} of {bad.numel()} values differ from reference "
+        f"({what}; tolerance {tol})"
+    )
+
+
+def _step_inputs(
+    case: Case, step: Step, gen: torch.Generator, device: torch.device
+) -> dict[str, _Inputs]:
+    # Drawn in the schedule's order, so both sides get the same tensors whatever
+    # order their runtimes lay the batch out in.
+    return {rid: _request_inputs(case, n, enc, gen, device) for rid, n, enc in step.scheduled}
+
+
+def _sides(
+    case: Case, backend: str, registry: BackendRegistry, device: torch.device
+) -> tuple[_Side, _Side] | str:
+    spec, params = make_layer(case, device)
+    try:
+        ref = _Side(REFERENCE, case, spec, params, registry, device)
+    except Exception as exc:
+        raise KitError(f"reference cannot run the case: {exc}") from exc
+    try:
+        test = _Side(backend, case, spec, params, registry, device)
+    except Exception as exc:
+        return f"rejected at run time: {type(exc).__name__}: {exc}"
+    return test, ref
+
+
+def run_case(
+    case: Case, backend: str, registry: BackendRegistry, device: torch.device
+) -> str | None:
+    """``None`` when ``backend`` agrees with reference on every step of ``case``; else
+    the first disagreement (or what ``backend`` raised)."""
+    sides = _sides(case, backend, registry, device)
+    if isinstance(sides, str):
+        return sides
+    test, ref = sides
+    gen = torch.Generator().manual_seed(case.seed)
+    tol = tolerance_of(case.choice)
+    cached: dict[str, int] = {}
+    for i, step in enumerate(case.steps):
+        for rid in step.finished:
+            cached.pop(rid, None)
+        inputs = _step_inputs(case, step, gen, device)
+        try:
+            expected = ref.forward(case, ref.begin(step), inputs)
+        except Exception as exc:
+            raise KitError(f"step {i}: reference failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            got = test.forward(case, test.begin(step), inputs)
+        except Exception as exc:
+            return f"step {i}: {type(exc).__name__}: {exc}"
+        for rid, n, _ in step.scheduled:
+            before = cached.get(rid, 0)
+            cached[rid] = before + n
+            where = f"step {i}, request {rid} ({_role(before, n)})"
+            problem = _compare(where, got[rid], expected[rid], tol)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _role(cached: int, n: int) -> str:
+    """What a request does in a step, in the words of the report."""
+    if not cached:
+        return f"prefill of {n} token(s)"
+    if n == 1:
+        return f"decode after {cached} token(s)"
+    return f"chunked prefill of {n} token(s) after {cached}"
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+_GRAPH_STEPS: dict[AttentionCGSupport, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    # Two batches of one shape (requests, tokens), other lengths and blocks.
+    AttentionCGSupport.ALWAYS: ((1, 5, 2), (3, 1, 4)),
+    AttentionCGSupport.UNIFORM_BATCH: ((2, 2, 2), (2, 2, 2)),
+    AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: ((1, 1, 1), (1, 1, 1)),
+}
+
+
+def _tensor_fields(meta: object) -> dict[str, torch.Tensor]:
+    fields: dict[str, Any] = (
+        {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+        if dataclasses.is_dataclass(meta)
+        else dict(getattr(meta, "__dict__", {}))
+    )
+    return {k: v for k, v in fields.items() if isinstance(v, torch.Tensor) and v.numel()}
+
+
+def check_cudagraph(
+    choice: LayerChoice,
+    level: AttentionCGSupport,
+    backend: str,
+    registry: BackendRegistry,
+    device: torch.device,
+    seed: int,
+) -> tuple[Case, str | None, list[str]]:
+    """Two capture builds of batches of one shape; the first build's metadata (what a
+    captured graph would read) replayed on the second batch must match reference.
+
+    Returns the case, the failure (``None`` if none) and the tensor fields whose
+    address moved between the two builds.
+    """
+    first, second = _GRAPH_STEPS[level]
+    ids = [f"r{i}" for i in range(3)]
+    enc = 4 if choice.kind is KVCacheSpecKind.CROSS_ATTENTION else 0
+    steps: tuple[Step, ...]
+    if choice.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        # Requests come whole: two batches of new requests, the second after the first.
+        later = [f"r{i}" for i in range(3, 6)]
+        steps = (
+            Step(tuple((r, n, 0) for r, n in zip(ids, first, strict=True))),
+            Step(tuple((r, n, 0) for r, n in zip(later, second, strict=True)), tuple(ids)),
+        )
+    else:
+        steps = (
+            Step(tuple((r, n, enc) for r, n in zip(ids, (6, 3, 9), strict=True))),
+            Step(tuple((r, n, 0) for r, n in zip(ids, first, strict=True))),
+            Step(tuple((r, n, 0) for r, n in zip(ids, second, strict=True))),
+        )
+    capture_from = len(steps) - 2
+    window = (
+        2 * choice.block_size - 1
+        if choice.kind
+        in (
+            KVCacheSpecKind.SLIDING_WINDOW,
+            KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+            KVCacheSpecKind.SINK_FULL_ATTENTION,
+            KVCacheSpecKind.SLIDING_WINDOW_MLA,
+        )
+        else None
+    )
+    heads = 1 if choice.kind in (KVCacheSpecKind.MLA_ATTENTION,) else 2
+    case = Case(
+        choice, heads, 1 if choice.kind is KVCacheSpecKind.MAMBA else 2, window, steps, seed
+    )
+    sides = _sides(case, backend, registry, device)
+    if isinstance(sides, str):
+        return case, sides, []
+    test, ref = sides
+    entry = test.runtime._groups[0]
+    gen = torch.Generator().manual_seed(seed)
+    tol = tolerance_of(choice)
+    captured: Any = None
+    addresses: dict[str, int] = {}
+    moved: list[str] = []
+    for i, step in enumerate(steps):
+        inputs = _step_inputs(case, step, gen, device)
+        expected = ref.forward(case, ref.begin(step), inputs)
+        try:
+            batch = test.begin(step)
+            if i >= capture_from:
+                assert entry.common is not None
+                try:
+                    meta = entry.builder.build_for_cudagraph_capture(entry.common)
+                except Exception as exc:
+                    lens = [n for _, n, _ in step.scheduled]
+                    return (
+                        case,
+                        (
+                            f"claims {level.name} but cannot build a capture of a batch with "
+                            f"query lengths {lens}: {type(exc).__name__}: {exc}"
+                        ),
+                        moved,
+                    )
+                if captured is None:
+                    captured = meta
+                    addresses = {k: v.data_ptr() for k, v in _tensor_fields(meta).items()}
+                else:
+                    now = _tensor_fields(meta)
+                    moved = sorted(
+                        k for k, ptr in addresses.items() if k in now and now[k].data_ptr() != ptr
+                    )
+                # A captured graph reads the first capture's addresses on every replay.
+                entry.metadata = captured
+            got = test.forward(case, batch, inputs)
+        except Exception as exc:
+            return case, f"step {i}: {type(exc).__name__}: {exc}", moved
+        for rid, _, _ in step.scheduled:
+            where = f"step {i}, request {rid}" + (
+                " (replaying the first capture's metadata)" if i == len(steps) - 1 else ""
+            )
+            problem = _compare(where, got[rid], expected[rid], tol)
+            if problem is not None:
+                if moved:
+                    problem += f"; tensors reallocated between capture builds: {', '.join(moved)}"
+                return case, f"claims {level.name}: {problem}", moved
+    return case, None, moved

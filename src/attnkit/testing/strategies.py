@@ -1,0 +1,305 @@
+"""Hypothesis strategies for conformance cases: layer choices, schedules, cases.
+
+A **case** is one layer (its spec kind and the declared capability under test: head
+size, block size, dtype, cache dtype, features, state type), a GQA ratio, a window /
+chunk / sink length near the block boundaries, and a **schedule**: steps of
+``(request, new tokens)`` with the requests finished before each step. Schedules mix
+new requests, chunked prefills continuing over several steps, decodes, idle and
+finished requests, in a random batch order; tensors come from the case's seed.
+
+Strategies are built for ``hypothesis.find``, so a failing case shrinks to the
+smallest one (fewest steps, requests and tokens; decodes before chunks)::
+
+    from attnkit.testing.strategies import LayerChoice, cases
+    case = cases(LayerChoice(kind=KVCacheSpecKind.FULL_ATTENTION, head_size=16,
+                             block_size=16, dtype=torch.float32)).example()
+
+Needs ``hypothesis`` (``pip install 'attnkit[testing]'``); ``import attnkit`` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from .._validation import dtype_name
+from ..capabilities import AttentionFeature
+from ..spec import KVCacheDType, KVCacheSpecKind, MambaType
+
+__all__ = [
+    "Case",
+    "LayerChoice",
+    "Step",
+    "boundary_lengths",
+    "cases",
+    "ragged_case",
+    "schedules",
+]
+
+_NO_CACHE = KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+_MLA = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """One declared capability choice: the layer a case runs.
+
+    Attributes:
+        kind: the spec kind.
+        head_size, block_size, dtype, kv_cache_dtype: the attention spec's fields
+            (state layers use ``block_size`` only; their states are float32).
+        features: the optional features the layer parameters ask for.
+        mamba_type: the state type (``kind`` mamba only).
+    """
+
+    kind: KVCacheSpecKind
+    head_size: int = 16
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    kv_cache_dtype: KVCacheDType = "auto"
+    features: frozenset[AttentionFeature] = frozenset()
+    mamba_type: MambaType | None = None
+
+    def describe(self) -> str:
+        if self.kind is KVCacheSpecKind.MAMBA:
+            return f"mamba_type={self.mamba_type} block_size={self.block_size}"
+        parts = [
+            self.kind.value,
+            f"head_size={self.head_size}",
+            f"block_size={self.block_size}",
+            f"dtype={dtype_name(self.dtype)}",
+            f"kv_cache_dtype={self.kv_cache_dtype}",
+        ]
+        parts += [f"feature={f.value}" for f in sorted(self.features, key=lambda f: f.value)]
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One scheduling step.
+
+    Attributes:
+        scheduled: ``(request id, new tokens, encoder tokens)`` in the engine's order
+            (encoder tokens: cross-attention requests in their first step, else 0).
+        finished: requests freed before the step.
+    """
+
+    scheduled: tuple[tuple[str, int, int], ...]
+    finished: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        reqs = ", ".join(
+            f"{rid}+{n}" + (f" (encoder {enc})" if enc else "") for rid, n, enc in self.scheduled
+        )
+        done = f"; finished {', '.join(self.finished)}" if self.finished else ""
+        return f"[{reqs}{done}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A layer, its shape parameters, a schedule and a seed for every tensor.
+
+    Attributes:
+        choice: the declared capability under test.
+        num_kv_heads: key/value heads (1 for MLA; the state layers' head count).
+        gqa: query heads per KV head (``num_heads = num_kv_heads * gqa``).
+        window: the sliding window, chunk size or sink length of kinds that have one.
+        steps: the schedule.
+        seed: seeds the tensors and the shuffle of the block pool.
+    """
+
+    choice: LayerChoice
+    num_kv_heads: int
+    gqa: int
+    window: int | None
+    steps: tuple[Step, ...]
+    seed: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.gqa
+
+    def describe(self) -> str:
+        """One line: what to rerun by hand."""
+        window = {
+            KVCacheSpecKind.SLIDING_WINDOW: "sliding_window",
+            KVCacheSpecKind.SLIDING_WINDOW_MLA: "sliding_window",
+            KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: "attention_chunk_size",
+            KVCacheSpecKind.SINK_FULL_ATTENTION: "sink_len",
+        }.get(self.choice.kind)
+        shape = f"num_kv_heads={self.num_kv_heads} num_heads={self.num_heads}"
+        if window is not None:
+            shape += f" {window}={self.window}"
+        steps = " ".join(s.describe() for s in self.steps)
+        return f"{self.choice.describe()} {shape} seed={self.seed} steps: {steps}"
+
+
+def boundary_lengths(block_size: int, *, extra: tuple[int, ...] = ()) -> list[int]:
+    """Lengths at and around block boundaries: 1, bs-1, bs, bs+1, 2bs-1, 2bs, 2bs+1."""
+    found = {1, 2, *extra}
+    for m in (1, 2):
+        found.update({m * block_size - 1, m * block_size, m * block_size + 1})
+    return sorted(n for n in found if n >= 1)
+
+
+def schedules(
+    kind: KVCacheSpecKind,
+    *,
+    max_requests: int = 3,
+    max_steps: int = 3,
+    max_len: int = 24,
+    max_chunk: int = 12,
+    max_encoder_len: int = 12,
+) -> st.SearchStrategy[tuple[Step, ...]]:
+    """Schedules of 1 to ``max_steps`` steps over up to ``max_requests`` live requests.
+
+    Each step, a live request decodes one token, continues its prompt by a chunk,
+    idles or finishes (finished requests are named in the next step's ``finished``);
+    new requests start with a chunk of their prompt; the batch order is shuffled. No
+    request exceeds ``max_len`` tokens. Encoder-only requests come whole and finish
+    after their step; new cross-attention requests bring 1 to ``max_encoder_len``
+    encoder tokens.
+    """
+
+    @st.composite
+    def build(draw: Callable[[st.SearchStrategy[Any]], Any]) -> tuple[Step, ...]:
+        live: dict[str, int] = {}
+        next_id = 0
+        steps: list[Step] = []
+        for _ in range(draw(st.integers(1, max_steps))):
+            finished: list[str] = []
+            scheduled: list[tuple[str, int, int]] = []
+            idle: list[str] = []
+            for rid in list(live):
+                room = max_len - live[rid]
+                action = (
+                    "finish"
+                    if kind is _NO_CACHE or room <= 0
+                    else draw(st.sampled_from(("decode", "chunk", "idle", "finish")))
+                )
+                if action == "finish":
+                    finished.append(rid)
+                    del live[rid]
+                elif action == "idle":
+                    idle.append(rid)
+                else:
+                    n = 1 if action == "decode" else draw(st.integers(1, min(max_chunk, room)))
+                    scheduled.append((rid, n, 0))
+                    live[rid] += n
+            room_for_new = max_requests - len(live)
+            if not scheduled and not room_for_new:
+                # Everyone idles and no request can start: the first idle one decodes.
+                rid = idle[0]
+                scheduled.append((rid, 1, 0))
+                live[rid] += 1
+            low = 0 if scheduled else 1
+            for _ in range(draw(st.integers(low, max(low, room_for_new)))):
+                rid = f"r{next_id}"
+                next_id += 1
+                limit = max_len if kind is _NO_CACHE else min(max_chunk, max_len)
+                n = draw(st.integers(1, limit))
+                enc = (
+                    draw(st.integers(1, max_encoder_len))
+                    if kind is KVCacheSpecKind.CROSS_ATTENTION
+                    else 0
+                )
+                scheduled.append((rid, n, enc))
+                live[rid] = n
+            order: list[tuple[str, int, int]] = draw(st.permutations(scheduled))
+            steps.append(Step(tuple(order), tuple(finished)))
+        return tuple(steps)
+
+    strategy: st.SearchStrategy[tuple[Step, ...]] = build()
+    return strategy
+
+
+def cases(
+    choice: LayerChoice,
+    *,
+    max_requests: int = 3,
+    max_steps: int = 3,
+    max_len: int | None = None,
+    max_chunk: int | None = None,
+) -> st.SearchStrategy[Case]:
+    """Cases of ``choice``: GQA ratio, window near the block edges, schedule, seed.
+
+    Request lengths default to just over two blocks (20 to 80 tokens), so a request
+    crosses block boundaries; chunks to a bit over one block (9 to 40 tokens).
+    """
+    bs = choice.block_size
+    length = max_len if max_len is not None else min(max(20, 2 * bs + 3), 80)
+    chunk = max_chunk if max_chunk is not None else min(max(9, bs + 2), 40)
+    kind = choice.kind
+    if kind is KVCacheSpecKind.MAMBA:
+        heads: st.SearchStrategy[int] = st.just(2)
+        gqa: st.SearchStrategy[int] = st.just(1)
+    elif kind in _MLA:
+        heads, gqa = st.just(1), st.sampled_from((1, 2, 4))
+    else:
+        heads, gqa = st.sampled_from((1, 2)), st.sampled_from((1, 2, 3))
+    window: st.SearchStrategy[int | None]
+    if kind in (KVCacheSpecKind.SLIDING_WINDOW, KVCacheSpecKind.SLIDING_WINDOW_MLA):
+        window = st.sampled_from(boundary_lengths(bs, extra=(3, 5)))
+    elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
+        window = st.sampled_from(boundary_lengths(bs, extra=(4, max(1, bs // 2))))
+    elif kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
+        window = st.sampled_from(sorted({1, 3, bs - 1, bs, bs + 1} - {0}))
+    else:
+        window = st.none()
+    return st.builds(
+        Case,
+        choice=st.just(choice),
+        num_kv_heads=heads,
+        gqa=gqa,
+        window=window,
+        steps=schedules(
+            kind, max_requests=max_requests, max_steps=max_steps, max_len=length, max_chunk=chunk
+        ),
+        seed=st.integers(0, 2**16),
+    )
+
+
+def ragged_case(choice: LayerChoice, *, seed: int = 0) -> Case:
+    """A fixed case that exercises every path in four steps: a prefill crossing a
+    block edge, continued as a chunk, left idle a step and then decoded; a short
+    prefill that decodes and finishes; requests joining later; 2 KV heads with 2
+    query heads each, the
+    window or chunk one past a block. The kit runs it before the generated cases (the
+    first cases hypothesis generates are its simplest ones)."""
+    bs = choice.block_size
+    kind = choice.kind
+    steps: tuple[Step, ...]
+    if kind is _NO_CACHE:
+        steps = (
+            Step((("r0", bs + 3, 0), ("r1", 5, 0))),
+            Step((("r2", 2, 0), ("r3", bs + 1, 0)), finished=("r0", "r1")),
+            Step((("r4", 1, 0),), finished=("r2", "r3")),
+        )
+    else:
+        enc = kind is KVCacheSpecKind.CROSS_ATTENTION
+        steps = (
+            Step((("r0", bs + 3, bs + 2 if enc else 0), ("r1", 5, 3 if enc else 0))),
+            Step((("r1", 1, 0), ("r0", 4, 0), ("r2", 2, 1 if enc else 0))),
+            Step((("r2", 1, 0), ("r3", 3, 2 if enc else 0)), finished=("r1",)),
+            Step((("r3", 1, 0), ("r0", 1, 0))),
+        )
+    mla = kind in _MLA
+    state = kind is KVCacheSpecKind.MAMBA
+    windowed = (
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.SLIDING_WINDOW_MLA,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+        KVCacheSpecKind.SINK_FULL_ATTENTION,
+    )
+    return Case(
+        choice=choice,
+        num_kv_heads=1 if mla else 2,
+        gqa=1 if state else 2,
+        window=bs + 1 if kind in windowed else None,
+        steps=steps,
+        seed=seed,
+    )
