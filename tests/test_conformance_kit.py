@@ -326,6 +326,29 @@ def test_claiming_cudagraphs_but_reallocating_fails_the_cudagraph_level() -> Non
     assert "slot_mapping" in detail
 
 
+def test_a_capture_that_moves_a_tensor_fails_even_when_values_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pure-decode capture whose values are right but one tensor is a fresh copy on
+    each build: a replay reads the first build's copy, so the claim does not hold."""
+    from attnkit.backends.triton_state.backend import TritonStateMetadataBuilder
+
+    honest = TritonStateMetadataBuilder.build_for_cudagraph_capture
+
+    def copies(self: TritonStateMetadataBuilder, cm: CommonAttentionMetadata) -> object:
+        md = honest(self, cm)
+        return dataclasses.replace(md, has_initial_state=md.has_initial_state.clone())
+
+    monkeypatch.setattr(TritonStateMetadataBuilder, "build_for_cudagraph_capture", copies)
+    report = check_backend(builtin("triton_mamba2"), max_examples=1)
+    (graph,) = [r for r in report.results if r.capability.startswith("cudagraph=")]
+    assert graph.status == "failed"
+    assert graph.detail == (
+        "claims UNIFORM_SINGLE_TOKEN_DECODE but reallocates between capture builds: "
+        "has_initial_state"
+    )
+
+
 def test_a_declared_capability_rejected_at_selection_fails() -> None:
     class RejectsBf16(_Narrow):
         name = "broken_rejects_bf16"

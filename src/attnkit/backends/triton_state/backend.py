@@ -100,6 +100,8 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
         self._graph_indices: torch.Tensor | None = None
+        self._graph_has_initial = torch.zeros(0, dtype=torch.bool)
+        self._graph_prefill_qsl = torch.zeros(0, dtype=torch.int32)
 
     @override
     def build(
@@ -151,13 +153,21 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
                 f"({self.config.max_num_reqs}); raise AttentionConfig.max_num_reqs"
             )
         if self._graph_indices is None:
-            self._graph_indices = torch.zeros(
-                self.config.max_num_reqs, dtype=torch.int32, device=self.device
-            )
+            n = self.config.max_num_reqs
+            self._graph_indices = torch.zeros(n, dtype=torch.int32, device=self.device)
+            # A pure-decode batch: every request has a state, and the prefill part is
+            # empty (its offsets are [0]). Fixed addresses, written once.
+            self._graph_has_initial = torch.ones(n, dtype=torch.bool, device=self.device)
+            self._graph_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=self.device)
         meta = self.build(0, cm)
         indices = self._graph_indices[: cm.num_reqs]
         indices.copy_(meta.state_indices, non_blocking=True)
-        return dataclasses.replace(meta, state_indices=indices)
+        return dataclasses.replace(
+            meta,
+            state_indices=indices,
+            has_initial_state=self._graph_has_initial[: cm.num_reqs],
+            prefill_query_start_loc=self._graph_prefill_qsl,
+        )
 
 
 class _ConvMixin:
