@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``soak``, ``bench``.
+"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``soak``, ``bench``,
+``compile``.
 
 Every session installs torch first, pinned to the CPU build this project tests with,
 so pip never resolves ``torch>=2.4`` to a multi-GB CUDA build by itself. On a GPU
@@ -81,3 +82,19 @@ def bench(session: nox.Session) -> None:
     for script in sorted(os.listdir("benchmarks")):
         if script.startswith("bench_") and script.endswith(".py"):
             session.run("python", f"benchmarks/{script}", "--out", out, env=env)
+
+
+@nox.session(python=PYTHON, name="compile")
+def compile_report(session: nox.Session) -> None:
+    """Ahead-of-time compile report of the Triton kernels for sm_80 / sm_90 / sm_100 (no
+    GPU needed): registers, spills, shared memory, tensor-core instructions per variant.
+
+    Arguments after ``--`` go to benchmarks/compile_report.py (e.g. ``-- --full`` or
+    ``-- --report-only``); the report lands in ``$ATTNKIT_BENCH_OUT/compile``.
+    """
+    _install(session)
+    out = os.environ.get("ATTNKIT_BENCH_OUT", "bench-results")
+    # Compiled kernels, never the interpreter: the report compiles what a GPU would run.
+    env = {"TRITON_INTERPRET": "0"}
+    args = session.posargs or []
+    session.run("python", "benchmarks/compile_report.py", "--out", f"{out}/compile", *args, env=env)

@@ -48,4 +48,10 @@ timeout 300 python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/be
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 60 python3 benchmarks/bench_metadata.py --out "$OUT" 2>&1 | tee "$OUT/bench_metadata.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# Ahead-of-time compile report (registers, spills, shared memory, tensor-core ops) for
+# sm_80/sm_90/sm_100; --report-only while the known failures (fp8 KV on sm_80, spills in
+# the chunked state kernels) are open, so it records without failing the run.
+timeout 300 python3 benchmarks/compile_report.py --report-only --jobs 8 --out "$OUT/compile" 2>&1 \
+  | tee "$OUT/compile_report.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
