@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from .errors import InvalidArgumentError
 
 
+def is_int(value: object) -> bool:
+    """``value`` is an ``int`` and not a ``bool`` (an ``int`` subclass)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_capability(value: object) -> bool:
+    """``value`` is a CUDA compute capability: a ``(major, minor)`` tuple of two ints >= 0."""
+    if not isinstance(value, tuple):
+        return False
+    items = cast("tuple[object, ...]", value)
+    return len(items) == 2 and all(is_nonnegative_int(v) for v in items)
+
+
 def is_positive_int(value: object) -> bool:
     """``value`` is an ``int`` (not a ``bool``, which is an ``int`` subclass) and >= 1."""
+    # Inline, not is_int(): ScheduledRequest checks every request with it.
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from ._validation import dtype_name, is_positive_int
+from ._validation import dtype_name, is_capability, is_positive_int
 from .binding import BuilderBinding
 from .capabilities import (
     KV_CACHE_LAYOUTS,
@@ -361,7 +361,7 @@ class AttentionBackend(ABC):
             )
         for attr in ("min_compute_capability", "max_compute_capability"):
             capability: object = getattr(cls, attr, None)
-            if capability is not None and not _is_capability(capability):
+            if capability is not None and not is_capability(capability):
                 problems.append(
                     f"{attr} must be None or a (major, minor) tuple of ints >= 0, "
                     f"got {capability!r}"
@@ -381,7 +381,7 @@ class AttentionBackend(ABC):
                 or not rule
                 or not all(
                     isinstance(r, MultipleOf | SizeRange)
-                    or (isinstance(r, int) and not isinstance(r, bool) and r > 0)
+                    or is_positive_int(r)
                     for r in cast("tuple[object, ...]", rule)
                 )
             ):
@@ -391,11 +391,3 @@ class AttentionBackend(ABC):
         return problems
 
 
-def _is_capability(value: object) -> bool:
-    """``value`` is a ``(major, minor)`` tuple of two ints >= 0 (not bools)."""
-    if not isinstance(value, tuple):
-        return False
-    items = cast("tuple[object, ...]", value)
-    return len(items) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items
-    )

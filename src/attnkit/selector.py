@@ -33,6 +33,7 @@ from typing import Literal, TypeGuard, cast
 
 import torch
 
+from ._validation import is_capability, is_int
 from .backend import AttentionBackend, BackendRequest
 from .capabilities import AttentionFeature
 from .config import AttentionConfig
@@ -128,10 +129,6 @@ def _show(value: object) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 _CAPABILITY_FORM = "None or a (major, minor) tuple of two ints >= 0, e.g. (9, 0)"
 _FEATURE_NAMES = ", ".join(f.value for f in AttentionFeature)
 
@@ -139,6 +136,8 @@ _FEATURE_NAMES = ", ".join(f.value for f in AttentionFeature)
 def _check_capability(capability: object) -> tuple[int, int] | None:
     if capability is None:
         return None
+    if is_capability(capability):
+        return cast("tuple[int, int]", capability)
     if not isinstance(capability, tuple):
         raise ArgumentTypeError(f"capability must be {_CAPABILITY_FORM}; got {_show(capability)}")
     items = cast("tuple[object, ...]", capability)
@@ -146,7 +145,7 @@ def _check_capability(capability: object) -> tuple[int, int] | None:
         raise InvalidArgumentError(
             f"capability must be {_CAPABILITY_FORM}; got {items!r} ({len(items)} item(s))"
         )
-    if not all(_is_int(v) for v in items):
+    if not all(is_int(v) for v in items):
         raise ArgumentTypeError(
             f"capability must be {_CAPABILITY_FORM}; got {items!r} "
             f"(items of type {', '.join(type(v).__name__ for v in items)})"
@@ -183,7 +182,7 @@ def _check_features(features: object) -> frozenset[AttentionFeature]:
 def _check_num_heads(num_heads: object) -> int | None:
     if num_heads is None:
         return None
-    if not _is_int(num_heads):
+    if not is_int(num_heads):
         raise ArgumentTypeError(f"num_heads must be None or a positive int, got {_show(num_heads)}")
     value = cast("int", num_heads)
     if value < 1:
