@@ -39,14 +39,20 @@ slot equal to its initial state (zeros when ``has_initial_state`` is False).
 
 from __future__ import annotations
 
-import itertools
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError, describe, require_tensor
+from attnkit.kernels._checks import KernelTypeError, describe
+from attnkit.kernels._state_common import (
+    check_float,
+    check_has_initial_state,
+    check_query_start_loc,
+    check_state_indices,
+    check_tensor,
+)
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
@@ -56,102 +62,6 @@ _ACTIVATIONS = ("silu", None)
 # ----------------------------------------------------------------------------------
 # Validation helpers (shared with ``mamba2``; private to the kernels package).
 # ----------------------------------------------------------------------------------
-
-
-def _fmt_shape(shape: tuple[int | None, ...]) -> str:
-    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
-
-
-def _check_tensor(
-    name: str,
-    t: object,
-    *,
-    layout: str,
-    shape: tuple[int | None, ...],
-    device: torch.device | None,
-) -> Tensor:
-    """Check that ``t`` is a tensor of the given rank and sizes (``None`` = any size).
-
-    ``device=None`` skips the device check (used for ``x``, which defines the device).
-    """
-    t = require_tensor(name, t, f"a torch.Tensor {layout}")
-    if t.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-    ):
-        raise ValueError(
-            f"{name}: expected shape {layout} = {_fmt_shape(shape)}, got {list(t.shape)}"
-        )
-    if device is not None and t.device != device:
-        raise ValueError(
-            f"{name}: expected a tensor on device {device}, got device {t.device} ({describe(t)})"
-        )
-    return t
-
-
-def _check_float(name: str, t: Tensor) -> None:
-    if not t.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
-
-
-def _check_index(
-    name: str, t: object, *, length: int | None, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    layout = "[B+1]" if name == "query_start_loc" else "[B]"
-    t = _check_tensor(name, t, layout=layout, shape=(length,), device=device)
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    return t
-
-
-def _check_query_start_loc(
-    query_start_loc: object, *, num_tokens: int, device: torch.device
-) -> list[int]:
-    """Validate ``query_start_loc`` and return it as a Python list of offsets."""
-    qsl = _check_index(
-        "query_start_loc", query_start_loc, length=None, dtype=torch.int32, device=device
-    )
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc: expected shape [B+1] with B >= 0, got [0]")
-    offsets: list[int] = qsl.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
-    if offsets[0] != 0:
-        raise ValueError(f"query_start_loc: expected first offset 0, got {offsets[0]}")
-    if offsets[-1] != num_tokens:
-        raise ValueError(
-            f"query_start_loc: expected last offset to equal the number of tokens T = "
-            f"{num_tokens}, got {offsets[-1]}"
-        )
-    if any(b < a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"query_start_loc: expected non-decreasing offsets, got {offsets}")
-    return offsets
-
-
-def _check_state_indices(
-    state_indices: object, *, batch: int, num_slots: int, device: torch.device
-) -> list[int]:
-    """Validate ``state_indices`` (int32 ``[B]``, in range, distinct); return a list."""
-    si = _check_index(
-        "state_indices", state_indices, length=batch, dtype=torch.int32, device=device
-    )
-    slots: list[int] = si.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
-    bad = [s for s in slots if not 0 <= s < num_slots]
-    if bad:
-        raise ValueError(
-            f"state_indices: expected slots in [0, S) = [0, {num_slots}), got out-of-range "
-            f"values {bad}"
-        )
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"state_indices: expected distinct slots within one call, got {slots}")
-    return slots
-
-
-def _check_has_initial_state(
-    has_initial_state: object, *, batch: int, device: torch.device
-) -> list[bool]:
-    his = _check_index(
-        "has_initial_state", has_initial_state, length=batch, dtype=torch.bool, device=device
-    )
-    flags: list[bool] = his.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
-    return flags
 
 
 def _check_activation(activation: object) -> None:
@@ -165,18 +75,18 @@ def _check_conv_params(
     x: Tensor, weight: object, bias: object, conv_states: object, activation: object
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     channels = x.shape[-1]
-    _check_float("x", x)
-    weight = _check_tensor(
+    check_float("x", x)
+    weight = check_tensor(
         "weight", weight, layout="[C, W]", shape=(channels, None), device=x.device
     )
-    _check_float("weight", weight)
+    check_float("weight", weight)
     width = weight.shape[1]
     if width < 1:
         raise ValueError(f"weight: expected kernel width W >= 1, got shape {list(weight.shape)}")
     if bias is not None:
-        bias = _check_tensor("bias", bias, layout="[C]", shape=(channels,), device=x.device)
-        _check_float("bias", bias)
-    conv_states = _check_tensor(
+        bias = check_tensor("bias", bias, layout="[C]", shape=(channels,), device=x.device)
+        check_float("bias", bias)
+    conv_states = check_tensor(
         "conv_states",
         conv_states,
         layout="[S, C, W-1]",
@@ -226,14 +136,14 @@ def causal_conv1d_varlen(
     Returns:
         ``[T, C]`` in the dtype of ``x``.
     """
-    x = _check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
+    x = check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
     weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
-    offsets = _check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
+    offsets = check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
     batch = len(offsets) - 1
-    slots = _check_state_indices(
+    slots = check_state_indices(
         state_indices, batch=batch, num_slots=conv_states.shape[0], device=x.device
     )
-    flags = _check_has_initial_state(has_initial_state, batch=batch, device=x.device)
+    flags = check_has_initial_state(has_initial_state, batch=batch, device=x.device)
 
     width = weight.shape[1]
     w32 = weight.float()  # [C, W]
@@ -275,9 +185,9 @@ def causal_conv1d_update(
     Returns:
         ``[B, C]`` in the dtype of ``x``.
     """
-    x = _check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
+    x = check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
     weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
-    _check_state_indices(
+    check_state_indices(
         state_indices, batch=x.shape[0], num_slots=conv_states.shape[0], device=x.device
     )
     idx = state_indices.long()

@@ -81,8 +81,14 @@ import torch
 from torch import Tensor
 
 from attnkit.kernels._checks import KernelTypeError
-from attnkit.kernels._state_common import check_scale, check_state_lists, check_states
-from attnkit.kernels.torch.conv1d import _check_float, _check_state_indices, _check_tensor
+from attnkit.kernels._state_common import (
+    check_float,
+    check_scale,
+    check_state_indices,
+    check_state_lists,
+    check_states,
+    check_tensor,
+)
 
 __all__ = [
     "chunk_gated_delta_rule_varlen",
@@ -108,20 +114,20 @@ def _check_gdn_inputs(
     q: object, k: object, v: object, g: object, beta: object, *, lead: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Validate the operands; ``lead`` names the first dim (``T``/``B``/``L``)."""
-    q = _check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
+    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
     n_lead, heads, key_dim = q.shape
     dev = q.device
-    k = _check_tensor("k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=dev)
-    v = _check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=dev)
-    g = _check_tensor("g", g, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
-    beta = _check_tensor("beta", beta, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
+    k = check_tensor("k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=dev)
+    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=dev)
+    g = check_tensor("g", g, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
+    beta = check_tensor("beta", beta, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check_float(name, t)
+        check_float(name, t)
     return q, k, v, g, beta
 
 
 def _check_out(out: object, v: Tensor, lead: str) -> Tensor:
-    out = _check_tensor("out", out, layout=f"[{lead}, H, V]", shape=tuple(v.shape), device=v.device)
+    out = check_tensor("out", out, layout=f"[{lead}, H, V]", shape=tuple(v.shape), device=v.device)
     if out.dtype != v.dtype:
         raise ValueError(f"out: expected dtype {v.dtype} (the dtype of v), got {out.dtype}")
     return out
@@ -258,14 +264,14 @@ def gated_delta_rule_recurrent_reference(
     if initial_state is None:
         state = torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=k.device)
     else:
-        init = _check_tensor(
+        init = check_tensor(
             "initial_state",
             initial_state,
             layout="[H, K, V]",
             shape=(heads, key_dim, value_dim),
             device=k.device,
         )
-        _check_float("initial_state", init)
+        check_float("initial_state", init)
         state = init.float()
     q32, k32, v32 = q.float(), k.float(), v.float()
     alpha, b32 = torch.exp(g.float()), beta.float()
@@ -372,9 +378,7 @@ def fused_recurrent_gated_delta_rule_update(
     q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="B")
     scale = check_scale(scale)
     states = check_states(states, k, v)
-    _check_state_indices(
-        state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device
-    )
+    check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
     o = _alloc_out(out, v, "B")
     idx = state_indices.long()
     q32, k32 = q.float(), k.float()

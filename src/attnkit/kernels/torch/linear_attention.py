@@ -56,8 +56,14 @@ import torch
 from torch import Tensor
 
 from attnkit.kernels._checks import KernelTypeError
-from attnkit.kernels._state_common import check_scale, check_state_lists, check_states
-from attnkit.kernels.torch.conv1d import _check_float, _check_state_indices, _check_tensor
+from attnkit.kernels._state_common import (
+    check_float,
+    check_scale,
+    check_state_indices,
+    check_state_lists,
+    check_states,
+    check_tensor,
+)
 
 __all__ = [
     "chunk_linear_attention_varlen",
@@ -86,15 +92,13 @@ def _check_chunk_size(chunk_size: object, *, maximum: int | None = None) -> int:
 
 def _check_qkv(q: object, k: object, v: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:
     """``q``/``k`` ``[lead, H, K]`` and ``v`` ``[lead, H, V]``, one floating dtype."""
-    q = _check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
-    _check_float("q", q)
+    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
+    check_float("q", q)
     n_lead, heads, key_dim = q.shape
-    k = _check_tensor(
+    k = check_tensor(
         "k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=q.device
     )
-    v = _check_tensor(
-        "v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=q.device
-    )
+    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=q.device)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
@@ -106,8 +110,8 @@ def _check_qkv(q: object, k: object, v: object, *, lead: str) -> tuple[Tensor, T
 
 
 def _check_decay_shape(decay: object, q: Tensor) -> Tensor:
-    decay = _check_tensor("decay", decay, layout="[H]", shape=(q.shape[1],), device=q.device)
-    _check_float("decay", decay)
+    decay = check_tensor("decay", decay, layout="[H]", shape=(q.shape[1],), device=q.device)
+    check_float("decay", decay)
     return decay
 
 
@@ -120,7 +124,7 @@ def _check_decay_values(decay: Tensor) -> None:
 def _check_out(out: object, q: Tensor, v: Tensor, *, lead: str) -> Tensor:
     """``out`` ``[lead, H, V]`` with the leading dim of ``q``, dtype of ``q``, any strides."""
     shape = (q.shape[0], q.shape[1], v.shape[2])
-    out = _check_tensor("out", out, layout=f"[{lead}, H, V]", shape=shape, device=q.device)
+    out = check_tensor("out", out, layout=f"[{lead}, H, V]", shape=shape, device=q.device)
     if out.dtype != q.dtype:
         raise ValueError(f"out: expected the dtype of q ({q.dtype}), got {out.dtype}")
     return out
@@ -194,14 +198,14 @@ def linear_attention_recurrent_reference(
     if initial_state is None:
         state = q.new_zeros(heads, key_dim, value_dim, dtype=torch.float32)
     else:
-        init = _check_tensor(
+        init = check_tensor(
             "initial_state",
             initial_state,
             layout="[H, K, V]",
             shape=(heads, key_dim, value_dim),
             device=q.device,
         )
-        _check_float("initial_state", init)
+        check_float("initial_state", init)
         state = init.float()
     lam = torch.exp(-decay.float())[:, None, None]  # [H, 1, 1]
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -302,9 +306,7 @@ def linear_attention_decode(
     _check_decay_values(decay)
     scale = check_scale(scale)
     states = check_states(states, q, v)
-    _check_state_indices(
-        state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device
-    )
+    check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
     o = _alloc_out(out, q, v, lead="B")
     idx = state_indices.long()
     lam = torch.exp(-decay.float())[None, :, None, None]  # [1, H, 1, 1]

@@ -52,12 +52,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.kernels._checks import check_bool, check_chunk_size
-from attnkit.kernels.torch.conv1d import (
-    _check_float,
-    _check_has_initial_state,
-    _check_query_start_loc,
-    _check_state_indices,
-    _check_tensor,
+from attnkit.kernels._state_common import (
+    check_float,
+    check_has_initial_state,
+    check_query_start_loc,
+    check_state_indices,
+    check_tensor,
 )
 
 __all__ = ["selective_state_update", "ssd_chunked_varlen", "ssd_recurrent_reference"]
@@ -80,33 +80,33 @@ def _check_ssm_inputs(
     lead: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Validate the SSM operands; ``lead`` names the first dim of ``x`` (``T``/``B``/``L``)."""
-    x = _check_tensor("x", x, layout=f"[{lead}, H, P]", shape=(None, None, None), device=None)
-    _check_float("x", x)
+    x = check_tensor("x", x, layout=f"[{lead}, H, P]", shape=(None, None, None), device=None)
+    check_float("x", x)
     n_lead, heads, _ = x.shape
     dev = x.device
-    dt = _check_tensor("dt", dt, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
-    A = _check_tensor("A", A, layout="[H]", shape=(heads,), device=dev)
-    B = _check_tensor("B", B, layout=f"[{lead}, G, N]", shape=(n_lead, None, None), device=dev)
+    dt = check_tensor("dt", dt, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
+    A = check_tensor("A", A, layout="[H]", shape=(heads,), device=dev)
+    B = check_tensor("B", B, layout=f"[{lead}, G, N]", shape=(n_lead, None, None), device=dev)
     groups, state = B.shape[1], B.shape[2]
-    C = _check_tensor("C", C, layout=f"[{lead}, G, N]", shape=(n_lead, groups, state), device=dev)
+    C = check_tensor("C", C, layout=f"[{lead}, G, N]", shape=(n_lead, groups, state), device=dev)
     if groups < 1 or heads % groups != 0:
         raise ValueError(
             f"B: expected the number of groups G to divide the number of heads H, got "
             f"G = {groups}, H = {heads}"
         )
     if D is not None:
-        D = _check_tensor("D", D, layout="[H]", shape=(heads,), device=dev)
+        D = check_tensor("D", D, layout="[H]", shape=(heads,), device=dev)
     if dt_bias is not None:
-        dt_bias = _check_tensor("dt_bias", dt_bias, layout="[H]", shape=(heads,), device=dev)
+        dt_bias = check_tensor("dt_bias", dt_bias, layout="[H]", shape=(heads,), device=dev)
     for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias)):
         if t is not None:
-            _check_float(name, t)
+            check_float(name, t)
     return dt, A, B, C, D, dt_bias
 
 
 def _check_ssm_states(ssm_states: object, x: Tensor, state_size: int) -> Tensor:
     heads, head_dim = x.shape[1], x.shape[2]
-    ssm_states = _check_tensor(
+    ssm_states = check_tensor(
         "ssm_states",
         ssm_states,
         layout="[S, H, P, N]",
@@ -254,14 +254,14 @@ def ssd_recurrent_reference(
     if initial_state is None:
         state = torch.zeros(heads, head_dim, n, dtype=torch.float32, device=x.device)
     else:
-        init = _check_tensor(
+        init = check_tensor(
             "initial_state",
             initial_state,
             layout="[H, P, N]",
             shape=(heads, head_dim, n),
             device=x.device,
         )
-        _check_float("initial_state", init)
+        check_float("initial_state", init)
         state = init.float()
     dtp = _discretize_dt(dt, dt_bias, dt_softplus)  # [L, H]
     decay = torch.exp(dtp * A.float())  # [L, H]
@@ -313,12 +313,12 @@ def ssd_chunked_varlen(
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
     chunk_size = check_chunk_size(chunk_size)
     dt_softplus = check_bool("dt_softplus", dt_softplus)
-    offsets = _check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
+    offsets = check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
     batch = len(offsets) - 1
-    slots = _check_state_indices(
+    slots = check_state_indices(
         state_indices, batch=batch, num_slots=ssm_states.shape[0], device=x.device
     )
-    flags = _check_has_initial_state(has_initial_state, batch=batch, device=x.device)
+    flags = check_has_initial_state(has_initial_state, batch=batch, device=x.device)
 
     heads = x.shape[1]
     dtp = _discretize_dt(dt, dt_bias, dt_softplus)
@@ -366,7 +366,7 @@ def selective_state_update(
     dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
     ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
     dt_softplus = check_bool("dt_softplus", dt_softplus)
-    _check_state_indices(
+    check_state_indices(
         state_indices, batch=x.shape[0], num_slots=ssm_states.shape[0], device=x.device
     )
     heads = x.shape[1]

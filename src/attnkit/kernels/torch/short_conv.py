@@ -46,10 +46,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from attnkit.kernels._state_common import check_float, check_tensor
 from attnkit.kernels.torch.conv1d import (
     _check_conv_params,
-    _check_float,
-    _check_tensor,
     causal_conv1d_update,
     causal_conv1d_varlen,
 )
@@ -64,11 +63,11 @@ __all__ = ["short_conv_update", "short_conv_varlen"]
 
 def _check_gates(b: object, c: object, x: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:
     """``b``, ``c``, ``x``: ``[lead, C]``, one floating dtype, one device."""
-    x = _check_tensor("x", x, layout=f"[{lead}, C]", shape=(None, None), device=None)
-    _check_float("x", x)
+    x = check_tensor("x", x, layout=f"[{lead}, C]", shape=(None, None), device=None)
+    check_float("x", x)
     shape = (x.shape[0], x.shape[1])
-    b = _check_tensor("b", b, layout=f"[{lead}, C]", shape=shape, device=x.device)
-    c = _check_tensor("c", c, layout=f"[{lead}, C]", shape=shape, device=x.device)
+    b = check_tensor("b", b, layout=f"[{lead}, C]", shape=shape, device=x.device)
+    c = check_tensor("c", c, layout=f"[{lead}, C]", shape=shape, device=x.device)
     for name, t in (("b", b), ("c", c)):
         if t.dtype != x.dtype:
             raise ValueError(f"{name}: expected the dtype of x ({x.dtype}), got {t.dtype}")
@@ -76,7 +75,7 @@ def _check_gates(b: object, c: object, x: object, *, lead: str) -> tuple[Tensor,
 
 
 def _check_out(out: object, x: Tensor, *, lead: str) -> Tensor:
-    out = _check_tensor(
+    out = check_tensor(
         "out", out, layout=f"[{lead}, C]", shape=(x.shape[0], x.shape[1]), device=x.device
     )
     if out.dtype != x.dtype:

@@ -44,18 +44,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from attnkit.kernels._checks import check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
-from attnkit.kernels.torch.conv1d import _check_conv_params, _check_tensor
+from attnkit.kernels._state_common import check_slot_tensor, check_tensor, check_varlen_tensors
+from attnkit.kernels.torch.conv1d import _check_conv_params
+from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK_T = 32
 _MAX_BLOCK_C = 128
 
@@ -66,35 +65,8 @@ _MAX_BLOCK_C = 128
 
 
 @triton.jit
-def _find_segment(offsets_ptr, stride, num_segments, target, search_iters):
-    """Segment ``b`` with ``offsets[b] <= target < offsets[b + 1]`` (scalar or vector).
-
-    ``offsets`` has ``num_segments + 1`` non-decreasing entries starting at or below
-    ``target``. Empty segments (equal neighbours) are never returned. A target at or
-    past ``offsets[num_segments]`` yields ``num_segments``; callers mask it out. Loads
-    stay inside ``offsets[1 : num_segments + 1]`` whatever the values.
-    ``search_iters >= bit_length(num_segments)`` iterations suffice.
-    """
-    # Binary search for the first k in [1, num_segments] with offsets[k] > target.
-    lo = target * 0 + 1
-    hi = target * 0 + num_segments
-    for _ in range(search_iters):
-        mid = (lo + hi) // 2
-        value = tl.load(offsets_ptr + mid * stride)
-        right = value <= target
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    return lo - 1
-
-
-@triton.jit
 def _silu(y):
     return y * tl.sigmoid(y)
-
-
-def search_iters(num_segments: int) -> int:
-    """Binary-search steps for :func:`_find_segment` over ``num_segments`` segments."""
-    return max(num_segments, 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------
@@ -140,7 +112,7 @@ def _conv1d_varlen_kernel(
     t_valid = tokens < num_tokens
     c_valid = channels < num_channels
 
-    request = _find_segment(qsl_ptr, stride_qsl, num_requests, tokens, num_search_iters)
+    request = find_segment(qsl_ptr, stride_qsl, num_requests, tokens, num_search_iters)
     start = tl.load(qsl_ptr + request * stride_qsl, mask=t_valid, other=0)
     # int64 before multiplying by strides: a slot times a page stride may pass 2**31.
     slot = tl.load(slot_ptr + request * stride_slot, mask=t_valid, other=0).to(tl.int64)
@@ -314,28 +286,6 @@ def _conv1d_update_kernel(
 # ----------------------------------------------------------------------------------
 
 
-def check_dtype(name: str, t: Tensor | None) -> None:
-    """Reject dtypes the kernels do not read (shared with ``mamba2``)."""
-    if t is not None and t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: expected dtype in {SUPPORTED_DTYPES}, got {t.dtype}")
-
-
-def check_out(out: object, like: Tensor, layout: str) -> Tensor | None:
-    """``out`` is None or a tensor of the shape, dtype and device of ``like`` (= x)."""
-    if out is None:
-        return None
-    out = _check_tensor("out", out, layout=layout, shape=tuple(like.shape), device=like.device)
-    if out.dtype != like.dtype:
-        raise ValueError(f"out: expected the dtype of x ({like.dtype}), got {out.dtype}")
-    return out
-
-
-def alloc_out(out: object, like: Tensor, layout: str) -> Tensor:
-    """``out`` checked by :func:`check_out`, or a new tensor like ``like`` when None."""
-    result = check_out(out, like, layout)
-    return torch.empty_like(like) if result is None else result
-
-
 def _channel_block(channels: int) -> int:
     return min(_MAX_BLOCK_C, int(triton.next_power_of_2(max(channels, 1))))
 
@@ -358,7 +308,7 @@ def causal_conv1d_varlen(
     (``[T, C]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``[T, C]`` in the dtype of ``x``.
     """
-    x = _check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
+    x = check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
     check_dtype("x", x)
     weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
     check_dtype("weight", weight)
@@ -452,7 +402,7 @@ def causal_conv1d_update(
     (``[B, C]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``[B, C]`` in the dtype of ``x``.
     """
-    x = _check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
+    x = check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
     check_dtype("x", x)
     weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
     check_dtype("weight", weight)

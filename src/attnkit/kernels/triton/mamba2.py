@@ -71,7 +71,7 @@ from attnkit.kernels._checks import (
 )
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
 from attnkit.kernels.torch.mamba2 import _check_ssm_inputs, _check_ssm_states
-from attnkit.kernels.triton.conv1d import _find_segment, alloc_out, check_dtype, search_iters
+from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["selective_state_update", "ssd_chunk_offsets", "ssd_chunked_varlen"]
 
@@ -99,11 +99,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _chunk_bounds(
-    qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
-):
+def _chunk_bounds(qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size):
     """Request and token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""
-    request = _find_segment(cu_ptr, 1, num_requests, chunk, num_search_iters)
+    request = find_segment(cu_ptr, 1, num_requests, chunk, num_search_iters)
     first = tl.load(cu_ptr + request)
     start = tl.load(qsl_ptr + request * stride_qsl) + (chunk - first) * chunk_size
     end = tl.minimum(start + chunk_size, tl.load(qsl_ptr + (request + 1) * stride_qsl))
