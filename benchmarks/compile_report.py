@@ -474,6 +474,37 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# Families whose kernels only the triton_attn backend launches: a case is declared for a
+# target when that backend accepts the matching spec on a device of that capability.
+TRITON_ATTN_FAMILIES = frozenset({"unified_attention", "split_kv_decode", "kv_write"})
+
+
+def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]:
+    """Why the backend launching ``family`` does not declare ``case`` on ``sm_<cap>``.
+
+    Asked of the backend itself (``not_supported_reasons`` of a hypothetical CUDA device
+    of that capability: declarations only, no device query), so a capability rule
+    added to a backend is honoured here without editing the report. Empty: declared.
+    """
+    if family not in TRITON_ATTN_FAMILIES or "kv" not in case:
+        return []
+    from attnkit.backend import BackendRequest
+    from attnkit.backends.triton_attn import TritonAttentionBackend
+    from attnkit.spec import FullAttentionSpec
+
+    spec = FullAttentionSpec(
+        block_size=case.get("block", 16),
+        num_kv_heads=2,
+        head_size=case["head"],
+        dtype=DT[case["dtype"]],
+        kv_cache_dtype="fp8_e4m3" if case["kv"] == "fp8" else "auto",
+    )
+    request = BackendRequest(
+        spec=spec, device=torch.device("cuda"), capability=(cap // 10, cap % 10)
+    )
+    return TritonAttentionBackend.not_supported_reasons(request)
+
+
 def case_label(p: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in p.items())
 
@@ -489,6 +520,7 @@ class Variant:
     kernel: str
     launch: Launch
     cases: list[str]
+    params: list[dict[str, Any]] = dataclasses.field(default_factory=list[dict[str, Any]])
 
 
 def collect_variants(
@@ -517,8 +549,9 @@ def collect_variants(
                 key = launch_key(launch)
                 if key in variants:
                     variants[key].cases.append(label)
+                    variants[key].params.append(case)
                 else:
-                    variants[key] = Variant(fam.name, launch.kernel, launch, [label])
+                    variants[key] = Variant(fam.name, launch.kernel, launch, [label], [case])
     return list(variants.values()), rejected
 
 
@@ -551,7 +584,7 @@ class Row:
     target: int
     config: str  # constexpr choices (upper-case names)
     cases: list[str]
-    status: str = "ok"  # "ok" or "error"
+    status: str = "ok"  # "ok", "error" or "undeclared" (not compiled: see error)
     error: str = ""  # the last line of the compile error (the cause)
     error_full: str = ""
     registers: int = 0
@@ -567,6 +600,8 @@ class Row:
 
     @property
     def failed(self) -> bool:
+        if self.status == "undeclared":
+            return False
         return self.status != "ok" or self.spill_bytes > 0 or self.smem_over
 
 
@@ -665,10 +700,18 @@ def _compile_job(job: tuple[str, Launch, int]) -> dict[str, Any]:
 def run_report(variants: list[Variant], targets: tuple[int, ...], jobs: int) -> list[Row]:
     rows: list[Row] = []
     work: list[tuple[str, Launch, int]] = []
+    compiled: list[Row] = []
     for v in variants:
         fn = kernel_fn(v.kernel)
         for cap in targets:
-            rows.append(Row(v.family, fn.__name__, cap, _config(fn, v.launch), v.cases))
+            row = Row(v.family, fn.__name__, cap, _config(fn, v.launch), v.cases)
+            rows.append(row)
+            # Compiled when at least one of the cases using it is declared on the target.
+            reasons = [undeclared_reasons(v.family, case, cap) for case in v.params]
+            if reasons and all(reasons):
+                row.status, row.error = "undeclared", "; ".join(reasons[0])
+                continue
+            compiled.append(row)
             work.append((v.kernel, v.launch, cap))
     if jobs > 1 and len(work) > 1:
         # spawn: a fresh interpreter per worker, no forked torch / LLVM state.
@@ -679,7 +722,7 @@ def run_report(variants: list[Variant], targets: tuple[int, ...], jobs: int) -> 
             results = list(pool.map(_compile_job, work))
     else:
         results = [_compile_job(w) for w in work]
-    for row, result in zip(rows, results, strict=True):
+    for row, result in zip(compiled, results, strict=True):
         for key, value in result.items():
             setattr(row, key, value)
     return rows
@@ -694,7 +737,9 @@ HEADER = (
 
 
 def markdown_row(r: Row) -> str:
-    status = "ok" if r.status == "ok" else f"ERROR: {r.error[:160]}"
+    status = {"ok": "ok", "undeclared": f"not declared: {r.error[:160]}"}.get(
+        r.status, f"ERROR: {r.error[:160]}"
+    )
     smem = f"{r.shared_bytes} OVER" if r.smem_over else str(r.shared_bytes)
     spill = f"{r.spill_bytes} SPILL" if r.spill_bytes else "0"
     cells = [
@@ -718,7 +763,8 @@ def markdown_row(r: Row) -> str:
 def summaries(rows: list[Row], rejected: list[dict[str, Any]]) -> list[str]:
     lines = []
     for fam in dict.fromkeys(r.kernel for r in rows):
-        mine = [r for r in rows if r.kernel == fam]
+        undeclared = [r for r in rows if r.kernel == fam and r.status == "undeclared"]
+        mine = [r for r in rows if r.kernel == fam and r.status != "undeclared"]
         ok = [r for r in mine if r.status == "ok"]
         errors = len(mine) - len(ok)
         spills = sum(r.spill_bytes > 0 for r in ok)
@@ -736,6 +782,12 @@ def summaries(rows: list[Row], rejected: list[dict[str, Any]]) -> list[str]:
             f"{verdict} {fam}: {len(ok)}/{len(mine)} compiled, {errors} errors, "
             f"{spills} spilling, {over} smem over limit, max regs {regs}, max smem {smem} B"
             + (f"; no tensor-core ops in {', '.join(no_tc)}" if no_tc else "")
+            + (
+                f"; {len(undeclared)} not declared by the backend (not compiled): "
+                + "; ".join(sorted({f"sm_{r.target}: {r.error}" for r in undeclared}))
+                if undeclared
+                else ""
+            )
         )
     for rej in rejected:
         lines.append(

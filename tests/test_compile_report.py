@@ -8,11 +8,13 @@ the ptxas / cuobjdump that Triton's NVIDIA backend ships.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +72,50 @@ def test_compile_report_one_variant(tmp_path: Path) -> None:
     assert "| sm_90 |" in rows[0]
     assert "| ok |" in rows[0]
     assert f"| {row['registers']} |" in rows[0]
+
+
+def _load_report_module() -> Any:
+    spec = importlib.util.spec_from_file_location("attnkit_compile_report", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_declared_variants_follow_the_backend_capability_rule() -> None:
+    """fp8_e4m3 KV is declared from sm_89 on (triton_attn's own rule), so the report
+    neither compiles nor fails it on sm_80, and still compiles it on sm_90 / sm_100."""
+    from attnkit.backends.triton_attn.backend import FP8_E4M3_MIN_CAPABILITY
+
+    report = _load_report_module()
+    fp8 = {"dtype": "bf16", "kv": "fp8", "block": 16, "head": 128}
+    same = {**fp8, "kv": "same"}
+    first = FP8_E4M3_MIN_CAPABILITY[0] * 10 + FP8_E4M3_MIN_CAPABILITY[1]
+    for family in ("unified_attention", "split_kv_decode", "kv_write"):
+        (reason,) = report.undeclared_reasons(family, fp8, 80)
+        assert "fp8_e4m3" in reason
+        assert "8.9" in reason
+        assert report.undeclared_reasons(family, fp8, first) == []
+        assert report.undeclared_reasons(family, fp8, 90) == []
+        assert report.undeclared_reasons(family, same, 80) == []
+    # A head size the backend does not declare is undeclared on every target.
+    assert report.undeclared_reasons("unified_attention", {**same, "head": 512}, 90)
+    # State-layer families have no capability rule.
+    assert report.undeclared_reasons("mamba2", {"dtype": "bf16"}, 80) == []
+
+
+def test_undeclared_rows_are_reported_not_failed() -> None:
+    report = _load_report_module()
+    row = report.Row("kv_write", "_write_kv_cache_kernel", 80, "cfg", ["case"])
+    row.status, row.error = "undeclared", "needs 8.9"
+    assert not row.failed
+    assert "not declared: needs 8.9" in report.markdown_row(row)
+    (line,) = report.summaries([row], [])
+    assert line.startswith("PASS kv_write")
+    assert "1 not declared" in line
+    broken = report.Row("kv_write", "_write_kv_cache_kernel", 90, "cfg", ["case"])
+    broken.status, broken.error = "error", "boom"
+    assert broken.failed
+    assert report.summaries([broken], [])[0].startswith("FAIL kv_write")
