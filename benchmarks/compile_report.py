@@ -596,13 +596,22 @@ class Row:
     num_warps: int = 0
     num_stages: int = 0
     tensor_core_ops: int = 0
+    # The kernel's module lists it in TENSOR_CORE_KERNELS (its work is matrix products)
+    # and every case using this variant computes in a 16-bit dtype: it must show
+    # tensor-core instructions.
+    needs_tensor_cores: bool = False
     seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
         if self.status == "undeclared":
             return False
-        return self.status != "ok" or self.spill_bytes > 0 or self.smem_over
+        return (
+            self.status != "ok"
+            or self.spill_bytes > 0
+            or self.smem_over
+            or (self.needs_tensor_cores and self.tensor_core_ops == 0)
+        )
 
 
 def _config(fn: JITFunction[Any], launch: Launch) -> str:
@@ -693,6 +702,17 @@ def compile_variant(kernel: str, launch: Launch, cap: int) -> dict[str, Any]:
     return out
 
 
+def needs_tensor_cores(v: Variant) -> bool:
+    """Whether ``v`` must use tensor cores: its kernel module declares the kernel in
+    ``TENSOR_CORE_KERNELS`` (work that is matrix products) and no case using the variant
+    computes in float32 (float32 inputs keep IEEE float32 dots, on the FMA units, by
+    design: see each kernel module's precision notes)."""
+    module = importlib.import_module(f"{KMOD}.{v.kernel.split('.')[0]}")
+    declared: tuple[str, ...] = getattr(module, "TENSOR_CORE_KERNELS", ())
+    fn_name = kernel_fn(v.kernel).__name__
+    return fn_name in declared and all(c.get("dtype") != "fp32" for c in v.params)
+
+
 def _compile_job(job: tuple[str, Launch, int]) -> dict[str, Any]:
     return compile_variant(*job)
 
@@ -705,6 +725,7 @@ def run_report(variants: list[Variant], targets: tuple[int, ...], jobs: int) -> 
         fn = kernel_fn(v.kernel)
         for cap in targets:
             row = Row(v.family, fn.__name__, cap, _config(fn, v.launch), v.cases)
+            row.needs_tensor_cores = needs_tensor_cores(v)
             rows.append(row)
             # Compiled when at least one of the cases using it is declared on the target.
             reasons = [undeclared_reasons(v.family, case, cap) for case in v.params]
@@ -754,7 +775,9 @@ def markdown_row(r: Row) -> str:
         str(r.smem_limit),
         str(r.num_warps),
         str(r.num_stages),
-        str(r.tensor_core_ops),
+        f"{r.tensor_core_ops} NO-TC"
+        if r.needs_tensor_cores and not r.tensor_core_ops
+        else str(r.tensor_core_ops),
         "; ".join(r.cases),
     ]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
@@ -768,6 +791,7 @@ def summaries(rows: list[Row], rejected: list[dict[str, Any]]) -> list[str]:
         ok = [r for r in mine if r.status == "ok"]
         errors = len(mine) - len(ok)
         spills = sum(r.spill_bytes > 0 for r in ok)
+        no_mma = sum(r.needs_tensor_cores and r.tensor_core_ops == 0 for r in ok)
         over = sum(r.smem_over for r in ok)
         # Functions without a single tensor-core instruction on any compiled target.
         no_tc = [
@@ -777,10 +801,11 @@ def summaries(rows: list[Row], rejected: list[dict[str, Any]]) -> list[str]:
         ]
         regs = max((r.registers for r in ok), default=0)
         smem = max((r.shared_bytes for r in ok), default=0)
-        verdict = "FAIL" if errors or spills or over else "PASS"
+        verdict = "FAIL" if errors or spills or over or no_mma else "PASS"
         lines.append(
             f"{verdict} {fam}: {len(ok)}/{len(mine)} compiled, {errors} errors, "
-            f"{spills} spilling, {over} smem over limit, max regs {regs}, max smem {smem} B"
+            f"{spills} spilling, {over} smem over limit, {no_mma} without required "
+            f"tensor-core ops, max regs {regs}, max smem {smem} B"
             + (f"; no tensor-core ops in {', '.join(no_tc)}" if no_tc else "")
             + (
                 f"; {len(undeclared)} not declared by the backend (not compiled): "

@@ -119,3 +119,16 @@ def test_undeclared_rows_are_reported_not_failed() -> None:
     broken.status, broken.error = "error", "boom"
     assert broken.failed
     assert report.summaries([broken], [])[0].startswith("FAIL kv_write")
+
+
+def test_declared_matrix_kernels_must_use_tensor_cores() -> None:
+    report = _load_report_module()
+    row = report.Row("mamba2", "_ssd_chunk_state_kernel", 90, "cfg", ["case"])
+    row.needs_tensor_cores = True
+    assert row.failed  # compiled fine, but no MMA instruction
+    assert "0 NO-TC" in report.markdown_row(row)
+    assert "1 without required tensor-core ops" in report.summaries([row], [])[0]
+    row.tensor_core_ops = 12
+    assert not row.failed
+    row.needs_tensor_cores, row.tensor_core_ops = False, 0  # e.g. an elementwise kernel
+    assert not row.failed
