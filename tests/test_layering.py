@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "attnkit.params": 4,
     "attnkit.builder": 5,
     "attnkit.impl": 5,
+    "attnkit.models": 5,
     "attnkit.binding": 6,
     "attnkit.backend": 7,
     "attnkit.registry": 8,

@@ -10,7 +10,8 @@ and run the model's attention through ``AttentionRuntime``::
     <KVCacheSpecKind.SLIDING_WINDOW: 'sliding_window'>
 
 This module holds what an *engine* uses: specs, config, selection, the runtime and
-its step types, layer parameters and state-layer inputs, and the errors. What a
+its step types, layer parameters and state-layer inputs, the errors, and
+``layout_from_hf_config`` (a Hugging Face ``config.json`` -> layer specs). What a
 *backend author* needs (the builder and impl ABCs, ``bind_builder``, capability
 declarations, the metadata types) is in ``attnkit.backend_api``.
 
@@ -41,6 +42,7 @@ from .errors import (
     UnknownLayerError,
     UnknownRequestError,
 )
+from .models import LayerInfo, ModelLayout, layout_from_hf_config
 from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
@@ -119,6 +121,7 @@ __all__ = [
     "KVCacheDType",
     "KVCacheSpec",
     "KVCacheSpecKind",
+    "LayerInfo",
     "LayerParams",
     "LinearAttentionInputs",
     "LinearAttentionLayerParams",
@@ -128,6 +131,7 @@ __all__ = [
     "MambaSpec",
     "MambaType",
     "MemoryReport",
+    "ModelLayout",
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
@@ -151,6 +155,7 @@ __all__ = [
     "__version__",
     "default_registry",
     "get_attn_spec_kind",
+    "layout_from_hf_config",
     "parse_backend_per_kind",
     "register_backend",
     "select_backend",
