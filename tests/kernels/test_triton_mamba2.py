@@ -29,6 +29,7 @@ from torch import Tensor
 
 from attnkit.kernels.torch import conv1d as ref_conv
 from attnkit.kernels.torch import mamba2 as ref_ssm
+from attnkit.testing.tolerances import TOLERANCES
 
 pytest.importorskip("triton")
 
@@ -398,11 +399,85 @@ def test_ssd_varlen_low_precision(dtype: torch.dtype) -> None:
 
 
 def test_ssd_varlen_multi_tile_chunks() -> None:
-    """Chunks of two row tiles (of 64), and P (72) and N (80) beyond one tile each."""
+    """Chunks of several row tiles, and P (72) and N (80) beyond one tile each."""
     gen = torch.Generator().manual_seed(6)
     lengths = [90, 0, 21]
     data = SsdData.random(gen, sum(lengths), heads=2, head_dim=72, groups=1, state=80)
     check_ssd_varlen(data, lengths, [1, 4, 0], [True, False, False], 70)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_ssd_varlen_16bit_dots_match_float32_oracle(dtype: torch.dtype) -> None:
+    """The tensor-core path (x, B, C all 16-bit) against the float32 oracle on the same
+    rounded inputs, at Mamba2-like magnitudes: several row, head-dim and state tiles per
+    chunk, ragged chunks, cached initial states. Outputs are held to the project's
+    tolerance for the dtype (``attnkit.testing.tolerances``) and the float32 states to
+    the float32 tolerance: the split ``hi + lo`` operands keep about 16 bits (module doc
+    of the Triton kernels), so the states are as accurate as with float32 dots."""
+    gen = torch.Generator().manual_seed(31)
+    lengths, slots, flags = [150, 0, 83], [6, 0, 3], [True, False, True]
+    data = SsdData.random(gen, sum(lengths), heads=2, head_dim=80, groups=1, state=80, dtype=dtype)
+    states = data.cache.states
+    expected_states = states.clone()
+    meta: dict[str, Any] = dict(
+        query_start_loc=offsets_of(lengths),
+        state_indices=i32(slots),
+        has_initial_state=bools(flags),
+        chunk_size=128,
+        **data.params(),
+    )
+    got = tri_ssm.ssd_chunked_varlen(
+        data.x, data.dt, data.A, data.B, data.C, ssm_states=states, **meta
+    )
+    want = ref_ssm.ssd_chunked_varlen(
+        data.x.float(), data.dt, data.A, data.B.float(), data.C.float(),
+        ssm_states=expected_states, **meta,
+    )  # fmt: skip
+    assert got.dtype == dtype
+    assert want.dtype == torch.float32
+    tol = TOLERANCES[dtype]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want.double(), atol=tol.atol, rtol=tol.rtol)
+    assert_states(states, expected_states)
+    data.cache.check_padding()
+
+
+@pytest.mark.parametrize("case", ["state", "scores"])
+def test_ssd_varlen_fp16_operands_beyond_fp16_range(case: str) -> None:
+    """fp16 inputs whose derived dot operands overflow float16 while the outputs do not:
+    a cached state near 1e5 read out by a small C ("state"), or scores C.B times dt'
+    near 1e5 applied to a small x ("scores"). The kernels scale such tiles down before
+    rounding them, so the result matches the float32 oracle to fp16 accuracy."""
+    gen = torch.Generator().manual_seed(32)
+    lengths, slots = [70, 25], [2, 5]
+    data = SsdData.random(gen, sum(lengths), heads=2, head_dim=16, groups=1, state=64)
+    states = data.cache.states
+    if case == "state":
+        x_scale, bc_scale, flags = 1.0, (1.0, 0.002), [True, True]
+        states.mul_(1e5)
+    else:
+        x_scale, bc_scale, flags = 1e-3, (300.0, 300.0), [False, False]
+    x = (data.x * x_scale).to(torch.float16)
+    B = (data.B * bc_scale[0]).to(torch.float16)
+    C = (data.C * bc_scale[1]).to(torch.float16)
+    expected_states = states.clone()
+    meta: dict[str, Any] = dict(
+        query_start_loc=offsets_of(lengths),
+        state_indices=i32(slots),
+        has_initial_state=bools(flags),
+        chunk_size=64,
+        **data.params(),
+    )
+    got = tri_ssm.ssd_chunked_varlen(x, data.dt, data.A, B, C, ssm_states=states, **meta)
+    want = ref_ssm.ssd_chunked_varlen(
+        x.float(), data.dt, data.A, B.float(), C.float(), ssm_states=expected_states, **meta
+    )
+    assert got.isfinite().all()
+    scale = want.abs().max().item()
+    assert 10 < scale < 60000
+    torch.testing.assert_close(got.double(), want.double(), atol=4e-3 * scale, rtol=4e-3)
+    size = expected_states.abs().max().item()
+    torch.testing.assert_close(states, expected_states, atol=1e-4 * size, rtol=1e-4)
 
 
 def test_ssd_varlen_only_empty_requests() -> None:
@@ -438,6 +513,28 @@ def test_selective_state_update_matches_torch(groups: int, options: str) -> None
         *args, ssm_states=expected_states, state_indices=i32(slots), **data.params()
     )
     assert_close(out, want, data.x.dtype)
+    assert_states(states, expected_states)
+    assert_untouched(states, before, slots)
+    data.cache.check_padding()
+
+
+def test_selective_state_update_wide_state() -> None:
+    """A state wider than 128 (N = 300): the decode launcher narrows its head-dim tile
+    (BLOCK_P x N stays within its register budget), so P = 40 spans several tiles."""
+    gen = torch.Generator().manual_seed(33)
+    slots = [4, 1, 6]
+    data = SsdData.random(gen, len(slots), heads=2, head_dim=40, groups=1, state=300)
+    states = data.cache.states
+    before = states.clone()
+    expected_states = states.clone()
+    args = (data.x, data.dt, data.A, data.B, data.C)
+    got = tri_ssm.selective_state_update(
+        *args, ssm_states=states, state_indices=i32(slots), **data.params()
+    )
+    want = ref_ssm.selective_state_update(
+        *args, ssm_states=expected_states, state_indices=i32(slots), **data.params()
+    )
+    assert_close(got, want, torch.float32)
     assert_states(states, expected_states)
     assert_untouched(states, before, slots)
     data.cache.check_padding()
@@ -961,3 +1058,22 @@ def test_precomputed_chunk_offsets_give_the_same_result() -> None:
     torch.testing.assert_close(s1, s2, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"cu_chunks: expected int32 \[B\+1\]=\[4\]"):
         tri_ssd(x, dt, a, b, c, ssm_states=s2, cu_chunks=offsets.long(), **kwargs)  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
+
+
+def test_oracle_and_launchers_share_one_contract() -> None:
+    """The operand checks live in ``kernels.contracts.mamba2``; the Triton module takes
+    nothing from the torch oracle's module (no private imports across the trees)."""
+    import ast
+    import inspect
+
+    from attnkit.kernels.contracts import mamba2 as contract
+
+    assert ref_ssm.check_ssm_inputs is contract.check_ssm_inputs
+    assert tri_ssm.check_ssm_inputs is contract.check_ssm_inputs
+    assert ref_ssm.check_ssm_states is contract.check_ssm_states
+    assert tri_ssm.check_ssm_states is contract.check_ssm_states
+    tree = ast.parse(inspect.getsource(tri_ssm))
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not any(m.startswith("attnkit.kernels.torch") for m in imported), imported

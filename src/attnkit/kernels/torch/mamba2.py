@@ -59,6 +59,7 @@ from attnkit.kernels._state_common import (
     check_state_indices,
     check_tensor,
 )
+from attnkit.kernels.contracts.mamba2 import check_ssm_inputs, check_ssm_states
 
 __all__ = ["selective_state_update", "ssd_chunked_varlen", "ssd_recurrent_reference"]
 
@@ -66,56 +67,6 @@ __all__ = ["selective_state_update", "ssd_chunked_varlen", "ssd_recurrent_refere
 # ----------------------------------------------------------------------------------
 # Validation and shared pieces
 # ----------------------------------------------------------------------------------
-
-
-def _check_ssm_inputs(
-    x: Tensor,
-    dt: object,
-    A: object,
-    B: object,
-    C: object,
-    D: object,
-    dt_bias: object,
-    *,
-    lead: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Validate the SSM operands; ``lead`` names the first dim of ``x`` (``T``/``B``/``L``)."""
-    x = check_tensor("x", x, layout=f"[{lead}, H, P]", shape=(None, None, None), device=None)
-    check_float("x", x)
-    n_lead, heads, _ = x.shape
-    dev = x.device
-    dt = check_tensor("dt", dt, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
-    A = check_tensor("A", A, layout="[H]", shape=(heads,), device=dev)
-    B = check_tensor("B", B, layout=f"[{lead}, G, N]", shape=(n_lead, None, None), device=dev)
-    groups, state = B.shape[1], B.shape[2]
-    C = check_tensor("C", C, layout=f"[{lead}, G, N]", shape=(n_lead, groups, state), device=dev)
-    if groups < 1 or heads % groups != 0:
-        raise ValueError(
-            f"B: expected the number of groups G to divide the number of heads H, got "
-            f"G = {groups}, H = {heads}"
-        )
-    if D is not None:
-        D = check_tensor("D", D, layout="[H]", shape=(heads,), device=dev)
-    if dt_bias is not None:
-        dt_bias = check_tensor("dt_bias", dt_bias, layout="[H]", shape=(heads,), device=dev)
-    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias)):
-        if t is not None:
-            check_float(name, t)
-    return dt, A, B, C, D, dt_bias
-
-
-def _check_ssm_states(ssm_states: object, x: Tensor, state_size: int) -> Tensor:
-    heads, head_dim = x.shape[1], x.shape[2]
-    ssm_states = check_tensor(
-        "ssm_states",
-        ssm_states,
-        layout="[S, H, P, N]",
-        shape=(None, heads, head_dim, state_size),
-        device=x.device,
-    )
-    if ssm_states.dtype != torch.float32:
-        raise ValueError(f"ssm_states: expected dtype torch.float32, got {ssm_states.dtype}")
-    return ssm_states
 
 
 def _discretize_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool) -> Tensor:
@@ -247,7 +198,7 @@ def ssd_recurrent_reference(
         ``(y, final_state)``: ``y`` ``[L, H, P]`` in the dtype of ``x`` and the state after
         the last token, ``[H, P, N]`` float32.
     """
-    dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="L")
+    dt, A, B, C, D, dt_bias = check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="L")
     dt_softplus = check_bool("dt_softplus", dt_softplus)
     length, heads, head_dim = x.shape
     n = B.shape[-1]
@@ -309,8 +260,8 @@ def ssd_chunked_varlen(
     Returns:
         ``y`` ``[T, H, P]`` in the dtype of ``x``.
     """
-    dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
-    ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    dt, A, B, C, D, dt_bias = check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
+    ssm_states = check_ssm_states(ssm_states, x, B.shape[-1])
     chunk_size = check_chunk_size(chunk_size)
     dt_softplus = check_bool("dt_softplus", dt_softplus)
     offsets = check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
@@ -363,8 +314,8 @@ def selective_state_update(
     Returns:
         ``y`` ``[B, H, P]`` in the dtype of ``x``.
     """
-    dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
-    ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    dt, A, B, C, D, dt_bias = check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
+    ssm_states = check_ssm_states(ssm_states, x, B.shape[-1])
     dt_softplus = check_bool("dt_softplus", dt_softplus)
     check_state_indices(
         state_indices, batch=x.shape[0], num_slots=ssm_states.shape[0], device=x.device

@@ -12,7 +12,9 @@ State Space Duality", ICML 2024 (arXiv:2405.21060), with a scalar decay per head
 
 * ``x`` ``[T, H, P]`` (or ``[B, H, P]`` for decode): float32, float16 or bfloat16, any
   strides. ``dt``, ``A``, ``B``, ``C``, ``D``, ``dt_bias``: any of those dtypes, any
-  strides, read as float32. All arithmetic is float32; ``y`` has the dtype of ``x``.
+  strides, read as float32. All arithmetic is float32 (the matrix products of 16-bit
+  inputs run on tensor cores with float32 accumulation: see "Precision" below); ``y``
+  has the dtype of ``x``.
 * ``ssm_states`` ``[S, H, P, N]`` float32, **any strides** (views into larger pages),
   updated in place.
 * ``query_start_loc`` int32 ``[B+1]``, ``state_indices`` int32 ``[B]``,
@@ -35,7 +37,8 @@ search over them, and programs past the batch's real chunk count exit at once.
    both ``[T, H]`` float32, indexed by token (chunks partition the tokens).
 2. ``_ssd_chunk_state_kernel`` (grid ``K x H x (P, N)-tiles``): the state each chunk
    would leave from a zero start, ``sum_j exp(cum[last] - cum[j]) dt'[j] x[j] B[j]^T``,
-   into a ``[K, H, P, N]`` float32 workspace.
+   into a ``[K, H, P, N]`` float32 workspace: one ``(weighted x)^T B`` product per tile
+   of ``BLOCK_T`` tokens.
 3. ``_ssd_state_passing_kernel`` (grid ``B x H x (P, N)-tiles``): the only sequential
    part, one short loop over a request's chunks: starting from the cached state (or
    zeros), it replaces each chunk's entry of the workspace by the state *entering* that
@@ -44,21 +47,70 @@ search over them, and programs past the batch's real chunk count exit at once.
 4. ``_ssd_chunk_output_kernel`` (grid ``K * cdiv(Q, BLOCK_T) x H x P-tiles``): per tile of
    output rows ``i``, the inter-chunk term ``exp(cum[i]) C[i] . s_entry`` plus the
    intra-chunk quadratic form ``sum_{j <= i} (C[i] . B[j]) exp(cum[i] - cum[j]) dt'[j]
-   x[j]`` (the segment-sum decay mask of the paper), plus ``D x``.
+   x[j]`` (the segment-sum decay mask of the paper), plus ``D x``. Both ``C[i] . s_entry``
+   and the scores ``C[i] . B[j]`` are accumulated over tiles of ``BLOCK_N`` state
+   columns, so no ``[BLOCK_T, N]`` tile is ever held whole: register use does not grow
+   with ``N``.
+
+Precision (tensor cores)
+------------------------
+The launcher picks a ``DOT_MODE`` per call from the dtypes (``_dot_mode``): when ``x``,
+``B`` and ``C`` share a 16-bit dtype (fp16 ``1`` or bf16 ``2``) every ``tl.dot`` of the
+chunk-state and chunk-output kernels runs on tensor cores (HMMA / HGMMA) with float32
+accumulation; otherwise (float32 or mixed inputs, mode ``0``) the dots take float32
+operands with IEEE precision (no TF32, which the interpreter cannot test). The decays,
+``dt'``, the states and all elementwise work stay float32 in every mode.
+
+In 16-bit mode one operand of each product is raw input, exact in its dtype (``x``,
+``B``, ``C``); the other is computed in float32 (the decay-weighted ``x`` of the chunk
+state, the entering state ``s_entry``, the decayed scores ``(C . B) exp(..) dt'``).
+Rounding that one to 16 bits would cost a relative ``2**-9`` (bf16) / ``2**-12`` (fp16)
+per term, and the output sums many terms that can cancel: measured below it needed a
+tolerance of up to 3e-1 (bf16) / 4e-2 (fp16) on ``y``. So the derived operand ``v`` is
+split as ``hi = rnd(v)``, ``lo = rnd(v - hi)`` (``v - hi`` is exact in float32) and both
+halves are multiplied on the tensor cores: ``hi + lo`` carries about 16 (bf16) / 22
+(fp16) significant bits, and the product with an exact 16-bit operand is then nearly as
+accurate as the float32 dot, for twice the (cheap) tensor-core work of those products;
+``C . B`` needs no split. In fp16 a derived tile can exceed the fp16 range (a large
+cached state, large scores); such a tile is first scaled by a factor ``s <= 1`` (its
+peak brought to ``2**14``) and the accumulator is kept in units of the latest ``s``
+(rescaled when ``s`` changes, like the running maximum of online softmax); tiles in
+range are not scaled. bf16 has float32's range.
+
+Measured under the interpreter (which honours the casts; bfloat16 products are
+emulated exactly, see ``_round_to_bf16``) against the float32 oracle on the same
+rounded inputs, ``x``, ``B``, ``C`` ~ N(0, 1) (and a 3x / 30x-state case),
+``dt' = softplus(N(0, 1) - 1.5 + bias)``, ``A`` in ``[-4.5, -0.5]``, ``P = 64``,
+``N = 64 / 128``, chunks 64 / 128, cached initial states: the tolerance ``t`` (as
+``atol = rtol = t``) the outputs need is 4.8e-4 (fp16) and 3.8e-3 (bf16), one rounding
+of the output, as with float32 dots (single-rounded operands: 3.9e-2 / 3.4e-1); the
+float32 states need 1.4e-5 (float32 dots: 2e-6). The project's tolerances
+(``attnkit.testing.tolerances``) are 4e-3 (fp16) and 2.5e-2 (bf16).
+
+Tiles (``_STATE_TILES``, ``_OUTPUT_TILES``; caps, shrunk to small problems) were chosen
+from the compile report so that nothing spills on sm_80 / sm_90 / sm_100 whatever
+``P`` and ``N`` (they only change grid and loop counts): in 16-bit modes the chunk
+state uses ``BLOCK_T = BLOCK_P = BLOCK_N = 64`` and the chunk output ``BLOCK_T = 64``,
+``BLOCK_P`` up to 128 (a head dim of 128 in one program, which computes its row tile's
+scores once), ``BLOCK_N = 32``; float32 mode uses ``BLOCK_T = BLOCK_N = 32``,
+``BLOCK_P = 64``. All with 8 warps (4 for the float32 chunk state) and 2 pipeline
+stages. Checked for ``P`` 64 / 128, ``N`` 64 / 128 / 256, chunks 128 / 256.
 
 Trade-offs: the decays use differences of float32 cumulative sums within one chunk
 (the oracle sums each segment directly); the difference is far below the test
-tolerances for chunk sizes used in practice. Every ``tl.dot`` takes float32 operands with
-IEEE precision, which keeps the oracle's float32 accuracy but forgoes 16-bit tensor-core
-throughput. The workspace holds ``K`` float32 states of ``H x P x N``.
+tolerances for chunk sizes used in practice. The workspace holds ``K`` float32 states
+of ``H x P x N``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from attnkit.kernels._checks import (
     check_bool,
@@ -70,14 +122,13 @@ from attnkit.kernels._checks import (
     require_tensor,
 )
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
-from attnkit.kernels.torch.mamba2 import _check_ssm_inputs, _check_ssm_states
+from attnkit.kernels.contracts.mamba2 import check_ssm_inputs, check_ssm_states
 from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["selective_state_update", "ssd_chunk_offsets", "ssd_chunked_varlen"]
 
-_MAX_BLOCK_P = 64
-_MAX_BLOCK_N = 64
-_MAX_BLOCK_T = 64
+_MAX_BLOCK_P = 64  # the decode kernel's head-dim tile ...
+_MAX_UPDATE_TILE = 8192  # ... and its cap on BLOCK_P x N (float32 state elements)
 _MIN_DOT = 16  # the smallest tl.dot extent on every target
 _MAX_CUMSUM_TILE = 4096  # elements of the [chunk, heads] tile of the cumsum kernel
 
@@ -163,6 +214,90 @@ def _ssd_chunk_cumsum_kernel(
 
 
 @triton.jit
+def _round_to_bf16(v):
+    """Float32 ``v`` rounded to the nearest bfloat16 value (ties to even), kept float32.
+
+    Used only when interpreted (``EMULATE_BF16``): the interpreter's float32 -> bfloat16
+    conversion truncates and its ``tl.dot`` misreads bfloat16 operands, so there the
+    kernels round by hand and multiply the rounded values in float32, which is what a
+    bfloat16 tensor-core product with float32 accumulation computes (the products of two
+    bfloat16 values are exact in float32). NaN stays NaN; overflow rounds to inf.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    # Add half an ulp of bfloat16 (minus one, plus the kept lsb: ties go to even), cut.
+    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & 0xFFFF0000
+    return tl.where(v != v, v, (sign | rounded).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _dot_operand(v, DOT_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Float32 ``v`` as a ``tl.dot`` operand of the precision ``DOT_MODE`` selects.
+
+    ``_DOT_FP32``: ``v`` itself (IEEE float32 dot). ``_DOT_FP16``: rounded to float16 (a
+    derived operand is not bounded by the fp16 inputs: callers scale it by
+    :func:`_fp16_scale` first). ``_DOT_BF16``: rounded to bfloat16 (float32's range).
+    """
+    if DOT_MODE == 1:
+        return v.to(tl.float16)
+    elif DOT_MODE == 2:
+        if EMULATE_BF16:
+            return _round_to_bf16(v)
+        else:
+            return v.to(tl.bfloat16)
+    else:
+        return v
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation: IEEE float32 for ``_DOT_FP32`` (and for
+    bfloat16 values held in float32 when ``EMULATE_BF16``), else a 16-bit tensor-core
+    product of ``a`` and ``b`` (both of the inputs' 16-bit dtype)."""
+    if DOT_MODE == 0 or EMULATE_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fp16_scale(v):
+    """A factor ``s <= 1`` with ``|s v| <= 2**14``, so ``s v`` rounds to float16 without
+    overflow. It is 1 (no scaling) unless ``v`` holds values beyond ``2**14``: in the
+    normal range the fp16 operand is ``v`` rounded once."""
+    peak = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+    return 16384.0 / tl.maximum(peak, 16384.0)
+
+
+@triton.jit
+def _dot_split(
+    a, b, acc, A_DERIVED: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
+    """``acc + a @ b`` (float32) where one operand (``a`` if ``A_DERIVED`` else ``b``) is
+    float32 computed in the kernel and the other is raw input of the 16-bit ``DOT_MODE``.
+
+    For 16-bit modes the derived operand ``v`` is split as ``hi + lo``, ``hi = rnd(v)``,
+    ``lo = rnd(v - hi)`` (``v - hi`` is exact in float32), and both halves go through
+    the tensor cores: ``hi + lo`` carries twice the 16-bit significand, and the raw
+    operand is exact, so the product keeps about 16 (bf16) or 22 (fp16) bits.
+    """
+    if DOT_MODE == 0:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif A_DERIVED:
+        hi = _dot_operand(a, DOT_MODE, EMULATE_BF16)
+        lo = _dot_operand(a - hi.to(tl.float32), DOT_MODE, EMULATE_BF16)
+        acc = _mma(hi, b, acc, DOT_MODE, EMULATE_BF16)
+        acc = _mma(lo, b, acc, DOT_MODE, EMULATE_BF16)
+    else:
+        hi = _dot_operand(b, DOT_MODE, EMULATE_BF16)
+        lo = _dot_operand(b - hi.to(tl.float32), DOT_MODE, EMULATE_BF16)
+        acc = _mma(a, hi, acc, DOT_MODE, EMULATE_BF16)
+        acc = _mma(a, lo, acc, DOT_MODE, EMULATE_BF16)
+    return acc
+
+
+@triton.jit
 def _ssd_chunk_state_kernel(
     x_ptr,
     B_ptr,
@@ -189,6 +324,8 @@ def _ssd_chunk_state_kernel(
     stride_wh,
     stride_wp,
     stride_wn,
+    DOT_MODE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -209,6 +346,7 @@ def _ssd_chunk_state_kernel(
 
     cum_last = tl.load(cum_ptr + (end - 1).to(tl.int64) * num_heads + head)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    scale = tl.full([], 1.0, tl.float32)  # fp16 only: acc holds the state times `scale`
     for t0 in range(start, end, BLOCK_T):
         tokens = t0 + tl.arange(0, BLOCK_T)
         t_valid = tokens < end
@@ -221,13 +359,21 @@ def _ssd_chunk_state_kernel(
             x_ptr + rows[:, None] * stride_xt + head * stride_xh + dims[None, :] * stride_xp,
             mask=t_valid[:, None] & p_valid[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         b = tl.load(
             B_ptr + rows[:, None] * stride_Bt + group * stride_Bg + states[None, :] * stride_Bn,
             mask=t_valid[:, None] & n_valid[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(tl.trans(x * weight[:, None]), b, input_precision="ieee")
+        )
+        xw = x.to(tl.float32) * weight[:, None]
+        if DOT_MODE == 1:
+            s = _fp16_scale(xw)
+            acc = acc * (s / scale)
+            scale = s
+            xw = xw * s
+        acc = _dot_split(tl.trans(xw), b, acc, True, DOT_MODE, EMULATE_BF16)
+    if DOT_MODE == 1:
+        acc = acc / scale
     tl.store(
         states_ptr
         + chunk.to(tl.int64) * stride_wk
@@ -342,9 +488,11 @@ def _ssd_chunk_output_kernel(
     stride_oh,
     stride_op,
     HAS_D: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    N_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0) // tiles_per_chunk
     if chunk >= tl.load(cu_ptr + num_requests):
@@ -359,53 +507,83 @@ def _ssd_chunk_output_kernel(
     group = head // heads_per_group
     dims = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_valid = dims < head_dim
-    states = tl.arange(0, N_PAD)
-    n_valid = states < state_size
 
     rows_i = i0 + tl.arange(0, BLOCK_T)
     i_valid = rows_i < end
     ri = rows_i.to(tl.int64)
     cum_i = tl.load(cum_ptr + ri * num_heads + head, mask=i_valid, other=0.0)
-    c_i = tl.load(
-        C_ptr + ri[:, None] * stride_Ct + group * stride_Cg + states[None, :] * stride_Cn,
-        mask=i_valid[:, None] & n_valid[None, :],
-        other=0.0,
-    ).to(tl.float32)
-
-    # Inter-chunk term: the state entering the chunk, decayed to row i, read out by C[i].
-    entry = tl.load(
-        states_ptr
-        + chunk.to(tl.int64) * stride_wk
-        + head * stride_wh
-        + dims[:, None] * stride_wp
-        + states[None, :] * stride_wn,
-        mask=p_valid[:, None] & n_valid[None, :],
-        other=0.0,
+    c_ptrs = C_ptr + ri[:, None] * stride_Ct + group * stride_Cg
+    entry_ptrs = (
+        states_ptr + chunk.to(tl.int64) * stride_wk + head * stride_wh + dims[:, None] * stride_wp
     )
-    acc = tl.dot(c_i, tl.trans(entry), input_precision="ieee") * tl.exp(cum_i)[:, None]
+
+    # Inter-chunk term: the state entering the chunk read out by C[i], over state tiles,
+    # then decayed to row i.
+    acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    scale = tl.full([], 1.0, tl.float32)  # fp16 only: acc holds the output times `scale`
+    for n0 in range(0, state_size, BLOCK_N):
+        states = n0 + tl.arange(0, BLOCK_N)
+        n_valid = states < state_size
+        c_i = tl.load(
+            c_ptrs + states[None, :] * stride_Cn,
+            mask=i_valid[:, None] & n_valid[None, :],
+            other=0.0,
+        )
+        entry = tl.load(
+            entry_ptrs + states[None, :] * stride_wn,
+            mask=p_valid[:, None] & n_valid[None, :],
+            other=0.0,
+        )
+        if DOT_MODE == 1:
+            s = _fp16_scale(entry)
+            acc = acc * (s / scale)
+            scale = s
+            entry = entry * s
+        acc = _dot_split(c_i, tl.trans(entry), acc, False, DOT_MODE, EMULATE_BF16)
+    acc = acc * tl.exp(cum_i)[:, None]
 
     # Intra-chunk term over source tiles up to the diagonal one.
     for j0 in range(start, i0 + BLOCK_T, BLOCK_T):
         rows_j = j0 + tl.arange(0, BLOCK_T)
         j_valid = rows_j < end
         rj = rows_j.to(tl.int64)
-        b_j = tl.load(
-            B_ptr + rj[:, None] * stride_Bt + group * stride_Bg + states[None, :] * stride_Bn,
-            mask=j_valid[:, None] & n_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        # scores[i, j] = C[i] . B[j], over state tiles.
+        scores = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for n0 in range(0, state_size, BLOCK_N):
+            states = n0 + tl.arange(0, BLOCK_N)
+            n_valid = states < state_size
+            c_i = tl.load(
+                c_ptrs + states[None, :] * stride_Cn,
+                mask=i_valid[:, None] & n_valid[None, :],
+                other=0.0,
+            )
+            b_j = tl.load(
+                B_ptr + rj[:, None] * stride_Bt + group * stride_Bg + states[None, :] * stride_Bn,
+                mask=j_valid[:, None] & n_valid[None, :],
+                other=0.0,
+            )
+            scores = _mma(c_i, tl.trans(b_j), scores, DOT_MODE, EMULATE_BF16)
         cum_j = tl.load(cum_ptr + rj * num_heads + head, mask=j_valid, other=0.0)
         dtp_j = tl.load(dtp_ptr + rj * num_heads + head, mask=j_valid, other=0.0)
-        scores = tl.dot(c_i, tl.trans(b_j), input_precision="ieee")  # [i, j] = C[i] . B[j]
-        causal = (rows_j[None, :] <= rows_i[:, None]) & j_valid[None, :]
-        # exp(a[j+1] + ... + a[i]) on and below the diagonal, exactly 0 above it.
+        causal = (rows_j[None, :] <= rows_i[:, None]) & j_valid[None, :] & i_valid[:, None]
+        # exp(a[j+1] + ... + a[i]) on and below the diagonal, exactly 0 above it (and in
+        # padding rows, whose cum_i = 0 could overflow the exp and, in fp16 mode, the
+        # tile's scale).
         decay = tl.exp(tl.where(causal, cum_i[:, None] - cum_j[None, :], float("-inf")))
+        weights = scores * decay * dtp_j[None, :]
         x_j = tl.load(
             x_ptr + rj[:, None] * stride_xt + head * stride_xh + dims[None, :] * stride_xp,
             mask=j_valid[:, None] & p_valid[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(scores * decay * dtp_j[None, :], x_j, input_precision="ieee")
+        )
+        if DOT_MODE == 1:
+            s = _fp16_scale(weights)
+            acc = acc * (s / scale)
+            scale = s
+            weights = weights * s
+        acc = _dot_split(weights, x_j, acc, True, DOT_MODE, EMULATE_BF16)
+    if DOT_MODE == 1:
+        acc = acc / scale
 
     io_mask = i_valid[:, None] & p_valid[None, :]
     if HAS_D:
@@ -415,6 +593,8 @@ def _ssd_chunk_output_kernel(
             other=0.0,
         ).to(tl.float32)
         acc += tl.load(D_ptr + head * stride_D).to(tl.float32) * x_i
+    if EMULATE_BF16:
+        acc = _round_to_bf16(acc)  # the interpreter's own cast would truncate
     tl.store(
         out_ptr + ri[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_op,
         acc.to(out_ptr.dtype.element_ty),
@@ -516,6 +696,10 @@ def _selective_state_update_kernel(
 # ----------------------------------------------------------------------------------
 
 
+# Under the interpreter bfloat16 dots are emulated (see _round_to_bf16).
+_INTERPRETED = isinstance(_ssd_chunk_output_kernel, InterpretedFunction)
+
+
 def _check_dtypes(**tensors: Tensor | None) -> None:
     for name, t in tensors.items():
         check_dtype(name, t)
@@ -528,6 +712,55 @@ def _stride(t: Tensor | None, dim: int = 0) -> int:
 def _dot_block(extent: int, cap: int) -> int:
     """Power-of-two tile for a ``tl.dot`` extent: at least 16, at most ``cap``."""
     return max(_MIN_DOT, min(cap, int(triton.next_power_of_2(max(extent, 1)))))
+
+
+_DOT_FP32 = 0
+_DOT_FP16 = 1
+_DOT_BF16 = 2
+_DOT_MODES = {torch.float16: _DOT_FP16, torch.bfloat16: _DOT_BF16}
+
+
+def _dot_mode(x: Tensor, B: Tensor, C: Tensor) -> int:
+    """The ``DOT_MODE`` of the chunk kernels: 16-bit operands (tensor cores) when ``x``,
+    ``B`` and ``C`` share a 16-bit dtype, else IEEE float32 dots."""
+    if x.dtype == B.dtype == C.dtype:
+        return _DOT_MODES.get(x.dtype, _DOT_FP32)
+    return _DOT_FP32
+
+
+class _Tiles(NamedTuple):
+    """Tile sizes (caps, before fitting to the problem) and warps of one chunk kernel."""
+
+    block_t: int
+    block_p: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tile caps per dot mode, (BLOCK_T, BLOCK_P, BLOCK_N, warps, stages); chosen from the
+# compile report so that no variant spills on sm_80 / sm_90 / sm_100 (module doc).
+_STATE_TILES = {
+    _DOT_FP32: _Tiles(32, 64, 32, 4, 2),
+    _DOT_FP16: _Tiles(64, 64, 64, 8, 2),
+    _DOT_BF16: _Tiles(64, 64, 64, 8, 2),
+}
+_OUTPUT_TILES = {
+    _DOT_FP32: _Tiles(32, 64, 32, 8, 2),
+    _DOT_FP16: _Tiles(64, 128, 32, 8, 2),
+    _DOT_BF16: _Tiles(64, 128, 32, 8, 2),
+}
+
+
+def _fit(tiles: _Tiles, q: int, head_dim: int, state_size: int) -> _Tiles:
+    """``tiles`` shrunk to the problem (powers of two, at least the smallest dot)."""
+    return _Tiles(
+        _dot_block(q, tiles.block_t),
+        _dot_block(head_dim, tiles.block_p),
+        _dot_block(state_size, tiles.block_n),
+        tiles.num_warps,
+        tiles.num_stages,
+    )
 
 
 def _effective_chunk(chunk_size: int, num_tokens: int) -> int:
@@ -620,9 +853,9 @@ def ssd_chunked_varlen(
     stride on the device of ``x``). ``out`` must not be ``x``, ``B``, ``C``, ``dt`` or
     ``ssm_states``. Returns ``y`` ``[T, H, P]`` in the dtype of ``x``.
     """
-    dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
+    dt, A, B, C, D, dt_bias = check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="T")
     _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
-    ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    ssm_states = check_ssm_states(ssm_states, x, B.shape[-1])
     chunk_size = check_chunk_size(chunk_size)
     dt_softplus = check_bool("dt_softplus", dt_softplus)
     num_tokens, heads, head_dim = x.shape
@@ -660,10 +893,11 @@ def ssd_chunked_varlen(
     iters = search_iters(batch)
     heads_per_group = heads // groups
 
-    block_p = _dot_block(head_dim, _MAX_BLOCK_P)
-    block_n = _dot_block(state_size, _MAX_BLOCK_N)
-    pn_tiles = triton.cdiv(head_dim, block_p) * triton.cdiv(state_size, block_n)
-    block_t = _dot_block(q, _MAX_BLOCK_T)
+    dot_mode = _dot_mode(x, B, C)
+    emulate_bf16 = _INTERPRETED and dot_mode == _DOT_BF16
+    st = _fit(_STATE_TILES[dot_mode], q, head_dim, state_size)
+    ot = _fit(_OUTPUT_TILES[dot_mode], q, head_dim, state_size)
+    pn_tiles = triton.cdiv(head_dim, st.block_p) * triton.cdiv(state_size, st.block_n)
     common = dict(num_requests=batch, num_search_iters=iters, chunk_size=q)
 
     if max_chunks > 0:
@@ -713,9 +947,13 @@ def ssd_chunked_varlen(
             stride_wh=work.stride(1),
             stride_wp=work.stride(2),
             stride_wn=work.stride(3),
-            BLOCK_T=block_t,
-            BLOCK_P=block_p,
-            BLOCK_N=block_n,
+            DOT_MODE=dot_mode,
+            EMULATE_BF16=emulate_bf16,
+            BLOCK_T=st.block_t,
+            BLOCK_P=st.block_p,
+            BLOCK_N=st.block_n,
+            num_warps=st.num_warps,
+            num_stages=st.num_stages,
             enable_fp_fusion=True,
             **common,
         )
@@ -742,14 +980,14 @@ def ssd_chunked_varlen(
         stride_qsl=qsl.stride(0),
         stride_slot=slots.stride(0),
         stride_init=flags.stride(0),
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
+        BLOCK_P=st.block_p,
+        BLOCK_N=st.block_n,
         enable_fp_fusion=True,
     )
     if max_chunks > 0:
-        tiles_per_chunk = triton.cdiv(q, block_t)
+        tiles_per_chunk = triton.cdiv(q, ot.block_t)
         _ssd_chunk_output_kernel[
-            (max_chunks * tiles_per_chunk, heads, triton.cdiv(head_dim, block_p))
+            (max_chunks * tiles_per_chunk, heads, triton.cdiv(head_dim, ot.block_p))
         ](
             x,
             B,
@@ -785,9 +1023,13 @@ def ssd_chunked_varlen(
             stride_oh=result.stride(1),
             stride_op=result.stride(2),
             HAS_D=D is not None,
-            BLOCK_T=block_t,
-            BLOCK_P=block_p,
-            N_PAD=max(_MIN_DOT, triton.next_power_of_2(state_size)),
+            DOT_MODE=dot_mode,
+            EMULATE_BF16=emulate_bf16,
+            BLOCK_T=ot.block_t,
+            BLOCK_P=ot.block_p,
+            BLOCK_N=ot.block_n,
+            num_warps=ot.num_warps,
+            num_stages=ot.num_stages,
             enable_fp_fusion=True,
             **common,
         )
@@ -817,9 +1059,9 @@ def selective_state_update(
     Grid ``(B, H, cdiv(P, BLOCK_P))``: each program owns a ``[BLOCK_P, N]`` tile of one
     request's state for one head, updates it in place and reads ``y`` out of it.
     """
-    dt, A, B, C, D, dt_bias = _check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
+    dt, A, B, C, D, dt_bias = check_ssm_inputs(x, dt, A, B, C, D, dt_bias, lead="B")
     _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
-    ssm_states = _check_ssm_states(ssm_states, x, B.shape[-1])
+    ssm_states = check_ssm_states(ssm_states, x, B.shape[-1])
     dt_softplus = check_bool("dt_softplus", dt_softplus)
     batch, heads, head_dim = x.shape
     slots = check_slot_tensor(state_indices, batch=batch, device=x.device)
@@ -828,7 +1070,10 @@ def selective_state_update(
     if batch == 0 or heads == 0 or head_dim == 0:
         return result
     groups, state_size = B.shape[1], B.shape[2]
-    block_p = min(_MAX_BLOCK_P, triton.next_power_of_2(head_dim))
+    n_pad = triton.next_power_of_2(max(state_size, 1))
+    # The [BLOCK_P, N] float32 state tile lives in registers: at most 8192 elements
+    # (64 x 128) per program keeps it spill-free for any N (d_state 256 -> BLOCK_P 32).
+    block_p = max(1, min(_MAX_BLOCK_P, triton.next_power_of_2(head_dim), _MAX_UPDATE_TILE // n_pad))
     _selective_state_update_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         x,
         dt,
@@ -869,7 +1114,7 @@ def selective_state_update(
         DT_SOFTPLUS=bool(dt_softplus),
         HAS_D=D is not None,
         BLOCK_P=block_p,
-        N_PAD=triton.next_power_of_2(max(state_size, 1)),
+        N_PAD=n_pad,
         enable_fp_fusion=True,
     )
     return result
