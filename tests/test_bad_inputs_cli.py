@@ -105,7 +105,8 @@ CASES = [
             "--backend",
             "triton_mamba2",
             error="unrecognized arguments: --backend triton_mamba2 (demo takes "
-            "--backend-per-kind, --debug, --device, --dtype, --model, --prefer, --steps)",
+            "--backend-per-kind, --config, --debug, --device, --dtype, --model, --prefer, "
+            "--steps)",
         ),
         id="demo-backend-is-no-abbreviation",
     ),
@@ -118,9 +119,11 @@ CASES = [
             "plan",
             "--mod",
             "llama",
-            error="unrecognized arguments: --mod llama (plan takes --backend, "
-            "--backend-per-kind, --capability, --debug, --device, --model, --report-only, "
-            "--strict)",
+            # "llama" is taken as the CONFIG argument; the abbreviation is refused.
+            error="unrecognized arguments: --mod (plan takes --backend, "
+            "--backend-per-kind, --block-size, --capability, --debug, --device, --dtype, "
+            "--example, --gpu-memory, --json, --kv-cache-dtype, --max-model-len, "
+            "--max-num-batched-tokens, --model, --num-blocks, --report-only, --strict)",
         ),
         id="plan-abbreviated-model",
     ),
@@ -158,10 +161,29 @@ CASES = [
             "plan",
             "--model",
             "gpt",
-            error="argument --model: invalid choice: 'gpt' (choose from 'hybrid', 'llama', "
-            "'gemma2', 'llama4')",
+            error="argument --example/--model: invalid choice: 'gpt' (choose from 'hybrid', "
+            "'llama', 'gemma2', 'llama4')",
         ),
         id="plan-model",
+    ),
+    pytest.param(
+        usage(
+            "plan",
+            "--gpu-memory",
+            "80 gigs",
+            error="argument --gpu-memory: must be a size such as 80GiB, 500MB or 4096 (bytes); "
+            "units: B, KB, kB, MB, GB, TB, KiB, MiB, GiB, TiB; got '80 gigs'",
+        ),
+        id="plan-gpu-memory",
+    ),
+    pytest.param(
+        user(
+            "plan",
+            "tests/fixtures/model-configs/no-such-model.json",
+            error="CONFIG must be a config.json or a directory holding one; "
+            "'tests/fixtures/model-configs/no-such-model.json' does not exist",
+        ),
+        id="plan-missing-config",
     ),
     pytest.param(
         usage(

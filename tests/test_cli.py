@@ -137,31 +137,51 @@ def test_a_failing_plugin_hook_is_a_row_not_an_error() -> None:
 
 
 def test_plan_routes_groups_and_explains() -> None:
-    status, text, err = run_both(["plan", "--model", "hybrid", "--report-only"], registry())
+    status, text, err = run_both(["plan", "--model", "llama4", "--report-only"], registry())
     assert (status, err) == (0, "")
     assert (
-        "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority)\n"
-        in text
-    )
+        "layers.3, layers.7: full_attention (FullAttentionSpec)\n"
+        "  -> toy_generic (chosen by priority)\n"
+        # Alphabetical fallback order: toy_fast_cuda is tried first.
+        "     skipped toy_fast_cuda: device=cpu not supported (supported: cuda)\n"
+        "  group 1: block size 16, 2 layer(s), layout interleaved, "
+        # ceil(32768 / 16) = 2048 blocks at the default max_model_len
+        "at most 2048 block(s) per request\n"
+    ) in text
+    assert (
+        "layers.0, layers.1, ..., layers.6 (6 layers): chunked_local_attention "
+        "(ChunkedLocalAttentionSpec)\n  NO BACKEND\n"
+    ) in text
+    assert "  layers.3  full_attention           -      -       -      1      toy_generic\n" in text
+    assert "  layers.0  chunked_local_attention  -      -       8192   0      NONE\n" in text
+    assert text.endswith("\n1 group(s) have no backend\n")
+
+
+def test_plan_shows_the_block_size_the_runtime_runs() -> None:
+    """The hybrid example's Mamba2 state (2147840 B) sets the unified page: attention
+    pages of 65536 B are scaled 33 times (65536 * 33 = 2162688 >= 2147840), to
+    16 * 33 = 528 tokens, which the toy attention backend (16 or 32) cannot serve."""
+    status, text, err = run_both(["plan", "--model", "hybrid", "--report-only"], registry())
+    assert (status, err) == (0, "")
+    assert "groups (unified page 2162688 B):\n" in text
     assert (
         "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority)\n"
         in text
     )
-    # Alphabetical fallback order: toy_fast_cuda and toy_generic are tried first.
-    assert "     skipped toy_fast_cuda: device=cpu not supported (supported: cuda)" in text
-    assert "layers.4: chunked_local_attention (ChunkedLocalAttentionSpec)\n  NO BACKEND\n" in text
-    assert text.endswith("\n1 group(s) have no backend\n")
+    assert "        block_size=528 not supported (supported: 16, 32)\n" in text
+    assert "  group 0: block size 528 (declared 16, scaled to the unified page)" in text
+    assert text.endswith("\n3 group(s) have no backend\n")
 
 
 @pytest.mark.parametrize("flags", [[], ["--strict"]], ids=["default", "strict"])
 def test_plan_fails_on_unserved_layers(flags: list[str]) -> None:
-    status, text, err = run_both(["plan", "--model", "hybrid", *flags], registry())
+    status, text, err = run_both(["plan", "--model", "llama4", *flags], registry())
     assert status == 1
     # The same report as --report-only on stdout; the verdict on stderr.
-    assert text == run(["plan", "--model", "hybrid", "--report-only"], registry())[1]
+    assert text == run(["plan", "--model", "llama4", "--report-only"], registry())[1]
     assert err == (
-        "attnkit plan: error: no backend for 1 of 4 layer group(s): "
-        "layers.4 (chunked_local_attention) "
+        "attnkit plan: error: no backend for 1 of 2 layer group(s): "
+        "layers.0, layers.1, ..., layers.6 (6 layers) (chunked_local_attention) "
         "(the report on stdout says why; --report-only exits 0)\n"
     )
     assert run(["plan", "--model", "gemma2", *flags], registry())[0] == 0
@@ -220,6 +240,7 @@ def test_plan_for_a_gpu_this_machine_lacks() -> None:
     )
     assert status == 0
     assert "  -> toy_fast_cuda (chosen by backend_per_kind)" in text
+    assert CUDA_PROBLEM is not None  # the skipif above
     assert CUDA_PROBLEM not in text
     assert err == (
         f"attnkit plan: note: {CUDA_PROBLEM}; planning for it as a hypothetical device of "

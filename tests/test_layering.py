@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "attnkit.runtime": 10,
     "attnkit.backend_api": 11,
     "attnkit.demo": 11,
+    "attnkit.planner": 11,
     # The conformance kit (docs/backend-authors.md): beside backend_api and demo, above
     # the runtime; its own modules stack inside the package, and nothing imports it.
     "attnkit.testing.tolerances": 11,

@@ -2,10 +2,14 @@
 
 ``attnkit backends``  every registered backend, what it serves, and whether it can run
                       here (with the reasons when it cannot).
-``attnkit plan``      route an example model's layers: layer -> kind -> backend, with
-                      every skipped candidate and why.
-``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers)
-                      through the runtime, checking every step against a dense recompute.
+``attnkit plan``      a capacity plan for a model's ``config.json`` (or an example
+                      layout): layer -> kind -> group -> backend, with every skipped
+                      candidate and why; the unified page and block sizes the runtime
+                      runs; bytes per token and per request; blocks, tokens and
+                      concurrent requests that fit in ``--gpu-memory``.
+``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers,
+                      or with ``--config`` a real model's layer kinds, shrunk) through the
+                      runtime, checking every step against a dense recompute.
 
 Output and exit status: reports go to stdout, errors to stderr. A user error (a bad
 option value, an unknown backend or kind, a backend that cannot serve what was asked,
@@ -32,12 +36,15 @@ import pydantic
 import torch
 from typing_extensions import override
 
-from .config import AttentionConfig
+from .config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, AttentionConfig
 from .devices import check_device_available, device_problem, parse_device
-from .errors import AttnkitError, DeviceUnavailableError, PluginError
+from .errors import AttnkitError, DeviceUnavailableError, InvalidArgumentError, PluginError
+from .models import ModelLayout, layout_from_hf_config
+from .planner import ModelPlan, format_bytes, parse_memory_size, plan_model
 from .registry import BackendRegistry, call_backend_code, default_registry
-from .selector import NoBackendError, Selection, select_backend
 from .spec import (
+    KV_CACHE_DTYPES,
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -64,6 +71,31 @@ EXIT_FAILED = 1
 its check."""
 EXIT_USAGE = 2
 """A user error: bad options, or a configuration attnkit rejects."""
+
+_PLAN_HELP = """\
+Plan a model's KV cache and backends: what attnkit.planner.plan_model computes, as
+text or --json. CONFIG is a Hugging Face config.json or a directory holding one;
+without it, --example NAME plans an example layout (default hybrid).
+
+The text report: a table of layers (name, kind, state type, window, chunk, group,
+backend); each group with its backend, every skipped candidate and why, its block
+size (scaled to the unified page where the runtime scales it) and blocks per request;
+then capacity: bytes per block, KV bytes per token, windowed groups' per-request cap,
+state bytes per request, blocks per request, and with --gpu-memory or --num-blocks
+the blocks, tokens and concurrent requests of --max-model-len tokens that fit, and
+the CUDA-graph support with the group that limits it.
+
+--json writes one object with these keys, in this order: model_type, source, device,
+capability, dtype, max_model_len, max_num_batched_tokens, layers (each: name, kind,
+mamba_type, sliding_window, attention_chunk_size, group, backend), groups (each:
+group, kind, spec, layers, block_size, declared_block_size, page_size_bytes,
+bytes_per_token, blocks_per_request, per_request_cap_bytes, backend, chosen_by,
+layout, buffer_set, cudagraph_support, skipped [{backend, reasons}], error),
+page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
+state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
+num_blocks, usable_blocks, tokens_that_fit, max_concurrency, cudagraph_support,
+cudagraph_limited_by, unserved_groups. Absent values are null (no budget: no
+num_blocks, tokens_that_fit or max_concurrency). docs/models.md has the details."""
 
 DEMO_MAX_STEPS = 10_000
 """Most decode steps ``attnkit demo`` takes (the sequences stay far below
@@ -251,9 +283,165 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: _Strea
     return 0
 
 
+def _names(names: Sequence[str]) -> str:
+    """Layer names for a group's header: all of them, or the first two and the last."""
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, ..., {names[-1]} ({len(names)} layers)"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _bytes(value: int) -> str:
+    shown = format_bytes(value)
+    return f"{value} B" if shown.endswith(" B") else f"{value} B ({shown})"
+
+
+def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
+    """The plan as text: layers, groups with their backends, capacity."""
+    out.write(f"{title}\n")
+    dtype = str(plan.dtype).removeprefix("torch.") if plan.dtype is not None else None
+    if dtype is not None:
+        out.write(f"dtype {dtype}\n")
+    out.write("\nlayers:\n")
+    rows = [("layer", "kind", "state", "window", "chunk", "group", "backend")]
+    for layer in plan.layers:
+        rows.append(
+            (
+                layer.name,
+                layer.kind,
+                layer.mamba_type or "-",
+                str(layer.sliding_window or "-"),
+                str(layer.attention_chunk_size or "-"),
+                str(layer.group),
+                plan.groups[layer.group].backend_name or "NONE",
+            )
+        )
+    out.writelines(line + "\n" for line in _table(rows))
+    out.write(f"\ngroups (unified page {plan.page_size_bytes} B):\n")
+    for g in plan.groups:
+        group = g.group
+        out.write(
+            f"\n{_names(group.layer_names)}: {group.kind.value} ({type(group.spec).__name__})\n"
+        )
+        if g.selection is None:
+            out.write(
+                "  NO BACKEND\n" + "".join(f"    {line}\n" for line in (g.error or "").splitlines())
+            )
+        else:
+            out.write(f"  -> {g.selection.backend_name} (chosen by {g.selection.source})\n")
+            for rejection in g.rejected:
+                out.write(f"     skipped {rejection}\n")
+        if not group.has_cache:
+            out.write(f"  group {group.group_id}: no cache\n")
+            continue
+        spec, declared = group.spec, group.original_spec
+        scaled = (
+            f" (declared {declared.block_size}, scaled to the unified page)"
+            if spec.block_size != declared.block_size
+            else ""
+        )
+        size = (
+            f"block size {spec.block_size}{scaled}, "
+            if isinstance(spec, AttentionSpec)
+            else f"state {spec.page_size_bytes} B per layer, "
+        )
+        out.write(
+            f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
+            f"{g.layout}, at most {g.blocks_per_request} block(s) per request\n"
+        )
+    out.write(
+        f"\ncapacity (max_model_len {plan.max_model_len}, max_num_batched_tokens "
+        f"{plan.max_num_batched_tokens}):\n"
+    )
+    sets = ", ".join(f"{name} {count}" for name, count in sorted(plan.buffers.items()))
+    lines = [
+        (
+            "page",
+            f"{plan.page_size_bytes} B in {sum(plan.buffers.values())} layer buffer(s)"
+            f" ({sets or 'none'}) = {_bytes(plan.bytes_per_block)} per block",
+        ),
+        ("KV per token", f"{_bytes(plan.kv_bytes_per_token)} (attention layers)"),
+    ]
+    for g in plan.groups:
+        if g.per_request_cap_bytes is None:
+            continue
+        spec = g.group.spec
+        bound = (
+            f"window {spec.sliding_window}"
+            if isinstance(spec, SlidingWindowSpec)
+            else f"chunk {getattr(spec, 'attention_chunk_size', '?')}"
+        )
+        lines.append(
+            (
+                f"group {g.group.group_id}",
+                f"{g.bytes_per_token} B per token up to its {bound}; at most "
+                f"{_bytes(g.per_request_cap_bytes)} per request",
+            )
+        )
+    lines.append(("state per request", _bytes(plan.state_bytes_per_request)))
+    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in plan.groups)
+    lines.append(
+        (
+            "blocks per request",
+            f"{plan.blocks_per_request} ({per_group}) = {_bytes(plan.bytes_per_request)}",
+        )
+    )
+    if plan.memory_bytes is None or plan.num_blocks is None:
+        lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
+    else:
+        lines.append(
+            (
+                "memory",
+                f"{_bytes(plan.memory_bytes)} -> {plan.num_blocks} blocks "
+                f"({plan.usable_blocks} usable; block 0 is the null block)",
+            )
+        )
+        if plan.max_concurrency is None:
+            lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
+        else:
+            lines.append(("tokens that fit", str(plan.tokens_that_fit)))
+            lines.append(
+                (
+                    "concurrent requests",
+                    f"{plan.max_concurrency} of {plan.max_model_len} tokens",
+                )
+            )
+    cg = plan.cudagraph()
+    lines.append(
+        (
+            "CUDA graphs",
+            f"{cg[0].name} (limited by {cg[1]})"
+            if cg is not None
+            else "unknown (a group has no backend)",
+        )
+    )
+    width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
+    out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
+
+
+def _check_config_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise InvalidArgumentError(
+            f"CONFIG must be a config.json or a directory holding one; {path!r} does not exist"
+        )
+
+
 def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) -> int:
+    """``attnkit plan``: see ``build_parser`` and docs/models.md for options and JSON."""
     config = AttentionConfig.model_validate(
-        {"backend": args.backend, "backend_per_kind": args.backend_per_kind or {}},
+        {
+            "backend": args.backend,
+            "backend_per_kind": args.backend_per_kind or {},
+            "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
         context={"registry": registry},
     )
     device = parse_device(args.device, argument="--device")
@@ -269,41 +457,86 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
         )
     elif problem is not None:
         io.note(f"{problem}; pass --capability X.Y to plan for it as a hypothetical device")
-    out = io.out
-    layers = example_model(args.model)
-    groups: dict[KVCacheSpec, list[str]] = {}
-    for layer, spec in layers.items():
-        groups.setdefault(spec, []).append(layer)
-    unserved: list[str] = []
-    out.write(f"model {args.model} on {device} ({config.describe()})\n")
-    for spec, names in groups.items():
-        out.write(f"\n{', '.join(names)}: {spec.kind.value} ({type(spec).__name__})\n")
-        try:
-            selection: Selection = select_backend(
-                spec,
-                config,
-                device=device,
-                capability=args.capability,
-                registry=registry,
-                hypothetical_device=hypothetical,
+    dtype = _DTYPES[args.dtype] if args.dtype is not None else None
+    model: ModelLayout | dict[str, KVCacheSpec]
+    if args.config is not None:
+        if args.example is not None:
+            raise InvalidArgumentError(
+                f"give CONFIG or --example, not both; got CONFIG {args.config!r} and "
+                f"--example {args.example}"
             )
-        except NoBackendError as exc:
-            unserved.append(f"{', '.join(names)} ({spec.kind.value})")
-            out.write("  NO BACKEND\n" + "".join(f"    {line}\n" for line in str(exc).splitlines()))
-            continue
-        out.write(f"  -> {selection.backend_name} (chosen by {selection.source})\n")
-        for rejection in selection.rejected:
-            out.write(f"     skipped {rejection}\n")
+        _check_config_path(args.config)
+        model = layout_from_hf_config(
+            args.config,
+            dtype=dtype,
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        source = args.config
+        title = f"model {model.model_type} ({args.config})"
+    else:
+        name = args.example or "hybrid"
+        changed = [
+            option
+            for option, value, default in (
+                ("--block-size", args.block_size, 16),
+                ("--kv-cache-dtype", args.kv_cache_dtype, "auto"),
+            )
+            if value != default
+        ]
+        if changed:
+            raise InvalidArgumentError(
+                f"{', '.join(changed)} applies to a CONFIG; the example models use "
+                f"block size 16 and kv-cache dtype auto (got --example {name})"
+            )
+        model = example_model(name, dtype=dtype or torch.bfloat16)
+        source = f"example:{name}"
+        title = f"model {name}"
+    memory: int | None = args.gpu_memory
+    try:
+        plan = plan_model(
+            model,
+            config,
+            device=device,
+            capability=capability,
+            hypothetical_device=hypothetical,
+            registry=registry,
+            memory_bytes=memory,
+            num_blocks=args.num_blocks,
+        )
+    except InvalidArgumentError as exc:
+        # The pool's check names the library's argument; say which option it was.
+        text = str(exc)
+        if memory is None or not text.startswith(f"memory_budget_bytes={memory} "):
+            raise
+        raise InvalidArgumentError(
+            f"--gpu-memory {memory} B" + text.removeprefix(f"memory_budget_bytes={memory}")
+        ) from exc
+    out = io.out
+    if args.json:
+        json.dump(plan.to_json(source), out, indent=2)
+        out.write("\n")
+    else:
+        _write_plan(out, plan, f"{title} on {device} ({config.describe()})")
+    unserved = [f"{_names(g.group.layer_names)} ({g.group.kind.value})" for g in plan.unserved]
     if not unserved:
         return 0
-    out.write(f"\n{len(unserved)} group(s) have no backend\n")
+    if not args.json:
+        out.write(f"\n{len(unserved)} group(s) have no backend\n")
     if args.report_only:
         return 0
     io.error(
-        f"no backend for {len(unserved)} of {len(groups)} layer group(s): "
+        f"no backend for {len(unserved)} of {len(plan.groups)} layer group(s): "
         f"{'; '.join(unserved)} (the report on stdout says why; --report-only exits 0)"
     )
     return EXIT_FAILED
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_memory_size(text, argument="the size")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the size ")) from None
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -325,17 +558,25 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
     AttentionConfig.model_validate(
         {"backend_per_kind": args.backend_per_kind or {}}, context={"registry": registry}
     )
-    from .demo import TOLERANCE, run_demo
+    from .demo import TOLERANCE, demo_layout, run_demo
 
+    layout: tuple[str, ...] | None = None
+    name: str = args.model
+    if args.config is not None:
+        _check_config_path(args.config)
+        model = layout_from_hf_config(args.config)
+        layout = demo_layout(model)
+        name = f"{model.model_type} ({args.config}: {', '.join(layout)})"
     dtype = _DTYPES[args.dtype]
     result = run_demo(
+        layout=layout,
         device=str(device),
         backend_per_kind=args.backend_per_kind,
         decode_steps=args.steps,
         dtype=dtype,
         out=io.out,
         registry=registry,
-        model_name=args.model,
+        model_name=name,
         prefer=args.prefer,
     )
     if result.passed:
@@ -391,8 +632,74 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
     )
     backends.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    plan = add("plan", "show which backend serves each layer of an example model")
-    plan.add_argument("--model", choices=EXAMPLE_MODELS, default="hybrid")
+    plan = add(
+        "plan",
+        "plan a model's groups, backends and KV-cache capacity from its config.json",
+    )
+    plan.description = _PLAN_HELP
+    plan.formatter_class = argparse.RawDescriptionHelpFormatter
+    plan.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        metavar="CONFIG",
+        help="a Hugging Face config.json, or a directory holding one (without it: --example)",
+    )
+    plan.add_argument(
+        "--example",
+        "--model",
+        dest="example",
+        choices=EXAMPLE_MODELS,
+        default=None,
+        help="an example layout instead of a CONFIG (default hybrid); --model is an alias",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="model dtype (default: the config's torch_dtype; examples: bfloat16)",
+    )
+    plan.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="attention cache storage dtype (CONFIG only; default auto: the model dtype)",
+    )
+    plan.add_argument(
+        "--block-size",
+        type=int_range(1),
+        default=16,
+        help="tokens per block as declared (CONFIG only; default 16); the runtime may "
+        "scale attention groups' blocks to the unified page, and the plan shows that",
+    )
+    plan.add_argument(
+        "--max-model-len",
+        type=int_range(1),
+        default=DEFAULT_MAX_MODEL_LEN,
+        help=f"tokens per request for the per-request bound (default {DEFAULT_MAX_MODEL_LEN})",
+    )
+    plan.add_argument(
+        "--max-num-batched-tokens",
+        type=int_range(1),
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="most tokens of one step (windowed layers keep a step's tokens beyond their "
+        f"window until it ends; default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    budget = plan.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--gpu-memory",
+        type=_memory_size,
+        default=None,
+        metavar="SIZE",
+        help="KV-cache memory: 80GiB, 500MB, 1.5TiB or bytes (B, kB/KB, MB, GB, TB, KiB, "
+        "MiB, GiB, TiB)",
+    )
+    budget.add_argument(
+        "--num-blocks",
+        type=int_range(2),
+        default=None,
+        help="the pool's size in blocks, the null block included, instead of --gpu-memory",
+    )
     plan.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     plan.add_argument(
         "--capability", type=_parse_capability, default=None, help="CUDA capability, e.g. 9.0"
@@ -402,6 +709,9 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--backend-per-kind",
         default=None,
         help="kind=backend pairs, e.g. sliding_window=triton_attn,full_attention=reference",
+    )
+    plan.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (keys: see above)"
     )
     exits = plan.add_mutually_exclusive_group()
     exits.add_argument(
@@ -429,7 +739,15 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         help=f"decode steps per request, 1 to {DEMO_MAX_STEPS}",
     )
     demo.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    demo.add_argument(
+    which = demo.add_mutually_exclusive_group()
+    which.add_argument(
+        "--config",
+        default=None,
+        metavar="CONFIG",
+        help="a Hugging Face config.json (or its directory): run the model's layer kinds "
+        "in its order, the first two layers of each kind, with the demo's small sizes",
+    )
+    which.add_argument(
         "--model",
         choices=("default", "hybrid"),
         default="default",

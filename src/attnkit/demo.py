@@ -27,6 +27,7 @@ from .kernels.torch.attention import dense_attention
 from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
 from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
+from .models import ModelLayout
 from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
@@ -40,7 +41,7 @@ from .runtime import AttentionRuntime, ScheduledRequest
 from .spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from .state_inputs import GatedDeltaNetInputs, LinearAttentionInputs, Mamba2Inputs, ShortConvInputs
 
-__all__ = ["MODELS", "DemoModel", "DemoResult", "run_demo"]
+__all__ = ["MODELS", "DemoModel", "DemoResult", "demo_layout", "run_demo"]
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
@@ -257,7 +258,9 @@ class _GatedDeltaNet(_Mixer[MambaSpec, GatedDeltaNetLayerParams]):
     @override
     def step(self, runtime: AttentionRuntime, name: str, h: torch.Tensor) -> torch.Tensor:
         qkv, g, beta, z = self._inputs(h)
-        return self._out(runtime.forward_state(name, GatedDeltaNetInputs(qkv=qkv, g=g, beta=beta)), z)
+        return self._out(
+            runtime.forward_state(name, GatedDeltaNetInputs(qkv=qkv, g=g, beta=beta)), z
+        )
 
     @override
     def dense(self, h: torch.Tensor) -> torch.Tensor:
@@ -371,6 +374,45 @@ MODELS: dict[str, tuple[str, ...]] = {
     "default": ("full", "mamba", "window", "mamba", "full", "window"),
     "hybrid": ("full", "mamba", "window", "gdn", "linear", "short_conv", "full", "gdn"),
 }
+
+
+DEMO_LAYERS_PER_KIND = 2
+"""Layers of each kind ``demo_layout`` keeps."""
+
+_DEMO_KINDS: dict[tuple[str, str | None], str] = {
+    ("full_attention", None): "full",
+    ("sliding_window", None): "window",
+    ("mamba", "mamba2"): "mamba",
+    ("mamba", "gdn"): "gdn",
+    ("mamba", "linear"): "linear",
+    ("mamba", "short_conv"): "short_conv",
+}
+
+
+def demo_layout(model: ModelLayout, *, per_kind: int = DEMO_LAYERS_PER_KIND) -> tuple[str, ...]:
+    """A real model's layer kinds, shrunk for ``DemoModel``: the model's layers in
+    order, keeping the first ``per_kind`` of each kind (``"full"``, ``"window"``, and one
+    kind per state-layer type); the demo gives them its own small sizes.
+
+    Raises:
+        InvalidArgumentError: the model has a layer the demo cannot run (MLA,
+            chunked-local, encoder-only, cross-attention, sink or Mamba1 layers); the
+            message names the first such layer and its kind.
+    """
+    kept: list[str] = []
+    for name, info in model.layers.items():
+        spec = info.spec
+        mamba_type = spec.mamba_type if isinstance(spec, MambaSpec) else None
+        kind = _DEMO_KINDS.get((spec.kind.value, mamba_type))
+        if kind is None:
+            what = spec.kind.value + (f" ({mamba_type})" if mamba_type else "")
+            raise InvalidArgumentError(
+                f"the demo runs full-attention, sliding-window, mamba2, gdn, linear and "
+                f"short_conv layers; {model.model_type} layer {name!r} is {what}"
+            )
+        if kept.count(kind) < per_kind:
+            kept.append(kind)
+    return tuple(kept)
 
 
 class DemoModel:
@@ -558,10 +600,12 @@ def run_demo(
     registry: BackendRegistry | None = None,
     model_name: str = "default",
     prefer: str = "reference",
+    layout: Sequence[str] | None = None,
 ) -> DemoResult:
     """Serve four requests (one long prompt, chunked) and check every step; see the module doc.
 
-    ``model_name``: a key of ``MODELS``. ``prefer="triton"`` puts the Triton backends
+    ``model_name``: a key of ``MODELS``; or, with ``layout`` (the layer kinds, e.g. from
+    ``demo_layout``), only the name the report shows. ``prefer="triton"`` puts the Triton backends
     first in the device's priority list (kinds without a per-kind setting).
 
     Raises:
@@ -576,14 +620,16 @@ def run_demo(
         decode_steps=decode_steps,
         dtype=dtype,
         token_budget=token_budget,
-        model_name=model_name,
+        model_name=model_name if layout is None else "default",
         prefer=prefer,
     )
     torch_device = parse_device(device)
     check_device_available(torch_device)
     device = str(torch_device)
     torch.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # torch leaves seed unannotated
-    model = DemoModel(layout=MODELS[model_name], dtype=dtype, device=device)
+    model = DemoModel(
+        layout=MODELS[model_name] if layout is None else layout, dtype=dtype, device=device
+    )
     config = AttentionConfig.model_validate(
         {"backend_per_kind": backend_per_kind or {}},
         context={"registry": registry} if registry is not None else None,

@@ -91,6 +91,7 @@ __all__ = [
     "buffers_per_set",
     "group_layers",
     "num_blocks_for_budget",
+    "unified_groups",
     "unify_page_sizes",
 ]
 
@@ -169,6 +170,20 @@ def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup]
             spec = dataclasses.replace(spec, block_size=spec.block_size * factor)
         unified.append(dataclasses.replace(group, spec=spec))
     return unified, page
+
+
+def unified_groups(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[list[KVCacheGroup], int]:
+    """``group_layers`` then ``unify_page_sizes``: the groups (block sizes scaled) and the
+    unified page size ``P``.
+
+    The one code path from layer specs to the groups the cache is built for:
+    ``AttentionRuntime`` and ``attnkit.planner.plan_model`` both call it, so the block
+    size a plan shows is the one the runtime runs.
+
+    Raises:
+        InvalidArgumentError: as ``group_layers``.
+    """
+    return unify_page_sizes(group_layers(layer_specs))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -50,9 +50,8 @@ from .kv_cache import (
     allocate_kv_cache_tensors,
     buffer_set_of,
     buffers_per_set,
-    group_layers,
     num_blocks_for_budget,
-    unify_page_sizes,
+    unified_groups,
 )
 from .metadata import CommonAttentionMetadata, host_to_device
 from .params import STATE_PARAMS_BY_TYPE, AttentionLayerParams, LayerParams
@@ -295,9 +294,9 @@ class AttentionRuntime:
                 f"layer_params names layers that layer_specs lacks: {unknown}; "
                 f"layers: {', '.join(layer_specs)}"
             )
-        groups, self.page_size_bytes = unify_page_sizes(group_layers(layer_specs))
+        groups, self.page_size_bytes = unified_groups(layer_specs)
         self.layer_params: dict[str, LayerParams | None] = {
-            name: params.get(name, _default_params(spec)) for name, spec in layer_specs.items()
+            name: params.get(name, default_layer_params(spec)) for name, spec in layer_specs.items()
         }
         for name, spec in layer_specs.items():
             _check_params(name, spec, self.layer_params[name])
@@ -312,8 +311,8 @@ class AttentionRuntime:
                 config,
                 device=self.device,
                 capability=capability,
-                features=_features(layer_params_of_group),
-                num_heads=_num_heads(layer_params_of_group),
+                features=group_features(layer_params_of_group),
+                num_heads=group_num_heads(layer_params_of_group),
                 registry=registry,
                 priority=priority,
             )
@@ -1003,13 +1002,17 @@ def _slots(
     return slots
 
 
-def _default_params(spec: KVCacheSpec) -> LayerParams | None:
+def default_layer_params(spec: KVCacheSpec) -> LayerParams | None:
+    """The params a layer gets when the engine passes none: attention layers
+    ``AttentionLayerParams(num_heads=num_kv_heads)``, state layers none."""
     if isinstance(spec, AttentionSpec):
         return AttentionLayerParams(num_heads=spec.num_kv_heads)
     return None
 
 
-def _features(params: Sequence[LayerParams | None]) -> frozenset[AttentionFeature]:
+def group_features(params: Sequence[LayerParams | None]) -> frozenset[AttentionFeature]:
+    """The features a group's backend is asked for: the union over its layers' params
+    (what ``AttentionRuntime`` and ``attnkit.planner`` pass to ``select_backend``)."""
     found: set[AttentionFeature] = set()
     for p in params:
         if isinstance(p, AttentionLayerParams):
@@ -1017,7 +1020,8 @@ def _features(params: Sequence[LayerParams | None]) -> frozenset[AttentionFeatur
     return frozenset(found)
 
 
-def _num_heads(params: Sequence[LayerParams | None]) -> int | None:
+def group_num_heads(params: Sequence[LayerParams | None]) -> int | None:
+    """The query heads a group's backend is asked about: its first attention layer's."""
     heads = [p.num_heads for p in params if isinstance(p, AttentionLayerParams)]
     return heads[0] if heads else None
 
