@@ -332,7 +332,7 @@ def _attn(**kw: Any) -> dict[str, Any]:
 FAMILIES: tuple[Family, ...] = (
     Family(
         "unified_attention",
-        "unified_attention",
+        "paged_attention",
         run_unified,
         default=(
             *(_attn(head=d, q_len=128) for d in (64, 128, 256)),
@@ -350,7 +350,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "split_kv_decode",
-        "split_kv_decode",
+        "paged_attention",
         run_split_kv,
         default=(_attn(head=128, splits=4), _attn(head=256, splits=4, kv="fp8")),
         full=_grid(
@@ -464,9 +464,9 @@ FAMILIES: tuple[Family, ...] = (
         ),
         full=_grid(
             mode=("varlen", "update"),
-            dtype=("fp16", "bf16"),
-            head=(64,),
-            state=(64, 128),
+            dtype=("fp16", "bf16", "fp32"),
+            head=(64, 128),
+            state=(64, 128, 256),
             chunk=(128, 256),
             tokens=(256,),
         ),

@@ -127,6 +127,10 @@ from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment,
 
 __all__ = ["selective_state_update", "ssd_chunk_offsets", "ssd_chunked_varlen"]
 
+# Kernels whose work is matrix products: with 16-bit inputs they must run on tensor
+# cores (benchmarks/compile_report.py fails a 16-bit variant without MMA instructions).
+TENSOR_CORE_KERNELS = ("_ssd_chunk_state_kernel", "_ssd_chunk_output_kernel")
+
 _MAX_BLOCK_P = 64  # the decode kernel's head-dim tile ...
 _MAX_UPDATE_TILE = 8192  # ... and its cap on BLOCK_P x N (float32 state elements)
 _MIN_DOT = 16  # the smallest tl.dot extent on every target
