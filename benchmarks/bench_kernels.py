@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -590,6 +591,94 @@ def print_table(report: dict[str, Any]) -> None:
     print("targets:", json.dumps(report["targets"]))
 
 
+# --------------------------------------------------------------------------- grid efficiency
+
+# vLLM-like batches: (name, query length of every request, context length of every request).
+GRID_BATCHES: tuple[tuple[str, list[int], list[int]], ...] = (
+    ("255 decodes (2k ctx) + 1 x 2k prefill", [1] * 255 + [2048], [2048] * 256),
+    ("8 x 512-token prefills", [512] * 8, [512] * 8),
+    ("32 decodes (2k ctx)", [1] * 32, [2048] * 32),
+    ("chunked prefill 1000 + 63 decodes (4k)", [1000] + [1] * 63, [4096] * 64),
+    ("4 x 4-token spec decodes + 1 x 300", [4] * 4 + [300], [1024] * 5),
+    ("128 decodes + 3 x 100-token prefills", [1] * 128 + [100] * 3, [1024] * 131),
+    ("4 decodes (32k ctx)", [1] * 4, [32768] * 4),
+)
+
+
+def _old_block_q(max_query_len: int, group: int) -> int:
+    """Query tokens per program of the grid before the plan (requests x tiles of the
+    longest request): as many as fit 64 rows of (token, head of the group), >= 16 rows."""
+    group_pad = 1 << (group - 1).bit_length()
+    block_q = 1 << (max(max_query_len, 1) - 1).bit_length()
+    block_q = min(block_q, max(1, 64 // group_pad))
+    return max(block_q, 16 // group_pad, 1)
+
+
+def grid_efficiency(
+    num_q_heads: int = 32, num_kv_heads: int = 8, block_size: int = 16, num_sms: int = 132
+) -> list[dict[str, Any]]:
+    """Programs launched along the query-tile axis vs programs with work, per batch: the
+    plan's shape-only grid (what a CUDA graph captures), its exact grid (eager, from the
+    CPU offsets) and the old requests x tiles-of-the-longest grid. Needs no GPU: it
+    builds the launcher's plan on CPU tensors and counts the tiles in plain Python."""
+    from attnkit.kernels.triton.paged_attention import count_query_tiles, plan_paged_attention
+
+    rows: list[dict[str, Any]] = []
+    group = num_q_heads // num_kv_heads
+    for name, q_lens, seq_lens in GRID_BATCHES:
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        table = torch.zeros(len(q_lens), -(-max(seq_lens) // block_size), dtype=torch.int32)
+        common: dict[str, Any] = dict(
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            num_tokens=sum(q_lens),
+            num_splits=None,
+            num_sms=num_sms,
+        )
+        graph_plan = plan_paged_attention(qsl, seq, table, **common)
+        eager_plan = plan_paged_attention(qsl, seq, table, query_start_loc_cpu=qsl, **common)
+        with_work = count_query_tiles(q_lens, graph_plan.block_q)
+        old_bq = _old_block_q(max(q_lens), group)
+        old_launched = len(q_lens) * -(-max(q_lens) // old_bq)
+        old_work = count_query_tiles(q_lens, old_bq)
+        rows.append(
+            {
+                "batch": name,
+                "path": f"split-KV x{graph_plan.num_splits}"
+                if graph_plan.num_splits
+                else "unified",
+                "block_q": graph_plan.block_q,
+                "tiles_with_work": with_work,
+                "graph_launched": graph_plan.num_tiles,
+                "graph_efficiency": with_work / graph_plan.num_tiles,
+                "eager_launched": eager_plan.num_tiles,
+                "eager_efficiency": with_work / eager_plan.num_tiles,
+                "old_block_q": old_bq,
+                "old_launched": old_launched,
+                "old_efficiency": old_work / old_launched,
+            }
+        )
+    return rows
+
+
+def print_grid_efficiency(rows: list[dict[str, Any]]) -> None:
+    print("grid efficiency (query-tile axis; programs with work / programs launched):")
+    print(
+        f"  {'batch':42s} {'path':13s} {'BQ':>3s} {'work':>5s} "
+        f"{'graph':>13s} {'eager':>13s} {'old (BQ)':>20s}"
+    )
+    for r in rows:
+        print(
+            f"  {r['batch']:42s} {r['path']:13s} {r['block_q']:3d} {r['tiles_with_work']:5d} "
+            f"{r['graph_launched']:5d} {r['graph_efficiency']:6.1%} "
+            f"{r['eager_launched']:5d} {r['eager_efficiency']:6.1%} "
+            f"{r['old_launched']:6d} {r['old_efficiency']:6.1%} ({r['old_block_q']:2d})"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results")
@@ -602,16 +691,27 @@ def main() -> int:
     parser.add_argument(
         "--peak-gbps", type=float, default=None, help="override the device's peak bandwidth"
     )
+    parser.add_argument(
+        "--grid-only",
+        action="store_true",
+        help="print the attention grid-efficiency table (no GPU needed) and exit",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if torch.device(args.device).type == "cpu":
+        # Before anything imports triton (the grid plan below does).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    grid = grid_efficiency()
+    print_grid_efficiency(grid)
+    (out / "grid_efficiency.json").write_text(json.dumps(grid, indent=2))
+    if args.grid_only:
+        return 0
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         reason = "no CUDA device: GPU kernel benchmarks skipped (run benchmarks/gpu_check.sh on a GPU machine)"
         print(reason)
         (out / "bench_kernels.json").write_text(json.dumps({"skipped": reason}, indent=2))
         return 0
-    if torch.device(args.device).type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     report = run(args)
     print_table(report)
     (out / "bench_kernels.json").write_text(json.dumps(report, indent=2))

@@ -578,6 +578,13 @@ def forbid(*_: Any, **__: Any) -> Any:
     raise AssertionError("this path must not run")
 
 
+class ForbiddenKernel:
+    """Stands in for a ``@triton.jit`` kernel that must not be launched."""
+
+    def __getitem__(self, grid: object) -> Any:
+        return forbid
+
+
 @pytest.mark.parametrize("case", SPLIT_CASES)
 def test_split_kv_decode_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     layer = make_layer(case)
@@ -587,8 +594,11 @@ def test_split_kv_decode_matches_reference(case: Case, monkeypatch: pytest.Monke
     assert layer.builder.build(0, cm).num_splits == 0  # num_sms is 1 off CUDA
     layer.builder.num_sms = 132
     meta = layer.builder.build(0, cm)
-    assert meta.num_splits == 3
-    monkeypatch.setattr(layer.impl, "_unified_attention", forbid)
+    assert meta.num_splits == meta.plan.num_splits == 3
+    from attnkit.kernels.triton import paged_attention
+
+    # Only the split-KV kernels may run.
+    monkeypatch.setattr(paged_attention, "_unified_attention_kernel", ForbiddenKernel())
     query, key, value = make_inputs(
         case, cm.slot_mapping.shape[0], torch.Generator().manual_seed(4)
     )
@@ -715,8 +725,24 @@ def test_cudagraph_builds_reuse_fixed_addresses(case: Case) -> None:
     assert torch.equal(replay.block_table[:, :width], cm2.block_table_tensor)
     assert torch.equal(replay.slot_mapping, cm2.slot_mapping)
     # Everything but the tensors' contents depends on the batch's shape only.
-    scalars = [f.name for f in dataclasses.fields(replay) if f.name not in TENSOR_FIELDS]
+    scalars = [f.name for f in dataclasses.fields(replay) if f.name not in (*TENSOR_FIELDS, "plan")]
     assert {n: getattr(replay, n) for n in scalars} == {n: getattr(captured, n) for n in scalars}
+    # The plan too: its grid is the shape-only bound, its tile offsets a fixed buffer
+    # recomputed on the device for each batch.
+    plan_tensors = ("query_start_loc", "seq_lens", "block_table", "tile_offsets")
+    plan_scalars = [f.name for f in dataclasses.fields(replay.plan) if f.name not in plan_tensors]
+    assert {n: getattr(replay.plan, n) for n in plan_scalars} == {
+        n: getattr(captured.plan, n) for n in plan_scalars
+    }
+    assert not replay.plan.exact_grid
+    assert replay.plan.tile_offsets.data_ptr() == captured.plan.tile_offsets.data_ptr()
+    # 2, 1, 3 query tokens in tiles of block_q: the offsets count each request's tiles.
+    block_q = replay.plan.block_q
+    tiles = [0]
+    for q_len in (2, 1, 3):
+        tiles.append(tiles[-1] + -(-q_len // block_q))
+    assert replay.plan.tile_offsets.tolist() == tiles
+    assert replay.plan.num_tiles >= tiles[-1]
     assert (replay.max_query_len, replay.max_seq_len, replay.num_splits) == (6, 128, 0)
 
     # Replaying the captured metadata object runs the second batch.
@@ -957,6 +983,7 @@ METADATA_FIELDS = [
     "sliding_window",
     "chunk_size",
     "num_splits",
+    "plan",
     "scratch_block_table",
     "scratch_slot_mapping",
     "scratch_num_blocks",
@@ -988,6 +1015,14 @@ def test_build_passes_the_batch_through_unchanged(case: Case, causal: bool) -> N
     assert meta.causal is causal
     assert (meta.sliding_window, meta.chunk_size) == (case.window, case.chunk)
     assert meta.num_splits == 0
+    # The plan holds the same tensors, validated once for every layer of the group, and
+    # the exact query-tile grid from the CPU offsets: block_q 4, one tile per request.
+    plan = meta.plan
+    assert plan.query_start_loc is cm.query_start_loc
+    assert plan.seq_lens is cm.seq_lens
+    assert plan.block_table is cm.block_table_tensor
+    assert (plan.num_splits, plan.block_q, plan.num_tiles, plan.exact_grid) == (0, 4, 2, True)
+    assert plan.tile_offsets.tolist() == [0, 1, 2]
     assert (meta.scratch_block_table, meta.scratch_slot_mapping) == (None, None)
     assert meta.scratch_num_blocks == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -1281,18 +1316,17 @@ def test_declarations_are_valid() -> None:
 
 def test_declarations_agree_with_the_kernel_launchers() -> None:
     from attnkit.backends.triton_attn import backend
-    from attnkit.kernels.triton import kv_write, split_kv_decode, unified_attention
+    from attnkit.kernels.triton import kv_write, paged_attention
 
-    for launcher in (unified_attention, split_kv_decode):
-        low, high = launcher._MIN_HEAD_DIM, launcher._MAX_HEAD_DIM
-        assert TritonAttentionBackend.supported_head_sizes == (SizeRange(low, high),)
-        assert TritonAttentionBackend.supported_block_sizes == launcher._SUPPORTED_BLOCK_SIZES
-    for module in (unified_attention, split_kv_decode, kv_write):
-        assert TritonAttentionBackend.supported_dtypes == frozenset(module._SUPPORTED_DTYPES)
-    assert unified_attention._FP8_DTYPE == kv_write._FP8_DTYPE == FP8
-    assert split_kv_decode._FP8_CACHE_DTYPES == (FP8,)
-    assert backend._SCRATCH_BLOCK_SIZE in unified_attention._SUPPORTED_BLOCK_SIZES
-    assert 1 <= backend._SPLIT_KV_MAX_QUERY_LEN <= split_kv_decode.MAX_QUERY_LEN
+    pa = paged_attention
+    low, high = pa.MIN_HEAD_DIM, pa.MAX_HEAD_DIM
+    assert TritonAttentionBackend.supported_head_sizes == (SizeRange(low, high),)
+    assert TritonAttentionBackend.supported_block_sizes == pa.SUPPORTED_BLOCK_SIZES
+    assert TritonAttentionBackend.supported_dtypes == frozenset(pa.SUPPORTED_DTYPES)
+    assert TritonAttentionBackend.supported_dtypes == frozenset(kv_write._SUPPORTED_DTYPES)
+    assert pa.FP8_DTYPE == kv_write._FP8_DTYPE == FP8
+    assert backend._SCRATCH_BLOCK_SIZE in pa.SUPPORTED_BLOCK_SIZES
+    assert 1 <= pa.AUTO_SPLIT_MAX_QUERY_LEN <= pa.SPLIT_KV_MAX_QUERY_LEN
 
 
 def test_supported_specs_have_no_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1447,7 +1481,7 @@ def test_kernels_imported_without_the_interpreter_are_reported(
         _INTERPRETED = False
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "attnkit.kernels.triton.unified_attention", CompiledKernels)
+    monkeypatch.setitem(sys.modules, "attnkit.kernels.triton.paged_attention", CompiledKernels)
     assert _reasons() == [
         "device=cpu needs the Triton interpreter, but attnkit's Triton kernels were already "
         "imported without it (set TRITON_INTERPRET=1 before importing triton)"

@@ -688,27 +688,27 @@ def _apply(name: str, fn: Callable[[Tensor], Tensor]) -> Mutation:
 PAGED_ERRORS = [
     pytest.param(
         _apply("query_start_loc", lambda t: t.long()),
-        r"query_start_loc must be int32 of shape [B+1]=[4], got torch.int64 [4]",
+        r"query_start_loc: expected dtype torch.int32, got torch.int64",
         id="qsl-int64",
     ),
     pytest.param(
         _apply("query_start_loc", lambda t: t[:3]),
-        r"query_start_loc must be int32 of shape [B+1]=[4], got torch.int32 [3]",
+        r"query_start_loc: expected shape [4], got (3,)",
         id="qsl-length",
     ),
     pytest.param(
         _apply("seq_lens", lambda t: t.long()),
-        r"seq_lens must be int32 of shape [B], got torch.int64 [3]",
+        r"seq_lens: expected dtype torch.int32, got torch.int64",
         id="seq-lens-int64",
     ),
     pytest.param(
         _apply("block_table", lambda t: t.long()),
-        r"block_table must be int32 of shape [B, max_blocks]=[3, max_blocks], got torch.int64 [3, 6]",
+        r"block_table: expected dtype torch.int32, got torch.int64",
         id="block-table-int64",
     ),
     pytest.param(
         _apply("block_table", lambda t: t[:2]),
-        r"block_table must be int32 of shape [B, max_blocks]=[3, max_blocks], got torch.int32 [2, 6]",
+        r"block_table: expected shape [3, *], got (2, 6)",
         id="block-table-rows",
     ),
     pytest.param(
@@ -728,22 +728,22 @@ PAGED_ERRORS = [
     ),
     pytest.param(
         _apply("query", lambda t: t[:, :3]),
-        r"query heads Hq=3 must be a multiple of kv heads Hkv=2",
+        r"kv_cache: expected a kv head count dividing the 3 query heads, got 2",
         id="heads-not-multiple",
     ),
     pytest.param(
         _apply("query", lambda t: t[..., :4]),
-        r"head sizes differ: query has D=4 but kv_cache has D=8",
+        r"kv_cache: expected head size 4 (the query head size), got 8",
         id="head-size-differs",
     ),
     pytest.param(
         _apply("query", lambda t: t[0]),
-        r"query must have shape [T, Hq, D], got torch.float32 [4, 8]",
+        r"query: expected shape [T, Hq, D], got (4, 8)",
         id="query-rank",
     ),
     pytest.param(
         _apply("kv_cache", lambda t: t[:, 0]),
-        r"kv_cache must have shape [NB, 2, BS, Hkv, D], got torch.float32 [12, 16, 2, 8]",
+        r"kv_cache: expected shape [NB, 2, BS, Hkv, D], got (12, 16, 2, 8)",
         id="cache-rank",
     ),
     pytest.param(
@@ -783,40 +783,40 @@ PAGED_ERRORS = [
     ),
     pytest.param(
         _set(causal=False, sliding_window=4),
-        r"sliding_window=4 requires causal=True",
+        r"sliding_window: expected None with causal=False",
         id="window-not-causal",
     ),
     pytest.param(
         _set(causal=False, chunk_size=4),
-        r"chunk_size=4 requires causal=True",
+        r"chunk_size: expected None with causal=False",
         id="chunk-not-causal",
     ),
     pytest.param(
         _set(sliding_window=4, chunk_size=8),
-        r"sliding_window and chunk_size are mutually exclusive, got sliding_window=4 and chunk_size=8",
+        r"sliding_window, chunk_size: expected at most one of them, got sliding_window=4 and "
+        r"chunk_size=8",
         id="window-and-chunk",
     ),
     pytest.param(
         _set(sliding_window=0),
-        r"sliding_window must be an int >= 1 or None, got 0",
+        r"sliding_window: expected an int >= 1, got 0",
         id="window-zero",
     ),
-    pytest.param(
-        _set(chunk_size=0), r"chunk_size must be an int >= 1 or None, got 0", id="chunk-zero"
-    ),
+    pytest.param(_set(chunk_size=0), r"chunk_size: expected an int >= 1, got 0", id="chunk-zero"),
     pytest.param(
         _set(logits_soft_cap=0.0),
-        r"logits_soft_cap must be a float > 0 or None, got 0.0",
+        r"logits_soft_cap: expected a finite float > 0 or None, got 0.0",
         id="softcap-zero",
     ),
     pytest.param(
         _set(alibi_slopes=torch.zeros(2)),
-        r"alibi_slopes must be a float tensor of shape [Hq]=[4], got torch.float32 [2]",
+        r"alibi_slopes: expected shape [4], got [2]",
         id="alibi-shape",
     ),
     pytest.param(
         _set(sinks=torch.zeros(4, dtype=torch.int64)),
-        r"sinks must be a float tensor of shape [Hq]=[4], got torch.int64 [4]",
+        r"sinks: expected dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64), "
+        r"got torch.int64",
         id="sinks-dtype",
     ),
 ]

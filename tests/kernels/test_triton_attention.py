@@ -1071,8 +1071,9 @@ ATTENTION_ERRORS = [
         id="alibi-shape",
     ),
     pytest.param(
-        _set(alibi_slopes=lambda a: torch.zeros(4, device=DEVICE).double()),
-        "alibi_slopes: expected dtype torch.float32",
+        _set(alibi_slopes=lambda a: torch.zeros(4, dtype=torch.int32, device=DEVICE)),
+        r"alibi_slopes: expected dtype in \(torch.float32, torch.float16, torch.bfloat16, "
+        r"torch.float64\), got torch.int32",
         id="alibi-dtype",
     ),
     pytest.param(
@@ -1084,12 +1085,14 @@ ATTENTION_ERRORS = [
         _set(sinks=_f32(4, 1)), r"sinks: expected shape \[4\], got \[4, 1\]", id="sinks-shape"
     ),
     pytest.param(
-        _set(sinks=lambda a: torch.zeros(4, device=DEVICE).half()),
-        "sinks: expected dtype torch.float32",
+        _set(sinks=lambda a: torch.zeros(4, dtype=torch.int32, device=DEVICE)),
+        "sinks: expected dtype in",
         id="sinks-dtype",
     ),
     pytest.param(
-        _set(sinks=lambda a: [0.0] * 4), "sinks: expected a torch.Tensor", id="sinks-list"
+        _set(sinks=lambda a: [0.0] * 4),
+        r"sinks: expected a float torch.Tensor \[Hq\]=\[4\] or None, got list",
+        id="sinks-list",
     ),
     pytest.param(
         _set(lse=_f32(3, 3)), r"lse: expected shape \[3, 4\], got \[3, 3\]", id="lse-shape"
@@ -1104,18 +1107,20 @@ ATTENTION_ERRORS = [
     ),
     pytest.param(
         _set(kv_cache=_fp8),
-        "k_scale: expected a one-element torch.float32 tensor with a torch.float8_e4m3fn",
+        "k_scale: expected a float or a one-element torch.float32 tensor with a "
+        "torch.float8_e4m3fn",
         id="fp8-without-scales",
     ),
     pytest.param(
         _set(kv_cache=_fp8, k_scale=_f32(1)),
-        "v_scale: expected a one-element torch.float32 tensor with a torch.float8_e4m3fn",
+        "v_scale: expected a float or a one-element torch.float32 tensor with a "
+        "torch.float8_e4m3fn",
         id="fp8-without-v-scale",
     ),
     pytest.param(
-        _set(kv_cache=_fp8, k_scale=lambda a: 0.5, v_scale=_f32(1)),
-        "k_scale: expected a one-element torch.float32 tensor or None, got float",
-        id="scale-python-float",
+        _set(kv_cache=_fp8, k_scale=lambda a: 0.0, v_scale=_f32(1)),
+        r"k_scale: expected a float > 0, got 0\.0",
+        id="scale-python-float-zero",
     ),
     pytest.param(
         _set(kv_cache=_fp8, k_scale=_f32(1), v_scale=_f32(2)),

@@ -22,6 +22,8 @@ from attnkit.kernels.torch.attention import paged_attention
 
 pytest.importorskip("triton")
 
+from attnkit.kernels.triton.paged_attention import paged_attention as tr_paged_attention
+from attnkit.kernels.triton.paged_attention import plan_paged_attention
 from attnkit.kernels.triton.split_kv_decode import (
     MAX_QUERY_LEN,
     SplitKVWorkspace,
@@ -464,6 +466,8 @@ _ALLOCATORS = (
 
 
 def test_allocates_nothing_with_full_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the step is planned, a layer's launch allocates nothing (the thin
+    ``split_kv_decode`` wrapper plans per call, and planning computes the tile offsets)."""
     batch = make_batch(
         [1, 3], [40, 20], hq=4, hkv=2, d=16, bs=16, dtype=torch.bfloat16, cache_dtype=FP8
     )
@@ -472,36 +476,46 @@ def test_allocates_nothing_with_full_workspace(monkeypatch: pytest.MonkeyPatch) 
     lse = torch.empty(num_tokens, 4, device=DEVICE)
     workspace = split_kv_workspace(2, num_tokens, 4, 16, device=DEVICE)
     options: dict[str, Any] = dict(
-        num_splits=2,
         k_scale=torch.ones(1, device=DEVICE),
         v_scale=torch.ones(1, device=DEVICE),
         sinks=torch.zeros(4, device=DEVICE),
         alibi_slopes=torch.zeros(4, device=DEVICE),
+    )
+    plan = plan_paged_attention(
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        max_query_len=max(batch.q_lens),
+        max_seq_len=max(batch.lens),
+        block_size=16,
+        num_kv_heads=2,
         sliding_window=30,
+        num_tokens=num_tokens,
+        num_splits=2,
     )
 
     def forbidden(*args: object, **kwargs: object) -> torch.Tensor:
-        raise AssertionError("split_kv_decode allocated a tensor")
+        raise AssertionError("paged_attention allocated a tensor")
 
     for name in _ALLOCATORS:
         monkeypatch.setattr(torch, name, forbidden)
     # The hooks bite: without a workspace the launcher must allocate one.
     with pytest.raises(AssertionError, match="allocated a tensor"):
-        split_kv_decode(
-            batch.query, batch.kv_cache, **batch.launch_args(), output=output, **options
+        tr_paged_attention(
+            batch.query, batch.kv_cache, plan, scale=batch.scale, output=output, **options
         )
-    split_kv_decode(
+    tr_paged_attention(
         batch.query,
         batch.kv_cache,
-        **batch.launch_args(),
+        plan,
+        scale=batch.scale,
         output=output,
         lse=lse,
         workspace=workspace,
         **options,
     )
     monkeypatch.undo()
-    options.pop("num_splits")
-    check_against_oracle(batch, output, lse, **options)
+    check_against_oracle(batch, output, lse, sliding_window=30, **options)
 
 
 def test_allocates_output_and_empty_batch() -> None:
@@ -718,21 +732,23 @@ ERRORS = [
     ),
     pytest.param(
         _set(sliding_window=lambda a: 4, causal=lambda a: False),
-        "sliding_window: requires causal=True",
+        "sliding_window: expected None with causal=False",
         id="window-noncausal",
     ),
     pytest.param(
         _set(sliding_window=lambda a: 4, chunk_size=lambda a: 8),
-        "sliding_window and chunk_size: expected at most one",
+        "sliding_window, chunk_size: expected at most one",
         id="window-and-chunk",
     ),
     pytest.param(
         _set(chunk_size=lambda a: 4, causal=lambda a: False),
-        "chunk_size: requires causal=True",
+        "chunk_size: expected None with causal=False",
         id="chunk-noncausal",
     ),
     pytest.param(
-        _set(logits_soft_cap=lambda a: 0.0), "logits_soft_cap: expected a float > 0", id="softcap-0"
+        _set(logits_soft_cap=lambda a: 0.0),
+        "logits_soft_cap: expected a finite float > 0",
+        id="softcap-0",
     ),
     pytest.param(
         _set(alibi_slopes=lambda a: torch.zeros(3, device=DEVICE)),
@@ -751,12 +767,13 @@ ERRORS = [
     ),
     pytest.param(
         _set(k_scale=lambda a: torch.ones(2, device=DEVICE)),
-        "k_scale: expected a one-element tensor",
+        r"k_scale: expected a one-element torch.float32 tensor of shape \[\] or \[1\]",
         id="k-scale-two",
     ),
     pytest.param(
         _set(v_scale=lambda a: torch.ones(1, dtype=torch.float16, device=DEVICE)),
-        "v_scale: expected dtype torch.float32",
+        r"v_scale: expected a one-element torch.float32 tensor of shape \[\] or \[1\], "
+        r"got torch.float16",
         id="v-scale-fp16",
     ),
     pytest.param(_set(v_scale=lambda a: -1.0), "v_scale: expected a float > 0", id="v-scale-neg"),
@@ -786,7 +803,7 @@ ERRORS = [
     ),
     pytest.param(
         _set(lse=lambda a: torch.empty(3, 3, device=DEVICE)),
-        r"lse: expected shape \(3, 4\)",
+        r"lse: expected shape \[3, 4\]",
         id="lse-shape",
     ),
     pytest.param(

@@ -2,15 +2,17 @@
 
 Serves full, sliding-window, chunked-local, encoder-only and cross attention (GQA/MQA,
 soft-cap, ALiBi, per-head sinks, fp8_e4m3 caches with per-tensor scales) with
-``kernels.triton.kv_write.write_kv_cache``, ``kernels.triton.unified_attention`` (one
-launch for mixed prefill, chunked prefill and decode) and, for decode batches with few
-sequences and long contexts, ``kernels.triton.split_kv_decode`` (flash-decoding: the
-context is split across programs and the partial results merged by log-sum-exp).
+``kernels.triton.kv_write.write_kv_cache`` and ``kernels.triton.paged_attention``:
+one launch for mixed prefill, chunked prefill and decode or, for decode batches with few
+sequences and long contexts, split-KV (flash-decoding: the context is split across
+programs and the partial results merged by log-sum-exp).
 
-The builder hands the kernels the step's tensors as they are (eager) or copies them
-into fixed-address buffers (``build_for_cudagraph_capture``); ``forward`` launches
-the kernels without converting anything, syncing the device or, once warmed up,
-allocating.
+The builder plans the step once (``plan_paged_attention``: metadata validation, the
+path and its number of splits, the query-tile grid) from the step's tensors as they are
+(eager, with the exact tile count from the CPU offsets) or from copies in fixed-address
+buffers (``build_for_cudagraph_capture``, with a grid that depends on the batch's shape
+only); ``forward`` launches ``paged_attention`` with that plan for every layer without
+converting anything, syncing the device or, once warmed up, allocating.
 
 Importing this module does not import triton: the builder and impl import the kernel
 modules when they are constructed. On CPU the kernels run only under the Triton
@@ -49,7 +51,7 @@ from ...spec import (
 from .._triton_env import triton_cpu_reasons
 
 if TYPE_CHECKING:  # the kernel modules import triton; annotations only
-    from ...kernels.triton.split_kv_decode import SplitKVWorkspace
+    from ...kernels.triton.paged_attention import PagedAttentionPlan, SplitKVWorkspace
 
 __all__ = [
     "TritonAttentionBackend",
@@ -73,11 +75,7 @@ _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
 # The encoder-only path writes a step's keys/values into a scratch paged cache of
 # this block size (the kernels attend over paged caches only).
 _SCRATCH_BLOCK_SIZE = 16
-# The split-KV launcher handles up to this many query tokens per request (decode and
-# short speculative steps); longer steps use the unified kernel.
-_SPLIT_KV_MAX_QUERY_LEN = 1
-
-_KERNEL_MODULE = "attnkit.kernels.triton.unified_attention"
+_KERNEL_MODULE = "attnkit.kernels.triton.paged_attention"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -94,7 +92,10 @@ class TritonAttentionMetadata:
         num_actual_tokens: ``T``; rows past it are padding.
         causal: False for encoder-only and cross attention.
         sliding_window, chunk_size: the group's mask, or ``None``.
-        num_splits: 0 for the unified kernel; ``S >= 2`` for the split-KV decode path.
+        num_splits: 0 for the unified kernel; ``S >= 2`` for the split-KV decode path
+            (the plan's choice, repeated here).
+        plan: the step's ``PagedAttentionPlan`` (validated metadata, path, grid); every
+            layer of the group launches with it.
         scratch_block_table, scratch_slot_mapping, scratch_num_blocks: encoder-only
             layers: where each token's key/value go in the per-step scratch cache.
 
@@ -114,6 +115,7 @@ class TritonAttentionMetadata:
     sliding_window: int | None = None
     chunk_size: int | None = None
     num_splits: int = 0
+    plan: PagedAttentionPlan
     scratch_block_table: torch.Tensor | None = None
     scratch_slot_mapping: torch.Tensor | None = None
     scratch_num_blocks: int = 0
@@ -157,14 +159,15 @@ class _GraphBuffers:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    tile_offsets: torch.Tensor
 
 
 class TritonAttentionMetadataBuilder(
     AttentionMetadataBuilder[TritonAttentionMetadata, AttentionSpec]
 ):
-    """Eager ``build`` passes the step's tensors through (reads only Python ints, no
-    device sync, no per-request loop); ``build_for_cudagraph_capture`` copies them into
-    fixed-address buffers.
+    """Eager ``build`` passes the step's tensors through (reads only Python ints and the
+    CPU offsets, no device sync, no per-request loop) and plans the step;
+    ``build_for_cudagraph_capture`` copies them into fixed-address buffers first.
 
     Attributes:
         num_sms: streaming multiprocessors of the device (1 off CUDA); the split-KV
@@ -203,24 +206,12 @@ class TritonAttentionMetadataBuilder(
             spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
         )
         self.num_sms: int = _num_sms(device)
-        # Imported here (after selection): the heuristic lives with the kernel it tunes.
+        # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
-        from ...kernels.triton.split_kv_decode import choose_num_splits
+        from ...kernels.triton.paged_attention import plan_paged_attention
 
-        self._choose_num_splits = choose_num_splits
+        self._plan_paged_attention = plan_paged_attention
         self._graph: _GraphBuffers | None = None
-
-    def _num_splits(self, cm: CommonAttentionMetadata) -> int:
-        if not self.causal or cm.max_query_len > _SPLIT_KV_MAX_QUERY_LEN or cm.num_reqs == 0:
-            return 0
-        splits = self._choose_num_splits(
-            num_reqs=cm.num_reqs,
-            num_kv_heads=self.kv_cache_spec.num_kv_heads,
-            max_seq_len=cm.max_seq_len,
-            block_size=self.kv_cache_spec.block_size,
-            num_sms=self.num_sms,
-        )
-        return splits if splits > 1 else 0
 
     @override
     def build(
@@ -240,6 +231,28 @@ class TritonAttentionMetadataBuilder(
             if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
             else _ScratchLayout()
         )
+        # Encoder-only layers attend over the per-step scratch cache.
+        scratch_table = scratch.block_table
+        plan = self._plan_paged_attention(
+            cm.query_start_loc,
+            cm.seq_lens,
+            scratch_table if scratch_table is not None else cm.block_table_tensor,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            block_size=(
+                _SCRATCH_BLOCK_SIZE if scratch_table is not None else self.kv_cache_spec.block_size
+            ),
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            causal=self.causal,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            num_tokens=cm.num_actual_tokens,
+            # Split-KV for causal plain decode when the heuristic fills more SMs with it.
+            num_splits=None,
+            num_sms=self.num_sms,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            copy_to_device=host_to_device,
+        )
         return TritonAttentionMetadata(
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
@@ -251,7 +264,8 @@ class TritonAttentionMetadataBuilder(
             causal=self.causal,
             sliding_window=self.sliding_window,
             chunk_size=self.chunk_size,
-            num_splits=self._num_splits(cm),
+            num_splits=plan.num_splits,
+            plan=plan,
             scratch_block_table=scratch.block_table,
             scratch_slot_mapping=scratch.slot_mapping,
             scratch_num_blocks=scratch.num_blocks,
@@ -314,23 +328,45 @@ class TritonAttentionMetadataBuilder(
         buffers.block_table[:num_reqs, :width].copy_(cm.block_table_tensor, non_blocking=True)
         buffers.slot_mapping[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
         max_seq_len = buffers.block_table.shape[1] * self.kv_cache_spec.block_size
+        # Grid bounds fixed by the batch's shape, not its contents. A causal request's
+        # queries fit in its context (q_len <= seq_len <= max_seq_len), so a step of more
+        # tokens than max_model_len still gets a valid bound.
+        max_query_len = min(cm.num_actual_tokens, max_seq_len)
+        query_start_loc = buffers.query_start_loc[: num_reqs + 1]
+        seq_lens = buffers.seq_lens[:num_reqs]
+        # Full width: a replay may need more blocks than the captured step had, and the
+        # kernels read only the blocks each seq_len needs.
+        block_table = buffers.block_table[:num_reqs]
+        # The tile offsets are computed on the device into a fixed buffer, and the grid
+        # is the plan's shape-only bound, so every batch of this shape replays.
+        plan = self._plan_paged_attention(
+            query_start_loc,
+            seq_lens,
+            block_table,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=self.kv_cache_spec.block_size,
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            causal=True,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            num_tokens=num_tokens,
+            num_splits=0,
+            tile_offsets_out=buffers.tile_offsets[: num_reqs + 1],
+        )
         return TritonAttentionMetadata(
-            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
-            seq_lens=buffers.seq_lens[:num_reqs],
-            # Full width: a replay may need more blocks than the captured step had, and
-            # the kernels read only the blocks each seq_len needs.
-            block_table=buffers.block_table[:num_reqs],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
             slot_mapping=buffers.slot_mapping[:num_tokens],
-            # Grid bounds fixed by the batch's shape, not its contents. A causal
-            # request's queries fit in its context (q_len <= seq_len <= max_seq_len), so
-            # a step of more tokens than max_model_len still gets a valid bound.
-            max_query_len=min(cm.num_actual_tokens, max_seq_len),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_actual_tokens=cm.num_actual_tokens,
             causal=True,
             sliding_window=self.sliding_window,
             chunk_size=self.chunk_size,
             num_splits=0,
+            plan=plan,
         )
 
     def _graph_buffers(self) -> _GraphBuffers:
@@ -348,6 +384,7 @@ class TritonAttentionMetadataBuilder(
                 slot_mapping=torch.full(
                     (config.max_num_batched_tokens,), -1, dtype=torch.int64, device=device
                 ),
+                tile_offsets=torch.zeros(config.max_num_reqs + 1, dtype=torch.int32, device=device),
             )
         return self._graph
 
@@ -364,8 +401,8 @@ _FEATURES = frozenset(
 class TritonAttentionImpl(
     AttentionImpl[TritonAttentionMetadata, AttentionSpec, AttentionLayerParams]
 ):
-    """Writes the step's K/V with ``write_kv_cache``, then runs ``unified_attention`` or,
-    for metadata with ``num_splits``, ``split_kv_decode``.
+    """Writes the step's K/V with ``write_kv_cache``, then runs ``paged_attention`` with
+    the step's plan (the one-pass kernel, or split-KV when the plan chose it).
 
     Raises at construction (so a bad layer fails before its first step):
         ValueError: ``layer_params`` asks for a feature the backend does not declare,
@@ -396,12 +433,10 @@ class TritonAttentionImpl(
         # Assigned unannotated, so each attribute keeps the launcher's own signature and
         # every call below is checked against it.
         from ...kernels.triton.kv_write import write_kv_cache
-        from ...kernels.triton.split_kv_decode import split_kv_decode, split_kv_workspace
-        from ...kernels.triton.unified_attention import unified_attention
+        from ...kernels.triton.paged_attention import paged_attention, split_kv_workspace
 
         self._write_kv_cache = write_kv_cache
-        self._unified_attention = unified_attention
-        self._split_kv_decode = split_kv_decode
+        self._paged_attention = paged_attention
         self._split_kv_workspace = split_kv_workspace
 
     def _device_constants(self, device: torch.device) -> _DeviceConstants:
@@ -420,9 +455,7 @@ class TritonAttentionImpl(
                     else None
                 ),
                 sinks=(
-                    p.sinks.to(device=device, dtype=torch.float32)
-                    if p.sinks is not None
-                    else None
+                    p.sinks.to(device=device, dtype=torch.float32) if p.sinks is not None else None
                 ),
             )
         return self._constants
@@ -457,8 +490,7 @@ class TritonAttentionImpl(
             if key is None or value is None:
                 raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
             cache = self._scratch_cache(m, key)
-            # The builder sets both for this kind.
-            assert m.scratch_block_table is not None
+            # The builder sets it for this kind (and plans over the scratch block table).
             assert m.scratch_slot_mapping is not None
             # The scratch cache holds the step's own keys/values in the model dtype: an
             # encoder-only layer keeps no cache, so an fp8 kv_cache_dtype quantises nothing.
@@ -466,7 +498,6 @@ class TritonAttentionImpl(
             self._write_kv_cache(
                 key[:n], value[:n], cache, m.scratch_slot_mapping, k_scale=None, v_scale=None
             )
-            block_table = m.scratch_block_table
         else:
             if len(kv_cache) != 1:
                 raise ValueError(
@@ -474,7 +505,6 @@ class TritonAttentionImpl(
                     f"got {len(kv_cache)}"
                 )
             cache = kv_cache[0]
-            block_table = m.block_table
             if self.kv_cache_spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
                 if key is not None and value is not None:  # encoder states, first steps only
                     e = key.shape[0]
@@ -487,51 +517,27 @@ class TritonAttentionImpl(
                 self._write_kv_cache(
                     key[:n], value[:n], cache, m.slot_mapping[:n], k_scale=k_scale, v_scale=v_scale
                 )
-        if m.num_splits:
-            workspace = self._split_workspace(
-                m.num_splits, query.shape[0], self.kv_cache_spec.head_size, query.device
+        plan = m.plan
+        workspace = (
+            self._split_workspace(
+                plan.num_splits, query.shape[0], self.kv_cache_spec.head_size, query.device
             )
-            self._split_kv_decode(
-                query,
-                cache,
-                query_start_loc=m.query_start_loc,
-                seq_lens=m.seq_lens,
-                block_table=block_table,
-                max_seq_len=m.max_seq_len,
-                scale=self.scale,
-                num_splits=m.num_splits,
-                max_query_len=m.max_query_len,
-                causal=m.causal,
-                sliding_window=m.sliding_window,
-                chunk_size=m.chunk_size,
-                logits_soft_cap=self.layer_params.logits_soft_cap,
-                alibi_slopes=consts.alibi_slopes,
-                sinks=consts.sinks,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                output=output,
-                workspace=workspace,
-            )
-        else:
-            self._unified_attention(
-                query,
-                cache,
-                query_start_loc=m.query_start_loc,
-                seq_lens=m.seq_lens,
-                block_table=block_table,
-                max_query_len=m.max_query_len,
-                max_seq_len=m.max_seq_len,
-                scale=self.scale,
-                causal=m.causal,
-                sliding_window=m.sliding_window,
-                chunk_size=m.chunk_size,
-                logits_soft_cap=self.layer_params.logits_soft_cap,
-                alibi_slopes=consts.alibi_slopes,
-                sinks=consts.sinks,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                output=output,
-            )
+            if plan.num_splits
+            else None
+        )
+        self._paged_attention(
+            query,
+            cache,
+            plan,
+            scale=self.scale,
+            logits_soft_cap=self.layer_params.logits_soft_cap,
+            alibi_slopes=consts.alibi_slopes,
+            sinks=consts.sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            output=output,
+            workspace=workspace,
+        )
         return output
 
     def _scratch_cache(self, m: TritonAttentionMetadata, key: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,16 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError, check_bool, describe
+from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_float, describe
+from attnkit.kernels.contracts.attention import (
+    check_batch_layout,
+    check_cache_layout,
+    check_head_vector,
+    check_kv_scale,
+    check_logits_soft_cap,
+    check_mask_options,
+    check_query_layout,
+)
 
 __all__ = ["dense_attention", "gather_kv", "paged_attention", "write_kv_cache"]
 
@@ -112,14 +121,6 @@ def _check_float(name: str, value: object, *, positive: bool = False) -> float:
     return float(value)
 
 
-def _optional_int(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise KernelTypeError(f"{name} must be an int >= 1 or None, got {describe(value)}")
-    return value
-
-
 def _check_options(
     *,
     num_q_heads: int,
@@ -131,43 +132,15 @@ def _check_options(
     alibi_slopes: object,
     sinks: object,
 ) -> None:
-    """Validate the mask and score options shared by both attention entry points."""
-    _check_float("scale", scale)
-    causal = check_bool("causal", causal)
-    sliding_window = _optional_int("sliding_window", sliding_window)
-    chunk_size = _optional_int("chunk_size", chunk_size)
-    if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
-            raise KernelTypeError(
-                f"logits_soft_cap must be a float > 0 or None, got {describe(logits_soft_cap)}"
-            )
-        # inf is refused too: cap * tanh(s / cap) would be inf * 0 = NaN.
-        if not 0 < logits_soft_cap < math.inf:
-            raise ValueError(f"logits_soft_cap must be a float > 0 or None, got {logits_soft_cap}")
-    for name, tensor in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if tensor is None:
-            continue
-        tensor = _tensor(name, tensor, f"a float tensor of shape [Hq]=[{num_q_heads}] or None")
-        if tensor.dim() != 1 or tensor.shape[0] != num_q_heads or not tensor.is_floating_point():
-            raise ValueError(
-                f"{name} must be a float tensor of shape [Hq]=[{num_q_heads}], "
-                f"got {_describe(tensor)}"
-            )
-    if sliding_window is not None and chunk_size is not None:
-        raise ValueError(
-            f"sliding_window and chunk_size are mutually exclusive, got "
-            f"sliding_window={sliding_window} and chunk_size={chunk_size}"
-        )
-    if sliding_window is not None:
-        if not causal:
-            raise ValueError(f"sliding_window={sliding_window} requires causal=True")
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window}")
-    if chunk_size is not None:
-        if not causal:
-            raise ValueError(f"chunk_size={chunk_size} requires causal=True")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size}")
+    """Validate the mask and score options shared by both attention entry points: the
+    op's contract (:mod:`attnkit.kernels.contracts.attention`), which the Triton
+    launcher enforces too."""
+    check_finite_float("scale", scale)
+    check_mask_options(causal, sliding_window, chunk_size)
+    check_logits_soft_cap(logits_soft_cap)
+    # Any device: the oracle moves the vectors to the query's device itself.
+    check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, None)
+    check_head_vector("sinks", sinks, num_q_heads, None)
 
 
 def _visible_keys(
@@ -530,44 +503,14 @@ def _check_paged_inputs(
     Non-causal batches (cross attention) may have more queries than keys. The oracle
     reads the metadata's values back to the host to check them (unlike the kernels).
     """
-    query = _tensor("query", query, "a tensor of shape [T, Hq, D]")
-    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
-    query_start_loc = _tensor("query_start_loc", query_start_loc, "an int32 tensor of shape [B+1]")
-    seq_lens = _tensor("seq_lens", seq_lens, "an int32 tensor of shape [B]")
-    block_table = _tensor("block_table", block_table, "an int32 tensor of shape [B, max_blocks]")
+    # The op's layout rules (shared with the Triton launcher).
+    query = check_query_layout(query)
+    kv_cache = check_cache_layout(kv_cache, query)
+    num_reqs = check_batch_layout(query_start_loc, seq_lens, block_table)
     if output is not None:
         output = _tensor("output", output, "a tensor of shape [T, Hq, D] or None")
-    if query.dim() != 3:
-        raise ValueError(f"query must have shape [T, Hq, D], got {_describe(query)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must have shape [NB, 2, BS, Hkv, D], got {_describe(kv_cache)}")
-    num_tokens, num_q_heads, head_size = query.shape
-    num_blocks, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
-    if cache_head_size != head_size:
-        raise ValueError(
-            f"head sizes differ: query has D={head_size} but kv_cache has D={cache_head_size}"
-        )
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"query heads Hq={num_q_heads} must be a multiple of kv heads Hkv={num_kv_heads}"
-        )
-    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens must be int32 of shape [B], got {_describe(seq_lens)}")
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_reqs + 1,):
-        raise ValueError(
-            f"query_start_loc must be int32 of shape [B+1]=[{num_reqs + 1}], "
-            f"got {_describe(query_start_loc)}"
-        )
-    if (
-        block_table.dtype != torch.int32
-        or block_table.dim() != 2
-        or block_table.shape[0] != num_reqs
-    ):
-        raise ValueError(
-            f"block_table must be int32 of shape [B, max_blocks]=[{num_reqs}, max_blocks], "
-            f"got {_describe(block_table)}"
-        )
+    num_tokens = query.shape[0]
+    num_blocks, _, block_size, _, _ = kv_cache.shape
     if output is not None and (
         output.shape != query.shape or output.dtype != query.dtype or output.device != query.device
     ):
@@ -729,8 +672,11 @@ def paged_attention(
     """
     causal = check_bool("causal", causal)
     return_lse = check_bool("return_lse", return_lse)
-    k_scale = _check_float("k_scale", k_scale, positive=True)
-    v_scale = _check_float("v_scale", v_scale, positive=True)
+    # The contract's rule (None or a float > 0); the oracle takes no device tensor.
+    k_checked = check_kv_scale("k_scale", k_scale, None, allow_tensor=False)
+    v_checked = check_kv_scale("v_scale", v_scale, None, allow_tensor=False)
+    k_scale = 1.0 if k_checked is None else float(k_checked)
+    v_scale = 1.0 if v_checked is None else float(v_checked)
     _check_paged_inputs(
         query, kv_cache, query_start_loc, seq_lens, block_table, output, causal=causal
     )

@@ -1,7 +1,6 @@
 """Pieces shared by the paged-attention kernels and their launchers (private).
 
-Device functions (``@triton.jit``, called from :mod:`.unified_attention` and
-:mod:`.split_kv_decode`):
+Device functions (``@triton.jit``, called from :mod:`.paged_attention`):
 
 * :func:`e4m3_bits_to_f32` / :func:`load_kv_tile`: the exact fp8 e4m3fn decoder used
   under the Triton interpreter, and the masked K/V tile load around it;
@@ -12,8 +11,10 @@ Device functions (``@triton.jit``, called from :mod:`.unified_attention` and
 Score modifications (soft-cap, ALiBi) stay in each kernel: the two apply the log2(e)
 factor at different points, so one shared version would change one kernel's rounding.
 
-Launcher-side argument checks (plain Python) are shared by those launchers and
-:mod:`.kv_write`; their error messages are part of the public behaviour.
+Launcher-side argument checks (plain Python) are shared by :mod:`.paged_attention` and
+:mod:`.kv_write`; their error messages are part of the public behaviour. The op's own
+argument rules (mask options, soft-cap, per-head vectors, scales) live in
+:mod:`attnkit.kernels.contracts.attention`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from attnkit.kernels._checks import (
     check_finite_float,
     check_int_arg,
     describe,
-    require_tensor,
+)
+from attnkit.kernels.contracts.attention import (
+    check_batch_layout,
+    check_device,
+    check_index_layout,
 )
 
 __all__ = [
@@ -37,7 +42,6 @@ __all__ = [
     "check_finite_float",
     "check_index_tensor",
     "check_int_arg",
-    "check_paged_kv_cache",
     "check_scale_tensor",
     "e4m3_bits_to_f32",
     "load_kv_tile",
@@ -140,27 +144,12 @@ def online_softmax_update(
 # ------------------------------------------------------------------------ launchers
 
 
-def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "query") -> None:
-    """``t`` on ``device``, described in the error as "the ``of`` device"."""
-    if t.device != device:
-        raise ValueError(
-            f"{name}: expected device {device} (the {of} device), got {t.device} ({describe(t)})"
-        )
-
-
 def check_index_tensor(
-    name: str, t: object, shape: tuple[int, ...], device: torch.device
+    name: str, t: object, shape: tuple[int, ...], device: torch.device, of: str = "query"
 ) -> torch.Tensor:
     """An int32 tensor of ``shape`` (``-1``: any size) on ``device``, unit last stride."""
-    pretty = ", ".join("*" if s < 0 else str(s) for s in shape)
-    t = require_tensor(name, t, f"an int32 torch.Tensor [{pretty}]")
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
-    if t.dim() != len(shape) or any(
-        want >= 0 and got != want for want, got in zip(shape, t.shape, strict=True)
-    ):
-        raise ValueError(f"{name}: expected shape [{pretty}], got {tuple(t.shape)}")
-    check_device(name, t, device)
+    t = check_index_layout(name, t, shape)
+    check_device(name, t, device, of)
     # The kernels index the last dim with unit stride; checked here rather than copied
     # so a caller's per-step metadata never silently allocates.
     if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -185,60 +174,24 @@ def check_scale_tensor(name: str, t: object, device: torch.device, of: str) -> t
     return t
 
 
-def check_paged_kv_cache(
-    kv_cache: torch.Tensor,
-    num_q_heads: int,
-    head_dim: int,
-    device: torch.device,
-    *,
-    block_sizes: tuple[int, ...],
-    min_head_dim: int,
-    max_head_dim: int,
-) -> None:
-    """The checks on a ``[NB, 2, BS, Hkv, D]`` cache that follow its dtype check."""
-    num_blocks, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    check_device("kv_cache", kv_cache, device)
-    if num_blocks == 0:
-        raise ValueError(
-            f"kv_cache: expected at least one block (NB >= 1), got {describe(kv_cache)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise ValueError(
-            "kv_cache: expected a contiguous tensor, got a non-contiguous one "
-            f"({describe(kv_cache)}, strides {tuple(kv_cache.stride())})"
-        )
-    if cache_head_dim != head_dim:
-        raise ValueError(
-            f"kv_cache: expected head size {head_dim} (the query head size), got {cache_head_dim}"
-        )
-    if block_size not in block_sizes:
-        raise ValueError(f"kv_cache: expected block size in {block_sizes}, got {block_size}")
-    if not min_head_dim <= head_dim <= max_head_dim:
-        raise ValueError(
-            f"query: expected head size in [{min_head_dim}, {max_head_dim}], got {head_dim}"
-        )
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"kv_cache: expected a kv head count dividing the {num_q_heads} query heads, "
-            f"got {num_kv_heads}"
-        )
-
-
 def check_batch_metadata(
     seq_lens: object,
     query_start_loc: object,
     block_table: object,
     device: torch.device,
+    of: str = "query",
 ) -> int:
-    """Check ``seq_lens`` ``[B]``, ``query_start_loc`` ``[B + 1]``, ``block_table``
-    ``[B, MB]`` (int32, on ``device``); returns ``B``."""
-    seq_lens = require_tensor("seq_lens", seq_lens, "an int32 torch.Tensor [B]")
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens: expected shape [B], got {tuple(seq_lens.shape)}")
-    num_requests: int = seq_lens.shape[0]
-    check_index_tensor("seq_lens", seq_lens, (num_requests,), device)
-    check_index_tensor("query_start_loc", query_start_loc, (num_requests + 1,), device)
-    check_index_tensor("block_table", block_table, (num_requests, -1), device)
+    """The op's metadata layout (:func:`~attnkit.kernels.contracts.attention.check_batch_layout`)
+    plus what the kernels need: every tensor on ``device`` (called "the ``of`` device")
+    with unit last stride; returns ``B``."""
+    num_requests = check_batch_layout(query_start_loc, seq_lens, block_table)
+    for name, t in (
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("block_table", block_table),
+    ):
+        assert isinstance(t, torch.Tensor)  # checked by check_batch_layout
+        check_index_tensor(name, t, tuple(t.shape), device, of)
     return num_requests
 
 
