@@ -34,15 +34,19 @@ class Tol(NamedTuple):
 
 
 # Outputs per input dtype. float32: only the order of float32 accumulation differs.
-# bfloat16: both sides read the same rounded inputs and accumulate in float32, so the
-# gap is mostly one rounding of the output (8-bit mantissa), with headroom.
+# 16-bit: both sides read the same rounded inputs; the oracle accumulates in float32,
+# the Triton kernel's tensor-core dots take float32 operands as two 16-bit halves (about
+# 16 significant bits), so the gap is mostly one rounding of the output (8-bit mantissa
+# for bfloat16, 11-bit for float16). float16 is held to the project's tolerance
+# (attnkit.testing.tolerances), bfloat16 with headroom.
 TOLS: dict[torch.dtype, Tol] = {
     torch.float32: Tol(atol=2e-4, rtol=2e-4),
+    torch.float16: Tol(atol=4e-3, rtol=4e-3),
     torch.bfloat16: Tol(atol=3e-2, rtol=3e-2),
 }
 # Float32 states, whatever the input dtype (the inputs are the same rounded values).
 STATE_TOL = Tol(atol=2e-4, rtol=2e-4)
-# On a GPU the 16-bit output dots may use TF32, and sizes are larger.
+# On a GPU sizes are larger (longer float32 sums).
 GPU_TOLS: dict[torch.dtype, Tol] = {
     torch.float32: Tol(atol=2e-3, rtol=2e-3),
     torch.bfloat16: Tol(atol=1e-1, rtol=5e-2),
@@ -355,17 +359,36 @@ def test_triton_chunked_matches_definition(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_bfloat16(impl: str) -> None:
+def test_16bit(impl: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     check_varlen(
-        IMPLS[impl],
+        IMPLS[impl], gen, [9, 0, 14], [2, 5, 0], [True, False, False], chunk_size=4, dtype=dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_many_tiles(dtype: torch.dtype) -> None:
+    """Every tiling loop of the chunk kernel runs more than once, with ragged ends.
+
+    K = 40 and V = 40 are not multiples of the state tiles, chunk 100 pads to 128 rows
+    walked in several token blocks, and the 130-token request spans two chunks (the
+    second partial), so the state round trip between chunks is exercised too.
+    """
+    gen = torch.Generator().manual_seed(12)
+    check_varlen(
+        triton_la,
         gen,
-        [9, 0, 14],
-        [2, 5, 0],
+        [130, 0, 7],
+        [4, 1, 6],
         [True, False, False],
-        chunk_size=4,
-        dtype=torch.bfloat16,
+        chunk_size=100,
+        heads=1,
+        key_dim=40,
+        value_dim=40,
+        dtype=dtype,
+        layout="transposed",
     )
 
 

@@ -45,60 +45,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError, describe
 from attnkit.kernels._state_common import (
-    check_float,
     check_has_initial_state,
     check_query_start_loc,
     check_state_indices,
     check_tensor,
 )
+from attnkit.kernels.contracts.conv1d import check_conv_params
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
-_ACTIVATIONS = ("silu", None)
-
-
 # ----------------------------------------------------------------------------------
-# Validation helpers (shared with ``mamba2``; private to the kernels package).
+# Helpers (the shape/dtype checks are the op's contract, attnkit.kernels.contracts.conv1d,
+# shared with the Triton launchers).
 # ----------------------------------------------------------------------------------
-
-
-def _check_activation(activation: object) -> None:
-    if activation is not None and not isinstance(activation, str):
-        raise KernelTypeError(f"activation: expected 'silu' or None, got {describe(activation)}")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
-
-
-def _check_conv_params(
-    x: Tensor, weight: object, bias: object, conv_states: object, activation: object
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    channels = x.shape[-1]
-    check_float("x", x)
-    weight = check_tensor(
-        "weight", weight, layout="[C, W]", shape=(channels, None), device=x.device
-    )
-    check_float("weight", weight)
-    width = weight.shape[1]
-    if width < 1:
-        raise ValueError(f"weight: expected kernel width W >= 1, got shape {list(weight.shape)}")
-    if bias is not None:
-        bias = check_tensor("bias", bias, layout="[C]", shape=(channels,), device=x.device)
-        check_float("bias", bias)
-    conv_states = check_tensor(
-        "conv_states",
-        conv_states,
-        layout="[S, C, W-1]",
-        shape=(None, channels, width - 1),
-        device=x.device,
-    )
-    if conv_states.dtype != x.dtype:
-        raise ValueError(
-            f"conv_states: expected the dtype of x ({x.dtype}), got {conv_states.dtype}"
-        )
-    _check_activation(activation)
-    return weight, bias, conv_states
 
 
 def _apply_activation(y: Tensor, activation: Literal["silu"] | None) -> Tensor:
@@ -137,7 +97,7 @@ def causal_conv1d_varlen(
         ``[T, C]`` in the dtype of ``x``.
     """
     x = check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
-    weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
+    weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, activation)
     offsets = check_query_start_loc(query_start_loc, num_tokens=x.shape[0], device=x.device)
     batch = len(offsets) - 1
     slots = check_state_indices(
@@ -186,7 +146,7 @@ def causal_conv1d_update(
         ``[B, C]`` in the dtype of ``x``.
     """
     x = check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
-    weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
+    weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, activation)
     check_state_indices(
         state_indices, batch=x.shape[0], num_slots=conv_states.shape[0], device=x.device
     )

@@ -55,7 +55,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError
 from attnkit.kernels._state_common import (
     check_float,
     check_scale,
@@ -63,6 +62,12 @@ from attnkit.kernels._state_common import (
     check_state_lists,
     check_states,
     check_tensor,
+)
+from attnkit.kernels.contracts.linear_attention import (
+    alloc_out,
+    check_chunk_size,
+    check_decay_shape,
+    check_qkv,
 )
 
 __all__ = [
@@ -73,67 +78,16 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------
-# Validation (the shape/dtype checks read no tensor values; the Triton launchers share
-# them).
+# Validation (the shape/dtype checks are the op's contract,
+# attnkit.kernels.contracts.linear_attention, shared with the Triton launchers; the
+# value checks below read tensors back and are the oracle's alone).
 # ----------------------------------------------------------------------------------
-
-
-def _check_chunk_size(chunk_size: object, *, maximum: int | None = None) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise KernelTypeError(
-            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
-    if maximum is not None and chunk_size > maximum:
-        raise ValueError(f"chunk_size: expected an int <= {maximum}, got {chunk_size}")
-    return chunk_size
-
-
-def _check_qkv(q: object, k: object, v: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``q``/``k`` ``[lead, H, K]`` and ``v`` ``[lead, H, V]``, one floating dtype."""
-    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
-    check_float("q", q)
-    n_lead, heads, key_dim = q.shape
-    k = check_tensor(
-        "k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=q.device
-    )
-    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=q.device)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-    if key_dim < 1 or v.shape[2] < 1:
-        raise ValueError(
-            f"q, v: expected head dims K >= 1 and V >= 1, got K = {key_dim}, V = {v.shape[2]}"
-        )
-    return q, k, v
-
-
-def _check_decay_shape(decay: object, q: Tensor) -> Tensor:
-    decay = check_tensor("decay", decay, layout="[H]", shape=(q.shape[1],), device=q.device)
-    check_float("decay", decay)
-    return decay
 
 
 def _check_decay_values(decay: Tensor) -> None:
     """Reads ``decay`` back to the host: for the torch oracles only."""
     if not bool(torch.isfinite(decay).all()) or bool((decay < 0).any()):
         raise ValueError(f"decay: expected finite values >= 0, got {decay.tolist()}")  # pyright: ignore[reportUnknownMemberType]  # torch types tolist() as a bare List
-
-
-def _check_out(out: object, q: Tensor, v: Tensor, *, lead: str) -> Tensor:
-    """``out`` ``[lead, H, V]`` with the leading dim of ``q``, dtype of ``q``, any strides."""
-    shape = (q.shape[0], q.shape[1], v.shape[2])
-    out = check_tensor("out", out, layout=f"[{lead}, H, V]", shape=shape, device=q.device)
-    if out.dtype != q.dtype:
-        raise ValueError(f"out: expected the dtype of q ({q.dtype}), got {out.dtype}")
-    return out
-
-
-def _alloc_out(out: object, q: Tensor, v: Tensor, *, lead: str) -> Tensor:
-    if out is None:
-        return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return _check_out(out, q, v, lead=lead)
 
 
 # ----------------------------------------------------------------------------------
@@ -189,8 +143,8 @@ def linear_attention_recurrent_reference(
         ``(o, final_state)``: ``o`` ``[L, H, V]`` in the dtype of ``q`` and the state after
         the last token, ``[H, K, V]`` float32.
     """
-    q, k, v = _check_qkv(q, k, v, lead="L")
-    decay = _check_decay_shape(decay, q)
+    q, k, v = check_qkv(q, k, v, lead="L")
+    decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
     scale = check_scale(scale)
     length, heads, key_dim = q.shape
@@ -248,12 +202,12 @@ def chunk_linear_attention_varlen(
     Returns:
         ``o`` ``[T, H, V]`` in the dtype of ``q`` (``out`` when given).
     """
-    q, k, v = _check_qkv(q, k, v, lead="T")
-    decay = _check_decay_shape(decay, q)
+    q, k, v = check_qkv(q, k, v, lead="T")
+    decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
     scale = check_scale(scale)
     states = check_states(states, q, v)
-    chunk_size = _check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(chunk_size)
     offsets, slots, flags = check_state_lists(
         query_start_loc,
         state_indices,
@@ -262,7 +216,7 @@ def chunk_linear_attention_varlen(
         num_slots=states.shape[0],
         device=q.device,
     )
-    o = _alloc_out(out, q, v, lead="T")
+    o = alloc_out(out, q, v, lead="T")
 
     log_lam = -decay.float()
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -301,13 +255,13 @@ def linear_attention_decode(
     Returns:
         ``o`` ``[B, H, V]`` in the dtype of ``q`` (``out`` when given).
     """
-    q, k, v = _check_qkv(q, k, v, lead="B")
-    decay = _check_decay_shape(decay, q)
+    q, k, v = check_qkv(q, k, v, lead="B")
+    decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
     scale = check_scale(scale)
     states = check_states(states, q, v)
     check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
-    o = _alloc_out(out, q, v, lead="B")
+    o = alloc_out(out, q, v, lead="B")
     idx = state_indices.long()
     lam = torch.exp(-decay.float())[None, :, None, None]  # [1, H, 1, 1]
     state = lam * states[idx] + k.float()[..., :, None] * v.float()[..., None, :]

@@ -46,41 +46,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.kernels._state_common import check_float, check_tensor
-from attnkit.kernels.torch.conv1d import (
-    _check_conv_params,
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-)
+from attnkit.kernels.contracts.conv1d import check_conv_params
+from attnkit.kernels.contracts.short_conv import check_gates, check_out
+from attnkit.kernels.torch.conv1d import causal_conv1d_update, causal_conv1d_varlen
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
 
 # ----------------------------------------------------------------------------------
-# Validation (reads no tensor values; the Triton launchers share it).
+# Helpers (the checks are the op's contract: attnkit.kernels.contracts.short_conv).
 # ----------------------------------------------------------------------------------
-
-
-def _check_gates(b: object, c: object, x: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``b``, ``c``, ``x``: ``[lead, C]``, one floating dtype, one device."""
-    x = check_tensor("x", x, layout=f"[{lead}, C]", shape=(None, None), device=None)
-    check_float("x", x)
-    shape = (x.shape[0], x.shape[1])
-    b = check_tensor("b", b, layout=f"[{lead}, C]", shape=shape, device=x.device)
-    c = check_tensor("c", c, layout=f"[{lead}, C]", shape=shape, device=x.device)
-    for name, t in (("b", b), ("c", c)):
-        if t.dtype != x.dtype:
-            raise ValueError(f"{name}: expected the dtype of x ({x.dtype}), got {t.dtype}")
-    return b, c, x
-
-
-def _check_out(out: object, x: Tensor, *, lead: str) -> Tensor:
-    out = check_tensor(
-        "out", out, layout=f"[{lead}, C]", shape=(x.shape[0], x.shape[1]), device=x.device
-    )
-    if out.dtype != x.dtype:
-        raise ValueError(f"out: expected the dtype of x ({x.dtype}), got {out.dtype}")
-    return out
 
 
 def _gate_input(b: Tensor, x: Tensor) -> Tensor:
@@ -129,10 +104,10 @@ def short_conv_varlen(
     Returns:
         ``y`` ``[T, C]`` in the dtype of ``x`` (``out`` when given).
     """
-    b, c, x = _check_gates(b, c, x, lead="T")
-    _check_conv_params(x, weight, bias, conv_states, None)
+    b, c, x = check_gates(b, c, x, lead="T")
+    check_conv_params(x, weight, bias, conv_states, None)
     if out is not None:
-        out = _check_out(out, x, lead="T")
+        out = check_out(out, x, lead="T")
     y = causal_conv1d_varlen(
         _gate_input(b, x),
         weight,
@@ -169,10 +144,10 @@ def short_conv_update(
     Returns:
         ``y`` ``[B, C]`` in the dtype of ``x`` (``out`` when given).
     """
-    b, c, x = _check_gates(b, c, x, lead="B")
-    _check_conv_params(x, weight, bias, conv_states, None)
+    b, c, x = check_gates(b, c, x, lead="B")
+    check_conv_params(x, weight, bias, conv_states, None)
     if out is not None:
-        out = _check_out(out, x, lead="B")
+        out = check_out(out, x, lead="B")
     y = causal_conv1d_update(
         _gate_input(b, x),
         weight,

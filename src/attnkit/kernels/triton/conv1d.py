@@ -29,6 +29,10 @@ Decomposition
    requests. Tap ``k`` of token ``t`` (``rel = t - start`` within its request) reads
    ``x[t - (W-1) + k]`` when ``rel - (W-1) + k >= 0`` and otherwise entry
    ``rel + k`` of the request's cached state (0 without an initial state).
+   The taps are a loop, not unrolled: unrolled, the compiler issues the loads of all
+   ``W`` taps (two gathers each) up front, and registers grew with ``W`` (250-254 at
+   ``W = 4``, ``BLOCK_T x BLOCK_C = 32 x 128``, 4 warps). Looped, with 8 warps (16 elements
+   per thread), the kernel needs about 125 registers whatever ``W``.
 2. ``_conv1d_state_kernel``, grid ``(B, cdiv(C, BLOCK_C))``: writes the last ``W-1``
    entries of ``[old state (or zeros), new tokens]`` back into each request's slot. It
    must run after kernel 1, which still reads the old states; within one program every
@@ -50,13 +54,15 @@ from torch import Tensor
 
 from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import check_slot_tensor, check_tensor, check_varlen_tensors
-from attnkit.kernels.torch.conv1d import _check_conv_params
+from attnkit.kernels.contracts.conv1d import check_conv_params
 from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
 _MAX_BLOCK_T = 32
 _MAX_BLOCK_C = 128
+# Warps of _conv1d_varlen_kernel: 16 elements of the [BLOCK_T, BLOCK_C] tile per thread.
+_VARLEN_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------
@@ -121,7 +127,7 @@ def _conv1d_varlen_kernel(
 
     state_rows = state_ptr + slot[:, None] * stride_ss + channels[None, :] * stride_sc
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for k in tl.static_range(WIDTH):
+    for k in range(WIDTH):  # a loop on purpose: see the module doc
         back = WIDTH - 1 - k  # tap k reads the input `back` tokens earlier
         w_k = tl.load(weight_ptr + channels * stride_wc + k * stride_wk, mask=c_valid, other=0.0)
         in_request = rel >= back
@@ -310,7 +316,7 @@ def causal_conv1d_varlen(
     """
     x = check_tensor("x", x, layout="[T, C]", shape=(None, None), device=None)
     check_dtype("x", x)
-    weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
+    weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, activation)
     check_dtype("weight", weight)
     check_dtype("bias", bias)
     qsl, slots, flags = check_varlen_tensors(
@@ -358,6 +364,7 @@ def causal_conv1d_varlen(
             BLOCK_C=block_c,
             HAS_BIAS=bias is not None,
             SILU=activation == "silu",
+            num_warps=_VARLEN_WARPS,
             # Explicit: Triton 3.9 warns when it is unset (the default flips in 3.10).
             enable_fp_fusion=True,
         )
@@ -404,7 +411,7 @@ def causal_conv1d_update(
     """
     x = check_tensor("x", x, layout="[B, C]", shape=(None, None), device=None)
     check_dtype("x", x)
-    weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, activation)
+    weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, activation)
     check_dtype("weight", weight)
     check_dtype("bias", bias)
     batch, channels = x.shape

@@ -11,28 +11,67 @@ with float32 states ``[S, H, K, V]`` (any strides) addressed by ``state_indices`
 Kernel design
 -------------
 :func:`chunk_linear_attention_varlen` launches one program per (request, head, tile of
-``BLOCK_V`` value columns): columns of the state are independent, so the ``[K, BLOCK_V]``
-slice of the state stays in registers (float32) while the program walks its request's
-chunks in order -- the intra/inter-block split of Lightning Attention-2 (Z. Qin et al.,
-arXiv:2401.04658). Per chunk of ``n <= chunk_size`` tokens it computes
-``(q k^T * M) v`` with the decay mask ``M[i, j] = lam^(i-j)`` (``j <= i``), adds
-``lam^(i+1) q S``, stores the outputs and then updates ``S <- lam^n S + (lam^(n-1-j) k)^T v``.
-Chunks start at each request's first token of the call, as in the oracle. The chunk is
-padded to ``BLOCK_C = max(16, next_pow2(chunk_size))`` rows (masked), so any chunk size
-in ``[1, 128]`` works. Long requests are walked sequentially by ``H * cdiv(V, BLOCK_V)``
-programs each, as in lightning attention's forward pass.
+``BLOCK_V`` value columns): columns of the state are independent, so each program owns
+the ``[K, BLOCK_V]`` slice of its request's state and walks the request's chunks in
+order -- the intra/inter-block split of Lightning Attention-2 (Z. Qin et al.,
+arXiv:2401.04658). Chunks start at each request's first token of the call, as in the
+oracle; a chunk is padded to ``BLOCK_C = max(16, next_pow2(chunk_size))`` rows (masked),
+so any chunk size in ``[1, 128]`` works. Per chunk of ``n`` tokens, for each tile of
+``BLOCK_K`` key rows of the state (the output is a sum over key tiles):
+
+* ``o += lam^(i+1) q_kt S_kt`` (inter-chunk part, old state) and
+  ``S_kt <- lam^n S_kt + sum_j lam^(n-1-j) k_j,kt^T v_j`` (the update, summed over
+  blocks of ``BLOCK_J`` tokens);
+
+then, over blocks of ``BLOCK_J`` key tokens ``j``, ``o += ((q k_j^T) * M) v_j`` with the
+decay mask ``M[i, j] = lam^(i-j)`` (``j <= i``), the scores summed over key tiles. Token
+blocks past the chunk's ``n`` tokens are skipped (short last chunks, short requests).
+
+Registers and shared memory therefore depend on the tiles only (``[BLOCK_C, BLOCK_V]``
+output, ``[BLOCK_C, BLOCK_J]`` scores, ``[BLOCK_K, BLOCK_V]`` state tile), never on ``K``,
+``V`` or ``BLOCK_C`` beyond those tensors, and every configuration (``K, V <= 256``,
+chunks up to 128) compiles without spills within the shared memory of sm_80.
+The alternative of keeping the whole ``[K, BLOCK_V]`` slice in registers across chunks
+(no tiling of ``K``) needs ``[BLOCK_C, K]`` operands at once and cannot be tiled in
+Triton, which has no indexing into a register tensor; a multi-kernel scheme (per-chunk
+states in parallel, then a recurrence) needs a workspace of one state per chunk and
+chunk bookkeeping on the host side. Instead the slice lives in the request's cache
+slot, which is the program's working buffer: each key tile is read, used and written
+back once per chunk (from L2 in practice). Without an initial state the slot is first
+zeroed (its old content is never read). A barrier ends every chunk so the next chunk's
+reads see this chunk's writes by other threads, and the launch uses ``num_stages=1`` so
+no load is software-pipelined ahead of the write it depends on. The ``BLOCK_J`` token
+blocks bound the reduction length of the dots, which sets their operand registers
+(on sm_80 the whole reduction extent of an operand is held in registers).
 
 :func:`linear_attention_decode` launches one program per (request, head, value tile),
-loads the state slice, applies one step in registers and writes it back.
+loads the state slice, applies one step in registers and writes it back (elementwise:
+no matrix products).
 
 The launchers check shapes, dtypes and devices only: they never read tensor values back
 to the host (so they are safe under CUDA graphs). ``query_start_loc``,
 ``state_indices`` and ``decay >= 0`` are therefore trusted; the torch oracle checks them.
 
-Precision: everything is computed in float32. With float32 inputs every dot uses IEEE
-float32; with 16-bit inputs the two output dots may use TF32 (their inputs already carry
-8 or 11 significant bits), while the state update always uses IEEE float32 because the
-state accumulates over the whole sequence.
+Precision
+---------
+float32 inputs: every dot is IEEE float32 (FMA, ``input_precision="ieee"``).
+
+16-bit inputs: every dot runs on tensor cores with 16-bit operands and float32
+accumulation, and no operand is rounded by more than about 2^-16 relative: ``q k^T``
+multiplies the inputs themselves (exact products); the float32 operands -- the state
+``S``, the masked scores ``p`` and the decayed keys ``lam^(n-1-j) k`` -- are each split
+into a high and a low 16-bit part (``x = hi + lo`` to ~16 significant bits) and the dot
+is the sum of the dots of the parts. ``S`` and ``p`` are split into bfloat16 (the range
+of float32: a long sequence without decay grows the state past float16's 65504); with
+float16 inputs the other operand (``q``, ``v``: 11 significant bits) is then split into
+bfloat16 parts too, exactly, and the ``lo x lo`` product (~2^-16) is dropped. The decayed
+keys stay in the input dtype (``|lam^m k| <= |k|``). A single 16-bit rounding of ``p``
+(as flash attention rounds its probabilities) measured up to 1.6x the bfloat16
+tolerance where the terms of an output cancel; with the splits the error is mostly the
+final rounding of the output, and the float32 states stay within 2e-4 of the definition.
+The Triton interpreter ignores ``input_precision`` and computes bfloat16 dots wrongly, so
+under it the 16-bit operands are widened to float32 first (exact) and bfloat16 outputs
+are rounded to nearest by hand: the interpreter tests measure the kernel's own rounding.
 """
 
 from __future__ import annotations
@@ -50,19 +89,40 @@ from attnkit.kernels._state_common import (
     check_varlen_tensors,
     flags_as_bytes,
 )
-from attnkit.kernels.torch.linear_attention import (
-    _alloc_out,
-    _check_chunk_size,
-    _check_decay_shape,
-    _check_qkv,
+from attnkit.kernels.contracts.linear_attention import (
+    alloc_out,
+    check_chunk_size,
+    check_decay_shape,
+    check_qkv,
 )
-from attnkit.kernels.triton.short_conv import _round_bf16
+from attnkit.kernels.triton._rounding import round_bf16
 
 __all__ = ["chunk_linear_attention_varlen", "linear_attention_decode"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_KEY_DIM = 256
 _MAX_CHUNK_SIZE = 128
+# Largest (BLOCK_K, BLOCK_V, BLOCK_J) of the chunk kernel: 16-bit inputs (tensor-core
+# dots) and float32 inputs (FMA dots, operands in registers). See _chunk_config.
+_DOT16_TILES = (16, 32, 32)
+_FP32_TILES = (16, 32, 16)
+# Register budget (.maxnreg) of the chunk kernel by "inputs are float32": above what any
+# variant needs (16-bit: at most ~175 on sm_80, ~130 on sm_90/100), below 255.
+_MAX_REGISTERS = {False: 192, True: 255}
+
+
+@triton.jit
+def _dot16(a, b, acc, EMULATE: tl.constexpr):
+    """``acc + a @ b`` for 16-bit ``a``, ``b`` with float32 accumulation (tensor cores).
+
+    The interpreter computes a bfloat16 ``tl.dot`` wrongly, so under it (``EMULATE``)
+    the operands are widened to float32 first: products of 16-bit values are exact in
+    float32, so this is the same computation up to the order of the float32 sums.
+    """
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -103,15 +163,18 @@ def _chunk_linear_attention_kernel(
     BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    OUT_PRECISION: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    SPLIT_Q: tl.constexpr,
+    EMULATE_DOT16: tl.constexpr,
     EXACT_BF16: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_K >= KEY_DIM)
     tl.static_assert(BLOCK_C >= CHUNK)
     # tl.dot needs every dimension >= 16.
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_V >= 16)
     tl.static_assert(BLOCK_C >= 16)
+    in_dtype = q_ptr.dtype.element_ty
 
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -124,72 +187,179 @@ def _chunk_linear_attention_kernel(
     has_init = tl.load(has_initial_state_ptr + request * stride_his) != 0
     neg_decay = -tl.load(decay_ptr + head * stride_decay).to(tl.float32)
 
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_kt = tl.arange(0, BLOCK_K)
     offs_v = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_valid = offs_k < KEY_DIM
     v_valid = offs_v < VALUE_DIM
-    state_mask = k_valid[:, None] & v_valid[None, :]
-    state_ptrs = (
-        states_ptr
-        + slot * stride_ss
-        + head * stride_sh
-        + offs_k[:, None] * stride_sk
-        + offs_v[None, :] * stride_sv
-    )
-    # Without an initial state the slot is not read at all: it may hold anything (NaN).
-    # (The flag enters the mask as a row bound: the interpreter rejects a mask made by
-    # and-ing a tensor with a scalar flag.)
-    init_rows = tl.where(has_init, KEY_DIM, 0)
-    init_mask = (offs_k < init_rows)[:, None] & v_valid[None, :]
-    state = tl.load(state_ptrs, mask=init_mask, other=0.0)
+    # The program's [K, BLOCK_V] slice of the state lives in its cache slot, which is
+    # the working buffer (float32): read and written one [BLOCK_K, BLOCK_V] tile at a
+    # time, so registers and shared memory do not grow with K.
+    state_cols = states_ptr + slot * stride_ss + head * stride_sh + offs_v[None, :] * stride_sv
+
+    if not has_init:
+        # Start from zeros: the slot's old content (maybe NaN) is never read.
+        for k0 in range(0, KEY_DIM, BLOCK_K):
+            offs_k = k0 + offs_kt
+            tl.store(
+                state_cols + offs_k[:, None] * stride_sk,
+                tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32),
+                mask=(offs_k < KEY_DIM)[:, None] & v_valid[None, :],
+            )
+    # Each chunk's state reads follow the previous chunk's writes, possibly by other
+    # threads of the program: a barrier orders them (global memory is coherent within a
+    # thread block across a barrier).
+    tl.debug_barrier()
 
     rows = tl.arange(0, BLOCK_C)
     pos = rows.to(tl.float32)
-    diff = pos[:, None] - pos[None, :]  # i - j
-    # lam^(i-j) for j <= i, else 0; each power is one exp. Selected, never multiplied,
-    # so the (clamped) upper triangle never matters.
-    intra = tl.where(diff >= 0, tl.exp(neg_decay * tl.maximum(diff, 0.0)), 0.0)
-    decay_in = tl.exp(neg_decay * (pos + 1.0))  # lam^(i+1)
-
-    for c0 in range(start, end, CHUNK):
+    # num_stages=1: the state tiles read in one chunk are those written by the previous
+    # one, so no load of chunk c+1 may be issued (software-pipelined) before chunk c ends.
+    for c0 in tl.range(start, end, CHUNK, num_stages=1):
         n = tl.minimum(end - c0, CHUNK)
         row_valid = rows < n
         tok = (c0 + rows).to(tl.int64)
-        qk_mask = row_valid[:, None] & k_valid[None, :]
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_k[None, :] * stride_qk,
-            mask=qk_mask,
-            other=0.0,
-        ).to(tl.float32)
-        k = tl.load(
-            k_ptr + tok[:, None] * stride_kt + head * stride_kh + offs_k[None, :] * stride_kk,
-            mask=qk_mask,
-            other=0.0,
-        ).to(tl.float32)
         v_mask = row_valid[:, None] & v_valid[None, :]
-        v = tl.load(
-            v_ptr + tok[:, None] * stride_vt + head * stride_vh + offs_v[None, :] * stride_vv,
-            mask=v_mask,
-            other=0.0,
-        ).to(tl.float32)
+        decay_all = tl.exp(neg_decay * n.to(tl.float32))  # lam^n
 
-        scores = tl.dot(q, tl.trans(k), input_precision=OUT_PRECISION) * intra
-        o = tl.dot(scores, v, input_precision=OUT_PRECISION)
-        o += tl.dot(q, state, input_precision=OUT_PRECISION) * decay_in[:, None]
+        # Inter-chunk part q_i . S and the state update, one key tile of the state at a
+        # time: S_kt <- lam^n S_kt + sum_j lam^(n-1-j) k_j,kt^T v_j, summed over blocks
+        # of BLOCK_J tokens (the reduction length of a dot sets its operand registers).
+        o = tl.zeros([BLOCK_C, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, KEY_DIM, BLOCK_K):
+            offs_k = k0 + offs_kt
+            k_valid = offs_k < KEY_DIM
+            q = tl.load(
+                q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_k[None, :] * stride_qk,
+                mask=row_valid[:, None] & k_valid[None, :],
+                other=0.0,
+            )
+            state_ptrs = state_cols + offs_k[:, None] * stride_sk
+            state_mask = k_valid[:, None] & v_valid[None, :]
+            state = tl.load(state_ptrs, mask=state_mask, other=0.0)
+            if IEEE_FP32:
+                o = tl.dot(q, state, o, input_precision="ieee")
+            else:
+                # The float32 state as a sum of two bfloat16 values (bfloat16: the range
+                # of float32, so no overflow): error ~2^-16 relative, on tensor cores.
+                s_hi = state.to(tl.bfloat16)
+                s_lo = (state - s_hi.to(tl.float32)).to(tl.bfloat16)
+                if SPLIT_Q:
+                    # float16 q: its 11 significant bits are exactly bf16 hi + lo.
+                    q_hi = q.to(tl.bfloat16)
+                    q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(tl.bfloat16)
+                    o = _dot16(q_hi, s_hi, o, EMULATE_DOT16)
+                    o = _dot16(q_lo, s_hi, o, EMULATE_DOT16)
+                    o = _dot16(q_hi, s_lo, o, EMULATE_DOT16)
+                else:
+                    o = _dot16(q, s_hi, o, EMULATE_DOT16)
+                    o = _dot16(q, s_lo, o, EMULATE_DOT16)
+            update = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+            # Only blocks holding some of the chunk's n tokens (a short last chunk or
+            # request skips the padding).
+            for j0 in range(0, n, BLOCK_J):
+                cols = j0 + tl.arange(0, BLOCK_J)
+                col_valid = cols < n
+                tok_j = (c0 + cols).to(tl.int64)
+                k_j = tl.load(
+                    k_ptr
+                    + tok_j[:, None] * stride_kt
+                    + head * stride_kh
+                    + offs_k[None, :] * stride_kk,
+                    mask=col_valid[:, None] & k_valid[None, :],
+                    other=0.0,
+                )
+                v_j = tl.load(
+                    v_ptr
+                    + tok_j[:, None] * stride_vt
+                    + head * stride_vh
+                    + offs_v[None, :] * stride_vv,
+                    mask=col_valid[:, None] & v_valid[None, :],
+                    other=0.0,
+                )
+                # lam^(n-1-j); padding tokens get 0, not exp(+large).
+                decay_out = tl.where(
+                    col_valid, tl.exp(neg_decay * (n - 1 - cols).to(tl.float32)), 0.0
+                )
+                k_dec = k_j.to(tl.float32) * decay_out[:, None]
+                if IEEE_FP32:
+                    update = tl.dot(tl.trans(k_dec), v_j, update, input_precision="ieee")
+                else:
+                    # Decayed keys as hi + lo in the input dtype (|k_dec| <= |k|: no
+                    # overflow), so the state update stays accurate to ~float32.
+                    kd_hi = k_dec.to(in_dtype)
+                    kd_lo = (k_dec - kd_hi.to(tl.float32)).to(in_dtype)
+                    update = _dot16(tl.trans(kd_hi), v_j, update, EMULATE_DOT16)
+                    update = _dot16(tl.trans(kd_lo), v_j, update, EMULATE_DOT16)
+            tl.store(state_ptrs, state * decay_all + update, mask=state_mask)
+        o = o * (tl.exp(neg_decay * (pos + 1.0)) * scale)[:, None]  # scale * lam^(i+1)
+
+        # Intra-chunk part: scale * ((q k^T) * M) v with M[i, j] = lam^(i-j), j <= i,
+        # over blocks of BLOCK_J key tokens j (so the scores tile is [BLOCK_C, BLOCK_J]).
+        for j0 in range(0, n, BLOCK_J):
+            cols = j0 + tl.arange(0, BLOCK_J)
+            col_valid = cols < n
+            tok_j = (c0 + cols).to(tl.int64)
+            scores = tl.zeros([BLOCK_C, BLOCK_J], dtype=tl.float32)
+            for k0 in range(0, KEY_DIM, BLOCK_K):
+                offs_k = k0 + offs_kt
+                k_valid = offs_k < KEY_DIM
+                q = tl.load(
+                    q_ptr
+                    + tok[:, None] * stride_qt
+                    + head * stride_qh
+                    + offs_k[None, :] * stride_qk,
+                    mask=row_valid[:, None] & k_valid[None, :],
+                    other=0.0,
+                )
+                k = tl.load(
+                    k_ptr
+                    + tok_j[:, None] * stride_kt
+                    + head * stride_kh
+                    + offs_k[None, :] * stride_kk,
+                    mask=col_valid[:, None] & k_valid[None, :],
+                    other=0.0,
+                )
+                if IEEE_FP32:
+                    scores = tl.dot(q, tl.trans(k), scores, input_precision="ieee")
+                else:
+                    scores = _dot16(q, tl.trans(k), scores, EMULATE_DOT16)
+            v_j = tl.load(
+                v_ptr + tok_j[:, None] * stride_vt + head * stride_vh + offs_v[None, :] * stride_vv,
+                mask=col_valid[:, None] & v_valid[None, :],
+                other=0.0,
+            )
+            # Each power is one exp, selected (never multiplied); the exponent is clamped
+            # to [0, n] (padding rows only) so that no entry overflows.
+            diff = (rows[:, None] - cols[None, :]).to(tl.float32)  # i - j
+            mask = tl.where(
+                diff >= 0,
+                tl.exp(neg_decay * tl.minimum(tl.maximum(diff, 0.0), n.to(tl.float32))),
+                0.0,
+            )
+            p = scores * mask * scale
+            if IEEE_FP32:
+                o = tl.dot(p, v_j, o, input_precision="ieee")
+            else:
+                # p as a sum of two bfloat16 values, like the state above: one rounding
+                # to 16 bits would cost more than the tolerance where terms cancel.
+                p_hi = p.to(tl.bfloat16)
+                p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+                if SPLIT_Q:
+                    # float16 v: exactly bf16 hi + lo.
+                    v_hi = v_j.to(tl.bfloat16)
+                    v_lo = (v_j.to(tl.float32) - v_hi.to(tl.float32)).to(tl.bfloat16)
+                    o = _dot16(p_hi, v_hi, o, EMULATE_DOT16)
+                    o = _dot16(p_lo, v_hi, o, EMULATE_DOT16)
+                    o = _dot16(p_hi, v_lo, o, EMULATE_DOT16)
+                else:
+                    o = _dot16(p_hi, v_j, o, EMULATE_DOT16)
+                    o = _dot16(p_lo, v_j, o, EMULATE_DOT16)
         tl.store(
             o_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_ov,
-            _round_bf16(o * scale, EXACT_BF16).to(o_ptr.dtype.element_ty),
+            round_bf16(o, EXACT_BF16).to(o_ptr.dtype.element_ty),
             mask=v_mask,
         )
-
-        # lam^(n-1-j) for the chunk's tokens; padding rows get 0, not exp(+large).
-        decay_out = tl.where(row_valid, tl.exp(neg_decay * (n - 1 - rows).to(tl.float32)), 0.0)
-        k_dec = k * decay_out[:, None]
-        state = state * tl.exp(neg_decay * n.to(tl.float32)) + tl.dot(
-            tl.trans(k_dec), v, input_precision="ieee"
-        )
-
-    tl.store(state_ptrs, state, mask=state_mask)
+        # This chunk's state writes before the next chunk's reads (see above).
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -261,28 +431,53 @@ def _linear_attention_decode_kernel(
     o = tl.sum(state * q[:, None], axis=0) * scale
     tl.store(
         o_ptr + request * stride_ob + head * stride_oh + offs_v * stride_ov,
-        _round_bf16(o, EXACT_BF16).to(o_ptr.dtype.element_ty),
+        round_bf16(o, EXACT_BF16).to(o_ptr.dtype.element_ty),
         mask=v_valid,
     )
 
 
-# Under the interpreter bfloat16 outputs are rounded by hand (see _round_bf16).
+# Under the interpreter bfloat16 outputs are rounded by hand (see round_bf16) and 16-bit
+# dots are widened to float32 (see _dot16).
 _INTERPRETED = isinstance(_chunk_linear_attention_kernel, InterpretedFunction)
 
 
 def _check_common(
     q: object, k: object, v: object, decay: object, scale: object, states: object, *, lead: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]:
-    q, k, v = _check_qkv(q, k, v, lead=lead)
+    q, k, v = check_qkv(q, k, v, lead=lead)
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q: expected dtype in {_SUPPORTED_DTYPES}, got {q.dtype}")
     if q.shape[2] > _MAX_KEY_DIM:
         raise ValueError(f"q: expected head dim K <= {_MAX_KEY_DIM}, got {q.shape[2]}")
-    decay = _check_decay_shape(decay, q)
+    decay = check_decay_shape(decay, q)
     return q, k, v, decay, check_scale(scale), check_states(states, q, v)
 
 
-def _blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
+def _chunk_config(
+    key_dim: int, value_dim: int, chunk_size: int, dtype: torch.dtype
+) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_K, BLOCK_V, BLOCK_C, BLOCK_J, num_warps)`` of the chunk kernel.
+
+    The chunk is padded to ``BLOCK_C = max(16, next_pow2(chunk_size))`` rows; the state
+    is walked in ``[BLOCK_K, BLOCK_V]`` tiles and the chunk's tokens in blocks of
+    ``BLOCK_J`` wherever they are the reduction dimension of a dot, so registers and
+    shared memory depend on these tiles, never on ``K``, ``V`` or ``chunk_size`` beyond
+    ``BLOCK_C``. The widest register tensors left are the ``[BLOCK_C, BLOCK_V]`` output
+    and the ``[BLOCK_C, BLOCK_J]`` scores, hence 8 warps from 64 rows. float32 inputs
+    use FMA dots whose operands sit in registers: smaller tiles.
+    """
+    block_c = max(16, triton.next_power_of_2(chunk_size))
+    if dtype == torch.float32:
+        k_cap, v_cap, j_cap = _FP32_TILES
+    else:
+        k_cap, v_cap, j_cap = _DOT16_TILES
+    block_k = max(16, min(triton.next_power_of_2(key_dim), k_cap))
+    block_v = max(16, min(triton.next_power_of_2(value_dim), v_cap))
+    block_j = min(block_c, j_cap)
+    return block_k, block_v, block_c, block_j, 8 if block_c >= 64 else 4
+
+
+def _decode_blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
     block_k = max(16, triton.next_power_of_2(key_dim))
     # The [BLOCK_K, BLOCK_V] float32 state slice lives in registers: narrower value
     # tiles for wide keys.
@@ -314,20 +509,22 @@ def chunk_linear_attention_varlen(
     ``q``, ``k``, ``v`` or ``states``.
     """
     q, k, v, decay, scale, states = _check_common(q, k, v, decay, scale, states, lead="T")
-    chunk_size = _check_chunk_size(chunk_size, maximum=_MAX_CHUNK_SIZE)
+    chunk_size = check_chunk_size(chunk_size, maximum=_MAX_CHUNK_SIZE)
     qsl, si, his = check_varlen_tensors(
         query_start_loc, state_indices, has_initial_state, device=q.device
     )
     batch = qsl.shape[0] - 1
     check_has_slots("states", states, batch)
-    o = _alloc_out(out, q, v, lead="T")
+    o = alloc_out(out, q, v, lead="T")
     check_distinct_output("out", o, {"q": q, "k": k, "v": v, "states": states})
 
     _, heads, key_dim = q.shape
     value_dim = v.shape[2]
     if batch == 0 or heads == 0:
         return o
-    block_k, block_v = _blocks(key_dim, value_dim)
+    block_k, block_v, block_c, block_j, num_warps = _chunk_config(
+        key_dim, value_dim, chunk_size, q.dtype
+    )
     grid = (batch, heads, triton.cdiv(value_dim, block_v))
     _chunk_linear_attention_kernel[grid](
         q_ptr=q,
@@ -365,11 +562,22 @@ def chunk_linear_attention_varlen(
         BLOCK_K=block_k,
         BLOCK_V=block_v,
         CHUNK=chunk_size,
-        BLOCK_C=max(16, triton.next_power_of_2(chunk_size)),
-        OUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_C=block_c,
+        BLOCK_J=block_j,
+        IEEE_FP32=q.dtype == torch.float32,
+        SPLIT_Q=q.dtype == torch.float16,
+        EMULATE_DOT16=_INTERPRETED,
         EXACT_BF16=_INTERPRETED and q.dtype == torch.bfloat16,
-        # q, k ([BLOCK_C, BLOCK_K]) and the state slice sit in registers together.
-        num_warps=8 if block_k >= 128 else 4,
+        num_warps=num_warps,
+        # No software pipelining: the loads it would issue early include state tiles
+        # that the previous iteration writes (see the kernel).
+        num_stages=1,
+        # An explicit register budget (.maxnreg): Triton runs ptxas with
+        # --regAllocOptLevel=2 (a workaround of its own), under which ptxas 13 for sm_100
+        # settles on 80 registers for the 128-row chunks and spills 12-24 bytes; with a
+        # budget it allocates without spilling. Not 255: given that, ptxas for sm_80
+        # takes up to 254 where about 170 suffice (see _MAX_REGISTERS).
+        maxnreg=_MAX_REGISTERS[q.dtype == torch.float32],
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset.
         enable_fp_fusion=True,
     )
@@ -397,12 +605,12 @@ def linear_attention_decode(
     batch, heads, key_dim = q.shape
     si = check_slot_tensor(state_indices, batch=batch, device=q.device)
     check_has_slots("states", states, batch)
-    o = _alloc_out(out, q, v, lead="B")
+    o = alloc_out(out, q, v, lead="B")
     check_distinct_output("out", o, {"q": q, "k": k, "v": v, "states": states})
     value_dim = v.shape[2]
     if batch == 0 or heads == 0:
         return o
-    block_k, block_v = _blocks(key_dim, value_dim)
+    block_k, block_v = _decode_blocks(key_dim, value_dim)
     grid = (batch, heads, triton.cdiv(value_dim, block_v))
     _linear_attention_decode_kernel[grid](
         q_ptr=q,

@@ -24,6 +24,9 @@ shorter than ``W-1`` tokens moves old entries within the slot. Tiles of one requ
 not spread over programs (the launcher knows no request lengths: it never reads
 ``query_start_loc`` back), so the parallelism of a long prefill is ``C / BLOCK_CH``
 programs per request.
+The taps are a loop rather than unrolled (unrolled, the loads of every tap are issued
+up front and registers grow with ``W``: 217-244 at ``W = 3, 4`` with 4 warps), and the
+``[BLOCK_T, BLOCK_CH]`` tile is spread over 8 warps: about 100-112 registers.
 
 :func:`short_conv_update` launches one program per (request, channel tile): it loads
 the ``W-1`` stored values and the new ``Bx``, writes ``y`` and shifts the slot by one.
@@ -42,8 +45,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors, flags_as_bytes
-from attnkit.kernels.torch.conv1d import _check_conv_params
-from attnkit.kernels.torch.short_conv import _check_gates, _check_out
+from attnkit.kernels.contracts.conv1d import check_conv_params
+from attnkit.kernels.contracts.short_conv import check_gates, check_out
+from attnkit.kernels.triton._rounding import round_bf16
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
@@ -52,26 +56,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_WIDTH = 32
 _BLOCK_T = 32
 _BLOCK_CH_VARLEN = 64
+# Warps of _short_conv_varlen_kernel: 8 elements of the [BLOCK_T, BLOCK_CH] tile each.
+_VARLEN_WARPS = 8
 _BLOCK_CH_UPDATE = 256
-
-
-@triton.jit
-def _round_bf16(x, ENABLE: tl.constexpr):
-    """Round float32 ``x`` to the nearest bfloat16 value (ties to even), kept as float32.
-
-    Only enabled under the Triton interpreter, whose float32 -> bfloat16 conversion
-    truncates instead of rounding to nearest; a following ``.to(tl.bfloat16)`` of the
-    rounded value is then exact (bfloat16 subnormals, below 1.2e-38, still flush to
-    zero there). Compiled kernels convert with the hardware's round-to-nearest.
-    """
-    if ENABLE:
-        bits = x.to(tl.uint32, bitcast=True)
-        sign = bits & 0x80000000
-        # Magnitude bits only, so the carry never overflows 32 bits (NaN kept below).
-        mag = bits & 0x7FFFFFFF
-        mag = (mag + 0x7FFF + ((mag >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, (sign | mag).to(tl.float32, bitcast=True))
-    return x
 
 
 @triton.jit
@@ -135,7 +122,7 @@ def _short_conv_varlen_kernel(
         t = t0 + rows  # positions within the request
         t_valid = t < length
         acc = tl.zeros([BLOCK_T, BLOCK_CH], dtype=tl.float32)
-        for tap in tl.static_range(WIDTH):
+        for tap in range(WIDTH):  # a loop on purpose: see the module doc
             p = t - (WIDTH - 1) + tap  # position of the input this tap reads
             tok = (start + p).to(tl.int64)
             in_mask = ((p >= 0) & t_valid)[:, None] & ch_valid[None, :]
@@ -149,7 +136,7 @@ def _short_conv_varlen_kernel(
                 mask=in_mask,
                 other=0.0,
             )
-            bx = _round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
+            bx = round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
             bx = bx.to(x_ptr.dtype.element_ty)
             hist_mask = ((p < 0) & (p >= -history) & t_valid)[:, None] & ch_valid[None, :]
             hv = tl.load(slot_ptr + (WIDTH - 1 + p)[:, None] * stride_sk, mask=hist_mask, other=0.0)
@@ -170,7 +157,7 @@ def _short_conv_varlen_kernel(
         )
         tl.store(
             out_ptr + tok[:, None] * stride_ot + offs_ch[None, :] * stride_oc,
-            _round_bf16(cv.to(tl.float32) * acc, EXACT_BF16).to(out_ptr.dtype.element_ty),
+            round_bf16(cv.to(tl.float32) * acc, EXACT_BF16).to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
 
@@ -188,7 +175,7 @@ def _short_conv_varlen_kernel(
         xv = tl.load(
             x_ptr + tok[:, None] * stride_xt + offs_ch[None, :] * stride_xc, mask=in_mask, other=0.0
         )
-        bx = _round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
+        bx = round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
         bx = bx.to(states_ptr.dtype.element_ty)
         hist_mask = ((p < 0) & (p >= -history) & j_valid)[:, None] & ch_valid[None, :]
         hv = tl.load(slot_ptr + (WIDTH - 1 + p)[:, None] * stride_sk, mask=hist_mask, other=0.0)
@@ -239,7 +226,7 @@ def _short_conv_update_kernel(
 
     bv = tl.load(b_ptr + request * stride_bb + offs_ch * stride_bc, mask=ch_valid, other=0.0)
     xv = tl.load(x_ptr + request * stride_xb + offs_ch * stride_xc, mask=ch_valid, other=0.0)
-    bx = _round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
+    bx = round_bf16(bv.to(tl.float32) * xv.to(tl.float32), EXACT_BF16)
     bx = bx.to(x_ptr.dtype.element_ty)
     w_last = tl.load(
         weight_ptr + offs_ch * stride_wc + (WIDTH - 1) * stride_wk, mask=ch_valid, other=0.0
@@ -275,7 +262,7 @@ def _short_conv_update_kernel(
     cv = tl.load(c_ptr + request * stride_cb + offs_ch * stride_cc, mask=ch_valid, other=0.0)
     tl.store(
         out_ptr + request * stride_ob + offs_ch * stride_oc,
-        _round_bf16(cv.to(tl.float32) * acc, EXACT_BF16).to(out_ptr.dtype.element_ty),
+        round_bf16(cv.to(tl.float32) * acc, EXACT_BF16).to(out_ptr.dtype.element_ty),
         mask=ch_valid,
     )
 
@@ -302,15 +289,15 @@ def _check_all(
     torch.Tensor,
     torch.Tensor,
 ]:
-    b, c, x = _check_gates(b, c, x, lead=lead)
+    b, c, x = check_gates(b, c, x, lead=lead)
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"x: expected dtype in {_SUPPORTED_DTYPES}, got {x.dtype}")
-    weight, bias, conv_states = _check_conv_params(x, weight, bias, conv_states, None)
+    weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, None)
     if weight.shape[1] > _MAX_WIDTH:
         raise ValueError(
             f"weight: expected kernel width W <= {_MAX_WIDTH}, got shape {list(weight.shape)}"
         )
-    out = _check_out(out, x, lead=lead) if out is not None else torch.empty_like(x)
+    out = check_out(out, x, lead=lead) if out is not None else torch.empty_like(x)
     return b, c, x, weight, bias, conv_states, out
 
 
@@ -393,7 +380,7 @@ def short_conv_varlen(
         BLOCK_CH=block_ch,
         HAS_BIAS=bias is not None,
         EXACT_BF16=_INTERPRETED and x.dtype == torch.bfloat16,
-        num_warps=4,
+        num_warps=_VARLEN_WARPS,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset.
         enable_fp_fusion=True,
     )
