@@ -325,6 +325,49 @@ def _grid(**axes: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
     return tuple(cases)
 
 
+# Cache dtypes triton_attn may declare -> the report's case names; a new declared cache
+# dtype fails loudly here until the report knows how to build its cache.
+KV_CASE = {"auto": "same", "fp8_e4m3": "fp8"}
+
+
+def representative_sizes(rule: tuple[Any, ...], cap: int = 256) -> tuple[int, ...]:
+    """Sizes that stand for a declared size rule: every exact size; for a range, each
+    power of two in it plus 96 and 192 (non-powers of two, padded in the kernels: the
+    masks of a partial tile), where they fall in the range; for ``MultipleOf(n)``, n,
+    2n and 4n up to ``cap``."""
+    from attnkit.capabilities import MultipleOf, SizeRange
+
+    sizes: set[int] = set()
+    for r in rule:
+        if isinstance(r, int):
+            sizes.add(r)
+        elif isinstance(r, SizeRange):
+            p = 1
+            while p <= r.high:
+                if p >= r.low:
+                    sizes.add(p)
+                p *= 2
+            sizes.update(x for x in (96, 192) if r.low <= x <= r.high)
+        elif isinstance(r, MultipleOf):
+            sizes.update(m for m in (r.n, 2 * r.n, 4 * r.n) if m <= cap)
+    return tuple(sorted(sizes))
+
+
+def declared_attention_grid(**axes: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
+    """Every combination triton_attn declares (model dtypes, cache dtypes, exact block
+    sizes, representative head sizes) times ``axes``: the ``--full`` attention set, read
+    from the backend so a newly declared size or dtype is compiled without editing
+    this file. Combinations the backend refuses on a target (fp8 below sm_89) are
+    reported as not declared there."""
+    from attnkit.backends.triton_attn import TritonAttentionBackend as backend
+
+    dtypes = tuple(name for name, dt in DT.items() if dt in backend.supported_dtypes)
+    kvs = tuple(KV_CASE[k] for k in sorted(backend.supported_kv_cache_dtypes))
+    blocks = tuple(b for b in backend.supported_block_sizes if isinstance(b, int))
+    heads = representative_sizes(backend.supported_head_sizes)
+    return _grid(head=heads, dtype=dtypes, kv=kvs, block=blocks, **axes)
+
+
 def _attn(**kw: Any) -> dict[str, Any]:
     return {"dtype": "fp16", "kv": "same", "block": 16, **kw}
 
@@ -340,26 +383,14 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=128, q_len=128, dtype="bf16", block=64),
             _attn(head=128, q_len=128, kv="fp8"),
         ),
-        full=_grid(
-            head=(64, 128, 256),
-            dtype=("fp16", "bf16"),
-            kv=("same", "fp8"),
-            block=(16, 64),
-            q_len=(1, 128),
-        ),
+        full=declared_attention_grid(q_len=(1, 128)),
     ),
     Family(
         "split_kv_decode",
         "paged_attention",
         run_split_kv,
         default=(_attn(head=128, splits=4), _attn(head=256, splits=4, kv="fp8")),
-        full=_grid(
-            head=(64, 128, 256),
-            dtype=("fp16", "bf16"),
-            kv=("same", "fp8"),
-            block=(16, 64),
-            splits=(4,),
-        ),
+        full=declared_attention_grid(splits=(4,)),
     ),
     Family(
         "merge_attn_states",
@@ -376,7 +407,7 @@ FAMILIES: tuple[Family, ...] = (
             {"dtype": "fp16", "kv": "same", "block": 16, "head": 128},
             {"dtype": "bf16", "kv": "fp8", "block": 16, "head": 128},
         ),
-        full=_grid(dtype=("fp16", "bf16"), kv=("same", "fp8"), block=(16, 64), head=(64, 128, 256)),
+        full=declared_attention_grid(),
     ),
     Family(
         "conv1d",
@@ -443,9 +474,9 @@ FAMILIES: tuple[Family, ...] = (
         ),
         full=_grid(
             mode=("varlen", "update"),
-            dtype=("fp16", "bf16"),
+            dtype=("fp16", "bf16", "fp32"),
             key=(64, 128, 256),
-            value=(128,),
+            value=(128, 256),
             chunk=(32, 64, 128),
             tokens=(128,),
         ),

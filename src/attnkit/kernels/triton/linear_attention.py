@@ -99,6 +99,10 @@ from attnkit.kernels.triton._rounding import round_bf16
 
 __all__ = ["chunk_linear_attention_varlen", "linear_attention_decode"]
 
+# Kernels whose work is matrix products: with 16-bit inputs they must run on tensor
+# cores (benchmarks/compile_report.py fails a 16-bit variant without MMA instructions).
+TENSOR_CORE_KERNELS = ("_chunk_linear_attention_kernel",)
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_KEY_DIM = 256
 _MAX_CHUNK_SIZE = 128

@@ -125,6 +125,10 @@ __all__ = [
     "split_kv_workspace",
 ]
 
+# Kernels whose work is matrix products (q k^T, p v): with 16-bit inputs they must run on tensor
+# cores (benchmarks/compile_report.py fails a 16-bit variant without MMA instructions).
+TENSOR_CORE_KERNELS = ("_unified_attention_kernel", "_split_kv_partial_kernel")
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Query (and output) dtypes; the cache has the query dtype or :data:`FP8_DTYPE`."""
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
