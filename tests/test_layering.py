@@ -193,3 +193,60 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
 )
 def test_cycle_finder(graph: dict[str, set[str]], cycle: list[str] | None) -> None:
     assert _cycle(graph) == cycle
+
+
+# --------------------------------------------------------------------------- kernels
+
+KERNEL_TREES = ("attnkit.kernels.torch", "attnkit.kernels.triton")
+"""The oracles and the Triton kernels: neither tree imports the other. What both need
+(an op's argument checks) lives in ``attnkit.kernels.contracts.<op>`` or the shared
+``attnkit.kernels._checks`` / ``_state_common``."""
+
+
+def _tree(module: str) -> str | None:
+    return next((t for t in KERNEL_TREES if module == t or module.startswith(t + ".")), None)
+
+
+def kernel_import_problems(module: str, path: Path, is_package: bool) -> list[str]:
+    """Imports of ``module`` (a kernel module) that break the per-op organisation: an
+    import across the torch and Triton trees, or of a private (``_``-prefixed) name
+    from another module."""
+    problems: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        targets = [t for t in dict.fromkeys(_targets(module, is_package, node)) if t != module]
+        for target in targets:
+            mine, theirs = _tree(module), _tree(target)
+            if mine and theirs and mine != theirs:
+                problems.append(f"{module} imports {target} (across the torch/triton trees)")
+        private = [a.name for a in node.names if a.name.startswith("_")]
+        if isinstance(node, ast.ImportFrom) and private and targets:
+            problems.append(f"{module} imports private {', '.join(private)} from {targets[0]}")
+    return problems
+
+
+def test_kernels_are_organised_by_op() -> None:
+    problems = [
+        problem
+        for module, (path, is_package) in MODULES.items()
+        if module.startswith("attnkit.kernels")
+        for problem in kernel_import_problems(module, path, is_package)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kernel_rule_sees_cross_tree_and_private_imports(tmp_path: Path) -> None:
+    path = tmp_path / "k.py"
+    path.write_text(
+        "from attnkit.kernels.torch.mamba2 import ssd_chunked_varlen\n"
+        "from attnkit.kernels.contracts.mamba2 import _hidden, check_ssm_inputs\n"
+        "from attnkit.kernels._checks import describe\n"
+    )
+    problems = kernel_import_problems("attnkit.kernels.triton.fake", path, False)
+    assert problems == [
+        "attnkit.kernels.triton.fake imports attnkit.kernels.torch.mamba2 "
+        "(across the torch/triton trees)",
+        "attnkit.kernels.triton.fake imports private _hidden from "
+        "attnkit.kernels.contracts.mamba2",
+    ]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.kernels.torch.merge import check_merge_inputs
+from attnkit.kernels.contracts.merge import check_merge_inputs
 
 __all__ = ["merge_attn_states"]
 
