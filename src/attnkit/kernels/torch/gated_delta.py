@@ -80,7 +80,6 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError
 from attnkit.kernels._state_common import (
     check_float,
     check_scale,
@@ -89,6 +88,7 @@ from attnkit.kernels._state_common import (
     check_states,
     check_tensor,
 )
+from attnkit.kernels.contracts.gated_delta import alloc_out, check_chunk_size, check_gdn_inputs
 
 __all__ = [
     "chunk_gated_delta_rule_varlen",
@@ -103,51 +103,6 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     layers prepare q and k before the delta rule (the kernels take them as given)."""
     xf = x.float()
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
-
-
-# ----------------------------------------------------------------------------------
-# Validation (the Triton launchers share these: none reads a device value)
-# ----------------------------------------------------------------------------------
-
-
-def _check_gdn_inputs(
-    q: object, k: object, v: object, g: object, beta: object, *, lead: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Validate the operands; ``lead`` names the first dim (``T``/``B``/``L``)."""
-    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
-    n_lead, heads, key_dim = q.shape
-    dev = q.device
-    k = check_tensor("k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=dev)
-    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=dev)
-    g = check_tensor("g", g, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
-    beta = check_tensor("beta", beta, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_float(name, t)
-    return q, k, v, g, beta
-
-
-def _check_out(out: object, v: Tensor, lead: str) -> Tensor:
-    out = check_tensor("out", out, layout=f"[{lead}, H, V]", shape=tuple(v.shape), device=v.device)
-    if out.dtype != v.dtype:
-        raise ValueError(f"out: expected dtype {v.dtype} (the dtype of v), got {out.dtype}")
-    return out
-
-
-def _alloc_out(out: object, v: Tensor, lead: str) -> Tensor:
-    """``out`` checked by :func:`_check_out`, or a new tensor like ``v`` when None."""
-    return torch.empty_like(v) if out is None else _check_out(out, v, lead)
-
-
-def _check_chunk_size(chunk_size: object, allowed: tuple[int, ...] | None = None) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise KernelTypeError(
-            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
-    if allowed is not None and chunk_size not in allowed:
-        raise ValueError(f"chunk_size: expected one of {allowed}, got {chunk_size}")
-    return chunk_size
 
 
 # ----------------------------------------------------------------------------------
@@ -257,7 +212,7 @@ def gated_delta_rule_recurrent_reference(
         ``(o, final_state)``: ``o`` ``[L, H, V]`` in the dtype of ``v`` and the state
         after the last token, ``[H, K, V]`` float32.
     """
-    q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="L")
+    q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="L")
     scale = check_scale(scale)
     length, heads, key_dim = k.shape
     value_dim = v.shape[2]
@@ -317,10 +272,10 @@ def chunk_gated_delta_rule_varlen(
     Returns:
         ``o`` ``[T, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
-    q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="T")
+    q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="T")
     scale = check_scale(scale)
     states = check_states(states, k, v)
-    chunk_size = _check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(chunk_size)
     offsets, slots, flags = check_state_lists(
         query_start_loc,
         state_indices,
@@ -329,7 +284,7 @@ def chunk_gated_delta_rule_varlen(
         num_slots=states.shape[0],
         device=q.device,
     )
-    o = _alloc_out(out, v, "T")
+    o = alloc_out(out, v, "T")
 
     q32, k32, v32, g32, b32 = q.float(), k.float(), v.float(), g.float(), beta.float()
     for start, end, slot, has_init in zip(offsets[:-1], offsets[1:], slots, flags, strict=True):
@@ -375,11 +330,11 @@ def fused_recurrent_gated_delta_rule_update(
     Returns:
         ``o`` ``[B, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
-    q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead="B")
+    q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="B")
     scale = check_scale(scale)
     states = check_states(states, k, v)
     check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
-    o = _alloc_out(out, v, "B")
+    o = alloc_out(out, v, "B")
     idx = state_indices.long()
     q32, k32 = q.float(), k.float()
     state = torch.exp(g.float())[..., None, None] * states[idx]  # [B, H, K, V]

@@ -5,54 +5,95 @@ of the torch oracle :mod:`attnkit.kernels.torch.gated_delta` (read its module do
 the math is from S. Yang, J. Kautz and A. Hatamizadeh, "Gated Delta Networks: Improving
 Mamba2 with Delta Rule", ICLR 2025, arXiv:2412.06464, and S. Yang et al.,
 "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS
-2024, arXiv:2406.06484). The launchers here have the same names and signatures.
+2024, arXiv:2406.06484). The launchers here have the same names and signatures; the
+operand checks are the shared contract :mod:`attnkit.kernels.contracts.gated_delta`.
 
 Shapes: ``T`` tokens, ``B`` requests, ``H`` heads, ``K`` key dim (``<= 256``), ``V`` value
-dim, ``S`` cache slots. ``q``/``k`` ``[*, H, K]``, ``v``/``out`` ``[*, H, V]``,
-``g``/``beta`` ``[*, H]`` (float32, float16 or bfloat16, any strides; ``q`` and ``k``
-already L2-normalised by the model), ``states`` float32 ``[S, H, K, V]`` with any strides
-(a view into a larger page is fine). Everything is computed in float32; the output has
-the dtype of ``v``.
+dim, ``S`` cache slots, ``C`` the chunk size (16, 32 or 64). ``q``/``k`` ``[*, H, K]``,
+``v``/``out`` ``[*, H, V]``, ``g``/``beta`` ``[*, H]`` (float32, float16 or bfloat16, any
+strides; ``q`` and ``k`` already L2-normalised by the model), ``states`` float32
+``[S, H, K, V]`` with any strides (a view into a larger page is fine). The output has the
+dtype of ``v``.
 
-Kernel design
--------------
-The columns of a head's ``[K, V]`` state evolve independently (the update reads
-``S^T k`` column by column), so each program owns one request, one head and one block of
-``BLOCK_V`` value columns: grid ``B x H x cdiv(V, BLOCK_V)``. It keeps its
-``[K, BLOCK_V]`` float32 state slice in registers for the whole request.
+Chunked prefill: three launches
+-------------------------------
+Chunks start at each request's first token. ``cu_chunks`` (int32 ``[B+1]``, the
+cumulative chunk counts, computed on the device by
+:func:`attnkit.kernels.triton.mamba2.ssd_chunk_offsets`) numbers the chunks of the whole
+batch; a chunk program finds its request by binary search over it
+(:func:`attnkit.kernels.triton._varlen.find_segment`). Grids are sized from shapes only:
+a batch of ``T`` tokens in ``B`` requests has at most
+``NC = min(T, (T + B (C - 1)) // C)`` chunks, and programs past the real count exit.
+The launcher allocates the float32 / compute-dtype workspaces with ``torch.empty``
+(no host read of a device value, so a launch can be captured in a CUDA graph).
 
-``chunk_gated_delta_rule_varlen`` walks the request's chunks *sequentially* inside the
-program (chunks start at the request's first token). Per chunk, with ``C`` rows:
+1. ``_gdn_chunk_prep_kernel``, grid ``NC x H``, every chunk in parallel. With padding
+   rows past the request's end reading ``g = beta = 0`` and zero vectors (they change
+   nothing): ``G = cumsum(g)`` (stored), ``A = beta_i exp(G_i - G_j) (k_i . k_j)``
+   strictly below the diagonal (``k k^T`` accumulated over ``K`` tiles of at most 64),
+   ``Tm = (I + A)^-1`` by forward substitution in float32 (``C - 1`` dependent row
+   updates of a ``[C, C]`` tile), then ``W = Tm diag(beta exp(G)) K`` (per ``K`` tile,
+   stored in the compute dtype) and ``U = Tm diag(beta) V`` (per value tile, stored in
+   float32: it is only ever subtracted from).
+2. ``_gdn_state_pass_kernel``, grid ``B x H x cdiv(V, BLOCK_V)``, sequential over the
+   request's chunks: ``D = U - W S``; the entering state ``S`` (compute dtype) and ``D``
+   go to workspaces; ``S <- exp(G_last) S + (diag(exp(G_last - G)) K)^T D``. The
+   program's float32 state slice ``[K, BLOCK_V]`` is held as up to four ``[64, BLOCK_V]``
+   register tiles (one per ``K`` tile), with ``K * BLOCK_V <= 4096`` (``BLOCK_V`` 64, 32
+   and 16 for ``K`` up to 64, 128 and 256) and no software pipelining (``num_stages=1``:
+   each chunk waits for the previous state anyway), so nothing spills and the shared
+   memory stays near 16 KB.
+   The slot is read only when ``has_initial_state`` is set (a slot without one may hold
+   NaN garbage: the load is masked off, never multiplied by zero); the final state goes
+   back to the slot, and a zero-length request stores its initial state.
+3. ``_gdn_chunk_output_kernel``, grid ``NC x H x cdiv(V, BLOCK_V)``, every chunk in
+   parallel: ``O = scale (diag(exp(G)) Q S_entry + (Q K^T * M) D)`` with
+   ``M_ij = exp(G_i - G_j) [j <= i]``, ``Q K^T`` and ``Q S_entry`` accumulated over
+   ``K`` tiles.
 
-1. load ``q``, ``k`` ``[C, K]``, ``v`` ``[C, BLOCK_V]``, ``g``, ``beta``; padding rows past
-   the request's end read ``g = beta = 0`` and zero vectors, so they change nothing;
-2. ``G = cumsum(g)``, the decay mask ``exp(G_i - G_j)`` (``j <= i``) and the strictly
-   lower ``A = beta_i exp(G_i - G_j) (k_i . k_j)`` from one ``k k^T`` dot;
-3. ``Tm = (I + A)^-1`` by forward substitution, one row per step (``C - 1`` dependent
-   steps of ``O(C^2)`` vector work); then ``U = Tm (beta v)`` and
-   ``W = Tm (beta exp(G) k)`` as dots;
-4. ``D = U - W S``, ``O = scale (exp(G) q S + (q k^T * mask) D)``, and
-   ``S <- exp(G_last) S + (exp(G_last - G) k)^T D``: all dots.
+Only the state pass is sequential, and it does two small dots per chunk; everything
+with ``O(C^2)`` or ``O(C K V)`` work per chunk runs over all chunks of the batch at once.
 
-Trade-off: one program per (request, head, value block) needs no second pass, no
-inter-chunk state buffer in memory and no extra launches, and every state is read once
-and written once. The price is parallelism: a long request's chunks run one after
-another in a single program, so a batch with few requests and heads leaves most of a
-GPU idle, and the forward substitution is ``C`` short dependent steps per chunk. A
-production kernel splits this into several launches (per-chunk ``U``/``W`` in parallel
-over all chunks, a light sequential state pass, then per-chunk outputs in parallel) and
-inverts ``I + A`` blockwise; this one favours simplicity. The value-block split also
-recomputes ``Tm``, ``U``'s left factor and ``W`` once per value block (cheap next to the
-state work for ``BLOCK_V = 64``). Dots run in IEEE float32 (no TF32): the chunked form
-subtracts ``W S`` from ``U``, and TF32 rounding there would be visible at float32
-tolerances; 16-bit inputs are widened to float32 on load.
+Precision (tensor cores)
+------------------------
+When ``q``, ``k`` and ``v`` share a 16-bit dtype, every ``tl.dot`` takes operands
+explicitly cast to that dtype (``k``, ``Tm``, ``beta exp(G) k``, ``beta v``, ``W``, the
+state ``S``, ``D``, ``exp(G_last - G) k``, ``q``, the masked scores) and accumulates in
+float32, so all three kernels run on tensor cores (HMMA / HGMMA). The state, the
+decays, ``U``, ``D = U - W S`` and the forward substitution stay float32. Otherwise
+(float32 or mixed input dtypes) the dots take float32 operands in IEEE mode (no TF32:
+it would be visible at float32 tolerances, and the interpreter cannot test it).
 
-``fused_recurrent_gated_delta_rule_update`` is one step of the definition per program,
-with elementwise ops and row/column reductions (no dots).
+Measured under the interpreter (which honours the casts; bfloat16 operands are rounded
+to nearest-even by hand there, see ``_as_dot_operand``) against the float32
+token-by-token definition of the same (16-bit) inputs, with q, k L2-normalised,
+``beta = sigmoid(N(0, 1))``, ``g = logsigmoid(1.5 N(0, 1) + 2)``, ``v ~ N(0, 1)``, initial
+states ``~ N(0, 1)``, ``H = 2``, ``K = V = 128``, requests of 256, 37 and 1 tokens (the
+last two without an initial state, over NaN slots); max abs errors, outputs up to 0.23
+in magnitude and states O(1):
+
+==========  =====  =======  ============
+dtype       C      output   final state
+==========  =====  =======  ============
+bfloat16    16     1.1e-3   2.3e-3
+bfloat16    64     1.1e-3   2.5e-3
+float16     16     8.3e-5   2.9e-4
+float16     64     8.3e-5   2.7e-4
+==========  =====  =======  ============
+
+With ``K = V = 64``, ``C = 16`` and requests of 512 (32 chunks), 37, 200 and 1 tokens,
+bfloat16 gives 1.1e-3 / 3.2e-3: no marked growth with the number of chunks (each step
+of the state update is a contraction for ``beta`` in ``(0, 1)``, ``g <= 0``, unit ``k``).
+These are within the project's tolerances (``attnkit.testing.tolerances``: bf16 2.5e-2,
+fp16 4e-3), so 16-bit inputs always take the tensor-core path.
+
+``fused_recurrent_gated_delta_rule_update`` (decode) is one step of the definition per
+program, ``B x H x cdiv(V, BLOCK_V)``, with elementwise ops and row/column reductions (no
+matrix products).
 
 No launcher reads a device value back to the host: index tensors are checked for
 dtype, shape and device only, and their values must satisfy the oracle's conventions
-(offsets non-decreasing from 0 to ``T``; slots distinct and in ``[0, S)``).
+(offsets non-decreasing from 0 to at most ``T``; slots distinct and in ``[0, S)``).
 """
 
 from __future__ import annotations
@@ -60,6 +101,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from attnkit.kernels._checks import check_distinct_output, check_has_slots
 from attnkit.kernels._state_common import (
@@ -69,34 +111,160 @@ from attnkit.kernels._state_common import (
     check_varlen_tensors,
     flags_as_bytes,
 )
-from attnkit.kernels.torch.gated_delta import _alloc_out, _check_chunk_size, _check_gdn_inputs
+from attnkit.kernels.contracts.gated_delta import alloc_out, check_chunk_size, check_gdn_inputs
+from attnkit.kernels.triton._varlen import find_segment, search_iters
+from attnkit.kernels.triton.mamba2 import ssd_chunk_offsets
 
 __all__ = ["chunk_gated_delta_rule_varlen", "fused_recurrent_gated_delta_rule_update"]
 
+# Kernels whose work is matrix products: with 16-bit inputs they must run on tensor
+# cores (benchmarks/compile_report.py checks it). The decode kernel has no dots.
+TENSOR_CORE_KERNELS = (
+    "_gdn_chunk_prep_kernel",
+    "_gdn_state_pass_kernel",
+    "_gdn_chunk_output_kernel",
+)
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 # tl.dot needs every extent >= 16, so the chunk is one of these; the torch oracle
 # accepts any chunk size >= 1.
 _SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 _MAX_KEY_DIM = 256
 _MIN_DOT_DIM = 16
+_MAX_BLOCK_K = 64  # K tile of every kernel: at most 4 tiles for K <= 256
+_MAX_BLOCK_V = 64
+_MAX_STATE_TILE = 4096  # float32 elements of a state-pass program's state slice
+
+
+# ----------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------
 
 
 @triton.jit
-def _chunk_gated_delta_kernel(
-    q_ptr,
+def _chunk_bounds(qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK):
+    """Token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""
+    request = find_segment(cu_ptr, 1, num_requests, chunk, num_search_iters)
+    first = tl.load(cu_ptr + request)
+    start = tl.load(qsl_ptr + request * stride_qsl) + (chunk - first) * CHUNK
+    end = tl.minimum(start + CHUNK, tl.load(qsl_ptr + (request + 1) * stride_qsl))
+    return start, end
+
+
+@triton.jit
+def _load_rows(base, token, stride_t, dims, stride_d, row_valid, num_dims):
+    """``[rows, dims]`` tile of a ``[T, *]`` operand (zeros past either bound), float32."""
+    mask = row_valid[:, None] & (dims < num_dims)[None, :]
+    ptrs = base + token[:, None] * stride_t + dims[None, :] * stride_d
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _as_dot_operand(x, dot_dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``x`` (float32) as a ``tl.dot`` operand of the compute dtype.
+
+    ``ROUND_BF16`` (interpreter only): the interpreter's ``tl.dot`` multiplies bfloat16
+    tensors as raw 16-bit integers, so there the operand stays float32 but is rounded to
+    the nearest bfloat16 (ties to even) by hand: the same values a bfloat16 dot with
+    float32 accumulation multiplies on a GPU.
+    """
+    if ROUND_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dot_dtype)
+
+
+@triton.jit
+def _load_init_tile(
+    state_base, stride_sk, stride_sv, k_tile, dims_v, v_valid, rows_to_read, BLOCK_K: tl.constexpr
+):
+    """Rows ``k_tile * BLOCK_K + [0, BLOCK_K)`` of a slot's state; rows at or past
+    ``rows_to_read`` (all of them without an initial state) read 0, never memory."""
+    dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    ptrs = state_base + dims_k[:, None] * stride_sk + dims_v[None, :] * stride_sv
+    return tl.load(ptrs, mask=(dims_k[:, None] < rows_to_read) & v_valid[None, :], other=0.0)
+
+
+@triton.jit
+def _store_state_tile(
+    state_base, stride_sk, stride_sv, k_tile, dims_v, v_valid, tile, key_dim, BLOCK_K: tl.constexpr
+):
+    dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    ptrs = state_base + dims_k[:, None] * stride_sk + dims_v[None, :] * stride_sv
+    tl.store(
+        ptrs, tile.to(ptrs.dtype.element_ty), mask=(dims_k < key_dim)[:, None] & v_valid[None, :]
+    )
+
+
+@triton.jit
+def _w_times_state(
+    w_base,
+    stride_wr,
+    rows,
+    k_tile,
+    state_tile,
+    key_dim,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """``W[:, tile] @ S[tile, :]``: ``W`` is stored in the compute dtype."""
+    dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.load(
+        w_base + rows[:, None] * stride_wr + dims_k[None, :],
+        mask=(dims_k < key_dim)[None, :],
+        other=0.0,
+    )
+    return tl.dot(
+        w, _as_dot_operand(state_tile, w.dtype, ROUND_BF16), input_precision=DOT_PRECISION
+    )
+
+
+@triton.jit
+def _advance_state_tile(
+    state_tile,
+    k_base,
+    token,
+    stride_kt,
+    stride_kk,
+    row_valid,
+    k_tile,
+    key_dim,
+    to_end,
+    total,
+    delta,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """``exp(G_last) S[tile] + (diag(exp(G_last - G)) K[:, tile])^T D``."""
+    dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    k = _load_rows(k_base, token, stride_kt, dims_k, stride_kk, row_valid, key_dim)
+    k_to_end = _as_dot_operand(k * to_end[:, None], delta.dtype, ROUND_BF16)
+    return total * state_tile + tl.dot(tl.trans(k_to_end), delta, input_precision=DOT_PRECISION)
+
+
+# ----------------------------------------------------------------------------------
+# Chunked prefill kernels
+# ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gdn_chunk_prep_kernel(
     k_ptr,
     v_ptr,
     g_ptr,
     beta_ptr,
-    out_ptr,
-    states_ptr,
-    query_start_loc_ptr,
-    state_indices_ptr,
-    has_initial_state_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_qk,
+    qsl_ptr,
+    cu_ptr,
+    cum_ptr,
+    w_ptr,
+    u_ptr,
+    num_requests,
+    num_search_iters,
     stride_kt,
     stride_kh,
     stride_kk,
@@ -107,9 +275,120 @@ def _chunk_gated_delta_kernel(
     stride_gh,
     stride_bt,
     stride_bh,
-    stride_ot,
-    stride_oh,
-    stride_ov,
+    stride_qsl,
+    stride_cum_c,
+    stride_cum_h,
+    stride_w_c,
+    stride_w_h,
+    stride_w_r,
+    stride_u_c,
+    stride_u_h,
+    stride_u_r,
+    KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Per chunk: cumulative gates, ``Tm = (I + A)^-1``, ``W`` and ``U`` (step 1)."""
+    tl.static_assert(CHUNK >= 16)
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_V >= 16)
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    if chunk >= tl.load(cu_ptr + num_requests):
+        return
+    start, end = _chunk_bounds(
+        qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK
+    )
+    dot_dtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, CHUNK)
+    token = start + rows
+    row_valid = token < end
+    token = token.to(tl.int64)
+    k_base = k_ptr + head * stride_kh
+    v_base = v_ptr + head * stride_vh
+    ws = chunk.to(tl.int64)
+
+    kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for k_tile in range(NUM_K_TILES):
+        dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        k = _load_rows(k_base, token, stride_kt, dims_k, stride_kk, row_valid, KEY_DIM)
+        k = _as_dot_operand(k, dot_dtype, ROUND_BF16)
+        kk += tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
+
+    g = tl.load(g_ptr + token * stride_gt + head * stride_gh, mask=row_valid, other=0.0)
+    beta = tl.load(beta_ptr + token * stride_bt + head * stride_bh, mask=row_valid, other=0.0)
+    g = g.to(tl.float32)
+    beta = beta.to(tl.float32)
+    cum = tl.cumsum(g, 0)
+    tl.store(cum_ptr + ws * stride_cum_c + head * stride_cum_h + rows, cum)
+
+    # Above the diagonal G_i - G_j is positive (and could overflow): select -inf there
+    # before exp, never multiply by a mask.
+    causal = rows[:, None] >= rows[None, :]
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+    a = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * decay, 0.0)
+    # Tm = (I + A)^-1, A strictly lower triangular: row i of Tm is e_i - sum_{j<i} A_ij
+    # Tm_j. Rows j >= i are still e_j when row i is built and A_ij = 0 there, so the
+    # sum may run over every j.
+    t_inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, CHUNK):
+        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)  # A[i, :]
+        update = tl.sum(a_row[:, None] * t_inv, 0)  # sum_j A_ij Tm[j, :]
+        t_inv = tl.where(rows[:, None] == i, t_inv - update[None, :], t_inv)
+    t_dot = _as_dot_operand(t_inv, dot_dtype, ROUND_BF16)
+
+    k_scale = beta * tl.exp(cum)
+    w_base = w_ptr + ws * stride_w_c + head * stride_w_h
+    for k_tile in range(NUM_K_TILES):
+        dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        k = _load_rows(k_base, token, stride_kt, dims_k, stride_kk, row_valid, KEY_DIM)
+        w = tl.dot(
+            t_dot,
+            _as_dot_operand(k * k_scale[:, None], dot_dtype, ROUND_BF16),
+            input_precision=DOT_PRECISION,
+        )
+        tl.store(
+            w_base + rows[:, None] * stride_w_r + dims_k[None, :],
+            _as_dot_operand(w, dot_dtype, ROUND_BF16),
+            mask=(dims_k < KEY_DIM)[None, :],
+        )
+    u_base = u_ptr + ws * stride_u_c + head * stride_u_h
+    for v_start in range(0, VALUE_DIM, BLOCK_V):
+        dims_v = v_start + tl.arange(0, BLOCK_V)
+        v = _load_rows(v_base, token, stride_vt, dims_v, stride_vv, row_valid, VALUE_DIM)
+        u = tl.dot(
+            t_dot,
+            _as_dot_operand(v * beta[:, None], dot_dtype, ROUND_BF16),
+            input_precision=DOT_PRECISION,
+        )
+        tl.store(
+            u_base + rows[:, None] * stride_u_r + dims_v[None, :],
+            u,
+            mask=(dims_v < VALUE_DIM)[None, :],
+        )
+
+
+@triton.jit
+def _gdn_state_pass_kernel(
+    k_ptr,
+    states_ptr,
+    qsl_ptr,
+    cu_ptr,
+    state_indices_ptr,
+    has_initial_state_ptr,
+    cum_ptr,
+    w_ptr,
+    u_ptr,
+    h_ptr,
+    d_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kk,
     stride_ss,
     stride_sh,
     stride_sk,
@@ -117,113 +396,346 @@ def _chunk_gated_delta_kernel(
     stride_qsl,
     stride_si,
     stride_his,
+    stride_cum_c,
+    stride_cum_h,
+    stride_w_c,
+    stride_w_h,
+    stride_w_r,
+    stride_u_c,
+    stride_u_h,
+    stride_u_r,
+    stride_h_c,
+    stride_h_h,
+    stride_h_k,
+    stride_d_c,
+    stride_d_h,
+    stride_d_r,
     KEY_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr,
-    KEY_PAD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
-    tl.static_assert(KEY_PAD >= KEY_DIM)
-    tl.static_assert(CHUNK >= 16)
-    tl.static_assert(KEY_PAD >= 16)
-    tl.static_assert(BLOCK_V >= 16)
+    """Per (request, head, value block), sequential over the request's chunks (step 2)."""
+    tl.static_assert(NUM_K_TILES == 1 or NUM_K_TILES == 2 or NUM_K_TILES == 4)
     request = tl.program_id(0)
     head = tl.program_id(1)
     v_block = tl.program_id(2)
-
-    start = tl.load(query_start_loc_ptr + request * stride_qsl)
-    end = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl)
+    first_chunk = tl.load(cu_ptr + request)
+    last_chunk = tl.load(cu_ptr + request + 1)
+    start = tl.load(qsl_ptr + request * stride_qsl)
+    end = tl.load(qsl_ptr + (request + 1) * stride_qsl)
     # int64 before multiplying by strides: S * H * K * V may exceed 2**31 elements.
     slot = tl.load(state_indices_ptr + request * stride_si).to(tl.int64)
     has_init = tl.load(has_initial_state_ptr + request * stride_his) != 0
+    dot_dtype = w_ptr.dtype.element_ty
 
-    dims_k = tl.arange(0, KEY_PAD)
-    k_valid = dims_k < KEY_DIM
     dims_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     v_valid = dims_v < VALUE_DIM
-    state_mask = k_valid[:, None] & v_valid[None, :]
-    state_ptrs = (
-        states_ptr
-        + slot * stride_ss
-        + head * stride_sh
-        + dims_k[:, None] * stride_sk
-        + dims_v[None, :] * stride_sv
-    )
+    rows = tl.arange(0, CHUNK)
+    state_base = states_ptr + slot * stride_ss + head * stride_sh
+    k_base = k_ptr + head * stride_kh
     # Without an initial state the slot is never read (it may hold garbage, even NaN):
     # no key row is in range then. (A bound rather than ``mask & has_init``: the
     # interpreter rejects a mask built from a scalar bool.)
     rows_to_read = tl.where(has_init, KEY_DIM, 0)
-    init_mask = (dims_k[:, None] < rows_to_read) & v_valid[None, :]
-    state = tl.load(state_ptrs, mask=init_mask, other=0.0)
+    s0 = _load_init_tile(
+        state_base, stride_sk, stride_sv, 0, dims_v, v_valid, rows_to_read, BLOCK_K
+    )
+    s1 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    s3 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if NUM_K_TILES >= 2:
+        s1 = _load_init_tile(
+            state_base, stride_sk, stride_sv, 1, dims_v, v_valid, rows_to_read, BLOCK_K
+        )
+    if NUM_K_TILES >= 4:
+        s2 = _load_init_tile(
+            state_base, stride_sk, stride_sv, 2, dims_v, v_valid, rows_to_read, BLOCK_K
+        )
+        s3 = _load_init_tile(
+            state_base, stride_sk, stride_sv, 3, dims_v, v_valid, rows_to_read, BLOCK_K
+        )
 
-    rows = tl.arange(0, CHUNK)
-    causal = rows[:, None] >= rows[None, :]
-    strictly_lower = rows[:, None] > rows[None, :]
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for chunk_start in range(start, end, CHUNK):
-        token = chunk_start + rows
+    # The loop counter is a chunk of this request; the workspace row is int64 (a
+    # batch's NC * H * K * V may exceed 2**31 elements).
+    first_ws = first_chunk.to(tl.int64)
+    for i in range(0, last_chunk - first_chunk):
+        ws = first_ws + i
+        token = start + i * CHUNK + rows
         row_valid = token < end
         token = token.to(tl.int64)
-        qk_mask = row_valid[:, None] & k_valid[None, :]
-        v_mask = row_valid[:, None] & v_valid[None, :]
-        q = tl.load(
-            q_ptr + token[:, None] * stride_qt + head * stride_qh + dims_k[None, :] * stride_qk,
-            mask=qk_mask,
+        w_base = w_ptr + ws * stride_w_c + head * stride_w_h
+        h_base = h_ptr + ws * stride_h_c + head * stride_h_h
+
+        # D = U - W S with the entering state, which is also what step 3 reads.
+        u = tl.load(
+            u_ptr
+            + ws * stride_u_c
+            + head * stride_u_h
+            + rows[:, None] * stride_u_r
+            + dims_v[None, :],
+            mask=v_valid[None, :],
             other=0.0,
-        ).to(tl.float32)
-        k = tl.load(
-            k_ptr + token[:, None] * stride_kt + head * stride_kh + dims_k[None, :] * stride_kk,
-            mask=qk_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_ptr + token[:, None] * stride_vt + head * stride_vh + dims_v[None, :] * stride_vv,
-            mask=v_mask,
-            other=0.0,
-        ).to(tl.float32)
-        g = tl.load(g_ptr + token * stride_gt + head * stride_gh, mask=row_valid, other=0.0)
-        beta = tl.load(beta_ptr + token * stride_bt + head * stride_bh, mask=row_valid, other=0.0)
-        g = g.to(tl.float32)
-        beta = beta.to(tl.float32)
-
-        # Decays inside the chunk. Above the diagonal the difference is positive (and
-        # could overflow): select -inf there before exp, never multiply by a mask.
-        cum = tl.cumsum(g, 0)
-        cum_last = tl.sum(tl.where(rows == CHUNK - 1, cum, 0.0), 0)
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-
-        # The UT transform: Tm = (I + A)^-1 with A strictly lower triangular. Row i of Tm
-        # is e_i - sum_{j<i} A_ij Tm_j; rows j >= i are still e_j when row i is built,
-        # and A_ij = 0 there, so summing over every j is exact.
-        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
-        a = tl.where(strictly_lower, beta[:, None] * kk * decay, 0.0)
-        t_inv = eye
-        for i in range(1, CHUNK):
-            a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)  # A[i, :]
-            update = tl.sum(a_row[:, None] * t_inv, 0)  # sum_j A_ij Tm[j, :]
-            t_inv = tl.where(rows[:, None] == i, t_inv - update[None, :], t_inv)
-
-        from_start = tl.exp(cum)
-        u = tl.dot(t_inv, v * beta[:, None], input_precision=DOT_PRECISION)
-        w = tl.dot(t_inv, k * (beta * from_start)[:, None], input_precision=DOT_PRECISION)
-        delta = u - tl.dot(w, state, input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_V]
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
-        o = from_start[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)
-        o = scale * (o + tl.dot(scores, delta, input_precision=DOT_PRECISION))
+        )
+        delta = u - _w_times_state(
+            w_base, stride_w_r, rows, 0, s0, KEY_DIM, BLOCK_K, DOT_PRECISION, ROUND_BF16
+        )
+        _store_state_tile(
+            h_base,
+            stride_h_k,
+            1,
+            0,
+            dims_v,
+            v_valid,
+            _as_dot_operand(s0, dot_dtype, ROUND_BF16),
+            KEY_DIM,
+            BLOCK_K,
+        )
+        if NUM_K_TILES >= 2:
+            delta -= _w_times_state(
+                w_base, stride_w_r, rows, 1, s1, KEY_DIM, BLOCK_K, DOT_PRECISION, ROUND_BF16
+            )
+            _store_state_tile(
+                h_base,
+                stride_h_k,
+                1,
+                1,
+                dims_v,
+                v_valid,
+                _as_dot_operand(s1, dot_dtype, ROUND_BF16),
+                KEY_DIM,
+                BLOCK_K,
+            )
+        if NUM_K_TILES >= 4:
+            delta -= _w_times_state(
+                w_base, stride_w_r, rows, 2, s2, KEY_DIM, BLOCK_K, DOT_PRECISION, ROUND_BF16
+            )
+            delta -= _w_times_state(
+                w_base, stride_w_r, rows, 3, s3, KEY_DIM, BLOCK_K, DOT_PRECISION, ROUND_BF16
+            )
+            _store_state_tile(
+                h_base,
+                stride_h_k,
+                1,
+                2,
+                dims_v,
+                v_valid,
+                _as_dot_operand(s2, dot_dtype, ROUND_BF16),
+                KEY_DIM,
+                BLOCK_K,
+            )
+            _store_state_tile(
+                h_base,
+                stride_h_k,
+                1,
+                3,
+                dims_v,
+                v_valid,
+                _as_dot_operand(s3, dot_dtype, ROUND_BF16),
+                KEY_DIM,
+                BLOCK_K,
+            )
+        delta = _as_dot_operand(delta, dot_dtype, ROUND_BF16)
         tl.store(
-            out_ptr + token[:, None] * stride_ot + head * stride_oh + dims_v[None, :] * stride_ov,
-            o.to(out_ptr.dtype.element_ty),
-            mask=v_mask,
+            d_ptr
+            + ws * stride_d_c
+            + head * stride_d_h
+            + rows[:, None] * stride_d_r
+            + dims_v[None, :],
+            delta,
+            mask=v_valid[None, :],
         )
 
-        k_to_end = k * tl.exp(cum_last - cum)[:, None]
-        state = tl.exp(cum_last) * state + tl.dot(
-            tl.trans(k_to_end), delta, input_precision=DOT_PRECISION
+        cum_base = cum_ptr + ws * stride_cum_c + head * stride_cum_h
+        cum = tl.load(cum_base + rows)
+        cum_last = tl.load(cum_base + CHUNK - 1)
+        to_end = tl.exp(cum_last - cum)
+        total = tl.exp(cum_last)
+        s0 = _advance_state_tile(
+            s0,
+            k_base,
+            token,
+            stride_kt,
+            stride_kk,
+            row_valid,
+            0,
+            KEY_DIM,
+            to_end,
+            total,
+            delta,
+            BLOCK_K,
+            DOT_PRECISION,
+            ROUND_BF16,
+        )
+        if NUM_K_TILES >= 2:
+            s1 = _advance_state_tile(
+                s1,
+                k_base,
+                token,
+                stride_kt,
+                stride_kk,
+                row_valid,
+                1,
+                KEY_DIM,
+                to_end,
+                total,
+                delta,
+                BLOCK_K,
+                DOT_PRECISION,
+                ROUND_BF16,
+            )
+        if NUM_K_TILES >= 4:
+            s2 = _advance_state_tile(
+                s2,
+                k_base,
+                token,
+                stride_kt,
+                stride_kk,
+                row_valid,
+                2,
+                KEY_DIM,
+                to_end,
+                total,
+                delta,
+                BLOCK_K,
+                DOT_PRECISION,
+                ROUND_BF16,
+            )
+            s3 = _advance_state_tile(
+                s3,
+                k_base,
+                token,
+                stride_kt,
+                stride_kk,
+                row_valid,
+                3,
+                KEY_DIM,
+                to_end,
+                total,
+                delta,
+                BLOCK_K,
+                DOT_PRECISION,
+                ROUND_BF16,
+            )
+
+    _store_state_tile(state_base, stride_sk, stride_sv, 0, dims_v, v_valid, s0, KEY_DIM, BLOCK_K)
+    if NUM_K_TILES >= 2:
+        _store_state_tile(
+            state_base, stride_sk, stride_sv, 1, dims_v, v_valid, s1, KEY_DIM, BLOCK_K
+        )
+    if NUM_K_TILES >= 4:
+        _store_state_tile(
+            state_base, stride_sk, stride_sv, 2, dims_v, v_valid, s2, KEY_DIM, BLOCK_K
+        )
+        _store_state_tile(
+            state_base, stride_sk, stride_sv, 3, dims_v, v_valid, s3, KEY_DIM, BLOCK_K
         )
 
-    tl.store(state_ptrs, state, mask=state_mask)
+
+@triton.jit
+def _gdn_chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    out_ptr,
+    qsl_ptr,
+    cu_ptr,
+    cum_ptr,
+    h_ptr,
+    d_ptr,
+    scale,
+    num_requests,
+    num_search_iters,
+    stride_qt,
+    stride_qh,
+    stride_qk,
+    stride_kt,
+    stride_kh,
+    stride_kk,
+    stride_ot,
+    stride_oh,
+    stride_ov,
+    stride_qsl,
+    stride_cum_c,
+    stride_cum_h,
+    stride_h_c,
+    stride_h_h,
+    stride_h_k,
+    stride_d_c,
+    stride_d_h,
+    stride_d_r,
+    KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Per (chunk, head, value block): the chunk's outputs (step 3)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    if chunk >= tl.load(cu_ptr + num_requests):
+        return
+    start, end = _chunk_bounds(
+        qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK
+    )
+    dot_dtype = d_ptr.dtype.element_ty
+    rows = tl.arange(0, CHUNK)
+    token = start + rows
+    row_valid = token < end
+    token = token.to(tl.int64)
+    ws = chunk.to(tl.int64)
+    dims_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_valid = dims_v < VALUE_DIM
+    q_base = q_ptr + head * stride_qh
+    k_base = k_ptr + head * stride_kh
+    h_base = h_ptr + ws * stride_h_c + head * stride_h_h
+
+    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    inter = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    for k_tile in range(NUM_K_TILES):
+        dims_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        q = _load_rows(q_base, token, stride_qt, dims_k, stride_qk, row_valid, KEY_DIM)
+        k = _load_rows(k_base, token, stride_kt, dims_k, stride_kk, row_valid, KEY_DIM)
+        q = _as_dot_operand(q, dot_dtype, ROUND_BF16)
+        scores += tl.dot(
+            q, tl.trans(_as_dot_operand(k, dot_dtype, ROUND_BF16)), input_precision=DOT_PRECISION
+        )
+        h = tl.load(
+            h_base + dims_k[:, None] * stride_h_k + dims_v[None, :],
+            mask=(dims_k < KEY_DIM)[:, None] & v_valid[None, :],
+            other=0.0,
+        )
+        inter += tl.dot(q, h, input_precision=DOT_PRECISION)
+
+    cum = tl.load(cum_ptr + ws * stride_cum_c + head * stride_cum_h + rows)
+    causal = rows[:, None] >= rows[None, :]
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+    delta = tl.load(
+        d_ptr + ws * stride_d_c + head * stride_d_h + rows[:, None] * stride_d_r + dims_v[None, :],
+        mask=v_valid[None, :],
+        other=0.0,
+    )
+    intra = tl.dot(
+        _as_dot_operand(scores * decay, dot_dtype, ROUND_BF16), delta, input_precision=DOT_PRECISION
+    )
+    o = scale * (tl.exp(cum)[:, None] * inter + intra)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head * stride_oh + dims_v[None, :] * stride_ov,
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & v_valid[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Decode kernel
+# ----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -307,6 +819,10 @@ def _recurrent_update_kernel(
 # ----------------------------------------------------------------------------------
 
 
+# The interpreter's tl.dot cannot multiply bfloat16 tensors (see _as_dot_operand).
+_INTERPRETED = isinstance(_gdn_chunk_prep_kernel, InterpretedFunction)
+
+
 def _check_triton_inputs(
     q: object,
     k: object,
@@ -320,7 +836,7 @@ def _check_triton_inputs(
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor
 ]:
-    q, k, v, g, beta = _check_gdn_inputs(q, k, v, g, beta, lead=lead)
+    q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead=lead)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"{name}: expected dtype in {_SUPPORTED_DTYPES}, got {t.dtype}")
@@ -333,14 +849,22 @@ def _check_triton_inputs(
 
 
 def _blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
-    """``(KEY_PAD, BLOCK_V)``: powers of two, at least 16 (tl.dot's minimum extent).
+    """``(KEY_PAD, BLOCK_V)`` of the decode kernel: powers of two, at least 16.
 
-    The ``[KEY_PAD, BLOCK_V]`` float32 state slice stays in registers for a whole
-    request: at most 64 columns, and at most 8192 elements (32 KiB; 128 x 64, 256 x 32).
+    The ``[KEY_PAD, BLOCK_V]`` float32 state slice is one register tile: at most 64
+    columns and at most 8192 elements (32 KiB; 128 x 64, 256 x 32).
     """
     key_pad = max(_MIN_DOT_DIM, triton.next_power_of_2(key_dim))
     block_v = min(max(_MIN_DOT_DIM, triton.next_power_of_2(value_dim)), 64, 8192 // key_pad)
     return key_pad, block_v
+
+
+def _dot_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The dtype of every ``tl.dot`` operand of the chunked kernels (see the module doc):
+    the inputs' 16-bit dtype when ``q``, ``k`` and ``v`` share one, else float32."""
+    if q.dtype == k.dtype == v.dtype and q.dtype in _TENSOR_CORE_DTYPES:
+        return q.dtype
+    return torch.float32
 
 
 def chunk_gated_delta_rule_varlen(
@@ -363,54 +887,109 @@ def chunk_gated_delta_rule_varlen(
     Same contract as the torch oracle of the same name, except that ``chunk_size`` must
     be 16, 32 or 64 and the index tensors' values are trusted (not read back). Returns
     ``out`` (allocated when None); rows past ``query_start_loc[-1]`` are left untouched.
-    ``out`` must not be ``q``, ``k``, ``v`` or ``states`` (programs of other value
-    blocks still read the inputs).
+    ``out`` must not be ``q``, ``k``, ``v`` or ``states`` (other programs still read the
+    inputs). Three launches over device-side chunk bookkeeping (see the module doc).
     """
     q, k, v, g, beta, scale, states = _check_triton_inputs(
         q, k, v, g, beta, scale, states, lead="T"
     )
-    chunk_size = _check_chunk_size(chunk_size, _SUPPORTED_CHUNK_SIZES)
+    chunk = check_chunk_size(chunk_size, _SUPPORTED_CHUNK_SIZES)
     qsl, slots, flags = check_varlen_tensors(
         query_start_loc, state_indices, has_initial_state, device=q.device
     )
     batch = qsl.numel() - 1
     check_has_slots("states", states, batch)
-    out = _alloc_out(out, v, "T")
+    out = alloc_out(out, v, "T")
     check_distinct_output("out", out, {"q": q, "k": k, "v": v, "states": states})
     if batch == 0:
         return out
 
-    key_dim, value_dim = k.shape[2], v.shape[2]
-    key_pad, block_v = _blocks(key_dim, value_dim)
-    grid = (batch, k.shape[1], triton.cdiv(value_dim, block_v))
-    _chunk_gated_delta_kernel[grid](
-        q_ptr=q,
+    num_tokens, heads, key_dim = k.shape
+    value_dim = v.shape[2]
+    dev = q.device
+    # Every chunk holds at least one token and a request's chunks but its last are full.
+    max_chunks = min(num_tokens, (num_tokens + batch * (chunk - 1)) // chunk)
+    cu_chunks = ssd_chunk_offsets(qsl, num_tokens, chunk)
+    iters = search_iters(batch)
+    dot_dtype = _dot_dtype(q, k, v)
+    # Under the interpreter bfloat16 dot operands live in float32 workspaces, rounded to
+    # bfloat16 values by hand (see _as_dot_operand).
+    round_bf16 = _INTERPRETED and dot_dtype == torch.bfloat16
+    ws_dtype = torch.float32 if round_bf16 else dot_dtype
+    # Workspaces (at least one chunk each, so that every pointer is valid).
+    n_ws = max(max_chunks, 1)
+    cum = torch.empty(n_ws, heads, chunk, dtype=torch.float32, device=dev)
+    w = torch.empty(n_ws, heads, chunk, key_dim, dtype=ws_dtype, device=dev)
+    u = torch.empty(n_ws, heads, chunk, value_dim, dtype=torch.float32, device=dev)
+    h = torch.empty(n_ws, heads, key_dim, value_dim, dtype=ws_dtype, device=dev)
+    d = torch.empty(n_ws, heads, chunk, value_dim, dtype=ws_dtype, device=dev)
+
+    key_pad = max(_MIN_DOT_DIM, triton.next_power_of_2(key_dim))
+    block_k = min(key_pad, _MAX_BLOCK_K)
+    value_pad = max(_MIN_DOT_DIM, triton.next_power_of_2(value_dim))
+    block_v = min(value_pad, _MAX_BLOCK_V)
+    block_v_state = min(block_v, _MAX_STATE_TILE // key_pad)
+    tiles = dict(KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk, BLOCK_K=block_k)
+    tiles["NUM_K_TILES"] = key_pad // block_k
+    # fp32 operands would otherwise default to TF32 on NVIDIA (see the module doc);
+    # 16-bit operands ignore it.
+    precision = dict(DOT_PRECISION="ieee", ROUND_BF16=round_bf16)
+    # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
+    # (its default flips in 3.10), and the test suite turns warnings into errors.
+    fusion = dict(enable_fp_fusion=True)
+    cum_strides = dict(stride_cum_c=cum.stride(0), stride_cum_h=cum.stride(1))
+    w_strides = dict(stride_w_c=w.stride(0), stride_w_h=w.stride(1), stride_w_r=w.stride(2))
+    u_strides = dict(stride_u_c=u.stride(0), stride_u_h=u.stride(1), stride_u_r=u.stride(2))
+    h_strides = dict(stride_h_c=h.stride(0), stride_h_h=h.stride(1), stride_h_k=h.stride(2))
+    d_strides = dict(stride_d_c=d.stride(0), stride_d_h=d.stride(1), stride_d_r=d.stride(2))
+    k_strides = dict(stride_kt=k.stride(0), stride_kh=k.stride(1), stride_kk=k.stride(2))
+
+    if max_chunks > 0:
+        _gdn_chunk_prep_kernel[(max_chunks, heads)](
+            k_ptr=k,
+            v_ptr=v,
+            g_ptr=g,
+            beta_ptr=beta,
+            qsl_ptr=qsl,
+            cu_ptr=cu_chunks,
+            cum_ptr=cum,
+            w_ptr=w,
+            u_ptr=u,
+            num_requests=batch,
+            num_search_iters=iters,
+            **k_strides,
+            stride_vt=v.stride(0),
+            stride_vh=v.stride(1),
+            stride_vv=v.stride(2),
+            stride_gt=g.stride(0),
+            stride_gh=g.stride(1),
+            stride_bt=beta.stride(0),
+            stride_bh=beta.stride(1),
+            stride_qsl=qsl.stride(0),
+            **cum_strides,
+            **w_strides,
+            **u_strides,
+            **tiles,
+            BLOCK_V=block_v,
+            **precision,
+            # The [C, C] Tm and A tiles live through the forward substitution.
+            num_warps=8 if chunk >= 64 else 4,
+            num_stages=1,
+            **fusion,
+        )
+    _gdn_state_pass_kernel[(batch, heads, triton.cdiv(value_dim, block_v_state))](
         k_ptr=k,
-        v_ptr=v,
-        g_ptr=g,
-        beta_ptr=beta,
-        out_ptr=out,
         states_ptr=states,
-        query_start_loc_ptr=qsl,
+        qsl_ptr=qsl,
+        cu_ptr=cu_chunks,
         state_indices_ptr=slots,
         has_initial_state_ptr=flags_as_bytes(flags),
-        scale=scale,
-        stride_qt=q.stride(0),
-        stride_qh=q.stride(1),
-        stride_qk=q.stride(2),
-        stride_kt=k.stride(0),
-        stride_kh=k.stride(1),
-        stride_kk=k.stride(2),
-        stride_vt=v.stride(0),
-        stride_vh=v.stride(1),
-        stride_vv=v.stride(2),
-        stride_gt=g.stride(0),
-        stride_gh=g.stride(1),
-        stride_bt=beta.stride(0),
-        stride_bh=beta.stride(1),
-        stride_ot=out.stride(0),
-        stride_oh=out.stride(1),
-        stride_ov=out.stride(2),
+        cum_ptr=cum,
+        w_ptr=w,
+        u_ptr=u,
+        h_ptr=h,
+        d_ptr=d,
+        **k_strides,
         stride_ss=states.stride(0),
         stride_sh=states.stride(1),
         stride_sk=states.stride(2),
@@ -418,18 +997,52 @@ def chunk_gated_delta_rule_varlen(
         stride_qsl=qsl.stride(0),
         stride_si=slots.stride(0),
         stride_his=flags.stride(0),
-        KEY_DIM=key_dim,
-        VALUE_DIM=value_dim,
-        KEY_PAD=key_pad,
-        BLOCK_V=block_v,
-        CHUNK=chunk_size,
-        # fp32 operands would otherwise default to TF32 on NVIDIA (see the module doc).
-        DOT_PRECISION="ieee",
-        num_warps=8 if key_pad * block_v >= 8192 else 4,
-        # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
-        # (its default flips in 3.10), and the test suite turns warnings into errors.
-        enable_fp_fusion=True,
+        **cum_strides,
+        **w_strides,
+        **u_strides,
+        **h_strides,
+        **d_strides,
+        **tiles,
+        BLOCK_V=block_v_state,
+        **precision,
+        # 8 warps for a full state slice, except 256 x 16 (4 warps: with 8, ptxas spills
+        # on sm_100).
+        num_warps=8 if key_pad * block_v_state >= _MAX_STATE_TILE and block_v_state >= 32 else 4,
+        # Each chunk depends on the previous one through the state: software pipelining
+        # would only buy shared-memory buffers and registers.
+        num_stages=1,
+        **fusion,
     )
+    if max_chunks > 0:
+        _gdn_chunk_output_kernel[(max_chunks, heads, triton.cdiv(value_dim, block_v))](
+            q_ptr=q,
+            k_ptr=k,
+            out_ptr=out,
+            qsl_ptr=qsl,
+            cu_ptr=cu_chunks,
+            cum_ptr=cum,
+            h_ptr=h,
+            d_ptr=d,
+            scale=scale,
+            num_requests=batch,
+            num_search_iters=iters,
+            stride_qt=q.stride(0),
+            stride_qh=q.stride(1),
+            stride_qk=q.stride(2),
+            **k_strides,
+            stride_ot=out.stride(0),
+            stride_oh=out.stride(1),
+            stride_ov=out.stride(2),
+            stride_qsl=qsl.stride(0),
+            **cum_strides,
+            **h_strides,
+            **d_strides,
+            **tiles,
+            BLOCK_V=block_v,
+            **precision,
+            num_warps=4,
+            **fusion,
+        )
     return out
 
 
@@ -457,7 +1070,7 @@ def fused_recurrent_gated_delta_rule_update(
     batch = q.shape[0]
     slots = check_slot_tensor(state_indices, batch=batch, device=q.device)
     check_has_slots("states", states, batch)
-    out = _alloc_out(out, v, "B")
+    out = alloc_out(out, v, "B")
     check_distinct_output("out", out, {"q": q, "k": k, "v": v, "states": states})
     if batch == 0:
         return out

@@ -1,0 +1,64 @@
+"""The Gated DeltaNet (gated delta rule) contract: operand checks shared by the torch
+oracle (:mod:`attnkit.kernels.torch.gated_delta`) and the Triton launchers
+(:mod:`attnkit.kernels.triton.gated_delta`).
+
+Shape letters as in the oracle's module docstring: ``q``/``k`` ``[lead, H, K]``, ``v`` and
+``out`` ``[lead, H, V]``, ``g``/``beta`` ``[lead, H]`` (``lead`` is ``T``, ``B`` or ``L``).
+Every operand may have any floating dtype and any strides; the checks read metadata only
+(no device value goes back to the host).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.kernels._checks import KernelTypeError
+from attnkit.kernels._state_common import check_float, check_tensor
+
+__all__ = ["alloc_out", "check_chunk_size", "check_gdn_inputs", "check_out"]
+
+
+def check_gdn_inputs(
+    q: object, k: object, v: object, g: object, beta: object, *, lead: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Validate the operands; ``lead`` names the first dim (``T``/``B``/``L``).
+
+    Returns ``(q, k, v, g, beta)`` typed as tensors.
+    """
+    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
+    n_lead, heads, key_dim = q.shape
+    dev = q.device
+    k = check_tensor("k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=dev)
+    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=dev)
+    g = check_tensor("g", g, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
+    beta = check_tensor("beta", beta, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_float(name, t)
+    return q, k, v, g, beta
+
+
+def check_out(out: object, v: Tensor, lead: str) -> Tensor:
+    """``out`` is a tensor of the shape, dtype and device of ``v``."""
+    out = check_tensor("out", out, layout=f"[{lead}, H, V]", shape=tuple(v.shape), device=v.device)
+    if out.dtype != v.dtype:
+        raise ValueError(f"out: expected dtype {v.dtype} (the dtype of v), got {out.dtype}")
+    return out
+
+
+def alloc_out(out: object, v: Tensor, lead: str) -> Tensor:
+    """``out`` checked by :func:`check_out`, or a new tensor like ``v`` when None."""
+    return torch.empty_like(v) if out is None else check_out(out, v, lead)
+
+
+def check_chunk_size(chunk_size: object, allowed: tuple[int, ...] | None = None) -> int:
+    """An int ``>= 1`` (and one of ``allowed`` when given: the Triton launcher's sizes)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise KernelTypeError(
+            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    if allowed is not None and chunk_size not in allowed:
+        raise ValueError(f"chunk_size: expected one of {allowed}, got {chunk_size}")
+    return chunk_size
