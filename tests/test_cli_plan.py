@@ -39,7 +39,7 @@ MEMORY_80GIB = 80 * GIB  # 85899345920
 
 
 def reference_only() -> BackendRegistry:
-    """The reference backend alone: every kind but mamba1 on CPU, no Triton."""
+    """The reference backend alone: every kind on CPU, no Triton."""
     return BackendRegistry(
         builtins={"reference": "attnkit.backends.reference:ReferenceBackend"}, entry_points=[]
     )
@@ -477,10 +477,11 @@ def test_cli_block_size_option() -> None:
 
 
 def test_cli_unserved_state_layers_exit_1() -> None:
-    """Jamba's Mamba (1) layers have no backend here: exit 1 with the reasons."""
+    """Jamba's Mamba (1) layers in bfloat16 have no backend here (the reference keeps SSM
+    states in float32 only): exit 1 with the reasons."""
     status, text, err = run(["plan", str(CONFIGS / "jamba-v0.1.json")])
     assert status == 1
-    assert "mamba_type=mamba1 not supported" in text
+    assert "mamba1 ssm state dtype (dtypes[1]) must be float32, got bfloat16" in text
     assert err.startswith("attnkit plan: error: no backend for 1 of 2 layer group(s): ")
     status, _, err = run(["plan", str(CONFIGS / "jamba-v0.1.json"), "--report-only"])
     assert (status, err) == (0, "")

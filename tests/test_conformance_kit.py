@@ -109,7 +109,8 @@ def test_triton_attn_passes() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["triton_mamba2", "triton_gdn", "triton_linear_attn", "triton_short_conv"]
+    "name",
+    ["triton_mamba1", "triton_mamba2", "triton_gdn", "triton_linear_attn", "triton_short_conv"],
 )
 def test_triton_state_backends_pass(name: str) -> None:
     report = check_backend(builtin(name))

@@ -34,6 +34,7 @@ from attnkit import (
     InvalidArgumentError,
     KVCacheSpec,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     Mamba2LayerParams,
     MambaSpec,
     MLAAttentionSpec,
@@ -223,8 +224,26 @@ def test_jamba_mamba1_with_attention_at_offset_4_of_8() -> None:
     # d_inner = mamba_expand 2 * hidden 4096 = 8192; conv (8192, d_conv 4 - 1); ssm (8192, 16)
     assert mamba.spec.shapes == ((8192, 3), (8192, 16))
     assert mamba.state == Mamba1Dims(d_inner=8192, d_state=16, d_conv=4, dt_rank=256)
-    with pytest.raises(InvalidArgumentError, match="mamba1 layers have no attnkit parameter class"):
-        mamba.state_params(conv_weight=torch.zeros(8192, 4))
+    weights = {
+        "conv_weight": torch.zeros(8192, 4),
+        "x_proj_weight": torch.zeros(256 + 2 * 16, 8192),
+        "dt_proj_weight": torch.zeros(8192, 256),
+        "A": -torch.ones(8192, 16),
+    }
+    params = mamba.state_params(**weights, dt_norm_weight=torch.ones(256))
+    assert isinstance(params, Mamba1LayerParams)
+    assert (params.d_inner, params.d_state, params.dt_rank) == (8192, 16, 256)
+    assert params.state_shapes == mamba.spec.shapes
+    assert params.dt_norm_weight is not None
+    assert params.B_norm_weight is None
+    with pytest.raises(InvalidArgumentError, match=r"mamba1 layer needs x_proj_weight, got None"):
+        mamba.state_params(**{**weights, "x_proj_weight": None})
+    with pytest.raises(InvalidArgumentError, match=r"dt_proj_weight must be \[8192, dt_rank=256\]"):
+        mamba.state_params(**{**weights, "dt_proj_weight": torch.zeros(8192, 8)})
+    with pytest.raises(InvalidArgumentError, match=r"got \['decay'\] too"):
+        mamba.state_params(**weights, decay=torch.ones(2))
+    with pytest.raises(InvalidArgumentError, match=r"conv_weight must be \[8192, 4\]"):
+        mamba.state_params(**{**weights, "conv_weight": torch.zeros(8192, 3)})
     # 4 attention layers * 2 * 8 * 128 * 2 = 16384
     assert layout.kv_bytes_per_token() == 16384
 

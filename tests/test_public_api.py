@@ -47,6 +47,8 @@ PUBLIC_API = [
     "LinearAttentionInputs",
     "LinearAttentionLayerParams",
     "MLAAttentionSpec",
+    "Mamba1Inputs",
+    "Mamba1LayerParams",
     "Mamba2Inputs",
     "Mamba2LayerParams",
     "MambaSpec",

@@ -17,8 +17,11 @@ from attnkit import (
     BackendRegistry,
     GatedDeltaNetInputs,
     LinearAttentionInputs,
+    Mamba1Inputs,
+    Mamba1LayerParams,
     Mamba2Inputs,
     Mamba2LayerParams,
+    MambaSpec,
     ShortConvInputs,
     StateLayer,
 )
@@ -317,6 +320,7 @@ INPUT_CASES = [
         id="linear",
     ),
     pytest.param(ShortConvInputs, {"b": T4, "c": T4, "x": T4}, id="short_conv"),
+    pytest.param(Mamba1Inputs, {"x": T4}, id="mamba1"),
 ]
 
 
@@ -349,3 +353,126 @@ def test_state_inputs_check_their_tensors(cls: type[Any], fields: dict[str, torc
         cls(**{**fields, "value": T4})
     with pytest.raises(TypeError, match=f"missing 1 required keyword-only argument: '{first}'"):
         cls(**{k: v for k, v in fields.items() if k != first})
+
+
+# ----------------------------------------------------------------------------------
+# Mamba (1): a layer built by hand, against a token-by-token definition of the core.
+# ----------------------------------------------------------------------------------
+
+M1_D, M1_N, M1_R, M1_W = 6, 4, 3, 4
+
+
+def _mamba1_params(seed: int, *, norms: bool) -> Mamba1LayerParams:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    return Mamba1LayerParams(
+        d_inner=M1_D,
+        d_state=M1_N,
+        conv_weight=rnd(M1_D, M1_W, scale=0.5),
+        conv_bias=rnd(M1_D, scale=0.1),
+        x_proj_weight=rnd(M1_R + 2 * M1_N, M1_D, scale=0.5),
+        dt_proj_weight=rnd(M1_D, M1_R, scale=0.5),
+        dt_bias=rnd(M1_D, scale=0.3),
+        A=-torch.rand(M1_D, M1_N, generator=gen) - 0.2,
+        D=rnd(M1_D),
+        dt_norm_weight=torch.rand(M1_R, generator=gen) + 0.5 if norms else None,
+        B_norm_weight=torch.rand(M1_N, generator=gen) + 0.5 if norms else None,
+        C_norm_weight=torch.rand(M1_N, generator=gen) + 0.5 if norms else None,
+    )
+
+
+def _mamba1_definition(p: Mamba1LayerParams, x: torch.Tensor) -> torch.Tensor:
+    """One whole sequence, no cache, token by token (Gu & Dao 2023, Algorithm 2):
+    u = silu(causal depthwise conv(x)); dt_low, B, C = x_proj u (RMS-normed when Jamba
+    norms are given); dt = softplus(dt_proj dt_low + dt_bias);
+    h = exp(dt A) h + dt u B; y = h C + D u."""
+    x = x.double()
+    width = p.conv_weight.shape[1]
+    h = torch.zeros(p.d_inner, p.d_state, dtype=torch.float64)
+    history = [torch.zeros(p.d_inner, dtype=torch.float64)] * (width - 1)
+    ys = []
+
+    def rms(v: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        if w is None:
+            return v
+        return v / torch.sqrt((v * v).mean() + p.norm_eps) * w.double()
+
+    for t in range(x.shape[0]):
+        history = [*history, x[t]][-width:]
+        conv = sum(history[k] * p.conv_weight[:, k].double() for k in range(width))
+        assert isinstance(conv, torch.Tensor)
+        u = F.silu(conv + p.conv_bias.double()) if p.conv_bias is not None else F.silu(conv)
+        proj = p.x_proj_weight.double() @ u
+        r = p.dt_rank
+        low = rms(proj[:r], p.dt_norm_weight)
+        b = rms(proj[r : r + p.d_state], p.B_norm_weight)
+        c = rms(proj[r + p.d_state :], p.C_norm_weight)
+        dt = p.dt_proj_weight.double() @ low
+        if p.dt_bias is not None:
+            dt = dt + p.dt_bias.double()
+        dt = F.softplus(dt)
+        h = torch.exp(dt[:, None] * p.A.double()) * h + (dt * u)[:, None] * b[None, :]
+        y = h @ c
+        if p.D is not None:
+            y = y + p.D.double() * u
+        ys.append(y)
+    return torch.stack(ys).float()
+
+
+MAMBA1_BACKENDS = {"reference": ("reference",), "triton_mamba1": ("triton_mamba1", "reference")}
+
+
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("backend", list(MAMBA1_BACKENDS))
+def test_mamba1_layer_over_multi_step_schedules(backend: str, norms: bool) -> None:
+    """Chunked prefill continuing from a cached state, decodes, ragged batches, a
+    request joining late; unused cache slots are NaN. Every request's outputs equal the
+    definition over its whole sequence."""
+    params = _mamba1_params(7, norms=norms)
+    spec = MambaSpec(
+        block_size=1,
+        shapes=params.state_shapes,
+        dtypes=(torch.float32, torch.float32),
+        mamba_type="mamba1",
+    )
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    runtime = AttentionRuntime(
+        {"mixer": spec},
+        AttentionConfig.model_validate({}, context={"registry": reg}),
+        device="cpu",
+        memory_budget_bytes=2**16,
+        layer_params={"mixer": params},
+        registry=reg,
+        priority={"cpu": MAMBA1_BACKENDS[backend]},
+        cache_fill=float("nan"),
+    )
+    random.Random(3).shuffle(runtime.manager.pool._free)
+    assert runtime.backend_for("mixer").name == backend
+    layer = runtime.state_layer("mixer", Mamba1Inputs)
+    gen = torch.Generator().manual_seed(8)
+    lengths = {"p": 14, "o": 7, "q": 5}
+    xs = {r: torch.randn(n, M1_D, generator=gen) for r, n in lengths.items()}
+    schedule = [
+        {"p": 5, "o": 6},
+        {"p": 6, "q": 3},  # p continues its prefill from the cached state
+        {"o": 1, "p": 1, "q": 1},  # decodes
+        {"q": 1, "p": 2},
+    ]
+    done = dict.fromkeys(lengths, 0)
+    outputs: dict[str, list[torch.Tensor]] = {r: [] for r in lengths}
+    for step in schedule:
+        batch = runtime.begin_step([ScheduledRequest(r, n) for r, n in step.items()])
+        x = torch.cat([xs[r][done[r] : done[r] + step[r]] for r in batch.order])
+        y = layer.forward(Mamba1Inputs(x=x))
+        assert y.shape == (x.shape[0], M1_D)
+        for r, rows in batch.token_slices().items():
+            outputs[r].append(y[rows])
+            done[r] += step[r]
+    assert done == lengths
+    for r in lengths:
+        torch.testing.assert_close(
+            torch.cat(outputs[r]), _mamba1_definition(params, xs[r]), atol=TOL, rtol=TOL
+        )

@@ -363,6 +363,7 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
     "reference": (),  # the device's default priority list
     "triton": (
         "triton_attn",
+        "triton_mamba1",
         "triton_mamba2",
         "triton_gdn",
         "triton_linear_attn",

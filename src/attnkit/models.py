@@ -44,6 +44,7 @@ from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
     StateLayerParams,
@@ -113,8 +114,8 @@ class MLADims:
 class Mamba1Dims:
     """A Mamba (1) mixer (Jamba): ``d_inner`` channels, each with its own SSM state.
 
-    attnkit has no Mamba1 parameter class yet (it comes with a Mamba1 backend), so these
-    layers carry their sizes only; ``LayerInfo.state_params`` raises for them.
+    Its state shapes are ``Mamba1LayerParams.state_shapes`` for the same sizes;
+    ``LayerInfo.state_params`` builds that class from the layer's weights.
     """
 
     mamba_type: ClassVar[Literal["mamba1"]] = "mamba1"
@@ -313,17 +314,26 @@ class LayerInfo:
         D: torch.Tensor | None = None,
         dt_bias: torch.Tensor | None = None,
         decay: torch.Tensor | None = None,
+        x_proj_weight: torch.Tensor | None = None,
+        dt_proj_weight: torch.Tensor | None = None,
+        dt_norm_weight: torch.Tensor | None = None,
+        B_norm_weight: torch.Tensor | None = None,
+        C_norm_weight: torch.Tensor | None = None,
     ) -> StateLayerParams:
         """The parameter object of this state layer, sizes from the config, weights given.
 
-        Which weights each type takes: Mamba2 ``conv_weight`` ``[C, W]``, ``A`` ``[H]``
-        (and optionally ``conv_bias``, ``D``, ``dt_bias``); Gated DeltaNet and short conv
+        Which weights each type takes: Mamba (1) ``conv_weight`` ``[D, W]``,
+        ``x_proj_weight`` ``[R + 2N, D]``, ``dt_proj_weight`` ``[D, R]``, ``A`` ``[D, N]``
+        (and optionally ``conv_bias``, ``D``, ``dt_bias`` = ``dt_proj``'s bias, and
+        Jamba's ``dt_norm_weight``, ``B_norm_weight``, ``C_norm_weight``); Mamba2
+        ``conv_weight`` ``[C, W]``, ``A`` ``[H]`` (and optionally ``conv_bias``, ``D``,
+        ``dt_bias``); Gated DeltaNet and short conv
         ``conv_weight`` (optionally ``conv_bias``); linear attention ``decay`` ``[H]``.
         The result's ``state_shapes`` equal ``spec.shapes``.
 
         Raises:
-            InvalidArgumentError: for an attention layer, a Mamba1 layer (no parameter
-                class yet), a Gated DeltaNet layer whose key and value head counts differ
+            InvalidArgumentError: for an attention layer, a Mamba (1) layer whose
+                ``dt_proj_weight`` has not the config's ``dt_rank``, a Gated DeltaNet layer whose key and value head counts differ
                 (``GatedDeltaNetLayerParams`` has one head count), a missing weight, or a
                 weight of another type's.
         """
@@ -341,13 +351,37 @@ class LayerInfo:
             "dt_bias": dt_bias,
             "decay": decay,
         }
-        if isinstance(dims, Mamba1Dims):
-            raise InvalidArgumentError(
-                "state_params: mamba1 layers have no attnkit parameter class yet (it comes "
-                "with the mamba1 backend); LayerInfo.state holds their sizes"
-            )
+        given.update(
+            x_proj_weight=x_proj_weight,
+            dt_proj_weight=dt_proj_weight,
+            dt_norm_weight=dt_norm_weight,
+            B_norm_weight=B_norm_weight,
+            C_norm_weight=C_norm_weight,
+        )
         params: StateLayerParams
-        if isinstance(dims, Mamba2Dims):
+        if isinstance(dims, Mamba1Dims):
+            _only(given, set(given) - {"decay"}, "mamba1")
+            dt_proj = _needed(dt_proj_weight, "dt_proj_weight", "mamba1")
+            if dims.dt_rank is not None and dt_proj.dim() == 2 and dt_proj.shape[1] != dims.dt_rank:
+                raise InvalidArgumentError(
+                    f"state_params: dt_proj_weight must be [{dims.d_inner}, dt_rank={dims.dt_rank}] "
+                    f"for this layer, got {list(dt_proj.shape)}"
+                )
+            params = Mamba1LayerParams(
+                d_inner=dims.d_inner,
+                d_state=dims.d_state,
+                conv_weight=_needed(conv_weight, "conv_weight", "mamba1"),
+                conv_bias=conv_bias,
+                x_proj_weight=_needed(x_proj_weight, "x_proj_weight", "mamba1"),
+                dt_proj_weight=dt_proj,
+                dt_bias=dt_bias,
+                A=_needed(A, "A", "mamba1"),
+                D=D,
+                dt_norm_weight=dt_norm_weight,
+                B_norm_weight=B_norm_weight,
+                C_norm_weight=C_norm_weight,
+            )
+        elif isinstance(dims, Mamba2Dims):
             _only(given, {"conv_weight", "conv_bias", "A", "D", "dt_bias"}, "mamba2")
             params = Mamba2LayerParams(
                 num_heads=dims.num_heads,

@@ -1,7 +1,7 @@
 """Per-layer parameters: what an impl needs beyond the layer's cache spec.
 
 ``AttentionLayerParams`` for attention layers; one class per state-layer type
-(``Mamba2LayerParams``, ``GatedDeltaNetLayerParams``, ``LinearAttentionLayerParams``,
+(``Mamba1LayerParams``, ``Mamba2LayerParams``, ``GatedDeltaNetLayerParams``, ``LinearAttentionLayerParams``,
 ``ShortConvLayerParams``), each naming the input class its layers take
 (``inputs_type``, from ``attnkit.state_inputs``). Impls are generic over the class
 they take (``AttentionImpl[M, S, AttentionLayerParams]``), so a backend author's
@@ -24,6 +24,7 @@ from .spec import AttentionSpec, MambaSpec, MambaType
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
+    Mamba1Inputs,
     Mamba2Inputs,
     ShortConvInputs,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "GatedDeltaNetLayerParams",
     "LayerParams",
     "LinearAttentionLayerParams",
+    "Mamba1LayerParams",
     "Mamba2LayerParams",
     "ShortConvLayerParams",
     "StateLayerParams",
@@ -270,6 +272,109 @@ def _check_conv_weight(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Mamba1LayerParams:
+    """Weights and sizes of a Mamba (1) layer's selective-scan core (Gu & Dao 2023,
+    arXiv:2312.00752, Algorithm 2), as in Jamba.
+
+    Split between model and backend: the model keeps ``in_proj`` (giving ``x`` and the
+    gate ``z``), the gate ``y * silu(z)`` and ``out_proj``. The backend runs everything
+    in between, because it all hangs on the cached states: the causal depthwise conv
+    (SiLU) of ``x`` with its conv state, then ``x_proj`` and ``dt_proj`` applied to the
+    *convolved* ``x`` (so they cannot run in the model before the step), then the
+    selective scan with its SSM state. Letters: D = ``d_inner`` channels, N state size,
+    R ``dt_rank``, W conv width.
+
+    Per token, with ``u = silu(conv(x))`` ``[D]``::
+
+        dt_low, B, C = split(x_proj_weight @ u, [R, N, N])    # each RMS-normed if its
+                                                              # *_norm_weight is given
+        dt = dt_proj_weight @ dt_low + dt_bias                # [D]
+        dt = softplus(dt) if dt_softplus
+        h  = exp(dt[:, None] * A) * h + (dt * u)[:, None] * B[None, :]   # [D, N]
+        y  = h @ C + D_skip * u                               # [D]
+
+    Attributes:
+        d_inner, d_state: D, N.
+        conv_weight: ``[D, W]`` depthwise conv weight; conv_bias ``[D]`` or ``None``.
+        x_proj_weight: ``[R + 2N, D]`` (no bias, as in Mamba).
+        dt_proj_weight: ``[D, R]``; dt_bias ``[D]`` (``dt_proj``'s bias) or ``None``.
+        A: ``[D, N]``, negative (``-exp(A_log)``). D: ``[D]`` skip or ``None``.
+        dt_softplus: apply softplus to ``dt``.
+        dt_norm_weight, B_norm_weight, C_norm_weight: Jamba's RMSNorms of ``dt_low``
+            ``[R]``, ``B`` ``[N]`` and ``C`` ``[N]`` (``None``: no norm, plain Mamba);
+            norm_eps their epsilon.
+
+    Spec shapes for such a layer: ``MambaSpec(shapes=params.state_shapes, ...)``.
+    """
+
+    inputs_type: ClassVar[type[Mamba1Inputs]] = Mamba1Inputs
+
+    d_inner: int
+    d_state: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None = None
+    x_proj_weight: torch.Tensor
+    dt_proj_weight: torch.Tensor
+    dt_bias: torch.Tensor | None = None
+    A: torch.Tensor
+    D: torch.Tensor | None = None
+    dt_softplus: bool = True
+    dt_norm_weight: torch.Tensor | None = None
+    B_norm_weight: torch.Tensor | None = None
+    C_norm_weight: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_state_params(owner, self, ("d_inner", "d_state"))
+        _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.d_inner)
+        if self.dt_proj_weight.dim() != 2 or self.dt_proj_weight.shape[0] != self.d_inner:
+            raise InvalidArgumentError(
+                f"{owner}.dt_proj_weight must be [d_inner={self.d_inner}, dt_rank], "
+                f"got {list(self.dt_proj_weight.shape)}"
+            )
+        rank, n = self.dt_rank, self.d_state
+        if rank < 1:
+            raise InvalidArgumentError(f"{owner}.dt_proj_weight must have dt_rank >= 1 columns, got 0")
+        for name, shape in (
+            ("x_proj_weight", (rank + 2 * n, self.d_inner)),
+            ("A", (self.d_inner, n)),
+            ("D", (self.d_inner,)),
+            ("dt_bias", (self.d_inner,)),
+            ("dt_norm_weight", (rank,)),
+            ("B_norm_weight", (n,)),
+            ("C_norm_weight", (n,)),
+        ):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise InvalidArgumentError(
+                    f"{owner}.{name} must have shape {list(shape)}, got {list(value.shape)}"
+                )
+        eps: object = self.norm_eps
+        if not (isinstance(eps, float | int) and math.isfinite(eps) and eps > 0):
+            raise InvalidArgumentError(f"{owner}.norm_eps must be a finite float > 0, got {eps!r}")
+
+    @property
+    def dt_rank(self) -> int:
+        """R, the width of ``dt`` before ``dt_proj``."""
+        return int(self.dt_proj_weight.shape[1])
+
+    @property
+    def conv_kernel(self) -> int:
+        """W, the conv width."""
+        return int(self.conv_weight.shape[1])
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``((D, W-1), (D, N))``: the conv state and the SSM state of one request."""
+        return ((self.d_inner, self.conv_kernel - 1), (self.d_inner, self.d_state))
+
+    def output_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """``y`` of a step: ``[T, D]``."""
+        return (num_tokens, self.d_inner)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class GatedDeltaNetLayerParams:
     """A Gated DeltaNet layer's core: short conv over q/k/v, then the gated delta rule.
 
@@ -387,11 +492,16 @@ class ShortConvLayerParams:
 
 
 StateLayerParams = (
-    Mamba2LayerParams | GatedDeltaNetLayerParams | LinearAttentionLayerParams | ShortConvLayerParams
+    Mamba1LayerParams
+    | Mamba2LayerParams
+    | GatedDeltaNetLayerParams
+    | LinearAttentionLayerParams
+    | ShortConvLayerParams
 )
 """Parameters of a ``MambaSpec`` layer, one type per ``mamba_type``."""
 
 STATE_PARAMS_BY_TYPE: Mapping[MambaType, type[StateLayerParams]] = {
+    "mamba1": Mamba1LayerParams,
     "mamba2": Mamba2LayerParams,
     "gdn": GatedDeltaNetLayerParams,
     "linear": LinearAttentionLayerParams,

@@ -77,6 +77,7 @@ BUILTIN_BACKENDS: Mapping[str, str] = {
     "reference": "attnkit.backends.reference:ReferenceBackend",
     "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
     "flash_attn": "attnkit.backends.flash_attn:FlashAttentionBackend",
+    "triton_mamba1": "attnkit.backends.triton_state:TritonMamba1Backend",
     "triton_mamba2": "attnkit.backends.triton_state:TritonMamba2Backend",
     "triton_gdn": "attnkit.backends.triton_state:TritonGatedDeltaNetBackend",
     "triton_linear_attn": "attnkit.backends.triton_state:TritonLinearAttentionBackend",

@@ -1040,9 +1040,7 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
     elif isinstance(spec, MambaSpec):
-        expected = STATE_PARAMS_BY_TYPE.get(spec.mamba_type)
-        if expected is None:
-            return  # no parameter class yet (mamba1): selection reports it
+        expected = STATE_PARAMS_BY_TYPE[spec.mamba_type]
         if not isinstance(params, expected):
             raise InvalidArgumentError(
                 f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "

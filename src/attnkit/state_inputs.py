@@ -22,6 +22,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 __all__ = [
     "GatedDeltaNetInputs",
     "LinearAttentionInputs",
+    "Mamba1Inputs",
     "Mamba2Inputs",
     "ShortConvInputs",
     "StateInputs",
@@ -44,6 +45,36 @@ def _check_tensors(owner: str, tensors: dict[str, object]) -> None:
                 f"{owner}.{name} must have the same rows and device as {first} "
                 f"({rows} on {device}), got {value.shape[0]} on {value.device}"
             )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Mamba1Inputs:
+    """A Mamba (1) layer's step: ``x [T, d_inner]``, the x half of ``in_proj``, before the conv.
+
+    The layer writes ``y [T, d_inner]``, the selective scan's output before the ``z``
+    gate: the model applies ``y * silu(z)`` and ``out_proj`` itself. ``dt``, ``B`` and
+    ``C`` are not inputs: Mamba (1) computes them from the *convolved* ``x`` (``x_proj``,
+    ``dt_proj``), which only exists inside the layer, so the backend applies those
+    projections (their weights are in ``Mamba1LayerParams``).
+    """
+
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_tensors(type(self).__name__, {"x": self.x})
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the layer's output."""
+        return self.x.dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -151,5 +182,7 @@ class ShortConvInputs:
         return self.b.dtype
 
 
-StateInputs = Mamba2Inputs | GatedDeltaNetInputs | LinearAttentionInputs | ShortConvInputs
+StateInputs = (
+    Mamba1Inputs | Mamba2Inputs | GatedDeltaNetInputs | LinearAttentionInputs | ShortConvInputs
+)
 """The input of any state layer; each ``mamba_type`` takes exactly one of these."""

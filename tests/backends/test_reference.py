@@ -940,8 +940,8 @@ def test_serves_every_kind_on_cpu(kind: KVCacheSpecKind) -> None:
                 ),
                 device=CPU,
             ),
-            "mamba_type=mamba1 not supported",
-            id="mamba1",
+            r"mamba1 shapes must be \(\(D, W-1\), \(D, N\)\), got \(\(4, 3\),\)",
+            id="mamba1-one-state",
         ),
         pytest.param(
             BackendRequest(
@@ -1496,7 +1496,8 @@ def test_mamba_impl_and_builder_reject_bad_layers() -> None:
     assert binding.impl_type is ReferenceStateImpl
     with pytest.raises(
         TypeError,
-        match=r"ReferenceStateImpl takes layer_params of type Mamba2LayerParams \| "
+        match=r"ReferenceStateImpl takes layer_params of type Mamba1LayerParams \| "
+        r"Mamba2LayerParams \| "
         r"GatedDeltaNetLayerParams \| LinearAttentionLayerParams \| ShortConvLayerParams, "
         r"got AttentionLayerParams",
     ):

@@ -16,6 +16,7 @@ from attnkit import (
     BackendRegistry,
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     MambaSpec,
     NoBackendError,
     select_backend,
@@ -26,6 +27,8 @@ from attnkit.backends.triton_state import (
     TritonGatedDeltaNetImpl,
     TritonLinearAttentionBackend,
     TritonLinearAttentionImpl,
+    TritonMamba1Backend,
+    TritonMamba1Impl,
     TritonMamba2Backend,
     TritonMamba2Impl,
     TritonShortConvBackend,
@@ -36,6 +39,7 @@ from attnkit.registry import BUILTIN_BACKENDS
 CPU = torch.device("cpu")
 CONFIG = AttentionConfig.model_validate({"max_num_reqs": 4}, context={"known_backends": []})
 BACKENDS = {
+    "mamba1": TritonMamba1Backend,
     "mamba2": TritonMamba2Backend,
     "gdn": TritonGatedDeltaNetBackend,
     "linear": TritonLinearAttentionBackend,
@@ -45,6 +49,7 @@ BACKENDS = {
 
 def spec(mamba_type: str, dtypes: tuple[torch.dtype, ...] | None = None) -> MambaSpec:
     shapes: dict[str, tuple[tuple[int, ...], ...]] = {
+        "mamba1": ((32, 3), (32, 16)),
         "mamba2": ((96, 3), (4, 16, 16)),
         "gdn": ((192, 3), (4, 16, 16)),
         "linear": ((4, 16, 16),),
@@ -76,6 +81,35 @@ def test_state_dtype_reason() -> None:
     assert reasons == ["mamba2 state dtype must be float32, got bfloat16"]
 
 
+def test_mamba1_state_dtype_reason_and_impl_checks() -> None:
+    reasons = TritonMamba1Backend.not_supported_reasons(
+        BackendRequest(spec=spec("mamba1", (torch.float32, torch.float16)), device=CPU)
+    )
+    assert reasons == ["mamba1 state dtype must be float32, got float16"]
+    params = Mamba1LayerParams(
+        d_inner=32,
+        d_state=16,
+        conv_weight=torch.zeros(32, 4),
+        x_proj_weight=torch.zeros(2 + 32, 32),
+        dt_proj_weight=torch.zeros(32, 2),
+        A=-torch.ones(32, 16),
+    )
+    TritonMamba1Impl(spec("mamba1"), params)  # the spec fits
+    with pytest.raises(
+        ValueError,
+        match=r"^TritonMamba1Impl: kv_cache_spec\.mamba_type must be 'mamba1', got 'mamba2'$",
+    ):
+        TritonMamba1Impl(spec("mamba2"), params)
+    wide = MambaSpec(
+        block_size=16, shapes=((32, 2), (32, 16)), dtypes=(torch.float32,) * 2, mamba_type="mamba1"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"TritonMamba1Impl: kv_cache_spec\.shapes must be layer_params\.state_shapes",
+    ):
+        TritonMamba1Impl(wide, params)
+
+
 def test_interpreter_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert TritonGatedDeltaNetBackend.not_supported_reasons(
@@ -90,6 +124,7 @@ def test_each_type_routes_to_its_backend_by_priority() -> None:
     config = AttentionConfig.model_validate({}, context={"registry": reg})
     order = {
         "cpu": (
+            "triton_mamba1",
             "triton_mamba2",
             "triton_gdn",
             "triton_linear_attn",

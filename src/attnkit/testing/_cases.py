@@ -24,6 +24,7 @@ from ..params import (
     GatedDeltaNetLayerParams,
     LayerParams,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
 )
@@ -45,6 +46,7 @@ from ..spec import (
 from ..state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
+    Mamba1Inputs,
     Mamba2Inputs,
     ShortConvInputs,
     StateInputs,
@@ -169,6 +171,20 @@ def _state_layer(
             chunk_size=8,
         )
         dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float32)
+    elif choice.mamba_type == "mamba1":
+        d_inner, d_state, rank = 16, 8, 2
+        params = Mamba1LayerParams(
+            d_inner=d_inner,
+            d_state=d_state,
+            conv_weight=_randn(gen, d_inner, 4, scale=0.5).to(device),
+            conv_bias=_randn(gen, d_inner, scale=0.1).to(device),
+            x_proj_weight=_randn(gen, rank + 2 * d_state, d_inner, scale=0.3).to(device),
+            dt_proj_weight=_randn(gen, d_inner, rank, scale=0.5).to(device),
+            dt_bias=_randn(gen, d_inner, scale=0.5).to(device),
+            A=-torch.rand(d_inner, d_state, generator=gen).add(0.5).to(device),
+            D=_randn(gen, d_inner).to(device),
+        )
+        dtypes = (torch.float32, torch.float32)
     elif choice.mamba_type == "gdn":
         heads, key_dim, value_dim = 2, 8, 8
         conv_dim = heads * (2 * key_dim + value_dim)
@@ -233,6 +249,8 @@ def _state_inputs(
 
     if choice.mamba_type == "mamba2":
         return {"xBC": t(n, 2 * 8 + 2 * 8), "dt": t(n, 2, scale=0.5)}
+    if choice.mamba_type == "mamba1":
+        return {"x": t(n, 16)}
     if choice.mamba_type == "gdn":
         return {
             "qkv": t(n, 2 * (2 * 8 + 8), scale=0.5),
@@ -251,6 +269,8 @@ def _state_inputs(
 def _as_state_inputs(choice: LayerChoice, tensors: dict[str, torch.Tensor]) -> StateInputs:
     if choice.mamba_type == "mamba2":
         return Mamba2Inputs(xBC=tensors["xBC"], dt=tensors["dt"])
+    if choice.mamba_type == "mamba1":
+        return Mamba1Inputs(x=tensors["x"])
     if choice.mamba_type == "gdn":
         return GatedDeltaNetInputs(qkv=tensors["qkv"], g=tensors["g"], beta=tensors["beta"])
     if choice.mamba_type == "linear":

@@ -18,6 +18,7 @@ from ...spec import (
     SlidingWindowMLASpec,
 )
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
+from .mamba1 import mamba1_spec_problems
 from .mamba2 import ReferenceStateBuilder, mamba2_spec_problems
 from .state import ReferenceStateImpl
 
@@ -27,7 +28,7 @@ __all__ = ["ReferenceBackend"]
 class ReferenceBackend(AttentionBackend):
     """Pure-torch kernels with float32 accumulation, written for clarity, not speed.
 
-    Serves every ``KVCacheSpecKind`` (state layers of types ``mamba2``, ``gdn``,
+    Serves every ``KVCacheSpecKind`` (state layers of types ``mamba1``, ``mamba2``, ``gdn``,
     ``linear`` and ``short_conv``) with any head size and block size, on CPU and CUDA. Other backends are tested against it.
     """
 
@@ -47,7 +48,7 @@ class ReferenceBackend(AttentionBackend):
         }
     )
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(
-        {"mamba2", "gdn", "linear", "short_conv"}
+        {"mamba1", "mamba2", "gdn", "linear", "short_conv"}
     )
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),
@@ -60,6 +61,8 @@ class ReferenceBackend(AttentionBackend):
         spec = request.spec
         if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
             return mamba2_spec_problems(spec)
+        if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
+            return mamba1_spec_problems(spec)
         if isinstance(
             spec, MLAAttentionSpec | SlidingWindowMLASpec
         ) and spec.kv_cache_dtype.startswith("fp8"):

@@ -23,6 +23,7 @@ from ...kernels.torch.short_conv import short_conv_varlen
 from ...params import (
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     ShortConvLayerParams,
     StateLayerParams,
     check_state_shapes,
@@ -35,6 +36,7 @@ from ...state_inputs import (
     StateInputs,
 )
 from ._checks import check_tensor
+from .mamba1 import ReferenceMamba1Impl
 from .mamba2 import ReferenceMamba2Impl, ReferenceStateMetadata
 
 __all__ = [
@@ -241,6 +243,8 @@ class ReferenceStateImpl(StateImpl[ReferenceStateMetadata, StateLayerParams, Sta
             self._core = ReferenceLinearAttentionImpl(kv_cache_spec, layer_params)
         elif isinstance(layer_params, ShortConvLayerParams):
             self._core = ReferenceShortConvImpl(kv_cache_spec, layer_params)
+        elif isinstance(layer_params, Mamba1LayerParams):
+            self._core = ReferenceMamba1Impl(kv_cache_spec, layer_params)
         else:
             self._core = ReferenceMamba2Impl(kv_cache_spec, layer_params)
 

@@ -1,6 +1,7 @@
-"""Triton backends for Mamba2, Gated DeltaNet, linear attention and short conv layers.
+"""Triton backends for Mamba (1), Mamba2, Gated DeltaNet, linear attention and short
+conv layers.
 
-One builder serves all four: its metadata carries each request's state block
+One builder serves all five: its metadata carries each request's state block
 (``state_indices``, column 0 of the block table), whether it continues from a cached
 state (``has_initial_state``), and the decode/prefill split of a decodes-first batch
 (``reorder_batch_threshold = 1``), with the prefill part's offsets rebased to 0 so the
@@ -28,10 +29,12 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
 from ...kernels.torch.gated_delta import l2_normalize
+from ...kernels.torch.mamba1 import mamba1_projections
 from ...metadata import CommonAttentionMetadata
 from ...params import (
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
+    Mamba1LayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
     check_state_shapes,
@@ -40,6 +43,7 @@ from ...spec import MambaSpec, MambaType
 from ...state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
+    Mamba1Inputs,
     Mamba2Inputs,
     ShortConvInputs,
 )
@@ -50,6 +54,8 @@ __all__ = [
     "TritonGatedDeltaNetImpl",
     "TritonLinearAttentionBackend",
     "TritonLinearAttentionImpl",
+    "TritonMamba1Backend",
+    "TritonMamba1Impl",
     "TritonMamba2Backend",
     "TritonMamba2Impl",
     "TritonShortConvBackend",
@@ -171,7 +177,7 @@ class TritonStateMetadataBuilder(AttentionMetadataBuilder[TritonStateMetadata, M
 
 
 class _ConvMixin:
-    """The SiLU causal conv shared by Mamba2 and Gated DeltaNet layers."""
+    """The SiLU causal conv shared by Mamba (1), Mamba2 and Gated DeltaNet layers."""
 
     def _load_conv(self) -> None:
         # Imported here: importing the backend must not import triton.
@@ -183,7 +189,7 @@ class _ConvMixin:
     def _conv(
         self,
         x: torch.Tensor,
-        p: Mamba2LayerParams | GatedDeltaNetLayerParams,
+        p: Mamba1LayerParams | Mamba2LayerParams | GatedDeltaNetLayerParams,
         conv_states: torch.Tensor,
         md: TritonStateMetadata,
     ) -> torch.Tensor:
@@ -214,6 +220,86 @@ class _ConvMixin:
                 out=out[nd:],
             )
         return out
+
+
+class TritonMamba1Impl(
+    _ConvMixin, StateImpl[TritonStateMetadata, Mamba1LayerParams, Mamba1Inputs]
+):
+    """Mamba (1) (Gu & Dao 2023, arXiv:2312.00752): causal conv1d (SiLU), then
+    ``x_proj``/``dt_proj`` on the convolved ``x`` (torch matmuls), then the selective
+    scan (prefills) or its one-token update (decodes), states in the cache.
+
+    ``forward(Mamba1Inputs(x [T, D])) -> y [T, D]``, before the model's ``z`` gate.
+    """
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba1LayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        who = type(self).__name__
+        if kv_cache_spec.mamba_type != "mamba1":
+            raise ValueError(
+                f"{who}: kv_cache_spec.mamba_type must be 'mamba1', got {kv_cache_spec.mamba_type!r}"
+            )
+        check_state_shapes(who, kv_cache_spec, layer_params)
+        self._load_conv()
+        from ...kernels.triton.mamba1 import selective_scan_update, selective_scan_varlen
+
+        self._scan_update = selective_scan_update
+        self._scan = selective_scan_varlen
+
+    @override
+    def forward(
+        self,
+        inputs: Mamba1Inputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonStateMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md, p = attn_metadata, self.layer_params
+        nd, n = md.num_decode_tokens, md.num_actual_tokens
+        dec = slice(0, md.num_decodes)
+        pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
+        conv_states, ssm_states = kv_cache
+        u = self._conv(inputs.x, p, conv_states, md)
+        dt, b, c = mamba1_projections(
+            u,
+            p.x_proj_weight,
+            p.dt_proj_weight,
+            dt_norm_weight=p.dt_norm_weight,
+            B_norm_weight=p.B_norm_weight,
+            C_norm_weight=p.C_norm_weight,
+            norm_eps=p.norm_eps,
+        )
+        if md.num_decodes:
+            self._scan_update(
+                u[:nd],
+                dt[:nd],
+                p.A,
+                b[:nd],
+                c[:nd],
+                D=p.D,
+                dt_bias=p.dt_bias,
+                dt_softplus=p.dt_softplus,
+                ssm_states=ssm_states,
+                state_indices=md.state_indices[dec],
+                out=output[:nd],
+            )
+        if md.num_prefills:
+            self._scan(
+                u[nd:],
+                dt[nd:],
+                p.A,
+                b[nd:],
+                c[nd:],
+                D=p.D,
+                dt_bias=p.dt_bias,
+                dt_softplus=p.dt_softplus,
+                ssm_states=ssm_states,
+                out=output[nd:n],
+                query_start_loc=md.prefill_query_start_loc,
+                state_indices=md.state_indices[pre],
+                has_initial_state=md.has_initial_state[pre],
+            )
+        return output
 
 
 class TritonMamba2Impl(
@@ -484,7 +570,7 @@ class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, S
 
 
 class _TritonStateBackend(AttentionBackend):
-    """Shared declarations of the four state backends."""
+    """Shared declarations of the five state backends."""
 
     supported_devices = frozenset({"cpu", "cuda"})
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
@@ -506,6 +592,13 @@ class _TritonStateBackend(AttentionBackend):
                     f"{spec.mamba_type} state dtype must be float32, got {dtype_name(last)}"
                 ]
         return []
+
+
+class TritonMamba1Backend(_TritonStateBackend):
+    name = "triton_mamba1"
+    description = "Triton Mamba (1): causal conv1d + selective scan / one-token update"
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset({"mamba1"})
+    builders = (bind_builder(MambaSpec, TritonStateMetadataBuilder, TritonMamba1Impl),)
 
 
 class TritonMamba2Backend(_TritonStateBackend):
