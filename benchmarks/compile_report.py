@@ -309,6 +309,28 @@ def run_mamba2(p: dict[str, Any]) -> None:
         mamba2.selective_state_update(x, dt, a, bc, bc.clone(), state_indices=_i32([0]), **common)
 
 
+def run_mamba1(p: dict[str, Any]) -> None:
+    from attnkit.kernels.triton import mamba1
+
+    dtype, d, n = DT[p["dtype"]], p["channels"], p["state"]
+    t = p["tokens"] if p["mode"] == "varlen" else 1
+    x = torch.zeros(t, d, dtype=dtype)
+    bc = torch.zeros(t, n, dtype=dtype)
+    common: dict[str, Any] = {
+        "D": torch.ones(d),
+        "dt_bias": torch.zeros(d),
+        "dt_softplus": True,
+        "ssm_states": torch.zeros(2, d, n),
+    }
+    a = -torch.ones(d, n)
+    if p["mode"] == "varlen":
+        mamba1.selective_scan_varlen(x, x.clone(), a, bc, bc.clone(), **common, **_varlen(t))
+    else:
+        mamba1.selective_scan_update(
+            x, x.clone(), a, bc, bc.clone(), state_indices=_i32([0]), **common
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # kernel family, the row group of the report
@@ -479,6 +501,21 @@ FAMILIES: tuple[Family, ...] = (
             value=(128, 256),
             chunk=(32, 64, 128),
             tokens=(128,),
+        ),
+    ),
+    Family(
+        "mamba1",
+        "mamba1",
+        run_mamba1,
+        default=_grid(
+            mode=("varlen", "update"), dtype=("bf16",), channels=(8192,), state=(16,), tokens=(64,)
+        ),
+        full=_grid(
+            mode=("varlen", "update"),
+            dtype=("fp16", "bf16", "fp32"),
+            channels=(8192,),
+            state=(16, 64, 256),
+            tokens=(64,),
         ),
     ),
     Family(
