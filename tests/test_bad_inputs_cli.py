@@ -123,7 +123,7 @@ CASES = [
             error="unrecognized arguments: --mod (plan takes --backend, "
             "--backend-per-kind, --block-size, --capability, --debug, --device, --dtype, "
             "--example, --gpu-memory, --json, --kv-cache-dtype, --max-model-len, "
-            "--max-num-batched-tokens, --model, --num-blocks, --report-only, --strict)",
+            "--max-num-batched-tokens, --model, --num-blocks, --report-only, --state-dtype, --strict)",
         ),
         id="plan-abbreviated-model",
     ),

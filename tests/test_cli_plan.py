@@ -146,27 +146,27 @@ def test_qwen3_next_hybrid_scales_attention_blocks() -> None:
     gdn, attention = plan.groups
     assert (gdn.group.kind.value, attention.group.kind.value) == ("mamba", "full_attention")
     assert (len(gdn.group.layer_names), len(attention.group.layer_names)) == (36, 12)
-    # Gated DeltaNet state, bf16: conv (2*16*128 + 32*128 = 8192, 4 - 1) = 49152 B,
-    # delta-rule state (32, 128, 128) = 1048576 B; together 1097728 B
-    assert plan.state_bytes_per_request == 36 * 1097728  # = 39518208
+    # Gated DeltaNet state: conv (2*16*128 + 32*128 = 8192, 4 - 1) in bf16 = 49152 B,
+    # delta-rule state (32, 128, 128) in float32 = 2097152 B; together 2146304 B
+    assert plan.state_bytes_per_request == 36 * 2146304  # = 77266944
     # attention page 2 * 16 * 2 KV heads * 256 * 2 = 32768 B; the smallest multiple
-    # holding the state: 32768 * ceil(1097728 / 32768) = 32768 * 34 = 1114112
-    assert plan.page_size_bytes == 1114112
-    # so attention blocks hold 16 * 34 tokens
-    assert attention.group.spec.block_size == 544
+    # holding the state: 32768 * ceil(2146304 / 32768) = 32768 * 66 = 2162688
+    assert plan.page_size_bytes == 2162688
+    # so attention blocks hold 16 * 66 tokens
+    assert attention.group.spec.block_size == 1056
     assert attention.group.original_spec.block_size == 16
-    # 36 buffers (the largest group) * 1114112
-    assert plan.bytes_per_block == 40108032
+    # 36 buffers (the largest group) * 2162688
+    assert plan.bytes_per_block == 77856768
     # 12 layers * 2 * 2 * 256 * 2
     assert plan.kv_bytes_per_token == 24576
-    # 85899345920 // 40108032
-    assert plan.num_blocks == 2141
-    # ceil(262144 / 544) = 482 attention blocks + 1 state block
-    assert (attention.blocks_per_request, gdn.blocks_per_request) == (482, 1)
-    # 2140 // 483
+    # 85899345920 // 77856768
+    assert plan.num_blocks == 1103
+    # ceil(262144 / 1056) = 249 attention blocks + 1 state block
+    assert (attention.blocks_per_request, gdn.blocks_per_request) == (249, 1)
+    # 1102 // 250
     assert plan.max_concurrency == 4
-    # 2140 * 262144 // 483
-    assert plan.tokens_that_fit == 1161466
+    # 1102 * 262144 // 250
+    assert plan.tokens_that_fit == 1155530
 
 
 def test_num_blocks_instead_of_memory() -> None:
@@ -387,7 +387,7 @@ def test_cli_text_report_shows_windows_and_scaled_blocks() -> None:
         "  model.layers.0.linear_attn   mamba           gdn    -       -      0      reference\n"
         in text
     )
-    assert "  group 1: block size 544 (declared 16, scaled to the unified page)" in text
+    assert "  group 1: block size 1056 (declared 16, scaled to the unified page)" in text
     status, text, _ = run(
         [
             "plan",
@@ -477,14 +477,19 @@ def test_cli_block_size_option() -> None:
 
 
 def test_cli_unserved_state_layers_exit_1() -> None:
-    """Jamba's Mamba (1) layers in bfloat16 have no backend here (the reference keeps SSM
-    states in float32 only): exit 1 with the reasons."""
-    status, text, err = run(["plan", str(CONFIGS / "jamba-v0.1.json")])
+    """Jamba's Mamba (1) layers with a bfloat16 SSM state have no backend here (the
+    state backends keep SSM states in float32 only): exit 1 with the reasons. With the
+    default float32 state they are served."""
+    jamba = str(CONFIGS / "jamba-v0.1.json")
+    status, text, err = run(["plan", jamba, "--state-dtype", "bfloat16"])
     assert status == 1
     assert "mamba1 ssm state dtype (dtypes[1]) must be float32, got bfloat16" in text
     assert err.startswith("attnkit plan: error: no backend for 1 of 2 layer group(s): ")
-    status, _, err = run(["plan", str(CONFIGS / "jamba-v0.1.json"), "--report-only"])
+    status, _, err = run(["plan", jamba, "--state-dtype", "bfloat16", "--report-only"])
     assert (status, err) == (0, "")
+    status, text, err = run(["plan", jamba])
+    assert (status, err) == (0, "")
+    assert "  model.layers.0.mamba" in text
 
 
 # --------------------------------------------------------------------------- errors

@@ -200,11 +200,17 @@ def test_qwen3_next_gated_deltanet_with_full_attention_every_4th() -> None:
     # conv over q, k, v: 2 * 16 key heads * 128 + 32 value heads * 128 = 8192 channels,
     # width 4 -> 3 kept; delta-rule state per value head: (32, 128, 128).
     assert gdn.spec.shapes == ((8192, 3), (32, 128, 128))
-    assert gdn.spec.dtypes == (BF16, BF16)
+    # conv state in the model dtype, the recurrent state in float32 (state_dtype)
+    assert gdn.spec.dtypes == (BF16, torch.float32)
     # 12 attention layers * 2 * 2 * 256 * 2 = 24576
     assert layout.kv_bytes_per_token() == 24576
-    # bytes per request: 36 layers * (8192*3 + 32*128*128) * 2 = 36 * 548864 * 2 = 39518208
-    assert layout.state_bytes_per_request() == 39518208
+    # bytes per request: 36 layers * (8192*3*2 + 32*128*128*4) = 36 * 2146304 = 77266944
+    assert layout.state_bytes_per_request() == 77266944
+    # with state_dtype=bf16 (what some engines keep): 36 * (8192*3 + 32*128*128) * 2
+    narrow = layout_from_hf_config(
+        FIXTURES / "qwen3-next-80b-a3b-instruct.json", state_dtype=torch.bfloat16
+    )
+    assert narrow.state_bytes_per_request() == 39518208
     # GatedDeltaNetLayerParams has one head count; 16 key heads != 32 value heads.
     with pytest.raises(InvalidArgumentError, match="num_key_heads=16 and num_value_heads=32"):
         gdn.state_params(conv_weight=torch.zeros(8192, 4))

@@ -471,6 +471,7 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
             dtype=dtype,
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            state_dtype=_DTYPES[args.state_dtype],
         )
         source = args.config
         title = f"model {model.model_type} ({args.config})"
@@ -481,6 +482,7 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
             for option, value, default in (
                 ("--block-size", args.block_size, 16),
                 ("--kv-cache-dtype", args.kv_cache_dtype, "auto"),
+                ("--state-dtype", args.state_dtype, "float32"),
             )
             if value != default
         ]
@@ -664,6 +666,13 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="attention cache storage dtype (CONFIG only; default auto: the model dtype)",
+    )
+    plan.add_argument(
+        "--state-dtype",
+        choices=sorted(_DTYPES),
+        default="float32",
+        help="recurrent-state dtype of state layers (CONFIG only; default float32, what "
+        "the built-in state backends keep); conv states take the model dtype",
     )
     plan.add_argument(
         "--block-size",

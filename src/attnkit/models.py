@@ -664,8 +664,15 @@ class _Config:
 class _Builder:
     """Builds ``LayerInfo`` records for one call (dtype, block size, cache dtype fixed)."""
 
-    def __init__(self, dtype: torch.dtype, block_size: int, kv_cache_dtype: KVCacheDType) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        block_size: int,
+        kv_cache_dtype: KVCacheDType,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.dtype = dtype
+        self.state_dtype = state_dtype
         self.block_size = block_size
         self.kv_cache_dtype: KVCacheDType = kv_cache_dtype
 
@@ -754,7 +761,13 @@ class _Builder:
         spec = MambaSpec(
             block_size=self.block_size,
             shapes=shapes,
-            dtypes=(self.dtype,) * len(shapes),
+            # Conv states in the model dtype; the recurrent state (the last shape) in
+            # state_dtype. Short conv has only conv states.
+            dtypes=(
+                (self.dtype,) * len(shapes)
+                if mamba_type == "short_conv"
+                else (self.dtype,) * (len(shapes) - 1) + (self.state_dtype,)
+            ),
             mamba_type=mamba_type,
         )
         return LayerInfo(spec=spec, state=dims, use_rope=False)
@@ -1497,6 +1510,7 @@ def layout_from_hf_config(
     dtype: torch.dtype | None = None,
     block_size: int = 16,
     kv_cache_dtype: KVCacheDType = "auto",
+    state_dtype: torch.dtype = torch.float32,
 ) -> ModelLayout:
     """Read a Hugging Face ``config.json`` into attnkit layer specs.
 
@@ -1509,6 +1523,11 @@ def layout_from_hf_config(
             no dtype is asked for.
         block_size: tokens per cache block of every layer.
         kv_cache_dtype: the attention layers' cache storage dtype.
+        state_dtype: the dtype of the recurrent state of state layers (the SSM state of
+            Mamba1/Mamba2, the delta-rule and linear-attention states), which
+            accumulates over the whole sequence: float32 by default, what every built-in
+            state backend keeps. Conv states (and short-conv layers) take the model
+            dtype.
 
     Returns:
         A ``ModelLayout``: one entry per cached sub-layer, in model order, named after
@@ -1555,7 +1574,14 @@ def layout_from_hf_config(
         if found is None:
             found = cfg.dtype()
         dtype = found if found is not None else torch.float32
-    builder = _Builder(dtype, block_size, kv_cache_dtype)
+    given_state: object = state_dtype
+    if not isinstance(given_state, torch.dtype) or given_state not in MODEL_DTYPES:
+        supported = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
+        raise InvalidArgumentError(
+            f"layout_from_hf_config: state_dtype must be a torch.dtype among ({supported}), "
+            f"got {state_dtype!r}"
+        )
+    builder = _Builder(dtype, block_size, kv_cache_dtype, state_dtype)
     layers: dict[str, LayerInfo] = {}
     for name, info in family(cfg, builder):
         layers[name] = info
