@@ -236,8 +236,10 @@ def run_gated_delta(p: dict[str, Any]) -> None:
     from attnkit.kernels.triton import gated_delta
 
     dtype, h, k, v = DT[p["dtype"]], 2, p["key"], p["value"]
+    # key_heads < h: value heads share key heads (Qwen3-Next: 16 key, 32 value heads).
+    hk = p.get("key_heads", h)
     t = p["tokens"] if p["mode"] == "varlen" else 1
-    q = torch.zeros(t, h, k, dtype=dtype)
+    q = torch.zeros(t, hk, k, dtype=dtype)
     vv = torch.zeros(t, h, v, dtype=dtype)
     g = torch.zeros(t, h, dtype=dtype)
     states = torch.zeros(2, h, k, v)
@@ -472,6 +474,7 @@ FAMILIES: tuple[Family, ...] = (
             value=(128,),
             chunk=(64,),
             tokens=(128,),
+            key_heads=(1, 2),
         ),
         full=_grid(
             mode=("varlen", "update"),
@@ -480,6 +483,7 @@ FAMILIES: tuple[Family, ...] = (
             value=(128,),
             chunk=(16, 32, 64),
             tokens=(128,),
+            key_heads=(1, 2),
         ),
     ),
     Family(

@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 
 from attnkit.kernels.torch import attention as t_attn
 from attnkit.kernels.torch import conv1d as t_conv
+from attnkit.kernels.torch import gated_delta as t_gdn
 from attnkit.kernels.torch import mamba2 as t_ssm
 from attnkit.kernels.torch import merge as t_merge
 from attnkit.kernels.triton import conv1d as tr_conv
@@ -224,6 +225,39 @@ def _gdn_chunk() -> Kwargs:
     }
 
 
+def _gdn_chunk_shared_heads() -> Kwargs:
+    """Hk = 2 query/key heads shared by H = 4 value heads (as Qwen3-Next, at 16/32)."""
+    qk = torch.nn.functional.normalize(_rand(2, 4, 2, 16), dim=-1)
+    return {
+        "q": qk[0],
+        "k": qk[1],
+        "v": _rand(4, 4, 16),
+        "g": -_rand(4, 4).abs(),
+        "beta": _rand(4, 4).sigmoid(),
+        "scale": 0.25,
+        "states": _full(3, 4, 16, 16),
+        **_varlen_meta(),
+        "chunk_size": 16,
+        "out": _full(4, 4, 16),
+    }
+
+
+def _gdn_decode_shared_heads() -> Kwargs:
+    """Hk = 2, H = 4 for one decode step of two requests."""
+    qk = torch.nn.functional.normalize(_rand(2, 2, 2, 16), dim=-1)
+    return {
+        "q": qk[0],
+        "k": qk[1],
+        "v": _rand(2, 4, 16),
+        "g": -_rand(2, 4).abs(),
+        "beta": _rand(2, 4).sigmoid(),
+        "scale": 0.25,
+        "states": _full(3, 4, 16, 16),
+        "state_indices": _i32([0, 2]),
+        "out": _full(2, 4, 16),
+    }
+
+
 def _gdn_decode() -> Kwargs:
     qk = torch.nn.functional.normalize(_rand(2, 2, 2, 16), dim=-1)
     return {
@@ -319,6 +353,22 @@ LAUNCHERS: dict[str, tuple[Callable[..., object], Callable[[], Kwargs]]] = {
     "fused_recurrent_gated_delta_rule_update": (
         tr_gdn.fused_recurrent_gated_delta_rule_update,
         _gdn_decode,
+    ),
+    "chunk_gated_delta_rule_varlen.shared_heads": (
+        tr_gdn.chunk_gated_delta_rule_varlen,
+        _gdn_chunk_shared_heads,
+    ),
+    "fused_recurrent_gated_delta_rule_update.shared_heads": (
+        tr_gdn.fused_recurrent_gated_delta_rule_update,
+        _gdn_decode_shared_heads,
+    ),
+    "torch.chunk_gated_delta_rule_varlen.shared_heads": (
+        t_gdn.chunk_gated_delta_rule_varlen,
+        _gdn_chunk_shared_heads,
+    ),
+    "torch.fused_recurrent_gated_delta_rule_update.shared_heads": (
+        t_gdn.fused_recurrent_gated_delta_rule_update,
+        _gdn_decode_shared_heads,
     ),
     "chunk_linear_attention_varlen": (tr_la.chunk_linear_attention_varlen, _la_chunk),
     "linear_attention_decode": (tr_la.linear_attention_decode, _la_decode),
@@ -942,6 +992,81 @@ CASES = [
         VE,
         r"g: expected shape \[T, H\] = \[4, 2\], got \[4, 1\]",
         id="gdn-g-heads",
+    ),
+    # Shared key heads: v, g, beta and states have H heads, a multiple of q/k's Hk.
+    pytest.param(
+        "chunk_gated_delta_rule_varlen",
+        _set(v=_rand(4, 3, 16)),
+        VE,
+        r"v: expected a head count H that is a multiple of the key heads Hk = 2 of q and k, "
+        r"got H = 3",
+        id="gdn-v-heads-not-multiple-of-key-heads",
+    ),
+    pytest.param(
+        "chunk_gated_delta_rule_varlen",
+        _set(k=_from("k", lambda t: t[:, :1])),
+        VE,
+        r"k: expected shape \[T, Hk, K\] = \[4, 2, 16\], got \[4, 1, 16\]",
+        id="gdn-k-heads-differ-from-q",
+    ),
+    pytest.param(
+        "chunk_gated_delta_rule_varlen.shared_heads",
+        _set(v=_rand(4, 5, 16)),
+        VE,
+        r"v: expected a head count H that is a multiple of the key heads Hk = 2 of q and k, "
+        r"got H = 5",
+        id="gdn-shared-v-heads-5-of-2",
+    ),
+    pytest.param(
+        "chunk_gated_delta_rule_varlen.shared_heads",
+        _set(states=_full(3, 2, 16, 16)),
+        VE,
+        r"states: expected shape \[S, H, K, V\] = \[\*, 4, 16, 16\], got \[3, 2, 16, 16\]",
+        id="gdn-shared-states-with-key-heads",
+    ),
+    pytest.param(
+        "chunk_gated_delta_rule_varlen.shared_heads",
+        _set(beta=_from("beta", lambda t: t[:, :2])),
+        VE,
+        r"beta: expected shape \[T, H\] = \[4, 4\], got \[4, 2\]",
+        id="gdn-shared-beta-with-key-heads",
+    ),
+    pytest.param(
+        "torch.chunk_gated_delta_rule_varlen.shared_heads",
+        _set(q=_from("q", lambda t: t[:, :1])),
+        VE,
+        r"k: expected shape \[T, Hk, K\] = \[4, 1, 16\], got \[4, 2, 16\]",
+        id="torch-gdn-shared-q-heads-differ-from-k",
+    ),
+    pytest.param(
+        "torch.chunk_gated_delta_rule_varlen.shared_heads",
+        _set(v=_rand(4, 3, 16)),
+        VE,
+        r"v: expected a head count H that is a multiple of the key heads Hk = 2 of q and k, "
+        r"got H = 3",
+        id="torch-gdn-shared-v-heads-not-multiple",
+    ),
+    pytest.param(
+        "fused_recurrent_gated_delta_rule_update.shared_heads",
+        _set(v=_rand(2, 3, 16)),
+        VE,
+        r"v: expected a head count H that is a multiple of the key heads Hk = 2 of q and k, "
+        r"got H = 3",
+        id="gdn-decode-shared-v-heads-not-multiple",
+    ),
+    pytest.param(
+        "fused_recurrent_gated_delta_rule_update.shared_heads",
+        _set(k=_from("k", lambda t: t[:, :1])),
+        VE,
+        r"k: expected shape \[B, Hk, K\] = \[2, 2, 16\], got \[2, 1, 16\]",
+        id="gdn-decode-shared-k-heads-differ-from-q",
+    ),
+    pytest.param(
+        "torch.fused_recurrent_gated_delta_rule_update.shared_heads",
+        _set(g=_from("g", lambda t: t[:, :2])),
+        VE,
+        r"g: expected shape \[B, H\] = \[2, 4\], got \[2, 2\]",
+        id="torch-gdn-decode-shared-g-with-key-heads",
     ),
     pytest.param(
         "fused_recurrent_gated_delta_rule_update",

@@ -211,9 +211,73 @@ def test_qwen3_next_gated_deltanet_with_full_attention_every_4th() -> None:
         FIXTURES / "qwen3-next-80b-a3b-instruct.json", state_dtype=torch.bfloat16
     )
     assert narrow.state_bytes_per_request() == 39518208
-    # GatedDeltaNetLayerParams has one head count; 16 key heads != 32 value heads.
-    with pytest.raises(InvalidArgumentError, match="num_key_heads=16 and num_value_heads=32"):
-        gdn.state_params(conv_weight=torch.zeros(8192, 4))
+    assert gdn.state == GatedDeltaNetDims(
+        num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128, conv_kernel=4
+    )
+    # 16 key heads, each shared by 32 / 16 = 2 value heads: the parameters keep both counts.
+    params = gdn.state_params(conv_weight=torch.zeros(8192, 4))
+    assert isinstance(params, GatedDeltaNetLayerParams)
+    assert (params.num_heads, params.num_key_heads, params.key_heads) == (32, 16, 16)
+    assert (params.key_dim, params.value_dim) == (128, 128)
+    # C = 2 * Hk * K + Hv * V = 2 * 16 * 128 + 32 * 128 = 4096 + 4096 = 8192
+    assert params.conv_dim == 8192
+    assert params.state_shapes == ((8192, 3), (32, 128, 128)) == gdn.spec.shapes
+    # g / beta [T, Hv], o [T, Hv, V]
+    assert params.output_shape(5) == (5, 32, 128)
+    # A conv weight sized for equal heads (3 * 32 * 128 channels) is refused.
+    with pytest.raises(InvalidArgumentError, match=r"conv_weight must be \[channels=8192"):
+        gdn.state_params(conv_weight=torch.zeros(12288, 4))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 3, True, 2.0, "2"], ids=repr)
+def test_gdn_params_reject_bad_num_key_heads(bad: object) -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"GatedDeltaNetLayerParams\.num_key_heads must be None or a positive int "
+        r"dividing num_heads=4, got ",
+    ):
+        GatedDeltaNetLayerParams(
+            num_heads=4,
+            num_key_heads=bad,  # type: ignore[arg-type]  # the bad value under test
+            key_dim=8,
+            value_dim=8,
+            conv_weight=torch.zeros(64, 4),
+        )
+    # None and every divisor are fine: C = 2 * Hk * 8 + 4 * 8.
+    for hk, channels in ((None, 96), (4, 96), (2, 64), (1, 48)):
+        params = GatedDeltaNetLayerParams(
+            num_heads=4,
+            num_key_heads=hk,
+            key_dim=8,
+            value_dim=8,
+            conv_weight=torch.zeros(channels, 4),
+        )
+        assert params.conv_dim == channels
+        assert params.state_shapes[1] == (4, 8, 8)
+
+
+def test_gdn_value_heads_must_be_a_multiple_of_key_heads() -> None:
+    config = {
+        "model_type": "qwen3_next",
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 3,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    }
+    gdn = layout_from_hf_config(config).layers["model.layers.0.linear_attn"]
+    # C = 2 * 3 * 8 + 4 * 8 = 80
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"GatedDeltaNetLayerParams\.num_key_heads must be None or a positive int "
+        r"dividing num_heads=4, got 3",
+    ):
+        gdn.state_params(conv_weight=torch.zeros(80, 4))
 
 
 def test_jamba_mamba1_with_attention_at_offset_4_of_8() -> None:

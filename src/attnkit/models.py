@@ -333,9 +333,9 @@ class LayerInfo:
 
         Raises:
             InvalidArgumentError: for an attention layer, a Mamba (1) layer whose
-                ``dt_proj_weight`` has not the config's ``dt_rank``, a Gated DeltaNet layer whose key and value head counts differ
-                (``GatedDeltaNetLayerParams`` has one head count), a missing weight, or a
-                weight of another type's.
+                ``dt_proj_weight`` has not the config's ``dt_rank``, a Gated DeltaNet layer
+                whose value head count is not a multiple of its key head count, a missing
+                weight, or a weight of another type's.
         """
         dims = self.state
         if dims is None:
@@ -398,14 +398,11 @@ class LayerInfo:
                 params = dataclasses.replace(params, chunk_size=dims.chunk_size)
         elif isinstance(dims, GatedDeltaNetDims):
             _only(given, {"conv_weight", "conv_bias"}, "gdn")
-            if dims.num_key_heads != dims.num_value_heads:
-                raise InvalidArgumentError(
-                    f"state_params: GatedDeltaNetLayerParams takes one head count, but this "
-                    f"layer has num_key_heads={dims.num_key_heads} and "
-                    f"num_value_heads={dims.num_value_heads}"
-                )
+            # num_heads is the value (state) head count; q/k have num_key_heads heads,
+            # each shared by num_value_heads // num_key_heads value heads.
             params = GatedDeltaNetLayerParams(
                 num_heads=dims.num_value_heads,
+                num_key_heads=dims.num_key_heads,
                 key_dim=dims.key_head_dim,
                 value_dim=dims.value_head_dim,
                 conv_weight=_needed(conv_weight, "conv_weight", "gdn"),

@@ -378,13 +378,19 @@ class Mamba1LayerParams:
 class GatedDeltaNetLayerParams:
     """A Gated DeltaNet layer's core: short conv over q/k/v, then the gated delta rule.
 
-    Letters: H heads, K key dim, V value dim, W conv width, C = 2*H*K + H*V.
+    Letters: H value heads (= state and output heads), Hk key heads (q and k; H is a
+    multiple of Hk), K key dim, V value dim, W conv width, C = 2*Hk*K + H*V.
     Its layers take ``GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])`` (qkv:
-    q, k, v concatenated, before the conv; g: log decay, <= 0) and write ``o [T, H, V]``. After the conv (SiLU) q and k are L2-normalised per head, as
-    Gated DeltaNet layers do (Yang et al. 2025).
+    q ``[T, Hk*K]``, k ``[T, Hk*K]`` and v ``[T, H*V]`` concatenated in that order, before
+    the conv; g: log decay, <= 0) and write ``o [T, H, V]``. After the conv (SiLU) q and
+    k are L2-normalised per key head, as Gated DeltaNet layers do (Yang et al. 2025).
+    Value head ``h`` reads query/key head ``h // (H // Hk)``: each key head serves
+    ``H // Hk`` consecutive value heads (Qwen3-Next: Hk = 16, H = 32).
 
     Attributes:
         num_heads, key_dim, value_dim: H, K, V.
+        num_key_heads: Hk, a positive divisor of ``num_heads``; ``None`` means
+            ``num_heads`` (one key head per value head).
         conv_weight: ``[C, W]``; conv_bias ``[C]`` or ``None``.
         scale: multiplies ``S^T q``; ``None`` means ``K ** -0.5``.
         chunk_size: chunk length of the prefill algorithm.
@@ -396,6 +402,7 @@ class GatedDeltaNetLayerParams:
     key_dim: int
     value_dim: int
     conv_weight: torch.Tensor
+    num_key_heads: int | None = None
     conv_bias: torch.Tensor | None = None
     scale: float | None = None
     chunk_size: int = 64
@@ -403,11 +410,23 @@ class GatedDeltaNetLayerParams:
     def __post_init__(self) -> None:
         owner = type(self).__name__
         _check_state_params(owner, self, ("num_heads", "key_dim", "value_dim", "chunk_size"))
+        hk = self.num_key_heads
+        if hk is not None and (not is_positive_int(hk) or self.num_heads % hk):
+            raise InvalidArgumentError(
+                f"{owner}.num_key_heads must be None or a positive int dividing "
+                f"num_heads={self.num_heads}, got {hk!r}"
+            )
         _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.conv_dim)
 
     @property
+    def key_heads(self) -> int:
+        """Hk: ``num_key_heads``, or ``num_heads`` when it is ``None``."""
+        return self.num_heads if self.num_key_heads is None else self.num_key_heads
+
+    @property
     def conv_dim(self) -> int:
-        return self.num_heads * (2 * self.key_dim + self.value_dim)
+        """C = 2*Hk*K + H*V."""
+        return 2 * self.key_heads * self.key_dim + self.num_heads * self.value_dim
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:

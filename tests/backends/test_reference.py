@@ -35,6 +35,7 @@ from attnkit import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     GatedDeltaNetInputs,
+    GatedDeltaNetLayerParams,
     KVCacheSpec,
     KVCacheSpecKind,
     Mamba2Inputs,
@@ -812,6 +813,142 @@ MAMBA_CASES = [
 @pytest.mark.parametrize("case", MAMBA_CASES)
 def test_mamba2_matches_token_by_token_recurrence(case: MambaCase) -> None:
     run_mamba_case(case)
+
+
+# ----------------------------------------------------------------------------------
+# Gated DeltaNet with fewer key heads than value heads (Qwen3-Next)
+# ----------------------------------------------------------------------------------
+
+
+def gdn_oracle(
+    p: GatedDeltaNetLayerParams, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's core over one whole sequence, token by token from zero
+    states, float64, written from the layer's definition: causal conv (SiLU) over
+    ``qkv = q [Hk*K] | k [Hk*K] | v [H*V]``, q and k L2-normalised per key head, then the
+    gated delta rule per value head ``h`` with query/key head ``h // (H // Hk)``.
+
+    Returns ``o`` ``[L, H, V]``, the final delta-rule state ``[H, K, V]`` and the final
+    conv state ``[C, W-1]``.
+    """
+    hk, h, kd, vd = p.key_heads, p.num_heads, p.key_dim, p.value_dim
+    width = int(p.conv_weight.shape[1])
+    weight = p.conv_weight.double()
+    bias = p.conv_bias.double() if p.conv_bias is not None else torch.zeros(p.conv_dim)
+    scale = p.scale if p.scale is not None else kd**-0.5
+    history = torch.zeros(width - 1, p.conv_dim, dtype=torch.float64)
+    state = torch.zeros(h, kd, vd, dtype=torch.float64)
+    outs = []
+    for t in range(qkv.shape[0]):
+        window = torch.cat([history, qkv[t : t + 1].double()])  # [W, C], oldest first
+        history = window[1:]
+        conv = (window.T * weight).sum(dim=1) + bias
+        conv = conv * torch.sigmoid(conv)  # SiLU
+        q = conv[: hk * kd].reshape(hk, kd)
+        k = conv[hk * kd : 2 * hk * kd].reshape(hk, kd)
+        v = conv[2 * hk * kd :].reshape(h, vd)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        o = torch.zeros(h, vd, dtype=torch.float64)
+        for head in range(h):
+            j = head // (h // hk)  # the key head this value head shares
+            decayed = torch.exp(g[t, head].double()) * state[head]
+            u = v[head] - decayed.T @ k[j]
+            state[head] = decayed + beta[t, head].double() * torch.outer(k[j], u)
+            o[head] = scale * (state[head].T @ q[j])
+        outs.append(o)
+    return torch.stack(outs), state, history.T
+
+
+# Steps of (tokens per request): prefill chunks over several chunks, decodes, mixed.
+GDN_STEPS = ((9, 5, 0), (1, 1, 6), (1, 1, 1), (4, 1, 1))
+
+
+@pytest.mark.parametrize(
+    ("key_heads", "heads", "strided"),
+    [
+        pytest.param(2, 4, False, id="Hk2-H4"),
+        pytest.param(1, 3, True, id="Hk1-H3-strided"),
+        pytest.param(2, 2, False, id="Hk2-H2-plain"),
+    ],
+)
+def test_gdn_shared_key_heads_match_token_by_token_layer(
+    key_heads: int, heads: int, strided: bool
+) -> None:
+    """The reference backend runs a GDN layer whose q/k have fewer heads than v (split
+    ``qkv`` as ``Hk*K | Hk*K | H*V``) over prefills and decodes, as the float64 layer
+    definition does; the states left in the cache are the definition's."""
+    gen = torch.Generator().manual_seed(7 + heads)
+    key_dim, value_dim, width, chunk = 8, 6, 4, 4
+    conv_dim = 2 * key_heads * key_dim + heads * value_dim
+    params = GatedDeltaNetLayerParams(
+        num_heads=heads,
+        num_key_heads=key_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        conv_weight=randn(gen, conv_dim, width) * 0.5,
+        conv_bias=randn(gen, conv_dim) * 0.1,
+        chunk_size=chunk,
+    )
+    assert params.conv_dim == conv_dim
+    assert params.state_shapes == ((conv_dim, width - 1), (heads, key_dim, value_dim))
+    spec = MambaSpec(
+        block_size=16,
+        shapes=params.state_shapes,
+        dtypes=(torch.float32, torch.float32),
+        mamba_type="gdn",
+    )
+    binding = ReferenceBackend.get_binding(spec)
+    builder = binding.create(spec, ["layers.0.linear_attn"], CONFIG, CPU)
+    impl = binding.create_impl(spec, params)
+
+    num_reqs = len(GDN_STEPS[0])
+    lengths = [sum(step[r] for step in GDN_STEPS) for r in range(num_reqs)]
+    qkv_all = [randn(gen, n, conv_dim) for n in lengths]
+    g_all = [torch.nn.functional.logsigmoid(randn(gen, n, heads) + 2.0) for n in lengths]
+    beta_all = [torch.sigmoid(randn(gen, n, heads)) for n in lengths]
+    oracle = [gdn_oracle(params, *parts) for parts in zip(qkv_all, g_all, beta_all, strict=True)]
+    blocks = [3, 1, 4]
+    caches = make_caches(spec, 6, spec.dtypes, strided=strided)
+    done = [0] * num_reqs
+    pad = 2
+    for s, step in enumerate(GDN_STEPS):
+        batch = [r for r in range(num_reqs) if step[r] > 0]
+        num_tokens = sum(step[r] for r in batch)
+
+        cm = CommonAttentionMetadata.from_lists(
+            query_lens=[step[r] for r in batch],
+            seq_lens=[done[r] + step[r] for r in batch],
+            block_table=[[blocks[r]] for r in batch],
+            slot_mapping=[-1] * (num_tokens + pad),
+        )
+        md = builder.build(0, cm)
+        qkv, g, beta = (
+            torch.cat(
+                [*(parts[r][done[r] : done[r] + step[r]] for r in batch), randn(gen, pad, cols)]
+            )
+            for parts, cols in ((qkv_all, conv_dim), (g_all, heads), (beta_all, heads))
+        )
+        inputs = GatedDeltaNetInputs(qkv=qkv, g=g, beta=beta)
+        output = torch.full((num_tokens + pad, heads, value_dim), NAN)
+        assert impl.forward(inputs, caches, md, output) is output
+        row = 0
+        for r in batch:
+            n = step[r]
+            torch.testing.assert_close(
+                output[row : row + n].double(),
+                oracle[r][0][done[r] : done[r] + n],
+                **TOL[torch.float32],
+                msg=lambda m, r=r, s=s: f"step {s} request {r}: {m}",
+            )
+            row += n
+            done[r] += n
+        assert bool((output[num_tokens:] == 0).all()), "padding rows must be zeroed"
+    conv_states, states = caches
+    for r in range(num_reqs):
+        _, final_state, final_conv = oracle[r]
+        torch.testing.assert_close(states[blocks[r]].double(), final_state, **TOL[torch.float32])
+        torch.testing.assert_close(conv_states[blocks[r]].double(), final_conv, atol=0, rtol=0)
 
 
 @pytest.mark.gpu

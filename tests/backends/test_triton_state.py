@@ -1,6 +1,8 @@
 """The Triton state backends: declarations, routing by mamba_type, builder metadata,
 CUDA-graph mechanics. Numerics are covered per kernel (tests/kernels) and end to end
-through the runtime against dense recomputes (tests/test_runtime_state.py)."""
+through the runtime against dense recomputes (tests/test_runtime_state.py); a Gated
+DeltaNet layer with fewer key heads than value heads is checked here through the impl
+against the layer's token-by-token definition."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from attnkit import (
     AttentionCGSupport,
     AttentionConfig,
     BackendRegistry,
+    GatedDeltaNetInputs,
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,
     Mamba1LayerParams,
@@ -277,3 +280,112 @@ def test_ssd_chunk_bookkeeping_is_planned_once_per_step() -> None:
         torch.testing.assert_close(
             hidden[rows], model.forward_dense(torch.tensor(seq)), atol=3e-5, rtol=3e-5
         )
+
+
+def gdn_definition(
+    p: GatedDeltaNetLayerParams, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through a GDN layer's core from zero states, token by token, float64:
+    causal conv (SiLU) over ``qkv = q [Hk*K] | k [Hk*K] | v [H*V]``, q and k L2-normalised
+    per key head, then the gated delta rule per value head ``h`` reading query/key head
+    ``h // (H // Hk)``. Returns ``o`` ``[L, H, V]`` and the final state ``[H, K, V]``."""
+    hk, h, kd, vd = p.key_heads, p.num_heads, p.key_dim, p.value_dim
+    weight = p.conv_weight.double()
+    history = torch.zeros(int(weight.shape[1]) - 1, p.conv_dim, dtype=torch.float64)
+    state = torch.zeros(h, kd, vd, dtype=torch.float64)
+    scale = kd**-0.5 if p.scale is None else p.scale
+    outs = []
+    for t in range(qkv.shape[0]):
+        window = torch.cat([history, qkv[t : t + 1].double()])  # [W, C], oldest first
+        history = window[1:]
+        conv = torch.nn.functional.silu((window.T * weight).sum(dim=1))
+        q = conv[: hk * kd].reshape(hk, kd)
+        k = conv[hk * kd : 2 * hk * kd].reshape(hk, kd)
+        v = conv[2 * hk * kd :].reshape(h, vd)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        o = torch.zeros(h, vd, dtype=torch.float64)
+        for head in range(h):
+            j = head // (h // hk)
+            decayed = torch.exp(g[t, head].double()) * state[head]
+            u = v[head] - decayed.T @ k[j]
+            state[head] = decayed + beta[t, head].double() * torch.outer(k[j], u)
+            o[head] = scale * (state[head].T @ q[j])
+        outs.append(o)
+    return torch.stack(outs), state
+
+
+def test_gdn_impl_with_shared_key_heads_matches_definition() -> None:
+    """Hk = 2 key heads shared by H = 4 value heads (Qwen3-Next's 16/32, small): the impl
+    splits ``qkv`` as ``Hk*K | Hk*K | H*V`` and runs multi-chunk prefills, decodes and a
+    continuing prefill next to decodes, as the float64 definition does."""
+    gen = torch.Generator().manual_seed(5)
+    key_heads, heads, key_dim, value_dim, width = 2, 4, 16, 16, 4
+    conv_dim = 2 * key_heads * key_dim + heads * value_dim  # 128
+    params = GatedDeltaNetLayerParams(
+        num_heads=heads,
+        num_key_heads=key_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        conv_weight=torch.randn(conv_dim, width, generator=gen) * 0.5,
+        chunk_size=16,
+    )
+    gdn_spec = MambaSpec(
+        block_size=16,
+        shapes=params.state_shapes,
+        dtypes=(torch.float32, torch.float32),
+        mamba_type="gdn",
+    )
+    assert gdn_spec.shapes == ((conv_dim, width - 1), (heads, key_dim, value_dim))
+    builder = TritonStateMetadataBuilder(gdn_spec, ["layers.0.linear_attn"], CONFIG, CPU)
+    impl = TritonGatedDeltaNetImpl(gdn_spec, params)
+
+    # Tokens per request and step; continuing one-token requests go first in a batch
+    # (the builder's decodes), so step 3 runs two decodes, then a 17-token prefill.
+    steps = [((0, 20), (1, 5)), ((0, 1), (1, 1), (2, 6)), ((0, 1), (1, 1), (2, 1))]
+    steps.append(((1, 1), (2, 1), (0, 17)))
+    lengths = [sum(n for step in steps for r2, n in step if r2 == r) for r in range(3)]
+    assert lengths == [39, 8, 8]
+    blocks = [2, 5, 0]
+    qkv_all = [torch.randn(n, conv_dim, generator=gen) for n in lengths]
+    g_all = [
+        torch.nn.functional.logsigmoid(torch.randn(n, heads, generator=gen) + 2) for n in lengths
+    ]
+    beta_all = [torch.sigmoid(torch.randn(n, heads, generator=gen)) for n in lengths]
+    want = [gdn_definition(params, *parts) for parts in zip(qkv_all, g_all, beta_all, strict=True)]
+    conv_states = torch.full((6, *gdn_spec.shapes[0]), float("nan"))
+    states = torch.full((6, *gdn_spec.shapes[1]), float("nan"))
+    done = [0] * len(lengths)
+    for step in steps:
+        md = builder.build(
+            0,
+            CommonAttentionMetadata.from_lists(
+                query_lens=[n for _, n in step],
+                seq_lens=[done[r] + n for r, n in step],
+                block_table=[[blocks[r]] for r, _ in step],
+                slot_mapping=[-1] * sum(n for _, n in step),
+            ),
+        )
+        # The leading continuing one-token requests run the decode kernel.
+        assert md.num_decodes == sum(1 for r, n in step if n == 1 and done[r] > 0)
+        qkv, g, beta = (
+            torch.cat([parts[r][done[r] : done[r] + n] for r, n in step])
+            for parts in (qkv_all, g_all, beta_all)
+        )
+        output = torch.full((qkv.shape[0], heads, value_dim), float("nan"))
+        impl.forward(
+            GatedDeltaNetInputs(qkv=qkv, g=g, beta=beta), [conv_states, states], md, output
+        )
+        row = 0
+        for r, n in step:
+            torch.testing.assert_close(
+                output[row : row + n].double(),
+                want[r][0][done[r] : done[r] + n],
+                atol=5e-5,
+                rtol=5e-5,
+            )
+            row += n
+            done[r] += n
+    assert done == lengths
+    for r, block in enumerate(blocks):
+        torch.testing.assert_close(states[block].double(), want[r][1], atol=5e-5, rtol=5e-5)

@@ -141,13 +141,28 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     strided: bool = False,
     strong_decay: bool = False,
+    key_heads: int | None = None,
 ) -> Inputs:
     """Random operands as a model produces them: L2-normalised q/k, g <= 0, beta in (0, 1).
 
     ``strided``: q/k/v are slices of one fused projection ``[T, H, 2K + V + 1]`` (so
     none is contiguous) and g/beta columns of one ``[T, 2H]`` tensor. ``strong_decay``:
-    every 5th token has ``g = -30`` (the state is all but wiped there).
+    every 5th token has ``g = -30`` (the state is all but wiped there). ``key_heads``
+    (``Hk``, a divisor of ``heads``; None: ``heads``): q and k get ``Hk`` heads, laid out
+    as the model's conv output ``[T, Hk*K | Hk*K | H*V]`` (see :func:`make_shared_inputs`).
     """
+    if key_heads is not None and key_heads != heads:
+        return make_shared_inputs(
+            gen,
+            num_tokens,
+            heads=heads,
+            key_heads=key_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            dtype=dtype,
+            strided=strided,
+            strong_decay=strong_decay,
+        )
     h, kd, vd = heads, key_dim, value_dim
     fused = torch.randn(num_tokens, h, 2 * kd + vd + 1, generator=gen)
     fused[..., :kd] = F.normalize(fused[..., :kd], dim=-1)
@@ -175,6 +190,78 @@ def make_inputs(
         gates[:, :h],
         gates[:, h:],
     )
+
+
+def make_shared_inputs(
+    gen: torch.Generator,
+    num_tokens: int,
+    *,
+    heads: int,
+    key_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    strided: bool,
+    strong_decay: bool,
+) -> Inputs:
+    """Operands with ``Hk = key_heads`` query/key heads and ``H = heads`` value heads.
+
+    ``strided``: q, k and v are views into one ``[T, 2*Hk*K + H*V + 1]`` tensor laid out
+    q | k | v as a Gated DeltaNet layer's conv output (each head of q and k normalised
+    over ``K``), so none is contiguous; g/beta are columns of one ``[T, 2H]`` tensor.
+    """
+    assert heads % key_heads == 0
+    qk_width, v_width = key_heads * key_dim, heads * value_dim
+    flat = torch.randn(num_tokens, 2 * qk_width + v_width + 1, generator=gen)
+    for part in (slice(0, qk_width), slice(qk_width, 2 * qk_width)):
+        heads_view = flat[:, part].unflatten(1, (key_heads, key_dim))
+        flat[:, part] = F.normalize(heads_view, dim=-1).flatten(1)
+    gates = torch.randn(num_tokens, 2 * heads, generator=gen)
+    gates[:, :heads] = F.logsigmoid(1.5 * gates[:, :heads] + 2.0)
+    if strong_decay:
+        gates[::5, :heads] = -30.0
+    gates[:, heads:] = torch.sigmoid(gates[:, heads:])
+    flat = flat.to(dtype).to(DEVICE)
+    gates = gates.to(DEVICE)
+    q = flat[:, :qk_width].unflatten(1, (key_heads, key_dim))
+    k = flat[:, qk_width : 2 * qk_width].unflatten(1, (key_heads, key_dim))
+    v = flat[:, 2 * qk_width : 2 * qk_width + v_width].unflatten(1, (heads, value_dim))
+    g, beta = gates[:, :heads], gates[:, heads:].to(dtype)
+    if strided:
+        assert not q.is_contiguous()
+        assert not k.is_contiguous()
+        assert not v.is_contiguous()
+        return Inputs(q, k, v, g, beta)
+    return Inputs(*(t.contiguous() for t in (q, k, v, g, beta)))
+
+
+def shared_head_recurrence(
+    inputs: Inputs, *, scale: float, initial_state: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule written out token by token and head by head in float64, with
+    the head sharing explicit: value head ``h`` reads q/k head ``h // (H // Hk)``.
+
+    Independent of the oracle (which expands q/k with ``repeat_interleave``). Returns
+    ``o`` ``[L, H, V]`` and the final state ``[H, K, V]``, both float64.
+    """
+    q, k, v = inputs.q.double(), inputs.k.double(), inputs.v.double()
+    g, beta = inputs.g.double(), inputs.beta.double()
+    length, heads, value_dim = v.shape
+    key_heads, key_dim = k.shape[1], k.shape[2]
+    group = heads // key_heads
+    if initial_state is None:
+        state = torch.zeros(heads, key_dim, value_dim, dtype=torch.float64, device=v.device)
+    else:
+        state = initial_state.double().clone()
+    o = torch.zeros(length, heads, value_dim, dtype=torch.float64, device=v.device)
+    for t in range(length):
+        for h in range(heads):
+            kh = h // group
+            decayed = math.exp(float(g[t, h])) * state[h]  # [K, V]
+            u = v[t, h] - decayed.T @ k[t, kh]  # [V]
+            state[h] = decayed + float(beta[t, h]) * torch.outer(k[t, kh], u)
+            o[t, h] = scale * (state[h].T @ q[t, kh])
+    return o, state
 
 
 @dataclass
@@ -226,16 +313,21 @@ def reference_batch(
     scale: float,
 ) -> tuple[Tensor, list[Tensor]]:
     """The definition, request by request, in float32 (the inputs read as float32):
-    outputs ``[T, H, V]`` float32 and final states."""
+    outputs ``[T, H, V]`` float32 and final states. With fewer key heads than value
+    heads, the explicit head-sharing recurrence of this file (float64, then float32)."""
     starts = list(itertools.accumulate(lengths, initial=0))
+    shared = inputs.q.shape[1] != inputs.v.shape[1]
     outs, finals = [], []
     for b, slot in enumerate(slots):
         init = states[slot].clone() if flags[b] else None
-        o, final = gated_delta_rule_recurrent_reference(
-            *(t.float() for t in inputs.rows(slice(starts[b], starts[b + 1])).args()),
-            scale=scale,
-            initial_state=init,
-        )
+        rows = inputs.rows(slice(starts[b], starts[b + 1]))
+        if shared:
+            o, final = shared_head_recurrence(rows, scale=scale, initial_state=init)
+            o, final = o.float(), final.float()
+        else:
+            o, final = gated_delta_rule_recurrent_reference(
+                *(t.float() for t in rows.args()), scale=scale, initial_state=init
+            )
         outs.append(o)
         finals.append(final)
     return torch.cat(outs) if outs else inputs.v[:0].float(), finals
@@ -270,6 +362,7 @@ class Case:
     strided: bool = False
     strong_decay: bool = False
     seed: int = 0
+    key_heads: int | None = None  # Hk query/key heads shared by the H value heads
 
 
 def chunked_tols(impl: ModuleType, dtype: torch.dtype) -> tuple[Tol, Tol]:
@@ -292,6 +385,7 @@ def check_chunked(impl: ModuleType, case: Case, chunk_size: int) -> tuple[Tensor
         dtype=case.dtype,
         strided=case.strided,
         strong_decay=case.strong_decay,
+        key_heads=case.key_heads,
         **dims,
     )
     no_init = [s for s, f in zip(case.slots, case.flags, strict=True) if not f]
@@ -364,6 +458,59 @@ def test_torch_chunked_does_not_depend_on_chunk_size() -> None:
 
 
 # ----------------------------------------------------------------------------------
+# Shared key heads: the oracle vs the recurrence with explicit head sharing
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key_heads", "heads"),
+    [
+        pytest.param(2, 4, id="Hk2-H4"),
+        pytest.param(1, 3, id="Hk1-H3"),
+        pytest.param(2, 2, id="Hk2-H2-plain"),
+    ],
+)
+def test_torch_oracle_shares_key_heads(key_heads: int, heads: int) -> None:
+    """The oracle's recurrence, chunked form (several chunk sizes) and decode steps
+    agree with :func:`shared_head_recurrence`, which indexes key head ``h // (H // Hk)``
+    by hand, from an initial state and from zeros."""
+    gen = torch.Generator().manual_seed(100 + 10 * key_heads + heads)
+    length, scale = 19, 0.3
+    inputs = make_inputs(
+        gen, length, heads=heads, key_heads=key_heads, key_dim=5, value_dim=4, strided=True
+    )
+    assert inputs.q.shape == (length, key_heads, 5)
+    assert inputs.v.shape == (length, heads, 4)
+    init = torch.randn(heads, 5, 4, generator=gen).to(DEVICE)
+    tol, state_tol = TOLS[torch.float32], STATE_TOLS[torch.float32]
+    for start in (init, None):
+        want_o, want_s = shared_head_recurrence(inputs, scale=scale, initial_state=start)
+        o, s = gated_delta_rule_recurrent_reference(
+            *inputs.args(), scale=scale, initial_state=start
+        )
+        assert_close(o, want_o, tol)
+        assert_close(s, want_s, state_tol)
+        for c in (1, 4, 64):
+            o, s = run_chunked_one(
+                torch_gdn, inputs, scale=scale, initial_state=start, chunk_size=c
+            )
+            assert_close(o, want_o, tol)
+            assert_close(s, want_s, state_tol)
+        states = torch.zeros(2, heads, 5, 4, device=DEVICE)
+        if start is not None:
+            states[1] = start
+        for t in range(length):
+            o = torch_gdn.fused_recurrent_gated_delta_rule_update(
+                *inputs.rows(slice(t, t + 1)).args(),
+                scale=scale,
+                states=states,
+                state_indices=i32([1]),
+            )
+            assert_close(o[0], want_o[t], tol)
+        assert_close(states[1], want_s, state_tol)
+
+
+# ----------------------------------------------------------------------------------
 # Triton vs the torch launchers (and the definition)
 # ----------------------------------------------------------------------------------
 
@@ -379,6 +526,31 @@ TRITON_CASES = {
     "fp32-K130-V20-four-key-tiles": Case(
         [21, 40], [8, 2], [False, True], heads=1, key_dim=130, value_dim=20, seed=25
     ),
+    # Shared key heads (Qwen3-Next: Hk = 16, H = 32): q/k/v views into the model's
+    # [T, Hk*K | Hk*K | H*V] conv output; each kernel maps value head h to key head
+    # h // (H // Hk).
+    "fp32-Hk2-H4-strided": Case(
+        LENGTHS,
+        SLOTS,
+        FLAGS,
+        heads=4,
+        key_heads=2,
+        key_dim=16,
+        value_dim=16,
+        strided=True,
+        seed=26,
+    ),
+    "bf16-Hk1-H3-K20-V40": Case(
+        [40, 0, 7],
+        [1, 5, 2],
+        [True, False, True],
+        heads=3,
+        key_heads=1,
+        key_dim=20,
+        value_dim=40,
+        dtype=torch.bfloat16,
+        seed=27,
+    ),
 }
 
 
@@ -388,6 +560,7 @@ TRITON_CASES = {
     [
         *((name, 16) for name in TRITON_CASES),
         *((name, c) for name in ("fp32-strided", "fp32-strong-decay") for c in (32, 64)),
+        ("fp32-Hk2-H4-strided", 64),
     ],
     ids=lambda x: f"c{x}" if isinstance(x, int) else x,
 )
@@ -461,17 +634,21 @@ def test_triton_chunked_16bit_matches_fp32_definition(case_name: str, chunk_size
 
 
 @pytest.mark.parametrize(
-    ("dtype", "strided"),
+    ("dtype", "strided", "heads", "key_heads"),
     [
-        pytest.param(torch.float32, True, id="fp32-strided"),
-        pytest.param(torch.bfloat16, False, id="bf16"),
+        pytest.param(torch.float32, True, 3, None, id="fp32-strided"),
+        pytest.param(torch.bfloat16, False, 3, None, id="bf16"),
+        pytest.param(torch.float32, True, 4, 2, id="fp32-strided-Hk2-H4"),
+        pytest.param(torch.bfloat16, False, 6, 2, id="bf16-Hk2-H6"),
     ],
 )
-def test_triton_decode_matches_torch(dtype: torch.dtype, strided: bool) -> None:
+def test_triton_decode_matches_torch(
+    dtype: torch.dtype, strided: bool, heads: int, key_heads: int | None
+) -> None:
     gen = torch.Generator().manual_seed(31)
     slots = [5, 0, 8, 2]
-    dims = dict(heads=3, key_dim=12, value_dim=10)
-    inputs = make_inputs(gen, len(slots), dtype=dtype, strided=strided, **dims)
+    dims = dict(heads=heads, key_dim=12, value_dim=10)
+    inputs = make_inputs(gen, len(slots), dtype=dtype, strided=strided, key_heads=key_heads, **dims)
     results = []
     for impl in (torch_gdn, triton_gdn()):
         cache = make_cache(torch.Generator().manual_seed(32), strided=strided, **dims)
@@ -479,14 +656,18 @@ def test_triton_decode_matches_torch(dtype: torch.dtype, strided: bool) -> None:
         o = impl.fused_recurrent_gated_delta_rule_update(
             *inputs.args(), scale=0.25, states=cache.states, state_indices=i32(slots)
         )
-        # The definition, one token per request.
+        # The definition, one token per request (with explicit head sharing when
+        # key_heads is given).
         finals = []
         for b, slot in enumerate(slots):
-            want_o, want_state = gated_delta_rule_recurrent_reference(
-                *inputs.rows(slice(b, b + 1)).args(),
-                scale=0.25,
-                initial_state=cache.view(before)[slot],
-            )
+            row = inputs.rows(slice(b, b + 1))
+            init = cache.view(before)[slot]
+            if key_heads is None:
+                want_o, want_state = gated_delta_rule_recurrent_reference(
+                    *row.args(), scale=0.25, initial_state=init
+                )
+            else:
+                want_o, want_state = shared_head_recurrence(row, scale=0.25, initial_state=init)
             assert_close(o[b], want_o[0], TOLS[dtype])
             finals.append(want_state)
         assert o.dtype == dtype
@@ -559,7 +740,7 @@ def run_chunked_one(
     chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
     """One request through ``impl``'s chunked kernel, its state in slot 1 of 3."""
-    heads, key_dim = inputs.k.shape[1:]
+    heads, key_dim = inputs.v.shape[1], inputs.k.shape[2]
     states = torch.full((3, heads, key_dim, inputs.v.shape[2]), float("nan"), device=DEVICE)
     if initial_state is not None:
         states[1] = initial_state
@@ -650,15 +831,16 @@ def test_hand_computed(impl_name: str) -> None:
         assert_close(states[0], s_want, exact)
 
 
+@pytest.mark.parametrize("key_heads", [None, 1], ids=["H2", "Hk1-H2"])
 @pytest.mark.parametrize("impl_name", IMPLS)
-def test_state_continuity(impl_name: str) -> None:
+def test_state_continuity(impl_name: str, key_heads: int | None) -> None:
     """One call == three chunked calls == prefill + token-by-token decode updates."""
     impl = impl_of(impl_name)
     chunk = 16 if impl_name == "triton" else 5
     gen = torch.Generator().manual_seed(51)
     lengths, slots = [23, 6, 18], [4, 1, 7]
     dims = dict(heads=2, key_dim=6, value_dim=5)
-    inputs = make_inputs(gen, sum(lengths), **dims)
+    inputs = make_inputs(gen, sum(lengths), key_heads=key_heads, **dims)
     start_cache = make_cache(gen, strided=True, **dims)
     starts = list(itertools.accumulate(lengths, initial=0))
     reqs = [inputs.rows(slice(starts[b], starts[b + 1])) for b in range(len(lengths))]
@@ -904,7 +1086,8 @@ def test_recurrent_reference_errors() -> None:
         gated_delta_rule_recurrent_reference(
             *inputs.args(), scale=1.0, initial_state=torch.zeros(2, 3, 4)
         )
-    with pytest.raises(ValueError, match=r"k: expected shape \[L, H, K\]"):
+    # q and k have the Hk key heads (fewer than or as many as v's H value heads).
+    with pytest.raises(ValueError, match=r"k: expected shape \[L, Hk, K\] = \[3, 2, 4\]"):
         gated_delta_rule_recurrent_reference(
             inputs.q, inputs.k[:, :1], inputs.v, inputs.g, inputs.beta, scale=1.0
         )
@@ -917,14 +1100,18 @@ def test_recurrent_reference_errors() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("key_heads", [None, 8], ids=["H16", "Hk8-H16"])
 @pytest.mark.parametrize("chunk_size", [32, 64], ids=lambda c: f"c{c}")
-def test_chunked_realistic_sizes_on_gpu(chunk_size: int) -> None:
-    """T = 4096 over 4 ragged requests, H = 16, K = V = 128, bf16, strided states."""
+def test_chunked_realistic_sizes_on_gpu(chunk_size: int, key_heads: int | None) -> None:
+    """T = 4096 over 4 ragged requests, H = 16 (q/k: 16 or 8 heads), K = V = 128, bf16,
+    strided states."""
     kernels = triton_gdn()
     lengths, slots, flags = [1500, 1, 2048, 547], [3, 0, 6, 2], [True, False, True, False]
     gen = torch.Generator().manual_seed(71)
     dims = dict(heads=16, key_dim=128, value_dim=128)
-    inputs = make_inputs(gen, sum(lengths), dtype=torch.bfloat16, strided=True, **dims)
+    inputs = make_inputs(
+        gen, sum(lengths), dtype=torch.bfloat16, strided=True, key_heads=key_heads, **dims
+    )
     cache = make_cache(gen, strided=True, nan_slots=[0, 2], **dims)
     ref_cache = Cache(cache.page.clone(), True, 128)
     before = cache.page.clone()
@@ -946,11 +1133,21 @@ def test_chunked_realistic_sizes_on_gpu(chunk_size: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_decode_realistic_sizes_on_gpu() -> None:
-    """64 requests in shuffled slots of a 96-slot cache, H = 16, K = V = 128, bf16."""
+@pytest.mark.parametrize("key_heads", [None, 8], ids=["H16", "Hk8-H16"])
+def test_decode_realistic_sizes_on_gpu(key_heads: int | None) -> None:
+    """64 requests in shuffled slots of a 96-slot cache, H = 16 (q/k: 16 or 8 heads),
+    K = V = 128, bf16."""
     kernels = triton_gdn()
     gen = torch.Generator().manual_seed(72)
-    inputs = make_inputs(gen, 64, heads=16, key_dim=128, value_dim=128, dtype=torch.bfloat16)
+    inputs = make_inputs(
+        gen,
+        64,
+        heads=16,
+        key_dim=128,
+        value_dim=128,
+        dtype=torch.bfloat16,
+        key_heads=key_heads,
+    )
     states = torch.randn(96, 16, 128, 128, generator=gen).to(DEVICE) * 0.1
     ref_states = states.clone()
     slots = i32(torch.randperm(96, generator=gen)[:64].tolist())

@@ -124,12 +124,13 @@ def check_scale(scale: object) -> float:
 
 
 def check_states(states: object, qk: Tensor, v: Tensor) -> Tensor:
-    """float32 ``states`` ``[S, H, K, V]`` (any strides) for ``qk`` ``[*, H, K]``, ``v``."""
+    """float32 ``states`` ``[S, H, K, V]`` (any strides) for ``qk`` ``[*, Hk, K]`` and ``v``
+    ``[*, H, V]``: one state per value head (Gated DeltaNet's key heads may be fewer)."""
     states = check_tensor(
         "states",
         states,
         layout="[S, H, K, V]",
-        shape=(None, qk.shape[1], qk.shape[2], v.shape[2]),
+        shape=(None, v.shape[1], qk.shape[2], v.shape[2]),
         device=qk.device,
     )
     if states.dtype != torch.float32:

@@ -186,10 +186,14 @@ def _state_layer(
         )
         dtypes = (torch.float32, torch.float32)
     elif choice.mamba_type == "gdn":
-        heads, key_dim, value_dim = 2, 8, 8
-        conv_dim = heads * (2 * key_dim + value_dim)
+        # One query/key head shared by both value heads (as Qwen3-Next's 16 key heads
+        # serve 32 value heads): a backend must map value head h to key head
+        # h // (H // Hk); equal counts are the special case H // Hk = 1.
+        heads, key_heads, key_dim, value_dim = 2, 1, 8, 8
+        conv_dim = 2 * key_heads * key_dim + heads * value_dim
         params = GatedDeltaNetLayerParams(
             num_heads=heads,
+            num_key_heads=key_heads,
             key_dim=key_dim,
             value_dim=value_dim,
             conv_weight=_randn(gen, conv_dim, 4, scale=0.5).to(device),
@@ -253,7 +257,7 @@ def _state_inputs(
         return {"x": t(n, 16)}
     if choice.mamba_type == "gdn":
         return {
-            "qkv": t(n, 2 * (2 * 8 + 8), scale=0.5),
+            "qkv": t(n, 2 * 1 * 8 + 2 * 8, scale=0.5),  # q | k (1 key head) | v (2 heads)
             "g": -torch.nn.functional.softplus(t(n, 2)),
             "beta": torch.sigmoid(t(n, 2)),
         }

@@ -73,7 +73,8 @@ class ReferenceGatedDeltaNetImpl(
 ):
     """Short conv (SiLU) over q/k/v, L2-normalised q and k, then the gated delta rule.
 
-    ``forward(GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])) -> o [T, H, V]``.
+    ``forward(GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])) -> o [T, H, V]``,
+    ``C = 2*Hk*K + H*V`` (q, k with the ``Hk`` key heads, v with the ``H`` value heads).
     """
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
@@ -109,10 +110,12 @@ class ReferenceGatedDeltaNetImpl(
             has_initial_state=md.has_initial_state,
             activation="silu",
         )
-        hk, h = p.num_heads * p.key_dim, p.num_heads
-        q = l2_normalize(mixed[:, :hk].reshape(n, h, p.key_dim))
-        k = l2_normalize(mixed[:, hk : 2 * hk].reshape(n, h, p.key_dim))
-        v = mixed[:, 2 * hk :].reshape(n, h, p.value_dim)
+        # q | k | v: Hk*K, Hk*K and H*V channels; q/k normalised per key head (the
+        # kernel shares each key head among H // Hk value heads).
+        qk_width = p.key_heads * p.key_dim
+        q = l2_normalize(mixed[:, :qk_width].reshape(n, p.key_heads, p.key_dim))
+        k = l2_normalize(mixed[:, qk_width : 2 * qk_width].reshape(n, p.key_heads, p.key_dim))
+        v = mixed[:, 2 * qk_width :].reshape(n, p.num_heads, p.value_dim)
         scale = p.scale if p.scale is not None else p.key_dim**-0.5
         output[:n] = chunk_gated_delta_rule_varlen(
             q,

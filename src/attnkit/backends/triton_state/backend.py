@@ -416,10 +416,12 @@ class TritonGatedDeltaNetImpl(
         pre = slice(md.num_decodes, md.num_decodes + md.num_prefills)
         conv_states, states = kv_cache
         mixed = self._conv(inputs.qkv, p, conv_states, md)
-        hk = p.num_heads * p.key_dim
-        q = l2_normalize(mixed[:, :hk].reshape(n, p.num_heads, p.key_dim))
-        k = l2_normalize(mixed[:, hk : 2 * hk].reshape(n, p.num_heads, p.key_dim))
-        v = mixed[:, 2 * hk :].reshape(n, p.num_heads, p.value_dim)
+        # q | k | v: Hk*K, Hk*K and H*V channels; the kernels map each value head to
+        # its key head by index (q and k stay at Hk heads).
+        qk_width = p.key_heads * p.key_dim
+        q = l2_normalize(mixed[:, :qk_width].reshape(n, p.key_heads, p.key_dim))
+        k = l2_normalize(mixed[:, qk_width : 2 * qk_width].reshape(n, p.key_heads, p.key_dim))
+        v = mixed[:, 2 * qk_width :].reshape(n, p.num_heads, p.value_dim)
         g, beta = inputs.g[:n].float(), inputs.beta[:n].float()
         scale = p.scale if p.scale is not None else p.key_dim**-0.5
         if md.num_decodes:

@@ -2,8 +2,10 @@
 oracle (:mod:`attnkit.kernels.torch.gated_delta`) and the Triton launchers
 (:mod:`attnkit.kernels.triton.gated_delta`).
 
-Shape letters as in the oracle's module docstring: ``q``/``k`` ``[lead, H, K]``, ``v`` and
-``out`` ``[lead, H, V]``, ``g``/``beta`` ``[lead, H]`` (``lead`` is ``T``, ``B`` or ``L``).
+Shape letters as in the oracle's module docstring: ``q``/``k`` ``[lead, Hk, K]``, ``v`` and
+``out`` ``[lead, H, V]``, ``g``/``beta`` ``[lead, H]`` (``lead`` is ``T``, ``B`` or ``L``),
+where the ``H`` value heads are a multiple of the ``Hk`` key heads (value head ``h``
+reads key head ``h // (H // Hk)``).
 Every operand may have any floating dtype and any strides; the checks read metadata only
 (no device value goes back to the host).
 """
@@ -16,7 +18,7 @@ from torch import Tensor
 from attnkit.kernels._checks import KernelTypeError
 from attnkit.kernels._state_common import check_float, check_tensor
 
-__all__ = ["alloc_out", "check_chunk_size", "check_gdn_inputs", "check_out"]
+__all__ = ["alloc_out", "check_chunk_size", "check_gdn_inputs", "check_out", "head_group"]
 
 
 def check_gdn_inputs(
@@ -24,18 +26,33 @@ def check_gdn_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Validate the operands; ``lead`` names the first dim (``T``/``B``/``L``).
 
-    Returns ``(q, k, v, g, beta)`` typed as tensors.
+    ``q``/``k`` have ``Hk`` heads, ``v``/``g``/``beta`` ``H`` heads, ``H`` a multiple of
+    ``Hk``. Returns ``(q, k, v, g, beta)`` typed as tensors.
     """
-    q = check_tensor("q", q, layout=f"[{lead}, H, K]", shape=(None, None, None), device=None)
-    n_lead, heads, key_dim = q.shape
+    q = check_tensor("q", q, layout=f"[{lead}, Hk, K]", shape=(None, None, None), device=None)
+    n_lead, key_heads, key_dim = q.shape
     dev = q.device
-    k = check_tensor("k", k, layout=f"[{lead}, H, K]", shape=(n_lead, heads, key_dim), device=dev)
-    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, heads, None), device=dev)
+    k = check_tensor(
+        "k", k, layout=f"[{lead}, Hk, K]", shape=(n_lead, key_heads, key_dim), device=dev
+    )
+    v = check_tensor("v", v, layout=f"[{lead}, H, V]", shape=(n_lead, None, None), device=dev)
+    heads = v.shape[1]
+    if key_heads == 0 or heads % key_heads != 0:
+        raise ValueError(
+            f"v: expected a head count H that is a multiple of the key heads "
+            f"Hk = {key_heads} of q and k, got H = {heads} (v shape {list(v.shape)})"
+        )
     g = check_tensor("g", g, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
     beta = check_tensor("beta", beta, layout=f"[{lead}, H]", shape=(n_lead, heads), device=dev)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, t)
     return q, k, v, g, beta
+
+
+def head_group(k: Tensor, v: Tensor) -> int:
+    """``H // Hk``: how many consecutive value heads share one key head (after
+    :func:`check_gdn_inputs`)."""
+    return v.shape[1] // max(k.shape[1], 1)
 
 
 def check_out(out: object, v: Tensor, lead: str) -> Tensor:

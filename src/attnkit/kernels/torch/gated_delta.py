@@ -10,9 +10,9 @@ and casting outputs back to the dtype of ``v``.
 
 Shape letters
 -------------
-``T`` total tokens in a batch, ``B`` requests, ``H`` heads, ``K`` key (and query) head
-dim, ``V`` value head dim, ``S`` state slots in the cache, ``L`` the length of one
-sequence.
+``T`` total tokens in a batch, ``B`` requests, ``H`` (value) heads, ``Hk`` query/key
+heads (``H`` a multiple of ``Hk``), ``K`` key (and query) head dim, ``V`` value head dim,
+``S`` state slots in the cache, ``L`` the length of one sequence.
 
 Definition
 ----------
@@ -28,10 +28,16 @@ Each head ``h`` carries a state ``S_h`` of shape ``[K, V]`` (float32). For each 
 i.e. ``S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``. ``q`` and ``k``
 are used exactly as given: the model L2-normalises them (per head, over ``K``) before
 calling these kernels, and nothing here normalises again. Inputs ``q``/``k``
-``[*, H, K]``, ``v`` ``[*, H, V]``, ``g``/``beta`` ``[*, H]`` may have any floating dtype
+``[*, Hk, K]``, ``v`` ``[*, H, V]``, ``g``/``beta`` ``[*, H]`` may have any floating dtype
 and are read as float32; the output has the dtype of ``v``.
 :func:`gated_delta_rule_recurrent_reference` evaluates this token by token and *is* the
 definition.
+
+Shared key heads (Qwen3-Next: ``Hk = 16``, ``H = 32``): value head ``h`` uses query/key
+head ``h // (H // Hk)``, i.e. each key head serves ``H // Hk`` consecutive value heads,
+and the state, ``g``, ``beta`` and the output are per value head. The functions here
+expand ``q`` and ``k`` to ``H`` heads (``repeat_interleave`` over the head dim) and then
+run the per-head definition; ``Hk = H`` is the plain case.
 
 Chunked form
 ------------
@@ -88,7 +94,12 @@ from attnkit.kernels._state_common import (
     check_states,
     check_tensor,
 )
-from attnkit.kernels.contracts.gated_delta import alloc_out, check_chunk_size, check_gdn_inputs
+from attnkit.kernels.contracts.gated_delta import (
+    alloc_out,
+    check_chunk_size,
+    check_gdn_inputs,
+    head_group,
+)
 
 __all__ = [
     "chunk_gated_delta_rule_varlen",
@@ -103,6 +114,15 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     layers prepare q and k before the delta rule (the kernels take them as given)."""
     xf = x.float()
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+def _share_key_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``q``/``k`` ``[*, Hk, K]`` expanded to the ``H`` heads of ``v``: value head ``h``
+    gets key head ``h // (H // Hk)`` (unchanged when ``Hk = H``)."""
+    group = head_group(k, v)
+    if group == 1:
+        return q, k
+    return q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
 
 
 # ----------------------------------------------------------------------------------
@@ -201,8 +221,8 @@ def gated_delta_rule_recurrent_reference(
     """The definition: the token-by-token recurrence for one sequence (see module doc).
 
     Args:
-        q, k: ``[L, H, K]`` (already L2-normalised by the caller).
-        v: ``[L, H, V]``.
+        q, k: ``[L, Hk, K]`` (already L2-normalised by the caller).
+        v: ``[L, H, V]``, ``H`` a multiple of ``Hk``.
         g: ``[L, H]`` log decay (``<= 0``).
         beta: ``[L, H]`` write strength in ``(0, 1)``.
         scale: output scale (typically ``K ** -0.5``).
@@ -214,6 +234,7 @@ def gated_delta_rule_recurrent_reference(
     """
     q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="L")
     scale = check_scale(scale)
+    q, k = _share_key_heads(q, k, v)
     length, heads, key_dim = k.shape
     value_dim = v.shape[2]
     if initial_state is None:
@@ -258,8 +279,8 @@ def chunk_gated_delta_rule_varlen(
     """Chunked gated delta rule over a varlen batch, reading/writing cached states.
 
     Args:
-        q, k: ``[T, H, K]``.
-        v: ``[T, H, V]``.
+        q, k: ``[T, Hk, K]``.
+        v: ``[T, H, V]``, ``H`` a multiple of ``Hk``.
         g, beta: ``[T, H]``.
         scale: output scale.
         query_start_loc: int32 ``[B+1]``.
@@ -286,6 +307,7 @@ def chunk_gated_delta_rule_varlen(
     )
     o = alloc_out(out, v, "T")
 
+    q, k = _share_key_heads(q, k, v)
     q32, k32, v32, g32, b32 = q.float(), k.float(), v.float(), g.float(), beta.float()
     for start, end, slot, has_init in zip(offsets[:-1], offsets[1:], slots, flags, strict=True):
         state0 = states[slot].clone() if has_init else torch.zeros_like(states[slot])
@@ -319,8 +341,8 @@ def fused_recurrent_gated_delta_rule_update(
     """One decode step for ``B`` requests, each continuing from its cache slot.
 
     Args:
-        q, k: ``[B, H, K]``.
-        v: ``[B, H, V]``.
+        q, k: ``[B, Hk, K]``.
+        v: ``[B, H, V]``, ``H`` a multiple of ``Hk``.
         g, beta: ``[B, H]``.
         scale: output scale.
         states: ``[S, H, K, V]`` float32 (any strides), updated in place.
@@ -336,6 +358,7 @@ def fused_recurrent_gated_delta_rule_update(
     check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
     o = alloc_out(out, v, "B")
     idx = state_indices.long()
+    q, k = _share_key_heads(q, k, v)
     q32, k32 = q.float(), k.float()
     state = torch.exp(g.float())[..., None, None] * states[idx]  # [B, H, K, V]
     u = v.float() - torch.einsum("bhkv,bhk->bhv", state, k32)

@@ -8,12 +8,15 @@ Mamba2 with Delta Rule", ICLR 2025, arXiv:2412.06464, and S. Yang et al.,
 2024, arXiv:2406.06484). The launchers here have the same names and signatures; the
 operand checks are the shared contract :mod:`attnkit.kernels.contracts.gated_delta`.
 
-Shapes: ``T`` tokens, ``B`` requests, ``H`` heads, ``K`` key dim (``<= 256``), ``V`` value
-dim, ``S`` cache slots, ``C`` the chunk size (16, 32 or 64). ``q``/``k`` ``[*, H, K]``,
-``v``/``out`` ``[*, H, V]``, ``g``/``beta`` ``[*, H]`` (float32, float16 or bfloat16, any
-strides; ``q`` and ``k`` already L2-normalised by the model), ``states`` float32
-``[S, H, K, V]`` with any strides (a view into a larger page is fine). The output has the
-dtype of ``v``.
+Shapes: ``T`` tokens, ``B`` requests, ``H`` value heads, ``Hk`` query/key heads, ``K`` key
+dim (``<= 256``), ``V`` value dim, ``S`` cache slots, ``C`` the chunk size (16, 32 or
+64). ``q``/``k`` ``[*, Hk, K]``, ``v``/``out`` ``[*, H, V]``, ``g``/``beta`` ``[*, H]``
+(float32, float16 or bfloat16, any strides; ``q`` and ``k`` already L2-normalised by the
+model), ``states`` float32 ``[S, H, K, V]`` with any strides (a view into a larger page
+is fine). The output has the dtype of ``v``. ``H`` is a multiple of ``Hk``: every grid
+runs over the ``H`` value heads and value head ``h`` reads query/key head
+``h // HEAD_GROUP`` (``HEAD_GROUP = H // Hk``, a constexpr) through its pointer, so no
+expanded copy of ``q`` or ``k`` is made (Qwen3-Next: ``Hk = 16``, ``H = 32``).
 
 Chunked prefill: three launches
 -------------------------------
@@ -111,7 +114,12 @@ from attnkit.kernels._state_common import (
     check_varlen_tensors,
     flags_as_bytes,
 )
-from attnkit.kernels.contracts.gated_delta import alloc_out, check_chunk_size, check_gdn_inputs
+from attnkit.kernels.contracts.gated_delta import (
+    alloc_out,
+    check_chunk_size,
+    check_gdn_inputs,
+    head_group,
+)
 from attnkit.kernels.triton._varlen import find_segment, search_iters
 from attnkit.kernels.triton.mamba2 import ssd_chunk_offsets
 
@@ -290,6 +298,7 @@ def _gdn_chunk_prep_kernel(
     BLOCK_K: tl.constexpr,
     NUM_K_TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
@@ -309,7 +318,8 @@ def _gdn_chunk_prep_kernel(
     token = start + rows
     row_valid = token < end
     token = token.to(tl.int64)
-    k_base = k_ptr + head * stride_kh
+    # Value head ``head`` reads key head ``head // HEAD_GROUP`` (shared key heads).
+    k_base = k_ptr + (head // HEAD_GROUP) * stride_kh
     v_base = v_ptr + head * stride_vh
     ws = chunk.to(tl.int64)
 
@@ -416,6 +426,7 @@ def _gdn_state_pass_kernel(
     BLOCK_K: tl.constexpr,
     NUM_K_TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
@@ -437,7 +448,7 @@ def _gdn_state_pass_kernel(
     v_valid = dims_v < VALUE_DIM
     rows = tl.arange(0, CHUNK)
     state_base = states_ptr + slot * stride_ss + head * stride_sh
-    k_base = k_ptr + head * stride_kh
+    k_base = k_ptr + (head // HEAD_GROUP) * stride_kh
     # Without an initial state the slot is never read (it may hold garbage, even NaN):
     # no key row is in range then. (A bound rather than ``mask & has_init``: the
     # interpreter rejects a mask built from a scalar bool.)
@@ -673,6 +684,7 @@ def _gdn_chunk_output_kernel(
     BLOCK_K: tl.constexpr,
     NUM_K_TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
@@ -693,8 +705,8 @@ def _gdn_chunk_output_kernel(
     ws = chunk.to(tl.int64)
     dims_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     v_valid = dims_v < VALUE_DIM
-    q_base = q_ptr + head * stride_qh
-    k_base = k_ptr + head * stride_kh
+    q_base = q_ptr + (head // HEAD_GROUP) * stride_qh
+    k_base = k_ptr + (head // HEAD_GROUP) * stride_kh
     h_base = h_ptr + ws * stride_h_c + head * stride_h_h
 
     scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -774,6 +786,7 @@ def _recurrent_update_kernel(
     VALUE_DIM: tl.constexpr,
     KEY_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
 ):
     tl.static_assert(KEY_PAD >= KEY_DIM)
     request = tl.program_id(0).to(tl.int64)
@@ -793,8 +806,13 @@ def _recurrent_update_kernel(
         + dims_k[:, None] * stride_sk
         + dims_v[None, :] * stride_sv
     )
-    q = tl.load(q_ptr + request * stride_qb + head * stride_qh + dims_k * stride_qk, mask=k_valid)
-    k = tl.load(k_ptr + request * stride_kb + head * stride_kh + dims_k * stride_kk, mask=k_valid)
+    key_head = head // HEAD_GROUP  # the query/key head this value head shares
+    q = tl.load(
+        q_ptr + request * stride_qb + key_head * stride_qh + dims_k * stride_qk, mask=k_valid
+    )
+    k = tl.load(
+        k_ptr + request * stride_kb + key_head * stride_kh + dims_k * stride_kk, mask=k_valid
+    )
     v = tl.load(v_ptr + request * stride_vb + head * stride_vh + dims_v * stride_vv, mask=v_valid)
     g = tl.load(g_ptr + request * stride_gb + head * stride_gh).to(tl.float32)
     beta = tl.load(beta_ptr + request * stride_bb + head * stride_bh).to(tl.float32)
@@ -904,8 +922,8 @@ def chunk_gated_delta_rule_varlen(
     if batch == 0:
         return out
 
-    num_tokens, heads, key_dim = k.shape
-    value_dim = v.shape[2]
+    num_tokens, key_dim = k.shape[0], k.shape[2]
+    heads, value_dim = v.shape[1], v.shape[2]
     dev = q.device
     # Every chunk holds at least one token and a request's chunks but its last are full.
     max_chunks = min(num_tokens, (num_tokens + batch * (chunk - 1)) // chunk)
@@ -931,6 +949,8 @@ def chunk_gated_delta_rule_varlen(
     block_v_state = min(block_v, _MAX_STATE_TILE // key_pad)
     tiles = dict(KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk, BLOCK_K=block_k)
     tiles["NUM_K_TILES"] = key_pad // block_k
+    # Grids run over the H value heads; each reads its key head by index (no copy).
+    tiles["HEAD_GROUP"] = head_group(k, v)
     # fp32 operands would otherwise default to TF32 on NVIDIA (see the module doc);
     # 16-bit operands ignore it.
     precision = dict(DOT_PRECISION="ieee", ROUND_BF16=round_bf16)
@@ -1077,7 +1097,7 @@ def fused_recurrent_gated_delta_rule_update(
 
     key_dim, value_dim = k.shape[2], v.shape[2]
     key_pad, block_v = _blocks(key_dim, value_dim)
-    grid = (batch, k.shape[1], triton.cdiv(value_dim, block_v))
+    grid = (batch, v.shape[1], triton.cdiv(value_dim, block_v))
     _recurrent_update_kernel[grid](
         q_ptr=q,
         k_ptr=k,
@@ -1113,6 +1133,7 @@ def fused_recurrent_gated_delta_rule_update(
         VALUE_DIM=value_dim,
         KEY_PAD=key_pad,
         BLOCK_V=block_v,
+        HEAD_GROUP=head_group(k, v),
         num_warps=8 if key_pad * block_v >= 8192 else 4,
         enable_fp_fusion=True,
     )
