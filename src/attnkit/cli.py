@@ -8,7 +8,8 @@
                       runs; bytes per token and per request; blocks, tokens and
                       concurrent requests that fit in ``--gpu-memory``.
 ``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers,
-                      or with ``--config`` a real model's layer kinds, shrunk) through the
+                      or with ``--config`` a real model's layer kinds, shrunk: any kind,
+                      encoder-only and encoder-decoder models included) through the
                       runtime, checking every step against a dense recompute.
 
 Output and exit status: reports go to stdout, errors to stderr. A user error (a bad
@@ -754,7 +755,9 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         default=None,
         metavar="CONFIG",
         help="a Hugging Face config.json (or its directory): run the model's layer kinds "
-        "in its order, the first two layers of each kind, with the demo's small sizes",
+        "in its order, the first two layers of each kind, with the demo's small sizes "
+        "(encoder-only models encode whole prompts; encoder-decoder models encode, then "
+        "decode)",
     )
     which.add_argument(
         "--model",
