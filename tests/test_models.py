@@ -51,6 +51,7 @@ from attnkit.models import (
     ModelLayout,
     ShortConvDims,
     layout_from_hf_config,
+    lightning_attention_decay,
 )
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "model-configs"
@@ -657,7 +658,9 @@ def test_minimax_text_01_attn_type_list() -> None:
     linear = layout.layers["model.layers.0.self_attn"]
     assert isinstance(linear.spec, MambaSpec)
     assert linear.spec.shapes == ((64, 128, 128),)
-    assert linear.state == LinearAttentionDims(num_heads=64, head_dim=128)
+    assert linear.state == LinearAttentionDims(
+        num_heads=64, head_dim=128, layer_index=0, num_layers=8
+    )
     # 1 layer * 2 * 8 * 128 * 2 = 4096
     assert layout.kv_bytes_per_token() == 4096
 
@@ -960,3 +963,49 @@ def test_a_layout_runs_in_the_runtime() -> None:
     for name in layout.layers:
         assert runtime.forward(name, q, k, v).shape == (5, 16, 32)
     assert step.num_tokens == 5
+
+
+def test_lightning_decay_follows_minimax_rule() -> None:
+    """Per-head rates 2**(-8/H)**(h+1), scaled by 1 - i/(L-1+1e-5) + 1e-5 (MiniMax-01)."""
+    # H = 8: base 2**-1 = 0.5. Layer 0 of 4: depth factor 1 + 1e-5.
+    first = lightning_attention_decay(8, 0, 4)
+    assert first.dtype == torch.float32
+    expected = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625])
+    torch.testing.assert_close(first, expected * 1.00001, rtol=1e-6, atol=0)
+    # Last layer: 1 - 3/3.00001 + 1e-5 = 1.333329e-5 (by hand: 3.33332e-6 + 1e-5).
+    last = lightning_attention_decay(8, 3, 4)
+    torch.testing.assert_close(last, expected * 1.3333289e-5, rtol=1e-5, atol=0)
+    for bad in ((0, 0, 4), (8, 4, 4), (8, -1, 4), (8, 0, 0), (8, True, 4)):
+        with pytest.raises(InvalidArgumentError, match="lightning_attention_decay"):
+            lightning_attention_decay(*bad)
+
+
+def test_minimax_linear_layers_derive_their_decay() -> None:
+    """state_params() needs no decay for a MiniMax linear layer: each layer's rates come
+    from its depth (the first layer forgets fastest), and a given decay still wins."""
+    config = {
+        "model_type": "minimax_text_01",
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attn_type_list": [0, 0, 1, 0],
+        "torch_dtype": "bfloat16",
+    }
+    layout = layout_from_hf_config(config)
+    rates = []
+    for i in (0, 1, 3):
+        params = layout.layers[f"model.layers.{i}.self_attn"].state_params()
+        assert isinstance(params, LinearAttentionLayerParams)
+        depth = 1 - i / (3 + 1e-5) + 1e-5
+        # H = 4: base 2**-2 = 0.25.
+        expected = torch.tensor([0.25, 0.0625, 0.015625, 0.00390625]) * depth
+        torch.testing.assert_close(params.decay, expected, rtol=1e-6, atol=0)
+        rates.append(params.decay)
+    assert bool((rates[0] > rates[1]).all())
+    assert bool((rates[1] > rates[2]).all())
+    given = torch.full((4,), 0.5)
+    params = layout.layers["model.layers.0.self_attn"].state_params(decay=given)
+    assert isinstance(params, LinearAttentionLayerParams)
+    assert torch.equal(params.decay, given)

@@ -38,7 +38,13 @@ from typing import ClassVar, Literal, cast
 
 import torch
 
-from ._validation import check_positive_int, dtype_name, is_int
+from ._validation import (
+    check_positive_int,
+    dtype_name,
+    is_int,
+    is_nonnegative_int,
+    is_positive_int,
+)
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .params import (
     AttentionLayerParams,
@@ -78,6 +84,7 @@ __all__ = [
     "ShortConvDims",
     "StateDims",
     "layout_from_hf_config",
+    "lightning_attention_decay",
 ]
 
 
@@ -191,16 +198,68 @@ class GatedDeltaNetDims:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearAttentionDims:
-    """A lightning (linear) attention layer (MiniMax): one ``(D, D)`` state per head."""
+    """A lightning (linear) attention layer (MiniMax): one ``(D, D)`` state per head.
+
+    ``layer_index`` (the decoder layer's index among all ``num_layers``) fixes the
+    layer's per-head decay rates, which are derived, not stored in the checkpoint: see
+    :meth:`decay`. ``None`` when the layout was built without them.
+    """
 
     mamba_type: ClassVar[Literal["linear"]] = "linear"
     num_heads: int
     head_dim: int
+    layer_index: int | None = None
+    num_layers: int | None = None
+
+    def decay(self) -> torch.Tensor:
+        """The layer's ``[H]`` float32 decay rates (``LinearAttentionLayerParams.decay``):
+        :func:`lightning_attention_decay` of its head count and depth.
+
+        Raises:
+            InvalidArgumentError: the dims carry no layer position.
+        """
+        if self.layer_index is None or self.num_layers is None:
+            raise InvalidArgumentError(
+                "LinearAttentionDims.decay: needs layer_index and num_layers, got "
+                f"layer_index={self.layer_index!r}, num_layers={self.num_layers!r}"
+            )
+        return lightning_attention_decay(self.num_heads, self.layer_index, self.num_layers)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((H, D, D),)``."""
         return ((self.num_heads, self.head_dim, self.head_dim),)
+
+
+def lightning_attention_decay(num_heads: int, layer_index: int, num_layers: int) -> torch.Tensor:
+    """Per-head decay rates of a MiniMax lightning-attention layer, ``[num_heads]`` float32.
+
+    The state of head ``h`` is multiplied by ``exp(-rate_h)`` per token, with ALiBi-style
+    geometric base rates scaled down linearly with depth (MiniMax-01, arXiv:2501.08313;
+    the rule of transformers' MiniMax lightning attention):
+    ``rate_h = b ** (h + 1) * (1 - i / (L - 1 + 1e-5) + 1e-5)`` with ``b = 2 ** (-8 / H)``,
+    ``i = layer_index`` and ``L = num_layers``. The first layer decays fastest; the
+    last decays at ``1e-5``-ish rates (nearly no forgetting).
+
+    Raises:
+        InvalidArgumentError: ``num_heads`` or ``num_layers`` not a positive int, or
+            ``layer_index`` not in ``[0, num_layers)``.
+    """
+    for name, value in (("num_heads", num_heads), ("num_layers", num_layers)):
+        if not is_positive_int(value):
+            raise InvalidArgumentError(
+                f"lightning_attention_decay: {name} must be a positive int, got {value!r}"
+            )
+    if not is_nonnegative_int(layer_index) or layer_index >= num_layers:
+        raise InvalidArgumentError(
+            f"lightning_attention_decay: layer_index must be an int in [0, {num_layers}), "
+            f"got {layer_index!r}"
+        )
+    exponent = torch.arange(1, num_heads + 1, dtype=torch.float64)
+    base = 2.0 ** (-8.0 / num_heads)
+    depth = 1.0 - layer_index / (num_layers - 1 + 1e-5) + 1e-5
+    rates: torch.Tensor = torch.pow(base, exponent) * depth
+    return rates.to(torch.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -328,7 +387,8 @@ class LayerInfo:
         Jamba's ``dt_norm_weight``, ``B_norm_weight``, ``C_norm_weight``); Mamba2
         ``conv_weight`` ``[C, W]``, ``A`` ``[H]`` (and optionally ``conv_bias``, ``D``,
         ``dt_bias``); Gated DeltaNet and short conv
-        ``conv_weight`` (optionally ``conv_bias``); linear attention ``decay`` ``[H]``.
+        ``conv_weight`` (optionally ``conv_bias``); linear attention optionally ``decay``
+        ``[H]`` (default: MiniMax's rule from the layer's depth, ``state.decay()``).
         The result's ``state_shapes`` equal ``spec.shapes``.
 
         Raises:
@@ -414,7 +474,8 @@ class LayerInfo:
                 num_heads=dims.num_heads,
                 key_dim=dims.head_dim,
                 value_dim=dims.head_dim,
-                decay=_needed(decay, "decay", "linear"),
+                # Derived from the layer's depth unless given (MiniMax's rule).
+                decay=dims.decay() if decay is None else decay,
             )
         else:
             _only(given, {"conv_weight", "conv_bias"}, "short_conv")
@@ -1256,8 +1317,10 @@ def _lfm2(cfg: _Config, b: _Builder) -> _Layers:
 def _minimax_layers(cfg: _Config, b: _Builder, types_: Sequence[str]) -> _Layers:
     d = _Decoder(cfg)
     window = cfg.opt_int("sliding_window")
-    dims = LinearAttentionDims(num_heads=d.num_heads, head_dim=d.head_dim)
     for i, kind in enumerate(types_):
+        dims = LinearAttentionDims(
+            num_heads=d.num_heads, head_dim=d.head_dim, layer_index=i, num_layers=len(types_)
+        )
         if kind == "full_attention":
             yield (
                 _self_attn("model.layers", i),
