@@ -6,10 +6,10 @@ Device functions (``@triton.jit``, called from :mod:`.paged_attention`):
   under the Triton interpreter, and the masked K/V tile load around it;
 * :func:`mask_scores`: the causal / sliding-window / chunked-local visibility mask;
 * :func:`online_softmax_update`: one step of the online softmax and of the ``P @ V``
-  accumulation.
-
-Score modifications (soft-cap, ALiBi) stay in each kernel: the two apply the log2(e)
-factor at different points, so one shared version would change one kernel's rounding.
+  accumulation;
+* :func:`attend_kv_tile`: one key tile of either paged-attention kernel (load K/V,
+  score, soft-cap, ALiBi, mask, online softmax); the kernels differ only in how they
+  address the tile (one block per tile, or a per-key gather across blocks).
 
 Launcher-side argument checks (plain Python) are shared by :mod:`.paged_attention` and
 :mod:`.kv_write`; their error messages are part of the public behaviour. The op's own
@@ -36,6 +36,7 @@ from attnkit.kernels.contracts.attention import (
 )
 
 __all__ = [
+    "attend_kv_tile",
     "check_batch_metadata",
     "check_block_table_width",
     "check_device",
@@ -47,6 +48,7 @@ __all__ = [
     "load_kv_tile",
     "mask_scores",
     "online_softmax_update",
+    "tanh",
 ]
 
 # ------------------------------------------------------------------------ device
@@ -75,14 +77,25 @@ def e4m3_bits_to_f32(bits):
 
 
 @triton.jit
-def load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr):
+def load_kv_tile(ptrs, mask, FP8_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """A K or V tile as ``DTYPE`` (the dot operand dtype; exact for e4m3 values, which
+    fit in float16, bfloat16 and float32)."""
     # Masked-off slots read as exactly 0 (never as whatever the slot holds: it may be a
     # NaN from an unwritten tail or a released block, and 0 * NaN is NaN).
     if FP8_BITS:
         tile = e4m3_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
     else:
         tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
+    return tile.to(DTYPE)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from one exp2 of a non-positive argument: finite for every finite ``x``,
+    saturating to +-1 (Triton has no portable tanh)."""
+    t = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|); the constant is 2 * log2(e)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -139,6 +152,61 @@ def online_softmax_update(
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_kv_tile(
+    q,
+    k_ptrs,
+    kv_mask,
+    stride_ckv,
+    k_pos,
+    k_valid,
+    q_pos,
+    row_valid,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    softcap,
+    slope,
+    window,
+    chunk,
+    IS_CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """One key tile of the online softmax: load K (``k_ptrs``) and V (``k_ptrs +
+    stride_ckv``) under ``kv_mask``, score, modify, mask and fold into ``(m_i, l_i,
+    acc)``; returns the new three.
+
+    ``qk_scale`` multiplies ``q . k``: in the log2 domain (``scale * k_scale * log2(e)``)
+    without a soft-cap, in the natural one with it (the cap applies to natural-log
+    scores and the result is moved to log2 here). ``slope`` is the ALiBi slope per row
+    times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
+    the caller may read; ``mask_scores`` adds the per-row visibility.
+    """
+    LOG2E: tl.constexpr = 1.4426950408889634
+    # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
+    # exact for fp8 values (e4m3 fits in fp16, bf16 and fp32).
+    k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS, q.dtype)
+    v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS, q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFTCAP:
+        s = (softcap * tanh(s / softcap)) * LOG2E
+    if USE_ALIBI:
+        s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    s = mask_scores(
+        s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
+    )
+    # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
+    return online_softmax_update(s, v, m_i, l_i, acc, P_DTYPE, DOT_PRECISION, DOT_IN_FP32)
 
 
 # ------------------------------------------------------------------------ launchers

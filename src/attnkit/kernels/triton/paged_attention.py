@@ -98,11 +98,9 @@ from attnkit.kernels.contracts.attention import (
     check_query_layout,
 )
 from attnkit.kernels.triton._attention_common import (
+    attend_kv_tile,
     check_batch_metadata,
     check_block_table_width,
-    load_kv_tile,
-    mask_scores,
-    online_softmax_update,
 )
 from attnkit.kernels.triton._varlen import find_segment, search_iters
 
@@ -149,6 +147,7 @@ MAX_NUM_SPLITS = 256
 # accumulator of the largest head size (256) without register spills; 16 is the smallest
 # M that tl.dot accepts on every target.
 _MAX_ROWS = 64
+_MAX_ROWS_FP32 = 32  # float32 dots run on the FMA units: see _launch_shape
 _MIN_ROWS = 16
 # choose_num_splits: never give a split fewer tokens than this (the merge and the
 # per-split prologue would dominate) ...
@@ -158,15 +157,6 @@ _MAX_AUTO_SPLITS = 32
 
 
 # ------------------------------------------------------------------------ device
-
-
-@triton.jit
-def _tanh(x):
-    # Triton has no portable tanh. exp2 of a non-positive argument never overflows, so
-    # this is finite for every finite x and saturates to +-1 for large |x|.
-    t = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|); the constant is 2 * log2(e)
-    y = (1.0 - t) / (1.0 + t)
-    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -292,6 +282,7 @@ def _unified_attention_kernel(
     if not USE_SOFTCAP:
         # Scores are kept in the log2 domain (exp2 is the native instruction).
         qk_scale = qk_scale * LOG2E
+    slope = 0.0  # unread without ALiBi
     if USE_ALIBI:
         slope = tl.load(
             alibi_slopes_ptr + q_head * stride_alibi, mask=head_in_group < GROUP, other=0.0
@@ -366,32 +357,32 @@ def _unified_attention_kernel(
                 + (tile_pos % BLOCK_SIZE) * stride_cs
                 + slot_offsets
             )
-            # Dot operands take the dtype of q: a no-op for a cache of the query dtype,
-            # and exact for fp8 values (e4m3 fits in fp16, bf16 and fp32).
-            k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS).to(q.dtype)
-            v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS).to(q.dtype)
-
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if USE_SOFTCAP:
-                s = (softcap * _tanh(s / softcap)) * LOG2E
-            if USE_ALIBI:
-                s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-            s = mask_scores(
-                s,
-                row_valid,
+            m_i, l_i, acc = attend_kv_tile(
+                q,
+                k_ptrs,
+                kv_mask,
+                stride_ckv,
+                k_pos,
                 k_needed,
                 q_pos,
-                k_pos,
+                row_valid,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                softcap,
+                slope,
                 window,
                 chunk,
                 IS_CAUSAL,
                 USE_WINDOW,
                 USE_CHUNK,
-            )
-            # v already has q's dtype (float32 under DOT_IN_FP32); p is rounded to the
-            # query dtype either way.
-            m_i, l_i, acc = online_softmax_update(
-                s, v, m_i, l_i, acc, query_ptr.dtype.element_ty, DOT_PRECISION, DOT_IN_FP32
+                USE_SOFTCAP,
+                USE_ALIBI,
+                FP8_BITS,
+                query_ptr.dtype.element_ty,
+                DOT_PRECISION,
+                DOT_IN_FP32,
             )
 
         # l_i == 0 only for rows that see no key and have no sink (padding rows, or an
@@ -512,13 +503,18 @@ def _split_kv_partial_kernel(
     v_scale_value = v_scale
     if V_SCALE_FROM_PTR:
         v_scale_value = tl.load(v_scale_ptr)
-    # Natural-log score scale; k_scale multiplies every key, so it folds in here.
+    # k_scale multiplies every key, so it folds into the score scale; scores are in the
+    # log2 domain (exp2 is the native instruction) except under a soft-cap, which
+    # applies to natural-log scores (see attend_kv_tile).
     qk_scale = scale * k_scale_value
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * LOG2E
+    slope = 0.0  # unread without ALiBi
     if USE_ALIBI:
         slope = tl.load(
             alibi_slopes_ptr + q_head * stride_alibi, mask=head_in_group < GROUP, other=0.0
         )
-        slope = slope.to(tl.float32)
+        slope = slope.to(tl.float32) * LOG2E
     offs_n = tl.arange(0, TILE_N)
     table_row = block_table_ptr + request.to(tl.int64) * stride_bt
     head_offsets = kv_head * stride_ch + dims[None, :] * stride_cd
@@ -582,38 +578,32 @@ def _split_kv_partial_kernel(
                 + (k_pos % BLOCK_SIZE)[:, None] * stride_cs
                 + head_offsets
             )
-            # Widened to the query dtype (exact for e4m3; a no-op for a cache of the
-            # query dtype) before both dots, so P is rounded to the query dtype below.
-            k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS).to(query_ptr.dtype.element_ty)
-            v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS).to(query_ptr.dtype.element_ty)
-            if DOT_IN_FP32:
-                k = k.to(tl.float32)
-
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if USE_SOFTCAP:
-                # cap * tanh(s / cap), with tanh from one exp of a non-positive argument.
-                x = s / softcap
-                e = tl.exp(-2.0 * tl.abs(x))
-                th = (1.0 - e) / (1.0 + e)
-                s = softcap * tl.where(x < 0.0, -th, th)
-            if USE_ALIBI:
-                s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-            # log2 domain from here: exp2 is the native instruction.
-            s = s * LOG2E
-            s = mask_scores(
-                s,
-                row_valid,
+            m_i, l_i, acc = attend_kv_tile(
+                q,
+                k_ptrs,
+                kv_mask,
+                stride_ckv,
+                k_pos,
                 k_valid,
                 q_pos,
-                k_pos,
+                row_valid,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                softcap,
+                slope,
                 window,
                 chunk,
                 IS_CAUSAL,
                 USE_WINDOW,
                 USE_CHUNK,
-            )
-            m_i, l_i, acc = online_softmax_update(
-                s, v, m_i, l_i, acc, query_ptr.dtype.element_ty, DOT_PRECISION, DOT_IN_FP32
+                USE_SOFTCAP,
+                USE_ALIBI,
+                FP8_BITS,
+                query_ptr.dtype.element_ty,
+                DOT_PRECISION,
+                DOT_IN_FP32,
             )
 
         # A row that saw no key in this split (l_i == 0) gets output 0 and lse -inf.
@@ -1164,26 +1154,67 @@ def _check_like(
 # ------------------------------------------------------------------------ launch
 
 
-def _rows_q(block_q: int, group_pad: int) -> int:
+def _rows_q(block_q: int, group_pad: int, max_rows: int = _MAX_ROWS) -> int:
     """Query tokens per inner step: the tile's ``block_q`` while the step stays within
-    ``_MAX_ROWS`` rows (unless one group alone is wider), at least ``_MIN_ROWS`` rows."""
-    rows_q = min(block_q, max(1, _MAX_ROWS // group_pad))
+    ``max_rows`` rows (unless one group alone is wider), at least ``_MIN_ROWS`` rows."""
+    rows_q = min(block_q, max(1, max_rows // group_pad))
     return max(rows_q, _MIN_ROWS // group_pad, 1)
 
 
-def _launch_shape(head_dim_pad: int, block_size: int) -> tuple[int, int]:
-    """``(TILE_N, num_warps)``: keys per inner step and warps per program.
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchShape:
+    """Register-tile choices of one launch (``_launch_shape``)."""
 
-    A ``[TILE_N, D]`` tile of K and of V sits in registers next to the ``[64, D]`` fp32
-    accumulator: 64 keys for heads up to 64, 32 above (never more than a cache block:
-    the one-pass kernel's tiles do not straddle blocks). Heads of 128 and more get 8
-    warps, which halves every thread's share of the accumulator and of the tiles: with
-    4 warps the ``D = 128`` variants came within a few registers of the 255 limit on
-    sm_80 (246) and the fp8-cache one spilled 8 bytes on sm_100 (``--full`` compile
-    report, ``benchmarks/compile_report.py``); with 8 none spills on sm_80/90/100."""
-    tile_n = 64 if head_dim_pad <= 64 else 32
-    num_warps = 8 if head_dim_pad >= 128 else 4
-    return min(tile_n, block_size), num_warps
+    rows_q: int
+    """Query tokens per inner step (``ROWS_Q``; ``rows_q * GROUP_PAD`` rows)."""
+    tile_n: int
+    """Keys per inner step (``TILE_N``)."""
+    num_warps: int
+    num_stages: int
+    """Software-pipelining depth of the K/V loads (Triton's CUDA default is 3)."""
+
+
+def _launch_shape(
+    head_dim_pad: int, block_size: int, block_q: int, group_pad: int, *, fp32: bool
+) -> LaunchShape:
+    """Tile and warp choices that keep every declared variant free of register spills.
+
+    A ``[TILE_N, D]`` tile of K and of V sits in registers next to the ``[M, D]`` fp32
+    accumulator (``M = ROWS_Q * GROUP_PAD`` rows).
+
+    * 16-bit operands (tensor cores): up to 64 rows; 64 keys for heads up to 64, 32
+      above (never more than a cache block: the one-pass kernel's tiles do not straddle
+      blocks). Heads of 128 and more get 8 warps, which halves every thread's share of
+      the accumulator and of the tiles: with 4 warps the ``D = 128`` variants came within
+      a few registers of the 255 limit on sm_80 (246) and the fp8-cache one spilled 8
+      bytes on sm_100.
+    * float32 operands run IEEE dots on the FMA units, whose operand layout keeps a
+      thread's rows of ``q`` and columns of ``k`` over the whole ``D`` in registers: at 64
+      rows and 32-64 keys every head size from 32 up spilled (up to 1.2 KB at ``D =
+      256``). Here: at most 32 rows, 16 keys, and 8 warps once the ``[M, D]`` tile
+      reaches 8192 elements (4 warps below: 8 warps at ``M = 16, D = 128`` spilled 32
+      bytes on sm_90, 4 warps at ``M = 32, D = 256`` 40 bytes on sm_100).
+    * float32 launches load K/V without software pipelining (``num_stages=1``). With
+      Triton's default 3 stages ptxas spilled 8-16 bytes in the split-KV kernel on sm_80
+      (``D`` 64-256) and, over an fp8 cache, 200-300 bytes at ``D = 128`` and a 3 KB
+      spill at 32 registers at ``D = 256`` (sm_90/100); with one stage none spills
+      (72-110 registers). float32 attention is bound by its FMA dots, not by load latency.
+    * 16-bit, ``D = 16``: 2 stages (3 spilled 16 bytes on sm_100 at block 32).
+
+    Figures from the ``--full`` compile report (``benchmarks/compile_report.py``); with
+    these choices no declared variant spills on sm_80/90/100.
+    """
+    if fp32:
+        rows_q = _rows_q(block_q, group_pad, _MAX_ROWS_FP32)
+        tile_n = 16
+        num_warps = 8 if rows_q * group_pad * head_dim_pad >= 8192 else 4
+        num_stages = 1
+    else:
+        rows_q = _rows_q(block_q, group_pad)
+        tile_n = 64 if head_dim_pad <= 64 else 32
+        num_warps = 8 if head_dim_pad >= 128 else 4
+        num_stages = 2 if head_dim_pad == 16 else 3
+    return LaunchShape(rows_q, min(tile_n, block_size), num_warps, num_stages)
 
 
 def paged_attention(
@@ -1282,8 +1313,13 @@ def paged_attention(
     group = num_q_heads // plan.num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    rows_q = _rows_q(plan.block_q, group_pad)
-    tile_n, num_warps = _launch_shape(head_dim_pad, plan.block_size)
+    shape = _launch_shape(
+        head_dim_pad,
+        plan.block_size,
+        plan.block_q,
+        group_pad,
+        fp32=query.dtype == torch.float32,
+    )
     fp8_bits = is_fp8 and _INTERPRETED
     # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
     cache_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
@@ -1326,9 +1362,9 @@ def paged_attention(
         "GROUP": group,
         "GROUP_PAD": group_pad,
         "BLOCK_Q": plan.block_q,
-        "ROWS_Q": rows_q,
+        "ROWS_Q": shape.rows_q,
         "BLOCK_SIZE": plan.block_size,
-        "TILE_N": tile_n,
+        "TILE_N": shape.tile_n,
         "IS_CAUSAL": plan.causal,
         "USE_WINDOW": plan.sliding_window is not None,
         "USE_CHUNK": plan.chunk_size is not None,
@@ -1341,7 +1377,8 @@ def paged_attention(
         # tolerances; the setting has no effect on 16-bit operands (tensor cores).
         "DOT_PRECISION": "ieee",
         "DOT_IN_FP32": _INTERPRETED and query.dtype == torch.bfloat16,
-        "num_warps": num_warps,
+        "num_warps": shape.num_warps,
+        "num_stages": shape.num_stages,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
         # (its default flips in 3.10), and the test suite turns warnings into errors.
         "enable_fp_fusion": True,
