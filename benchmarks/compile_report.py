@@ -97,18 +97,22 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def recording(module_name: str) -> Iterator[list[Launch]]:
-    """Swap every ``@triton.jit`` function of ``attnkit.kernels.triton.<module_name>`` for
-    a recorder while the block runs; yields the list the launches land in."""
-    module = importlib.import_module(f"{KMOD}.{module_name}")
+def recording(*module_names: str) -> Iterator[list[Launch]]:
+    """Swap every ``@triton.jit`` function of ``attnkit.kernels.triton.<module_name>`` (for
+    each name given) for a recorder while the block runs; yields the list the launches
+    land in."""
     sink: list[Launch] = []
-    saved = {k: v for k, v in vars(module).items() if isinstance(v, JITFunction)}
+    saved: list[tuple[Any, str, JITFunction[Any]]] = []
     try:
-        for name in saved:
-            setattr(module, name, _Recorder(f"{module_name}.{name}", sink))
+        for module_name in module_names:
+            module = importlib.import_module(f"{KMOD}.{module_name}")
+            for name, fn in list(vars(module).items()):
+                if isinstance(fn, JITFunction):
+                    saved.append((module, name, fn))
+                    setattr(module, name, _Recorder(f"{module_name}.{name}", sink))
         yield sink
     finally:
-        for name, fn in saved.items():
+        for module, name, fn in saved:
             setattr(module, name, fn)
 
 
@@ -188,6 +192,32 @@ def run_kv_write(p: dict[str, Any]) -> None:
     if p["kv"] == "fp8":
         extra = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
     write_kv_cache(key, key.clone(), cache, torch.arange(4), **extra)
+
+
+def run_mla(p: dict[str, Any]) -> None:
+    """DeepSeek-V3's absorbed MLA (128 heads, latent 576 = kv_lora_rank 512 + rope 64):
+    decode (``q_len`` 1) on the split-KV path with ``splits`` splits, longer queries in
+    one pass; plus the latent write of the step's tokens."""
+    from attnkit.kernels.triton.mla_attention import mla_attention, write_mla_latents
+    from attnkit.kernels.triton.paged_attention import plan_paged_attention
+
+    dtype, bs, q_len = DT[p["dtype"]], p["block"], p["q_len"]
+    query = torch.zeros(q_len, 128, 576, dtype=dtype)
+    cache = torch.zeros(4, bs, 576, dtype=FP8 if p["kv"] == "fp8" else dtype)
+    batch = _attention_batch(q_len, max(q_len, 4 * bs), bs)
+    plan = plan_paged_attention(
+        batch["query_start_loc"],
+        batch["seq_lens"],
+        batch["block_table"],
+        max_query_len=q_len,
+        max_seq_len=batch["max_seq_len"],
+        block_size=bs,
+        num_kv_heads=1,
+        num_splits=p.get("splits", 0),
+    )
+    kv_scale = torch.ones(1) if p["kv"] == "fp8" else None
+    write_mla_latents(query[:, 0], cache, torch.arange(q_len), kv_scale=kv_scale)
+    mla_attention(query, cache, plan, kv_lora_rank=512, scale=0.1, kv_scale=kv_scale)
 
 
 def _varlen(tokens: int) -> dict[str, Any]:
@@ -340,6 +370,8 @@ class Family:
     run: Callable[[dict[str, Any]], None]
     default: tuple[dict[str, Any], ...]  # the small default set
     full: tuple[dict[str, Any], ...]  # added by --full
+    # Further modules whose kernels the launcher reaches (e.g. a shared merge stage).
+    extra_modules: tuple[str, ...] = ()
 
 
 def _grid(**axes: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
@@ -415,6 +447,27 @@ FAMILIES: tuple[Family, ...] = (
         run_split_kv,
         default=(_attn(head=128, splits=4), _attn(head=256, splits=4, kv="fp8")),
         full=declared_attention_grid(splits=(4,)),
+    ),
+    Family(
+        "mla_attention",
+        "mla_attention",
+        run_mla,
+        default=(
+            {"dtype": "bf16", "kv": "same", "block": 64, "q_len": 1, "splits": 4},
+            {"dtype": "bf16", "kv": "same", "block": 64, "q_len": 128},
+            {"dtype": "bf16", "kv": "fp8", "block": 64, "q_len": 1, "splits": 4},
+        ),
+        full=(
+            *(
+                {**c, "splits": 4} if c["q_len"] == 1 else c
+                for c in _grid(
+                    dtype=("fp16", "bf16"), kv=("same", "fp8"), block=(16, 32, 64), q_len=(1, 128)
+                )
+            ),
+            {"dtype": "fp32", "kv": "same", "block": 16, "q_len": 128},
+        ),
+        # The split-KV merge is paged_attention's (merge_split_kv).
+        extra_modules=("paged_attention",),
     ),
     Family(
         "merge_attn_states",
@@ -558,6 +611,8 @@ def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]
     of that capability: declarations only, no device query), so a capability rule
     added to a backend is honoured here without editing the report. Empty: declared.
     """
+    if family == "mla_attention":
+        return _mla_undeclared_reasons(case, cap)
     if family not in TRITON_ATTN_FAMILIES or "kv" not in case:
         return []
     from attnkit.backend import BackendRequest
@@ -575,6 +630,20 @@ def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]
         spec=spec, device=torch.device("cuda"), capability=(cap // 10, cap % 10)
     )
     return TritonAttentionBackend.not_supported_reasons(request)
+
+
+def _mla_undeclared_reasons(case: dict[str, Any], cap: int) -> list[str]:
+    """The MLA kernels' rule: an fp8 e4m3 latent cache needs Triton's e4m3 type, which
+    exists from the same compute capability triton_attn declares fp8 KV from (sm_89)."""
+    from attnkit.backends.triton_attn.backend import FP8_E4M3_MIN_CAPABILITY
+
+    major, minor = FP8_E4M3_MIN_CAPABILITY
+    if case.get("kv") == "fp8" and (cap // 10, cap % 10) < FP8_E4M3_MIN_CAPABILITY:
+        return [
+            f"an fp8_e4m3 latent cache needs compute capability >= {major}.{minor} "
+            f"(Triton has no e4m3 type before sm_89), got {cap // 10}.{cap % 10}"
+        ]
+    return []
 
 
 def case_label(p: dict[str, Any]) -> str:
@@ -611,7 +680,7 @@ def collect_variants(
             cases += [c for c in fam.full if c not in cases]
         for case in cases:
             label = case_label(case)
-            with recording(fam.module) as launches:
+            with recording(fam.module, *fam.extra_modules) as launches:
                 try:
                     fam.run(case)
                 except Exception as exc:  # a launcher check rejected the declared case

@@ -76,6 +76,7 @@ PASS_THROUGH: tuple[type[BaseException], ...] = (KeyboardInterrupt, GeneratorExi
 BUILTIN_BACKENDS: Mapping[str, str] = {
     "reference": "attnkit.backends.reference:ReferenceBackend",
     "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
+    "triton_mla": "attnkit.backends.triton_mla:TritonMLABackend",
     "flash_attn": "attnkit.backends.flash_attn:FlashAttentionBackend",
     "triton_mamba1": "attnkit.backends.triton_state:TritonMamba1Backend",
     "triton_mamba2": "attnkit.backends.triton_state:TritonMamba2Backend",

@@ -63,6 +63,7 @@ DEFAULT_PRIORITY: Mapping[str, tuple[str, ...]] = {
     "cuda": (
         "flash_attn",
         "triton_attn",
+        "triton_mla",
         "triton_mamba1",
         "triton_mamba2",
         "triton_gdn",

@@ -486,7 +486,9 @@ def check_cudagraph(
         )
         else None
     )
-    heads = 1 if choice.kind in (KVCacheSpecKind.MLA_ATTENTION,) else 2
+    # MLA specs have one latent "head" by definition.
+    mla = (KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA)
+    heads = 1 if choice.kind in mla else 2
     case = Case(
         choice, heads, 1 if choice.kind is KVCacheSpecKind.MAMBA else 2, window, steps, seed
     )

@@ -49,11 +49,18 @@ from ...spec import (
     SlidingWindowSpec,
 )
 from .._triton_env import triton_cpu_reasons
+from .._triton_paged import (
+    FP8_E4M3_MIN_CAPABILITY,
+    GraphBuffers,
+    fp8_e4m3_capability_reasons,
+    num_sms,
+)
 
 if TYPE_CHECKING:  # the kernel modules import triton; annotations only
     from ...kernels.triton.paged_attention import PagedAttentionPlan, SplitKVWorkspace
 
 __all__ = [
+    "FP8_E4M3_MIN_CAPABILITY",
     "TritonAttentionBackend",
     "TritonAttentionImpl",
     "TritonAttentionMetadata",
@@ -142,26 +149,6 @@ class _DeviceConstants:
     sinks: torch.Tensor | None
 
 
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 for any other device."""
-    if device.type != "cuda":
-        return 1
-    # torch declares the properties' class only in CUDA builds, so pyright sees Unknown.
-    props = torch.cuda.get_device_properties(device)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-    return int(props.multi_processor_count)  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
-
-
-@dataclasses.dataclass
-class _GraphBuffers:
-    """Fixed-address copies of a step's metadata, sized by the config's engine limits."""
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    tile_offsets: torch.Tensor
-
-
 class TritonAttentionMetadataBuilder(
     AttentionMetadataBuilder[TritonAttentionMetadata, AttentionSpec]
 ):
@@ -205,13 +192,13 @@ class TritonAttentionMetadataBuilder(
         self.chunk_size = (
             spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
         )
-        self.num_sms: int = _num_sms(device)
+        self.num_sms: int = num_sms(device)
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
         from ...kernels.triton.paged_attention import plan_paged_attention
 
         self._plan_paged_attention = plan_paged_attention
-        self._graph: _GraphBuffers | None = None
+        self._graph: GraphBuffers | None = None
 
     @override
     def build(
@@ -309,58 +296,31 @@ class TritonAttentionMetadataBuilder(
             raise RuntimeError(
                 f"{type(self).__name__}: {self.kind.value} layers cannot be captured in a CUDA graph"
             )
-        buffers = self._graph_buffers()
-        num_reqs, num_tokens = cm.num_reqs, cm.slot_mapping.shape[0]
-        width = cm.block_table_tensor.shape[1]
-        limits = (
-            ("num_reqs", num_reqs, buffers.seq_lens.shape[0], "max_num_reqs"),
-            ("tokens", num_tokens, buffers.slot_mapping.shape[0], "max_num_batched_tokens"),
-            ("block-table width", width, buffers.block_table.shape[1], "max_model_len"),
-        )
-        for what, value, capacity, setting in limits:
-            if value > capacity:
-                raise RuntimeError(
-                    f"{type(self).__name__}: the step's {what} {value} exceeds the CUDA-graph "
-                    f"buffers ({capacity}); raise AttentionConfig.{setting}"
-                )
-        buffers.query_start_loc[: num_reqs + 1].copy_(cm.query_start_loc, non_blocking=True)
-        buffers.seq_lens[:num_reqs].copy_(cm.seq_lens, non_blocking=True)
-        buffers.block_table[:num_reqs, :width].copy_(cm.block_table_tensor, non_blocking=True)
-        buffers.slot_mapping[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
-        max_seq_len = buffers.block_table.shape[1] * self.kv_cache_spec.block_size
-        # Grid bounds fixed by the batch's shape, not its contents. A causal request's
-        # queries fit in its context (q_len <= seq_len <= max_seq_len), so a step of more
-        # tokens than max_model_len still gets a valid bound.
-        max_query_len = min(cm.num_actual_tokens, max_seq_len)
-        query_start_loc = buffers.query_start_loc[: num_reqs + 1]
-        seq_lens = buffers.seq_lens[:num_reqs]
-        # Full width: a replay may need more blocks than the captured step had, and the
-        # kernels read only the blocks each seq_len needs.
-        block_table = buffers.block_table[:num_reqs]
+        step = self._graph_buffers().load(type(self).__name__, cm)
         # The tile offsets are computed on the device into a fixed buffer, and the grid
         # is the plan's shape-only bound, so every batch of this shape replays.
         plan = self._plan_paged_attention(
-            query_start_loc,
-            seq_lens,
-            block_table,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_table,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
             block_size=self.kv_cache_spec.block_size,
             num_kv_heads=self.kv_cache_spec.num_kv_heads,
             causal=True,
             sliding_window=self.sliding_window,
             chunk_size=self.chunk_size,
-            num_tokens=num_tokens,
+            num_tokens=step.num_tokens,
             num_splits=0,
-            tile_offsets_out=buffers.tile_offsets[: num_reqs + 1],
+            tile_offsets_out=step.tile_offsets,
         )
         return TritonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=buffers.slot_mapping[:num_tokens],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_table=step.block_table,
+            slot_mapping=step.slot_mapping,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
             num_actual_tokens=cm.num_actual_tokens,
             causal=True,
             sliding_window=self.sliding_window,
@@ -369,22 +329,10 @@ class TritonAttentionMetadataBuilder(
             plan=plan,
         )
 
-    def _graph_buffers(self) -> _GraphBuffers:
+    def _graph_buffers(self) -> GraphBuffers:
         if self._graph is None:
-            config, device = self.config, self.device
-            width = -(-config.max_model_len // self.kv_cache_spec.block_size)
-            self._graph = _GraphBuffers(
-                query_start_loc=torch.zeros(
-                    config.max_num_reqs + 1, dtype=torch.int32, device=device
-                ),
-                seq_lens=torch.zeros(config.max_num_reqs, dtype=torch.int32, device=device),
-                block_table=torch.zeros(
-                    (config.max_num_reqs, width), dtype=torch.int32, device=device
-                ),
-                slot_mapping=torch.full(
-                    (config.max_num_batched_tokens,), -1, dtype=torch.int64, device=device
-                ),
-                tile_offsets=torch.zeros(config.max_num_reqs + 1, dtype=torch.int32, device=device),
+            self._graph = GraphBuffers.allocate(
+                self.config, self.kv_cache_spec.block_size, self.device
             )
         return self._graph
 
@@ -559,10 +507,6 @@ class TritonAttentionImpl(
         return self._scratch
 
 
-FP8_E4M3_MIN_CAPABILITY = (8, 9)
-"""The first compute capability whose Triton target has the fp8 e4m3 type (Ada)."""
-
-
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: every causal and bidirectional kind but sinks tokens and MLA."""
 
@@ -599,26 +543,6 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
-        """fp8_e4m3 caches need compute capability >= 8.9 on CUDA: Triton compiles the
-        e4m3 type (``fp8e4nv``) only for sm_89 and newer; sm_80-sm_87 have ``fp8e4b15``
-        and ``fp8e5`` only (``triton/backends/nvidia/compiler.py``, ``supported_fp8_dtypes``;
-        an ahead-of-time compile of these kernels for sm_80 fails with "type fp8e4nv not
-        supported in this architecture"). A decode path that widens e4m3 bytes by hand
-        on sm_80 would cost a bit-manipulation per element on the hottest loop for GPUs
-        whose fp8 cache saves memory but not bandwidth-bound time, so it is declared
-        instead."""
-        spec = request.spec
-        capability = request.capability
-        if (
-            isinstance(spec, AttentionSpec)
-            and spec.kv_cache_dtype == "fp8_e4m3"
-            and request.device.type == "cuda"
-            and capability is not None
-            and capability < FP8_E4M3_MIN_CAPABILITY
-        ):
-            major, minor = FP8_E4M3_MIN_CAPABILITY
-            return [
-                f"kv_cache_dtype='fp8_e4m3' needs compute capability >= {major}.{minor} "
-                f"(Triton has no e4m3 type before sm_89), got {capability[0]}.{capability[1]}"
-            ]
-        return []
+        """fp8_e4m3 caches need compute capability >= 8.9 on CUDA (see
+        ``fp8_e4m3_capability_reasons``)."""
+        return fp8_e4m3_capability_reasons(request)

@@ -118,6 +118,7 @@ __all__ = [
     "SplitKVWorkspace",
     "choose_num_splits",
     "count_query_tiles",
+    "merge_split_kv",
     "paged_attention",
     "plan_paged_attention",
     "split_kv_workspace",
@@ -1171,11 +1172,15 @@ class LaunchShape:
     """Keys per inner step (``TILE_N``)."""
     num_warps: int
     num_stages: int
-    """Software-pipelining depth of the K/V loads (Triton's CUDA default is 3)."""
+    """Software-pipelining depth of the one-pass kernel's K/V loads (Triton's CUDA
+    default is 3)."""
+    split_num_stages: int
+    """The same for the split-KV partial kernel (its per-key gather pipelines
+    differently)."""
 
 
 def _launch_shape(
-    head_dim_pad: int, block_size: int, block_q: int, group_pad: int, *, fp32: bool
+    head_dim_pad: int, block_size: int, block_q: int, group_pad: int, *, fp32: bool, fp8_kv: bool
 ) -> LaunchShape:
     """Tile and warp choices that keep every declared variant free of register spills.
 
@@ -1194,12 +1199,15 @@ def _launch_shape(
       256``). Here: at most 32 rows, 16 keys, and 8 warps once the ``[M, D]`` tile
       reaches 8192 elements (4 warps below: 8 warps at ``M = 16, D = 128`` spilled 32
       bytes on sm_90, 4 warps at ``M = 32, D = 256`` 40 bytes on sm_100).
-    * float32 launches load K/V without software pipelining (``num_stages=1``). With
-      Triton's default 3 stages ptxas spilled 8-16 bytes in the split-KV kernel on sm_80
-      (``D`` 64-256) and, over an fp8 cache, 200-300 bytes at ``D = 128`` and a 3 KB
-      spill at 32 registers at ``D = 256`` (sm_90/100); with one stage none spills
-      (72-110 registers). float32 attention is bound by its FMA dots, not by load latency.
-    * 16-bit, ``D = 16``: 2 stages (3 spilled 16 bytes on sm_100 at block 32).
+    * Pipeline stages: ptxas sometimes settles on a low register target and spills a
+      few bytes (8-16 at 48-96 registers, or 3 KB at 32) for one stage count and not
+      another, so each is the measured clean choice. float32: the one-pass kernel 2
+      stages (1 spilled 8-16 bytes at ``D`` 16-96 on sm_80/90/100; 3 spilled at ``D =
+      256`` on sm_80) except over an fp8 cache at ``D >= 128``, 1 stage (2-3 stages gave
+      200-300 bytes at ``D = 128`` and 32 registers with a 3 KB spill at ``D = 256``);
+      the split-KV kernel 1 stage (2-3 spilled 8-16 bytes on sm_80 at ``D`` 64-256).
+      16-bit: 3 stages, but 2 for the ``D = 16`` prefill tile (3 spilled 16 bytes on
+      sm_100; 2 stages spill at the ``D = 16`` decode tile instead).
 
     Figures from the ``--full`` compile report (``benchmarks/compile_report.py``); with
     these choices no declared variant spills on sm_80/90/100.
@@ -1208,13 +1216,15 @@ def _launch_shape(
         rows_q = _rows_q(block_q, group_pad, _MAX_ROWS_FP32)
         tile_n = 16
         num_warps = 8 if rows_q * group_pad * head_dim_pad >= 8192 else 4
-        num_stages = 1
+        num_stages = 1 if fp8_kv and head_dim_pad >= 128 else 2
+        split_num_stages = 1
     else:
         rows_q = _rows_q(block_q, group_pad)
         tile_n = 64 if head_dim_pad <= 64 else 32
         num_warps = 8 if head_dim_pad >= 128 else 4
-        num_stages = 2 if head_dim_pad == 16 else 3
-    return LaunchShape(rows_q, min(tile_n, block_size), num_warps, num_stages)
+        num_stages = 2 if head_dim_pad == 16 and rows_q * group_pad > _MIN_ROWS else 3
+        split_num_stages = 3
+    return LaunchShape(rows_q, min(tile_n, block_size), num_warps, num_stages, split_num_stages)
 
 
 def paged_attention(
@@ -1319,6 +1329,7 @@ def paged_attention(
         plan.block_q,
         group_pad,
         fp32=query.dtype == torch.float32,
+        fp8_kv=is_fp8,
     )
     fp8_bits = is_fp8 and _INTERPRETED
     # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
@@ -1378,7 +1389,6 @@ def paged_attention(
         "DOT_PRECISION": "ieee",
         "DOT_IN_FP32": _INTERPRETED and query.dtype == torch.bfloat16,
         "num_warps": shape.num_warps,
-        "num_stages": shape.num_stages,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
         # (its default flips in 3.10), and the test suite turns warnings into errors.
         "enable_fp_fusion": True,
@@ -1396,6 +1406,7 @@ def paged_attention(
             stride_sinks=sinks.stride(0) if sinks is not None else 0,
             USE_SINKS=sinks is not None,
             STORE_LSE=lse is not None,
+            num_stages=shape.num_stages,
             **common,
         )
         return output
@@ -1416,9 +1427,75 @@ def paged_attention(
         stride_ls=part_lse.stride(0),
         stride_lt=part_lse.stride(1),
         stride_lh=part_lse.stride(2),
+        num_stages=shape.split_num_stages,
         **common,
     )
-    _split_kv_merge_kernel[(num_tokens, num_q_heads)](
+    merge_split_kv(workspace, output, plan, lse=lse, sinks=sinks)
+    return output
+
+
+def merge_split_kv(
+    workspace: SplitKVWorkspace,
+    output: torch.Tensor,
+    plan: PagedAttentionPlan,
+    *,
+    lse: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage 2 of split-KV: merge the ``plan.num_splits`` partials of every (token, head).
+
+    ``workspace`` holds stage 1's float32 partial outputs (each divided by its own
+    denominator) and natural-log lse per split; a split with lse ``-inf`` saw nothing
+    and is not read. Each (token, head) of ``output`` ``[T, H, Dv]`` gets the
+    lse-weighted sum of its partials (``Dv`` is the partials' width, which is the value
+    width: the head size for paged attention, ``kv_lora_rank`` for absorbed MLA); a sink
+    logit (``sinks`` ``[H]``) joins the denominator once. ``lse`` (float32 ``[T, H]``)
+    receives the merged log-sum-exp. Rows at or past ``query_start_loc[B]`` are left
+    untouched. Allocates nothing and reads no device value back to the host.
+
+    Args:
+        workspace: stage 1's scratch, ``[S >= num_splits, T' >= T, H, Dv]`` and
+            ``[S, T', H]``, float32.
+        output: ``[T, H, Dv]`` float32/float16/bfloat16, any strides.
+        plan: the step's split-KV plan (``plan.num_splits >= 1``).
+        lse: optional float32 ``[T, H]``, any strides.
+        sinks: optional ``[H]`` sink logits (float32/float16/bfloat16/float64).
+
+    Returns:
+        ``output``.
+    """
+    if not isinstance(plan, PagedAttentionPlan):
+        raise KernelTypeError(
+            f"plan: expected a PagedAttentionPlan (plan_paged_attention), got {describe(plan)}"
+        )
+    if not plan.num_splits:
+        raise ValueError(
+            "plan: expected a split-KV plan (num_splits >= 1), got one with num_splits=0"
+        )
+    device = plan.device
+    output = require_tensor("output", output, "a torch.Tensor [T, H, Dv]")
+    if output.dim() != 3 or 0 in output.shape[1:]:
+        raise ValueError(f"output: expected shape [T, H >= 1, Dv >= 1], got {tuple(output.shape)}")
+    if output.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"output: expected dtype in {SUPPORTED_DTYPES}, got {output.dtype}")
+    check_device("output", output, device)
+    num_tokens, num_heads, head_dim = output.shape
+    part_out, part_lse = _check_workspace(
+        workspace, plan.num_splits, num_tokens, num_heads, head_dim, device
+    )
+    if lse is not None:
+        lse = _check_like(
+            "lse",
+            lse,
+            (num_tokens, num_heads),
+            torch.float32,
+            device,
+            f"float32 [T, H]=[{num_tokens}, {num_heads}]",
+        )
+    sinks = check_head_vector("sinks", sinks, num_heads, device)
+    if num_tokens == 0:
+        return output
+    _split_kv_merge_kernel[(num_tokens, num_heads)](
         part_out_ptr=part_out,
         part_lse_ptr=part_lse,
         output_ptr=output,
@@ -1442,7 +1519,7 @@ def paged_attention(
         stride_olh=lse.stride(1) if lse is not None else 0,
         stride_sinks=sinks.stride(0) if sinks is not None else 0,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
         USE_SINKS=sinks is not None,
         STORE_LSE=lse is not None,
