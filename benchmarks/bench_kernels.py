@@ -395,6 +395,91 @@ def state_results(args: argparse.Namespace, device: torch.device) -> list[Result
     return results
 
 
+def mla_results(args: argparse.Namespace, device: torch.device, peak: float | None) -> list[Result]:
+    """MLA decode on ``triton_mla``'s kernel at DeepSeek-V3 dims (128 heads, latent 576 =
+    512 + 64 rope, block 64): GB/s of latent-cache traffic against the device's peak.
+
+    Bytes per step: every request's latents once (``B * ctx * 576`` elements; the kernel
+    reads each latent tile once for a block of heads, so head blocks re-read it from L2,
+    which this figure does not count), plus the absorbed queries and the outputs."""
+    from attnkit.kernels.triton.mla_attention import mla_attention, mla_split_workspace
+    from attnkit.kernels.triton.paged_attention import plan_paged_attention
+
+    heads, rank, rope, block = (4, 32, 16, 16) if args.smoke else (128, 512, 64, 64)
+    latent = rank + rope
+    cases = [(2, 64)] if args.smoke else [(64, 4096), (64, 16384), (128, 4096), (128, 32768)]
+    results: list[Result] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for num_reqs, context in cases:
+        blocks_per_req = -(-context // block)
+        num_blocks = num_reqs * blocks_per_req
+        cache = torch.randn(num_blocks, block, latent, generator=gen).to(device, torch.bfloat16)
+        # Shuffled blocks: a real cache's pages are not contiguous per request.
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        table = perm.view(num_reqs, blocks_per_req).to(device)
+        query = torch.randn(num_reqs, heads, latent, generator=gen).to(device, torch.bfloat16)
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+        seq = torch.full((num_reqs,), context, dtype=torch.int32)
+        plan = plan_paged_attention(
+            qsl.to(device),
+            seq.to(device),
+            table,
+            max_query_len=1,
+            max_seq_len=context,
+            block_size=block,
+            num_kv_heads=1,
+            num_tokens=num_reqs,
+            num_splits=None,
+            num_sms=_num_sms(device),
+            query_start_loc_cpu=qsl,
+        )
+        workspace = (
+            mla_split_workspace(plan.num_splits, num_reqs, heads, rank, device=device)
+            if plan.num_splits
+            else None
+        )
+        out = torch.empty(num_reqs, heads, rank, dtype=torch.bfloat16, device=device)
+
+        def step(
+            query: torch.Tensor = query,
+            cache: torch.Tensor = cache,
+            plan: Any = plan,
+            out: torch.Tensor = out,
+            workspace: Any = workspace,
+        ) -> None:
+            mla_attention(
+                query,
+                cache,
+                plan,
+                kv_lora_rank=rank,
+                scale=latent**-0.5,
+                output=out,
+                workspace=workspace,
+            )
+
+        ms = time_ms(step, device, args.warmup, args.iters)
+        moved = 2 * (num_reqs * context * latent + num_reqs * heads * (latent + rank))
+        gbps = moved / (ms * 1e-3) / 1e9
+        results.append(
+            Result(
+                "mla-decode",
+                "triton_mla",
+                f"B={num_reqs} ctx={context} H={heads} D={latent}",
+                ms,
+                gbps,
+                gbps / peak if peak else None,
+                note=f"splits={plan.num_splits}",
+            )
+        )
+    return results
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def decode_cases(smoke: bool) -> list[tuple[int, int]]:
     if smoke:
         return [(2, 64)]
@@ -536,6 +621,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     Result("prefill", made[1], case, ms_f, tflops=flops / (ms_f * 1e-3) / 1e12)
                 )
     results.extend(state_results(args, device))
+    results.extend(mla_results(args, device, peak))
     flash_rows: list[dict[str, Any]] = []
     if not args.smoke:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
