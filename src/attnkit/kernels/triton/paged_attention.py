@@ -1196,18 +1196,18 @@ def _launch_shape(
     * float32 operands run IEEE dots on the FMA units, whose operand layout keeps a
       thread's rows of ``q`` and columns of ``k`` over the whole ``D`` in registers: at 64
       rows and 32-64 keys every head size from 32 up spilled (up to 1.2 KB at ``D =
-      256``). Here: at most 32 rows, 16 keys, and 8 warps once the ``[M, D]`` tile
-      reaches 8192 elements (4 warps below: 8 warps at ``M = 16, D = 128`` spilled 32
-      bytes on sm_90, 4 warps at ``M = 32, D = 256`` 40 bytes on sm_100).
-    * Pipeline stages: ptxas sometimes settles on a low register target and spills a
-      few bytes (8-16 at 48-96 registers, or 3 KB at 32) for one stage count and not
-      another, so each is the measured clean choice. float32: the one-pass kernel 2
-      stages (1 spilled 8-16 bytes at ``D`` 16-96 on sm_80/90/100; 3 spilled at ``D =
-      256`` on sm_80) except over an fp8 cache at ``D >= 128``, 1 stage (2-3 stages gave
-      200-300 bytes at ``D = 128`` and 32 registers with a 3 KB spill at ``D = 256``);
-      the split-KV kernel 1 stage (2-3 spilled 8-16 bytes on sm_80 at ``D`` 64-256).
-      16-bit: 3 stages, but 2 for the ``D = 16`` prefill tile (3 spilled 16 bytes on
-      sm_100; 2 stages spill at the ``D = 16`` decode tile instead).
+      256``). Here: at most 32 rows, 16 keys, and 8 warps at ``D = 256`` or once the
+      ``[M, D]`` tile reaches 8192 elements (4 warps below: 8 warps at ``M = 16, D =
+      128`` spilled 32 bytes on sm_90; 4 warps at ``D = 256`` spilled 8-40 bytes on
+      sm_90/100 where 8 warps need 80 registers).
+    * Pipeline stages: ptxas sometimes settles on a low register target (48-128) and
+      spills 8-16 bytes for one stage count and not another, so each choice is the
+      measured clean one. float32, one-pass kernel: 3 stages (2 spilled at ``D`` 64 on
+      sm_100, 1 at ``D`` 16-96), but 1 at ``D = 256`` and over an fp8 cache from ``D =
+      128`` (2-3 stages: 200-300 bytes at ``D = 128``, 32 registers and a 3 KB spill at
+      ``D = 256``, sm_90/100). float32 split-KV: 1 stage (2-3 spilled 8-24 bytes on
+      sm_80). 16-bit: 3 stages, but 2 for the ``D = 16`` prefill tile (3 spilled 16
+      bytes on sm_100; 2 stages spill at the ``D = 16`` decode tile instead).
 
     Figures from the ``--full`` compile report (``benchmarks/compile_report.py``); with
     these choices no declared variant spills on sm_80/90/100.
@@ -1215,8 +1215,9 @@ def _launch_shape(
     if fp32:
         rows_q = _rows_q(block_q, group_pad, _MAX_ROWS_FP32)
         tile_n = 16
-        num_warps = 8 if rows_q * group_pad * head_dim_pad >= 8192 else 4
-        num_stages = 1 if fp8_kv and head_dim_pad >= 128 else 2
+        wide = head_dim_pad >= 256
+        num_warps = 8 if wide or rows_q * group_pad * head_dim_pad >= 8192 else 4
+        num_stages = 1 if wide or (fp8_kv and head_dim_pad >= 128) else 3
         split_num_stages = 1
     else:
         rows_q = _rows_q(block_q, group_pad)
