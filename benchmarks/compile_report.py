@@ -633,17 +633,22 @@ def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]
 
 
 def _mla_undeclared_reasons(case: dict[str, Any], cap: int) -> list[str]:
-    """The MLA kernels' rule: an fp8 e4m3 latent cache needs Triton's e4m3 type, which
-    exists from the same compute capability triton_attn declares fp8 KV from (sm_89)."""
-    from attnkit.backends.triton_attn.backend import FP8_E4M3_MIN_CAPABILITY
+    """``triton_mla``'s own answer for the case's layer (DeepSeek-V3's latent: 576 wide,
+    one KV head) on a hypothetical ``sm_<cap>`` device."""
+    from attnkit.backend import BackendRequest
+    from attnkit.backends.triton_mla import TritonMLABackend
+    from attnkit.spec import MLAAttentionSpec
 
-    major, minor = FP8_E4M3_MIN_CAPABILITY
-    if case.get("kv") == "fp8" and (cap // 10, cap % 10) < FP8_E4M3_MIN_CAPABILITY:
-        return [
-            f"an fp8_e4m3 latent cache needs compute capability >= {major}.{minor} "
-            f"(Triton has no e4m3 type before sm_89), got {cap // 10}.{cap % 10}"
-        ]
-    return []
+    spec = MLAAttentionSpec(
+        block_size=case.get("block", 16),
+        head_size=576,
+        dtype=DT[case["dtype"]],
+        kv_cache_dtype="fp8_e4m3" if case["kv"] == "fp8" else "auto",
+    )
+    request = BackendRequest(
+        spec=spec, device=torch.device("cuda"), capability=(cap // 10, cap % 10)
+    )
+    return TritonMLABackend.not_supported_reasons(request)
 
 
 def case_label(p: dict[str, Any]) -> str:

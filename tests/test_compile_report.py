@@ -98,6 +98,13 @@ def test_declared_variants_follow_the_backend_capability_rule() -> None:
         assert report.undeclared_reasons(family, fp8, first) == []
         assert report.undeclared_reasons(family, fp8, 90) == []
         assert report.undeclared_reasons(family, same, 80) == []
+    # MLA asks triton_mla, which declares fp8 latents from the same capability.
+    mla_fp8 = {"dtype": "bf16", "kv": "fp8", "block": 64, "q_len": 1, "splits": 4}
+    (reason,) = report.undeclared_reasons("mla_attention", mla_fp8, 80)
+    assert "fp8_e4m3" in reason
+    assert "8.9" in reason
+    assert report.undeclared_reasons("mla_attention", mla_fp8, first) == []
+    assert report.undeclared_reasons("mla_attention", {**mla_fp8, "kv": "same"}, 80) == []
     # A head size the backend does not declare is undeclared on every target.
     assert report.undeclared_reasons("unified_attention", {**same, "head": 512}, 90)
     # State-layer families have no capability rule.
