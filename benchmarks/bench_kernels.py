@@ -402,6 +402,7 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
     Bytes per step: every request's latents once (``B * ctx * 576`` elements; the kernel
     reads each latent tile once for a block of heads, so head blocks re-read it from L2,
     which this figure does not count), plus the absorbed queries and the outputs."""
+    from attnkit.backends._triton_paged import num_sms
     from attnkit.kernels.triton.mla_attention import mla_attention, mla_split_workspace
     from attnkit.kernels.triton.paged_attention import plan_paged_attention
 
@@ -430,7 +431,7 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
             num_kv_heads=1,
             num_tokens=num_reqs,
             num_splits=None,
-            num_sms=_num_sms(device),
+            num_sms=num_sms(device),
             query_start_loc_cpu=qsl,
         )
         workspace = (
@@ -472,12 +473,6 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
             )
         )
     return results
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def decode_cases(smoke: bool) -> list[tuple[int, int]]:

@@ -610,45 +610,32 @@ def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]
     Asked of the backend itself (``not_supported_reasons`` of a hypothetical CUDA device
     of that capability: declarations only, no device query), so a capability rule
     added to a backend is honoured here without editing the report. Empty: declared.
+    MLA cases are DeepSeek-V3's latent (576 wide, one KV head) on ``triton_mla``; the
+    other attention families' layers run on ``triton_attn``.
     """
-    if family == "mla_attention":
-        return _mla_undeclared_reasons(case, cap)
-    if family not in TRITON_ATTN_FAMILIES or "kv" not in case:
-        return []
     from attnkit.backend import BackendRequest
     from attnkit.backends.triton_attn import TritonAttentionBackend
-    from attnkit.spec import FullAttentionSpec
-
-    spec = FullAttentionSpec(
-        block_size=case.get("block", 16),
-        num_kv_heads=2,
-        head_size=case["head"],
-        dtype=DT[case["dtype"]],
-        kv_cache_dtype="fp8_e4m3" if case["kv"] == "fp8" else "auto",
-    )
-    request = BackendRequest(
-        spec=spec, device=torch.device("cuda"), capability=(cap // 10, cap % 10)
-    )
-    return TritonAttentionBackend.not_supported_reasons(request)
-
-
-def _mla_undeclared_reasons(case: dict[str, Any], cap: int) -> list[str]:
-    """``triton_mla``'s own answer for the case's layer (DeepSeek-V3's latent: 576 wide,
-    one KV head) on a hypothetical ``sm_<cap>`` device."""
-    from attnkit.backend import BackendRequest
     from attnkit.backends.triton_mla import TritonMLABackend
-    from attnkit.spec import MLAAttentionSpec
+    from attnkit.spec import AttentionSpec, FullAttentionSpec, MLAAttentionSpec
 
-    spec = MLAAttentionSpec(
-        block_size=case.get("block", 16),
-        head_size=576,
-        dtype=DT[case["dtype"]],
-        kv_cache_dtype="fp8_e4m3" if case["kv"] == "fp8" else "auto",
-    )
+    if "kv" not in case or (family != "mla_attention" and family not in TRITON_ATTN_FAMILIES):
+        return []
+    common: dict[str, Any] = {
+        "block_size": case.get("block", 16),
+        "dtype": DT[case["dtype"]],
+        "kv_cache_dtype": "fp8_e4m3" if case["kv"] == "fp8" else "auto",
+    }
+    spec: AttentionSpec
+    backend: type[TritonAttentionBackend] | type[TritonMLABackend]
+    if family == "mla_attention":
+        spec, backend = MLAAttentionSpec(head_size=576, **common), TritonMLABackend
+    else:
+        spec = FullAttentionSpec(num_kv_heads=2, head_size=case["head"], **common)
+        backend = TritonAttentionBackend
     request = BackendRequest(
         spec=spec, device=torch.device("cuda"), capability=(cap // 10, cap % 10)
     )
-    return TritonMLABackend.not_supported_reasons(request)
+    return backend.not_supported_reasons(request)
 
 
 def case_label(p: dict[str, Any]) -> str:
