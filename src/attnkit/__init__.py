@@ -50,6 +50,7 @@ from .params import (
     LinearAttentionLayerParams,
     Mamba1LayerParams,
     Mamba2LayerParams,
+    MLAProjection,
     ShortConvLayerParams,
     StateLayerParams,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "LinearAttentionInputs",
     "LinearAttentionLayerParams",
     "MLAAttentionSpec",
+    "MLAProjection",
     "Mamba1Inputs",
     "Mamba1LayerParams",
     "Mamba2Inputs",

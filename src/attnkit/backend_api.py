@@ -40,7 +40,7 @@ from .metadata import (
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
-from .params import attention_params_problems
+from .params import attention_params_problems, mla_projection_problems
 from .registry import ENTRY_POINT_GROUP, register_backend
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "bind_builder",
     "bind_each",
     "format_sizes",
+    "mla_projection_problems",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",

@@ -43,6 +43,10 @@ class AttentionFeature(str, enum.Enum):
     """Per-head linear position bias (BLOOM, MPT)."""
     RETURN_LSE = "return_lse"
     """The backend also returns each row's log-sum-exp (for cascades and merges)."""
+    MLA_PROJECTION = "mla_projection"
+    """MLA layers whose impl applies ``W_UK``/``W_UV`` itself (``MLAProjection``): it takes
+    the un-absorbed query and returns per-head values, so it may pick the absorbed or the
+    up-projected form per step."""
 
     @override
     def __str__(self) -> str:

@@ -40,6 +40,7 @@ from .params import (
     LinearAttentionLayerParams,
     Mamba1LayerParams,
     Mamba2LayerParams,
+    MLAProjection,
     ShortConvLayerParams,
 )
 from .registry import BackendRegistry
@@ -336,11 +337,18 @@ class _MLA(_Mixer[AttentionSpec, AttentionLayerParams]):
             else MLAAttentionSpec(block_size=block_size, head_size=latent, dtype=dtype)
         )
         # The scale of the unabsorbed per-head width: absorption keeps every score.
+        # Without sinks the layer hands W_UK/W_UV to the backend (mla_projection), which
+        # then picks the absorbed or up-projected form per step; with sinks (a feature
+        # only the reference serves for MLA) the demo absorbs itself.
+        self.project = not sinks
         self.params = AttentionLayerParams(
             num_heads=heads,
             scale=(nope_dim + rope_dim) ** -0.5,
-            v_head_size=rank,
+            v_head_size=None if self.project else rank,
             sinks=rand(heads).float() if sinks else None,
+            mla_projection=(
+                MLAProjection(w_uk=self.w_uk, w_uv=self.w_uv) if self.project else None
+            ),
         )
 
     def _parts(
@@ -364,8 +372,11 @@ class _MLA(_Mixer[AttentionSpec, AttentionLayerParams]):
         if ctx.positions is None:
             raise InvalidArgumentError("an MLA layer's step needs the tokens' positions (RoPE)")
         q_nope, q_pe, c_kv, k_pe = self._parts(h, ctx.positions)
-        query = torch.cat([torch.einsum("thn,hrn->thr", q_nope, self.w_uk), q_pe], dim=-1)
         latent = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
+        if self.project:
+            query = torch.cat([q_nope, q_pe], dim=-1)
+            return self._out(runtime.forward(name, query.contiguous(), latent.contiguous(), None))
+        query = torch.cat([torch.einsum("thn,hrn->thr", q_nope, self.w_uk), q_pe], dim=-1)
         o_latent = runtime.forward(name, query.contiguous(), latent.contiguous(), None)
         return self._out(torch.einsum("thr,hrv->thv", o_latent, self.w_uv))
 
@@ -727,6 +738,7 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
     "reference": (),  # the device's default priority list
     "triton": (
         "triton_attn",
+        "triton_mla",
         "triton_mamba1",
         "triton_mamba2",
         "triton_gdn",

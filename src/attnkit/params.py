@@ -20,7 +20,7 @@ import torch
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
 from .errors import InvalidArgumentError
-from .spec import AttentionSpec, MambaSpec, MambaType
+from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec, MambaType
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -35,13 +35,118 @@ __all__ = [
     "GatedDeltaNetLayerParams",
     "LayerParams",
     "LinearAttentionLayerParams",
+    "MLAProjection",
     "Mamba1LayerParams",
     "Mamba2LayerParams",
     "ShortConvLayerParams",
     "StateLayerParams",
     "attention_params_problems",
     "check_state_shapes",
+    "mla_projection_problems",
 ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class MLAProjection:
+    """MLA's per-head up-projection of the latent (DeepSeek-V2, arXiv:2405.04434 2.1).
+
+    With it in ``AttentionLayerParams.mla_projection`` an MLA layer's impl applies the
+    projections itself: it takes the **un-absorbed** query ``[T, H, N + P]`` (``q_nope``
+    then the rotated ``q_pe``) and returns ``[T, H, V]``, and may run a step in either
+    form: absorbed (``q_nope @ W_UK`` scored against the latent, the ``[R]`` result
+    multiplied by ``W_UV``) or up-projected (per-head keys ``[c @ W_UK, k_pe]`` and
+    values ``c @ W_UV``, then ordinary attention). Both give the same result; they cost
+    different FLOPs (docs/architecture.md, triton_mla).
+
+    Attributes:
+        w_uk: ``[H, R, N]``: head ``h``'s no-rope key is ``c @ w_uk[h]`` (``R`` the
+            kv_lora_rank, ``N`` qk_nope_head_dim).
+        w_uv: ``[H, R, V]``: head ``h``'s value is ``c @ w_uv[h]`` (``V`` v_head_dim).
+
+    Both have the model's dtype and live where the layer runs; impls read them in place
+    (no copy is kept, so a weight updated in place is seen by the next step).
+    """
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("w_uk", "w_uv"):
+            t: object = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"MLAProjection.{name} must be a torch.Tensor [H, R, N or V], "
+                    f"got {type(t).__name__}"
+                )
+            if t.dim() != 3 or 0 in t.shape or not t.is_floating_point():
+                raise InvalidArgumentError(
+                    f"MLAProjection.{name} must be a floating-point [H, R, N or V] tensor "
+                    f"with no empty dimension, got {t.dtype} {list(t.shape)}"
+                )
+        uk, uv = self.w_uk, self.w_uv
+        if uk.shape[:2] != uv.shape[:2] or uk.dtype != uv.dtype or uk.device != uv.device:
+            raise InvalidArgumentError(
+                f"MLAProjection.w_uk and w_uv must share H, R, dtype and device, got "
+                f"{uk.dtype} {list(uk.shape)} on {uk.device} and "
+                f"{uv.dtype} {list(uv.shape)} on {uv.device}"
+            )
+
+    @classmethod
+    def from_kv_b_proj(
+        cls, weight: torch.Tensor, *, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
+    ) -> MLAProjection:
+        """Split a ``kv_b_proj`` weight ``[H * (N + V), R]`` (``nn.Linear(R, H * (N + V))``,
+        output laid out per head as ``[k_nope | v]``, DeepSeek-V2/V3's layout) into views.
+
+        No copy: ``w_uk`` and ``w_uv`` are strided views of ``weight``.
+        """
+        given: object = weight  # untyped callers may pass anything
+        if not isinstance(given, torch.Tensor) or given.dim() != 2:
+            got = list(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+            raise InvalidArgumentError(
+                f"MLAProjection.from_kv_b_proj: weight must be a 2-D tensor "
+                f"[H * (N + V), R], got {got}"
+            )
+        for name, value in (
+            ("num_heads", num_heads),
+            ("qk_nope_head_dim", qk_nope_head_dim),
+            ("v_head_dim", v_head_dim),
+        ):
+            if not is_positive_int(value):
+                raise InvalidArgumentError(
+                    f"MLAProjection.from_kv_b_proj: {name} must be a positive int, got {value!r}"
+                )
+        rows = num_heads * (qk_nope_head_dim + v_head_dim)
+        if weight.shape[0] != rows:
+            raise InvalidArgumentError(
+                f"MLAProjection.from_kv_b_proj: weight must have num_heads * "
+                f"(qk_nope_head_dim + v_head_dim) = {rows} rows, got {list(weight.shape)}"
+            )
+        per_head = weight.view(num_heads, qk_nope_head_dim + v_head_dim, weight.shape[1])
+        return cls(
+            w_uk=per_head[:, :qk_nope_head_dim].transpose(1, 2),
+            w_uv=per_head[:, qk_nope_head_dim:].transpose(1, 2),
+        )
+
+    @property
+    def num_heads(self) -> int:
+        """``H``."""
+        return int(self.w_uk.shape[0])
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """``R``, the width of the compressed KV (the latent's first channels)."""
+        return int(self.w_uk.shape[1])
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """``N``, the no-rope part of each head's query and key."""
+        return int(self.w_uk.shape[2])
+
+    @property
+    def v_head_dim(self) -> int:
+        """``V``, each head's value width (the layer's output width)."""
+        return int(self.w_uv.shape[2])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +167,12 @@ class AttentionLayerParams:
             ``sink_full_attention`` layer, written in front of every request's context.
         k_scale, v_scale: per-tensor scales of an fp8 cache: the cache stores
             ``key / k_scale`` (and ``value / v_scale``); 1.0 for other caches.
+        mla_projection: MLA layers only, opt-in: ``W_UK``/``W_UV`` for an impl that
+            applies them itself (the ``mla_projection`` feature). The layer then takes
+            the un-absorbed query ``[T, H, N + P]`` and returns ``[T, H, V]``;
+            ``v_head_size`` is set to ``V`` and ``scale`` defaults to
+            ``(N + P) ** -0.5``. ``None``: the caller absorbs (query ``[T, H, D]``,
+            output ``[T, H, v_head_size]``).
     """
 
     num_heads: int
@@ -75,6 +186,7 @@ class AttentionLayerParams:
     sink_value: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     k_scale: float = 1.0
     v_scale: float = 1.0
+    mla_projection: MLAProjection | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.num_heads):
@@ -123,6 +235,26 @@ class AttentionLayerParams:
                 f"AttentionLayerParams.sink_key and sink_value must both be [sink_len, Hkv, D], "
                 f"got {list(self.sink_key.shape)} and {list(self.sink_value.shape)}"
             )
+        proj: object = self.mla_projection
+        if proj is not None:
+            if not isinstance(proj, MLAProjection):
+                raise InvalidArgumentError(
+                    f"AttentionLayerParams.mla_projection must be an MLAProjection or None, "
+                    f"got {type(proj).__name__}"
+                )
+            if proj.num_heads != self.num_heads:
+                raise InvalidArgumentError(
+                    f"AttentionLayerParams.mla_projection must have num_heads={self.num_heads} "
+                    f"heads, got w_uk {list(proj.w_uk.shape)}"
+                )
+            if self.v_head_size not in (None, proj.v_head_dim):
+                raise InvalidArgumentError(
+                    f"AttentionLayerParams.v_head_size must be None or the projection's "
+                    f"v_head_dim={proj.v_head_dim} (the layer returns per-head values), "
+                    f"got {self.v_head_size}"
+                )
+            # The layer's output is the per-head value width (frozen: set once, here).
+            object.__setattr__(self, "v_head_size", proj.v_head_dim)
 
     @property
     def features(self) -> frozenset[AttentionFeature]:
@@ -132,6 +264,7 @@ class AttentionLayerParams:
             AttentionFeature.ALIBI: self.alibi_slopes is not None,
             AttentionFeature.ATTENTION_SINKS: self.sinks is not None,
             AttentionFeature.RETURN_LSE: self.return_lse,
+            AttentionFeature.MLA_PROJECTION: self.mla_projection is not None,
         }
         return frozenset(f for f, on in wanted.items() if on)
 
@@ -167,6 +300,32 @@ def attention_params_problems(
     if params.num_heads % spec.num_kv_heads:
         problems.append(
             f"num_heads={params.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
+    return problems
+
+
+def mla_projection_problems(spec: AttentionSpec, params: AttentionLayerParams) -> list[str]:
+    """What keeps ``params.mla_projection`` from fitting ``spec`` (empty: fits, or none).
+
+    The spec's latent width ``D`` is ``R + P`` (``P`` rope channels), so the
+    projection's ``R`` must be at most ``D``; its weights must have the spec's dtype.
+    For impls that declare the ``mla_projection`` feature to check at construction.
+    """
+    proj = params.mla_projection
+    if proj is None:
+        return []
+    problems: list[str] = []
+    if spec.kind not in (KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA):
+        problems.append(f"mla_projection is for MLA layers, not {spec.kind.value}")
+    if proj.kv_lora_rank > spec.head_size:
+        problems.append(
+            f"mla_projection's kv_lora_rank R={proj.kv_lora_rank} must be at most the "
+            f"latent width head_size={spec.head_size} (D = R + rope)"
+        )
+    if proj.w_uk.dtype != spec.dtype:
+        problems.append(
+            f"mla_projection's weights must have the model dtype {spec.dtype}, "
+            f"got {proj.w_uk.dtype}"
         )
     return problems
 

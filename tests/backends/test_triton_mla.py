@@ -61,6 +61,7 @@ from attnkit.backend_api import (
 )
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.triton_mla import (
+    DECODE_THRESHOLD,
     TritonMLABackend,
     TritonMLAImpl,
     TritonMLAMetadata,
@@ -743,7 +744,16 @@ def test_build_passes_the_batch_through_unchanged() -> None:
     assert meta.sliding_window == meta.plan.sliding_window == 9
     assert (meta.plan.num_kv_heads, meta.plan.causal, meta.plan.chunk_size) == (1, True, None)
     assert meta.plan.block_size == case.block_size
-    assert TritonMLAMetadataBuilder.reorder_batch_threshold is None
+    # Decodes first: request 0 continues 16 cached tokens with one; request 1 is new.
+    assert TritonMLAMetadataBuilder.reorder_batch_threshold == DECODE_THRESHOLD
+    assert (meta.num_decodes, meta.num_decode_tokens) == (1, 1)
+    assert meta.decode_plan is not None
+    assert meta.decode_plan.num_reqs == 1
+    assert meta.prefill is not None
+    assert meta.prefill.block_ids.tolist() == [2]  # request 1's only block
+    assert (meta.prefill.num_tokens, meta.prefill.context_tokens) == (4, case.block_size)
+    assert meta.prefill.pairs == 1 + 2 + 3 + 4  # causal, all inside the window of 9
+    assert meta.prefill.plan.block_table.tolist() == [[0]]
 
 
 def test_build_rejects_a_non_causal_batch() -> None:
@@ -772,24 +782,24 @@ def test_build_rejects_a_non_causal_batch() -> None:
         pytest.param(
             {"logits_soft_cap": 30.0},
             "the layer needs logits_soft_cap, which triton_mla does not support "
-            "(supported features: none)",
+            "(supported features: mla_projection)",
             id="soft-cap",
         ),
         pytest.param(
             {"alibi_slopes": tuple([0.5] * 8)},
-            "the layer needs alibi, which triton_mla does not support (supported features: none)",
+            "the layer needs alibi, which triton_mla does not support (supported features: mla_projection)",
             id="alibi",
         ),
         pytest.param(
             {"sinks": torch.zeros(8)},
             "the layer needs attention_sinks, which triton_mla does not support "
-            "(supported features: none)",
+            "(supported features: mla_projection)",
             id="sink-logits",
         ),
         pytest.param(
             {"return_lse": True},
             "the layer needs return_lse, which triton_mla does not support "
-            "(supported features: none)",
+            "(supported features: mla_projection)",
             id="return-lse",
         ),
         pytest.param(
@@ -1009,7 +1019,7 @@ def test_supported_requests_have_no_reasons(monkeypatch: pytest.MonkeyPatch) -> 
         ),
         pytest.param(
             {"features": frozenset({AttentionFeature.LOGITS_SOFT_CAP})},
-            "feature logits_soft_cap not supported (supported: none)",
+            "feature logits_soft_cap not supported (supported: mla_projection)",
             id="soft-cap",
         ),
     ],

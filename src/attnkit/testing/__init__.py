@@ -95,6 +95,7 @@ _ATTENTION_ORDER = (
     KVCacheSpecKind.MLA_ATTENTION,
     KVCacheSpecKind.SLIDING_WINDOW_MLA,
 )
+_MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
 _HEAD_SIZES = (16, 32, 64, 80, 128, 8, 256)
 _BLOCK_SIZES = (16, 8, 32, 64, 128, 256)
 _NOT_CHECKED = {
@@ -270,11 +271,17 @@ def _plans(
             plans.append(
                 _Plan(f"kv_cache_dtype={cache}", dataclasses.replace(primary, kv_cache_dtype=cache))
             )
+        mla = next((p.choice for p in plans if p.choice and p.choice.kind in _MLA_KINDS), None)
         for feature in sorted(backend.supported_features, key=lambda f: f.value):
+            # The projection is an MLA layer's: checked on the first MLA kind served.
+            base = mla if feature is AttentionFeature.MLA_PROJECTION else primary
+            skip = _NOT_CHECKED.get(feature)
+            if base is None:
+                base, skip = primary, "the backend serves no MLA kind (or none was asked for)"
             plan = _Plan(
                 f"feature={feature.value}",
-                dataclasses.replace(primary, features=frozenset({feature})),
-                skip=_NOT_CHECKED.get(feature),
+                dataclasses.replace(base, features=frozenset({feature})),
+                skip=skip,
             )
             plans.append(plan)
     if KVCacheSpecKind.MAMBA in wanted:

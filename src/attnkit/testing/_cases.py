@@ -26,6 +26,7 @@ from ..params import (
     LinearAttentionLayerParams,
     Mamba1LayerParams,
     Mamba2LayerParams,
+    MLAProjection,
     ShortConvLayerParams,
 )
 from ..registry import BackendRegistry
@@ -90,6 +91,12 @@ def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tenso
     return torch.randn(*shape, generator=gen) * scale
 
 
+def mla_projection_widths(head_size: int) -> tuple[int, int, int]:
+    """``(N, P, V)`` of the kit's MLA projection for a latent of ``head_size``: a quarter
+    of the latent is rope (``R = D - P``), and 16-wide no-rope keys and values."""
+    return 16, max(1, head_size // 4), 16
+
+
 def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerParams]:
     """The case's spec and layer parameters (weights drawn from the case's seed)."""
     choice = case.choice
@@ -131,8 +138,17 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
             "sink_key": _randn(gen, *shape).to(device, choice.dtype),
             "sink_value": _randn(gen, *shape).to(device, choice.dtype),
         }
+    projection = None
+    if AttentionFeature.MLA_PROJECTION in features:
+        nope, rope, v_dim = mla_projection_widths(choice.head_size)
+        rank = choice.head_size - rope
+        projection = MLAProjection(
+            w_uk=_randn(gen, hq, rank, nope, scale=rank**-0.5).to(device, choice.dtype),
+            w_uv=_randn(gen, hq, rank, v_dim, scale=rank**-0.5).to(device, choice.dtype),
+        )
     params = AttentionLayerParams(
         num_heads=hq,
+        mla_projection=projection,
         logits_soft_cap=SOFT_CAP if AttentionFeature.LOGITS_SOFT_CAP in features else None,
         alibi_slopes=(
             tuple(2.0 ** (-(i + 1) / 2) for i in range(hq))
@@ -240,7 +256,11 @@ def _request_inputs(
     def t(*shape: int) -> torch.Tensor:
         return _randn(gen, *shape).to(device, choice.dtype)
 
-    tensors = {"q": t(n, hq, d), "k": t(n, hkv, d), "v": t(n, hkv, d)}
+    q_size = d
+    if AttentionFeature.MLA_PROJECTION in choice.features:
+        nope, rope, _ = mla_projection_widths(d)
+        q_size = nope + rope  # the un-absorbed query: q_nope, then q_pe
+    tensors = {"q": t(n, hq, q_size), "k": t(n, hkv, d), "v": t(n, hkv, d)}
     encoder = (t(encoder_len, hkv, d), t(encoder_len, hkv, d)) if encoder_len else None
     return _Inputs(tensors, encoder)
 

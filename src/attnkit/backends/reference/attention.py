@@ -34,7 +34,7 @@ from ...config import AttentionConfig
 from ...impl import AttentionImpl
 from ...kernels.torch.attention import dense_attention, paged_attention, write_kv_cache
 from ...metadata import CommonAttentionMetadata
-from ...params import AttentionLayerParams
+from ...params import AttentionLayerParams, mla_projection_problems
 from ...spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -216,7 +216,17 @@ class ReferenceAttentionImpl(
         self.num_heads = params.num_heads
         self.head_size = spec.head_size
         self.v_head_size = params.v_head_size if params.v_head_size is not None else spec.head_size
-        if self.is_mla and self.v_head_size > spec.head_size:
+        # MLA with the projection: the impl absorbs W_UK into the query and applies W_UV
+        # to the latent output itself (the absorbed form for every step: the oracle).
+        self.projection = params.mla_projection
+        self.query_size = spec.head_size
+        if self.projection is not None:
+            problems = mla_projection_problems(spec, params)
+            if problems:
+                raise ValueError(f"{owner}: layer_params.mla_projection: " + "; ".join(problems))
+            self.rank = self.projection.kv_lora_rank
+            self.query_size = self.projection.qk_nope_head_dim + spec.head_size - self.rank
+        elif self.is_mla and self.v_head_size > spec.head_size:
             raise ValueError(
                 f"{owner}: layer_params.v_head_size must be <= the latent width "
                 f"head_size={spec.head_size}, got {self.v_head_size}"
@@ -227,7 +237,7 @@ class ReferenceAttentionImpl(
                 f"for a {self.kind.value} layer (only MLA values are narrower), "
                 f"got {self.v_head_size}"
             )
-        self.scale = params.scale if params.scale is not None else spec.head_size**-0.5
+        self.scale = params.scale if params.scale is not None else self.query_size**-0.5
         # fp8 caches store key / k_scale and value / v_scale; 1.0 changes nothing.
         self.k_scale, self.v_scale = float(params.k_scale), float(params.v_scale)
         self.alibi_slopes = (
@@ -271,10 +281,15 @@ class ReferenceAttentionImpl(
             owner,
             "query",
             query,
-            layout="[T, Hq, D]",
-            shape=(None, self.num_heads, self.head_size),
+            layout="[T, Hq, N + P]" if self.projection is not None else "[T, Hq, D]",
+            shape=(None, self.num_heads, self.query_size),
             dtype=self.kv_cache_spec.dtype,
         )
+        if self.projection is not None and self.projection.w_uk.device != query.device:
+            raise ValueError(
+                f"{owner}: layer_params.mla_projection must be on the query's device "
+                f"{query.device}, got its weights on {self.projection.w_uk.device}"
+            )
         device, tokens = query.device, query.shape[0]
         if tokens < attn_metadata.num_actual_tokens:
             raise ValueError(
@@ -433,12 +448,38 @@ class ReferenceAttentionImpl(
             # same memory (stride 0 along the plane dim): no copy, no value plane.
             num_blocks, block_size, latent = cache.shape
             kv_view = cache[:, None, :, None, :].expand(num_blocks, 2, block_size, 1, latent)
+            if self.projection is not None:
+                return self._projected(query, kv_view, md, output)
             full = output if self.v_head_size == latent else torch.empty_like(query)
             self._paged(query, kv_view, md, full)
             if full is not output:
                 output.copy_(full[..., : self.v_head_size])
             return output
         return self._paged(query, cache, md, output)
+
+    def _projected(
+        self,
+        query: torch.Tensor,
+        kv_view: torch.Tensor,
+        md: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA with the layer's projection, in the absorbed form: ``q_nope @ W_UK^T``
+        (float32) next to ``q_pe`` scored against the latent, the first ``R`` output
+        channels multiplied by ``W_UV`` (float32)."""
+        proj = self.projection
+        assert proj is not None  # only called with a projection
+        nope = proj.qk_nope_head_dim
+        q_nope = query[:, :, :nope].float()
+        absorbed = torch.einsum("thn,hrn->thr", q_nope, proj.w_uk.float())
+        q_abs = torch.cat([absorbed.to(query.dtype), query[:, :, nope:]], dim=-1)
+        latent_out = q_abs.new_empty(q_abs.shape)
+        self._paged(q_abs, kv_view, md, latent_out)
+        values = torch.einsum(
+            "thr,hrv->thv", latent_out[:, :, : self.rank].float(), proj.w_uv.float()
+        )
+        output.copy_(values)
+        return output
 
     def _paged(
         self,

@@ -45,6 +45,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.LOGITS_SOFT_CAP,
             AttentionFeature.ATTENTION_SINKS,
             AttentionFeature.ALIBI,
+            AttentionFeature.MLA_PROJECTION,
         }
     )
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(

@@ -7,15 +7,25 @@ constructed.
 from __future__ import annotations
 
 from .backend import (
+    DECODE_THRESHOLD,
+    MLAPrefillCosts,
+    MLAPrefillMetadata,
     TritonMLABackend,
     TritonMLAImpl,
     TritonMLAMetadata,
     TritonMLAMetadataBuilder,
+    TritonMLAOptions,
+    mla_prefill_costs,
 )
 
 __all__ = [
+    "DECODE_THRESHOLD",
+    "MLAPrefillCosts",
+    "MLAPrefillMetadata",
     "TritonMLABackend",
     "TritonMLAImpl",
     "TritonMLAMetadata",
     "TritonMLAMetadataBuilder",
+    "TritonMLAOptions",
+    "mla_prefill_costs",
 ]

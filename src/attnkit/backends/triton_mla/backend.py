@@ -20,6 +20,15 @@ kernel for mixed prefill, chunked prefill and decode, or split-KV (flash-decodin
 for plain-decode batches whose few requests would leave SMs idle. Every layer of the
 group launches with that plan.
 
+With ``layer_params.mla_projection`` (the ``mla_projection`` feature) the impl applies
+``W_UK``/``W_UV`` itself: it takes the un-absorbed query ``[T, H, N + P]`` and returns
+``[T, H, V]``. Batches come decodes first (``reorder_batch_threshold``); decodes always
+run absorbed, and the prefill part runs in whichever form costs fewer FLOPs for the
+step: absorbed, or up-projected (the latent blocks the prefills read are gathered,
+up-projected to per-head keys ``[c W_UK, k_pe]`` and values ``c W_UV`` and attended by
+the paged-attention kernel). The builder lays out both (``TritonMLAMetadata.prefill``);
+the impl, which knows the projection's widths, picks (``mla_prefill_costs``).
+
 Importing this module does not import triton: the builder and impl import the kernel
 modules when they are constructed. On CPU the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1`` before triton is first imported).
@@ -28,9 +37,11 @@ interpreter (``TRITON_INTERPRET=1`` before triton is first imported).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from typing_extensions import override
 
@@ -39,10 +50,10 @@ from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange, SizeRule
-from ...config import AttentionConfig
+from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
 from ...metadata import CommonAttentionMetadata, host_to_device
-from ...params import AttentionLayerParams, attention_params_problems
+from ...params import AttentionLayerParams, attention_params_problems, mla_projection_problems
 from ...spec import (
     AttentionSpec,
     KVCacheDType,
@@ -59,12 +70,21 @@ if TYPE_CHECKING:  # the kernel modules import triton; annotations only
     from ...kernels.triton.paged_attention import PagedAttentionPlan, SplitKVWorkspace
 
 __all__ = [
+    "DECODE_THRESHOLD",
+    "MLAPrefillCosts",
+    "MLAPrefillMetadata",
     "TritonMLABackend",
     "TritonMLAImpl",
     "TritonMLAMetadata",
     "TritonMLAMetadataBuilder",
+    "TritonMLAOptions",
     "mla_params_problems",
+    "mla_prefill_costs",
 ]
+
+Ints = npt.NDArray[np.int64]
+# torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
+_from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
 _MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
 
@@ -75,9 +95,110 @@ _MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_W
 _HEAD_SIZES: SizeRule = (SizeRange(16, 1024),)
 _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
 _KERNEL_MODULE = "attnkit.kernels.triton.mla_attention"
-# No optional feature: soft-cap, ALiBi and sink logits are not part of MLA models, and
-# forward() has no way to hand a log-sum-exp back (return_lse).
-_FEATURES: frozenset[AttentionFeature] = frozenset()
+# Soft-cap, ALiBi and sink logits are not part of MLA models, and forward() has no way
+# to hand a log-sum-exp back (return_lse). The projection is served (both forms).
+_FEATURES: frozenset[AttentionFeature] = frozenset({AttentionFeature.MLA_PROJECTION})
+# What the paged-attention kernel (the up-projected prefill) accepts; literals for the
+# same reason as above, checked against the kernel module by the tests.
+_PAGED_MIN_HEAD_DIM, _PAGED_MAX_HEAD_DIM = 16, 256
+
+DECODE_THRESHOLD = 16
+"""Requests with at most this many new tokens over cached context are decodes: they come
+first in the batch and always run absorbed. At ``q`` queries per key the absorbed form
+costs ``q * 1088`` multiply-adds per (key, head) at DeepSeek-V3's widths, the
+up-projected one ``131072 + q * 512`` (docs/architecture.md): at 16 (speculative
+verification, a chunk's last few tokens) absorbed is 7x cheaper."""
+
+
+PrefillForm = Literal["auto", "absorbed", "up_projected"]
+
+
+class TritonMLAOptions(BackendOptions):
+    """Settings of ``triton_mla``: ``backend_options={"triton_mla": {...}}``.
+
+    Attributes:
+        prefill_form: how layers with ``mla_projection`` run a step's prefill part:
+            ``"auto"`` (the form :func:`mla_prefill_costs` finds cheaper),
+            ``"absorbed"`` or ``"up_projected"`` (for measuring both on a device; a
+            layer whose widths the paged kernel cannot take then raises). Decodes
+            always run absorbed; layers without a projection always run absorbed.
+    """
+
+    prefill_form: PrefillForm = "auto"
+
+
+class MLAPrefillCosts(NamedTuple):
+    """Multiply-adds per head of a step's prefill part in each form (see
+    :func:`mla_prefill_costs`)."""
+
+    absorbed: int
+    up_projected: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def mla_prefill_costs(
+    *,
+    pairs: int,
+    num_tokens: int,
+    context_tokens: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+) -> MLAPrefillCosts:
+    """FLOPs per head (multiply-adds) of a prefill part in both forms, at the widths the
+    kernels execute (each dot padded to a power of two, as their tiles are).
+
+    Args:
+        pairs: (query, key) pairs the prefills attend (causal, windowed).
+        num_tokens: the prefills' query tokens.
+        context_tokens: latent rows the up-projected form gathers and up-projects
+            (whole blocks).
+        kv_lora_rank, rope_dim, qk_nope_head_dim, v_head_dim: ``R``, ``P``, ``N``,
+            ``V``.
+
+    Absorbed: ``q_nope @ W_UK`` and ``o @ W_UV`` per query token (``R * (N + V)``), and
+    per pair a score over ``R`` and ``P`` channels plus a value over ``R``.
+    Up-projected: ``c @ W_UK`` and ``c @ W_UV`` per context row (``R * (N + V)``), and per
+    pair a score and a value each over ``N + P`` channels (the value plane is padded to
+    the key width).
+    """
+    rank, rope = kv_lora_rank, rope_dim
+    projection = rank * (qk_nope_head_dim + v_head_dim)
+    absorbed_pair = _pow2(rank) + (max(16, _pow2(rope)) if rope else 0) + _pow2(rank)
+    up_pair = 2 * _pow2(qk_nope_head_dim + rope)
+    return MLAPrefillCosts(
+        absorbed=num_tokens * projection + pairs * absorbed_pair,
+        up_projected=context_tokens * projection + pairs * up_pair,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class MLAPrefillMetadata:
+    """The prefill part of a step (requests ``[num_decodes, B)``, tokens
+    ``[num_decode_tokens, T)``), laid out for the up-projected form.
+
+    Attributes:
+        block_ids: int64 ``[NBt]``: the latent-cache blocks the prefills read, request
+            by request (blocks wholly before every query's window are left out); the
+            impl gathers them into a temporary ``[NBt, BS, D]``.
+        plan: paged-attention plan of the prefills over the temporary up-projected
+            cache: block table rows index ``block_ids`` positions, query offsets
+            rebased to 0. Planned with one KV head; the impl sets its head count.
+        num_tokens: the prefills' query tokens.
+        pairs, context_tokens: the cost terms of :func:`mla_prefill_costs`.
+        form: ``TritonMLAOptions.prefill_form``.
+    """
+
+    block_ids: torch.Tensor
+    plan: PagedAttentionPlan
+    num_tokens: int
+    pairs: int
+    context_tokens: int
+    form: PrefillForm = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -96,6 +217,12 @@ class TritonMLAMetadata:
             plan's choice, repeated here).
         plan: the step's ``PagedAttentionPlan`` (validated metadata, path, grid); every
             layer of the group launches with it.
+        num_decodes, num_decode_tokens: the leading decode requests (at most
+            ``DECODE_THRESHOLD`` new tokens over cached context) and their tokens.
+        decode_plan: a plan of the decodes alone, when the step has decodes and
+            prefills (for projected layers whose prefills run up-projected).
+        prefill: the prefill part laid out for the up-projected form, or ``None``
+            (no prefill request).
 
     In eager builds the tensors are ``CommonAttentionMetadata``'s own (no copies); in
     CUDA-graph builds they are views of the builder's fixed-address buffers, valid
@@ -112,6 +239,21 @@ class TritonMLAMetadata:
     sliding_window: int | None = None
     num_splits: int = 0
     plan: PagedAttentionPlan
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    decode_plan: PagedAttentionPlan | None = None
+    prefill: MLAPrefillMetadata | None = None
+
+
+def _window_pairs(end: Ints, window: int | None) -> Ints:
+    """``sum(min(k, window) for k in 1..end)`` per entry: keys seen by the queries at
+    positions ``0..end-1``."""
+    if window is None:
+        pairs: Ints = end * (end + 1) // 2
+        return pairs
+    inside = np.minimum(end, window)
+    pairs = inside * (inside + 1) // 2 + np.maximum(end - window, 0) * window
+    return pairs
 
 
 class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, AttentionSpec]):
@@ -122,16 +264,20 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
     CPU offsets: no device sync, no per-request loop); ``build_for_cudagraph_capture``
     copies them into fixed-address buffers first.
 
-    ``reorder_batch_threshold`` stays ``None``: the one-pass kernel takes prefills and
-    decodes in any order (each query tile belongs to one request, found by a binary
-    search over the tile offsets), and split-KV is chosen for batches that are all
-    single-token decodes, which ordering does not change. Asking the runtime to reorder
-    would buy nothing and cost every mixed step a permutation.
+    Batches come decodes first (``reorder_batch_threshold = DECODE_THRESHOLD``): the
+    one-pass kernel itself takes any order, but layers with ``mla_projection`` run the
+    decodes and the prefills in different forms, so a step with prefills also gets a
+    plan of the decodes alone and the prefill part's layout (``MLAPrefillMetadata``).
+    The split is counted, not trusted: decodes are the leading requests with at most
+    ``DECODE_THRESHOLD`` new tokens and cached context, so a batch in any order stays
+    correct (a late decode is handled as a prefill).
 
     Attributes:
         num_sms: streaming multiprocessors of the device (1 off CUDA); the split-KV
             heuristic fills them.
     """
+
+    reorder_batch_threshold: ClassVar[int | None] = DECODE_THRESHOLD
 
     @classmethod
     @override
@@ -159,6 +305,9 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
         spec = kv_cache_spec
         self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         self.num_sms: int = num_sms(device)
+        self.prefill_form: PrefillForm = config.options_for(
+            "triton_mla", TritonMLAOptions
+        ).prefill_form
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
         from ...kernels.triton.paged_attention import plan_paged_attention
@@ -196,6 +345,46 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
             query_start_loc_cpu=cm.query_start_loc_cpu,
             copy_to_device=host_to_device,
         )
+        query_lens = cm.query_lens_cpu.numpy()
+        seq_lens = cm.seq_lens_cpu.numpy()
+        is_decode = (query_lens <= DECODE_THRESHOLD) & (seq_lens > query_lens)
+        # The leading run of decodes (the runtime orders them first).
+        num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else cm.num_reqs
+        if num_decodes == cm.num_reqs:
+            return TritonMLAMetadata(
+                query_start_loc=cm.query_start_loc,
+                seq_lens=cm.seq_lens,
+                block_table=cm.block_table_tensor,
+                slot_mapping=cm.slot_mapping,
+                max_query_len=cm.max_query_len,
+                max_seq_len=cm.max_seq_len,
+                num_actual_tokens=cm.num_actual_tokens,
+                sliding_window=self.sliding_window,
+                num_splits=plan.num_splits,
+                plan=plan,
+                num_decodes=num_decodes,
+                num_decode_tokens=cm.num_actual_tokens,
+            )
+        num_decode_tokens = int(cm.query_start_loc_cpu[num_decodes])
+        decode_plan = None
+        if num_decodes:
+            nd = num_decodes
+            decode_plan = self._plan_paged_attention(
+                cm.query_start_loc[: nd + 1],
+                cm.seq_lens[:nd],
+                cm.block_table_tensor[:nd],
+                max_query_len=int(query_lens[:nd].max()),
+                max_seq_len=int(seq_lens[:nd].max()),
+                block_size=self.kv_cache_spec.block_size,
+                num_kv_heads=1,
+                causal=True,
+                sliding_window=self.sliding_window,
+                num_tokens=num_decode_tokens,
+                num_splits=None,
+                num_sms=self.num_sms,
+                query_start_loc_cpu=cm.query_start_loc_cpu[: nd + 1],
+                copy_to_device=host_to_device,
+            )
         return TritonMLAMetadata(
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
@@ -207,6 +396,69 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
             sliding_window=self.sliding_window,
             num_splits=plan.num_splits,
             plan=plan,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            decode_plan=decode_plan,
+            prefill=self._prefill(cm, num_decodes, num_decode_tokens, query_lens, seq_lens),
+        )
+
+    def _prefill(
+        self,
+        cm: CommonAttentionMetadata,
+        num_decodes: int,
+        num_decode_tokens: int,
+        query_lens: Ints,
+        seq_lens: Ints,
+    ) -> MLAPrefillMetadata:
+        """Lay out requests ``[num_decodes, B)`` for the up-projected form: which latent
+        blocks to gather (host arithmetic, one gather index copy), a block table over the
+        gathered blocks and the plan over it."""
+        nd, bs, window = num_decodes, self.kv_cache_spec.block_size, self.sliding_window
+        q = query_lens[nd:].astype(np.int64)
+        s = seq_lens[nd:].astype(np.int64)
+        ctx = s - q
+        num_blocks = -(-s // bs)
+        # Blocks wholly before the first query's window hold no key any query sees.
+        first = np.maximum(ctx - window + 1, 0) // bs if window is not None else np.zeros_like(s)
+        counts = num_blocks - first
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        total = int(counts.sum())
+        rows = np.repeat(np.arange(nd, cm.num_reqs, dtype=np.int64), counts)
+        cols = np.arange(total, dtype=np.int64) - np.repeat(starts - first, counts)
+        width = int(num_blocks.max())
+        # Row i, column j -> gathered block starts[i] + (j - first[i]), clamped into the
+        # request's own range (columns before `first` are never read by the kernel).
+        j = np.arange(width, dtype=np.int64)[None, :]
+        table = starts[:, None] + np.minimum(
+            np.maximum(j - first[:, None], 0), (counts - 1)[:, None]
+        )
+        index = _from_numpy(np.stack([rows, cols]))
+        index = host_to_device(index, self.device)
+        block_ids = cm.block_table_tensor[index[0], index[1]].to(torch.int64)
+        qsl_cpu = (cm.query_start_loc_cpu[nd:] - num_decode_tokens).to(torch.int32)
+        plan = self._plan_paged_attention(
+            host_to_device(qsl_cpu.clone(), self.device),
+            cm.seq_lens[nd:],
+            host_to_device(_from_numpy(table.astype(np.int32)), self.device),
+            max_query_len=int(q.max()),
+            max_seq_len=int(s.max()),
+            block_size=bs,
+            num_kv_heads=1,
+            causal=True,
+            sliding_window=window,
+            num_tokens=int(q.sum()),
+            num_splits=0,
+            query_start_loc_cpu=qsl_cpu,
+            copy_to_device=host_to_device,
+        )
+        pairs = int((_window_pairs(s, window) - _window_pairs(ctx, window)).sum())
+        return MLAPrefillMetadata(
+            block_ids=block_ids,
+            plan=plan,
+            num_tokens=int(q.sum()),
+            pairs=pairs,
+            context_tokens=total * bs,
+            form=self.prefill_form,
         )
 
     @override
@@ -255,6 +507,8 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
             sliding_window=self.sliding_window,
             num_splits=0,
             plan=plan,
+            num_decodes=cm.num_reqs,
+            num_decode_tokens=cm.num_actual_tokens,
         )
 
     def _graph_buffers(self) -> GraphBuffers:
@@ -273,11 +527,13 @@ def mla_params_problems(spec: AttentionSpec, params: AttentionLayerParams) -> li
     ``v_head_size`` channels, so ``v_head_size`` (the kv_lora_rank) must be at most the
     latent width.
     """
-    # v_head_size is checked here: narrower values are what MLA is.
-    generic = dataclasses.replace(params, v_head_size=None)
+    # v_head_size and the projection are checked here: narrower values are what MLA is.
+    generic = dataclasses.replace(params, v_head_size=None, mla_projection=None)
     problems = attention_params_problems(
         spec, generic, backend="triton_mla", supported_features=_FEATURES
     )
+    if params.mla_projection is not None:
+        return problems + mla_projection_problems(spec, params)
     rank = params.v_head_size
     if rank is not None and rank > spec.head_size:
         problems.append(
@@ -325,11 +581,21 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
     """Writes the step's latents with ``write_mla_latents``, then runs ``mla_attention``
     with the step's plan (the one-pass kernel, or split-KV when the plan chose it).
 
+    With ``layer_params.mla_projection`` the query is un-absorbed ``[T, H, N + P]`` and
+    the output ``[T, H, V]``: decodes run absorbed (``q_nope @ W_UK`` in, ``@ W_UV``
+    out, around the same kernel); the step's prefill part runs absorbed too, or
+    up-projected when :func:`mla_prefill_costs` says that costs fewer FLOPs and the
+    paged-attention kernel takes ``N + P`` as a head size.
+
     Attributes:
-        kv_lora_rank: ``R``, the value width (``layer_params.v_head_size``, or the
-            whole latent when it is ``None``).
+        kv_lora_rank: ``R``, the latent output width (``layer_params.v_head_size``, or
+            the whole latent when it is ``None``; the projection's ``R`` with one).
         scale: the softmax scale (``layer_params.scale``, default ``D ** -0.5`` with
-            ``D`` the latent width, as in the reference backend).
+            ``D`` the latent width, as in the reference backend; ``(N + P) ** -0.5``
+            with a projection).
+        projection: ``layer_params.mla_projection``.
+        up_projection_possible: whether prefills may run up-projected (``N + P`` within
+            the paged kernel's head sizes and ``V <= N + P``).
 
     Raises at construction (so a bad layer fails before its first step):
         ValueError: ``layer_params`` asks for a feature the backend does not declare,
@@ -343,11 +609,22 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self.num_heads = layer_params.num_heads
         self.head_size = kv_cache_spec.head_size
+        self.projection = layer_params.mla_projection
         self.kv_lora_rank: int = (
             layer_params.v_head_size if layer_params.v_head_size is not None else self.head_size
         )
+        self.query_size = self.head_size
+        self.up_projection_possible = False
+        if self.projection is not None:
+            self.kv_lora_rank = self.projection.kv_lora_rank
+            self.rope_dim = self.head_size - self.kv_lora_rank
+            self.query_size = self.projection.qk_nope_head_dim + self.rope_dim
+            self.up_projection_possible = (
+                _PAGED_MIN_HEAD_DIM <= self.query_size <= _PAGED_MAX_HEAD_DIM
+                and self.projection.v_head_dim <= self.query_size
+            )
         self.scale: float = (
-            layer_params.scale if layer_params.scale is not None else self.head_size**-0.5
+            layer_params.scale if layer_params.scale is not None else self.query_size**-0.5
         )
         self.fp8 = kv_cache_spec.kv_cache_dtype == "fp8_e4m3"
         # The fp8 scale on the layer's device, made on the first forward (the device is
@@ -362,10 +639,12 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             mla_split_workspace,
             write_mla_latents,
         )
+        from ...kernels.triton.paged_attention import paged_attention
 
         self._mla_attention = mla_attention
         self._mla_split_workspace = mla_split_workspace
         self._write_mla_latents = write_mla_latents
+        self._paged_attention = paged_attention
 
     def _scale_tensor(self, device: torch.device) -> torch.Tensor | None:
         """float32 ``[1]`` holding ``k_scale`` on ``device`` for fp8 caches, else None."""
@@ -412,13 +691,18 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         d = self.head_size
         query = _check_tensor(
             owner,
-            "query (absorbed)",
+            "query (absorbed)" if self.projection is None else "query (q_nope, q_pe)",
             query,
-            layout="[T, H, D]",
-            shape=(None, self.num_heads, d),
+            layout="[T, H, D]" if self.projection is None else "[T, H, N + P]",
+            shape=(None, self.num_heads, self.query_size),
             dtype=spec.dtype,
         )
         device, tokens = query.device, query.shape[0]
+        if self.projection is not None and self.projection.w_uk.device != device:
+            raise ValueError(
+                f"{owner}: layer_params.mla_projection must be on the query's device "
+                f"{device}, got its weights on {self.projection.w_uk.device}"
+            )
         if tokens < attn_metadata.num_actual_tokens:
             raise ValueError(
                 f"{owner}: query must have at least num_actual_tokens="
@@ -428,8 +712,8 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             owner,
             "output",
             output,
-            layout="[T, H, R]",
-            shape=(tokens, self.num_heads, self.kv_lora_rank),
+            layout="[T, H, R]" if self.projection is None else "[T, H, V]",
+            shape=(tokens, self.num_heads, self.output_size),
             dtype=query.dtype,
             device=device,
         )
@@ -484,13 +768,67 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         n = m.num_actual_tokens
         kv_scale = self._scale_tensor(query.device)
         self._write_mla_latents(key[:n, 0], cache, m.slot_mapping[:n], kv_scale=kv_scale)
-        plan = m.plan
+        if self.projection is None:
+            return self._latent_attention(query, cache, m.plan, kv_scale, output)
+        if m.prefill is None or not self.prefers_up_projection(m.prefill):
+            # Rows past num_actual_tokens (padding) are left untouched, as the kernel does.
+            self._absorbed(query[:n], cache, m.plan, kv_scale, output[:n])
+            return output
+        nd = m.num_decode_tokens
+        if m.decode_plan is not None:
+            self._absorbed(query[:nd], cache, m.decode_plan, kv_scale, output[:nd])
+        end = nd + m.prefill.num_tokens
+        self._up_projected(query[nd:end], cache, m.prefill, output[nd:end])
+        return output
+
+    @property
+    def output_size(self) -> int:
+        """Width of ``forward``'s output: ``R``, or ``V`` with a projection."""
+        return self.projection.v_head_dim if self.projection is not None else self.kv_lora_rank
+
+    def prefers_up_projection(self, prefill: MLAPrefillMetadata) -> bool:
+        """Whether this layer runs ``prefill`` up-projected: possible for its widths and
+        fewer FLOPs than absorbed (:func:`mla_prefill_costs`)."""
+        proj = self.projection
+        if proj is None or prefill.form == "absorbed":
+            return False
+        if prefill.form == "up_projected" and not self.up_projection_possible:
+            raise ValueError(
+                f"{type(self).__name__}: backend_options prefill_form='up_projected' needs "
+                f"qk_nope_head_dim + rope in [{_PAGED_MIN_HEAD_DIM}, {_PAGED_MAX_HEAD_DIM}] "
+                f"and v_head_dim <= that (the paged-attention kernel's head sizes), got "
+                f"N + P = {self.query_size}, V = {proj.v_head_dim}"
+            )
+        if prefill.form == "up_projected":
+            return True
+        if not self.up_projection_possible:
+            return False
+        costs = mla_prefill_costs(
+            pairs=prefill.pairs,
+            num_tokens=prefill.num_tokens,
+            context_tokens=prefill.context_tokens,
+            kv_lora_rank=self.kv_lora_rank,
+            rope_dim=self.rope_dim,
+            qk_nope_head_dim=proj.qk_nope_head_dim,
+            v_head_dim=proj.v_head_dim,
+        )
+        return costs.up_projected < costs.absorbed
+
+    def _latent_attention(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        plan: PagedAttentionPlan,
+        kv_scale: torch.Tensor | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """The kernel on an absorbed query: ``output [T, H, R]``."""
         workspace = (
             self._split_workspace(plan.num_splits, query.shape[0], query.device)
             if plan.num_splits
             else None
         )
-        self._mla_attention(
+        return self._mla_attention(
             query,
             cache,
             plan,
@@ -500,6 +838,67 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             output=output,
             workspace=workspace,
         )
+
+    def _absorbed(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        plan: PagedAttentionPlan,
+        kv_scale: torch.Tensor | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """``q_nope @ W_UK`` next to ``q_pe`` (one batched matmul over heads), the kernel,
+        then ``@ W_UV``: ``output [T, H, V]``."""
+        proj = self.projection
+        assert proj is not None  # only called with a projection
+        tokens, nope, rank = query.shape[0], proj.qk_nope_head_dim, self.kv_lora_rank
+        q_abs = query.new_empty((tokens, self.num_heads, self.head_size))
+        # [H, T, N] @ [H, N, R] -> [H, T, R], written through a transposed view.
+        torch.matmul(
+            query[:, :, :nope].transpose(0, 1),
+            proj.w_uk.transpose(1, 2),
+            out=q_abs[:, :, :rank].transpose(0, 1),
+        )
+        q_abs[:, :, rank:] = query[:, :, nope:]
+        latent_out = query.new_empty((tokens, self.num_heads, rank))
+        self._latent_attention(q_abs, cache, plan, kv_scale, latent_out)
+        # [H, T, R] @ [H, R, V] -> [H, T, V].
+        output.transpose(0, 1).copy_(torch.matmul(latent_out.transpose(0, 1), proj.w_uv))
+        return output
+
+    def _up_projected(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        prefill: MLAPrefillMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gather the prefills' latent blocks, up-project them into a temporary paged K/V
+        cache ``[NBt, 2, BS, H, N + P]`` (keys ``[c W_UK, k_pe]``, values ``c W_UV``
+        zero-padded to the key width), and run the paged-attention kernel over it."""
+        proj = self.projection
+        assert proj is not None  # only called with a projection
+        rank, nope, v_dim = self.kv_lora_rank, proj.qk_nope_head_dim, proj.v_head_dim
+        heads, width = self.num_heads, self.query_size
+        latents = cache[prefill.block_ids]  # [NBt, BS, D]
+        if self.fp8:
+            latents = (latents.float() * float(self.layer_params.k_scale)).to(query.dtype)
+        blocks, block_size = latents.shape[0], latents.shape[1]
+        c = latents[:, :, :rank].reshape(blocks * block_size, rank)
+        kv = query.new_empty((blocks, 2, block_size, heads, width))
+        # [S, R] @ [H, R, N] -> [H, S, N] (c broadcast over heads, no copy).
+        k_nope = torch.matmul(c, proj.w_uk).view(heads, blocks, block_size, nope)
+        kv[:, 0, :, :, :nope] = k_nope.permute(1, 2, 0, 3)
+        kv[:, 0, :, :, nope:] = latents[:, :, None, rank:]
+        v = torch.matmul(c, proj.w_uv).view(heads, blocks, block_size, v_dim)
+        kv[:, 1, :, :, :v_dim] = v.permute(1, 2, 0, 3)
+        if v_dim < width:
+            kv[:, 1, :, :, v_dim:] = 0
+        plan = dataclasses.replace(prefill.plan, num_kv_heads=heads)
+        full = output if v_dim == width else query.new_empty((query.shape[0], heads, width))
+        self._paged_attention(query, kv, plan, scale=self.scale, output=full)
+        if full is not output:
+            output.copy_(full[:, :, :v_dim])
         return output
 
 
@@ -517,6 +916,7 @@ class TritonMLABackend(AttentionBackend):
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES
+    options_type = TritonMLAOptions
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
     builders = bind_each(
         (MLAAttentionSpec, SlidingWindowMLASpec), TritonMLAMetadataBuilder, TritonMLAImpl
