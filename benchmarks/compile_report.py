@@ -146,9 +146,12 @@ def _attention_batch(q_len: int, ctx: int, bs: int) -> dict[str, Any]:
 
 
 def _attention_tensors(
-    p: dict[str, Any], q_len: int, hq: int = 8, hkv: int = 2
+    p: dict[str, Any], q_len: int, hq: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """8 query heads over ``p["kv_heads"]`` KV heads (default 2: groups of 4; 8 is
+    triton_mla's up-projected prefill, one query head per KV head)."""
     dtype, d, bs = DT[p["dtype"]], p["head"], p["block"]
+    hkv = p.get("kv_heads", 2)
     query = torch.zeros(q_len, hq, d, dtype=dtype)
     cache = torch.zeros(4, 2, bs, hkv, d, dtype=FP8 if p["kv"] == "fp8" else dtype)
     extra: dict[str, Any] = {}
@@ -438,8 +441,21 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=128, q_len=1),
             _attn(head=128, q_len=128, dtype="bf16", block=64),
             _attn(head=128, q_len=128, kv="fp8"),
+            # triton_mla's up-projected prefill at DeepSeek-V3 widths: keys 128 + 64,
+            # one query head per KV head.
+            _attn(head=192, q_len=128, dtype="bf16", block=64, kv_heads=8),
         ),
-        full=declared_attention_grid(q_len=(1, 128)),
+        full=(
+            *declared_attention_grid(q_len=(1, 128)),
+            *_grid(
+                head=(192,),
+                dtype=("fp32", "fp16", "bf16"),
+                kv=("same",),
+                block=(16, 32, 64, 128),
+                q_len=(128,),
+                kv_heads=(8,),
+            ),
+        ),
     ),
     Family(
         "split_kv_decode",

@@ -121,9 +121,10 @@ CASES = [
             "llama",
             # "llama" is taken as the CONFIG argument; the abbreviation is refused.
             error="unrecognized arguments: --mod (plan takes --backend, "
-            "--backend-per-kind, --block-size, --capability, --debug, --device, --dtype, "
-            "--example, --gpu-memory, --json, --kv-cache-dtype, --max-model-len, "
-            "--max-num-batched-tokens, --model, --num-blocks, --report-only, --state-dtype, --strict)",
+            "--backend-per-kind, --block-size, --capability, --context-parallel, --debug, "
+            "--device, --dtype, --example, --gpu-memory, --json, --kv-cache-dtype, "
+            "--max-model-len, --max-num-batched-tokens, --model, --num-blocks, --report-only, "
+            "--state-dtype, --strict, --tensor-parallel)",
         ),
         id="plan-abbreviated-model",
     ),

@@ -41,7 +41,7 @@ from .config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, Atten
 from .devices import check_device_available, device_problem, parse_device
 from .errors import AttnkitError, DeviceUnavailableError, InvalidArgumentError, PluginError
 from .models import ModelLayout, layout_from_hf_config
-from .planner import ModelPlan, format_bytes, parse_memory_size, plan_model
+from .planner import GroupSplit, ModelPlan, format_bytes, parse_memory_size, plan_model
 from .registry import BackendRegistry, call_backend_code, default_registry
 from .spec import (
     KV_CACHE_DTYPES,
@@ -50,6 +50,8 @@ from .spec import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -84,7 +86,11 @@ size (scaled to the unified page where the runtime scales it) and blocks per req
 then capacity: bytes per block, KV bytes per token, windowed groups' per-request cap,
 state bytes per request, blocks per request, and with --gpu-memory or --num-blocks
 the blocks, tokens and concurrent requests of --max-model-len tokens that fit, and
-the CUDA-graph support with the group that limits it.
+the CUDA-graph support with the group that limits it. With --tensor-parallel N or
+--context-parallel N (the budget is then each rank's), a per-rank section follows:
+how each group splits (query, K/V and state heads per rank; which caches shard their
+tokens over the context-parallel ranks), the groups each rank builds, and each rank's
+bytes per token and per request, blocks, requests and longest request that fit.
 
 --json writes one object with these keys, in this order: model_type, source, device,
 capability, dtype, max_model_len, max_num_batched_tokens, layers (each: name, kind,
@@ -95,8 +101,16 @@ layout, buffer_set, cudagraph_support, skipped [{backend, reasons}], error),
 page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
 state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
 num_blocks, usable_blocks, tokens_that_fit, max_concurrency, cudagraph_support,
-cudagraph_limited_by, unserved_groups. Absent values are null (no budget: no
-num_blocks, tokens_that_fit or max_concurrency). docs/models.md has the details."""
+cudagraph_limited_by, unserved_groups, tensor_parallel, context_parallel, per_rank
+(tensor_parallel, context_parallel, world_size, context_tokens, splits [{group,
+query_heads, kv_heads, kv_replicas, state_shapes, page_size_bytes, context, detail}],
+groups [{group, kind, spec, model_groups, num_layers, block_size, page_size_bytes,
+bytes_per_token, blocks_per_request, per_request_cap_bytes, context_sharded, layout}],
+page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
+state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
+num_blocks, usable_blocks, tokens_that_fit, max_concurrency, max_context_tokens).
+Absent values are null (no budget: no num_blocks, tokens_that_fit or
+max_concurrency). docs/models.md and docs/architecture.md have the details."""
 
 DEMO_MAX_STEPS = 10_000
 """Most decode steps ``attnkit demo`` takes (the sequences stay far below
@@ -394,8 +408,16 @@ def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             f"{plan.blocks_per_request} ({per_group}) = {_bytes(plan.bytes_per_request)}",
         )
     )
-    if plan.memory_bytes is None or plan.num_blocks is None:
+    if plan.memory_bytes is None:
         lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
+    elif plan.num_blocks is None:
+        lines.append(
+            (
+                "memory",
+                f"{_bytes(plan.memory_bytes)} holds fewer than 2 blocks of the whole model "
+                "(see per rank)",
+            )
+        )
     else:
         lines.append(
             (
@@ -424,6 +446,136 @@ def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         )
     )
     width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
+    out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
+    if plan.per_rank.world_size > 1:
+        _write_per_rank(out, plan)
+
+
+def _bound(spec: KVCacheSpec) -> str:
+    """``window 4096`` / ``chunk 8192``: what bounds a windowed group's cache."""
+    if isinstance(spec, SlidingWindowSpec):
+        return f"window {spec.sliding_window}"
+    return f"chunk {getattr(spec, 'attention_chunk_size', '?')}"
+
+
+def _placement(split: GroupSplit, cp: int) -> str:
+    """How context parallelism places the group, after ``; `` (nothing to say at cp 1)."""
+    if split.context == "none":
+        return "; no cache"
+    if cp == 1:
+        return ""
+    if split.context == "sharded":
+        return f"; context sharded (token t on rank t mod {cp})"
+    return f"; context replicated on each of the {cp} context-parallel ranks"
+
+
+def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
+    """What each rank holds with --tensor-parallel / --context-parallel: the split of
+    every model group, the rank's groups, and its capacity."""
+    rank = plan.per_rank
+    tp, cp = rank.tensor_parallel, rank.context_parallel
+    out.write(
+        f"\nper rank (tensor_parallel {tp} x context_parallel {cp} = {rank.world_size} "
+        "ranks; --gpu-memory and --num-blocks are each rank's, the capacity above is the "
+        "whole model on one device):\n"
+    )
+    for split in rank.splits:
+        model = plan.groups[split.group_id]
+        out.write(f"  {model.describe()}: {split.detail}{_placement(split, cp)}\n")
+    out.write("groups on each rank:\n")
+    for g in rank.groups:
+        group = g.group
+        if not group.has_cache:
+            out.write(f"  {g.describe()}: no cache\n")
+            continue
+        spec = group.spec
+        if isinstance(spec, AttentionSpec):
+            declared = group.original_spec.block_size
+            scaled = (
+                f" (declared {declared}, scaled to the rank's page)"
+                if spec.block_size != declared
+                else ""
+            )
+            heads = (
+                f"latent {spec.head_size}"
+                if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
+                else f"{spec.num_kv_heads} K/V head(s)"
+            )
+            size = f"block size {spec.block_size}{scaled}, {heads}, "
+        else:
+            size = f"state {spec.page_size_bytes} B per layer, "
+        out.write(
+            f"  {g.describe()}: {size}{len(group.layer_names)} layer(s), at most "
+            f"{g.blocks_per_request} block(s) per request\n"
+        )
+    sets = ", ".join(f"{name} {count}" for name, count in sorted(rank.buffers.items()))
+    lines = [
+        (
+            "page",
+            f"{rank.page_size_bytes} B in {sum(rank.buffers.values())} layer buffer(s)"
+            f" ({sets or 'none'}) = {_bytes(rank.bytes_per_block)} per block",
+        ),
+        (
+            "KV per token",
+            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds "
+            "the token)",
+        ),
+    ]
+    if cp > 1 and any(g.context_sharded for g in rank.groups):
+        lines.append(
+            (
+                "context per rank",
+                f"{rank.context_tokens} of {plan.max_model_len} tokens in sharded groups",
+            )
+        )
+    for g in rank.groups:
+        if g.per_request_cap_bytes is not None:
+            lines.append(
+                (
+                    f"group {g.group.group_id}",
+                    f"{g.bytes_per_token} B per token up to its {_bound(g.group.spec)}; at "
+                    f"most {_bytes(g.per_request_cap_bytes)} per request",
+                )
+            )
+    lines.append(("state per request", _bytes(rank.state_bytes_per_request)))
+    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in rank.groups)
+    lines.append(
+        (
+            "blocks per request",
+            f"{rank.blocks_per_request} ({per_group}) = {_bytes(rank.bytes_per_request)}",
+        )
+    )
+    if rank.memory_bytes is None or rank.num_blocks is None:
+        lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
+    else:
+        lines.append(
+            (
+                "memory",
+                f"{_bytes(rank.memory_bytes)} -> {rank.num_blocks} blocks "
+                f"({rank.usable_blocks} usable; block 0 is the null block)",
+            )
+        )
+        if rank.max_concurrency is None:
+            lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
+        else:
+            lines.append(("tokens that fit", str(rank.tokens_that_fit)))
+            lines.append(
+                (
+                    "concurrent requests",
+                    f"{rank.max_concurrency} of {plan.max_model_len} tokens",
+                )
+            )
+        longest = rank.max_context_tokens
+        lines.append(
+            (
+                "max context",
+                f"{longest} tokens (one request alone in the pool)"
+                if longest is not None
+                else "unbounded by the cache (no cached layer grows with the context)",
+            )
+        )
+    width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
+    out.write("capacity per rank:\n")
     out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
 
 
@@ -506,6 +658,8 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
             registry=registry,
             memory_bytes=memory,
             num_blocks=args.num_blocks,
+            tensor_parallel=args.tensor_parallel,
+            context_parallel=args.context_parallel,
         )
     except InvalidArgumentError as exc:
         # The pool's check names the library's argument; say which option it was.
@@ -701,14 +855,32 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         type=_memory_size,
         default=None,
         metavar="SIZE",
-        help="KV-cache memory: 80GiB, 500MB, 1.5TiB or bytes (B, kB/KB, MB, GB, TB, KiB, "
-        "MiB, GiB, TiB)",
+        help="KV-cache memory (each rank's with --tensor-parallel or --context-parallel): "
+        "80GiB, 500MB, 1.5TiB or bytes (B, kB/KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
     )
     budget.add_argument(
         "--num-blocks",
         type=int_range(2),
         default=None,
-        help="the pool's size in blocks, the null block included, instead of --gpu-memory",
+        help="the pool's size in blocks (each rank's), the null block included, instead of "
+        "--gpu-memory",
+    )
+    plan.add_argument(
+        "--tensor-parallel",
+        type=int_range(1),
+        default=1,
+        metavar="N",
+        help="plan for N tensor-parallel ranks: heads split (K/V heads replicated when "
+        "fewer than N, MLA latents on every rank); the report adds what each rank holds",
+    )
+    plan.add_argument(
+        "--context-parallel",
+        type=int_range(1),
+        default=1,
+        metavar="N",
+        help="plan for N decode context-parallel ranks: full, sink and MLA caches shard "
+        "their tokens (token t on rank t mod N), bounded caches replicate; the report adds "
+        "each rank's memory and the longest request it holds",
     )
     plan.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     plan.add_argument(

@@ -28,6 +28,13 @@ for the pool. The arithmetic (docs/models.md, "Capacity planning"):
   ``tokens_that_fit = (num_blocks - 1) * max_model_len // blocks_per_request`` (the
   context tokens the pool holds at that per-request cost; for a model of full
   attention layers only, ``(num_blocks - 1) * block_size``).
+
+With ``tensor_parallel`` and ``context_parallel`` ranks, ``ModelPlan.per_rank`` repeats
+the arithmetic for one rank (docs/architecture.md, "Parallel planning"): each group's
+heads or state split over the tensor-parallel ranks (K/V heads replicated when fewer
+than the ranks, MLA latents on every rank), the rank's specs grouped and unified as
+the runtime does, full/sink/MLA caches sharded token by token over the
+context-parallel ranks, and the budget taken as each rank's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Literal
 
 import torch
 
@@ -54,7 +62,7 @@ from .kv_cache import (
     unified_groups,
 )
 from .models import LayerInfo, ModelLayout
-from .params import LayerParams
+from .params import AttentionLayerParams, LayerParams
 from .registry import BackendRegistry
 from .runtime import default_layer_params, group_features, group_num_heads
 from .selector import Selection, select_backend
@@ -64,15 +72,24 @@ from .spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
+    KVCacheSpecKind,
     MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
 __all__ = [
+    "PER_RANK_JSON_KEYS",
     "PLAN_JSON_KEYS",
+    "ContextPlacement",
     "GroupPlan",
+    "GroupSplit",
     "LayerPlan",
     "ModelPlan",
+    "RankGroupPlan",
+    "RankPlan",
     "format_bytes",
     "parse_memory_size",
     "plan_model",
@@ -193,6 +210,269 @@ class GroupPlan:
         )
 
 
+ContextPlacement = Literal["sharded", "replicated", "none"]
+"""Where context parallelism puts a group's cache: its tokens spread over the ranks
+(``sharded``), all of it on every rank (``replicated``), or no cache (``none``)."""
+
+_CONTEXT_SHARDED: frozenset[KVCacheSpecKind] = frozenset(
+    {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SINK_FULL_ATTENTION,
+        KVCacheSpecKind.MLA_ATTENTION,
+    }
+)
+"""Kinds whose cache context parallelism shards: the decoder caches that grow with the
+context without bound. Every other cached kind is bounded per request (a window, a
+chunk, a state, the encoder's tokens) and is replicated on each context-parallel rank."""
+
+_GROWING: frozenset[KVCacheSpecKind] = _CONTEXT_SHARDED | {KVCacheSpecKind.CROSS_ATTENTION}
+"""Kinds whose blocks per request grow with the request's length without bound (the
+planner bounds cross-attention's encoder tokens by the same length)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSplit:
+    """How tensor and context parallelism lay one group of the model over the ranks.
+
+    Attributes:
+        group_id: the model's group (an index of ``ModelPlan.groups``).
+        spec: what each rank's layers of the group declare: K/V heads or state shapes
+            divided by tensor parallelism, the declared block size (each rank unifies
+            its own page, see ``RankPlan.groups``).
+        query_heads: query heads per rank of the group's first attention layer
+            (``None`` for state groups, or when no layer's params give a head count).
+        kv_heads: K/V heads per rank (1 for an MLA latent); ``None`` for state groups.
+        kv_replicas: tensor-parallel ranks that hold each K/V head: 1 when the heads
+            are split, ``tensor_parallel // kv_heads`` when there are fewer K/V heads
+            than ranks, ``tensor_parallel`` for an MLA latent (shared by every head);
+            ``None`` for state groups.
+        context: ``"sharded"`` (token ``t`` lives on context-parallel rank ``t mod
+            N``), ``"replicated"`` (every context-parallel rank holds it all) or
+            ``"none"`` (the group keeps no cache).
+        detail: the split in words, for the report.
+    """
+
+    group_id: int
+    spec: KVCacheSpec
+    query_heads: int | None
+    kv_heads: int | None
+    kv_replicas: int | None
+    context: ContextPlacement
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankGroupPlan:
+    """A KV-cache group of one rank: what the runtime of each rank would build.
+
+    Each rank groups and unifies its own specs (``GroupSplit.spec``) with the runtime's
+    rule, so its page, block sizes and even its groups may differ from the model's: two
+    groups whose specs become equal once split (2 and 4 K/V heads at
+    ``tensor_parallel=4``) are one group on a rank.
+
+    Attributes:
+        group: the rank's group (its spec unified to the rank's page).
+        model_groups: the model's groups whose layers it holds.
+        layout: the cache layout of the backend chosen for the model group.
+        context_sharded: context parallelism shards its tokens.
+        blocks_per_request: the most blocks a request of ``max_model_len`` tokens holds
+            in this group on the busiest rank (rank 0 for a sharded group:
+            ``ceil(max_model_len / context_parallel)`` tokens).
+        bytes_per_token: cache bytes a token adds to this group's layers on a rank
+            that holds it.
+        per_request_cap_bytes: as ``GroupPlan.per_request_cap_bytes``, per rank.
+    """
+
+    group: KVCacheGroup
+    model_groups: tuple[int, ...]
+    layout: KVCacheLayout
+    context_sharded: bool
+    blocks_per_request: int
+    bytes_per_token: int
+    per_request_cap_bytes: int | None
+
+    def describe(self) -> str:
+        """``group 0 (full_attention)``, or ``rank group 0 (full_attention; model groups
+        0, 2)`` when it differs from the model's group of the same number."""
+        if self.model_groups == (self.group.group_id,):
+            return f"group {self.group.group_id} ({self.group.kind.value})"
+        owners = ", ".join(map(str, self.model_groups))
+        return (
+            f"rank group {self.group.group_id} ({self.group.kind.value}; "
+            f"model groups {owners})"
+        )
+
+
+PER_RANK_JSON_KEYS: tuple[str, ...] = (
+    "tensor_parallel",
+    "context_parallel",
+    "world_size",
+    "context_tokens",
+    "splits",
+    "groups",
+    "page_size_bytes",
+    "buffers",
+    "bytes_per_block",
+    "kv_bytes_per_token",
+    "state_bytes_per_request",
+    "blocks_per_request",
+    "bytes_per_request",
+    "memory_bytes",
+    "num_blocks",
+    "usable_blocks",
+    "tokens_that_fit",
+    "max_concurrency",
+    "max_context_tokens",
+)
+"""The keys of ``RankPlan.to_json()`` (``ModelPlan.to_json()["per_rank"]``), in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """What one of ``tensor_parallel * context_parallel`` ranks holds and fits.
+
+    The budget (``memory_bytes`` or ``num_blocks``) is each rank's own. Every request
+    has a share on every rank: tensor-parallel ranks hold its K/V heads (or state
+    heads) split or replicated, context-parallel ranks its tokens of sharded groups.
+    So ``max_concurrency`` and ``tokens_that_fit`` count the requests and context
+    tokens the whole set of ranks serves. With ``tensor_parallel`` and
+    ``context_parallel`` 1 every figure equals the model's.
+
+    Attributes:
+        tensor_parallel, context_parallel: the ranks along each dimension.
+        max_model_len: the request length the per-request figures are for.
+        splits: one per model group, in group order.
+        groups: the rank's groups.
+        page_size_bytes: the rank's unified page.
+        buffers: the rank's layer buffers per set.
+        kv_bytes_per_token: bytes a token adds on a rank that holds it, over the
+            layers that cache the decoder's tokens (as ``ModelPlan.kv_bytes_per_token``).
+        state_bytes_per_request: the rank's share of a request's states (unpadded).
+        context_tokens: tokens of a ``max_model_len`` request the busiest rank holds in
+            a sharded group: ``ceil(max_model_len / context_parallel)``.
+        memory_bytes, num_blocks: each rank's budget and pool (``None``: no budget).
+        max_context_tokens: the longest request the rank's pool holds when it is alone
+            (``max_model_len`` aside); ``None`` without a budget, or when no cached
+            group grows with the context (any length then fits once the bounded
+            caches do).
+    """
+
+    tensor_parallel: int
+    context_parallel: int
+    max_model_len: int
+    splits: tuple[GroupSplit, ...]
+    groups: tuple[RankGroupPlan, ...]
+    page_size_bytes: int
+    buffers: Mapping[BufferSetName, int]
+    kv_bytes_per_token: int
+    state_bytes_per_request: int
+    context_tokens: int
+    memory_bytes: int | None
+    num_blocks: int | None
+    max_context_tokens: int | None
+
+    @property
+    def world_size(self) -> int:
+        """``tensor_parallel * context_parallel``: the ranks one model instance spans."""
+        return self.tensor_parallel * self.context_parallel
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs on a rank: a page in each of its layer buffers."""
+        return self.page_size_bytes * sum(self.buffers.values())
+
+    @property
+    def blocks_per_request(self) -> int:
+        """The most blocks a request of ``max_model_len`` tokens holds on a rank."""
+        return sum(g.blocks_per_request for g in self.groups)
+
+    @property
+    def bytes_per_request(self) -> int:
+        """A ``max_model_len`` request's cache on the busiest rank."""
+        return self.blocks_per_request * self.bytes_per_block
+
+    @property
+    def usable_blocks(self) -> int | None:
+        """Blocks of a rank's pool requests can hold: all but the null block."""
+        return None if self.num_blocks is None else self.num_blocks - 1
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """Requests of ``max_model_len`` tokens that fit at once (``None`` without a
+        budget, or when the model caches nothing)."""
+        usable = self.usable_blocks
+        if usable is None or self.blocks_per_request == 0:
+            return None
+        return usable // self.blocks_per_request
+
+    @property
+    def tokens_that_fit(self) -> int | None:
+        """Context tokens the ranks hold together at the per-request cost of
+        ``max_model_len`` tokens (``None`` as ``max_concurrency``)."""
+        usable = self.usable_blocks
+        if usable is None or self.blocks_per_request == 0:
+            return None
+        return usable * self.max_model_len // self.blocks_per_request
+
+    def to_json(self) -> dict[str, object]:
+        """The rank's figures as JSON-ready data, keys in ``PER_RANK_JSON_KEYS`` order."""
+        data: dict[str, object] = {
+            "tensor_parallel": self.tensor_parallel,
+            "context_parallel": self.context_parallel,
+            "world_size": self.world_size,
+            "context_tokens": self.context_tokens,
+            "splits": [
+                {
+                    "group": s.group_id,
+                    "query_heads": s.query_heads,
+                    "kv_heads": s.kv_heads,
+                    "kv_replicas": s.kv_replicas,
+                    "state_shapes": (
+                        [list(shape) for shape in s.spec.shapes]
+                        if isinstance(s.spec, MambaSpec)
+                        else None
+                    ),
+                    "page_size_bytes": s.spec.page_size_bytes,
+                    "context": s.context,
+                    "detail": s.detail,
+                }
+                for s in self.splits
+            ],
+            "groups": [
+                {
+                    "group": g.group.group_id,
+                    "kind": g.group.kind.value,
+                    "spec": type(g.group.spec).__name__,
+                    "model_groups": list(g.model_groups),
+                    "num_layers": len(g.group.layer_names),
+                    "block_size": g.group.spec.block_size,
+                    "page_size_bytes": g.group.spec.page_size_bytes if g.group.has_cache else 0,
+                    "bytes_per_token": g.bytes_per_token,
+                    "blocks_per_request": g.blocks_per_request,
+                    "per_request_cap_bytes": g.per_request_cap_bytes,
+                    "context_sharded": g.context_sharded,
+                    "layout": g.layout,
+                }
+                for g in self.groups
+            ],
+            "page_size_bytes": self.page_size_bytes,
+            "buffers": dict(sorted(self.buffers.items())),
+            "bytes_per_block": self.bytes_per_block,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_request": self.state_bytes_per_request,
+            "blocks_per_request": self.blocks_per_request,
+            "bytes_per_request": self.bytes_per_request,
+            "memory_bytes": self.memory_bytes,
+            "num_blocks": self.num_blocks,
+            "usable_blocks": self.usable_blocks,
+            "tokens_that_fit": self.tokens_that_fit,
+            "max_concurrency": self.max_concurrency,
+            "max_context_tokens": self.max_context_tokens,
+        }
+        assert tuple(data) == PER_RANK_JSON_KEYS
+        return data
+
+
 PLAN_JSON_KEYS: tuple[str, ...] = (
     "model_type",
     "source",
@@ -218,6 +498,9 @@ PLAN_JSON_KEYS: tuple[str, ...] = (
     "cudagraph_support",
     "cudagraph_limited_by",
     "unserved_groups",
+    "tensor_parallel",
+    "context_parallel",
+    "per_rank",
 )
 """The top-level keys of ``ModelPlan.to_json()``, in the order it writes them."""
 
@@ -242,7 +525,12 @@ class ModelPlan:
         state_bytes_per_request: the state layers' states of one request (unpadded).
         memory_bytes: the budget (``None`` when neither it nor ``num_blocks`` was
             given); with ``num_blocks`` given, ``num_blocks * bytes_per_block``.
-        num_blocks: the pool's blocks, the null block included (``None``: no budget).
+        num_blocks: the pool's blocks, the null block included (``None``: no budget,
+            or, planning for several ranks, a rank's budget that holds fewer than 2
+            blocks of the whole model).
+        per_rank: what each rank holds and fits with ``tensor_parallel`` and
+            ``context_parallel`` (the same figures when both are 1). The figures above
+            are the whole model's on one device with the same budget.
     """
 
     model_type: str | None
@@ -259,6 +547,17 @@ class ModelPlan:
     state_bytes_per_request: int
     memory_bytes: int | None
     num_blocks: int | None
+    per_rank: RankPlan
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks planned for (1: none)."""
+        return self.per_rank.tensor_parallel
+
+    @property
+    def context_parallel(self) -> int:
+        """Context-parallel ranks planned for (1: none)."""
+        return self.per_rank.context_parallel
 
     @property
     def bytes_per_block(self) -> int:
@@ -384,6 +683,9 @@ class ModelPlan:
             "cudagraph_support": cg[0].name if cg is not None else None,
             "cudagraph_limited_by": cg[1] if cg is not None else None,
             "unserved_groups": [g.group.group_id for g in self.unserved],
+            "tensor_parallel": self.tensor_parallel,
+            "context_parallel": self.context_parallel,
+            "per_rank": self.per_rank.to_json(),
         }
         assert tuple(data) == PLAN_JSON_KEYS
         return data
@@ -420,6 +722,311 @@ def _group_costs(group: KVCacheGroup, config: AttentionConfig) -> tuple[int, int
     return blocks, 0, None
 
 
+def _check_ranks(name: str, value: object) -> int:
+    """``tensor_parallel`` / ``context_parallel``: an int >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentTypeError(
+            f"plan_model: {name} must be an int >= 1 (ranks), got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < 1:
+        raise InvalidArgumentError(f"plan_model: {name} must be an int >= 1 (ranks), got {value}")
+    return value
+
+
+def _where(group: KVCacheGroup) -> str:
+    """``layer 'x' (group 0, 32 layers)``: how a split error names a group."""
+    count = len(group.layer_names)
+    layers = f", {count} layers" if count > 1 else ""
+    return f"layer {group.layer_names[0]!r} (group {group.group_id}{layers})"
+
+
+def _split_kv_heads(heads: int, tp: int, what: str, where: str) -> tuple[int, int]:
+    """``(per rank, ranks holding each)`` of ``heads`` K/V heads over ``tp`` ranks.
+
+    At least as many heads as ranks: each rank holds ``heads / tp`` (``tp`` must divide
+    them). Fewer: each rank holds one, and each head is replicated on ``tp / heads``
+    ranks (``heads`` must divide ``tp``); this is how tensor-parallel engines shard
+    grouped-query attention (vLLM's ``QKVParallelLinear`` replicates K/V heads so).
+    """
+    if heads >= tp:
+        if heads % tp:
+            raise InvalidArgumentError(
+                f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of "
+                f"{where}: with at least as many {what} as ranks, tensor_parallel must "
+                f"divide {heads}"
+            )
+        return heads // tp, 1
+    if tp % heads:
+        raise InvalidArgumentError(
+            f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of {where}: "
+            f"with fewer {what} than ranks, tensor_parallel must be a multiple of {heads} "
+            f"(each is then replicated on tensor_parallel / {heads} ranks)"
+        )
+    return 1, tp // heads
+
+
+def _split_state(spec: MambaSpec, tp: int, where: str) -> tuple[MambaSpec, str]:
+    """A state layer's spec on one of ``tp`` ranks, and the split in words.
+
+    The state shapes are those of ``attnkit.models`` (and the layer params'
+    ``state_shapes``), so the sizes are read back from them: the heads (or channels)
+    are split evenly, the conv channels follow. Mamba2's B/C groups are split like K/V
+    heads (replicated when fewer than the ranks). Anything that does not divide
+    exactly, or shapes of another layout, is an error naming the layer.
+    """
+    kind, shapes = spec.mamba_type, spec.shapes
+
+    def fail(reason: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"plan_model: tensor_parallel={tp} cannot split the {kind} state of {where}: "
+            f"{reason}"
+        )
+
+    def divided(count: int, what: str) -> int:
+        if count % tp:
+            raise fail(f"its {count} {what} are not a multiple of {tp}")
+        return count // tp
+
+    ranks: tuple[tuple[int, ...], ...]
+    if kind == "mamba1" and [len(s) for s in shapes] == [2, 2] and shapes[0][0] == shapes[1][0]:
+        # ((D, W - 1), (D, N)): every channel has its own conv and SSM state.
+        (d_inner, taps), (_, d_state) = shapes
+        local = divided(d_inner, "channels (d_inner)")
+        ranks = ((local, taps), (local, d_state))
+        detail = f"mamba1 channels {d_inner} -> {local} per rank"
+    elif kind == "mamba2" and [len(s) for s in shapes] == [2, 3]:
+        # ((H * P + 2 * G * N, W - 1), (H, P, N))
+        (conv, taps), (heads, head_dim, d_state) = shapes
+        bc = conv - heads * head_dim
+        if bc <= 0 or bc % (2 * d_state):
+            raise fail(f"shapes {shapes} are not ((H*P + 2*G*N, W-1), (H, P, N))")
+        n_groups = bc // (2 * d_state)
+        local = divided(heads, "heads")
+        local_groups, copies = _split_kv_heads(n_groups, tp, "B/C groups", where)
+        ranks = ((local * head_dim + 2 * local_groups * d_state, taps), (local, head_dim, d_state))
+        shared = f" (each on {copies} ranks)" if copies > 1 else ""
+        detail = (
+            f"mamba2 heads {heads} -> {local} per rank, B/C groups {n_groups} -> "
+            f"{local_groups} per rank{shared}"
+        )
+    elif kind == "gdn" and [len(s) for s in shapes] == [2, 3]:
+        # ((2 * Hk * K + Hv * V, W - 1), (Hv, K, V))
+        (conv, taps), (value_heads, key_dim, value_dim) = shapes
+        qk = conv - value_heads * value_dim
+        if qk <= 0 or qk % (2 * key_dim):
+            raise fail(f"shapes {shapes} are not ((2*Hk*K + Hv*V, W-1), (Hv, K, V))")
+        key_heads = qk // (2 * key_dim)
+        local_v = divided(value_heads, "value heads")
+        local_k = divided(key_heads, "key heads")
+        ranks = (
+            (2 * local_k * key_dim + local_v * value_dim, taps),
+            (local_v, key_dim, value_dim),
+        )
+        detail = (
+            f"gdn value heads {value_heads} -> {local_v}, key heads {key_heads} -> "
+            f"{local_k} per rank"
+        )
+    elif kind == "linear" and [len(s) for s in shapes] == [3]:
+        ((heads, key_dim, value_dim),) = shapes
+        local = divided(heads, "heads")
+        ranks = ((local, key_dim, value_dim),)
+        detail = f"linear attention heads {heads} -> {local} per rank"
+    elif kind == "short_conv" and [len(s) for s in shapes] == [2]:
+        ((channels, taps),) = shapes
+        local = divided(channels, "channels")
+        ranks = ((local, taps),)
+        detail = f"short conv channels {channels} -> {local} per rank"
+    else:
+        raise fail(f"its shapes {shapes} are not the {kind} layout attnkit knows")
+    return dataclasses.replace(spec, shapes=ranks), detail
+
+
+def _split_group(
+    group: KVCacheGroup, params: Mapping[str, LayerParams | None], tp: int
+) -> GroupSplit:
+    """How ``tp`` tensor-parallel ranks split a model group (context placement by kind)."""
+    spec, where = group.original_spec, _where(group)
+    context: ContextPlacement = (
+        "none"
+        if not group.has_cache
+        else "sharded"
+        if spec.kind in _CONTEXT_SHARDED
+        else "replicated"
+    )
+    if isinstance(spec, MambaSpec):
+        state, detail = _split_state(spec, tp, where)
+        return GroupSplit(group.group_id, state, None, None, None, context, detail)
+    assert isinstance(spec, AttentionSpec)  # a spec is an attention or a state spec
+    heads: list[int] = []
+    for name in group.layer_names:
+        layer = params.get(name)
+        if not isinstance(layer, AttentionLayerParams):
+            continue
+        if layer.num_heads % tp:
+            raise InvalidArgumentError(
+                f"plan_model: tensor_parallel={tp} does not divide the {layer.num_heads} "
+                f"query heads of layer {name!r} ({spec.kind.value}); each rank must hold "
+                f"whole heads"
+            )
+        heads.append(layer.num_heads // tp)
+    query = heads[0] if heads else None
+    shown = f"query heads {query * tp} -> {query} per rank; " if query is not None else ""
+    if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+        # The latent is one vector per token that every head reads: nothing to split.
+        detail = (
+            f"{shown}MLA latent ({spec.head_size} per token) shared by all heads: "
+            f"replicated on every tensor-parallel rank"
+        )
+        return GroupSplit(group.group_id, spec, query, 1, tp, context, detail)
+    kv, copies = _split_kv_heads(spec.num_kv_heads, tp, "K/V heads", where)
+    shared = f" (each on {copies} ranks)" if copies > 1 else ""
+    detail = f"{shown}K/V heads {spec.num_kv_heads} -> {kv} per rank{shared}"
+    rank_spec = dataclasses.replace(spec, num_kv_heads=kv)
+    return GroupSplit(group.group_id, rank_spec, query, kv, copies, context, detail)
+
+
+def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -> int:
+    """The most blocks one request of ``max_model_len`` tokens holds in a group of
+    ``spec`` (a unified, cached spec) on the busiest of ``cp`` context-parallel ranks.
+
+    Sharded kinds hold ``ceil(slots / cp)`` slots on rank 0, with ``slots`` the
+    request's tokens (plus the sink slots, interleaved as the first positions);
+    replicated ones what the spec says for the whole request.
+    """
+    if spec.kind in _CONTEXT_SHARDED:
+        sinks = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+        local = -(-(max_model_len + sinks) // cp)
+        return -(-local // spec.block_size)
+    return spec.max_memory_usage_bytes(max_model_len, batched) // spec.page_size_bytes
+
+
+def _max_context(
+    groups: Sequence[KVCacheGroup], batched: int, cp: int, usable: int
+) -> int | None:
+    """The longest request ``usable`` blocks hold on each rank (binary search over the
+    length: every group's blocks grow monotonically with it); ``None`` when every
+    length fits (no cached group grows without bound, and the bounded ones fit)."""
+    cached = [g.spec for g in groups if g.has_cache]
+    growing = [s.block_size for s in cached if s.kind in _GROWING]
+
+    def blocks(length: int) -> int:
+        return sum(_rank_blocks(s, length, batched, cp) for s in cached)
+
+    if blocks(1) > usable:
+        return 0
+    if growing:
+        # At ``high`` tokens the growing group of the smallest blocks alone holds at
+        # least usable + 1 of them.
+        high = cp * min(growing) * (usable + 1)
+    else:
+        # Windows and chunks stop growing once a request passes window (chunk) + one
+        # step + one block; states never grow.
+        spans = [
+            (s.sliding_window if isinstance(s, SlidingWindowSpec) else s.attention_chunk_size)
+            + batched
+            + s.block_size
+            for s in cached
+            if isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec)
+        ]
+        high = 1 + max(spans, default=0)
+        if blocks(high) <= usable:
+            return None
+    low = 1
+    assert blocks(high) > usable
+    while high - low > 1:
+        middle = (low + high) // 2
+        if blocks(middle) <= usable:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _rank_plan(
+    specs: Mapping[str, KVCacheSpec],
+    params: Mapping[str, LayerParams | None],
+    groups: Sequence[KVCacheGroup],
+    layouts: Mapping[int, KVCacheLayout],
+    config: AttentionConfig,
+    *,
+    tp: int,
+    cp: int,
+    memory_bytes: int | None,
+    num_blocks: int | None,
+) -> RankPlan:
+    """The per-rank plan: split every model group, then group, unify and size the
+    rank's cache with the runtime's own rules (``unified_groups``, ``buffers_per_set``,
+    ``num_blocks_for_budget``), ``memory_bytes`` / ``num_blocks`` being the rank's."""
+    splits = tuple(_split_group(g, params, tp) for g in groups)
+    model_group = {name: g.group_id for g in groups for name in g.layer_names}
+    rank_specs = {name: splits[model_group[name]].spec for name in specs}
+    rank_groups, page = unified_groups(rank_specs)
+    owners = {
+        g.group_id: tuple(dict.fromkeys(model_group[n] for n in g.layer_names))
+        for g in rank_groups
+    }
+    # A rank's group runs the backend chosen for its (first) model group.
+    rank_layouts: dict[int, KVCacheLayout] = {
+        g.group_id: layouts[owners[g.group_id][0]] for g in rank_groups
+    }
+    planned: list[RankGroupPlan] = []
+    for g in rank_groups:
+        spec, layers = g.spec, len(g.layer_names)
+        blocks = per_token = 0
+        cap: int | None = None
+        if g.has_cache:
+            blocks = _rank_blocks(spec, config.max_model_len, config.max_num_batched_tokens, cp)
+            if isinstance(spec, AttentionSpec):
+                per_token = layers * spec.page_size_bytes // spec.block_size
+                if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+                    cap = blocks * spec.page_size_bytes * layers
+        planned.append(
+            RankGroupPlan(
+                group=g,
+                model_groups=owners[g.group_id],
+                layout=rank_layouts[g.group_id],
+                context_sharded=g.has_cache and g.kind in _CONTEXT_SHARDED,
+                blocks_per_request=blocks,
+                bytes_per_token=per_token,
+                per_request_cap_bytes=cap,
+            )
+        )
+    buffers = buffers_per_set(rank_groups, rank_layouts)
+    if memory_bytes is not None:
+        num_blocks = num_blocks_for_budget(rank_groups, page, memory_bytes, rank_layouts)
+    elif num_blocks is not None:
+        memory_bytes = num_blocks * page * sum(buffers.values())
+    kv_per_token = sum(
+        s.page_size_bytes // s.block_size
+        for s in rank_specs.values()
+        if isinstance(s, AttentionSpec)
+        and not isinstance(s, EncoderOnlyAttentionSpec | CrossAttentionSpec)
+    )
+    longest = (
+        None
+        if num_blocks is None
+        else _max_context(rank_groups, config.max_num_batched_tokens, cp, num_blocks - 1)
+    )
+    return RankPlan(
+        tensor_parallel=tp,
+        context_parallel=cp,
+        max_model_len=config.max_model_len,
+        splits=splits,
+        groups=tuple(planned),
+        page_size_bytes=page,
+        buffers=buffers,
+        kv_bytes_per_token=kv_per_token,
+        state_bytes_per_request=sum(
+            s.page_size_bytes for s in rank_specs.values() if isinstance(s, MambaSpec)
+        ),
+        context_tokens=-(-config.max_model_len // cp),
+        memory_bytes=memory_bytes,
+        num_blocks=num_blocks,
+        max_context_tokens=longest,
+    )
+
+
 def plan_model(
     model: ModelLayout | Mapping[str, KVCacheSpec],
     config: AttentionConfig,
@@ -432,6 +1039,8 @@ def plan_model(
     layer_params: Mapping[str, LayerParams] | None = None,
     memory_bytes: int | None = None,
     num_blocks: int | None = None,
+    tensor_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> ModelPlan:
     """Plan a model's cache and backends on ``device`` (nothing is allocated).
 
@@ -446,11 +1055,19 @@ def plan_model(
         layer_params: params that replace the derived ones, per layer.
         memory_bytes: the KV-cache budget; or ``num_blocks``: the pool's size (the null
             block included, >= 2). At most one; with neither, the plan has no block,
-            token or concurrency counts.
+            token or concurrency counts. With parallelism, each rank's.
+        tensor_parallel, context_parallel: ranks that shard the model's heads and
+            its context (``ModelPlan.per_rank``; docs/architecture.md, "Parallel
+            planning"). Query heads split evenly; K/V heads split, or replicate when
+            fewer than the ranks; MLA latents replicate; state heads split. Full,
+            sink and MLA caches shard their tokens over the context-parallel ranks,
+            bounded caches (windows, chunks, states, cross-attention) replicate.
 
     Raises:
-        ArgumentTypeError / InvalidArgumentError: bad arguments, or a budget that
-            holds fewer than 2 blocks (the message says how many bytes 2 need).
+        ArgumentTypeError / InvalidArgumentError: bad arguments, a budget that
+            holds fewer than 2 blocks (the message says how many bytes 2 need), or a
+            ``tensor_parallel`` that does not split a layer's heads or state exactly
+            (the message names the layer).
         Selection's argument errors; a group no backend serves is not an error (it is
         recorded in ``GroupPlan.error``).
     """
@@ -468,6 +1085,8 @@ def plan_model(
             f"plan_model: num_blocks must be an int >= 2 (block 0 is the null block), "
             f"got {num_blocks!r}"
         )
+    tp = _check_ranks("tensor_parallel", tensor_parallel)
+    cp = _check_ranks("context_parallel", context_parallel)
     parsed_device = parse_device(device, argument="device")
     if isinstance(model, ModelLayout):
         specs = model.specs()
@@ -525,8 +1144,26 @@ def plan_model(
         )
     layouts: dict[int, KVCacheLayout] = {g.group.group_id: g.layout for g in planned}
     buffers = buffers_per_set(groups, layouts)
+    # Split first: a tensor_parallel that splits no layer is the user's first problem.
+    per_rank = _rank_plan(
+        specs,
+        params,
+        groups,
+        layouts,
+        config,
+        tp=tp,
+        cp=cp,
+        memory_bytes=memory_bytes,
+        num_blocks=num_blocks,
+    )
     if memory_bytes is not None:
-        num_blocks = num_blocks_for_budget(groups, page, memory_bytes, layouts)
+        try:
+            num_blocks = num_blocks_for_budget(groups, page, memory_bytes, layouts)
+        except InvalidArgumentError:
+            if per_rank.world_size == 1:
+                raise
+            # The budget is a rank's: the whole model on one device need not fit in it.
+            num_blocks = None
     elif num_blocks is not None:
         memory_bytes = num_blocks * page * sum(buffers.values())
     group_of = {name: g.group_id for g in groups for name in g.layer_names}
@@ -571,6 +1208,7 @@ def plan_model(
         state_bytes_per_request=state,
         memory_bytes=memory_bytes,
         num_blocks=num_blocks,
+        per_rank=per_rank,
     )
 
 
