@@ -475,6 +475,103 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
     return results
 
 
+def mla_prefill_results(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """MLA prefill with ``mla_projection`` on ``triton_mla``, each form forced
+    (``prefill_form``), at DeepSeek-V3 dims (128 heads, R 512, rope 64, N = V = 128,
+    bf16, block 64): what the FLOP model that ``"auto"`` follows predicts, measured.
+
+    Cases: fresh prompts, and chunks over a cached context; each row's note says which
+    form ``"auto"`` picks for it. The step is begun once and its forward timed (it
+    rewrites the same latents each time)."""
+    from attnkit import (
+        AttentionConfig,
+        AttentionLayerParams,
+        AttentionRuntime,
+        MLAAttentionSpec,
+        MLAProjection,
+    )
+    from attnkit.backends.triton_mla import MLAPrefillMetadata, TritonMLAImpl
+    from attnkit.runtime import ScheduledRequest
+
+    if args.smoke:
+        heads, rank, rope, nope, v_dim, block = 4, 32, 16, 16, 16, 16
+        cases = [(1, 0, 48), (1, 64, 24)]
+    else:
+        heads, rank, rope, nope, v_dim, block = 128, 512, 64, 128, 128, 64
+        # (requests, cached context each, new tokens each)
+        cases = [(1, 0, 4096), (4, 0, 1024), (1, 8192, 256), (1, 8192, 1024), (8, 4096, 64)]
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    proj = MLAProjection(
+        w_uk=(torch.randn(heads, rank, nope, generator=gen) * rank**-0.5).to(device, dtype),
+        w_uv=(torch.randn(heads, rank, v_dim, generator=gen) * rank**-0.5).to(device, dtype),
+    )
+    spec = MLAAttentionSpec(block_size=block, head_size=rank + rope, dtype=dtype)
+    params = AttentionLayerParams(num_heads=heads, mla_projection=proj)
+    results: list[Result] = []
+    for num_reqs, context, new in cases:
+        label = f"B={num_reqs} ctx={context} new={new} H={heads}"
+        timings: dict[str, float] = {}
+        auto = "absorbed (a decode step)"
+        for form in ("absorbed", "up_projected"):
+            config = AttentionConfig(
+                backend_per_kind={"mla_attention": "triton_mla"},
+                backend_options={"triton_mla": {"prefill_form": form}},
+                max_model_len=context + new + block,
+                max_num_batched_tokens=max(num_reqs * max(context, new), 1),
+            )
+            budget = spec.page_size_bytes * (num_reqs * (-(-(context + new) // block) + 1) + 4)
+            rt = AttentionRuntime(
+                {"mla": spec},
+                config,
+                device=device,
+                memory_budget_bytes=budget,
+                layer_params={"mla": params},
+            )
+            width = nope + rope
+            if context:
+                batch = rt.begin_step([ScheduledRequest(f"r{i}", context) for i in range(num_reqs)])
+                t = batch.num_tokens
+                rt.forward(
+                    "mla",
+                    torch.randn(t, heads, width, device=device, dtype=dtype),
+                    torch.randn(t, 1, rank + rope, device=device, dtype=dtype),
+                    None,
+                )
+            batch = rt.begin_step([ScheduledRequest(f"r{i}", new) for i in range(num_reqs)])
+            t = batch.num_tokens
+            query = torch.randn(t, heads, width, device=device, dtype=dtype)
+            latents = torch.randn(t, 1, rank + rope, device=device, dtype=dtype)
+            out = torch.empty(t, heads, v_dim, device=device, dtype=dtype)
+            impl = rt._attention_impls["mla"]
+            prefill = rt._groups[0].metadata.prefill
+            if isinstance(impl, TritonMLAImpl) and isinstance(prefill, MLAPrefillMetadata):
+                auto_meta = dataclasses.replace(prefill, form="auto")
+                auto = "up_projected" if impl.prefers_up_projection(auto_meta) else "absorbed"
+
+            def step(
+                rt: AttentionRuntime = rt,
+                query: torch.Tensor = query,
+                latents: torch.Tensor = latents,
+                out: torch.Tensor = out,
+            ) -> None:
+                rt.forward("mla", query, latents, None, output=out)
+
+            timings[form] = time_ms(step, device, args.warmup, args.iters)
+        for form, ms in timings.items():
+            other = timings["up_projected" if form == "absorbed" else "absorbed"]
+            results.append(
+                Result(
+                    "mla-prefill",
+                    f"triton_mla/{form}",
+                    label,
+                    ms,
+                    note=f"auto picks {auto}; {other / ms:.2f}x vs the other form",
+                )
+            )
+    return results
+
+
 def decode_cases(smoke: bool) -> list[tuple[int, int]]:
     if smoke:
         return [(2, 64)]
@@ -617,6 +714,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     results.extend(state_results(args, device))
     results.extend(mla_results(args, device, peak))
+    results.extend(mla_prefill_results(args, device))
     flash_rows: list[dict[str, Any]] = []
     if not args.smoke:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
