@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "attnkit.registry": 8,
     "attnkit.kv_cache": 8,
     "attnkit.selector": 9,
+    "attnkit.parallel": 9,
     "attnkit.runtime": 10,
     "attnkit.backend_api": 11,
     "attnkit.demo": 11,
@@ -54,6 +55,10 @@ LAYERS: dict[str, int] = {
     "attnkit.__main__": 14,
 }
 """Core modules and their layer."""
+
+_KERNEL_CALLERS = frozenset({"attnkit.demo", "attnkit.parallel"})
+"""Core modules that call a kernel: the demo, and the context-parallel merge
+(``merge_attn_states``)."""
 
 BACKEND_MAX_CORE_LAYER = LAYERS["attnkit.backend"]
 """Backends (``attnkit.backends.*``) see the core up to ``backend``, never the registry,
@@ -137,7 +142,7 @@ def _violation(source: str, target: str) -> str | None:
             return "kernels import only kernel modules"
         return None
     if target.startswith("attnkit.kernels"):
-        return None if source.startswith("attnkit.backends") or source == "attnkit.demo" else (
+        return None if source.startswith("attnkit.backends") or source in _KERNEL_CALLERS else (
             "only backends (and the demo's dense check) import kernels"
         )
     if source.startswith("attnkit.backends"):

@@ -5,8 +5,8 @@ Every expected number is computed by hand in a comment next to it, from the mode
 config (heads, head size, layers, dtype) and the rules of docs/architecture.md,
 "Parallel planning": query heads split; K/V heads split, or one per rank replicated
 ``T / Hkv`` times when fewer than the ranks; MLA latents on every rank; state heads
-split; full, sink and MLA caches sharded token by token over the context-parallel
-ranks (``ceil(L / C)`` tokens on rank 0), bounded caches replicated. The longest
+split; full and MLA caches sharded token by token over the context-parallel
+ranks (``ceil(L / C)`` tokens on rank 0), the others (sink layers too) replicated. The longest
 request a pool holds is checked against a brute-force search written here."""
 
 from __future__ import annotations
@@ -372,10 +372,10 @@ def test_one_device_budget_too_small_is_still_an_error() -> None:
         plan_of("mistral-7b-v0.1", max_model_len=32768, memory=3 * 2**20)
 
 
-def test_sink_slots_are_sharded_with_the_tokens() -> None:
-    """A sink layer of 4 sink slots, 100 tokens: 104 slots; on one device
-    ceil(104 / 16) = 7 blocks; over 3 ranks rank 0 holds ceil(104 / 3) = 35 slots:
-    ceil(35 / 16) = 3 blocks."""
+def test_sink_layers_are_replicated() -> None:
+    """A sink layer of 4 sink slots, 100 tokens: 104 slots, ceil(104 / 16) = 7 blocks on
+    one device and, replicated (the runtime does not shard sink slots), on every one of
+    3 context-parallel ranks."""
     sink = SinkFullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32, sink_len=4
     )
@@ -387,8 +387,8 @@ def test_sink_slots_are_sharded_with_the_tokens() -> None:
         context_parallel=3,
     )
     assert plan.blocks_per_request == 7
-    assert plan.per_rank.blocks_per_request == 3
-    assert plan.per_rank.splits[0].context == "sharded"
+    assert plan.per_rank.blocks_per_request == 7
+    assert plan.per_rank.splits[0].context == "replicated"
 
 
 def test_t5_cross_attention_is_replicated() -> None:

@@ -27,6 +27,8 @@ PUBLIC_API = [
     "BackendOptions",
     "BackendRegistry",
     "ChunkedLocalAttentionSpec",
+    "ContextParallel",
+    "ContextParallelMismatchError",
     "CrossAttentionSpec",
     "DeviceUnavailableError",
     "DuplicateBackendError",
@@ -152,7 +154,7 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
 
 def test_every_error_is_an_attnkit_error() -> None:
     errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
-    assert len(errors) == 16
+    assert len(errors) == 17
     assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
     # Each also derives from the builtin it resembles, so existing clauses catch it.
     builtins = (ValueError, TypeError, KeyError, RuntimeError)

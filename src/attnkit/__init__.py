@@ -43,6 +43,7 @@ from .errors import (
     UnknownRequestError,
 )
 from .models import LayerInfo, ModelLayout, layout_from_hf_config
+from .parallel import ContextParallel, ContextParallelMismatchError
 from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
@@ -109,6 +110,8 @@ __all__ = [
     "BackendOptions",
     "BackendRegistry",
     "ChunkedLocalAttentionSpec",
+    "ContextParallel",
+    "ContextParallelMismatchError",
     "CrossAttentionSpec",
     "DeviceUnavailableError",
     "DuplicateBackendError",

@@ -43,6 +43,9 @@ class AttentionFeature(str, enum.Enum):
     """Per-head linear position bias (BLOOM, MPT)."""
     RETURN_LSE = "return_lse"
     """The backend also returns each row's log-sum-exp (for cascades and merges)."""
+    CONTEXT_PARALLEL = "context_parallel"
+    """The impl runs a decode context-parallel shard (``AttentionImpl.forward_partial``
+    honouring ``CommonAttentionMetadata.context_shard``) and returns its log-sum-exp."""
     MLA_PROJECTION = "mla_projection"
     """MLA layers whose impl applies ``W_UK``/``W_UV`` itself (``MLAProjection``): it takes
     the un-absorbed query and returns per-head values, so it may pick the absorbed or the

@@ -878,7 +878,7 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         type=int_range(1),
         default=1,
         metavar="N",
-        help="plan for N decode context-parallel ranks: full, sink and MLA caches shard "
+        help="plan for N decode context-parallel ranks: full and MLA caches shard "
         "their tokens (token t on rank t mod N), bounded caches replicate; the report adds "
         "each rank's memory and the longest request it holds",
     )

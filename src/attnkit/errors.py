@@ -25,6 +25,7 @@ __all__ = [
     "ArgumentTypeError",
     "AttnkitError",
     "BackendNotSupportedError",
+    "ContextParallelMismatchError",
     "DeviceUnavailableError",
     "DuplicateBackendError",
     "DuplicateRequestError",
@@ -126,6 +127,11 @@ class DuplicateRequestError(AttnkitError, ValueError):
 class EngineLimitError(AttnkitError, ValueError):
     """A step breaks one of ``AttentionConfig``'s engine limits (``max_model_len``,
     ``max_num_batched_tokens``, ``max_num_reqs``). Nothing was changed."""
+
+
+class ContextParallelMismatchError(AttnkitError, RuntimeError):
+    """The ranks of a decode context-parallel group were given different steps (raised on
+    every rank, before anything changed)."""
 
 
 class StaleStepError(AttnkitError, RuntimeError):

@@ -101,6 +101,34 @@ class AttentionImpl(LayerImpl[M_contra, SA_co, PA_co]):
         ``output``.
         """
 
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over one decode context-parallel shard (the ``context_parallel``
+        feature): write the new K/V of the positions this rank holds (their slots; the
+        others are -1), attend over the shard (key ``j`` of a request at position ``j *
+        world_size + rank``, the queries at their global positions, from
+        ``CommonAttentionMetadata.context_shard`` / ``global_seq_lens_cpu`` as the
+        builder passed them on), and write the partial output and its float32
+        natural-log ``lse [T, Hq]`` (``-inf`` for rows that see no key here). The
+        runtime merges the ranks' partials. Returns ``output``.
+
+        Raises:
+            NotImplementedError: the impl does not serve context parallelism (its
+                backend does not declare ``AttentionFeature.CONTEXT_PARALLEL``).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not serve decode context parallelism "
+            f"(its backend does not declare the context_parallel feature)"
+        )
+
 
 class StateImpl(LayerImpl[M_contra, MambaSpec, PS_co], Generic[M_contra, PS_co, I_contra]):
     """Runs one state layer (``MambaSpec``) with the metadata its backend's builder made.

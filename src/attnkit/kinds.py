@@ -40,7 +40,14 @@ from .spec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["KindRules", "StepLens", "rules_for", "spans"]
+__all__ = [
+    "CONTEXT_SHARDED_KINDS",
+    "KindRules",
+    "ShardedRules",
+    "StepLens",
+    "rules_for",
+    "spans",
+]
 
 Ints = npt.NDArray[np.int64]
 S = TypeVar("S", bound=KVCacheSpec)
@@ -319,3 +326,75 @@ assert set(_RULES) == set(KVCacheSpecKind), "every kind needs its rules"
 def rules_for(spec: KVCacheSpec) -> KindRules[Any]:
     """The rules of ``spec``'s kind."""
     return _RULES[spec.kind]
+
+
+CONTEXT_SHARDED_KINDS: frozenset[KVCacheSpecKind] = frozenset(
+    {KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.MLA_ATTENTION}
+)
+"""Kinds whose cache decode context parallelism shards across ranks (token ``t`` on rank
+``t mod N``): their caches grow with the context without bound. Every other kind is
+replicated on every rank: windows, chunks and states are bounded per request (sharding
+would save little and cost a merge per layer), cross-attention is bounded by the encoder
+length, and sink tokens (``sink_full_attention``) would need their sink slots sharded
+too, which the runtime does not do yet."""
+
+
+class ShardedRules(KindRules[Any]):
+    """A sharded kind's rules on one context-parallel rank: position ``p`` of a request
+    lives on rank ``p % world_size`` at local index ``p // world_size``; the rank's
+    table holds its positions only, and builders see the local counts as ``seq_lens``.
+
+    Attributes:
+        inner: the kind's own rules (cache shapes, layouts, causality).
+        rank, world_size: this rank and the group's size.
+    """
+
+    def __init__(self, inner: KindRules[Any], rank: int, world_size: int) -> None:
+        if inner.releases or inner.writes != "step":
+            raise ValueError(
+                "only kinds that write every step's tokens and never release blocks can be "
+                "sharded by context"
+            )
+        self.inner = inner
+        self.rank, self.world_size = rank, world_size
+        self.has_cache = inner.has_cache
+        self.causal = inner.causal
+        self.releases = False
+        self.writes = "step"
+        self.layouts = inner.layouts
+        self.no_planes_because = inner.no_planes_because
+
+    def local_counts(self, totals: Ints) -> Ints:
+        """Positions ``< totals`` this rank holds: ``ceil((L - rank) / world_size)``."""
+        counts: Ints = np.maximum(totals - self.rank + self.world_size - 1, 0) // self.world_size
+        return counts
+
+    def owned(self, positions: Ints) -> tuple[Ints, Ints]:
+        """``(mask of positions this rank holds, their local indices)``."""
+        mask: Ints = positions % self.world_size == self.rank
+        local: Ints = positions // self.world_size
+        return mask, local
+
+    @override
+    def shift(self, spec: Any) -> int:
+        return self.inner.shift(spec)
+
+    @override
+    def blocks_needed(self, spec: Any, lens: StepLens) -> Ints:
+        bs = spec.block_size
+        blocks: Ints = _ceil_div(self.local_counts(lens.total + self.shift(spec)), bs)
+        return blocks
+
+    @override
+    def seq_lens(self, spec: Any, lens: StepLens) -> Ints:
+        return self.local_counts(self.inner.seq_lens(spec, lens))
+
+    @override
+    def cache_shapes(
+        self, spec: Any, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        return self.inner.cache_shapes(spec, num_blocks, layout)
+
+    @override
+    def admission_problems(self, lens: StepLens) -> tuple[int, str] | None:
+        return self.inner.admission_problems(lens)

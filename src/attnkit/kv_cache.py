@@ -57,7 +57,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, NoReturn, SupportsIndex, cast
+from typing import Any, Literal, NoReturn, SupportsIndex, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +71,7 @@ from .errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from .kinds import Ints, StepLens, rules_for, spans
+from .kinds import Ints, KindRules, StepLens, rules_for, spans
 from .spec import (
     AttentionSpec,
     KVCacheSpec,
@@ -466,10 +466,22 @@ class KVCacheManager:
     and releases cost O(blocks released).
     """
 
-    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int) -> None:
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        *,
+        rules: Sequence[KindRules[Any]] | None = None,
+    ) -> None:
+        """``rules``: one per group, replacing its kind's (a context-parallel rank's
+        sharded rules); default ``rules_for`` each group's spec."""
         self.groups = tuple(groups)
         self.pool = BlockPool(num_blocks)
-        self._rules = [rules_for(g.spec) for g in self.groups]
+        self._rules = list(rules) if rules is not None else [rules_for(g.spec) for g in self.groups]
+        if len(self._rules) != len(self.groups):
+            raise ValueError(
+                f"rules must have one entry per group ({len(self.groups)}), got {len(self._rules)}"
+            )
         self._rows: dict[str, int] = {}
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.

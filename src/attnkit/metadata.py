@@ -67,6 +67,15 @@ class CommonAttentionMetadata:
             computed before this step, whatever the kind (0 for a request in its first
             step; sink and encoder tokens are not counted). ``None`` when the caller
             does not know it; ``AttentionRuntime`` always sets it.
+        context_shard: ``(rank, world_size)`` when the group's cache is one decode
+            context-parallel shard (``AttentionRuntime(context_parallel=...)``):
+            position ``p`` lives on rank ``p % world_size``, ``seq_lens`` and the block
+            table are the rank's (``ceil((L - rank) / world_size)`` positions of an
+            ``L``-token request), slots of positions other ranks hold are -1, and the
+            layer's impl returns a partial result with its log-sum-exp
+            (``AttentionImpl.forward_partial``). ``None``: the whole context.
+        global_seq_lens_cpu: int32 ``[B]`` on the CPU: every request's whole length
+            (where its queries sit), with ``context_shard`` only.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -86,6 +95,8 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     causal: bool = True
     num_computed_tokens_cpu: torch.Tensor | None = None
+    context_shard: tuple[int, int] | None = None
+    global_seq_lens_cpu: torch.Tensor | None = None
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
@@ -172,7 +183,7 @@ class CommonAttentionMetadata:
         short = seq < query_lens
         # Causal queries are the last positions of their context; a non-causal step
         # (cross attention) may have more queries than cached keys.
-        if self.causal and b and short.any():
+        if self.causal and self.context_shard is None and b and short.any():
             bad = int(np.argmax(short))
             raise ValueError(
                 f"seq_lens_cpu[{bad}]={int(seq[bad])} is shorter than the "

@@ -33,8 +33,9 @@ With ``tensor_parallel`` and ``context_parallel`` ranks, ``ModelPlan.per_rank`` 
 the arithmetic for one rank (docs/architecture.md, "Parallel planning"): each group's
 heads or state split over the tensor-parallel ranks (K/V heads replicated when fewer
 than the ranks, MLA latents on every rank), the rank's specs grouped and unified as
-the runtime does, full/sink/MLA caches sharded token by token over the
-context-parallel ranks, and the budget taken as each rank's.
+the runtime does, full and MLA caches sharded token by token over the
+context-parallel ranks (every other kind replicated), and the budget taken as each
+rank's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .capabilities import KVCacheLayout
 from .config import AttentionConfig
 from .devices import parse_device
 from .errors import ArgumentTypeError, InvalidArgumentError, NoBackendError, Rejection
+from .kinds import CONTEXT_SHARDED_KINDS
 from .kv_cache import (
     BufferSetName,
     KVCacheGroup,
@@ -75,7 +77,6 @@ from .spec import (
     KVCacheSpecKind,
     MambaSpec,
     MLAAttentionSpec,
-    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -214,18 +215,17 @@ ContextPlacement = Literal["sharded", "replicated", "none"]
 """Where context parallelism puts a group's cache: its tokens spread over the ranks
 (``sharded``), all of it on every rank (``replicated``), or no cache (``none``)."""
 
-_CONTEXT_SHARDED: frozenset[KVCacheSpecKind] = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SINK_FULL_ATTENTION,
-        KVCacheSpecKind.MLA_ATTENTION,
-    }
-)
-"""Kinds whose cache context parallelism shards: the decoder caches that grow with the
-context without bound. Every other cached kind is bounded per request (a window, a
-chunk, a state, the encoder's tokens) and is replicated on each context-parallel rank."""
+_CONTEXT_SHARDED: frozenset[KVCacheSpecKind] = CONTEXT_SHARDED_KINDS
+"""Kinds whose cache context parallelism shards, as the runtime does
+(``attnkit.kinds.CONTEXT_SHARDED_KINDS``: full and MLA attention, the decoder caches that
+grow with the context without bound). Every other cached kind is replicated on each
+context-parallel rank: bounded per request (a window, a chunk, a state, the encoder's
+tokens), or, for sink layers, not sharded by the runtime yet."""
 
-_GROWING: frozenset[KVCacheSpecKind] = _CONTEXT_SHARDED | {KVCacheSpecKind.CROSS_ATTENTION}
+_GROWING: frozenset[KVCacheSpecKind] = (
+    _CONTEXT_SHARDED
+    | {KVCacheSpecKind.CROSS_ATTENTION, KVCacheSpecKind.SINK_FULL_ATTENTION}
+)
 """Kinds whose blocks per request grow with the request's length without bound (the
 planner bounds cross-attention's encoder tokens by the same length)."""
 
@@ -890,13 +890,11 @@ def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -
     """The most blocks one request of ``max_model_len`` tokens holds in a group of
     ``spec`` (a unified, cached spec) on the busiest of ``cp`` context-parallel ranks.
 
-    Sharded kinds hold ``ceil(slots / cp)`` slots on rank 0, with ``slots`` the
-    request's tokens (plus the sink slots, interleaved as the first positions);
-    replicated ones what the spec says for the whole request.
+    Sharded kinds hold ``ceil(tokens / cp)`` slots on rank 0; replicated ones what the
+    spec says for the whole request.
     """
     if spec.kind in _CONTEXT_SHARDED:
-        sinks = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
-        local = -(-(max_model_len + sinks) // cp)
+        local = -(-max_model_len // cp)
         return -(-local // spec.block_size)
     return spec.max_memory_usage_bytes(max_model_len, batched) // spec.page_size_bytes
 
@@ -1059,9 +1057,9 @@ def plan_model(
         tensor_parallel, context_parallel: ranks that shard the model's heads and
             its context (``ModelPlan.per_rank``; docs/architecture.md, "Parallel
             planning"). Query heads split evenly; K/V heads split, or replicate when
-            fewer than the ranks; MLA latents replicate; state heads split. Full,
-            sink and MLA caches shard their tokens over the context-parallel ranks,
-            bounded caches (windows, chunks, states, cross-attention) replicate.
+            fewer than the ranks; MLA latents replicate; state heads split. Full and
+            MLA caches shard their tokens over the context-parallel ranks; the others
+            (windows, chunks, states, cross-attention, sink layers) replicate.
 
     Raises:
         ArgumentTypeError / InvalidArgumentError: bad arguments, a budget that

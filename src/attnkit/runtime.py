@@ -42,7 +42,7 @@ from .errors import (
     UnknownLayerError,
 )
 from .impl import AttentionImpl, StateImpl
-from .kinds import Ints, StepLens, rules_for, spans
+from .kinds import CONTEXT_SHARDED_KINDS, Ints, KindRules, ShardedRules, StepLens, rules_for, spans
 from .kv_cache import (
     BufferSetName,
     KVCacheGroup,
@@ -54,6 +54,12 @@ from .kv_cache import (
     unified_groups,
 )
 from .metadata import CommonAttentionMetadata, host_to_device
+from .parallel import (
+    ContextParallel,
+    ContextParallelMismatchError,
+    merge_partials,
+    step_fingerprint,
+)
 from .params import STATE_PARAMS_BY_TYPE, AttentionLayerParams, LayerParams
 from .registry import BackendRegistry
 from .selector import Selection, select_backend
@@ -260,6 +266,12 @@ class AttentionRuntime:
         registry, capability, priority: passed to ``select_backend``.
         cache_fill: fill the cache at allocation (tests pass ``float("nan")`` so a
             kernel that reads an unwritten slot is caught); ``None`` leaves it as is.
+        context_parallel: make this runtime one rank of a decode context-parallel
+            group (``attnkit.parallel``): the caches of ``CONTEXT_SHARDED_KINDS``
+            hold this rank's share of every request's tokens, their groups are served
+            by backends with the ``context_parallel`` feature, and each such layer's
+            ``forward`` merges the ranks' partial results (one all-gather). Every rank
+            must make the same calls with the same inputs. ``None``: one device.
 
     Backends are selected first, then the pool is sized for the buffer sets their
     cache layouts need (``kv_cache``, "Memory"), then the cache is allocated; the
@@ -282,8 +294,16 @@ class AttentionRuntime:
         capability: tuple[int, int] | None = None,
         priority: Mapping[str, Sequence[str]] | None = None,
         cache_fill: float | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
         _check_constructor_args(layer_specs, config, layer_params, memory_budget_bytes, cache_fill)
+        cp: object = context_parallel
+        if cp is not None and not isinstance(cp, ContextParallel):
+            raise ArgumentTypeError(
+                f"context_parallel must be a ContextParallel or None, got {type(cp).__name__}"
+            )
+        self.context_parallel = context_parallel
+        self._cp_step = 0
         self.device = parse_device(device)
         check_device_available(self.device)
         self.config = config
@@ -304,14 +324,25 @@ class AttentionRuntime:
         self._layer_group: dict[str, int] = {}
         # Select first (selection does not depend on the pool's size), then size the
         # pool for the buffer sets the backends' layouts need, then shapes and buffers.
+        # Groups whose cache is sharded across the context-parallel ranks.
+        self._sharded: frozenset[int] = frozenset(
+            g.group_id
+            for g in groups
+            if context_parallel is not None
+            and context_parallel.world_size > 1
+            and g.spec.kind in CONTEXT_SHARDED_KINDS
+        )
         for group in groups:
             layer_params_of_group = [self.layer_params[n] for n in group.layer_names]
+            features = group_features(layer_params_of_group)
+            if group.group_id in self._sharded:
+                features |= {AttentionFeature.CONTEXT_PARALLEL}
             selection = select_backend(
                 group.spec,
                 config,
                 device=self.device,
                 capability=capability,
-                features=group_features(layer_params_of_group),
+                features=features,
                 num_heads=group_num_heads(layer_params_of_group),
                 registry=registry,
                 priority=priority,
@@ -362,12 +393,19 @@ class AttentionRuntime:
             layouts=self.layouts,
         )
         _LOG.info("%s", self.memory_report().describe())
-        self.manager = KVCacheManager(groups, self.num_blocks)
+        self._rules_of: dict[int, KindRules[Any]] = {g.group_id: rules_for(g.spec) for g in groups}
+        if context_parallel is not None:
+            for gid in self._sharded:
+                self._rules_of[gid] = ShardedRules(
+                    self._rules_of[gid], context_parallel.rank, context_parallel.world_size
+                )
+        self.manager = KVCacheManager(
+            groups, self.num_blocks, rules=[self._rules_of[g.group_id] for g in groups]
+        )
         thresholds = {
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
         }
         self._thresholds = tuple(sorted(thresholds))
-        self._rules_of = {g.group_id: rules_for(g.spec) for g in groups}
         self._reads_encoder = any(rules_for(g.spec).writes == "encoder" for g in groups)
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
@@ -494,6 +532,8 @@ class AttentionRuntime:
         finished = self._check_ids("finished", finished)
         _check_types(scheduled)
         ids: list[str] = list(map(_REQ_ID, scheduled))
+        if self.context_parallel is not None:
+            self._check_ranks_agree(scheduled, finished)
         # The steady state schedules the same requests as the last step: their rows
         # are known (and their ids unique) while no request gained or lost a row.
         cached = (
@@ -610,7 +650,19 @@ class AttentionRuntime:
             # No request (a step that only finishes requests) or no cache: an empty
             # table, one column wide for cached kinds (state builders read column 0).
             table = np.zeros((num_reqs, 1 if rules.has_cache else 0), dtype=np.int32)
-        if rules.writes == "step":
+        shard: tuple[int, int] | None = None
+        global_lens: torch.Tensor | None = None
+        if isinstance(rules, ShardedRules):
+            # Only the positions this rank holds are written, at their local index.
+            shard = (rules.rank, rules.world_size)
+            positions = shared.token_pos + rules.shift(spec)
+            mine, local = rules.owned(positions)
+            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
+            if mine.any():
+                block_idx, offset = np.divmod(local[mine], bs)
+                slots[mine] = _slots(table, shared.token_req[mine], block_idx, offset, bs)
+            global_lens = _from_numpy(rules.inner.seq_lens(spec, lens).astype(np.int32))
+        elif rules.writes == "step":
             block_idx, offset = shared.block_coords(rules.shift(spec), bs)
             slots = _slots(table, shared.token_req, block_idx, offset, bs)
         elif rules.writes == "encoder":
@@ -639,6 +691,8 @@ class AttentionRuntime:
             slot_mapping=self._to_device(_from_numpy(slots)),
             causal=rules.causal,
             num_computed_tokens_cpu=shared.computed,
+            context_shard=shard,
+            global_seq_lens_cpu=global_lens,
             validate=False,
         )
 
@@ -720,9 +774,59 @@ class AttentionRuntime:
             v_size = params.v_head_size or impl.kv_cache_spec.head_size
             output = query.new_empty((query.shape[0], query.shape[1], v_size))
         entry = self._groups[self._layer_group[layer_name]]
-        return impl.forward(
-            query, key, value, self.kv_caches.get(layer_name, ()), entry.metadata, output
-        )
+        caches = self.kv_caches.get(layer_name, ())
+        if entry.group.group_id not in self._sharded:
+            return impl.forward(query, key, value, caches, entry.metadata, output)
+        return self._forward_sharded(impl, query, key, value, caches, entry.metadata, output)
+
+    def _forward_sharded(
+        self,
+        impl: AttentionImpl[Any, Any, Any],
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        caches: Sequence[torch.Tensor],
+        metadata: Any,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's partial attention, then one all-gather of ``(output, lse)`` and the
+        merge (``attnkit.parallel``)."""
+        cp = self.context_parallel
+        assert cp is not None  # only sharded groups come here
+        n = self._current_step().num_tokens
+        lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32, device=query.device)
+        partial = output.new_empty(output.shape)
+        impl.forward_partial(query, key, value, caches, metadata, partial, lse)
+        # Rows past the step's tokens (padding) are not exchanged.
+        packed = torch.cat([partial[:n].float().flatten(1), lse[:n]], dim=1)
+        gathered = cp.communicator.all_gather(packed)
+        width = partial[:n].flatten(1).shape[1]
+        shape = (n, *output.shape[1:])
+        outs = [g[:, :width].reshape(shape) for g in gathered]
+        lses = [g[:, width:] for g in gathered]
+        merge_partials(outs, lses, output[:n])
+        return output
+
+    def _check_ranks_agree(
+        self, scheduled: Sequence[ScheduledRequest], finished: Sequence[str]
+    ) -> None:
+        """All-gather this step's fingerprint; raise on every rank when they differ."""
+        cp = self.context_parallel
+        assert cp is not None
+        schedule = [(r.req_id, r.num_new_tokens, r.encoder_len) for r in scheduled]
+        mine = step_fingerprint(self._cp_step, schedule, finished)
+        probe = torch.tensor([self._cp_step, mine], dtype=torch.int64, device=self.device)
+        seen = [(int(t[0]), int(t[1])) for t in cp.communicator.all_gather(probe)]
+        if len(set(seen)) != 1:
+            steps = [s for s, _ in seen]
+            odd = [r for r, fp in enumerate(seen) if fp != seen[cp.rank]]
+            raise ContextParallelMismatchError(
+                f"context-parallel rank {cp.rank} of {cp.world_size}: the ranks were given "
+                f"different steps (step counters {steps}; ranks {odd} differ from this "
+                f"one, which scheduled {schedule} and finished {sorted(finished)}); every "
+                f"rank must call begin_step with the same requests in the same order"
+            )
+        self._cp_step += 1
 
     def forward_state(
         self, layer_name: str, inputs: StateInputs, *, output: torch.Tensor | None = None

@@ -77,6 +77,8 @@ class ReferenceAttentionMetadata:
         sink_len: sink tokens in front of each context (0 unless sink_full_attention).
         sink_slot_mapping: int64 ``[R * sink_len]``: the sink slots of the ``R``
             requests in their first step, in batch order; ``None`` when there are none.
+        context_shard, global_seq_lens: ``CommonAttentionMetadata``'s, for
+            ``forward_partial`` (decode context parallelism); ``None`` otherwise.
     """
 
     num_actual_tokens: int
@@ -90,6 +92,8 @@ class ReferenceAttentionMetadata:
     chunk_size: int | None = None
     sink_len: int = 0
     sink_slot_mapping: torch.Tensor | None = None
+    context_shard: tuple[int, int] | None = None
+    global_seq_lens: torch.Tensor | None = None
 
 
 class ReferenceAttentionBuilder(
@@ -152,6 +156,8 @@ class ReferenceAttentionBuilder(
             chunk_size=self.chunk_size,
             sink_len=self.sink_len,
             sink_slot_mapping=self._sink_slots(cm) if self.sink_len else None,
+            context_shard=cm.context_shard,
+            global_seq_lens=cm.global_seq_lens_cpu,
         )
 
     def _sink_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -213,6 +219,8 @@ class ReferenceAttentionImpl(
             )
         self.kind = spec.kind
         self.is_mla = isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
+        # Where forward_partial wants the lse (set only for the length of that call).
+        self._lse_out: torch.Tensor | None = None
         self.num_heads = params.num_heads
         self.head_size = spec.head_size
         self.v_head_size = params.v_head_size if params.v_head_size is not None else spec.head_size
@@ -397,6 +405,44 @@ class ReferenceAttentionImpl(
     # ------------------------------------------------------------------ forward
 
     @override
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over one context-parallel shard, with the partial's lse."""
+        owner = f"ReferenceAttentionImpl.forward_partial ({self.kind.value})"
+        if not isinstance(attn_metadata, ReferenceAttentionMetadata):
+            raise TypeError(
+                f"{owner}: attn_metadata must be ReferenceAttentionMetadata, "
+                f"got {type(attn_metadata).__name__}"
+            )
+        if attn_metadata.context_shard is None:
+            raise ValueError(
+                f"{owner}: the metadata has no context_shard (the group is not sharded "
+                f"by context); call forward"
+            )
+        check_tensor(
+            owner,
+            "lse",
+            lse,
+            layout="[T, Hq]",
+            shape=(query.shape[0], self.num_heads),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        self._lse_out = lse
+        try:
+            return self.forward(query, key, value, kv_cache, attn_metadata, output)
+        finally:
+            self._lse_out = None
+
+    @override
     def forward(
         self,
         query: torch.Tensor,
@@ -406,6 +452,13 @@ class ReferenceAttentionImpl(
         attn_metadata: ReferenceAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
+        shard = getattr(attn_metadata, "context_shard", None)  # the type is checked below
+        if shard is not None and self._lse_out is None:
+            raise ValueError(
+                f"ReferenceAttentionImpl.forward ({self.kind.value}): the group is sharded "
+                f"by context (context_shard={shard}); its result is "
+                f"partial, call forward_partial"
+            )
         cache = self._check_inputs(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
         n = md.num_actual_tokens
@@ -489,7 +542,7 @@ class ReferenceAttentionImpl(
         output: torch.Tensor,
     ) -> torch.Tensor:
         alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
-        return paged_attention(
+        out, lse = paged_attention(
             query,
             cache,
             query_start_loc=md.query_start_loc,
@@ -501,11 +554,21 @@ class ReferenceAttentionImpl(
             chunk_size=md.chunk_size,
             logits_soft_cap=self.layer_params.logits_soft_cap,
             alibi_slopes=alibi,
-            sinks=self.layer_params.sinks,
+            # A sink logit joins exactly one softmax denominator: on a context-parallel
+            # group, rank 0's (the merge of the ranks' partials then counts it once).
+            sinks=self.layer_params.sinks
+            if md.context_shard is None or md.context_shard[0] == 0
+            else None,
             output=output,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            context_shard=md.context_shard,
+            global_seq_lens=md.global_seq_lens,
+            return_lse=True,
         )
+        if self._lse_out is not None:
+            self._lse_out.copy_(lse)
+        return out
 
     def _write_sinks(self, cache: torch.Tensor, sink_slots: torch.Tensor) -> None:
         """Write the layer's sink tokens into the sink slots of each new request."""

@@ -46,6 +46,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.ATTENTION_SINKS,
             AttentionFeature.ALIBI,
             AttentionFeature.MLA_PROJECTION,
+            AttentionFeature.CONTEXT_PARALLEL,
         }
     )
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(

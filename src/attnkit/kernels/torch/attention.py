@@ -77,7 +77,7 @@ Quantisation scales
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from typing import Literal, cast, overload
 
 import torch
 from torch import Tensor
@@ -145,7 +145,7 @@ def _check_options(
 
 def _visible_keys(
     q_positions: Tensor,
-    num_keys: int,
+    k_positions: Tensor,
     *,
     causal: bool,
     sliding_window: int | None,
@@ -153,7 +153,8 @@ def _visible_keys(
 ) -> Tensor:
     """Boolean ``[Tq, Tk]`` mask: ``True`` where query ``t`` may attend to key ``j``."""
     i = q_positions.to(torch.int64)[:, None]  # [Tq, 1] query positions
-    j = torch.arange(num_keys, device=q_positions.device, dtype=torch.int64)[None, :]
+    j = k_positions.to(torch.int64)[None, :]  # [1, Tk] key positions
+    num_keys = j.shape[1]
     visible = torch.ones(i.shape[0], num_keys, dtype=torch.bool, device=q_positions.device)
     if causal:
         visible &= j <= i
@@ -310,6 +311,7 @@ def dense_attention(
     scale: float,
     causal: bool = ...,
     q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
     sliding_window: int | None = ...,
     chunk_size: int | None = ...,
     logits_soft_cap: float | None = ...,
@@ -328,6 +330,7 @@ def dense_attention(
     scale: float,
     causal: bool = ...,
     q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
     sliding_window: int | None = ...,
     chunk_size: int | None = ...,
     logits_soft_cap: float | None = ...,
@@ -346,6 +349,7 @@ def dense_attention(
     scale: float,
     causal: bool = ...,
     q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
     sliding_window: int | None = ...,
     chunk_size: int | None = ...,
     logits_soft_cap: float | None = ...,
@@ -363,6 +367,7 @@ def dense_attention(
     scale: float,
     causal: bool = True,
     q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
     sliding_window: int | None = None,
     chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
@@ -380,6 +385,8 @@ def dense_attention(
         causal: see the module docstring for every mask and score option.
         q_positions: integer ``[Tq]`` absolute query positions; by default the last
             ``Tq`` positions of the keys, ``Tk - Tq + t``.
+        k_positions: integer ``[Tk]`` absolute key positions (increasing); by default
+            ``0 .. Tk - 1``. A context-parallel shard holds every ``N``-th position.
         sliding_window: window length ``W >= 1`` (needs ``causal``), or None.
         chunk_size: local-attention chunk length ``C >= 1`` (needs ``causal``), or None.
         logits_soft_cap: ``cap > 0`` for ``cap * tanh(s / cap)``, or None.
@@ -434,12 +441,30 @@ def dense_attention(
             f"got {_describe(q_positions)}"
         )
     positions = q_positions.to(device=device, dtype=torch.int64)
+    if k_positions is None:
+        key_positions = torch.arange(num_keys, device=device, dtype=torch.int64)
+    elif not isinstance(k_positions, Tensor):
+        raise KernelTypeError(
+            f"k_positions must be an integer tensor of shape [Tk]=[{num_keys}] or None, "
+            f"got {describe(k_positions)}"
+        )
+    elif k_positions.shape != (num_keys,) or k_positions.is_floating_point():
+        raise ValueError(
+            f"k_positions must be an integer tensor of shape [Tk]=[{num_keys}], "
+            f"got {_describe(k_positions)}"
+        )
+    else:
+        key_positions = k_positions.to(device=device, dtype=torch.int64)
     group = num_q_heads // num_kv_heads
 
     # Scores [Hkv, G, Tq, Tk] in float32, without materialising repeated kv heads:
     # query head h = n * G + g reads kv head n.
     visible = _visible_keys(
-        positions, num_keys, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
+        positions,
+        key_positions,
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )
     # Keys no query may see are zeroed, not just given weight 0: their slots may hold
     # anything (a released block reads as the null block, a block's tail was never
@@ -453,9 +478,7 @@ def dense_attention(
     if logits_soft_cap is not None:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if alibi_slopes is not None:
-        distance = (
-            torch.arange(num_keys, device=device)[None, :] - positions[:, None]
-        ).float()  # [Tq, Tk]: j - i
+        distance = (key_positions[None, :] - positions[:, None]).float()  # [Tq, Tk]: j - i
         slopes = alibi_slopes.to(device=device, dtype=torch.float32)
         scores = scores + slopes.reshape(num_kv_heads, group, 1, 1) * distance
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -486,6 +509,48 @@ def dense_attention(
 
 
 # --------------------------------------------------------------------------- paged
+
+
+def _check_shard(
+    context_shard: object, global_seq_lens: object, seq_lens: Tensor
+) -> tuple[int, int, list[int]] | None:
+    """``(rank, world_size, global lengths)`` of a context-parallel shard, checked
+    against the local ``seq_lens`` (``ceil((L - rank) / world_size)`` each); None
+    without a shard."""
+    if context_shard is None:
+        if global_seq_lens is not None:
+            raise ValueError("global_seq_lens is only used with context_shard; got it without")
+        return None
+    if (
+        not isinstance(context_shard, tuple)
+        or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
+    ):
+        raise KernelTypeError(
+            f"context_shard must be a (rank, world_size) tuple of ints or None, "
+            f"got {describe(context_shard)}"
+        )
+    rank, world = cast("tuple[int, int]", context_shard)
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"context_shard must have 0 <= rank < world_size, got rank={rank}, world_size={world}"
+        )
+    totals_t = _tensor("global_seq_lens", global_seq_lens, "an integer tensor [B]")
+    if totals_t.shape != seq_lens.shape or totals_t.is_floating_point():
+        raise ValueError(
+            f"global_seq_lens must be an integer tensor of seq_lens' shape "
+            f"{list(seq_lens.shape)}, got {_describe(totals_t)}"
+        )
+    totals: list[int] = totals_t.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    local: list[int] = seq_lens.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    for b, (total, held) in enumerate(zip(totals, local, strict=True)):
+        want = max(0, -(-(total - rank) // world))
+        if held != want:
+            raise ValueError(
+                f"seq_lens[{b}]={held} must be the shard's share of global_seq_lens[{b}]="
+                f"{total} on rank {rank} of {world}: ceil((L - rank) / world_size) = {want}"
+            )
+    return rank, world, totals
 
 
 def _check_paged_inputs(
@@ -580,6 +645,8 @@ def paged_attention(
     sinks: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: Literal[False] = ...,
 ) -> Tensor: ...
@@ -602,6 +669,8 @@ def paged_attention(
     sinks: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
@@ -624,6 +693,8 @@ def paged_attention(
     sinks: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
@@ -645,6 +716,8 @@ def paged_attention(
     sinks: Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    context_shard: tuple[int, int] | None = None,
+    global_seq_lens: Tensor | None = None,
     output: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -663,6 +736,15 @@ def paged_attention(
             as for :func:`dense_attention`.
         k_scale: multiplies the float32-cast cached keys.
         v_scale: multiplies the float32-cast cached values.
+        context_shard: ``(rank, world_size)`` when the cache holds one context-parallel
+            shard: request position ``p`` lives on rank ``p % world_size`` at local
+            index ``p // world_size``, so ``seq_lens`` are the local counts and local key
+            ``j`` sits at position ``j * world_size + rank``. The result is the shard's
+            partial attention (rows that see no local key: 0, lse ``-inf``), to be
+            merged with the other ranks' by their log-sum-exps. Needs
+            ``global_seq_lens``.
+        global_seq_lens: int ``[B]`` every request's whole length (queries included),
+            which places its queries; with ``context_shard`` only.
         output: optional ``[T, Hq, D]`` tensor of the query dtype to write into (and
             return); padding rows are set to 0.
         return_lse: also return the float32 ``[T, Hq]`` log-sum-exp (``-inf`` on padding).
@@ -677,8 +759,15 @@ def paged_attention(
     v_checked = check_kv_scale("v_scale", v_scale, None, allow_tensor=False)
     k_scale = 1.0 if k_checked is None else float(k_checked)
     v_scale = 1.0 if v_checked is None else float(v_checked)
+    shard = _check_shard(context_shard, global_seq_lens, seq_lens)
     _check_paged_inputs(
-        query, kv_cache, query_start_loc, seq_lens, block_table, output, causal=causal
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        output,
+        causal=causal and shard is None,
     )
     _check_options(
         num_q_heads=query.shape[1],
@@ -698,17 +787,25 @@ def paged_attention(
     starts: list[int] = query_start_loc.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     lens: list[int] = seq_lens.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
     output[starts[-1] :] = 0  # padding rows
+    totals = shard[2] if shard is not None else lens
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         if q_end == q_start:
             continue
         key, value = _gather_kv(kv_cache, block_table[b], seq_len)
+        q_positions = k_positions = None
+        if shard is not None:
+            rank, world, _ = shard
+            q_positions = torch.arange(totals[b] - (q_end - q_start), totals[b])
+            k_positions = torch.arange(seq_len) * world + rank
         out_b, lse_b = dense_attention(
             query[q_start:q_end],
             key.float() * k_scale,
             value.float() * v_scale,
             scale=scale,
             causal=causal,
+            q_positions=q_positions,
+            k_positions=k_positions,
             sliding_window=sliding_window,
             chunk_size=chunk_size,
             logits_soft_cap=logits_soft_cap,
