@@ -48,6 +48,10 @@ timeout 300 python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/be
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 60 python3 benchmarks/bench_metadata.py --out "$OUT" 2>&1 | tee "$OUT/bench_metadata.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# Decode context parallelism over NCCL: runs only with >= 2 GPUs (prints why otherwise).
+timeout 120 python3 benchmarks/bench_cp.py --backend nccl --quick --out "$OUT" 2>&1 \
+  | tee "$OUT/bench_cp.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # Ahead-of-time compile report (registers, spills, shared memory, tensor-core ops) of
 # the default variant set for sm_80/sm_90/sm_100; it fails on a compile error, a spill,
 # shared memory over the limit or a missing MMA. The full set (every declared

@@ -725,6 +725,8 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
         layout = demo_layout(model)
         name = f"{model.model_type} ({args.config}: {', '.join(layout)})"
     dtype = _DTYPES[args.dtype]
+    if args.context_parallel > 1:
+        return _demo_context_parallel(args, io, device, layout, name)
     result = run_demo(
         layout=layout,
         device=str(device),
@@ -751,6 +753,42 @@ class _Parser(argparse.ArgumentParser):
     @override
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+
+def _demo_context_parallel(
+    args: argparse.Namespace,
+    io: _Streams,
+    device: torch.device,
+    layout: tuple[str, ...] | None,
+    name: str,
+) -> int:
+    """``demo --context-parallel N``: the demo on N local gloo processes."""
+    from .demo import TOLERANCE, run_demo_context_parallel
+
+    if device.type != "cpu":
+        raise InvalidArgumentError(
+            f"--context-parallel {args.context_parallel}: the demo's ranks are local gloo "
+            f"processes on the CPU; got --device {args.device}"
+        )
+    dtype = _DTYPES[args.dtype]
+    result = run_demo_context_parallel(
+        args.context_parallel,
+        out=io.out,
+        layout=layout,
+        device="cpu",
+        backend_per_kind=args.backend_per_kind,
+        decode_steps=args.steps,
+        dtype=dtype,
+        model_name=name,
+        prefer=args.prefer,
+    )
+    if result.passed:
+        return 0
+    io.error(
+        f"a context-parallel rank's outputs differ from the dense recompute: max|err| "
+        f"{result.max_error:.2e} > tolerance {TOLERANCE[dtype]:.0e} for {args.dtype}"
+    )
+    return EXIT_FAILED
 
 
 def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
@@ -943,6 +981,15 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         choices=("reference", "triton"),
         default="reference",
         help="triton: try the Triton backends first for every kind (on CPU, under the interpreter)",
+    )
+    demo.add_argument(
+        "--context-parallel",
+        type=int_range(1),
+        default=1,
+        metavar="N",
+        help="run the demo on N local processes, one decode context-parallel rank each "
+        "(torch.distributed, gloo; CPU): full and MLA caches keep token t on rank t mod N; "
+        "rank 0 reports, every rank checks its steps, and each rank's peak KV blocks are shown",
     )
     return parser, commands
 

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, TextIO, TypeVar
+from typing import Any, Generic, Literal, TextIO, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_
 from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .models import ModelLayout
+from .parallel import ContextParallel
 from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
@@ -1076,6 +1077,9 @@ class DemoResult:
     steps: int
     tokens: int
     seconds: float
+    peak_kv_blocks: int = 0
+    """Most cache blocks the decoder runtime held at once (this rank's, with context
+    parallelism)."""
 
 
 @dataclasses.dataclass
@@ -1089,6 +1093,12 @@ class _Tally:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    peak_kv_blocks: int = 0
+
+    def note_blocks(self, runtime: AttentionRuntime) -> None:
+        """Remember the most blocks ``runtime`` has held (the null block not counted)."""
+        held = runtime.num_blocks - 1 - runtime.manager.pool.num_free_blocks
+        self.peak_kv_blocks = max(self.peak_kv_blocks, held)
 
     def record(self, label: str, error: float, tokens: int, elapsed: float) -> None:
         ok = math.isfinite(error) and error <= self.tol
@@ -1114,6 +1124,7 @@ class _Tally:
             steps=self.steps,
             tokens=self.tokens,
             seconds=self.seconds,
+            peak_kv_blocks=self.peak_kv_blocks,
         )
 
 
@@ -1219,8 +1230,13 @@ def run_demo(
     model_name: str = "default",
     prefer: str = "reference",
     layout: Sequence[str] | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> DemoResult:
     """Serve four requests (one long prompt, chunked) and check every step; see the module doc.
+
+    ``context_parallel``: run as one rank of a decode context-parallel group (every rank
+    calls ``run_demo`` with the same arguments; ``run_demo_context_parallel`` starts
+    them); the dense check runs on every rank.
 
     ``model_name``: a key of ``MODELS``; or, with ``layout`` (the layer kinds, e.g. from
     ``demo_layout``), only the name the report shows. ``prefer="triton"`` puts the Triton backends
@@ -1273,6 +1289,7 @@ def run_demo(
             registry=registry,
             priority={torch.device(device).type: priority} if priority else None,
             cache_fill=float("nan"),
+            context_parallel=context_parallel,
         )
 
     # An encoder runtime for the encoder stack, a decoder runtime for the rest.
@@ -1291,6 +1308,12 @@ def run_demo(
         f"attnkit demo: model {model_name}, {len(model.layers)} layers, {memory}, {dtype}, "
         f"{device}\n"
     )
+    if context_parallel is not None:
+        out.write(
+            f"context parallel: rank {context_parallel.rank} of {context_parallel.world_size}; "
+            f"full and MLA layers keep token t on rank t mod {context_parallel.world_size} and "
+            f"merge the ranks' partial attention, the other kinds are replicated\n"
+        )
     if model.mode == "encoder":
         out.write(
             "mode: encoder-only: each step encodes whole prompts bidirectionally (a "
@@ -1362,6 +1385,96 @@ def run_demo(
     return tally.result()
 
 
+def run_demo_context_parallel(
+    world_size: int, *, out: TextIO, timeout_s: float = 120.0, **kwargs: Any
+) -> DemoResult:
+    """``run_demo`` on ``world_size`` local processes, one decode context-parallel rank
+    each (``torch.distributed`` with gloo, a file store in a temporary directory).
+
+    Rank 0's report goes to ``out``, followed by every rank's peak KV-cache blocks and
+    the largest difference between the ranks' and rank 0's results; ``kwargs`` are
+    ``run_demo``'s (``registry`` must be left out: each process uses the default one).
+    The result is rank 0's, passed only if every rank passed.
+
+    Raises:
+        InvalidArgumentError: ``world_size`` is not an int >= 1, or a bad ``kwargs``.
+        RuntimeError: a rank failed (its error is in the message).
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.multiprocessing.spawn import (
+        spawn as untyped_spawn,  # pyright: ignore[reportUnknownVariableType]  # unannotated in torch
+    )
+
+    # torch leaves spawn unannotated; typed here once.
+    spawn = cast("Callable[..., object]", untyped_spawn)
+    given: object = world_size  # untyped callers may pass anything
+    if not (isinstance(given, int) and not isinstance(given, bool) and world_size >= 1):
+        raise InvalidArgumentError(
+            f"context_parallel: the rank count must be an int >= 1, got {world_size!r}"
+        )
+    if "registry" in kwargs or "context_parallel" in kwargs or "out" in kwargs:
+        raise InvalidArgumentError(
+            "run_demo_context_parallel: registry, context_parallel and out are set per rank; "
+            f"got {sorted(k for k in kwargs if k in ('registry', 'context_parallel', 'out'))}"
+        )
+    with tempfile.TemporaryDirectory(prefix="attnkit-cp-") as tmp:
+        spawn(
+            _context_parallel_rank,
+            args=(world_size, tmp, timeout_s, kwargs),
+            nprocs=world_size,
+            join=True,
+        )
+        reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
+    first = reports[0]
+    out.write(first["text"])
+    blocks = ", ".join(f"rank {r}: {rep['peak_kv_blocks']}" for r, rep in enumerate(reports))
+    out.write(f"peak KV-cache blocks per rank: {blocks}\n")
+    passed = all(rep["passed"] for rep in reports)
+    if not passed:
+        failing = [r for r, rep in enumerate(reports) if not rep["passed"]]
+        out.write(f"FAIL: ranks {failing} did not match their dense recompute\n")
+    return DemoResult(
+        passed=passed,
+        max_error=max(rep["max_error"] for rep in reports),
+        steps=first["steps"],
+        tokens=first["tokens"],
+        seconds=first["seconds"],
+        peak_kv_blocks=first["peak_kv_blocks"],
+    )
+
+
+def _context_parallel_rank(
+    rank: int, world_size: int, tmp: str, timeout_s: float, kwargs: dict[str, Any]
+) -> None:
+    """One rank of ``run_demo_context_parallel`` (a spawned process)."""
+    import datetime
+    import io
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from .parallel import ContextParallel
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        text = io.StringIO()
+        result = run_demo(out=text, context_parallel=ContextParallel.from_process_group(), **kwargs)
+        report = {**dataclasses.asdict(result), "text": text.getvalue()}
+        (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
 def _serve_encoder_only(
     model: DemoModel,
     runtime: AttentionRuntime,
@@ -1416,6 +1529,7 @@ def _serve_decoder(
                 encoded.update(_encode(model, encoder[0], encoder[1], starting, tally))
         start = time.perf_counter()
         batch = runtime.begin_step(scheduled, finished=finished)
+        tally.note_blocks(runtime)
         finished = []
         slices = batch.token_slices()
         inputs: list[int] = []
