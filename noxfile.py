@@ -23,16 +23,17 @@ EXAMPLE = "examples/out_of_tree_backend"
 PYRIGHT = "pyright==1.1.414"
 
 
-def _install(session: nox.Session, *extra: str) -> None:
+def _install(session: nox.Session, *extra: str, extras: str = "dev") -> None:
     if TORCH_SPEC != "skip":
         session.install(TORCH_SPEC)
-    session.install("-e", ".[dev]", *extra)
+    session.install("-e", f".[{extras}]", *extra)
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Unit, kernel (Triton interpreter on CPU) and typing tests."""
-    _install(session)
+    """Unit, kernel (Triton interpreter on CPU) and typing tests, with the transformers
+    extra (tests/integrations check attnkit against transformers' eager attention)."""
+    _install(session, extras="dev,transformers")
     env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     session.run("pytest", *(session.posargs or ["-q"]), env=env)
 

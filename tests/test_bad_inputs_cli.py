@@ -105,8 +105,8 @@ CASES = [
             "--backend",
             "triton_mamba2",
             error="unrecognized arguments: --backend triton_mamba2 (demo takes "
-            "--backend-per-kind, --config, --context-parallel, --debug, --device, --dtype, --model, "
-            "--prefer, --steps)",
+            "--backend-per-kind, --config, --context-parallel, --debug, --device, --dtype, "
+            "--hf-family, --model, --prefer, --steps)",
         ),
         id="demo-backend-is-no-abbreviation",
     ),

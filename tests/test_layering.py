@@ -43,6 +43,11 @@ LAYERS: dict[str, int] = {
     "attnkit.backend_api": 11,
     "attnkit.demo": 11,
     "attnkit.planner": 11,
+    # The transformers integration: the engine loop and the adapter (layer 11, beside
+    # demo; neither imports the other), used by the cli.
+    "attnkit.integrations": 11,
+    "attnkit.integrations.engine": 11,
+    "attnkit.integrations.transformers": 11,
     # The conformance kit (docs/backend-authors.md): beside backend_api and demo, above
     # the runtime; its own modules stack inside the package, and nothing imports it.
     "attnkit.testing.tolerances": 11,

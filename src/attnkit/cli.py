@@ -10,7 +10,9 @@
 ``attnkit demo``      serve a tiny hybrid model (full, sliding-window and Mamba2 layers,
                       or with ``--config`` a real model's layer kinds, shrunk: any kind,
                       encoder-only and encoder-decoder models included) through the
-                      runtime, checking every step against a dense recompute.
+                      runtime, checking every step against a dense recompute; with
+                      ``--hf-family NAME`` a tiny transformers model through the engine
+                      loop, checking every step against transformers' eager attention.
 
 Output and exit status: reports go to stdout, errors to stderr. A user error (a bad
 option value, an unknown backend or kind, a backend that cannot serve what was asked,
@@ -715,6 +717,8 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
     AttentionConfig.model_validate(
         {"backend_per_kind": args.backend_per_kind or {}}, context={"registry": registry}
     )
+    if args.hf_family is not None:
+        return _demo_hf(args, registry, io, device)
     from .demo import TOLERANCE, demo_layout, run_demo
 
     layout: tuple[str, ...] | None = None
@@ -745,14 +749,6 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: _Streams) 
         f"{result.max_error:.2e} > tolerance {TOLERANCE[dtype]:.0e} for {args.dtype}"
     )
     return EXIT_FAILED
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse without abbreviations; an error is ``prog: error: ...`` first, then a hint."""
-
-    @override
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
 def _demo_context_parallel(
@@ -789,6 +785,73 @@ def _demo_context_parallel(
         f"{result.max_error:.2e} > tolerance {TOLERANCE[dtype]:.0e} for {args.dtype}"
     )
     return EXIT_FAILED
+
+
+def _demo_hf(
+    args: argparse.Namespace, registry: BackendRegistry, io: _Streams, device: torch.device
+) -> int:
+    """``demo --hf-family NAME``: a tiny transformers model through the engine loop, every
+    step checked against transformers' eager attention."""
+    from .integrations.engine import Engine, SamplingParams
+    from .integrations.transformers import attach, check_against_eager, describe_layers, tiny_model
+
+    dtype = _DTYPES[args.dtype]
+    model = tiny_model(args.hf_family, dtype=dtype).to(device)
+    settings: dict[str, object] = {"backend_per_kind": args.backend_per_kind or {}}
+    if args.prefer == "triton":
+        settings["backend"] = "triton_attn"
+    config = AttentionConfig.model_validate(settings, context={"registry": registry})
+    # Block size 16: the smallest triton_attn takes; 12 blocks make the three requests
+    # share a small pool.
+    attached = attach(model, config=config, num_blocks=12, block_size=16, registry=registry)
+    io.out.write(f"attnkit demo: tiny {args.hf_family} ({type(model).__name__}, {args.dtype})\n")
+    for line in describe_layers(attached):
+        io.out.write(f"  {line}\n")
+    engine = Engine(attached, max_tokens_per_step=6, keep_logits=True)
+    drawn = torch.randint(3, 90, (11,), generator=torch.Generator().manual_seed(0))
+    prompts = [int(t) for t in drawn]
+    for i, (start, stop) in enumerate(((0, 11), (2, 7), (1, 10))):
+        engine.add_request(
+            f"req{i}",
+            prompts[start:stop],
+            SamplingParams(max_new_tokens=args.steps, temperature=0.8 if i == 1 else 0.0, seed=i),
+            arrival_step=i,
+        )
+    result = engine.run(max_steps=DEMO_MAX_STEPS * 4)
+    for step in result.steps:
+        scheduled = ", ".join(f"{rid}+{n}" for rid, n in step.scheduled) or "-"
+        extra = "".join(
+            f" {label} {', '.join(ids)}"
+            for label, ids in (("preempted", step.preempted), ("finished", step.finished))
+            if ids
+        )
+        io.out.write(
+            f"  step {step.step}: {scheduled} ({step.num_prefill_tokens} prefill, "
+            f"{step.num_decode_tokens} decode){extra}\n"
+        )
+    for rid, tokens in result.outputs.items():
+        io.out.write(f"  {rid}: {tokens}\n")
+    check = check_against_eager(attached, result)
+    verdict = "matches" if check.passed else "DIFFERS FROM"
+    io.out.write(
+        f"{verdict} transformers eager attention at every step: max |dlogit| "
+        f"{check.max_error:.2e} over {check.rows} rows (tolerance {check.tolerance:.1e})\n"
+    )
+    if check.passed:
+        return 0
+    io.error(
+        f"the engine's logits differ from transformers' eager attention: max |dlogit| "
+        f"{check.max_error:.2e} > {check.tolerance:.1e}"
+    )
+    return EXIT_FAILED
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviations; an error is ``prog: error: ...`` first, then a hint."""
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
 def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
@@ -975,6 +1038,18 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         default="default",
         help="default: full, sliding-window and Mamba2 layers; hybrid: also Gated DeltaNet, "
         "linear attention and short conv",
+    )
+    from .integrations.transformers import SUPPORTED_MODEL_TYPES
+
+    which.add_argument(
+        "--hf-family",
+        choices=SUPPORTED_MODEL_TYPES,
+        default=None,
+        metavar="NAME",
+        help="run a tiny random-weight transformers model of this family "
+        f"({', '.join(SUPPORTED_MODEL_TYPES)}) through the engine loop (3 requests, chunked "
+        "prefill, interleaved decodes) and check every step's logits against transformers' "
+        "eager attention; needs pip install 'attnkit[transformers]'",
     )
     demo.add_argument(
         "--prefer",

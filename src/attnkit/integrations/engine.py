@@ -1,0 +1,639 @@
+"""``Engine``: a continuous-batching loop over an ``AttentionRuntime``, small enough to read.
+
+Each engine step is one runtime step: the engine picks the step's tokens, calls
+``runtime.begin_step`` once, lays the tokens out in the batch order the runtime chose,
+calls the model once with the whole step, and samples from the logits of the requests
+whose known tokens are all computed::
+
+    engine = Engine(model, max_tokens_per_step=64)
+    engine.add_request("a", [1, 5, 9, 4], SamplingParams(max_new_tokens=8))
+    engine.add_request("b", [7, 7, 2], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1))
+    result = engine.run()
+    result.outputs["a"]          # the 8 generated token ids
+    result.steps[0].scheduled    # (("a", 4), ("b", 3)): request and tokens, batch order
+
+Scheduling (a common continuous-batching policy, e.g. vLLM's, kept minimal):
+
+- requests already running go first, oldest first: a decoding request takes one token,
+  a request still in its prompt takes the next chunk that fits the step's budget
+  (chunked prefill); then waiting requests are admitted in arrival order while budget
+  and ``max_requests_per_step`` allow, their first chunk cut to what is left;
+- when the cache cannot hold the step (``OutOfBlocksError``: ``begin_step`` changed
+  nothing), the newest request admitted this step is put back in the queue; with none
+  left, the newest running request is **preempted**: its blocks are freed and it goes
+  back to the front of the queue, to recompute its prompt and the tokens generated so far
+  in a later step (recompute, not swap);
+- a request finishes after ``max_new_tokens`` tokens or a stop token; its blocks are
+  freed at once.
+
+The model is anything with ``prepare_step()`` (the runtime to run the step on) and
+``__call__(batch, token_ids, positions) -> logits [T, V]`` (``StepModel``);
+``FunctionModel`` wraps a runtime and a plain function, and
+``attnkit.integrations.transformers.attach`` makes a transformers model one. When
+``prepare_step`` returns another runtime than the last step's (a model moved to another
+device or dtype was rebuilt), the new runtime's cache is empty, so every running request
+recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from .._validation import is_int, is_nonnegative_int, is_positive_int
+from ..errors import (
+    ArgumentTypeError,
+    DuplicateRequestError,
+    EngineLimitError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+)
+from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
+
+__all__ = [
+    "Engine",
+    "EngineResult",
+    "FunctionModel",
+    "Request",
+    "RequestLogits",
+    "SamplingParams",
+    "StepModel",
+    "StepStats",
+]
+
+
+class StepModel(Protocol):
+    """What the engine drives: a model that runs one whole step at a time."""
+
+    def prepare_step(self) -> AttentionRuntime:
+        """The runtime the next step runs on (called once per step, before scheduling)."""
+        ...
+
+    def __call__(
+        self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[T, V]`` of the step's tokens.
+
+        ``token_ids`` and ``positions`` are int64 ``[T]`` on the CPU, laid out in
+        ``batch.order`` (each request's tokens contiguous, ``batch.query_lens`` of
+        them); ``positions`` are the tokens' positions in their requests.
+        """
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionModel:
+    """A ``StepModel`` from a runtime and a function ``(batch, token_ids, positions) ->
+    logits``: the engine without any framework (the function calls
+    ``runtime.forward`` for each attention layer)."""
+
+    runtime: AttentionRuntime
+    function: Callable[[StepBatch, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def prepare_step(self) -> AttentionRuntime:
+        return self.runtime
+
+    def __call__(
+        self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return self.function(batch, token_ids, positions)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How a request picks its tokens.
+
+    Attributes:
+        max_new_tokens: tokens to generate (>= 1).
+        temperature: 0 picks the most likely token (greedy); above 0 samples from
+            ``softmax(logits / temperature)``.
+        top_k: sample among the ``top_k`` most likely tokens only (``None``: all).
+        seed: seed of the request's own ``torch.Generator`` (sampling only), so a
+            request draws the same tokens whatever else runs beside it.
+        stop_token_ids: generation ends after one of these (it is kept in the output).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not is_positive_int(self.max_new_tokens):
+            raise InvalidArgumentError(
+                f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
+            )
+        temperature: object = self.temperature
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, int | float)
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
+            raise InvalidArgumentError(
+                f"SamplingParams.temperature must be a finite float >= 0 (0: greedy), got "
+                f"{self.temperature!r}"
+            )
+        if self.top_k is not None and not is_positive_int(self.top_k):
+            raise InvalidArgumentError(
+                f"SamplingParams.top_k must be an int >= 1 or None, got {self.top_k!r}"
+            )
+        if not is_int(self.seed):
+            raise ArgumentTypeError(f"SamplingParams.seed must be an int, got {self.seed!r}")
+        if not all(is_nonnegative_int(t) for t in self.stop_token_ids):
+            raise InvalidArgumentError(
+                f"SamplingParams.stop_token_ids must hold token ids (ints >= 0), got "
+                f"{self.stop_token_ids!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt of token ids to generate from.
+
+    Attributes:
+        req_id: unique among the engine's live requests.
+        prompt: token ids (at least one).
+        sampling: how to pick tokens.
+        arrival_step: the first engine step that may schedule it (requests arriving
+            while others run).
+    """
+
+    req_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    arrival_step: int = 0
+
+    def __post_init__(self) -> None:
+        req_id: object = self.req_id  # untyped callers may pass anything
+        if not isinstance(req_id, str) or not req_id:
+            raise ArgumentTypeError(f"Request.req_id must be a non-empty str, got {self.req_id!r}")
+        prompt: object = self.prompt
+        if not isinstance(prompt, tuple) or not prompt:
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: prompt must be a non-empty tuple of token ids, got "
+                f"{self.prompt!r}"
+            )
+        if not all(is_nonnegative_int(t) for t in self.prompt):
+            bad = next(t for t in self.prompt if not is_nonnegative_int(t))
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: prompt must hold token ids (ints >= 0), got {bad!r}"
+            )
+        if not isinstance(self.sampling, SamplingParams):
+            raise ArgumentTypeError(
+                f"request {self.req_id!r}: sampling must be a SamplingParams, got "
+                f"{type(self.sampling).__name__}"
+            )
+        if not is_nonnegative_int(self.arrival_step):
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: arrival_step must be an int >= 0, got "
+                f"{self.arrival_step!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLogits:
+    """The logits one step computed for one request.
+
+    Attributes:
+        start: position of the first row's token in the request.
+        logits: ``[n, V]``, row ``i`` for the token at position ``start + i``.
+    """
+
+    start: int
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one engine step did.
+
+    Attributes:
+        step: the step's index (0-based).
+        scheduled: (request id, tokens) in the runtime's batch order; empty for a step
+            that only waited for arrivals (no runtime step then).
+        num_tokens: tokens computed.
+        num_prefill_tokens, num_decode_tokens: of them, prompt (or recomputed)
+            tokens, and single-token decodes of a request's newest token.
+        admitted: requests that started (or restarted after preemption) this step.
+        preempted: running requests whose blocks were freed to make room.
+        sampled: request id -> the token it generated this step.
+        finished: requests that completed this step.
+        num_free_blocks: free cache blocks after the step (finished requests freed).
+        logits: request id -> its rows of the step's logits (``keep_logits=True``).
+    """
+
+    step: int
+    scheduled: tuple[tuple[str, int], ...]
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+    sampled: Mapping[str, int]
+    finished: tuple[str, ...]
+    num_free_blocks: int
+    logits: Mapping[str, RequestLogits] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """What ``Engine.run`` returns.
+
+    Attributes:
+        outputs: request id -> generated token ids, in the order requests were added.
+        tokens: request id -> prompt followed by the generated tokens.
+        steps: one ``StepStats`` per step.
+    """
+
+    outputs: Mapping[str, list[int]]
+    tokens: Mapping[str, list[int]]
+    steps: list[StepStats]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(len(s.preempted) for s in self.steps)
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """A request the engine holds: its tokens, and how many the runtime has computed."""
+
+    request: Request
+    tokens: list[int]
+    generator: torch.Generator
+    num_computed: int = 0
+    started: bool = False  # holds blocks in the current runtime
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+
+class Engine:
+    """Serves token-id requests through a ``StepModel`` (see the module docstring).
+
+    Args:
+        model: the model (``StepModel``).
+        max_tokens_per_step: token budget of a step; default and upper bound: the
+            runtime's ``AttentionConfig.max_num_batched_tokens``.
+        max_requests_per_step: default and upper bound: ``AttentionConfig.max_num_reqs``.
+        keep_logits: keep each step's logits in ``StepStats.logits`` (for checks).
+
+    Raises:
+        InvalidArgumentError: a limit out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        model: StepModel,
+        *,
+        max_tokens_per_step: int | None = None,
+        max_requests_per_step: int | None = None,
+        keep_logits: bool = False,
+    ) -> None:
+        given: object = model
+        if not callable(given) or not callable(getattr(given, "prepare_step", None)):
+            raise ArgumentTypeError(
+                f"model must have prepare_step() and __call__(batch, token_ids, positions) "
+                f"(a StepModel; FunctionModel wraps a runtime and a function), got "
+                f"{type(given).__name__}"
+            )
+        self.model = model
+        self._runtime = model.prepare_step()
+        config = self._runtime.config
+        self.max_tokens_per_step = _limit(
+            "max_tokens_per_step",
+            max_tokens_per_step,
+            config.max_num_batched_tokens,
+            "AttentionConfig.max_num_batched_tokens",
+        )
+        self.max_requests_per_step = _limit(
+            "max_requests_per_step",
+            max_requests_per_step,
+            config.max_num_reqs,
+            "AttentionConfig.max_num_reqs",
+        )
+        self.keep_logits = keep_logits
+        self.step_index = 0
+        self._live: dict[str, _Live] = {}
+        self._running: list[_Live] = []  # holds blocks, oldest admission first
+        self._waiting: deque[_Live] = deque()  # arrival order; preempted ones in front
+        self._done: dict[str, _Live] = {}
+        self._order: list[str] = []
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        arrival_step: int | None = None,
+    ) -> None:
+        """Queue a request; it is scheduled from ``arrival_step`` on (default: now).
+
+        Raises:
+            DuplicateRequestError: ``req_id`` is live or already finished here.
+            EngineLimitError: prompt plus ``max_new_tokens`` exceed ``max_model_len``.
+        """
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+            raise ArgumentTypeError(
+                f"request {req_id!r}: prompt must be a sequence of token ids (e.g. a list of "
+                f"int), got {type(prompt).__name__}"
+            )
+        request = Request(
+            req_id,
+            tuple(prompt),
+            sampling if sampling is not None else SamplingParams(),
+            self.step_index if arrival_step is None else arrival_step,
+        )
+        self.submit(request)
+
+    def submit(self, request: Request) -> None:
+        """Queue a ``Request`` (``add_request`` with the fields given as one object)."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request must be a Request, got {type(request).__name__}")
+        if request.req_id in self._live or request.req_id in self._done:
+            raise DuplicateRequestError(f"request {request.req_id!r} was already added")
+        longest = len(request.prompt) + request.sampling.max_new_tokens
+        limit = self._runtime.config.max_model_len
+        if longest > limit:
+            raise EngineLimitError(
+                f"request {request.req_id!r} may reach {longest} tokens ({len(request.prompt)} "
+                f"prompt + {request.sampling.max_new_tokens} new); AttentionConfig."
+                f"max_model_len={limit}"
+            )
+        generator = torch.Generator()
+        generator.manual_seed(request.sampling.seed)
+        live = _Live(request, list(request.prompt), generator)
+        self._live[request.req_id] = live
+        self._waiting.append(live)
+        self._order.append(request.req_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._live)
+
+    # ------------------------------------------------------------------ stepping
+
+    def run(self, requests: Iterable[Request] = (), *, max_steps: int = 100_000) -> EngineResult:
+        """Submit ``requests``, then step until every request has finished.
+
+        Raises:
+            EngineLimitError: ``max_steps`` steps did not finish the requests.
+            OutOfBlocksError: one request alone needs more blocks than the pool has.
+        """
+        for request in requests:
+            self.submit(request)
+        steps: list[StepStats] = []
+        while self.has_unfinished():
+            if len(steps) >= max_steps:
+                raise EngineLimitError(
+                    f"Engine.run: {len(self._live)} request(s) unfinished after max_steps="
+                    f"{max_steps} steps"
+                )
+            steps.append(self.step())
+        return EngineResult(
+            outputs={
+                rid: self._done[rid].tokens[len(self._done[rid].request.prompt) :]
+                for rid in self._order
+                if rid in self._done
+            },
+            tokens={rid: list(self._done[rid].tokens) for rid in self._order if rid in self._done},
+            steps=steps,
+        )
+
+    def step(self) -> StepStats:
+        """Run one engine step (one runtime step when anything is scheduled)."""
+        index = self.step_index
+        self.step_index += 1
+        runtime = self.model.prepare_step()
+        if runtime is not self._runtime:
+            # A rebuilt runtime holds no cache: everything running starts over.
+            self._runtime = runtime
+            for live in self._running:
+                live.num_computed, live.started = 0, False
+        preempted: list[str] = []
+        held: set[_Live] = set()
+        while True:
+            # No admissions in a step that had to preempt: the room is for the running.
+            plan, admitted = self._schedule(index, held, admit=not preempted)
+            if not plan:
+                return self._idle_stats(index, preempted)
+            try:
+                batch = runtime.begin_step(
+                    [ScheduledRequest(live.req_id, n) for live, n in plan.items()]
+                )
+                break
+            except OutOfBlocksError:
+                self._make_room(plan, admitted, held, preempted)
+        for live in admitted:
+            self._waiting.remove(live)
+            self._running.append(live)
+        try:
+            logits = self._forward(batch, plan)
+        except BaseException:
+            # The runtime counted the step's tokens, the engine did not: start everything
+            # running over so both agree again, then let the error through.
+            self._reset_running(runtime)
+            raise
+        return self._finish_step(index, runtime, batch, plan, admitted, preempted, logits)
+
+    def _schedule(
+        self, index: int, held: set[_Live], *, admit: bool
+    ) -> tuple[dict[_Live, int], list[_Live]]:
+        """Tokens per request for this step (running first), and the newly admitted
+        (none unless ``admit``); ``held``: waiting requests held back from this step."""
+        budget = self.max_tokens_per_step
+        plan: dict[_Live, int] = {}
+        for live in self._running:
+            if budget == 0 or len(plan) == self.max_requests_per_step:
+                break
+            n = min(len(live.tokens) - live.num_computed, budget)
+            plan[live] = n
+            budget -= n
+        admitted: list[_Live] = []
+        for live in self._waiting if admit else ():
+            if budget == 0 or len(plan) == self.max_requests_per_step:
+                break
+            if live.request.arrival_step > index or live in held:
+                continue
+            n = min(len(live.tokens), budget)
+            plan[live] = n
+            admitted.append(live)
+            budget -= n
+        return plan, admitted
+
+    def _make_room(
+        self,
+        plan: Mapping[_Live, int],
+        admitted: list[_Live],
+        held: set[_Live],
+        preempted: list[str],
+    ) -> None:
+        """The step did not fit: hold back the newest admission, else preempt the newest
+        running request (free its blocks, queue it first to recompute)."""
+        if len(plan) == 1 and len(self._running) <= (0 if admitted else 1):
+            # Alone in the pool (nothing else holds blocks) and still too big.
+            ((live, n),) = plan.items()
+            raise OutOfBlocksError(
+                f"request {live.req_id!r} needs more cache blocks for {n} token(s) at "
+                f"position {live.num_computed} than the pool's "
+                f"{self._runtime.manager.pool.num_blocks - 1} usable blocks hold, with "
+                f"nothing left to preempt; attach with more blocks or lower "
+                f"max_tokens_per_step"
+            )
+        if admitted:
+            # Held back: it stays in the queue, unchanged, for a later step.
+            held.add(admitted[-1])
+            return
+        victim = self._running.pop()
+        if victim.started:
+            self._runtime.free([victim.req_id])
+        victim.num_computed, victim.started = 0, False
+        self._waiting.appendleft(victim)
+        preempted.append(victim.req_id)
+
+    def _forward(self, batch: StepBatch, plan: Mapping[_Live, int]) -> torch.Tensor:
+        """Lay the step's tokens out in batch order, run the model, check the logits."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for req_id, n in zip(batch.order, batch.query_lens, strict=True):
+            live = self._live[req_id]
+            start = live.num_computed
+            token_ids.extend(live.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+        logits = self.model(
+            batch,
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+        )
+        returned: object = logits  # any callable may be the model
+        if not isinstance(returned, torch.Tensor):
+            raise ArgumentTypeError(
+                f"the model must return logits [T, V] as a torch.Tensor, got "
+                f"{type(returned).__name__}"
+            )
+        if logits.dim() != 2:
+            raise InvalidArgumentError(
+                f"the model must return logits [T, V], got shape {list(logits.shape)}"
+            )
+        if logits.shape[0] != batch.num_tokens:
+            raise InvalidArgumentError(
+                f"the model returned {logits.shape[0]} rows of logits for a step of "
+                f"{batch.num_tokens} tokens"
+            )
+        for live in plan:
+            live.started = True
+        return logits
+
+    def _finish_step(
+        self,
+        index: int,
+        runtime: AttentionRuntime,
+        batch: StepBatch,
+        plan: Mapping[_Live, int],
+        admitted: list[_Live],
+        preempted: list[str],
+        logits: torch.Tensor,
+    ) -> StepStats:
+        sampled: dict[str, int] = {}
+        finished: list[str] = []
+        kept: dict[str, RequestLogits] = {}
+        prefill = decode = 0
+        for req_id, rows in batch.token_slices().items():
+            live = self._live[req_id]
+            n = rows.stop - rows.start
+            is_decode = (
+                n == 1 and live.num_generated > 0 and live.num_computed == len(live.tokens) - 1
+            )
+            decode += n if is_decode else 0
+            prefill += 0 if is_decode else n
+            if self.keep_logits:
+                kept[req_id] = RequestLogits(live.num_computed, logits[rows].detach())
+            live.num_computed += n
+            if live.num_computed < len(live.tokens):
+                continue  # mid-prompt (or mid-recompute): nothing to sample yet
+            token = _pick(logits[rows.stop - 1], live.request.sampling, live.generator)
+            live.tokens.append(token)
+            sampled[req_id] = token
+            stop = live.request.sampling
+            if live.num_generated >= stop.max_new_tokens or token in stop.stop_token_ids:
+                finished.append(req_id)
+        if finished:
+            runtime.free(finished)
+            for req_id in finished:
+                live = self._live.pop(req_id)
+                self._running.remove(live)
+                self._done[req_id] = live
+        return StepStats(
+            step=index,
+            scheduled=tuple(zip(batch.order, batch.query_lens, strict=True)),
+            num_tokens=batch.num_tokens,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
+            admitted=tuple(live.req_id for live in admitted),
+            preempted=tuple(preempted),
+            sampled=sampled,
+            finished=tuple(finished),
+            num_free_blocks=runtime.manager.pool.num_free_blocks,
+            logits=kept if self.keep_logits else None,
+        )
+
+    def _idle_stats(self, index: int, preempted: list[str]) -> StepStats:
+        return StepStats(
+            step=index,
+            scheduled=(),
+            num_tokens=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=0,
+            admitted=(),
+            preempted=tuple(preempted),
+            sampled={},
+            finished=(),
+            num_free_blocks=self._runtime.manager.pool.num_free_blocks,
+            logits={} if self.keep_logits else None,
+        )
+
+    def _reset_running(self, runtime: AttentionRuntime) -> None:
+        held = [live.req_id for live in self._running if live.req_id in runtime.manager]
+        if held:
+            runtime.free(held)
+        for live in self._running:
+            live.num_computed, live.started = 0, False
+
+
+def _limit(name: str, value: int | None, bound: int, bound_name: str) -> int:
+    if value is None:
+        return bound
+    if not is_positive_int(value) or value > bound:
+        raise InvalidArgumentError(
+            f"{name} must be an int in [1, {bound}] ({bound_name} of the runtime), got {value!r}"
+        )
+    return value
+
+
+def _pick(row: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """The next token from one row of logits ``[V]``: greedy, or sampled with the
+    request's generator (on the CPU, so the draw does not depend on the device)."""
+    scores = row.detach().float().cpu()
+    if sampling.temperature == 0:
+        return int(torch.argmax(scores).item())
+    scores = scores / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.numel():
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
