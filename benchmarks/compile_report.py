@@ -166,6 +166,9 @@ def run_unified(p: dict[str, Any]) -> None:
     q_len = p["q_len"]
     query, cache, extra = _attention_tensors(p, q_len)
     batch = _attention_batch(q_len, max(q_len, 4 * p["block"]), p["block"])
+    if "shard" in p:
+        _run_shard(p, query, cache, batch, extra, num_splits=0)
+        return
     unified_attention(query, cache, **batch, **extra)
 
 
@@ -174,7 +177,43 @@ def run_split_kv(p: dict[str, Any]) -> None:
 
     query, cache, extra = _attention_tensors(p, 1)
     batch = _attention_batch(1, 4 * p["block"], p["block"])
+    if "shard" in p:
+        _run_shard(p, query, cache, batch, extra, num_splits=p["splits"])
+        return
     split_kv_decode(query, cache, **batch, num_splits=p["splits"], lse=torch.zeros(1, 8), **extra)
+
+
+def _run_shard(
+    p: dict[str, Any],
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    batch: dict[str, Any],
+    extra: dict[str, Any],
+    *,
+    num_splits: int,
+) -> None:
+    """A decode context-parallel shard (rank 1 of ``p["shard"]``): the same launch with the
+    kernels' SHARDED path (local keys, global query positions) and the lse stored, as
+    ``triton_attn``'s ``forward_partial`` runs it."""
+    from attnkit.kernels.triton.paged_attention import paged_attention, plan_paged_attention
+
+    size = p["shard"]
+    total = batch["max_seq_len"]
+    local = -(-(total - 1) // size)
+    plan = plan_paged_attention(
+        batch["query_start_loc"],
+        _i32([local]),
+        batch["block_table"],
+        max_query_len=batch["max_query_len"],
+        max_seq_len=local,
+        block_size=p["block"],
+        num_kv_heads=cache.shape[3],
+        num_splits=num_splits,
+        context_shard=(1, size),
+        total_seq_lens=_i32([total]),
+    )
+    lse = torch.zeros(query.shape[0], query.shape[1])
+    paged_attention(query, cache, plan, scale=batch["scale"], lse=lse, **extra)
 
 
 def run_merge(p: dict[str, Any]) -> None:
@@ -431,6 +470,18 @@ def _attn(**kw: Any) -> dict[str, Any]:
     return {"dtype": "fp16", "kv": "same", "block": 16, **kw}
 
 
+# Decode context-parallel shards (the kernels' SHARDED path): every model dtype, the
+# common head sizes, both cache dtypes, a small and a large block, decode and prefill.
+_SHARD_GRID = _grid(
+    head=(64, 128, 256),
+    dtype=("fp32", "fp16", "bf16"),
+    kv=("same", "fp8"),
+    block=(16, 64),
+    q_len=(1, 128),
+    shard=(2,),
+)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "unified_attention",
@@ -444,6 +495,8 @@ FAMILIES: tuple[Family, ...] = (
             # triton_mla's up-projected prefill at DeepSeek-V3 widths: keys 128 + 64,
             # one query head per KV head.
             _attn(head=192, q_len=128, dtype="bf16", block=64, kv_heads=8),
+            # A decode context-parallel shard (forward_partial): chunked prefill, bf16.
+            _attn(head=128, q_len=128, dtype="bf16", shard=2),
         ),
         full=(
             *declared_attention_grid(q_len=(1, 128)),
@@ -455,14 +508,22 @@ FAMILIES: tuple[Family, ...] = (
                 q_len=(128,),
                 kv_heads=(8,),
             ),
+            *_SHARD_GRID,
         ),
     ),
     Family(
         "split_kv_decode",
         "paged_attention",
         run_split_kv,
-        default=(_attn(head=128, splits=4), _attn(head=256, splits=4, kv="fp8")),
-        full=declared_attention_grid(splits=(4,)),
+        default=(
+            _attn(head=128, splits=4),
+            _attn(head=256, splits=4, kv="fp8"),
+            _attn(head=128, splits=4, dtype="bf16", shard=4),
+        ),
+        full=(
+            *declared_attention_grid(splits=(4,)),
+            *({**c, "splits": 4} for c in _SHARD_GRID if c["q_len"] == 1),
+        ),
     ),
     Family(
         "mla_attention",

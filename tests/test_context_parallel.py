@@ -36,9 +36,9 @@ from attnkit.parallel import ContextParallel, ContextParallelMismatchError, merg
 from attnkit.runtime import ScheduledRequest
 
 F32 = torch.float32
-BS = 4
+BS = 16
 HQ, HKV, D = 4, 2, 16
-MLA_D, MLA_R = 24, 16
+MLA_D, MLA_R = 32, 16  # latent pages of 128 B per token: full attention keeps blocks of 16
 
 
 class ThreadGroup:
@@ -110,11 +110,13 @@ SCHEDULE: list[tuple[dict[str, int], list[str]]] = [
 ]
 
 
-def make_runtime(cp: ContextParallel | None, seed: int) -> AttentionRuntime:
+def make_runtime(
+    cp: ContextParallel | None, seed: int, full_backend: str = "reference"
+) -> AttentionRuntime:
     gen = torch.Generator().manual_seed(0)
     rt = AttentionRuntime(
         specs(),
-        AttentionConfig(),
+        AttentionConfig(backend_per_kind={"full_attention": full_backend}),
         device="cpu",
         memory_budget_bytes=2**19,
         layer_params=params(gen),
@@ -179,10 +181,17 @@ def run_ranks(world: int, body: Callable[[int, ContextParallel], Any]) -> list[A
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ranks_reproduce_the_single_device_runtime(world: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "full_backend"), [(2, "reference"), (3, "reference"), (4, "reference")]
+)
+def test_ranks_reproduce_the_single_device_runtime(world: int, full_backend: str) -> None:
+    """Every rank's merged output equals one device's (the reference backend there).
+    (Triton's interpreter is not thread-safe: triton_attn ranks run as processes below.)"""
     expected = run(make_runtime(None, seed=0), seed=5)
-    ranks = run_ranks(world, lambda rank, cp: run(make_runtime(cp, seed=rank + 1), seed=5))
+    ranks = run_ranks(
+        world,
+        lambda rank, cp: run(make_runtime(cp, seed=rank + 1, full_backend=full_backend), seed=5),
+    )
     for rank, got in enumerate(ranks):
         for step, (g, e) in enumerate(zip(got, expected, strict=True)):
             for name in e:
@@ -250,8 +259,16 @@ def test_sharded_kinds_are_chosen_with_the_feature() -> None:
         rt = make_runtime(cp, seed=rank)
         return [(row.layer, row.backend) for row in rt.routing_table()]
 
-    rows = run_ranks(2, body)[0]
-    assert dict(rows) == dict.fromkeys(specs(), "reference")
+    rows = dict(run_ranks(2, body)[0])
+    # Sharded groups need the feature; the reference backend declares it.
+    assert [rows[n] for n in ("full.0", "mla.2", "full.3")] == ["reference"] * 3
+
+    def triton(rank: int, cp: ContextParallel) -> list[tuple[str, str]]:
+        rt = make_runtime(cp, seed=rank, full_backend="triton_attn")
+        return [(row.layer, row.backend) for row in rt.routing_table()]
+
+    routed = dict(run_ranks(2, triton)[0])
+    assert routed["full.0"] == routed["full.3"] == "triton_attn"
     assert {k.value for k in CONTEXT_SHARDED_KINDS} == {"full_attention", "mla_attention"}
 
 
@@ -305,7 +322,9 @@ def test_oracle_rejects_an_inconsistent_shard() -> None:
 # ---------------------------------------------------------------- torch.distributed
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _gloo_worker(
+    rank: int, world: int, init_file: str, out_dir: str, full_backend: str = "reference"
+) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -318,19 +337,29 @@ def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        got = run(make_runtime(ContextParallel.from_process_group(), seed=rank + 7), seed=9)
+        if full_backend.startswith("triton"):
+            os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (CPU)
+        cp = ContextParallel.from_process_group()
+        got = run(make_runtime(cp, seed=rank + 7, full_backend=full_backend), seed=9)
         torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_processes_reproduce_the_single_device_runtime(world: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("world", "full_backend"), [(2, "reference"), (4, "reference"), (2, "triton_attn")]
+)
+def test_gloo_processes_reproduce_the_single_device_runtime(
+    world: int, full_backend: str, tmp_path: Path
+) -> None:
+    """Ranks as processes over gloo; with triton_attn the sharded full-attention layers
+    run its kernels (one-pass and split-KV) with the shard's key positions, under the
+    Triton interpreter on CPU."""
     import torch.multiprocessing as mp
 
     mp.spawn(
         _gloo_worker,
-        args=(world, str(tmp_path / "init"), str(tmp_path)),
+        args=(world, str(tmp_path / "init"), str(tmp_path), full_backend),
         nprocs=world,
         join=True,
     )

@@ -239,6 +239,14 @@ class TritonAttentionMetadataBuilder(
             num_sms=self.num_sms,
             query_start_loc_cpu=cm.query_start_loc_cpu,
             copy_to_device=host_to_device,
+            # A decode context-parallel shard (full attention): local keys, global
+            # query positions (CommonAttentionMetadata.context_shard).
+            context_shard=cm.context_shard,
+            total_seq_lens=(
+                host_to_device(cm.global_seq_lens_cpu, self.device)
+                if cm.global_seq_lens_cpu is not None and cm.context_shard is not None
+                else None
+            ),
         )
         return TritonAttentionMetadata(
             query_start_loc=cm.query_start_loc,
@@ -296,6 +304,11 @@ class TritonAttentionMetadataBuilder(
             raise RuntimeError(
                 f"{type(self).__name__}: {self.kind.value} layers cannot be captured in a CUDA graph"
             )
+        if cm.context_shard is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a decode context-parallel shard cannot be captured in a "
+                f"CUDA graph yet (its metadata is not copied into the graph buffers)"
+            )
         step = self._graph_buffers().load(type(self).__name__, cm)
         # The tile offsets are computed on the device into a fixed buffer, and the grid
         # is the plan's shape-only bound, so every batch of this shape replays.
@@ -342,6 +355,7 @@ _FEATURES = frozenset(
         AttentionFeature.LOGITS_SOFT_CAP,
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
+        AttentionFeature.CONTEXT_PARALLEL,
     }
 )
 
@@ -421,6 +435,26 @@ class TritonAttentionImpl(
         return ws
 
     @override
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over a decode context-parallel shard, with the partial's lse (the
+        plan carries the shard; a sink logit joins rank 0's softmax only)."""
+        if attn_metadata.plan.context_shard is None:
+            raise ValueError(
+                f"{type(self).__name__}.forward_partial: the step's plan has no context_shard "
+                f"(the group is not sharded by context); call forward"
+            )
+        return self._run(query, key, value, kv_cache, attn_metadata, output, lse)
+
+    @override
     def forward(
         self,
         query: torch.Tensor,
@@ -429,6 +463,24 @@ class TritonAttentionImpl(
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
+    ) -> torch.Tensor:
+        shard = getattr(getattr(attn_metadata, "plan", None), "context_shard", None)
+        if shard is not None:
+            raise ValueError(
+                f"{type(self).__name__}.forward: the group is sharded by context "
+                f"(context_shard={shard}); its result is partial, call forward_partial"
+            )
+        return self._run(query, key, value, kv_cache, attn_metadata, output, None)
+
+    def _run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         m = attn_metadata
         n = m.num_actual_tokens
@@ -473,6 +525,7 @@ class TritonAttentionImpl(
             if plan.num_splits
             else None
         )
+        shard = plan.context_shard
         self._paged_attention(
             query,
             cache,
@@ -480,10 +533,12 @@ class TritonAttentionImpl(
             scale=self.scale,
             logits_soft_cap=self.layer_params.logits_soft_cap,
             alibi_slopes=consts.alibi_slopes,
-            sinks=consts.sinks,
+            # A sink logit joins exactly one softmax denominator: rank 0's on a shard.
+            sinks=consts.sinks if shard is None or shard[0] == 0 else None,
             k_scale=k_scale,
             v_scale=v_scale,
             output=output,
+            lse=lse,
             workspace=workspace,
         )
         return output

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import triton
@@ -101,6 +101,7 @@ from attnkit.kernels.triton._attention_common import (
     attend_kv_tile,
     check_batch_metadata,
     check_block_table_width,
+    check_index_tensor,
 )
 from attnkit.kernels.triton._varlen import find_segment, search_iters
 
@@ -177,6 +178,7 @@ def _unified_attention_kernel(
     lse_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    total_lens_ptr,
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
@@ -189,6 +191,8 @@ def _unified_attention_kernel(
     softcap,
     window,
     chunk,
+    shard_rank,
+    shard_size,
     num_reqs,
     search_iters,
     stride_qt,
@@ -216,6 +220,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    SHARDED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -242,6 +247,9 @@ def _unified_attention_kernel(
     # causality it would also need a look-ahead bound, which is not implemented.
     tl.static_assert(IS_CAUSAL or not (USE_WINDOW or USE_CHUNK))
     tl.static_assert(not (USE_WINDOW and USE_CHUNK))
+    # A context-parallel shard (SHARDED) holds keys j at positions j * shard_size +
+    # shard_rank of causal full-attention layers: no window or chunk.
+    tl.static_assert(not SHARDED or (IS_CAUSAL and not (USE_WINDOW or USE_CHUNK)))
     # Each row of a step is one (query token, query head of this kv group) pair, so one
     # K/V tile load serves all GROUP heads that share the kv head.
     BLOCK_M: tl.constexpr = ROWS_Q * GROUP_PAD
@@ -260,6 +268,9 @@ def _unified_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + request)
     # Negative for a non-causal request with more queries than keys (cross attention).
     context_len = seq_len - q_len
+    if SHARDED:
+        # seq_len counts this shard's keys; queries sit at the request's global positions.
+        context_len = tl.load(total_lens_ptr + request) - q_len
     tile_start = tile * BLOCK_Q
     tile_end = tl.minimum(tile_start + BLOCK_Q, q_len)
 
@@ -324,6 +335,10 @@ def _unified_attention_kernel(
         first_q_pos = context_len + step_start
         last_q_pos = context_len + tl.minimum(step_start + ROWS_Q, tile_end) - 1
         kv_end = tl.minimum(last_q_pos + 1, seq_len) if IS_CAUSAL else seq_len
+        if SHARDED:
+            # Local keys at positions <= last_q_pos: floor((last_q_pos - rank) / size) + 1
+            # (the numerator stays > 0: last_q_pos >= 0 and rank < size).
+            kv_end = tl.minimum((last_q_pos - shard_rank + shard_size) // shard_size, seq_len)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(first_q_pos - window + 1, 0)
@@ -351,6 +366,8 @@ def _unified_attention_kernel(
             physical_block = tl.load(table_row + tile_pos // BLOCK_SIZE).to(tl.int64)
             k_pos = tile_pos + offs_n
             k_needed = (k_pos >= kv_begin) & (k_pos < kv_end)
+            # Positions for the mask and ALiBi: local slot j is position j * size + rank.
+            k_at = k_pos * shard_size + shard_rank if SHARDED else k_pos
             kv_mask = k_needed[:, None] & dim_valid[None, :]
             k_ptrs = (
                 cache_ptr
@@ -363,7 +380,7 @@ def _unified_attention_kernel(
                 k_ptrs,
                 kv_mask,
                 stride_ckv,
-                k_pos,
+                k_at,
                 k_needed,
                 q_pos,
                 row_valid,
@@ -412,6 +429,7 @@ def _split_kv_partial_kernel(
     part_lse_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    total_lens_ptr,
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
@@ -423,6 +441,8 @@ def _split_kv_partial_kernel(
     softcap,
     window,
     chunk,
+    shard_rank,
+    shard_size,
     num_reqs,
     search_iters,
     num_splits,
@@ -452,6 +472,7 @@ def _split_kv_partial_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    SHARDED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -470,6 +491,9 @@ def _split_kv_partial_kernel(
     tl.static_assert(TILE_N >= 16)
     tl.static_assert(IS_CAUSAL or not (USE_WINDOW or USE_CHUNK))
     tl.static_assert(not (USE_WINDOW and USE_CHUNK))
+    # A context-parallel shard (SHARDED) holds keys j at positions j * shard_size +
+    # shard_rank of causal full-attention layers: no window or chunk.
+    tl.static_assert(not SHARDED or (IS_CAUSAL and not (USE_WINDOW or USE_CHUNK)))
     # Row r of a step is (query token r // GROUP_PAD, query head r % GROUP_PAD of this kv
     # head's group): one K/V load serves every query head sharing the kv head.
     BLOCK_M: tl.constexpr = ROWS_Q * GROUP_PAD
@@ -487,6 +511,9 @@ def _split_kv_partial_kernel(
     q_len = tl.load(query_start_loc_ptr + request + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + request)
     context_len = seq_len - q_len
+    if SHARDED:
+        # seq_len counts this shard's keys; queries sit at the request's global positions.
+        context_len = tl.load(total_lens_ptr + request) - q_len
     tile_start = tile * BLOCK_Q
     tile_end = tl.minimum(tile_start + BLOCK_Q, q_len)
 
@@ -543,6 +570,9 @@ def _split_kv_partial_kernel(
         first_q_pos = context_len + step_start
         last_q_pos = context_len + tl.minimum(step_start + ROWS_Q, tile_end) - 1
         kv_end = last_q_pos + 1 if IS_CAUSAL else seq_len
+        if SHARDED:
+            # Local keys at positions <= last_q_pos (see the one-pass kernel).
+            kv_end = tl.minimum((last_q_pos - shard_rank + shard_size) // shard_size, seq_len)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(first_q_pos - window + 1, 0)
@@ -569,6 +599,7 @@ def _split_kv_partial_kernel(
             # data, NaN, a released block behind a window): loading it as 0 matters
             # because p = 0 times NaN would still be NaN.
             k_valid = k_pos < hi
+            k_at = k_pos * shard_size + shard_rank if SHARDED else k_pos
             physical_block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
                 tl.int64
             )
@@ -584,7 +615,7 @@ def _split_kv_partial_kernel(
                 k_ptrs,
                 kv_mask,
                 stride_ckv,
-                k_pos,
+                k_at,
                 k_valid,
                 q_pos,
                 row_valid,
@@ -748,6 +779,10 @@ class PagedAttentionPlan:
         exact_grid: whether ``num_tiles`` came from the host copy of the offsets.
         num_splits: 0 for the one-pass kernel, ``S >= 1`` for split-KV with ``S`` splits.
         search_iters: binary-search steps over ``tile_offsets``.
+        context_shard: ``(rank, size)`` when the cache is a decode context-parallel
+            shard (local key ``j`` at position ``j * size + rank``); ``None`` otherwise.
+        total_seq_lens: int32 ``[B]`` every request's whole length with
+            ``context_shard`` (``seq_lens`` are then the shard's counts).
     """
 
     query_start_loc: torch.Tensor
@@ -768,6 +803,8 @@ class PagedAttentionPlan:
     exact_grid: bool
     num_splits: int
     search_iters: int
+    context_shard: tuple[int, int] | None = None
+    total_seq_lens: torch.Tensor | None = None
 
 
 def count_query_tiles(query_lens: Sequence[int], block_q: int) -> int:
@@ -856,6 +893,8 @@ def plan_paged_attention(
     query_start_loc_cpu: torch.Tensor | None = None,
     copy_to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
     tile_offsets_out: torch.Tensor | None = None,
+    context_shard: tuple[int, int] | None = None,
+    total_seq_lens: torch.Tensor | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's batch metadata once and lay out its launches.
 
@@ -883,6 +922,12 @@ def plan_paged_attention(
             device and the grid is the shape-only bound (what a CUDA graph needs).
         tile_offsets_out: int32 ``[B + 1]`` buffer on ``device`` to write the tile offsets
             into (fixed addresses for CUDA graphs); a new tensor when None.
+        context_shard: ``(rank, size)`` for a decode context-parallel shard: ``seq_lens``
+            and the block table hold the shard's keys (local key ``j`` at position ``j *
+            size + rank``); causal full attention only (no window or chunk). The
+            kernels then return the shard's partial attention, to be merged by lse.
+        total_seq_lens: int32 ``[B]`` on ``device``: every request's whole length
+            (where its queries sit); required with ``context_shard``.
 
     Raises:
         ValueError (TypeError too for wrong Python types): naming the argument.
@@ -896,8 +941,13 @@ def plan_paged_attention(
     num_reqs = check_batch_metadata(seq_lens, query_start_loc, block_table, device, of="plan")
     causal, sliding_window, chunk_size = check_mask_options(causal, sliding_window, chunk_size)
     max_query_len = check_int_arg("max_query_len", max_query_len, 0)
-    # Only causal requests must hold their queries among their keys.
-    max_seq_len = check_int_arg("max_seq_len", max_seq_len, max_query_len if causal else 0)
+    context_shard, total_seq_lens = _check_shard(
+        context_shard, total_seq_lens, num_reqs, device, causal, sliding_window, chunk_size
+    )
+    # Only causal requests must hold their queries among their keys (a shard holds a
+    # share of them).
+    least = max_query_len if causal and context_shard is None else 0
+    max_seq_len = check_int_arg("max_seq_len", max_seq_len, least)
     block_size = check_int_arg("block_size", block_size, 1)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
@@ -995,7 +1045,45 @@ def plan_paged_attention(
         exact_grid=exact,
         num_splits=num_splits,
         search_iters=search_iters(num_reqs),
+        context_shard=context_shard,
+        total_seq_lens=total_seq_lens,
     )
+
+
+def _check_shard(
+    context_shard: object,
+    total_seq_lens: object,
+    num_reqs: int,
+    device: torch.device,
+    causal: bool,
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """``(context_shard, total_seq_lens)`` checked: both or neither; a shard only of a
+    causal, unwindowed, unchunked step."""
+    if context_shard is None:
+        if total_seq_lens is not None:
+            raise ValueError("total_seq_lens: expected None without context_shard, got a tensor")
+        return None, None
+    if (
+        not isinstance(context_shard, tuple)
+        or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
+    ):
+        raise KernelTypeError(
+            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(context_shard)}"
+        )
+    rank, size = cast("tuple[int, int]", context_shard)
+    if not 0 <= rank < size:
+        raise ValueError(f"context_shard: expected 0 <= rank < size, got ({rank}, {size})")
+    if not causal or sliding_window is not None or chunk_size is not None:
+        raise ValueError(
+            "context_shard: expected a causal step without sliding_window or chunk_size "
+            f"(shards are of full attention), got causal={causal}, "
+            f"sliding_window={sliding_window}, chunk_size={chunk_size}"
+        )
+    totals = check_index_tensor("total_seq_lens", total_seq_lens, (num_reqs,), device, "plan")
+    return (rank, size), totals
 
 
 # ------------------------------------------------------------------------ workspace
@@ -1346,6 +1434,7 @@ def paged_attention(
         "cache_ptr": cache_arg,
         "query_start_loc_ptr": plan.query_start_loc,
         "seq_lens_ptr": plan.seq_lens,
+        "total_lens_ptr": plan.total_seq_lens if plan.total_seq_lens is not None else plan.seq_lens,
         "block_table_ptr": plan.block_table,
         "tile_offsets_ptr": plan.tile_offsets,
         "alibi_slopes_ptr": alibi_slopes if alibi_slopes is not None else plan.seq_lens,
@@ -1357,6 +1446,8 @@ def paged_attention(
         "softcap": logits_soft_cap if logits_soft_cap is not None else 1.0,
         "window": plan.sliding_window if plan.sliding_window is not None else 0,
         "chunk": plan.chunk_size if plan.chunk_size is not None else 1,
+        "shard_rank": plan.context_shard[0] if plan.context_shard is not None else 0,
+        "shard_size": plan.context_shard[1] if plan.context_shard is not None else 1,
         "num_reqs": plan.num_reqs,
         "search_iters": plan.search_iters,
         "stride_qt": query.stride(0),
@@ -1378,6 +1469,7 @@ def paged_attention(
         "BLOCK_SIZE": plan.block_size,
         "TILE_N": shape.tile_n,
         "IS_CAUSAL": plan.causal,
+        "SHARDED": plan.context_shard is not None,
         "USE_WINDOW": plan.sliding_window is not None,
         "USE_CHUNK": plan.chunk_size is not None,
         "USE_SOFTCAP": logits_soft_cap is not None,
