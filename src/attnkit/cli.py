@@ -43,7 +43,7 @@ from .config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, Atten
 from .devices import check_device_available, device_problem, parse_device
 from .errors import AttnkitError, DeviceUnavailableError, InvalidArgumentError, PluginError
 from .models import ModelLayout, layout_from_hf_config
-from .planner import GroupSplit, ModelPlan, format_bytes, parse_memory_size, plan_model
+from .planner import GroupSplit, ModelPlan, RankPlan, format_bytes, parse_memory_size, plan_model
 from .registry import BackendRegistry, call_backend_code, default_registry
 from .spec import (
     KV_CACHE_DTYPES,
@@ -320,6 +320,27 @@ def _bytes(value: int) -> str:
     return f"{value} B" if shown.endswith(" B") else f"{value} B ({shown})"
 
 
+def _pool_lines(
+    pool: ModelPlan | RankPlan, memory_bytes: int, num_blocks: int
+) -> list[tuple[str, str]]:
+    """The memory and capacity lines of a pool with a budget (one device or one rank)."""
+    lines = [
+        (
+            "memory",
+            f"{_bytes(memory_bytes)} -> {num_blocks} blocks "
+            f"({pool.usable_blocks} usable; block 0 is the null block)",
+        )
+    ]
+    if pool.max_concurrency is None:
+        lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
+    else:
+        lines.append(("tokens that fit", str(pool.tokens_that_fit)))
+        lines.append(
+            ("concurrent requests", f"{pool.max_concurrency} of {pool.max_model_len} tokens")
+        )
+    return lines
+
+
 def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     """The plan as text: layers, groups with their backends, capacity."""
     out.write(f"{title}\n")
@@ -421,23 +442,7 @@ def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     else:
-        lines.append(
-            (
-                "memory",
-                f"{_bytes(plan.memory_bytes)} -> {plan.num_blocks} blocks "
-                f"({plan.usable_blocks} usable; block 0 is the null block)",
-            )
-        )
-        if plan.max_concurrency is None:
-            lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
-        else:
-            lines.append(("tokens that fit", str(plan.tokens_that_fit)))
-            lines.append(
-                (
-                    "concurrent requests",
-                    f"{plan.max_concurrency} of {plan.max_model_len} tokens",
-                )
-            )
+        lines.extend(_pool_lines(plan, plan.memory_bytes, plan.num_blocks))
     cg = plan.cudagraph()
     lines.append(
         (
@@ -550,23 +555,7 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
     if rank.memory_bytes is None or rank.num_blocks is None:
         lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
     else:
-        lines.append(
-            (
-                "memory",
-                f"{_bytes(rank.memory_bytes)} -> {rank.num_blocks} blocks "
-                f"({rank.usable_blocks} usable; block 0 is the null block)",
-            )
-        )
-        if rank.max_concurrency is None:
-            lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
-        else:
-            lines.append(("tokens that fit", str(rank.tokens_that_fit)))
-            lines.append(
-                (
-                    "concurrent requests",
-                    f"{rank.max_concurrency} of {plan.max_model_len} tokens",
-                )
-            )
+        lines.extend(_pool_lines(rank, rank.memory_bytes, rank.num_blocks))
         longest = rank.max_context_tokens
         lines.append(
             (

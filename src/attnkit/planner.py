@@ -44,9 +44,10 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
+from typing_extensions import override
 
 from ._validation import is_positive_int
 from .builder import AttentionCGSupport
@@ -327,8 +328,66 @@ PER_RANK_JSON_KEYS: tuple[str, ...] = (
 """The keys of ``RankPlan.to_json()`` (``ModelPlan.to_json()["per_rank"]``), in order."""
 
 
+class _HoldsBlocks(Protocol):
+    @property
+    def blocks_per_request(self) -> int: ...
+
+
+class _PoolCapacity:
+    """Capacity figures shared by ``ModelPlan`` (one device) and ``RankPlan`` (one rank):
+    both have a unified page, layer buffers, groups with their blocks per request, a
+    pool and the request length the figures are for."""
+
+    page_size_bytes: int
+    buffers: Mapping[BufferSetName, int]
+    num_blocks: int | None
+    max_model_len: int
+
+    def _capacity_groups(self) -> Sequence[_HoldsBlocks]:
+        raise NotImplementedError
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs: a page in every layer buffer of every set."""
+        return self.page_size_bytes * sum(self.buffers.values())
+
+    @property
+    def blocks_per_request(self) -> int:
+        """The most blocks one request of ``max_model_len`` tokens holds, all groups (on
+        the busiest rank, for a ``RankPlan``)."""
+        return sum(g.blocks_per_request for g in self._capacity_groups())
+
+    @property
+    def bytes_per_request(self) -> int:
+        """``blocks_per_request * bytes_per_block``: a request's share of the pool."""
+        return self.blocks_per_request * self.bytes_per_block
+
+    @property
+    def usable_blocks(self) -> int | None:
+        """Blocks requests can hold: all but the null block."""
+        return None if self.num_blocks is None else self.num_blocks - 1
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """Requests of ``max_model_len`` tokens that fit at once (``None`` without a
+        budget, or when the model caches nothing)."""
+        usable = self.usable_blocks
+        if usable is None or self.blocks_per_request == 0:
+            return None
+        return usable // self.blocks_per_request
+
+    @property
+    def tokens_that_fit(self) -> int | None:
+        """Context tokens the pool holds (the ranks together, for a ``RankPlan``) at the
+        per-request cost of ``max_model_len`` tokens (``None`` as ``max_concurrency``)."""
+        usable = self.usable_blocks
+        if usable is None or self.blocks_per_request == 0:
+            return None
+        return usable * self.max_model_len // self.blocks_per_request
+
+
 @dataclasses.dataclass(frozen=True)
-class RankPlan:
+class RankPlan(_PoolCapacity):
     """What one of ``tensor_parallel * context_parallel`` ranks holds and fits.
 
     The budget (``memory_bytes`` or ``num_blocks``) is each rank's own. Every request
@@ -376,43 +435,9 @@ class RankPlan:
         """``tensor_parallel * context_parallel``: the ranks one model instance spans."""
         return self.tensor_parallel * self.context_parallel
 
-    @property
-    def bytes_per_block(self) -> int:
-        """What one block id costs on a rank: a page in each of its layer buffers."""
-        return self.page_size_bytes * sum(self.buffers.values())
-
-    @property
-    def blocks_per_request(self) -> int:
-        """The most blocks a request of ``max_model_len`` tokens holds on a rank."""
-        return sum(g.blocks_per_request for g in self.groups)
-
-    @property
-    def bytes_per_request(self) -> int:
-        """A ``max_model_len`` request's cache on the busiest rank."""
-        return self.blocks_per_request * self.bytes_per_block
-
-    @property
-    def usable_blocks(self) -> int | None:
-        """Blocks of a rank's pool requests can hold: all but the null block."""
-        return None if self.num_blocks is None else self.num_blocks - 1
-
-    @property
-    def max_concurrency(self) -> int | None:
-        """Requests of ``max_model_len`` tokens that fit at once (``None`` without a
-        budget, or when the model caches nothing)."""
-        usable = self.usable_blocks
-        if usable is None or self.blocks_per_request == 0:
-            return None
-        return usable // self.blocks_per_request
-
-    @property
-    def tokens_that_fit(self) -> int | None:
-        """Context tokens the ranks hold together at the per-request cost of
-        ``max_model_len`` tokens (``None`` as ``max_concurrency``)."""
-        usable = self.usable_blocks
-        if usable is None or self.blocks_per_request == 0:
-            return None
-        return usable * self.max_model_len // self.blocks_per_request
+    @override
+    def _capacity_groups(self) -> Sequence[_HoldsBlocks]:
+        return self.groups
 
     def to_json(self) -> dict[str, object]:
         """The rank's figures as JSON-ready data, keys in ``PER_RANK_JSON_KEYS`` order."""
@@ -506,7 +531,7 @@ PLAN_JSON_KEYS: tuple[str, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelPlan:
+class ModelPlan(_PoolCapacity):
     """What ``plan_model`` found (see the module docstring for the arithmetic).
 
     Attributes:
@@ -559,43 +584,9 @@ class ModelPlan:
         """Context-parallel ranks planned for (1: none)."""
         return self.per_rank.context_parallel
 
-    @property
-    def bytes_per_block(self) -> int:
-        """What one block id costs: a page in every layer buffer of every set."""
-        return self.page_size_bytes * sum(self.buffers.values())
-
-    @property
-    def blocks_per_request(self) -> int:
-        """The most blocks one request of ``max_model_len`` tokens holds, all groups."""
-        return sum(g.blocks_per_request for g in self.groups)
-
-    @property
-    def bytes_per_request(self) -> int:
-        """``blocks_per_request * bytes_per_block``: a request's share of the pool."""
-        return self.blocks_per_request * self.bytes_per_block
-
-    @property
-    def usable_blocks(self) -> int | None:
-        """Blocks requests can hold: all but the null block."""
-        return None if self.num_blocks is None else self.num_blocks - 1
-
-    @property
-    def max_concurrency(self) -> int | None:
-        """Requests of ``max_model_len`` tokens that fit at once (``None`` without a
-        budget, or when the model caches nothing)."""
-        usable = self.usable_blocks
-        if usable is None or self.blocks_per_request == 0:
-            return None
-        return usable // self.blocks_per_request
-
-    @property
-    def tokens_that_fit(self) -> int | None:
-        """Context tokens the pool holds at the per-request cost of ``max_model_len``
-        tokens (``None`` without a budget, or when the model caches nothing)."""
-        usable = self.usable_blocks
-        if usable is None or self.blocks_per_request == 0:
-            return None
-        return usable * self.max_model_len // self.blocks_per_request
+    @override
+    def _capacity_groups(self) -> Sequence[_HoldsBlocks]:
+        return self.groups
 
     @property
     def unserved(self) -> tuple[GroupPlan, ...]:

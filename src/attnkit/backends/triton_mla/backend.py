@@ -328,23 +328,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
                 f"{type(self).__name__}: a {self.kv_cache_spec.kind.value} group needs "
                 f"causal=True, got causal={cm.causal}"
             )
-        plan = self._plan_paged_attention(
-            cm.query_start_loc,
-            cm.seq_lens,
-            cm.block_table_tensor,
-            max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len,
-            block_size=self.kv_cache_spec.block_size,
-            num_kv_heads=1,
-            causal=True,
-            sliding_window=self.sliding_window,
-            num_tokens=cm.num_actual_tokens,
-            # Split-KV for plain decode when the heuristic fills more SMs with it.
-            num_splits=None,
-            num_sms=self.num_sms,
-            query_start_loc_cpu=cm.query_start_loc_cpu,
-            copy_to_device=host_to_device,
-        )
+        plan = self._plan_requests(cm, cm.num_reqs, cm.max_query_len, cm.max_seq_len)
         query_lens = cm.query_lens_cpu.numpy()
         seq_lens = cm.seq_lens_cpu.numpy()
         is_decode = (query_lens <= DECODE_THRESHOLD) & (seq_lens > query_lens)
@@ -369,21 +353,8 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
         decode_plan = None
         if num_decodes:
             nd = num_decodes
-            decode_plan = self._plan_paged_attention(
-                cm.query_start_loc[: nd + 1],
-                cm.seq_lens[:nd],
-                cm.block_table_tensor[:nd],
-                max_query_len=int(query_lens[:nd].max()),
-                max_seq_len=int(seq_lens[:nd].max()),
-                block_size=self.kv_cache_spec.block_size,
-                num_kv_heads=1,
-                causal=True,
-                sliding_window=self.sliding_window,
-                num_tokens=num_decode_tokens,
-                num_splits=None,
-                num_sms=self.num_sms,
-                query_start_loc_cpu=cm.query_start_loc_cpu[: nd + 1],
-                copy_to_device=host_to_device,
+            decode_plan = self._plan_requests(
+                cm, nd, int(query_lens[:nd].max()), int(seq_lens[:nd].max())
             )
         return TritonMLAMetadata(
             query_start_loc=cm.query_start_loc,
@@ -400,6 +371,28 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
             num_decode_tokens=num_decode_tokens,
             decode_plan=decode_plan,
             prefill=self._prefill(cm, num_decodes, num_decode_tokens, query_lens, seq_lens),
+        )
+
+    def _plan_requests(
+        self, cm: CommonAttentionMetadata, count: int, max_query_len: int, max_seq_len: int
+    ) -> PagedAttentionPlan:
+        """The plan of the step's first ``count`` requests over the latent cache (split-KV
+        for plain decode when the heuristic fills more SMs with it)."""
+        return self._plan_paged_attention(
+            cm.query_start_loc[: count + 1],
+            cm.seq_lens[:count],
+            cm.block_table_tensor[:count],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=self.kv_cache_spec.block_size,
+            num_kv_heads=1,
+            causal=True,
+            sliding_window=self.sliding_window,
+            num_tokens=int(cm.query_start_loc_cpu[count]),
+            num_splits=None,
+            num_sms=self.num_sms,
+            query_start_loc_cpu=cm.query_start_loc_cpu[: count + 1],
+            copy_to_device=host_to_device,
         )
 
     def _prefill(
