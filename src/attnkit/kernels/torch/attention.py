@@ -528,7 +528,7 @@ def _check_shard(
     ):
         raise KernelTypeError(
             f"context_shard must be a (rank, world_size) tuple of ints or None, "
-            f"got {describe(context_shard)}"
+            f"got {describe(cast('object', context_shard))}"
         )
     rank, world = cast("tuple[int, int]", context_shard)
     if not 0 <= rank < world:

@@ -1071,7 +1071,7 @@ def _check_shard(
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
     ):
         raise KernelTypeError(
-            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(context_shard)}"
+            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(cast('object', context_shard))}"
         )
     rank, size = cast("tuple[int, int]", context_shard)
     if not 0 <= rank < size:
