@@ -521,6 +521,7 @@ def _check_shard(
         if global_seq_lens is not None:
             raise ValueError("global_seq_lens is only used with context_shard; got it without")
         return None
+    given: object = context_shard  # for the message (narrowed below)
     if (
         not isinstance(context_shard, tuple)
         or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
@@ -528,7 +529,7 @@ def _check_shard(
     ):
         raise KernelTypeError(
             f"context_shard must be a (rank, world_size) tuple of ints or None, "
-            f"got {describe(cast('object', context_shard))}"
+            f"got {describe(given)}"
         )
     rank, world = cast("tuple[int, int]", context_shard)
     if not 0 <= rank < world:

@@ -1065,13 +1065,14 @@ def _check_shard(
         if total_seq_lens is not None:
             raise ValueError("total_seq_lens: expected None without context_shard, got a tensor")
         return None, None
+    given: object = context_shard  # for the message (narrowed below)
     if (
         not isinstance(context_shard, tuple)
         or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
     ):
         raise KernelTypeError(
-            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(cast('object', context_shard))}"
+            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(given)}"
         )
     rank, size = cast("tuple[int, int]", context_shard)
     if not 0 <= rank < size:
