@@ -191,7 +191,8 @@ CASES = [
             "demo",
             "--prefer",
             "cuda",
-            error="argument --prefer: invalid choice: 'cuda' (choose from 'reference', 'triton')",
+            error="argument --prefer: invalid choice: 'cuda' (choose from 'reference', 'triton', "
+            "'flex')",
         ),
         id="demo-prefer",
     ),

@@ -547,7 +547,9 @@ def test_hybrid_planes_and_mamba_use_two_buffer_sets_and_say_so(
     )
     assert report.describe() == logged[0]
     # Several steps: no block is used twice, and the outputs are the reference model's.
-    reference = make_runtime(model, {}, budget=budget, shuffle=5)
+    reference = make_runtime(
+        model, {"full_attention": "reference", "mamba": "reference"}, budget=budget, shuffle=5
+    )
     assert reference.memory_report().buffers == {"page_major": 2}
     assert_same(run(model, runtime, check_blocks=True), run(model, reference))
 
@@ -578,7 +580,12 @@ def test_an_all_planes_model_costs_what_an_interleaved_one_does(
             budget=budget,
             shuffle=8,
         )
-    interleaved = make_runtime(model, {}, budget=budget, shuffle=9)
+    interleaved = make_runtime(
+        model,
+        {"full_attention": "reference", "sliding_window": "reference"},
+        budget=budget,
+        shuffle=9,
+    )
     ours, theirs = planes.memory_report(), interleaved.memory_report()
     assert ours.buffers == {"planes": 2}
     assert theirs.buffers == {"page_major": 2}

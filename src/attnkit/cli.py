@@ -1042,9 +1042,11 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
     )
     demo.add_argument(
         "--prefer",
-        choices=("reference", "triton"),
+        choices=("reference", "triton", "flex"),
         default="reference",
-        help="triton: try the Triton backends first for every kind (on CPU, under the interpreter)",
+        help="triton: try the Triton backends first for every kind (on CPU, under the "
+        "interpreter); flex: the compiled FlexAttention backend first (each new shape "
+        "compiles on first use)",
     )
     demo.add_argument(
         "--context-parallel",

@@ -747,6 +747,9 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
         "triton_short_conv",
         "reference",
     ),
+    # FlexAttention first (CPU or CUDA; compiled per shape on first use), the reference
+    # for what it does not serve (MLA, state layers, sink logits).
+    "flex": ("flex_attention", "reference"),
 }
 MODELS: dict[str, tuple[str, ...]] = {
     "default": ("full", "mamba", "window", "mamba", "full", "window"),

@@ -78,6 +78,7 @@ BUILTIN_BACKENDS: Mapping[str, str] = {
     "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
     "triton_mla": "attnkit.backends.triton_mla:TritonMLABackend",
     "flash_attn": "attnkit.backends.flash_attn:FlashAttentionBackend",
+    "flex_attention": "attnkit.backends.flex_attention:FlexAttentionBackend",
     "triton_mamba1": "attnkit.backends.triton_state:TritonMamba1Backend",
     "triton_mamba2": "attnkit.backends.triton_state:TritonMamba2Backend",
     "triton_gdn": "attnkit.backends.triton_state:TritonGatedDeltaNetBackend",

@@ -1,0 +1,335 @@
+"""The CPU attention paths: ``flex_attention`` against in-run baselines on this machine.
+
+Shapes (issue "A fast CPU path"): 32 query / 8 K/V heads, head size 128, float32, block
+size 16, block pools shuffled (tables neither contiguous nor ordered).
+
+* decode: 32 requests x 2k tokens of context (``--quick``: 16 x 1k), one new token each;
+* prefill: 4 requests x 512 new tokens, causal, no cached context (``--quick``: 2 x 256).
+
+Each is measured, in the same run, through:
+
+* ``flex_attention``: its builder (once per step, timed apart) and one layer's
+  ``forward`` (write the step's K/V into the planes, attend) over the planes cache;
+* ``reference``: its builder and ``forward`` over the interleaved cache;
+* SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on dense, contiguous K/V
+  (``[B, H, S, D]``, GQA through ``enable_gqa``; causal for prefill) - what a dense
+  batch costs with no paging at all;
+* decode only, a plain read of the same bytes: ``torch.sum`` over the K and V rows
+  the step reads (both planes of exactly those blocks), the bandwidth floor.
+
+Reported: medians of ``--reps`` timed calls (after warm-up; each first call compiles,
+its cost reported apart from ``compile_records``); decode as GB/s of K/V read and as a
+fraction of the plain read, prefill as a speed ratio to SDPA causal. Every path runs
+with ``--threads`` torch threads (default 1; compiled kernels take the count at compile
+time). Targets: decode
+>= 60% of the plain read, prefill >= 1.0x SDPA. All figures are this machine's (two
+cores here, shared with other jobs): ratios carry over, absolute times do not. Then the
+demo (``attnkit demo``: default model, CPU, float32) before and after: every attention
+kind forced to ``reference``, then the default selection (``flex_attention``), each run
+twice in the process (the second run finds its kernels compiled), tokens/s.
+
+    python benchmarks/bench_cpu.py --out bench-results [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnkit import AttentionConfig, AttentionLayerParams, FullAttentionSpec
+from attnkit.backend_api import CommonAttentionMetadata
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+TARGET_DECODE_FRACTION = 0.60
+TARGET_PREFILL_RATIO = 1.0
+
+
+def _median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class _Step:
+    """One step's batch over a shuffled pool, in both cache layouts with the same bytes."""
+
+    def __init__(self, query_lens: list[int], contexts: list[int], seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.query_lens, self.seq_lens = (
+            query_lens,
+            [c + q for c, q in zip(contexts, query_lens, strict=True)],
+        )
+        blocks = [-(-s // BS) for s in self.seq_lens]
+        self.num_blocks = sum(blocks) + 1
+        order = rng.permutation(np.arange(1, self.num_blocks))
+        width = max(blocks)
+        table = np.zeros((len(blocks), width), dtype=np.int32)
+        start = 0
+        for r, n in enumerate(blocks):
+            table[r, :n] = order[start : start + n]
+            start += n
+        self.table = torch.from_numpy(table)
+        rows = self.num_blocks * BS
+        self.k_plane = torch.randn(rows, HKV, D, generator=gen)
+        self.v_plane = torch.randn(rows, HKV, D, generator=gen)
+        # The same bytes, interleaved: [NB, 2, BS, Hkv, D].
+        self.interleaved = torch.stack(
+            [self.k_plane.view(-1, BS, HKV, D), self.v_plane.view(-1, BS, HKV, D)], dim=1
+        )
+        qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        slots = []
+        for r, (q, s) in enumerate(zip(query_lens, self.seq_lens, strict=True)):
+            pos = np.arange(s - q, s)
+            slots.append(table[r, pos // BS].astype(np.int64) * BS + pos % BS)
+        self.cm = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl),
+            query_start_loc_cpu=torch.from_numpy(qsl.copy()),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(self.seq_lens, dtype=torch.int32),
+            num_reqs=len(query_lens),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=max(self.seq_lens),
+            block_table_tensor=self.table,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            num_computed_tokens_cpu=torch.tensor(contexts, dtype=torch.int32),
+        )
+        t = int(qsl[-1])
+        self.q = torch.randn(t, HQ, D, generator=gen)
+        self.k = torch.randn(t, HKV, D, generator=gen)
+        self.v = torch.randn(t, HKV, D, generator=gen)
+        # Dense K/V of each request's whole context, after this step's writes.
+        self.k_plane_after = self.k_plane.clone()
+        self.v_plane_after = self.v_plane.clone()
+        self.k_plane_after[self.cm.slot_mapping] = self.k
+        self.v_plane_after[self.cm.slot_mapping] = self.v
+
+    def context_slots(self, r: int) -> torch.Tensor:
+        pos = torch.arange(self.seq_lens[r])
+        return self.table[r, pos // BS].long() * BS + pos % BS
+
+    def kv_bytes(self) -> int:
+        return sum(self.seq_lens) * HKV * D * 4 * 2
+
+
+def _backend_layer(name: str) -> tuple[Any, Any]:
+    from attnkit.backends.flex_attention import FlexAttentionBackend
+    from attnkit.backends.reference import ReferenceBackend
+
+    backend = FlexAttentionBackend if name == "flex_attention" else ReferenceBackend
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    binding = backend.get_binding(spec)
+    builder = binding.create(spec, ["layer"], AttentionConfig(), torch.device("cpu"))
+    impl = binding.create_impl(spec, AttentionLayerParams(num_heads=HQ))
+    return builder, impl
+
+
+def _paged(name: str, step: _Step, reps: int) -> dict[str, float]:
+    builder, impl = _backend_layer(name)
+    cache: list[torch.Tensor] = (
+        [step.k_plane, step.v_plane] if name == "flex_attention" else [step.interleaved]
+    )
+    out = torch.empty_like(step.q)
+    build_s = _median_seconds(lambda: builder.build(0, step.cm), reps)
+    md = builder.build(0, step.cm)
+    started = time.perf_counter()
+    impl.forward(step.q, step.k, step.v, cache, md, out)  # flex: compiles this shape
+    first_s = time.perf_counter() - started
+    forward_s = _median_seconds(
+        lambda: impl.forward(step.q, step.k, step.v, cache, md, out), reps, warmup=0
+    )
+    check = _dense_reference(step)
+    err = float((out.double() - check.double()).abs().max())
+    return {"build_s": build_s, "forward_s": forward_s, "first_call_s": first_s, "max_err": err}
+
+
+def _dense_reference(step: _Step) -> torch.Tensor:
+    """float64 causal attention per request, from the dense context (a check, not timed)."""
+    rows = []
+    g = HQ // HKV
+    for r, (q_len, seq) in enumerate(zip(step.query_lens, step.seq_lens, strict=True)):
+        slots = step.context_slots(r)
+        k = step.k_plane_after[slots].double().repeat_interleave(g, dim=1)  # [S, Hq, D]
+        v = step.v_plane_after[slots].double().repeat_interleave(g, dim=1)
+        start = int(step.cm.query_start_loc_cpu[r])
+        q = step.q[start : start + q_len].double()
+        s = torch.einsum("thd,shd->hts", q, k) * D**-0.5
+        qpos = torch.arange(seq - q_len, seq)[:, None]
+        s = s.masked_fill(torch.arange(seq)[None, :] > qpos, float("-inf"))
+        rows.append(torch.einsum("hts,shd->thd", s.softmax(-1), v))
+    return torch.cat(rows).float()
+
+
+def _sdpa(step: _Step, reps: int) -> float:
+    """SDPA on dense, contiguous per-request K/V (equal lengths: one batched call)."""
+    b = len(step.seq_lens)
+    seq, q_len = step.seq_lens[0], step.query_lens[0]
+    k = torch.stack([step.k_plane_after[step.context_slots(r)] for r in range(b)])
+    v = torch.stack([step.v_plane_after[step.context_slots(r)] for r in range(b)])
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, S, D]
+    q = step.q.view(b, q_len, HQ, D).transpose(1, 2).contiguous()
+    causal = q_len > 1 and q_len == seq
+
+    def call() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True
+        )
+
+    return _median_seconds(call, reps)
+
+
+def _plain_read(step: _Step, reps: int) -> float:
+    blocks = torch.unique(step.table[step.table > 0]).long()
+    # The rows the step reads, as the planes hold them (blocks are BS rows apart).
+    k = step.k_plane.view(-1, BS, HKV, D)
+    v = step.v_plane.view(-1, BS, HKV, D)
+    contiguous_k = k[blocks].contiguous()
+    contiguous_v = v[blocks].contiguous()
+    return _median_seconds(lambda: (contiguous_k.sum(), contiguous_v.sum()), reps)
+
+
+def _demo(backend_per_kind: str | None) -> dict[str, float]:
+    from attnkit.demo import run_demo
+
+    rows = {}
+    for label in ("first_run", "second_run"):
+        result = run_demo(backend_per_kind=backend_per_kind, out=io.StringIO())
+        rows[f"{label}_tokens_per_s"] = result.tokens / result.seconds
+        rows[f"{label}_passed"] = float(result.passed)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    global BS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--quick", action="store_true", help="the smaller shapes, fewer reps")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--no-demo", action="store_true", help="skip the demo before/after")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for every path (default 1: on a shared 2-core machine each "
+        "parallel region of a small op waits milliseconds for a busy core)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="cache block size")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    BS = args.block_size
+    from attnkit.backends.flex_attention import FlexAttentionBackend, compile_records
+
+    reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
+    if reasons:
+        print("flex_attention cannot run here: " + "; ".join(reasons))
+        return 0
+    reps = args.reps or (3 if args.quick else 5)
+    decode_b, decode_ctx = (16, 1024) if args.quick else (32, 2048)
+    prefill_b, prefill_len = (2, 256) if args.quick else (4, 512)
+    results: dict[str, Any] = {"threads": torch.get_num_threads()}
+
+    step = _Step([1] * decode_b, [decode_ctx - 1] * decode_b)
+    gb = step.kv_bytes() / 1e9
+    flex = _paged("flex_attention", step, reps)
+    ref = _paged("reference", step, max(1, reps // 2))
+    sdpa_s = _sdpa(step, reps)
+    read_s = _plain_read(step, reps)
+    decode: dict[str, Any] = {
+        "shape": f"{decode_b} x {decode_ctx} context, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
+        "kv_gb": gb,
+        "flex": flex,
+        "reference": ref,
+        "sdpa_dense_s": sdpa_s,
+        "plain_read_s": read_s,
+        "flex_gbps": gb / flex["forward_s"],
+        "reference_gbps": gb / ref["forward_s"],
+        "sdpa_dense_gbps": gb / sdpa_s,
+        "plain_read_gbps": gb / read_s,
+    }
+    decode["flex_fraction_of_read"] = decode["flex_gbps"] / decode["plain_read_gbps"]
+    decode["reference_fraction_of_read"] = decode["reference_gbps"] / decode["plain_read_gbps"]
+    decode["flex_over_sdpa"] = sdpa_s / flex["forward_s"]
+    decode["flex_over_reference"] = ref["forward_s"] / flex["forward_s"]
+    results["decode"] = decode
+    del step
+
+    step = _Step([prefill_len] * prefill_b, [0] * prefill_b, seed=1)
+    flex = _paged("flex_attention", step, reps)
+    ref = _paged("reference", step, max(1, reps // 2))
+    sdpa_s = _sdpa(step, reps)
+    prefill: dict[str, Any] = {
+        "shape": f"{prefill_b} x {prefill_len} tokens causal, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
+        "flex": flex,
+        "reference": ref,
+        "sdpa_causal_s": sdpa_s,
+        "flex_over_sdpa": sdpa_s / flex["forward_s"],
+        "reference_over_sdpa": sdpa_s / ref["forward_s"],
+        "flex_over_reference": ref["forward_s"] / flex["forward_s"],
+    }
+    results["prefill"] = prefill
+    if not args.no_demo:
+        everything = ",".join(
+            f"{k}=reference" for k in ("full_attention", "sliding_window", "mamba")
+        )
+        results["demo"] = {"reference": _demo(everything), "default": _demo(None)}
+    results["compiles"] = [dataclass_row(r) for r in compile_records()]
+    results["targets"] = {
+        "decode_fraction_of_plain_read": TARGET_DECODE_FRACTION,
+        "prefill_over_sdpa": TARGET_PREFILL_RATIO,
+    }
+
+    d, p = results["decode"], results["prefill"]
+    print(f"decode {d['shape']} ({d['kv_gb']:.2f} GB of K/V), this machine:")
+    for name in ("flex", "reference", "sdpa_dense", "plain_read"):
+        print(f"  {name:12s} {d[f'{name}_gbps']:7.2f} GB/s")
+    ok = d["flex_fraction_of_read"] >= TARGET_DECODE_FRACTION
+    print(
+        f"  flex / plain read {d['flex_fraction_of_read']:.0%} "
+        f"({'meets' if ok else 'MISSES'} >= {TARGET_DECODE_FRACTION:.0%}); reference "
+        f"{d['reference_fraction_of_read']:.0%}; flex {d['flex_over_sdpa']:.2f}x SDPA, "
+        f"{d['flex_over_reference']:.0f}x reference; build {d['flex']['build_s'] * 1e3:.2f} ms"
+    )
+    ok = p["flex_over_sdpa"] >= TARGET_PREFILL_RATIO
+    print(f"prefill {p['shape']}, this machine:")
+    print(
+        f"  flex {p['flex_over_sdpa']:.2f}x SDPA causal ({'meets' if ok else 'MISSES'} >= "
+        f"{TARGET_PREFILL_RATIO:g}x); reference {p['reference_over_sdpa']:.2f}x; flex "
+        f"{p['flex_over_reference']:.0f}x reference; build {p['flex']['build_s'] * 1e3:.2f} ms"
+    )
+    if "demo" in results:
+        for name, row in results["demo"].items():
+            print(
+                f"demo ({name}): {row['first_run_tokens_per_s']:.0f} tok/s first run, "
+                f"{row['second_run_tokens_per_s']:.0f} tok/s second run"
+            )
+    for row in results["compiles"]:
+        print(f"compiled {row['key']}: {row['seconds']:.1f} s (first call)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_cpu.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def dataclass_row(record: Any) -> dict[str, Any]:
+    return {"device_type": record.device_type, "key": record.key, "seconds": record.seconds}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
