@@ -151,3 +151,18 @@ def test_shard_arguments_are_checked() -> None:
         )
     with pytest.raises(ValueError, match="expected None without context_shard"):
         plan_paged_attention(qsl, lens, table, **kw, total_seq_lens=lens)
+
+
+def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:
+    """16-bit shards of head 256 take half the rows (the measured spill-free shape);
+    decode tiles keep the 16-row minimum of the dots; other shapes are unchanged."""
+    from attnkit.kernels.triton.paged_attention import _launch_shape
+
+    base = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False)
+    shard = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True)
+    assert (base.rows_q, shard.rows_q) == (16, 8)
+    decode = _launch_shape(256, 16, 1, 4, fp32=False, fp8_kv=False, sharded=True)
+    assert decode.rows_q * 4 >= 16
+    assert _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True) == (
+        _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False)
+    )

@@ -178,7 +178,6 @@ def _unified_attention_kernel(
     lse_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    total_lens_ptr,
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
@@ -191,8 +190,6 @@ def _unified_attention_kernel(
     softcap,
     window,
     chunk,
-    shard_rank,
-    shard_size,
     num_reqs,
     search_iters,
     stride_qt,
@@ -221,6 +218,8 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     SHARDED: tl.constexpr,
+    SHARD_RANK: tl.constexpr,
+    SHARD_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -247,8 +246,8 @@ def _unified_attention_kernel(
     # causality it would also need a look-ahead bound, which is not implemented.
     tl.static_assert(IS_CAUSAL or not (USE_WINDOW or USE_CHUNK))
     tl.static_assert(not (USE_WINDOW and USE_CHUNK))
-    # A context-parallel shard (SHARDED) holds keys j at positions j * shard_size +
-    # shard_rank of causal full-attention layers: no window or chunk.
+    # A context-parallel shard (SHARDED) holds keys j at positions j * SHARD_SIZE +
+    # SHARD_RANK of causal full-attention layers: no window or chunk.
     tl.static_assert(not SHARDED or (IS_CAUSAL and not (USE_WINDOW or USE_CHUNK)))
     # Each row of a step is one (query token, query head of this kv group) pair, so one
     # K/V tile load serves all GROUP heads that share the kv head.
@@ -269,8 +268,9 @@ def _unified_attention_kernel(
     # Negative for a non-causal request with more queries than keys (cross attention).
     context_len = seq_len - q_len
     if SHARDED:
-        # seq_len counts this shard's keys; queries sit at the request's global positions.
-        context_len = tl.load(total_lens_ptr + request) - q_len
+        # seq_len counts this shard's keys; queries sit at the request's global positions,
+        # from the whole lengths the launcher puts after the local ones.
+        context_len = tl.load(seq_lens_ptr + num_reqs + request) - q_len
     tile_start = tile * BLOCK_Q
     tile_end = tl.minimum(tile_start + BLOCK_Q, q_len)
 
@@ -338,7 +338,7 @@ def _unified_attention_kernel(
         if SHARDED:
             # Local keys at positions <= last_q_pos: floor((last_q_pos - rank) / size) + 1
             # (the numerator stays > 0: last_q_pos >= 0 and rank < size).
-            kv_end = tl.minimum((last_q_pos - shard_rank + shard_size) // shard_size, seq_len)
+            kv_end = tl.minimum((last_q_pos - SHARD_RANK + SHARD_SIZE) // SHARD_SIZE, seq_len)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(first_q_pos - window + 1, 0)
@@ -367,7 +367,7 @@ def _unified_attention_kernel(
             k_pos = tile_pos + offs_n
             k_needed = (k_pos >= kv_begin) & (k_pos < kv_end)
             # Positions for the mask and ALiBi: local slot j is position j * size + rank.
-            k_at = k_pos * shard_size + shard_rank if SHARDED else k_pos
+            k_at = k_pos * SHARD_SIZE + SHARD_RANK if SHARDED else k_pos
             kv_mask = k_needed[:, None] & dim_valid[None, :]
             k_ptrs = (
                 cache_ptr
@@ -429,7 +429,6 @@ def _split_kv_partial_kernel(
     part_lse_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    total_lens_ptr,
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
@@ -441,8 +440,6 @@ def _split_kv_partial_kernel(
     softcap,
     window,
     chunk,
-    shard_rank,
-    shard_size,
     num_reqs,
     search_iters,
     num_splits,
@@ -473,6 +470,8 @@ def _split_kv_partial_kernel(
     TILE_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     SHARDED: tl.constexpr,
+    SHARD_RANK: tl.constexpr,
+    SHARD_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -491,8 +490,8 @@ def _split_kv_partial_kernel(
     tl.static_assert(TILE_N >= 16)
     tl.static_assert(IS_CAUSAL or not (USE_WINDOW or USE_CHUNK))
     tl.static_assert(not (USE_WINDOW and USE_CHUNK))
-    # A context-parallel shard (SHARDED) holds keys j at positions j * shard_size +
-    # shard_rank of causal full-attention layers: no window or chunk.
+    # A context-parallel shard (SHARDED) holds keys j at positions j * SHARD_SIZE +
+    # SHARD_RANK of causal full-attention layers: no window or chunk.
     tl.static_assert(not SHARDED or (IS_CAUSAL and not (USE_WINDOW or USE_CHUNK)))
     # Row r of a step is (query token r // GROUP_PAD, query head r % GROUP_PAD of this kv
     # head's group): one K/V load serves every query head sharing the kv head.
@@ -512,8 +511,9 @@ def _split_kv_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + request)
     context_len = seq_len - q_len
     if SHARDED:
-        # seq_len counts this shard's keys; queries sit at the request's global positions.
-        context_len = tl.load(total_lens_ptr + request) - q_len
+        # seq_len counts this shard's keys; queries sit at the request's global positions,
+        # from the whole lengths the launcher puts after the local ones.
+        context_len = tl.load(seq_lens_ptr + num_reqs + request) - q_len
     tile_start = tile * BLOCK_Q
     tile_end = tl.minimum(tile_start + BLOCK_Q, q_len)
 
@@ -572,7 +572,7 @@ def _split_kv_partial_kernel(
         kv_end = last_q_pos + 1 if IS_CAUSAL else seq_len
         if SHARDED:
             # Local keys at positions <= last_q_pos (see the one-pass kernel).
-            kv_end = tl.minimum((last_q_pos - shard_rank + shard_size) // shard_size, seq_len)
+            kv_end = tl.minimum((last_q_pos - SHARD_RANK + SHARD_SIZE) // SHARD_SIZE, seq_len)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(first_q_pos - window + 1, 0)
@@ -599,7 +599,7 @@ def _split_kv_partial_kernel(
             # data, NaN, a released block behind a window): loading it as 0 matters
             # because p = 0 times NaN would still be NaN.
             k_valid = k_pos < hi
-            k_at = k_pos * shard_size + shard_rank if SHARDED else k_pos
+            k_at = k_pos * SHARD_SIZE + SHARD_RANK if SHARDED else k_pos
             physical_block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
                 tl.int64
             )
@@ -783,6 +783,8 @@ class PagedAttentionPlan:
             shard (local key ``j`` at position ``j * size + rank``); ``None`` otherwise.
         total_seq_lens: int32 ``[B]`` every request's whole length with
             ``context_shard`` (``seq_lens`` are then the shard's counts).
+        shard_lens: int32 ``[2B]``, ``seq_lens`` then ``total_seq_lens``: what the
+            kernels read as their lengths on a shard (one argument, as unsharded).
     """
 
     query_start_loc: torch.Tensor
@@ -805,6 +807,7 @@ class PagedAttentionPlan:
     search_iters: int
     context_shard: tuple[int, int] | None = None
     total_seq_lens: torch.Tensor | None = None
+    shard_lens: torch.Tensor | None = None
 
 
 def count_query_tiles(query_lens: Sequence[int], block_q: int) -> int:
@@ -1047,6 +1050,7 @@ def plan_paged_attention(
         search_iters=search_iters(num_reqs),
         context_shard=context_shard,
         total_seq_lens=total_seq_lens,
+        shard_lens=(torch.cat([seq_lens, total_seq_lens]) if total_seq_lens is not None else None),
     )
 
 
@@ -1269,7 +1273,14 @@ class LaunchShape:
 
 
 def _launch_shape(
-    head_dim_pad: int, block_size: int, block_q: int, group_pad: int, *, fp32: bool, fp8_kv: bool
+    head_dim_pad: int,
+    block_size: int,
+    block_q: int,
+    group_pad: int,
+    *,
+    fp32: bool,
+    fp8_kv: bool,
+    sharded: bool = False,
 ) -> LaunchShape:
     """Tile and warp choices that keep every declared variant free of register spills.
 
@@ -1298,6 +1309,10 @@ def _launch_shape(
       sm_80). 16-bit: 3 stages, but 2 for the ``D = 16`` prefill tile (3 spilled 16
       bytes on sm_100; 2 stages spill at the ``D = 16`` decode tile instead).
 
+    * Context-parallel shards (``sharded``) add the position arithmetic of their keys:
+      16-bit heads of 256 at 64 rows then spilled 48 bytes at 255 registers on sm_100,
+      so shards of that width take half the rows (32).
+
     Figures from the ``--full`` compile report (``benchmarks/compile_report.py``); with
     these choices no declared variant spills on sm_80/90/100.
     """
@@ -1310,6 +1325,8 @@ def _launch_shape(
         split_num_stages = 1
     else:
         rows_q = _rows_q(block_q, group_pad)
+        if sharded and head_dim_pad >= 256:
+            rows_q = max(rows_q // 2, _MIN_ROWS // group_pad, 1)
         tile_n = 64 if head_dim_pad <= 64 else 32
         num_warps = 8 if head_dim_pad >= 128 else 4
         num_stages = 2 if head_dim_pad == 16 and rows_q * group_pad > _MIN_ROWS else 3
@@ -1420,6 +1437,7 @@ def paged_attention(
         group_pad,
         fp32=query.dtype == torch.float32,
         fp8_kv=is_fp8,
+        sharded=plan.context_shard is not None,
     )
     fp8_bits = is_fp8 and _INTERPRETED
     # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
@@ -1434,8 +1452,8 @@ def paged_attention(
         "query_ptr": query,
         "cache_ptr": cache_arg,
         "query_start_loc_ptr": plan.query_start_loc,
-        "seq_lens_ptr": plan.seq_lens,
-        "total_lens_ptr": plan.total_seq_lens if plan.total_seq_lens is not None else plan.seq_lens,
+        # A shard's whole lengths follow its local ones ([2B]; no extra kernel argument).
+        "seq_lens_ptr": plan.shard_lens if plan.shard_lens is not None else plan.seq_lens,
         "block_table_ptr": plan.block_table,
         "tile_offsets_ptr": plan.tile_offsets,
         "alibi_slopes_ptr": alibi_slopes if alibi_slopes is not None else plan.seq_lens,
@@ -1447,8 +1465,6 @@ def paged_attention(
         "softcap": logits_soft_cap if logits_soft_cap is not None else 1.0,
         "window": plan.sliding_window if plan.sliding_window is not None else 0,
         "chunk": plan.chunk_size if plan.chunk_size is not None else 1,
-        "shard_rank": plan.context_shard[0] if plan.context_shard is not None else 0,
-        "shard_size": plan.context_shard[1] if plan.context_shard is not None else 1,
         "num_reqs": plan.num_reqs,
         "search_iters": plan.search_iters,
         "stride_qt": query.stride(0),
@@ -1471,6 +1487,10 @@ def paged_attention(
         "TILE_N": shape.tile_n,
         "IS_CAUSAL": plan.causal,
         "SHARDED": plan.context_shard is not None,
+        # Constexprs: one compilation per rank of a group (a handful), and no extra
+        # runtime arguments in unsharded launches.
+        "SHARD_RANK": plan.context_shard[0] if plan.context_shard is not None else 0,
+        "SHARD_SIZE": plan.context_shard[1] if plan.context_shard is not None else 1,
         "USE_WINDOW": plan.sliding_window is not None,
         "USE_CHUNK": plan.chunk_size is not None,
         "USE_SOFTCAP": logits_soft_cap is not None,
