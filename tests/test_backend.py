@@ -354,7 +354,12 @@ def test_layer_params_features() -> None:
         sinks=torch.zeros(4),
         return_lse=True,
     )
-    assert params.features == frozenset(AttentionFeature)
+    # Every feature a layer's parameters can ask for; context_parallel is asked by the
+    # runtime for a sharded group, mla_projection by an MLAProjection (tested with MLA).
+    assert params.features == frozenset(AttentionFeature) - {
+        AttentionFeature.CONTEXT_PARALLEL,
+        AttentionFeature.MLA_PROJECTION,
+    }
     assert AttentionLayerParams(num_heads=4).features == frozenset()
 
 

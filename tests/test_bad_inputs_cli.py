@@ -335,6 +335,13 @@ def run_cli(argv: tuple[str, ...]) -> Result:
     )
 
 
+# These runs start from worker threads of a process holding torch's threads. Under heavy
+# load, one exec of the interpreter failed with EFAULT ("[Errno 14] Bad address") while
+# the parent's other threads kept running in the vfork()ed address space; plain fork()
+# (CPython's documented escape hatch) gives each child its own.
+subprocess._USE_VFORK = False  # type: ignore[attr-defined]  # pyright: ignore[reportPrivateUsage]  # CPython escape hatch, not in typeshed
+
+
 class Runs:
     """Each command line run once, two at a time (importing torch is most of each run)."""
 

@@ -52,7 +52,9 @@ from toy_backends import (
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
 MAMBA = MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,))
-FEATURE_NAMES = "logits_soft_cap, attention_sinks, alibi, return_lse"
+FEATURE_NAMES = (
+    "logits_soft_cap, attention_sinks, alibi, return_lse, context_parallel, mla_projection"
+)
 NEVER_LOADED = "attnkit_catalogue_never_loaded_module"
 
 Snapshot = tuple[list[str], dict[str, str], dict[str, str], dict[str, object]]

@@ -155,7 +155,8 @@ def test_shard_arguments_are_checked() -> None:
 
 def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:
     """16-bit shards of head 256 take half the rows (the measured spill-free shape);
-    decode tiles keep the 16-row minimum of the dots; other shapes are unchanged."""
+    decode tiles keep the 16-row minimum of the dots; below 256 only the split-KV
+    pipeline depth changes."""
     from attnkit.kernels.triton.paged_attention import _launch_shape
 
     base = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False)
@@ -163,6 +164,13 @@ def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:
     assert (base.rows_q, shard.rows_q) == (16, 8)
     decode = _launch_shape(256, 16, 1, 4, fp32=False, fp8_kv=False, sharded=True)
     assert decode.rows_q * 4 >= 16
-    assert _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True) == (
-        _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False)
+    narrow = _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True)
+    plain = _launch_shape(128, 64, 32, 4, fp32=False, fp8_kv=False)
+    # Only the split-KV pipeline depth differs below head 256 (2 stages for shards).
+    assert (narrow.rows_q, narrow.tile_n, narrow.num_warps, narrow.num_stages) == (
+        plain.rows_q,
+        plain.tile_n,
+        plain.num_warps,
+        plain.num_stages,
     )
+    assert (narrow.split_num_stages, plain.split_num_stages) == (2, 3)

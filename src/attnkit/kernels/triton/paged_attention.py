@@ -1270,6 +1270,8 @@ class LaunchShape:
     split_num_stages: int
     """The same for the split-KV partial kernel (its per-key gather pipelines
     differently)."""
+    split_num_warps: int = 0
+    """Warps of the split-KV partial kernel; 0: ``num_warps``."""
 
 
 def _launch_shape(
@@ -1311,7 +1313,11 @@ def _launch_shape(
 
     * Context-parallel shards (``sharded``) add the position arithmetic of their keys:
       16-bit heads of 256 at 64 rows then spilled 48 bytes at 255 registers on sm_100,
-      so shards of that width take half the rows (32).
+      so shards of that width take half the rows (32). Their split-KV partial kernel
+      spilled 8-16 bytes at low register targets (64-128) with the unsharded choices:
+      16-bit and float32 up to ``D = 64`` take 2 stages there, float32 over an fp8 cache
+      at ``D = 256`` 4 warps (each measured clean on sm_80/90/100; 2 stages spilled 224
+      bytes for float32 over fp8 at ``D = 128``, 4 warps 16 at ``D = 256`` without fp8).
 
     Figures from the ``--full`` compile report (``benchmarks/compile_report.py``); with
     these choices no declared variant spills on sm_80/90/100.
@@ -1323,6 +1329,12 @@ def _launch_shape(
         num_warps = 8 if wide or rows_q * group_pad * head_dim_pad >= 8192 else 4
         num_stages = 1 if wide or (fp8_kv and head_dim_pad >= 128) else 3
         split_num_stages = 1
+        if sharded and wide and fp8_kv:
+            return LaunchShape(
+                rows_q, min(tile_n, block_size), num_warps, num_stages, 1, split_num_warps=4
+            )
+        if sharded and head_dim_pad <= 64:
+            split_num_stages = 2
     else:
         rows_q = _rows_q(block_q, group_pad)
         if sharded and head_dim_pad >= 256:
@@ -1330,7 +1342,7 @@ def _launch_shape(
         tile_n = 64 if head_dim_pad <= 64 else 32
         num_warps = 8 if head_dim_pad >= 128 else 4
         num_stages = 2 if head_dim_pad == 16 and rows_q * group_pad > _MIN_ROWS else 3
-        split_num_stages = 3
+        split_num_stages = 2 if sharded else 3
     return LaunchShape(rows_q, min(tile_n, block_size), num_warps, num_stages, split_num_stages)
 
 
@@ -1542,7 +1554,7 @@ def paged_attention(
         stride_lt=part_lse.stride(1),
         stride_lh=part_lse.stride(2),
         num_stages=shape.split_num_stages,
-        **common,
+        **{**common, "num_warps": shape.split_num_warps or shape.num_warps},
     )
     merge_split_kv(workspace, output, plan, lse=lse, sinks=sinks)
     return output
