@@ -17,6 +17,7 @@ allowed and what was given.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ __all__ = [
     "HEAD_VECTOR_DTYPES",
     "check_batch_layout",
     "check_cache_layout",
+    "check_context_shard",
     "check_device",
     "check_head_vector",
     "check_index_layout",
@@ -57,6 +59,26 @@ def check_device(name: str, t: Tensor, device: torch.device | None, of: str = "q
         raise ValueError(
             f"{name}: expected device {device} (the {of} device), got {t.device} ({describe(t)})"
         )
+
+
+def check_context_shard(context_shard: object) -> tuple[int, int] | None:
+    """A decode context-parallel shard ``(rank, size)`` with ``0 <= rank < size``, or
+    None: local key ``j`` of each request sits at position ``j * size + rank``."""
+    if context_shard is None:
+        return None
+    given: object = context_shard  # for the message (narrowed below)
+    if not (
+        isinstance(context_shard, tuple)
+        and len(context_shard) == 2  # pyright: ignore[reportUnknownArgumentType]
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
+    ):
+        raise KernelTypeError(
+            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(given)}"
+        )
+    rank, size = cast("tuple[int, int]", context_shard)
+    if not 0 <= rank < size:
+        raise ValueError(f"context_shard: expected 0 <= rank < size, got ({rank}, {size})")
+    return rank, size
 
 
 def check_mask_options(

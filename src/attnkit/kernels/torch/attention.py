@@ -77,7 +77,7 @@ Quantisation scales
 from __future__ import annotations
 
 import math
-from typing import Literal, cast, overload
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -86,6 +86,7 @@ from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_fl
 from attnkit.kernels.contracts.attention import (
     check_batch_layout,
     check_cache_layout,
+    check_context_shard,
     check_head_vector,
     check_kv_scale,
     check_logits_soft_cap,
@@ -517,25 +518,12 @@ def _check_shard(
     """``(rank, world_size, global lengths)`` of a context-parallel shard, checked
     against the local ``seq_lens`` (``ceil((L - rank) / world_size)`` each); None
     without a shard."""
-    if context_shard is None:
+    shard = check_context_shard(context_shard)
+    if shard is None:
         if global_seq_lens is not None:
             raise ValueError("global_seq_lens is only used with context_shard; got it without")
         return None
-    given: object = context_shard  # for the message (narrowed below)
-    if (
-        not isinstance(context_shard, tuple)
-        or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
-    ):
-        raise KernelTypeError(
-            f"context_shard must be a (rank, world_size) tuple of ints or None, "
-            f"got {describe(given)}"
-        )
-    rank, world = cast("tuple[int, int]", context_shard)
-    if not 0 <= rank < world:
-        raise ValueError(
-            f"context_shard must have 0 <= rank < world_size, got rank={rank}, world_size={world}"
-        )
+    rank, world = shard
     totals_t = _tensor("global_seq_lens", global_seq_lens, "an integer tensor [B]")
     if totals_t.shape != seq_lens.shape or totals_t.is_floating_point():
         raise ValueError(

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 import triton
@@ -90,6 +90,7 @@ from attnkit.kernels._checks import (
 from attnkit.kernels.contracts.attention import (
     FP8_DTYPE,
     check_cache_layout,
+    check_context_shard,
     check_device,
     check_head_vector,
     check_kv_scale,
@@ -1065,22 +1066,11 @@ def _check_shard(
 ) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
     """``(context_shard, total_seq_lens)`` checked: both or neither; a shard only of a
     causal, unwindowed, unchunked step."""
-    if context_shard is None:
+    shard = check_context_shard(context_shard)
+    if shard is None:
         if total_seq_lens is not None:
             raise ValueError("total_seq_lens: expected None without context_shard, got a tensor")
         return None, None
-    given: object = context_shard  # for the message (narrowed below)
-    if (
-        not isinstance(context_shard, tuple)
-        or len(context_shard) != 2  # pyright: ignore[reportUnknownArgumentType]
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in context_shard)  # pyright: ignore[reportUnknownVariableType]
-    ):
-        raise KernelTypeError(
-            f"context_shard: expected a (rank, size) tuple of ints or None, got {describe(given)}"
-        )
-    rank, size = cast("tuple[int, int]", context_shard)
-    if not 0 <= rank < size:
-        raise ValueError(f"context_shard: expected 0 <= rank < size, got ({rank}, {size})")
     if not causal or sliding_window is not None or chunk_size is not None:
         raise ValueError(
             "context_shard: expected a causal step without sliding_window or chunk_size "
@@ -1088,7 +1078,7 @@ def _check_shard(
             f"sliding_window={sliding_window}, chunk_size={chunk_size}"
         )
     totals = check_index_tensor("total_seq_lens", total_seq_lens, (num_reqs,), device, "plan")
-    return (rank, size), totals
+    return shard, totals
 
 
 # ------------------------------------------------------------------------ workspace
