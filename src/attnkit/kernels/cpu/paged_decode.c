@@ -1,0 +1,649 @@
+/*
+ * attnkit CPU paged-decode kernel (plain C, compiled once per machine by _native.py).
+ *
+ * Each work item attends one query row (all Hq heads) over the keys at logical
+ * positions [key_start, key_end) of one request, reading K and V in place through the
+ * block table: logical position p of request b lives at physical row
+ * block_table[b, p / bs] * bs + p % bs of the planes [R, Hkv, D].
+ *
+ * Work is split over (work item, kv head) pairs.  One pair loads its G = Hq / Hkv query
+ * heads once (scaled, float32), walks the keys in tiles of at most TILE keys that never
+ * cross a block (so a tile's rows are consecutive physical rows), computes the G x tile
+ * scores, updates an online softmax (running max m, running sum l, rescale factor) and
+ * accumulates V into a float32 G x D accumulator.
+ *
+ * Every index value (rows, requests, key ranges, the physical blocks a range touches) is
+ * checked in a serial pass before anything is computed or written; a bad value returns a
+ * nonzero code and fills err[] (see the ATTNKIT_ERR_* codes) instead of reading out of
+ * bounds.
+ *
+ * Vectors are GCC/Clang vector extensions (8 x float), which the compiler lowers to AVX
+ * on x86-64 and to pairs of NEON registers on AArch64.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ATTNKIT_API __attribute__((visibility("default")))
+#define INLINE static inline __attribute__((always_inline))
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+enum {
+    ATTNKIT_OK = 0,
+    ATTNKIT_ERR_ROW = 1,        /* rows[i] outside [0, T) */
+    ATTNKIT_ERR_REQUEST = 2,    /* requests[i] outside [0, B) */
+    ATTNKIT_ERR_KEY_START = 3,  /* key_start[i] < 0 */
+    ATTNKIT_ERR_KEY_END = 4,    /* key_end[i] > W * bs */
+    ATTNKIT_ERR_RANGE = 5,      /* key_end[i] < key_start[i] */
+    ATTNKIT_ERR_BLOCK = 6,      /* a physical block outside [0, R / bs) */
+    ATTNKIT_ERR_NOMEM = 7,      /* scratch allocation failed */
+    ATTNKIT_ERR_ARGS = 8,       /* a size argument the wrapper should have refused */
+};
+
+#define TILE 16
+/* keys per tile, at most (a tile never crosses a block) */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+INLINE v8f ld8(const float *p) {
+    v8f r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+INLINE void st8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+/*
+ * Keep a loaded vector in a register: without this GCC folds the load into every FMA that
+ * uses it (one load per use), and the micro-kernels become bound by load ports instead of
+ * FMA units.  An empty asm the value passes through is opaque to that folding.
+ */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define KEEP(x) __asm__("" : "+x"(x))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define KEEP(x) __asm__("" : "+w"(x))
+#else
+#define KEEP(x) ((void)0)
+#endif
+
+INLINE v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+INLINE float hsum8(v8f x) {
+    float a = (x[0] + x[4]) + (x[2] + x[6]);
+    float b = (x[1] + x[5]) + (x[3] + x[7]);
+    return a + b;
+}
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle((a), (b), (v8i){__VA_ARGS__})
+#endif
+
+/*
+ * The 8 horizontal sums of x[0..7] as one vector: r[i] = sum of x[i]'s lanes.  Pairwise
+ * interleaves and adds (lanes 0..3 and 4..7 are reduced separately, then combined), so it
+ * costs 14 shuffles and 7 adds for 8 sums instead of a full reduction each.
+ */
+INLINE v8f reduce8(const v8f x[8]) {
+    v8f u[2];
+    for (int g = 0; g < 2; ++g) {
+        const v8f *a = x + 4 * g;
+        /* t0 = [a0_02 a1_02 a0_13 a1_13 | a0_46 a1_46 a0_57 a1_57] */
+        v8f t0 = SHUF(a[0], a[1], 0, 8, 1, 9, 4, 12, 5, 13) + SHUF(a[0], a[1], 2, 10, 3, 11, 6, 14, 7, 15);
+        v8f t1 = SHUF(a[2], a[3], 0, 8, 1, 9, 4, 12, 5, 13) + SHUF(a[2], a[3], 2, 10, 3, 11, 6, 14, 7, 15);
+        /* u = [a0 a1 a2 a3 (lanes 0..3) | a0 a1 a2 a3 (lanes 4..7)] */
+        u[g] = SHUF(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    return SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+INLINE float hmax8(v8f x) {
+    float r = x[0];
+    for (int i = 1; i < 8; ++i) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+/*
+ * exp(x) for 8 lanes, x <= 0 in our use (scores minus their running max).  Range
+ * reduction x = n ln2 + r with |r| <= ln2 / 2, n rounded by adding and subtracting
+ * 1.5 * 2^23 (exact in round-to-nearest, which this file never changes), ln2 split in a
+ * high part with few significant bits and a low remainder so n * ln2_hi is exact, then a
+ * degree-6 Taylor polynomial of exp(r) (truncation error below r^7 / 7! < 1.3e-7 for
+ * |r| <= 0.347) and a scale by 2^n built in the exponent bits.  Inputs below -87 (where
+ * exp underflows float's normal range) give exactly 0, -inf included; NaN stays NaN.
+ * Inputs above 0 are not expected (no overflow handling).
+ */
+INLINE v8f vexp(v8f x) {
+    const float lo_limit = -87.0f;
+    v8i tiny = x < splat8(lo_limit);
+    v8f xc = (v8f)(((v8i)x & ~tiny) | ((v8i)splat8(lo_limit) & tiny));
+    const v8f magic = splat8(12582912.0f); /* 1.5 * 2^23 */
+    v8f t = xc * splat8(1.44269504088896341f) + magic;
+    v8f n = t - magic;
+    v8i ni = (v8i)t - (v8i)magic; /* the integer n, from the low mantissa bits */
+    v8f r = xc - n * splat8(0.693359375f);
+    r = r - n * splat8(-2.12194440e-4f);
+    v8f p = splat8(1.0f / 720.0f);
+    p = p * r + splat8(1.0f / 120.0f);
+    p = p * r + splat8(1.0f / 24.0f);
+    p = p * r + splat8(1.0f / 6.0f);
+    p = p * r + splat8(0.5f);
+    p = p * r + splat8(1.0f);
+    p = p * r + splat8(1.0f);
+    v8f scale2n = (v8f)((ni + 127) << 23);
+    v8f res = p * scale2n;
+    return (v8f)((v8i)res & ~tiny);
+}
+
+/* ---- element conversions ---------------------------------------------------------- */
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x0040u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
+    return (uint16_t)(bits >> 16);
+}
+
+#if defined(__FLT16_MAX__) && !defined(ATTNKIT_SOFT_F16)
+INLINE float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+INLINE uint16_t f32_to_f16(float f) {
+    _Float16 x = (_Float16)f; /* IEEE conversion: round to nearest, ties to even */
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+#else
+/* Bit-exact software conversions for compilers without _Float16. */
+INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: value = man * 2^-24, exact in float */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
+    if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+    if (abs < 0x38800000u) {                                    /* below 2^-14: subnormal */
+        if (abs < 0x33000000u) return sign;                     /* below 2^-25: zero */
+        uint32_t e = abs >> 23;
+        uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e; /* 14 .. 24 */
+        uint32_t q = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u))) q += 1u;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u); /* ties to even on the 13 dropped bits */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+#endif
+
+/* src row of D elements of `dtype` -> dst (float), scaled; pad columns untouched. */
+static void load_row(float *restrict dst, const void *src, int dtype, int64_t D, float scale) {
+    if (dtype == DT_F32) {
+        const float *s = (const float *)src;
+        for (int64_t d = 0; d < D; ++d) dst[d] = s[d] * scale;
+    } else if (dtype == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(s[d]) * scale;
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t d = 0; d < D; ++d) dst[d] = f16_to_f32(s[d]) * scale;
+    }
+}
+
+static void store_row(void *dst, const float *restrict src, int dtype, int64_t D, float mul) {
+    if (dtype == DT_F32) {
+        float *o = (float *)dst;
+        for (int64_t d = 0; d < D; ++d) o[d] = src[d] * mul;
+    } else if (dtype == DT_BF16) {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(src[d] * mul);
+    } else {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_f16(src[d] * mul);
+    }
+}
+
+/* ---- micro-kernels ----------------------------------------------------------------- */
+
+/*
+ * Scores of HB query heads (rows of q, stride Dp) against KB keys (rows of k, stride ks):
+ * s[h * TILE + j] = q[h] . k[j].  HB x KB independent accumulators, Dp % 16 == 0.
+ */
+INLINE void score_kernel(const int HB, const int KB, const float *restrict q, int64_t Dp,
+                         const float *restrict k, int64_t ks, float *restrict s) {
+    v8f a[4][4]; /* fixed sizes (HB, KB <= 4) so the compiler keeps them in registers */
+    for (int h = 0; h < HB; ++h)
+        for (int j = 0; j < KB; ++j) a[h][j] = splat8(0.0f);
+    for (int64_t d = 0; d < Dp; d += 8) {
+        v8f kv[4];
+        for (int j = 0; j < KB; ++j) {
+            kv[j] = ld8(k + j * ks + d);
+            KEEP(kv[j]);
+        }
+        for (int h = 0; h < HB; ++h) {
+            v8f qv = ld8(q + h * Dp + d);
+            KEEP(qv);
+            for (int j = 0; j < KB; ++j) a[h][j] += qv * kv[j];
+        }
+    }
+    v8f x[16];
+    for (int i = 0; i < 16; ++i) x[i] = splat8(0.0f);
+    for (int h = 0; h < HB; ++h)
+        for (int j = 0; j < KB; ++j) x[h * KB + j] = a[h][j];
+    v8f r[2];
+    r[0] = reduce8(x);
+    if (HB * KB > 8) r[1] = reduce8(x + 8);
+    for (int h = 0; h < HB; ++h)
+        for (int j = 0; j < KB; ++j) s[h * TILE + j] = r[(h * KB + j) / 8][(h * KB + j) % 8];
+}
+
+/* Scores of HB heads against the n keys of a tile. */
+INLINE void score_heads(const int HB, const int KB, const float *restrict q, int64_t Dp,
+                        const float *restrict k, int64_t ks, int64_t n, float *restrict s) {
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) score_kernel(HB, KB, q, Dp, k + j * ks, ks, s + j);
+    for (; j < n; ++j) score_kernel(HB, 1, q, Dp, k + j * ks, ks, s + j);
+}
+
+/*
+ * acc[h] = acc[h] * corr[h] + sum_j p[h * TILE + j] * v[j] for HB heads, 16 columns at a
+ * time (HB x 2 accumulators live across the keys).
+ */
+INLINE void vacc_heads(const int HB, const float *restrict p, const float *restrict corr,
+                       const float *restrict v, int64_t vs, int64_t n, float *restrict acc,
+                       int64_t Dp) {
+    for (int64_t d = 0; d < Dp; d += 16) {
+        v8f a[4][2];
+        for (int h = 0; h < HB; ++h) {
+            v8f c = splat8(corr[h]);
+            a[h][0] = ld8(acc + h * Dp + d) * c;
+            a[h][1] = ld8(acc + h * Dp + d + 8) * c;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            v8f v0 = ld8(v + j * vs + d);
+            v8f v1 = ld8(v + j * vs + d + 8);
+            KEEP(v0);
+            KEEP(v1);
+            for (int h = 0; h < HB; ++h) {
+                v8f w = splat8(p[h * TILE + j]);
+                a[h][0] += w * v0;
+                a[h][1] += w * v1;
+            }
+        }
+        for (int h = 0; h < HB; ++h) {
+            st8(acc + h * Dp + d, a[h][0]);
+            st8(acc + h * Dp + d + 8, a[h][1]);
+        }
+    }
+}
+
+static void vacc_tile(int64_t G, const float *restrict p, const float *restrict corr,
+                      const float *restrict v, int64_t vs, int64_t n, float *restrict acc, int64_t Dp) {
+    int64_t h = 0;
+    for (; h + 4 <= G; h += 4) vacc_heads(4, p + h * TILE, corr + h, v, vs, n, acc + h * Dp, Dp);
+    for (; h + 2 <= G; h += 2) vacc_heads(2, p + h * TILE, corr + h, v, vs, n, acc + h * Dp, Dp);
+    for (; h < G; ++h) vacc_heads(1, p + h * TILE, corr + h, v, vs, n, acc + h * Dp, Dp);
+}
+
+
+/* ---- one work item over a range of kv heads --------------------------------------- */
+
+typedef struct {
+    int dtype;
+    size_t esize;
+    const char *q, *k, *v;
+    char *o;
+    int64_t q_st, q_sh, k_sr, k_sh, v_sr, v_sh, o_st, o_sh; /* element strides */
+    const int32_t *bt;
+    int64_t bt_sb;
+    const int64_t *rows;
+    const int32_t *req, *ks, *ke, *qp;
+    int64_t Hq, Hkv, G, D, Dp, bs;
+    int64_t kv_chunk; /* kv heads per task */
+    float scale, cap;
+    const float *alibi;
+    int direct; /* fp32 with D % 16 == 0: K is read in place */
+} params;
+
+typedef struct {
+    float *q;    /* [C * G, Dp] scaled query heads (C = kv heads of the task) */
+    float *acc;  /* [C * G, Dp] */
+    float *s;    /* [C * G, TILE] scores, then probabilities */
+    float *m, *l, *corr; /* [C * G] */
+    float *kbuf; /* [C, TILE, Dp] K tile as float32 (only when not direct) */
+    float *vbuf; /* [C, TILE, Dp] V tile as float32 (only when not direct) */
+    void *mem;
+} scratch;
+
+static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs) {
+    const int64_t H = C * G;
+    size_t floats = (size_t)(2 * H * Dp + H * TILE + 3 * H + (bufs ? 2 * C * TILE * Dp : 0)) + 64;
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, floats * sizeof(float)) != 0) return 0;
+    /* zeros: the pad columns [D, Dp) of q, kbuf and vbuf are never written after this */
+    memset(mem, 0, floats * sizeof(float));
+    float *f = (float *)mem;
+    S->mem = mem;
+    S->q = f; f += H * Dp;
+    S->acc = f; f += H * Dp;
+    S->s = f; f += H * TILE;
+    S->m = f; f += H;
+    S->l = f; f += H;
+    S->corr = f; f += H;
+    S->kbuf = f; f += C * TILE * Dp;
+    S->vbuf = f;
+    return 1;
+}
+
+/* Where the tile starting at logical position pos lives: its physical row and length. */
+INLINE int64_t tile_at(const params *P, const int32_t *table, int64_t pos, int64_t end, int64_t *n) {
+    int64_t lb = pos / P->bs, off = pos - lb * P->bs;
+    int64_t len = P->bs - off;
+    if (len > end - pos) len = end - pos;
+    if (len > TILE) len = TILE;
+    *n = len;
+    return (int64_t)table[lb] * P->bs + off;
+}
+
+/*
+ * Rows [0, n) of a tile, heads [kv0, kv0 + C) -> dst[c][j][0..D) (float32), read in
+ * memory order (row by row, head by head) so the hardware prefetchers see a stream.
+ */
+static void gather_tile(const params *P, float *restrict dst, const char *src, int64_t row_stride,
+                        int64_t head_stride, int64_t kv0, int64_t C, int64_t n) {
+    const size_t es = P->esize;
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < C; ++c)
+            load_row(dst + (c * TILE + j) * P->Dp,
+                     src + (size_t)(j * row_stride + (kv0 + c) * head_stride) * es, P->dtype, P->D,
+                     1.0f);
+}
+
+/*
+ * Scores of the task's heads against the n keys of a tile, 6 keys at a time and, for
+ * those 6 keys, kv head by kv head: K is read in memory order (6 rows side by side).
+ * Groups of 4 query heads take 3 keys per micro-kernel call (12 accumulators, 3 key and
+ * 1 query registers: 7 loads per 12 FMAs); measured faster than 2 keys (8 accumulators)
+ * here, in cache and out of it.
+ */
+static void scores_tile(const params *P, const float *restrict q, const float *restrict k,
+                        int64_t k_row, int64_t k_head, int64_t C, int64_t n, float *restrict s) {
+    const int64_t G = P->G, Dp = P->Dp;
+    for (int64_t j0 = 0; j0 < n; j0 += 6) {
+        const int64_t jn = n - j0 < 6 ? n - j0 : 6;
+        for (int64_t c = 0; c < C; ++c) {
+            const float *kj = k + c * k_head + j0 * k_row;
+            const float *qc = q + c * G * Dp;
+            float *sj = s + c * G * TILE + j0;
+            int64_t h = 0;
+            for (; h + 4 <= G; h += 4) score_heads(4, 3, qc + h * Dp, Dp, kj, k_row, jn, sj + h * TILE);
+            for (; h + 2 <= G; h += 2) score_heads(2, 4, qc + h * Dp, Dp, kj, k_row, jn, sj + h * TILE);
+            for (; h < G; ++h) score_heads(1, 4, qc + h * Dp, Dp, kj, k_row, jn, sj + h * TILE);
+        }
+    }
+}
+
+/*
+ * One work item, kv heads [kv0, kv0 + C): the query heads [kv0 * G, (kv0 + C) * G).
+ * Keys are walked tile by tile; every tile is read once for all the task's heads.
+ */
+static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scratch *S) {
+    const int64_t G = P->G, D = P->D, Dp = P->Dp, H = C * G, h0 = kv0 * G;
+    const int64_t row = P->rows[item];
+    const int32_t *table = P->bt + (int64_t)P->req[item] * P->bt_sb;
+    const int64_t start = P->ks[item], end = P->ke[item];
+    const size_t es = P->esize;
+
+    if (end <= start) { /* no visible key: zeros */
+        for (int64_t h = 0; h < H; ++h) {
+            char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
+            memset(o, 0, (size_t)D * es);
+        }
+        return;
+    }
+
+    for (int64_t h = 0; h < H; ++h) {
+        const char *q = P->q + (size_t)(row * P->q_st + (h0 + h) * P->q_sh) * es;
+        load_row(S->q + h * Dp, q, P->dtype, D, P->scale);
+        memset(S->acc + h * Dp, 0, (size_t)Dp * sizeof(float));
+        S->m[h] = -INFINITY;
+        S->l[h] = 0.0f;
+    }
+
+    const float qpos = (float)P->qp[item];
+    const int has_cap = P->cap > 0.0f;
+    const float inv_cap = has_cap ? 1.0f / P->cap : 0.0f;
+
+    for (int64_t pos = start; pos < end;) {
+        int64_t n;
+        const int64_t prow = tile_at(P, table, pos, end, &n);
+        const char *kt = P->k + (size_t)(prow * P->k_sr) * es;
+        const char *vt = P->v + (size_t)(prow * P->v_sr) * es;
+
+        if (P->direct) { /* K in place, read in memory order */
+            scores_tile(P, S->q, (const float *)kt + kv0 * P->k_sh, P->k_sr, P->k_sh, C, n, S->s);
+        } else {
+            gather_tile(P, S->kbuf, kt, P->k_sr, P->k_sh, kv0, C, n);
+            scores_tile(P, S->q, S->kbuf, Dp, TILE * Dp, C, n, S->s);
+        }
+
+        for (int64_t h = 0; h < H; ++h) {
+            float *s = S->s + h * TILE;
+            if (has_cap)
+                for (int64_t j = 0; j < n; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
+            if (P->alibi) {
+                const float slope = P->alibi[h0 + h];
+                for (int64_t j = 0; j < n; ++j) s[j] += slope * ((float)(pos + j) - qpos);
+            }
+            for (int64_t j = n; j < TILE; ++j) s[j] = -INFINITY;
+            v8f s0 = ld8(s), s1 = ld8(s + 8);
+            v8i gt = s1 > s0;
+            v8f mx = (v8f)(((v8i)s1 & gt) | ((v8i)s0 & ~gt));
+            float mt = hmax8(mx);
+            float mold = S->m[h];
+            float mnew = mt > mold ? mt : mold;
+            if (mnew == -INFINITY) { /* every score so far is -inf: nothing to add */
+                S->corr[h] = 1.0f;
+                st8(s, splat8(0.0f));
+                st8(s + 8, splat8(0.0f));
+                continue;
+            }
+            float corr = expf(mold - mnew);
+            v8f p0 = vexp(s0 - splat8(mnew)), p1 = vexp(s1 - splat8(mnew));
+            st8(s, p0);
+            st8(s + 8, p1);
+            S->l[h] = S->l[h] * corr + hsum8(p0 + p1);
+            S->m[h] = mnew;
+            S->corr[h] = corr;
+        }
+
+        if (P->direct) { /* V in place: every 64-byte line of the tile is loaded once */
+            for (int64_t c = 0; c < C; ++c)
+                vacc_tile(G, S->s + c * G * TILE, S->corr + c * G,
+                          (const float *)vt + (kv0 + c) * P->v_sh, P->v_sr, n, S->acc + c * G * Dp,
+                          Dp);
+        } else { /* V converted to float32 (and zero-padded to Dp columns) first */
+            gather_tile(P, S->vbuf, vt, P->v_sr, P->v_sh, kv0, C, n);
+            for (int64_t c = 0; c < C; ++c)
+                vacc_tile(G, S->s + c * G * TILE, S->corr + c * G, S->vbuf + c * TILE * Dp, Dp, n,
+                          S->acc + c * G * Dp, Dp);
+        }
+        pos += n;
+    }
+
+    for (int64_t h = 0; h < H; ++h) {
+        char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
+        store_row(o, S->acc + h * Dp, P->dtype, D, 1.0f / S->l[h]);
+    }
+}
+
+/* ---- entry points ------------------------------------------------------------------ */
+
+ATTNKIT_API int attnkit_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+ATTNKIT_API int attnkit_abi_version(void) { return 1; }
+
+/*
+ * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
+ * item, err[1] the offending value and err[2] a position (the block_table column for
+ * ATTNKIT_ERR_BLOCK).  Strides are in elements.  soft_cap <= 0 means none; alibi may be
+ * NULL.  Nothing is written when an error is returned.
+ */
+ATTNKIT_API int attnkit_paged_decode(
+    int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
+    int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
+    const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
+    const int64_t *rows, const int32_t *requests, const int32_t *key_start,
+    const int32_t *key_end, const int32_t *query_pos, int64_t N, int64_t T, int64_t Hq,
+    int64_t Hkv, int64_t D, int64_t block_size, float scale, float soft_cap,
+    const float *alibi, void *output, int64_t o_st, int64_t o_sh, int num_threads,
+    int64_t *err) {
+    err[0] = err[1] = err[2] = -1;
+    if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
+        block_size <= 0 || N < 0 || B < 0 || W < 0 || R < 0 || T < 0)
+        return ATTNKIT_ERR_ARGS;
+
+    const int64_t num_blocks = R / block_size;
+    const int64_t width = W * block_size;
+    for (int64_t i = 0; i < N; ++i) {
+        err[0] = i;
+        const int64_t row = rows[i], b = requests[i], s = key_start[i], e = key_end[i];
+        if (row < 0 || row >= T) { err[1] = row; return ATTNKIT_ERR_ROW; }
+        if (b < 0 || b >= B) { err[1] = b; return ATTNKIT_ERR_REQUEST; }
+        if (s < 0) { err[1] = s; return ATTNKIT_ERR_KEY_START; }
+        if (e > width) { err[1] = e; return ATTNKIT_ERR_KEY_END; }
+        if (e < s) { err[1] = e; err[2] = s; return ATTNKIT_ERR_RANGE; }
+        if (e > s) {
+            const int32_t *table = block_table + b * bt_sb;
+            for (int64_t c = s / block_size; c <= (e - 1) / block_size; ++c) {
+                const int64_t blk = table[c];
+                if (blk < 0 || blk >= num_blocks) {
+                    err[1] = blk;
+                    err[2] = c;
+                    return ATTNKIT_ERR_BLOCK;
+                }
+            }
+        }
+    }
+    err[0] = err[1] = err[2] = -1;
+    if (N == 0) return ATTNKIT_OK;
+
+    params P;
+    P.dtype = dtype;
+    P.esize = dtype == DT_F32 ? 4 : 2;
+    P.q = (const char *)query;
+    P.k = (const char *)k_plane;
+    P.v = (const char *)v_plane;
+    P.o = (char *)output;
+    P.q_st = q_st; P.q_sh = q_sh;
+    P.k_sr = k_sr; P.k_sh = k_sh;
+    P.v_sr = v_sr; P.v_sh = v_sh;
+    P.o_st = o_st; P.o_sh = o_sh;
+    P.bt = block_table; P.bt_sb = bt_sb;
+    P.rows = rows; P.req = requests; P.ks = key_start; P.ke = key_end; P.qp = query_pos;
+    P.Hq = Hq; P.Hkv = Hkv; P.G = Hq / Hkv; P.D = D; P.bs = block_size;
+    P.Dp = (D + 15) / 16 * 16;
+    P.direct = dtype == DT_F32 && D % 16 == 0;
+    /*
+     * Tasks: (work item, a chunk of kv heads).  One thread takes every head of an item in
+     * one pass (each tile of K and V is then read front to back, whole); with more
+     * threads the heads are split until there are about 4 tasks per thread.
+     */
+    int64_t splits = 1;
+    if (num_threads > 1) {
+        splits = (4 * (int64_t)num_threads + N - 1) / N;
+        if (splits > Hkv) splits = Hkv;
+    }
+    P.kv_chunk = (Hkv + splits - 1) / splits;
+    const int64_t chunks = (Hkv + P.kv_chunk - 1) / P.kv_chunk;
+    P.scale = scale;
+    P.cap = soft_cap > 0.0f ? soft_cap : 0.0f;
+    P.alibi = alibi;
+
+    const int64_t tasks = N * chunks;
+    int failed = 0;
+#define RUN_TASK(t)                                                                       \
+    do {                                                                                  \
+        const int64_t kv0_ = ((t) % chunks) * P.kv_chunk;                                 \
+        const int64_t c_ = Hkv - kv0_ < P.kv_chunk ? Hkv - kv0_ : P.kv_chunk;             \
+        run_task(&P, (t) / chunks, kv0_, c_, &S);                                         \
+    } while (0)
+    if (num_threads <= 1 || tasks == 1) {
+        scratch S;
+        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct)) return ATTNKIT_ERR_NOMEM;
+        for (int64_t t = 0; t < tasks; ++t) RUN_TASK(t);
+        free(S.mem);
+        return ATTNKIT_OK;
+    }
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        scratch S;
+        int ok = scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct);
+        if (!ok) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t)
+            if (ok) RUN_TASK(t);
+        if (ok) free(S.mem);
+    }
+    /* A thread without scratch skipped its tasks: redo everything on this thread. */
+    if (failed) {
+        scratch S;
+        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct)) return ATTNKIT_ERR_NOMEM;
+        for (int64_t t = 0; t < tasks; ++t) RUN_TASK(t);
+        free(S.mem);
+    }
+#undef RUN_TASK
+    return ATTNKIT_OK;
+}
