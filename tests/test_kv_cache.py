@@ -686,3 +686,21 @@ def test_null_block_is_zero_even_after_a_fill() -> None:
     assert bool((conv[NULL_BLOCK] == 0).all())
     assert bool((ssm[NULL_BLOCK] == 0).all())
     assert bool(torch.isnan(a0[1:]).all())
+
+
+def test_cache_buffers_are_huge_page_aligned_on_a_linux_cpu() -> None:
+    """Big CPU cache buffers start on a 2 MB boundary (where huge pages were advised);
+    small ones are plain allocations; either way the size is exactly what was asked."""
+    import sys
+
+    from attnkit.kv_cache import cache_buffer
+
+    big = cache_buffer(5 * (1 << 20) + 3, "cpu")
+    assert big.dtype == torch.uint8
+    assert big.shape == (5 * (1 << 20) + 3,)
+    if sys.platform.startswith("linux"):
+        assert big.data_ptr() % (1 << 21) == 0
+    big.fill_(7)  # writable over its whole length
+    assert int(big[-1]) == 7
+    small = cache_buffer(4096, "cpu")
+    assert small.shape == (4096,)
