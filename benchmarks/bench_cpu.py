@@ -8,24 +8,35 @@ size 16, block pools shuffled (tables neither contiguous nor ordered).
 
 Each is measured, in the same run, through:
 
-* ``flex_attention``: its builder (once per step, timed apart) and one layer's
-  ``forward`` (write the step's K/V into the planes, attend) over the planes cache;
+* ``flex_attention`` on its default CPU path (``cpu_path="engines"``: the native paged
+  kernel for decodes, blocked matrix products for prefills): its builder (once per
+  step, timed apart) and one layer's ``forward`` (write the step's K/V into the
+  planes, attend) over the planes cache;
+* ``flex_attention`` with ``cpu_path="flex"``: the same through compiled FlexAttention
+  (inductor's CPU kernel), for comparison (``--no-compiled`` skips it);
 * ``reference``: its builder and ``forward`` over the interleaved cache;
 * SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on dense, contiguous K/V
   (``[B, H, S, D]``, GQA through ``enable_gqa``; causal for prefill) - what a dense
   batch costs with no paging at all;
-* decode only, a plain read of the same bytes: ``torch.sum`` over the K and V rows
-  the step reads (both planes of exactly those blocks), the bandwidth floor.
+* decode only, a plain read of the same bytes: ``torch.sum`` over contiguous copies of
+  the K and V rows the step reads (both planes of exactly those blocks), the bandwidth
+  floor. The planes and the copies are allocated the way the runtime allocates caches
+  (``attnkit.kv_cache.cache_buffer``: huge pages advised on Linux), so both read
+  memory of the same page size.
 
-Reported: medians of ``--reps`` timed calls (after warm-up; each first call compiles,
-its cost reported apart from ``compile_records``); decode as GB/s of K/V read and as a
-fraction of the plain read, prefill as a speed ratio to SDPA causal. Every path runs
+Reported: medians of timed calls after a warm-up (each first call compiles, its cost
+reported apart, with ``compile_records``). The targets are paired: the default path and
+its baseline (the plain read for decode, SDPA causal for prefill) run alternately, one
+call each per round (``3 x --reps`` rounds for decode, ``--reps`` for prefill), and the
+figure is the median of the per-round ratios, so a change in the machine's load hits
+both sides alike; decode is also reported as GB/s of K/V read. Every path runs
 with ``--threads`` torch threads (default 1; compiled kernels take the count at compile
 time). Targets: decode
 >= 60% of the plain read, prefill >= 1.0x SDPA. All figures are this machine's (two
 cores here, shared with other jobs): ratios carry over, absolute times do not. Then the
 demo (``attnkit demo``: default model, CPU, float32) before and after: every attention
-kind forced to ``reference``, then the default selection (``flex_attention``), each run
+kind forced to ``reference``, then the default selection (``flex_attention`` on its CPU
+engines), each run
 twice in the process (the second run finds its kernels compiled), tokens/s.
 
     python benchmarks/bench_cpu.py --out bench-results [--quick]
@@ -52,6 +63,16 @@ from attnkit.backend_api import CommonAttentionMetadata
 HQ, HKV, D, BS = 32, 8, 128, 16
 TARGET_DECODE_FRACTION = 0.60
 TARGET_PREFILL_RATIO = 1.0
+
+
+def _cache_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor in a buffer allocated like the runtime's caches."""
+    from attnkit.kv_cache import cache_buffer
+
+    numel = 1
+    for n in shape:
+        numel *= n
+    return cache_buffer(numel * 4, "cpu").view(torch.float32).view(shape)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -86,8 +107,12 @@ class _Step:
             start += n
         self.table = torch.from_numpy(table)
         rows = self.num_blocks * BS
-        self.k_plane = torch.randn(rows, HKV, D, generator=gen)
-        self.v_plane = torch.randn(rows, HKV, D, generator=gen)
+        # Planes allocated as the runtime allocates caches (kv_cache.cache_buffer: 2 MB
+        # aligned, huge pages advised on Linux), then filled.
+        self.k_plane = _cache_tensor((rows, HKV, D))
+        self.v_plane = _cache_tensor((rows, HKV, D))
+        self.k_plane.copy_(torch.randn(rows, HKV, D, generator=gen))
+        self.v_plane.copy_(torch.randn(rows, HKV, D, generator=gen))
         # The same bytes, interleaved: [NB, 2, BS, Hkv, D].
         self.interleaved = torch.stack(
             [self.k_plane.view(-1, BS, HKV, D), self.v_plane.view(-1, BS, HKV, D)], dim=1
@@ -128,20 +153,24 @@ class _Step:
         return sum(self.seq_lens) * HKV * D * 4 * 2
 
 
-def _backend_layer(name: str) -> tuple[Any, Any]:
+def _backend_layer(name: str, cpu_path: str) -> tuple[Any, Any]:
     from attnkit.backends.flex_attention import FlexAttentionBackend
     from attnkit.backends.reference import ReferenceBackend
 
     backend = FlexAttentionBackend if name == "flex_attention" else ReferenceBackend
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     binding = backend.get_binding(spec)
-    builder = binding.create(spec, ["layer"], AttentionConfig(), torch.device("cpu"))
+    config = AttentionConfig(backend_options={"flex_attention": {"cpu_path": cpu_path}})
+    builder = binding.create(spec, ["layer"], config, torch.device("cpu"))
     impl = binding.create_impl(spec, AttentionLayerParams(num_heads=HQ))
     return builder, impl
 
 
-def _paged(name: str, step: _Step, reps: int) -> dict[str, float]:
-    builder, impl = _backend_layer(name)
+def _paged(
+    name: str, step: _Step, reps: int, cpu_path: str = "engines"
+) -> tuple[dict[str, float], Callable[[], object]]:
+    """Build and first-call figures, the output's error, and the forward call itself."""
+    builder, impl = _backend_layer(name, cpu_path)
     cache: list[torch.Tensor] = (
         [step.k_plane, step.v_plane] if name == "flex_attention" else [step.interleaved]
     )
@@ -151,12 +180,35 @@ def _paged(name: str, step: _Step, reps: int) -> dict[str, float]:
     started = time.perf_counter()
     impl.forward(step.q, step.k, step.v, cache, md, out)  # flex: compiles this shape
     first_s = time.perf_counter() - started
-    forward_s = _median_seconds(
-        lambda: impl.forward(step.q, step.k, step.v, cache, md, out), reps, warmup=0
-    )
     check = _dense_reference(step)
     err = float((out.double() - check.double()).abs().max())
-    return {"build_s": build_s, "forward_s": forward_s, "first_call_s": first_s, "max_err": err}
+
+    def forward() -> object:
+        return impl.forward(step.q, step.k, step.v, cache, md, out)
+
+    stats = {"build_s": build_s, "first_call_s": first_s, "max_err": err}
+    return stats, forward
+
+
+def _paired(
+    fn: Callable[[], object], baseline: Callable[[], object], rounds: int
+) -> tuple[float, float, float]:
+    """``fn`` and ``baseline`` timed alternately, one call each per round (so both see
+    the same machine load): their median times and the median per-round ratio
+    ``baseline / fn``."""
+    fn()
+    baseline()
+    times: list[float] = []
+    base_times: list[float] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        baseline()
+        base_times.append(time.perf_counter() - started)
+    ratios = [b / a for a, b in zip(times, base_times, strict=True)]
+    return statistics.median(times), statistics.median(base_times), statistics.median(ratios)
 
 
 def _dense_reference(step: _Step) -> torch.Tensor:
@@ -176,7 +228,7 @@ def _dense_reference(step: _Step) -> torch.Tensor:
     return torch.cat(rows).float()
 
 
-def _sdpa(step: _Step, reps: int) -> float:
+def _sdpa(step: _Step) -> Callable[[], object]:
     """SDPA on dense, contiguous per-request K/V (equal lengths: one batched call)."""
     b = len(step.seq_lens)
     seq, q_len = step.seq_lens[0], step.query_lens[0]
@@ -191,17 +243,21 @@ def _sdpa(step: _Step, reps: int) -> float:
             q, k, v, is_causal=causal, enable_gqa=True
         )
 
-    return _median_seconds(call, reps)
+    return call
 
 
-def _plain_read(step: _Step, reps: int) -> float:
+def _plain_read(step: _Step) -> Callable[[], object]:
     blocks = torch.unique(step.table[step.table > 0]).long()
     # The rows the step reads, as the planes hold them (blocks are BS rows apart).
     k = step.k_plane.view(-1, BS, HKV, D)
     v = step.v_plane.view(-1, BS, HKV, D)
-    contiguous_k = k[blocks].contiguous()
-    contiguous_v = v[blocks].contiguous()
-    return _median_seconds(lambda: (contiguous_k.sum(), contiguous_v.sum()), reps)
+    # Copies allocated like the caches (the same page size), so the floor is not
+    # slowed by TLB misses the planes do not pay.
+    contiguous_k = _cache_tensor(tuple(k[blocks].shape))
+    contiguous_v = _cache_tensor(tuple(v[blocks].shape))
+    torch.index_select(k, 0, blocks, out=contiguous_k)
+    torch.index_select(v, 0, blocks, out=contiguous_v)
+    return lambda: (contiguous_k.sum(), contiguous_v.sum())
 
 
 def _demo(backend_per_kind: str | None) -> dict[str, float]:
@@ -230,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         "parallel region of a small op waits milliseconds for a busy core)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="cache block size")
+    parser.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="skip flex_attention with cpu_path='flex' (compiled FlexAttention)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     BS = args.block_size
@@ -246,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
 
     step = _Step([1] * decode_b, [decode_ctx - 1] * decode_b)
     gb = step.kv_bytes() / 1e9
-    flex = _paged("flex_attention", step, reps)
-    ref = _paged("reference", step, max(1, reps // 2))
-    sdpa_s = _sdpa(step, reps)
-    read_s = _plain_read(step, reps)
+    rounds = reps * 3
+    flex, forward = _paged("flex_attention", step, reps)
+    flex["forward_s"], read_s, fraction = _paired(forward, _plain_read(step), rounds)
+    flex["sdpa_s"], sdpa_s, flex_over_sdpa = _paired(forward, _sdpa(step), reps)
+    ref, ref_forward = _paged("reference", step, 1)
+    ref["forward_s"] = _median_seconds(ref_forward, max(1, reps // 2))
     decode: dict[str, Any] = {
         "shape": f"{decode_b} x {decode_ctx} context, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
         "kv_gb": gb,
+        "rounds": rounds,
         "flex": flex,
         "reference": ref,
         "sdpa_dense_s": sdpa_s,
@@ -261,27 +325,40 @@ def main(argv: list[str] | None = None) -> int:
         "reference_gbps": gb / ref["forward_s"],
         "sdpa_dense_gbps": gb / sdpa_s,
         "plain_read_gbps": gb / read_s,
+        "flex_fraction_of_read": fraction,
+        "flex_over_sdpa": flex_over_sdpa,
     }
-    decode["flex_fraction_of_read"] = decode["flex_gbps"] / decode["plain_read_gbps"]
-    decode["reference_fraction_of_read"] = decode["reference_gbps"] / decode["plain_read_gbps"]
-    decode["flex_over_sdpa"] = sdpa_s / flex["forward_s"]
+    decode["reference_fraction_of_read"] = read_s / ref["forward_s"]
     decode["flex_over_reference"] = ref["forward_s"] / flex["forward_s"]
+    if not args.no_compiled:
+        compiled, compiled_forward = _paged("flex_attention", step, reps, "flex")
+        compiled["forward_s"] = _median_seconds(compiled_forward, reps, warmup=0)
+        decode["flex_compiled"] = compiled
+        decode["flex_compiled_gbps"] = gb / compiled["forward_s"]
+        decode["flex_compiled_fraction_of_read"] = read_s / compiled["forward_s"]
     results["decode"] = decode
     del step
 
     step = _Step([prefill_len] * prefill_b, [0] * prefill_b, seed=1)
-    flex = _paged("flex_attention", step, reps)
-    ref = _paged("reference", step, max(1, reps // 2))
-    sdpa_s = _sdpa(step, reps)
+    flex, forward = _paged("flex_attention", step, reps)
+    flex["forward_s"], sdpa_s, flex_over_sdpa = _paired(forward, _sdpa(step), reps)
+    ref, ref_forward = _paged("reference", step, 1)
+    ref["forward_s"] = _median_seconds(ref_forward, max(1, reps // 2))
     prefill: dict[str, Any] = {
         "shape": f"{prefill_b} x {prefill_len} tokens causal, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
+        "rounds": reps,
         "flex": flex,
         "reference": ref,
         "sdpa_causal_s": sdpa_s,
-        "flex_over_sdpa": sdpa_s / flex["forward_s"],
+        "flex_over_sdpa": flex_over_sdpa,
         "reference_over_sdpa": sdpa_s / ref["forward_s"],
         "flex_over_reference": ref["forward_s"] / flex["forward_s"],
     }
+    if not args.no_compiled:
+        compiled, compiled_forward = _paged("flex_attention", step, reps, "flex")
+        compiled["forward_s"] = _median_seconds(compiled_forward, reps, warmup=0)
+        prefill["flex_compiled"] = compiled
+        prefill["flex_compiled_over_sdpa"] = sdpa_s / compiled["forward_s"]
     results["prefill"] = prefill
     if not args.no_demo:
         everything = ",".join(
@@ -296,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
 
     d, p = results["decode"], results["prefill"]
     print(f"decode {d['shape']} ({d['kv_gb']:.2f} GB of K/V), this machine:")
-    for name in ("flex", "reference", "sdpa_dense", "plain_read"):
-        print(f"  {name:12s} {d[f'{name}_gbps']:7.2f} GB/s")
+    for name in ("flex", "flex_compiled", "reference", "sdpa_dense", "plain_read"):
+        if f"{name}_gbps" in d:
+            print(f"  {name:13s} {d[f'{name}_gbps']:7.2f} GB/s")
     ok = d["flex_fraction_of_read"] >= TARGET_DECODE_FRACTION
     print(
         f"  flex / plain read {d['flex_fraction_of_read']:.0%} "
@@ -312,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{TARGET_PREFILL_RATIO:g}x); reference {p['reference_over_sdpa']:.2f}x; flex "
         f"{p['flex_over_reference']:.0f}x reference; build {p['flex']['build_s'] * 1e3:.2f} ms"
     )
+    if "flex_compiled_over_sdpa" in p:
+        print(f"  flex compiled (cpu_path='flex') {p['flex_compiled_over_sdpa']:.2f}x SDPA causal")
+    for name, row in (("decode", d), ("prefill", p)):
+        for path in ("flex", "flex_compiled", "reference"):
+            if path in row:
+                print(f"  {name} {path} max |err| vs float64: {row[path]['max_err']:.2e}")
     if "demo" in results:
         for name, row in results["demo"].items():
             print(

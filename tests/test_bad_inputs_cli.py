@@ -191,8 +191,8 @@ CASES = [
             "demo",
             "--prefer",
             "cuda",
-            error="argument --prefer: invalid choice: 'cuda' (choose from 'reference', 'triton', "
-            "'flex')",
+            error="argument --prefer: invalid choice: 'cuda' (choose from 'default', "
+            "'reference', 'triton', 'flex')",
         ),
         id="demo-prefer",
     ),

@@ -347,7 +347,7 @@ def test_example_models() -> None:
         pytest.param(
             {"prefer": "fast"},
             InvalidArgumentError,
-            r"^prefer must be one of reference, triton, flex, got 'fast'$",
+            r"^prefer must be one of default, reference, triton, flex, got 'fast'$",
             id="prefer",
         ),
         pytest.param(

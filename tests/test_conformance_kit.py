@@ -108,6 +108,23 @@ def test_triton_attn_passes() -> None:
     } <= passed
 
 
+def test_flex_attention_passes_on_its_cpu_engines() -> None:
+    """flex_attention's default CPU path (the native decode kernel, blocked prefill):
+    every kind and feature it declares, against the kit's oracle."""
+    report = check_backend(builtin("flex_attention"))
+    assert_passes(report)
+    passed = {r.capability for r in report.results if r.status == "passed"}
+    assert {
+        "kind=full_attention",
+        "kind=sliding_window",
+        "kind=chunked_local_attention",
+        "kind=cross_attention",
+        "kind=encoder_only_attention",
+        "feature=logits_soft_cap",
+        "feature=alibi",
+    } <= passed
+
+
 @pytest.mark.parametrize(
     "name",
     ["triton_mamba1", "triton_mamba2", "triton_gdn", "triton_linear_attn", "triton_short_conv"],

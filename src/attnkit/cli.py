@@ -1042,11 +1042,12 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
     )
     demo.add_argument(
         "--prefer",
-        choices=("reference", "triton", "flex"),
-        default="reference",
-        help="triton: try the Triton backends first for every kind (on CPU, under the "
-        "interpreter); flex: the compiled FlexAttention backend first (each new shape "
-        "compiles on first use)",
+        choices=("default", "reference", "triton", "flex"),
+        default="default",
+        help="default: the device's priority list (on CPU flex_attention, on its CPU "
+        "engines, for the attention kinds it serves); reference: the reference backend "
+        "for every kind; triton: try the Triton backends first for every kind (on CPU, "
+        "under the interpreter); flex: flex_attention first",
     )
     demo.add_argument(
         "--context-parallel",

@@ -736,7 +736,9 @@ LAYER_KINDS = (*_ATTENTION_KINDS, *_MLA_KINDS, *_STATE_KINDS)
 SINKS_SUFFIX = "_sinks"
 
 PRIORITIES: dict[str, tuple[str, ...]] = {
-    "reference": (),  # the device's default priority list
+    "default": (),  # the device's default priority list
+    # The oracle for every kind (on CPU the default puts flex_attention first).
+    "reference": ("reference",),
     "triton": (
         "triton_attn",
         "triton_mla",
@@ -1231,7 +1233,7 @@ def run_demo(
     out: TextIO,
     registry: BackendRegistry | None = None,
     model_name: str = "default",
-    prefer: str = "reference",
+    prefer: str = "default",
     layout: Sequence[str] | None = None,
     context_parallel: ContextParallel | None = None,
 ) -> DemoResult:
@@ -1242,8 +1244,9 @@ def run_demo(
     them); the dense check runs on every rank.
 
     ``model_name``: a key of ``MODELS``; or, with ``layout`` (the layer kinds, e.g. from
-    ``demo_layout``), only the name the report shows. ``prefer="triton"`` puts the Triton backends
-    first in the device's priority list (kinds without a per-kind setting).
+    ``demo_layout``), only the name the report shows. ``prefer`` (kinds without a per-kind setting):
+    ``"default"`` the device's priority list, ``"reference"`` the reference backend for
+    every kind, ``"triton"`` the Triton backends first, ``"flex"`` flex_attention first.
 
     The layout's ``DemoModel.mode`` decides how requests are served: ``"decoder"``
     prefills the prompts (the long one in chunks under ``token_budget``) and decodes

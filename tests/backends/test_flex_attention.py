@@ -1,10 +1,12 @@
 """The ``flex_attention`` backend against the reference backend, and its planning and
 compile-failure paths.
 
-Every schedule runs twice, through an ``AttentionRuntime`` with ``flex_attention`` (planes
-layout, compiled FlexAttention) and one with ``reference`` (interleaved layout, pure
-torch): caches start as NaN (block 0 zero), block pools are shuffled with one seed, so
-tables are neither contiguous nor ordered, and both sides get identical inputs.
+Every schedule runs through an ``AttentionRuntime`` with ``flex_attention`` (planes
+layout) on both CPU paths (``cpu_path="engines"``: the native kernel and blocked
+products; ``"flex"``: compiled FlexAttention) and one with ``reference`` (interleaved
+layout, pure torch): caches start as NaN (block 0 zero), block pools are shuffled with
+one seed, so tables are neither contiguous nor ordered, and every side gets identical
+inputs.
 
 Compiling a FlexAttention shape costs ~10 s on a 2-core CPU, so every runtime here shares
 one spec geometry (Hkv 2, D 16, block 16, one memory budget) and pins the buckets
@@ -17,6 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,8 +41,10 @@ from attnkit import (
     select_backend,
 )
 from attnkit.backends.flex_attention import (
+    NATIVE_MAX_QUERY,
     FlexAttentionBackend,
     FlexAttentionImpl,
+    FlexAttentionMetadata,
     FlexAttentionOptions,
     FlexCompileError,
     _compile,
@@ -51,8 +56,13 @@ HKV, D, BS = 2, 16, 16
 NUM_PAGES = 64
 """One memory budget for every runtime: the planes' length is part of the compiled shape."""
 OPTIONS = {"flex_attention": {"batch_buckets": (8,), "query_buckets": (64,)}}
+PATHS = ("engines", "flex")
 # (atol, rtol): float32 differs by summation order only; bf16 outputs are rounded.
-TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float16: (2e-3, 2e-3),
+}
 
 Step = Sequence[tuple[str, int, int]]
 """One step: ``(request id, new tokens, encoder tokens)`` per scheduled request."""
@@ -116,8 +126,11 @@ def _params(
     )
 
 
-def _runtime(backend: str, spec: AttentionSpec, params: AttentionLayerParams) -> AttentionRuntime:
-    config = AttentionConfig(backend_per_kind={spec.kind: backend}, backend_options=OPTIONS)
+def _runtime(
+    backend: str, spec: AttentionSpec, params: AttentionLayerParams, cpu_path: str = "engines"
+) -> AttentionRuntime:
+    options = {"flex_attention": {**OPTIONS["flex_attention"], "cpu_path": cpu_path}}
+    config = AttentionConfig(backend_per_kind={spec.kind: backend}, backend_options=options)
     rt = AttentionRuntime(
         {"layer": spec},
         config,
@@ -131,10 +144,14 @@ def _runtime(backend: str, spec: AttentionSpec, params: AttentionLayerParams) ->
 
 
 def _run(
-    backend: str, spec: AttentionSpec, params: AttentionLayerParams, steps: Sequence[Step]
+    backend: str,
+    spec: AttentionSpec,
+    params: AttentionLayerParams,
+    steps: Sequence[Step],
+    cpu_path: str = "engines",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Each step's output per request."""
-    rt = _runtime(backend, spec, params)
+    rt = _runtime(backend, spec, params, cpu_path)
     gen = torch.Generator().manual_seed(0)
     live: set[str] = set()
     for step in steps:
@@ -164,10 +181,12 @@ def _run(
         yield {rid: out[rows].clone() for rid, rows in batch.token_slices().items()}
 
 
-def _compare(spec: AttentionSpec, params: AttentionLayerParams, steps: Sequence[Step]) -> None:
+def _compare(
+    spec: AttentionSpec, params: AttentionLayerParams, steps: Sequence[Step], cpu_path: str
+) -> None:
     atol, rtol = TOLERANCES[spec.dtype]
     pairs = zip(
-        _run("flex_attention", spec, params, steps),
+        _run("flex_attention", spec, params, steps, cpu_path),
         _run("reference", spec, params, steps),
         strict=True,
     )
@@ -190,45 +209,77 @@ def _no_recorded_failure() -> Iterator[None]:
 # ------------------------------------------------------------------ against reference
 
 
+@pytest.mark.parametrize("cpu_path", PATHS)
 @pytest.mark.parametrize("kind", ["full", "window", "chunked", "sink"])
-def test_paged_kinds_match_reference(kind: str) -> None:
+def test_paged_kinds_match_reference(kind: str, cpu_path: str) -> None:
     spec = _spec(kind)
-    _compare(spec, _params(spec), RAGGED)
+    _compare(spec, _params(spec), RAGGED, cpu_path)
 
 
-def test_cross_attention_matches_reference() -> None:
+@pytest.mark.parametrize("cpu_path", PATHS)
+def test_cross_attention_matches_reference(cpu_path: str) -> None:
     spec = _spec("cross")
-    _compare(spec, _params(spec), CROSS)
+    _compare(spec, _params(spec), CROSS, cpu_path)
 
 
-def test_encoder_only_matches_reference() -> None:
+@pytest.mark.parametrize("cpu_path", PATHS)
+def test_encoder_only_matches_reference(cpu_path: str) -> None:
     spec = _spec("encoder")
-    _compare(spec, _params(spec), ENCODER)
+    _compare(spec, _params(spec), ENCODER, cpu_path)
 
 
-def test_soft_cap_and_alibi_match_reference() -> None:
+@pytest.mark.parametrize("cpu_path", PATHS)
+def test_soft_cap_and_alibi_match_reference(cpu_path: str) -> None:
     spec = _spec("window")
     slopes = tuple(2.0 ** (-(i + 1) / 2) for i in range(4))
-    _compare(spec, _params(spec, logits_soft_cap=1.5, alibi_slopes=slopes), RAGGED)
+    _compare(spec, _params(spec, logits_soft_cap=1.5, alibi_slopes=slopes), RAGGED, cpu_path)
 
 
-def test_bf16_matches_reference() -> None:
-    spec = _spec("full", torch.bfloat16)
-    _compare(spec, _params(spec), RAGGED[:1] + RAGGED[3:4])
+@pytest.mark.parametrize(
+    ("dtype", "cpu_path"),
+    # One half dtype on the compiled path: each dtype is one more compile (~10 s).
+    [(torch.bfloat16, "engines"), (torch.float16, "engines"), (torch.bfloat16, "flex")],
+)
+def test_half_dtypes_match_reference(dtype: torch.dtype, cpu_path: str) -> None:
+    spec = _spec("full", dtype)
+    _compare(spec, _params(spec), RAGGED[:1] + RAGGED[3:4], cpu_path)
 
 
-def test_one_query_head_per_kv_head_decodes() -> None:
+@pytest.mark.parametrize("cpu_path", PATHS)
+def test_one_query_head_per_kv_head_decodes(cpu_path: str) -> None:
     # G = 1: one query row per K/V head, which the call pads to two rows (see _rows).
     spec = _spec("chunked")
     steps = [(("a", 1, 0), ("b", 1, 0))] * 3 + [(("a", 1, 0), ("b", 1, 0), ("c", 1, 0))] * 30
-    _compare(spec, _params(spec, num_heads=HKV), steps)
+    _compare(spec, _params(spec, num_heads=HKV), steps, cpu_path)
+
+
+def test_engines_split_short_and_long_runs() -> None:
+    """Query runs of up to NATIVE_MAX_QUERY tokens (speculative decoding) take the native
+    kernel, one work item per token with its own key range; longer ones the blocked
+    products: both within one step, against the reference."""
+    spec = _spec("window")
+    steps: tuple[Step, ...] = (
+        (("a", 40, 0), ("b", 2, 0)),
+        (("a", NATIVE_MAX_QUERY, 0), ("b", NATIVE_MAX_QUERY + 1, 0), ("c", 3, 0)),
+        (("a", 1, 0), ("b", NATIVE_MAX_QUERY, 0), ("c", 33, 0)),
+    )
+    _compare(spec, _params(spec), steps, "engines")
+    rt = _runtime("flex_attention", spec, _params(spec))
+    rt.begin_step([ScheduledRequest("a", 3), ScheduledRequest("b", 9)])
+    md = rt.metadata_for("layer")
+    assert isinstance(md, FlexAttentionMetadata)
+    assert md.cpu is not None
+    assert md.calls == ()
+    assert md.cpu.rows.tolist() == [0, 1, 2]  # a's three tokens
+    assert md.cpu.key_end.tolist() == [1, 2, 3]
+    assert md.cpu.prefill_lens.tolist() == [9]
 
 
 def test_steps_reuse_compiled_kernels() -> None:
     spec = _spec("full")
     params = _params(spec)
     steps = list(RAGGED)
-    run = _run("flex_attention", spec, params, steps + steps[1:2])
+    run = _run("flex_attention", spec, params, steps + steps[1:2], "flex")
     for _ in steps:
         next(run)
     # Same buckets as an earlier step: dynamo must not compile again.
@@ -330,39 +381,42 @@ def test_options_reject_unordered_buckets() -> None:
 # ------------------------------------------------------------------ selection and failures
 
 
-# flex_attention is not first in the default CPU list yet (docs/architecture.md,
-# "flex_attention"); these tests put it first, as a user opting in does.
-FLEX_FIRST = {"cpu": ("flex_attention", "reference")}
-
-
-def test_default_cpu_priority_keeps_it_behind_reference() -> None:
-    chosen = select_backend(_spec("window"), AttentionConfig(), device="cpu")
-    assert chosen.backend_name == "reference"
-
-
-def test_selected_first_when_prioritised_for_the_kinds_it_serves() -> None:
+def test_default_cpu_priority_selects_it_first_for_the_kinds_it_serves() -> None:
     config = AttentionConfig()
-    chosen = select_backend(_spec("window"), config, device="cpu", priority=FLEX_FIRST)
+    chosen = select_backend(_spec("window"), config, device="cpu")
     assert chosen.backend_name == "flex_attention"
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    chosen = select_backend(mla, config, device="cpu", priority=FLEX_FIRST)
+    chosen = select_backend(mla, config, device="cpu")
     assert chosen.backend_name == "reference"
     odd = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    chosen = select_backend(odd, config, device="cpu", priority=FLEX_FIRST)
+    chosen = select_backend(odd, config, device="cpu")
     assert chosen.backend_name == "reference"
     assert any("head_size=8 not supported" in r for x in chosen.rejected for r in x.reasons)
 
 
-def test_missing_cpp_compiler_falls_through_with_a_reason() -> None:
+def test_no_c_compiler_for_the_cpu_engines_falls_through_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from attnkit.kernels.cpu import _native
+
+    # A fresh process's view: nothing built yet, an empty cache, no usable compiler.
+    monkeypatch.setattr(_native, "_STATE", [])
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "attnkit-no-such-compiler")
+    reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
+    assert any("native kernel is unavailable" in r and "CC=" in r for r in reasons), reasons
+    chosen = select_backend(_spec("full"), AttentionConfig(), device="cpu")
+    assert chosen.backend_name == "reference"
+    (flex,) = [r for r in chosen.rejected if r.backend == "flex_attention"]
+    assert any("attnkit-no-such-compiler" in r for r in flex.reasons)
+
+
+def test_missing_cpp_compiler_is_a_reason_for_compiled_flex() -> None:
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch({"cpp.cxx": ("attnkit-no-such-compiler",)}):
-        reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
-        chosen = select_backend(_spec("full"), AttentionConfig(), device="cpu", priority=FLEX_FIRST)
+        reasons = _compile.environment_problems(torch.device("cpu"))
     assert any("needs a C++ compiler" in r for r in reasons)
-    assert chosen.backend_name == "reference"
-    (flex,) = [r for r in chosen.rejected if r.backend == "flex_attention"]
-    assert any("C++ compiler" in r for r in flex.reasons)
 
 
 def test_compile_failure_raises_is_recorded_and_selection_falls_through(
@@ -379,8 +433,7 @@ def test_compile_failure_raises_is_recorded_and_selection_falls_through(
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=32, dtype=torch.float32)
     rt = AttentionRuntime(
         {"layer": spec},
-        AttentionConfig(),
-        priority=FLEX_FIRST,
+        AttentionConfig(backend_options={"flex_attention": {"cpu_path": "flex"}}),
         device="cpu",
         memory_budget_bytes=spec.page_size_bytes * 16,
         layer_params={"layer": AttentionLayerParams(num_heads=4)},
@@ -391,7 +444,7 @@ def test_compile_failure_raises_is_recorded_and_selection_falls_through(
     with pytest.raises(FlexCompileError, match="forced inductor failure") as err:
         rt.forward("layer", q, kv, kv)
     assert "does not fall back to the uncompiled kernel" in str(err.value)
-    chosen = select_backend(spec, AttentionConfig(), device="cpu", priority=FLEX_FIRST)
+    chosen = select_backend(spec, AttentionConfig(), device="cpu")
     assert chosen.backend_name == "reference"
     (flex,) = [r for r in chosen.rejected if r.backend == "flex_attention"]
     assert any("compiling FlexAttention failed earlier" in r for r in flex.reasons)

@@ -35,6 +35,7 @@ __all__ = [
     "environment_problems",
     "forget_failures",
     "record_failure",
+    "recorded_failure",
     "run_compiled",
 ]
 
@@ -81,6 +82,11 @@ def record_failure(device_type: str, message: str) -> None:
     """Remember that compiling failed on ``device_type``: selection skips the backend
     there from now on, with ``message`` as the reason."""
     _failures[device_type] = message
+
+
+def recorded_failure(device_type: str) -> str | None:
+    """The compile failure recorded on ``device_type`` in this process, if any."""
+    return _failures.get(device_type)
 
 
 def forget_failures() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "CallPlan",
     "Ints",
     "bucket_for",
+    "lower_bound",
     "plan_call",
 ]
 
@@ -92,7 +93,7 @@ class CallPlan:
     full_logical: Ints
 
 
-def _lower_bound(qp: Ints, window: int | None, chunk: int | None) -> Ints:
+def lower_bound(qp: Ints, window: int | None, chunk: int | None) -> Ints:
     """The first key position a causal query at ``qp`` may see."""
     if window is not None:
         return np.maximum(qp - window + 1, 0)
@@ -167,9 +168,9 @@ def plan_call(
     f0: Ints
     f1: Ints
     if causal:
-        u0 = _lower_bound(qp_lo, window, chunk)
+        u0 = lower_bound(qp_lo, window, chunk)
         u1 = np.minimum(qp_hi, last)
-        f0 = _lower_bound(qp_hi, window, chunk)
+        f0 = lower_bound(qp_hi, window, chunk)
         f1 = np.minimum(qp_lo, last)
         if chunk is not None:
             # Queries in two chunks share no key.

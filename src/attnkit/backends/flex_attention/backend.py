@@ -1,4 +1,16 @@
-"""The ``flex_attention`` backend: compiled FlexAttention over the paged K/V planes.
+"""The ``flex_attention`` backend: attention over the paged K/V planes, through
+compiled FlexAttention on CUDA and the CPU engines on CPU.
+
+On CPU (``FlexAttentionOptions.cpu_path="engines"``, the default) a step runs on
+``attnkit.kernels.cpu`` instead of FlexAttention: requests with at most
+``NATIVE_MAX_QUERY`` queries go to a native paged kernel that reads K and V in place
+through the block table, longer runs to blocked matrix products over keys gathered
+once. Measured on a 2-core AVX2 machine (``benchmarks/bench_cpu.py``), inductor's
+compiled CPU kernel for FlexAttention reads K/V at 19-29% of a plain read when
+decoding and prefills at 0.5-0.67x SDPA whatever the block sizes, and compiles each
+new shape for 5-18 s; the engines meet the targets (decode >= 60% of a plain read:
+61-64%; prefill >= 1x SDPA: 1.5x) and compile one small C file once per machine.
+``cpu_path="flex"`` keeps FlexAttention on CPU too (the description below).
 
 FlexAttention (PyTorch, ``torch.nn.attention.flex_attention``; Dong et al. 2024,
 arXiv:2412.05496) computes attention with a user mask (``mask_mod``) and score
@@ -36,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -63,8 +75,8 @@ from ...spec import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
-from ._compile import environment_problems, run_compiled
-from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, plan_call
+from ._compile import environment_problems, recorded_failure, run_compiled
+from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, lower_bound, plan_call
 
 if TYPE_CHECKING:  # importing flex_attention pulls in dynamo: annotations only
     from torch.nn.attention.flex_attention import BlockMask
@@ -98,7 +110,12 @@ powers of two from 1: their padding costs whole query and output planes."""
 _MIN_PREFILL_BUCKET = 32
 """One query block of tokens: rows of a request past its length cost nothing once a
 query block holds none of its tokens, so small prompts share one bucket."""
+NATIVE_MAX_QUERY = 4
+"""On the CPU engines, requests with at most this many queries (decodes, short
+speculative runs) go to the native paged kernel, which reads each key once per query
+token; longer runs go to blocked matrix products, which gather the keys once."""
 _ENCODER_BLOCK = 16
+_NO_BLOCKS = torch.zeros(0, dtype=torch.int64)
 """Block size of the per-step scratch plane that holds an encoder-only step's K/V."""
 
 
@@ -113,10 +130,18 @@ class FlexAttentionOptions(BackendOptions):
             ``None``: powers of two from 8. Past the largest, the next power of two.
         query_buckets: query lengths a prefill call is padded to (strictly
             increasing); ``None``: powers of two from 32. Decodes use 1.
+        cpu_path: on CPU, ``"engines"`` (default) runs requests of at most
+            ``NATIVE_MAX_QUERY`` queries through the native paged kernel and longer runs
+            as blocked matrix products (``attnkit.kernels.cpu``): nothing to compile
+            per shape, and faster than FlexAttention's compiled CPU kernel
+            (``benchmarks/bench_cpu.py`` measures both); ``"flex"`` runs compiled
+            FlexAttention for every call. Buckets apply to ``"flex"`` only. Ignored
+            on CUDA, where FlexAttention always runs.
     """
 
     batch_buckets: tuple[int, ...] | None = None
     query_buckets: tuple[int, ...] | None = None
+    cpu_path: Literal["engines", "flex"] = "engines"
 
     @field_validator("batch_buckets", "query_buckets")
     @classmethod
@@ -164,6 +189,40 @@ class FlexCall:
     full_blocks: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CpuPlan:
+    """One step on the CPU engines (``FlexAttentionOptions.cpu_path="engines"``).
+
+    Attributes:
+        block_table: int32 ``[B, W]`` (contiguous rows), or ``None`` (encoder-only:
+            no cache).
+        rows, requests, key_start, key_end, query_pos: the native kernel's work, one
+            entry per query token of the requests with at most ``NATIVE_MAX_QUERY``
+            queries: its row in ``query``/``output`` (int64), its block-table row and
+            the logical key range ``[key_start, key_end)`` it sees, and its position
+            (int32). Empty tensors when there is none.
+        prefill_requests, prefill_start, prefill_lens, prefill_seq: the longer runs
+            (host arrays): block-table row, first row, query length and sequence
+            length of each.
+        read_step_kv: requests with ``seq == qlen`` may read their keys/values from the
+            step's ``key``/``value`` rows instead of the planes (the same values: every
+            token of the step was written); False for cross attention, whose step rows
+            are encoder tokens, and when some token was not written.
+    """
+
+    block_table: torch.Tensor | None
+    rows: torch.Tensor
+    requests: torch.Tensor
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    query_pos: torch.Tensor
+    prefill_requests: Ints
+    prefill_start: Ints
+    prefill_lens: Ints
+    prefill_seq: Ints
+    read_step_kv: bool
+
+
 @dataclasses.dataclass
 class _Resolved:
     """What the first layer of a step makes for its cache size and GQA ratio."""
@@ -196,6 +255,7 @@ class FlexAttentionMetadata:
             logical index, from which the physical -> logical map is made.
         scratch_rows, scratch_dest: encoder-only: rows of the scratch plane and, for
             each of the step's tokens in order, its scratch row.
+        cpu: the step on the CPU engines (then ``calls`` is empty), or ``None``.
     """
 
     num_actual_tokens: int
@@ -211,6 +271,7 @@ class FlexAttentionMetadata:
     p2l_logical: torch.Tensor
     scratch_rows: int = 0
     scratch_dest: torch.Tensor | None = None
+    cpu: CpuPlan | None = None
     _resolved: dict[tuple[int, int], _Resolved] = dataclasses.field(
         default_factory=lambda: dict[tuple[int, int], _Resolved]()
     )
@@ -420,9 +481,82 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 f"{self.sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
                 f"{int(seq[b] - qlens[b])} < {self.sink_len}"
             )
+        if self.device.type == "cpu" and self.options.cpu_path == "engines":
+            return self._build_cpu(cm, qsl, qlens, seq)
         if self.encoder:
             return self._build_encoder(cm, qsl, qlens, seq)
         return self._build_paged(cm, qsl, qlens, seq)
+
+    # ------------------------------------------------------------------ CPU engines
+
+    def _build_cpu(
+        self,
+        cm: CommonAttentionMetadata,
+        qsl: Ints,
+        qlens: Ints,
+        seq: Ints,
+    ) -> FlexAttentionMetadata:
+        """Split the step between the native kernel (short query runs, one work item per
+        query token with its key range) and the blocked prefill (the rest)."""
+        live = np.nonzero(qlens > 0)[0]
+        short = live[qlens[live] <= NATIVE_MAX_QUERY] if not self.encoder else live[:0]
+        long = np.setdiff1d(live, short, assume_unique=True)
+        counts = qlens[short]
+        req = np.repeat(short, counts)
+        first = np.cumsum(counts) - counts
+        tok = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+        rows = qsl[req] + tok
+        qpos = seq[req] - qlens[req] + tok
+        if self.causal:
+            start = lower_bound(qpos, self.window, self.chunk)
+            end = qpos + 1
+        else:
+            start = np.zeros_like(qpos)
+            end = seq[req]
+        table: torch.Tensor | None = None
+        write_slots: torch.Tensor | None = None
+        write_rows: torch.Tensor | None = None
+        if not self.encoder:
+            bs = self.kv_cache_spec.block_size
+            table = cm.block_table_tensor
+            width = int(table.shape[1]) * bs
+            if len(live) and int(seq[live].max()) > width:
+                b = int(live[np.argmax(seq[live])])
+                raise ValueError(
+                    f"{type(self).__name__}: block_table_tensor has {table.shape[1]} blocks "
+                    f"of {bs} per request ({width} tokens), but request {b} has seq_lens="
+                    f"{int(seq[b])}"
+                )
+            if table.dtype != torch.int32 or table.stride(-1) != 1:
+                table = table.to(torch.int32).contiguous()
+            write_slots, write_rows = self._write_plan(cm)
+        plan = CpuPlan(
+            block_table=table,
+            rows=_from_numpy(rows),
+            requests=_from_numpy(req.astype(np.int32)),
+            key_start=_from_numpy(start.astype(np.int32)),
+            key_end=_from_numpy(end.astype(np.int32)),
+            query_pos=_from_numpy(qpos.astype(np.int32)),
+            prefill_requests=long,
+            prefill_start=qsl[long],
+            prefill_lens=qlens[long],
+            prefill_seq=seq[long],
+            read_step_kv=self.encoder
+            or (self.kind is not KVCacheSpecKind.CROSS_ATTENTION and write_rows is None),
+        )
+        return FlexAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            kind=self.kind,
+            block_size=self.kv_cache_spec.block_size,
+            calls=(),
+            limits=self._limits,
+            write_slots=write_slots,
+            write_rows=write_rows,
+            sink_slots=self._sink_slots(cm, seq, qlens) if self.sink_len else None,
+            p2l_blocks=_NO_BLOCKS,
+            p2l_logical=_NO_BLOCKS,
+            cpu=plan,
+        )
 
     # ------------------------------------------------------------------ paged kinds
 
@@ -794,6 +928,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         m = attn_metadata
         n = m.num_actual_tokens
         spec = self.kv_cache_spec
+        if m.cpu is not None:
+            return self._forward_cpu(query, key, value, kv_cache, m, m.cpu, output)
         if spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
             assert key is not None  # checked
             assert value is not None
@@ -854,6 +990,77 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             target.view(-1, hkv, g * d).index_copy_(0, call.out_dest, picked.transpose(0, 1))
             if target is not output:
                 output.index_copy_(0, call.out_dest, target.index_select(0, call.out_dest))
+        return output
+
+    def _forward_cpu(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        m: FlexAttentionMetadata,
+        plan: CpuPlan,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step on the CPU engines: write the planes, then the native kernel for the
+        short query runs and blocked matrix products for the rest."""
+        from ...kernels.cpu.decode import paged_attention_rows
+        from ...kernels.cpu.prefill import paged_prefill
+
+        n = m.num_actual_tokens
+        k_plane: torch.Tensor | None = None
+        v_plane: torch.Tensor | None = None
+        if kv_cache:
+            k_plane, v_plane = kv_cache[0], kv_cache[1]
+            self._write(k_plane, v_plane, key, value, m)
+        output[n:] = 0
+        _, slopes = self._device_constants(query.device)
+        if plan.rows.numel():
+            assert k_plane is not None
+            assert v_plane is not None
+            assert plan.block_table is not None
+            paged_attention_rows(
+                query,
+                k_plane,
+                v_plane,
+                plan.block_table,
+                plan.rows,
+                plan.requests,
+                plan.key_start,
+                plan.key_end,
+                plan.query_pos,
+                block_size=m.block_size,
+                scale=self.scale,
+                output=output,
+                soft_cap=self._soft_cap,
+                alibi_slopes=slopes,
+            )
+        if len(plan.prefill_requests):
+            spec = self.kv_cache_spec
+            paged_prefill(
+                query,
+                k_plane,
+                v_plane,
+                plan.block_table,
+                plan.prefill_requests,
+                plan.prefill_start,
+                plan.prefill_lens,
+                plan.prefill_seq,
+                block_size=m.block_size,
+                causal=spec.kind not in _BIDIRECTIONAL,
+                window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+                chunk=(
+                    spec.attention_chunk_size
+                    if isinstance(spec, ChunkedLocalAttentionSpec)
+                    else None
+                ),
+                scale=self.scale,
+                output=output,
+                soft_cap=self._soft_cap,
+                alibi_slopes=slopes,
+                key=key if plan.read_step_kv else None,
+                value=value if plan.read_step_kv else None,
+            )
         return output
 
     def _write(
@@ -921,6 +1128,22 @@ class FlexAttentionBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        """Compiled FlexAttention must be possible here (see ``_compile``): the backend
-        never runs it uncompiled."""
-        return environment_problems(device)
+        """On CPU the default path is the CPU engines, whose native kernel must build
+        here (a C compiler; built once per machine and cached on disk); elsewhere
+        compiled FlexAttention must be possible (see ``_compile``): the backend never
+        runs it uncompiled. A compile failure recorded in this process counts on both."""
+        if device.type != "cpu":
+            return environment_problems(device)
+        from ...kernels.cpu._native import native_problem
+
+        problems: list[str] = []
+        native = native_problem()
+        if native is not None:
+            problems.append(
+                f"the CPU engines' native kernel is unavailable ({native}); "
+                "flex_attention is not offered on CPU"
+            )
+        failed = recorded_failure("cpu")
+        if failed is not None:
+            problems.append(f"compiling FlexAttention failed earlier in this process: {failed}")
+        return problems
