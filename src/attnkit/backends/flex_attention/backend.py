@@ -544,18 +544,36 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             read_step_kv=self.encoder
             or (self.kind is not KVCacheSpecKind.CROSS_ATTENTION and write_rows is None),
         )
-        return FlexAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            kind=self.kind,
+        return self._metadata(
+            cm,
+            seq,
+            qlens,
+            (write_slots, write_rows),
             block_size=self.kv_cache_spec.block_size,
             calls=(),
-            limits=self._limits,
-            write_slots=write_slots,
-            write_rows=write_rows,
-            sink_slots=self._sink_slots(cm, seq, qlens) if self.sink_len else None,
             p2l_blocks=_NO_BLOCKS,
             p2l_logical=_NO_BLOCKS,
             cpu=plan,
+        )
+
+    def _metadata(
+        self,
+        cm: CommonAttentionMetadata,
+        seq: Ints,
+        qlens: Ints,
+        write: tuple[torch.Tensor | None, torch.Tensor | None],
+        **fields: Any,
+    ) -> FlexAttentionMetadata:
+        """The step's metadata: what every paged path sets the same way (the writes,
+        the sink slots, the limits), plus the path's own ``fields``."""
+        return FlexAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            kind=self.kind,
+            limits=self._limits,
+            write_slots=write[0],
+            write_rows=write[1],
+            sink_slots=self._sink_slots(cm, seq, qlens) if self.sink_len else None,
+            **fields,
         )
 
     # ------------------------------------------------------------------ paged kinds
@@ -635,16 +653,13 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             o_t = host_to_device(_from_numpy(offsets), device)
             tail_slots = table[r_t, l_t].to(torch.int64) * bs + o_t
 
-        write_slots, write_rows = self._write_plan(cm)
-        return FlexAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            kind=self.kind,
+        return self._metadata(
+            cm,
+            seq,
+            qlens,
+            self._write_plan(cm),
             block_size=bs,
             calls=tuple(calls),
-            limits=self._limits,
-            write_slots=write_slots,
-            write_rows=write_rows,
-            sink_slots=self._sink_slots(cm, seq, qlens) if self.sink_len else None,
             tail_slots=tail_slots,
             p2l_blocks=p2l_blocks,
             p2l_logical=log_t,
