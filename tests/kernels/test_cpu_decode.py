@@ -405,3 +405,134 @@ def test_bad_compiler_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("CC", "attnkit-no-such-compiler")
     with pytest.raises(_native._BuildError, match=r"CC='attnkit-no-such-compiler' is not"):
         _native._build()
+
+
+# ---------------------------------------------------------------- by request
+
+
+def _request_items(
+    qsl: list[int],
+    seq: list[int],
+    served: list[int],
+    causal: bool,
+    window: int | None,
+    chunk: int | None,
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """The work items the request entry point must plan, computed here from the mask
+    definitions (rows, requests, starts, ends, positions)."""
+    rows, reqs, starts, ends, qpos = [], [], [], [], []
+    for r in served:
+        qlen = qsl[r + 1] - qsl[r]
+        for t in range(qlen):
+            qp = seq[r] - qlen + t
+            visible = [
+                p
+                for p in range(seq[r])
+                if not causal
+                or (
+                    p <= qp
+                    and (window is None or qp - p < window)
+                    and (chunk is None or p // chunk == qp // chunk)
+                )
+            ]
+            rows.append(qsl[r] + t)
+            reqs.append(r)
+            starts.append(visible[0] if visible else 0)
+            ends.append(visible[-1] + 1 if visible else 0)
+            qpos.append(qp)
+    return rows, reqs, starts, ends, qpos
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "chunk", "served"),
+    [
+        (True, None, None, None),
+        (True, 7, None, [2, 0]),
+        (True, None, 12, None),
+        (False, None, None, [1, 3]),
+    ],
+    ids=["causal-all", "window-some", "chunk", "bidirectional-some"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requests_entry_plans_the_items_itself(
+    causal: bool, window: int | None, chunk: int | None, served: list[int] | None,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    hq, hkv, d, bs, width = 8, 2, 32, 16, 4
+    qlens = [1, 3, 1, 4]
+    seq = [37, 20, 1, 50] if causal else [37, 20, 9, 2]  # bidirectional: qlen may exceed seq
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    reqs = served if served is not None else list(range(len(qlens)))
+    rows, items, starts, ends, qpos = _request_items(qsl, seq, reqs, causal, window, chunk)
+    ranges = [(0, s) for s in seq]
+    q, k, v, table = make_case(dtype=dtype, hq=hq, hkv=hkv, d=d, bs=bs, ranges=ranges, width=width)
+    q = torch.randn(qsl[-1] + 2, hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = torch.full_like(q, 7.0)
+    slopes = torch.rand(hq, generator=torch.Generator().manual_seed(4))
+    from attnkit.kernels.cpu.decode import paged_attention_requests
+
+    paged_attention_requests(
+        q, k, v, table,
+        torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq, dtype=torch.int32),
+        None if served is None else torch.tensor(served, dtype=torch.int32),
+        block_size=bs, causal=causal, window=window, chunk=chunk, scale=d**-0.5,
+        output=out, soft_cap=2.0, alibi_slopes=slopes, num_threads=2,
+    )  # fmt: skip
+    want = oracle(q, k, v, table, rows, items, starts, ends, qpos, bs, d**-0.5, 2.0, slopes)
+    for row in range(q.shape[0]):
+        if row in want:
+            torch.testing.assert_close(
+                out[row].double(), want[row], atol=TOL[dtype], rtol=TOL[dtype], msg=f"row {row}"
+            )
+        else:  # rows of unserved requests and past the batch: untouched
+            assert bool((out[row] == 7.0).all()), row
+
+
+def test_requests_entry_errors_name_the_argument_and_request() -> None:
+    from attnkit.kernels.cpu.decode import paged_attention_requests
+
+    q, k, v, table = make_case(
+        dtype=torch.float32, hq=4, hkv=2, d=16, bs=16, ranges=[(0, 20), (0, 5)], width=2
+    )
+    out = torch.zeros_like(q)
+
+    def call(qsl: list[int], seq: list[int], **kw: object) -> None:
+        args: dict[str, object] = {
+            "block_size": 16, "causal": True, "window": None, "chunk": None,
+            "scale": 0.25, "output": out,
+        }  # fmt: skip
+        args.update(kw)
+        served = args.pop("requests", None)
+        paged_attention_requests(
+            q, k, v, table, torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(seq, dtype=torch.int32), served, **args,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"^seq_lens: expected seq_lens\[r\] >= 0 and, when"):
+        call([0, 1, 3], [20, 1])  # request 1: 2 queries, 1 key
+    with pytest.raises(ValueError, match=r"^query_start_loc: expected .* request 1$"):
+        call([0, 2, 1], [20, 5])
+    with pytest.raises(ValueError, match=r"^seq_lens: expected lengths <= W \* block_size = 32"):
+        call([0, 1, 2], [33, 5])
+    with pytest.raises(ValueError, match=r"^requests: expected requests in \[0, 2\), got 5"):
+        call([0, 1, 2], [20, 5], requests=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^query_start_loc: expected a torch.int32 tensor \[N\]"):
+        paged_attention_requests(
+            q, k, v, table, torch.tensor([0, 1, 2]), torch.tensor([20, 5], dtype=torch.int32),
+            None, block_size=16, causal=True, window=None, chunk=None, scale=0.25, output=out,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^window: expected None when causal is False"):
+        call([0, 1, 2], [20, 5], causal=False, window=4)
+    bad = table.clone()
+    bad[0, 1] = 999
+    with pytest.raises(
+        ValueError,
+        match=r"^block_table: expected physical blocks .* got 999 at block_table\[0, 1\]",
+    ):
+        paged_attention_requests(
+            q, k, v, bad, torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([20, 5], dtype=torch.int32), None, block_size=16, causal=True,
+            window=None, chunk=None, scale=0.25, output=out,
+        )  # fmt: skip

@@ -43,7 +43,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _COMPILE_TIMEOUT_S = 120.0
 _STDERR_LINES = 8
 
@@ -69,6 +69,24 @@ _PAGED_DECODE_ARGTYPES: list[
     _ptr,  # err (int64[3])
 ]  # fmt: skip
 
+# attnkit_paged_decode_requests's parameters, in order (see paged_decode.c).
+_PAGED_DECODE_REQUESTS_ARGTYPES: list[
+    type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | type[ctypes.c_float]
+] = [
+    _i32,  # dtype
+    _ptr, _i64, _i64,  # query, q_st, q_sh
+    _ptr, _i64, _i64,  # k_plane, k_sr, k_sh
+    _ptr, _i64, _i64,  # v_plane, v_sr, v_sh
+    _ptr, _i64, _i64, _i64, _i64,  # block_table, bt_sb, B, W, R
+    _ptr, _ptr, _ptr, _i64,  # query_start_loc, seq_lens, requests, n
+    _i64, _i64, _i64, _i64, _i64,  # T, Hq, Hkv, D, block_size
+    _i32, _i64, _i64,  # causal, window, chunk
+    _f32, _f32, _ptr,  # scale, soft_cap, alibi
+    _ptr, _i64, _i64,  # output, o_st, o_sh
+    _i32,  # num_threads
+    _ptr,  # err (int64[3])
+]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class NativeLibrary:
@@ -76,6 +94,7 @@ class NativeLibrary:
 
     path: Path
     paged_decode: Callable[..., int]
+    paged_decode_requests: Callable[..., int]
     has_openmp: bool
 
 
@@ -178,7 +197,15 @@ def _load(path: Path) -> NativeLibrary:
     fn = lib.attnkit_paged_decode
     fn.argtypes = _PAGED_DECODE_ARGTYPES
     fn.restype = ctypes.c_int
-    return NativeLibrary(path=path, paged_decode=fn, has_openmp=bool(has_openmp()))
+    by_request = lib.attnkit_paged_decode_requests
+    by_request.argtypes = _PAGED_DECODE_REQUESTS_ARGTYPES
+    by_request.restype = ctypes.c_int
+    return NativeLibrary(
+        path=path,
+        paged_decode=fn,
+        paged_decode_requests=by_request,
+        has_openmp=bool(has_openmp()),
+    )
 
 
 def _build() -> NativeLibrary:

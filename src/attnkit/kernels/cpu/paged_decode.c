@@ -46,6 +46,8 @@ enum {
     ATTNKIT_ERR_BLOCK = 6,      /* a physical block outside [0, R / bs) */
     ATTNKIT_ERR_NOMEM = 7,      /* scratch allocation failed */
     ATTNKIT_ERR_ARGS = 8,       /* a size argument the wrapper should have refused */
+    ATTNKIT_ERR_QSL = 9,        /* query_start_loc[r] .. [r + 1] not an in-order range of [0, T] */
+    ATTNKIT_ERR_SEQ = 10,       /* seq_lens[r] < 0, or < the query length when causal */
 };
 
 #define TILE 16
@@ -533,7 +535,7 @@ ATTNKIT_API int attnkit_has_openmp(void) {
 #endif
 }
 
-ATTNKIT_API int attnkit_abi_version(void) { return 1; }
+ATTNKIT_API int attnkit_abi_version(void) { return 2; }
 
 /*
  * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
@@ -646,4 +648,72 @@ ATTNKIT_API int attnkit_paged_decode(
     }
 #undef RUN_TASK
     return ATTNKIT_OK;
+}
+
+/*
+ * The same attention for whole requests, planned here from the batch metadata as the
+ * runtime hands it over (no per-token arrays built by the caller): every query token of
+ * the served requests (`requests`, n of them; NULL: all B) is one work item; query t of
+ * request r sits at position qp = seq - qlen + t (qlen = query_start_loc[r + 1] -
+ * query_start_loc[r]) and sees the keys [lo, qp + 1) when causal (lo = 0, or
+ * max(qp - window + 1, 0), or qp's chunk start; window / chunk <= 0: none) and [0, seq)
+ * otherwise.  Error codes as above; err[0] is then the request (not the work item), and
+ * for ATTNKIT_ERR_BLOCK err[2] is the block_table column.
+ */
+ATTNKIT_API int attnkit_paged_decode_requests(
+    int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
+    int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
+    const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
+    const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *requests,
+    int64_t n, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int causal,
+    int64_t window, int64_t chunk, float scale, float soft_cap, const float *alibi,
+    void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
+    err[0] = err[1] = err[2] = -1;
+    if (requests == NULL) n = B;
+    if (n < 0 || B < 0 || T < 0) return ATTNKIT_ERR_ARGS;
+    int64_t items = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = requests ? requests[i] : i;
+        err[0] = r;
+        if (r < 0 || r >= B) { err[0] = i; err[1] = r; return ATTNKIT_ERR_REQUEST; }
+        const int64_t qs = query_start_loc[r], qe = query_start_loc[r + 1], seq = seq_lens[r];
+        if (qs < 0 || qe < qs || qe > T) { err[1] = qs; err[2] = qe; return ATTNKIT_ERR_QSL; }
+        if (seq < 0 || (causal && seq < qe - qs)) { err[1] = seq; err[2] = qe - qs; return ATTNKIT_ERR_SEQ; }
+        items += qe - qs;
+    }
+    err[0] = err[1] = err[2] = -1;
+    if (items == 0) return ATTNKIT_OK;
+    int64_t *rows = (int64_t *)malloc((size_t)items * sizeof(int64_t));
+    int32_t *ints = (int32_t *)malloc((size_t)items * 4 * sizeof(int32_t));
+    if (!rows || !ints) { free(rows); free(ints); return ATTNKIT_ERR_NOMEM; }
+    int32_t *req = ints, *ks = ints + items, *ke = ints + 2 * items, *qp = ints + 3 * items;
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = requests ? requests[i] : i;
+        const int64_t qs = query_start_loc[r], qlen = query_start_loc[r + 1] - qs, seq = seq_lens[r];
+        for (int64_t t = 0; t < qlen; ++t, ++m) {
+            const int64_t pos = seq - qlen + t;
+            rows[m] = qs + t;
+            req[m] = (int32_t)r;
+            qp[m] = (int32_t)pos;
+            if (causal) {
+                int64_t lo = 0;
+                if (window > 0) lo = pos - window + 1 > 0 ? pos - window + 1 : 0;
+                else if (chunk > 0) lo = pos / chunk * chunk; /* pos >= 0 when causal */
+                ks[m] = (int32_t)lo;
+                ke[m] = (int32_t)(pos + 1);
+            } else {
+                ks[m] = 0;
+                ke[m] = (int32_t)seq;
+            }
+        }
+    }
+    const int code = attnkit_paged_decode(
+        dtype, query, q_st, q_sh, k_plane, k_sr, k_sh, v_plane, v_sr, v_sh, block_table, bt_sb,
+        B, W, R, rows, req, ks, ke, qp, items, T, Hq, Hkv, D, block_size, scale, soft_cap, alibi,
+        output, o_st, o_sh, num_threads, err);
+    if (code != ATTNKIT_OK && err[0] >= 0 && err[0] < items) err[0] = req[err[0]];
+    free(rows);
+    free(ints);
+    return code;
 }
