@@ -270,9 +270,19 @@ def test_engines_split_short_and_long_runs() -> None:
     assert isinstance(md, FlexAttentionMetadata)
     assert md.cpu is not None
     assert md.calls == ()
-    assert md.cpu.rows.tolist() == [0, 1, 2]  # a's three tokens
-    assert md.cpu.key_end.tolist() == [1, 2, 3]
+    assert md.cpu.native
+    assert md.cpu.native_requests is not None
+    assert md.cpu.native_requests.tolist() == [0]  # a's three tokens
+    assert md.cpu.prefill_requests.tolist() == [1]
     assert md.cpu.prefill_lens.tolist() == [9]
+    # A decode step: the native kernel takes the whole step, nothing planned.
+    rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 1)])
+    md = rt.metadata_for("layer")
+    assert isinstance(md, FlexAttentionMetadata)
+    assert md.cpu is not None
+    assert md.cpu.native
+    assert md.cpu.native_requests is None
+    assert len(md.cpu.prefill_requests) == 0
 
 
 def test_steps_reuse_compiled_kernels() -> None:

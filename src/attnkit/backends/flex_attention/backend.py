@@ -76,7 +76,7 @@ from ...spec import (
     SlidingWindowSpec,
 )
 from ._compile import environment_problems, recorded_failure, run_compiled
-from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, lower_bound, plan_call
+from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, plan_call
 
 if TYPE_CHECKING:  # importing flex_attention pulls in dynamo: annotations only
     from torch.nn.attention.flex_attention import BlockMask
@@ -116,6 +116,14 @@ speculative runs) go to the native paged kernel, which reads each key once per q
 token; longer runs go to blocked matrix products, which gather the keys once."""
 _ENCODER_BLOCK = 16
 _NO_BLOCKS = torch.zeros(0, dtype=torch.int64)
+_NO_INTS: Ints = np.zeros(0, dtype=np.int64)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int32 tensor (no copy when it is one already)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 """Block size of the per-step scratch plane that holds an encoder-only step's K/V."""
 
 
@@ -196,11 +204,12 @@ class CpuPlan:
     Attributes:
         block_table: int32 ``[B, W]`` (contiguous rows), or ``None`` (encoder-only:
             no cache).
-        rows, requests, key_start, key_end, query_pos: the native kernel's work, one
-            entry per query token of the requests with at most ``NATIVE_MAX_QUERY``
-            queries: its row in ``query``/``output`` (int64), its block-table row and
-            the logical key range ``[key_start, key_end)`` it sees, and its position
-            (int32). Empty tensors when there is none.
+        query_start_loc, seq_lens: the step's int32 CPU offsets ``[B + 1]`` and lengths
+            ``[B]``, as the runtime handed them over: the native kernel plans its work
+            items from them (no per-token arrays are built on the host).
+        native: whether some request goes to the native kernel.
+        native_requests: int32 ``[n]``: the requests it serves (those with at most
+            ``NATIVE_MAX_QUERY`` queries), or ``None``: every request of the step.
         prefill_requests, prefill_start, prefill_lens, prefill_seq: the longer runs
             (host arrays): block-table row, first row, query length and sequence
             length of each.
@@ -211,11 +220,10 @@ class CpuPlan:
     """
 
     block_table: torch.Tensor | None
-    rows: torch.Tensor
-    requests: torch.Tensor
-    key_start: torch.Tensor
-    key_end: torch.Tensor
-    query_pos: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    native: bool
+    native_requests: torch.Tensor | None
     prefill_requests: Ints
     prefill_start: Ints
     prefill_lens: Ints
@@ -464,6 +472,14 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 f"{who}: common_attn_metadata.causal must be {self.causal} for "
                 f"{self.kind.value} layers, got {cm.causal}"
             )
+        engines = self.device.type == "cpu" and self.options.cpu_path == "engines"
+        if (
+            engines
+            and cm.max_query_len <= NATIVE_MAX_QUERY
+            and not self.encoder
+            and not self.sink_len
+        ):
+            return self._build_cpu_short(cm)
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         qlens = np.diff(qsl)
         seq = cm.seq_lens_cpu.numpy().astype(np.int64)
@@ -481,13 +497,20 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 f"{self.sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
                 f"{int(seq[b] - qlens[b])} < {self.sink_len}"
             )
-        if self.device.type == "cpu" and self.options.cpu_path == "engines":
+        if engines:
             return self._build_cpu(cm, qsl, qlens, seq)
         if self.encoder:
             return self._build_encoder(cm, qsl, qlens, seq)
         return self._build_paged(cm, qsl, qlens, seq)
 
     # ------------------------------------------------------------------ CPU engines
+
+    def _build_cpu_short(self, cm: CommonAttentionMetadata) -> FlexAttentionMetadata:
+        """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps): the
+        native kernel takes the whole step from the runtime's offsets as they are, so
+        nothing is planned here (no host array is touched)."""
+        # No sink kind here (sink_len == 0), so the lengths are not read.
+        return self._cpu_metadata(cm, _NO_INTS, _NO_INTS, None, True, _NO_INTS, _NO_INTS)
 
     def _build_cpu(
         self,
@@ -496,59 +519,50 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         qlens: Ints,
         seq: Ints,
     ) -> FlexAttentionMetadata:
-        """Split the step between the native kernel (short query runs, one work item per
-        query token with its key range) and the blocked prefill (the rest)."""
-        live = np.nonzero(qlens > 0)[0]
-        short = live[qlens[live] <= NATIVE_MAX_QUERY] if not self.encoder else live[:0]
-        long = np.setdiff1d(live, short, assume_unique=True)
-        counts = qlens[short]
-        req = np.repeat(short, counts)
-        first = np.cumsum(counts) - counts
-        tok = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
-        rows = qsl[req] + tok
-        qpos = seq[req] - qlens[req] + tok
-        if self.causal:
-            start = lower_bound(qpos, self.window, self.chunk)
-            end = qpos + 1
-        else:
-            start = np.zeros_like(qpos)
-            end = seq[req]
+        """Split the step between the native kernel (requests with short query runs)
+        and the blocked prefill (the rest; everything for encoder-only layers)."""
+        is_live = qlens > 0
+        is_short = is_live & (qlens <= NATIVE_MAX_QUERY) if not self.encoder else ~is_live
+        long = np.flatnonzero(is_live & ~is_short)
+        short = np.flatnonzero(is_short)
+        served = None if len(long) == 0 else _from_numpy(short.astype(np.int32))
+        return self._cpu_metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
+
+    def _cpu_metadata(
+        self,
+        cm: CommonAttentionMetadata,
+        seq: Ints,
+        qlens: Ints,
+        served: torch.Tensor | None,
+        native: bool,
+        long: Ints,
+        long_start: Ints,
+    ) -> FlexAttentionMetadata:
         table: torch.Tensor | None = None
-        write_slots: torch.Tensor | None = None
-        write_rows: torch.Tensor | None = None
+        write: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if not self.encoder:
-            bs = self.kv_cache_spec.block_size
             table = cm.block_table_tensor
-            width = int(table.shape[1]) * bs
-            if len(live) and int(seq[live].max()) > width:
-                b = int(live[np.argmax(seq[live])])
-                raise ValueError(
-                    f"{type(self).__name__}: block_table_tensor has {table.shape[1]} blocks "
-                    f"of {bs} per request ({width} tokens), but request {b} has seq_lens="
-                    f"{int(seq[b])}"
-                )
             if table.dtype != torch.int32 or table.stride(-1) != 1:
                 table = table.to(torch.int32).contiguous()
-            write_slots, write_rows = self._write_plan(cm)
+            write = self._write_plan(cm)
         plan = CpuPlan(
             block_table=table,
-            rows=_from_numpy(rows),
-            requests=_from_numpy(req.astype(np.int32)),
-            key_start=_from_numpy(start.astype(np.int32)),
-            key_end=_from_numpy(end.astype(np.int32)),
-            query_pos=_from_numpy(qpos.astype(np.int32)),
+            query_start_loc=_int32(cm.query_start_loc_cpu),
+            seq_lens=_int32(cm.seq_lens_cpu),
+            native=native,
+            native_requests=served,
             prefill_requests=long,
-            prefill_start=qsl[long],
+            prefill_start=long_start,
             prefill_lens=qlens[long],
             prefill_seq=seq[long],
             read_step_kv=self.encoder
-            or (self.kind is not KVCacheSpecKind.CROSS_ATTENTION and write_rows is None),
+            or (self.kind is not KVCacheSpecKind.CROSS_ATTENTION and write[1] is None),
         )
         return self._metadata(
             cm,
             seq,
             qlens,
-            (write_slots, write_rows),
+            write,
             block_size=self.kv_cache_spec.block_size,
             calls=(),
             p2l_blocks=_NO_BLOCKS,
@@ -674,9 +688,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             slots = slots[: cm.num_actual_tokens]
         if slots.device.type != "cpu":
             return slots, None
-        keep = slots >= 0
-        if bool(keep.all()):
+        if slots.numel() == 0 or int(slots.numpy().min()) >= 0:  # numpy: no dispatch cost
             return slots, None
+        keep = slots >= 0
         rows = torch.nonzero(keep).flatten()
         if self.kind is KVCacheSpecKind.CROSS_ATTENTION and bool(
             (rows == torch.arange(rows.numel())).all()
@@ -1019,7 +1033,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
     ) -> torch.Tensor:
         """The step on the CPU engines: write the planes, then the native kernel for the
         short query runs and blocked matrix products for the rest."""
-        from ...kernels.cpu.decode import paged_attention_rows
+        from ...kernels.cpu.decode import paged_attention_requests
         from ...kernels.cpu.prefill import paged_prefill
 
         n = m.num_actual_tokens
@@ -1030,28 +1044,31 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             self._write(k_plane, v_plane, key, value, m)
         output[n:] = 0
         _, slopes = self._device_constants(query.device)
-        if plan.rows.numel():
+        spec = self.kv_cache_spec
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        if plan.native:
             assert k_plane is not None
             assert v_plane is not None
             assert plan.block_table is not None
-            paged_attention_rows(
+            paged_attention_requests(
                 query,
                 k_plane,
                 v_plane,
                 plan.block_table,
-                plan.rows,
-                plan.requests,
-                plan.key_start,
-                plan.key_end,
-                plan.query_pos,
+                plan.query_start_loc,
+                plan.seq_lens,
+                plan.native_requests,
                 block_size=m.block_size,
+                causal=spec.kind not in _BIDIRECTIONAL,
+                window=window,
+                chunk=chunk,
                 scale=self.scale,
                 output=output,
                 soft_cap=self._soft_cap,
                 alibi_slopes=slopes,
             )
         if len(plan.prefill_requests):
-            spec = self.kv_cache_spec
             paged_prefill(
                 query,
                 k_plane,
@@ -1063,12 +1080,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 plan.prefill_seq,
                 block_size=m.block_size,
                 causal=spec.kind not in _BIDIRECTIONAL,
-                window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
-                chunk=(
-                    spec.attention_chunk_size
-                    if isinstance(spec, ChunkedLocalAttentionSpec)
-                    else None
-                ),
+                window=window,
+                chunk=chunk,
                 scale=self.scale,
                 output=output,
                 soft_cap=self._soft_cap,
