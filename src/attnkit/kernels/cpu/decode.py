@@ -96,6 +96,20 @@ class _Common:
     threads: int
 
 
+def _lead_args(c: _Common) -> tuple[int, ...]:
+    """The native entry points' leading arguments: the dtype code, then the query, K
+    plane, V plane (pointer, row stride, head stride each) and block table (pointer, row
+    stride, B, W, R)."""
+    q, k, v, bt = c.query, c.k, c.v, c.bt
+    return (
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1),
+        bt.data_ptr(), bt.stride(0), bt.shape[0], bt.shape[1], k.shape[0],
+    )  # fmt: skip
+
+
 def _check_common(
     query: object,
     k_plane: object,
@@ -237,7 +251,7 @@ def paged_attention_rows(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
         alibi_slopes, num_threads,
     )  # fmt: skip
-    q, k, v, bt, out = c.query, c.k, c.v, c.bt, c.out
+    q, k, bt, out = c.query, c.k, c.bt, c.out
     T, Hq, D = q.shape
     R, Hkv, _ = k.shape
     B, W = bt.shape
@@ -261,11 +275,7 @@ def paged_attention_rows(
         return
     err = (ctypes.c_int64 * 3)()
     code = lib.paged_decode(
-        _DTYPE_CODES[q.dtype],
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1),
-        bt.data_ptr(), bt.stride(0), B, W, R,
+        *_lead_args(c),
         r.data_ptr(), req.data_ptr(), ks.data_ptr(), ke.data_ptr(), qp.data_ptr(),
         n, T, Hq, Hkv, D, bs,
         c.scale, c.cap, None if c.slopes is None else c.slopes.data_ptr(),
@@ -369,7 +379,7 @@ def paged_attention_requests(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
         alibi_slopes, num_threads,
     )  # fmt: skip
-    q, k, v, bt, out = c.query, c.k, c.v, c.bt, c.out
+    q, k, bt, out = c.query, c.k, c.bt, c.out
     T, Hq, D = q.shape
     R, Hkv, _ = k.shape
     B, W = bt.shape
@@ -394,11 +404,7 @@ def paged_attention_requests(
         return
     err = (ctypes.c_int64 * 3)()
     code = lib.paged_decode_requests(
-        _DTYPE_CODES[q.dtype],
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1),
-        bt.data_ptr(), bt.stride(0), B, W, R,
+        *_lead_args(c),
         qsl.data_ptr(), seq.data_ptr(), None if served is None else served.data_ptr(), n,
         T, Hq, Hkv, D, c.block_size,
         int(causal_b), w, ch,
