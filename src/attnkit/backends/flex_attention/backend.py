@@ -335,6 +335,14 @@ class FlexAttentionMetadata:
         return _Resolved(p2l=p2l, masks=tuple(masks))
 
 
+def _mask_of(spec: AttentionSpec) -> tuple[bool, int | None, int | None]:
+    """The kind's mask: causal or not, its sliding window and its attention chunk
+    (``None`` where the kind has none); read once by the builder and by the impl."""
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+    return spec.kind not in _BIDIRECTIONAL, window, chunk
+
+
 def _rows(query_len: int, group: int) -> int:
     # One query row per K/V head would select inductor's CPU decoding template, which
     # walks every listed block once per partition of the whole plane when the mask
@@ -440,11 +448,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         self.kind = spec.kind
-        self.causal = spec.kind not in _BIDIRECTIONAL
-        self.window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        self.chunk = (
-            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
-        )
+        self.causal, self.window, self.chunk = _mask_of(spec)
         self.sink_len = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
         self.options = _options(config)
         self.encoder = spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
@@ -856,6 +860,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         self.group = params.num_heads // spec.num_kv_heads
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
         self._soft_cap = params.logits_soft_cap
+        self._mask = _mask_of(spec)
         self._alibi = params.alibi_slopes
         self._constants: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
@@ -1044,9 +1049,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             self._write(k_plane, v_plane, key, value, m)
         output[n:] = 0
         _, slopes = self._device_constants(query.device)
-        spec = self.kv_cache_spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        causal, window, chunk = self._mask
         if plan.native:
             assert k_plane is not None
             assert v_plane is not None
@@ -1060,7 +1063,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 plan.seq_lens,
                 plan.native_requests,
                 block_size=m.block_size,
-                causal=spec.kind not in _BIDIRECTIONAL,
+                causal=causal,
                 window=window,
                 chunk=chunk,
                 scale=self.scale,
@@ -1079,7 +1082,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 plan.prefill_lens,
                 plan.prefill_seq,
                 block_size=m.block_size,
-                causal=spec.kind not in _BIDIRECTIONAL,
+                causal=causal,
                 window=window,
                 chunk=chunk,
                 scale=self.scale,
