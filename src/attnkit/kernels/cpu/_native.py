@@ -52,39 +52,37 @@ _i32 = ctypes.c_int
 _ptr = ctypes.c_void_p
 _f32 = ctypes.c_float
 
-# attnkit_paged_decode's parameters, in order (see paged_decode.c).
-_PAGED_DECODE_ARGTYPES: list[
-    type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | type[ctypes.c_float]
-] = [
+_ArgType = type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | type[ctypes.c_float]
+
+# The entry points' parameters, in order (see paged_decode.c). Both start with the same
+# arguments (decode.py's _lead_args) and end with the same tail.
+_LEAD: list[_ArgType] = [
     _i32,  # dtype
     _ptr, _i64, _i64,  # query, q_st, q_sh
     _ptr, _i64, _i64,  # k_plane, k_sr, k_sh
     _ptr, _i64, _i64,  # v_plane, v_sr, v_sh
     _ptr, _i64, _i64, _i64, _i64,  # block_table, bt_sb, B, W, R
-    _ptr, _ptr, _ptr, _ptr, _ptr,  # rows, requests, key_start, key_end, query_pos
-    _i64, _i64, _i64, _i64, _i64, _i64,  # N, T, Hq, Hkv, D, block_size
+]  # fmt: skip
+_TAIL: list[_ArgType] = [
     _f32, _f32, _ptr,  # scale, soft_cap, alibi
     _ptr, _i64, _i64,  # output, o_st, o_sh
     _i32,  # num_threads
     _ptr,  # err (int64[3])
 ]  # fmt: skip
-
-# attnkit_paged_decode_requests's parameters, in order (see paged_decode.c).
-_PAGED_DECODE_REQUESTS_ARGTYPES: list[
-    type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | type[ctypes.c_float]
-] = [
-    _i32,  # dtype
-    _ptr, _i64, _i64,  # query, q_st, q_sh
-    _ptr, _i64, _i64,  # k_plane, k_sr, k_sh
-    _ptr, _i64, _i64,  # v_plane, v_sr, v_sh
-    _ptr, _i64, _i64, _i64, _i64,  # block_table, bt_sb, B, W, R
+# attnkit_paged_decode
+_PAGED_DECODE_ARGTYPES: list[_ArgType] = [
+    *_LEAD,
+    _ptr, _ptr, _ptr, _ptr, _ptr,  # rows, requests, key_start, key_end, query_pos
+    _i64, _i64, _i64, _i64, _i64, _i64,  # N, T, Hq, Hkv, D, block_size
+    *_TAIL,
+]  # fmt: skip
+# attnkit_paged_decode_requests
+_PAGED_DECODE_REQUESTS_ARGTYPES: list[_ArgType] = [
+    *_LEAD,
     _ptr, _ptr, _ptr, _i64,  # query_start_loc, seq_lens, requests, n
     _i64, _i64, _i64, _i64, _i64,  # T, Hq, Hkv, D, block_size
     _i32, _i64, _i64,  # causal, window, chunk
-    _f32, _f32, _ptr,  # scale, soft_cap, alibi
-    _ptr, _i64, _i64,  # output, o_st, o_sh
-    _i32,  # num_threads
-    _ptr,  # err (int64[3])
+    *_TAIL,
 ]  # fmt: skip
 
 
