@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import statistics
 import sys
 import time
@@ -69,10 +70,7 @@ def _cache_tensor(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised float32 tensor in a buffer allocated like the runtime's caches."""
     from attnkit.kv_cache import cache_buffer
 
-    numel = 1
-    for n in shape:
-        numel *= n
-    return cache_buffer(numel * 4, "cpu").view(torch.float32).view(shape)
+    return cache_buffer(math.prod(shape) * 4, "cpu").view(torch.float32).view(shape)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
