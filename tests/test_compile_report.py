@@ -139,7 +139,7 @@ def test_declared_matrix_kernels_must_use_tensor_cores() -> None:
     assert not row.failed
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_default_set_compiles_cleanly(tmp_path: Path) -> None:
     """The declared default set of every kernel family: no compile error, no spill, no
     shared memory over the limit, and MMA instructions wherever a module declares
