@@ -71,6 +71,7 @@ from .spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from .state_types import state_type_of
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -830,13 +831,8 @@ class _Builder:
         spec = MambaSpec(
             block_size=self.block_size,
             shapes=shapes,
-            # Conv states in the model dtype; the recurrent state (the last shape) in
-            # state_dtype. Short conv has only conv states.
-            dtypes=(
-                (self.dtype,) * len(shapes)
-                if mamba_type == "short_conv"
-                else (self.dtype,) * (len(shapes) - 1) + (self.state_dtype,)
-            ),
+            # Conv states in the model dtype, recurrent states in state_dtype.
+            dtypes=state_type_of(mamba_type).state_dtypes(self.dtype, self.state_dtype),
             mamba_type=mamba_type,
         )
         return LayerInfo(spec=spec, state=dims, use_rope=False)

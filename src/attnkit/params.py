@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
 from .errors import InvalidArgumentError
-from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec, MambaType
+from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -30,7 +30,6 @@ from .state_inputs import (
 )
 
 __all__ = [
-    "STATE_PARAMS_BY_TYPE",
     "AttentionLayerParams",
     "GatedDeltaNetLayerParams",
     "LayerParams",
@@ -728,16 +727,8 @@ StateLayerParams = (
     | LinearAttentionLayerParams
     | ShortConvLayerParams
 )
-"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type``."""
-
-STATE_PARAMS_BY_TYPE: Mapping[MambaType, type[StateLayerParams]] = {
-    "mamba1": Mamba1LayerParams,
-    "mamba2": Mamba2LayerParams,
-    "gdn": GatedDeltaNetLayerParams,
-    "linear": LinearAttentionLayerParams,
-    "short_conv": ShortConvLayerParams,
-}
-"""``MambaSpec.mamba_type`` -> the parameter class its layers take."""
+"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type`` (which class is whose:
+``attnkit.state_types``)."""
 
 LayerParams = AttentionLayerParams | StateLayerParams
 """Per-layer parameters an impl is built with."""
