@@ -13,8 +13,11 @@ else switches on ``mamba_type``, and an unknown type is an error naming the know
     st.spec_problems(spec)              # [] or the reasons, e.g. a wrong layout
     st.params_type, st.inputs_type      # Mamba2LayerParams, Mamba2Inputs
 
-Letters as in ``attnkit.params``: T tokens, H heads, P head dim, G groups, N state
-size, W conv width, C conv channels, D ``d_inner``, K key dim, V value dim.
+A new type is its name in ``spec.MambaType``, its input and parameter classes, and
+its object here, added to ``_ALL`` (docs/architecture.md, "Adding a state type"); the
+record's class is ``attnkit._state_type.StateType``. Letters as in ``attnkit.params``:
+T tokens, H heads, P head dim, G groups, N state size, W conv width, C conv channels,
+D ``d_inner``, K key dim, V value dim.
 """
 
 from __future__ import annotations
