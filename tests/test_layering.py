@@ -28,11 +28,13 @@ LAYERS: dict[str, int] = {
     "attnkit.devices": 2,
     "attnkit.metadata": 3,
     "attnkit.kinds": 3,
+    "attnkit._state_type": 3,
     "attnkit.config": 4,
     "attnkit.params": 4,
     "attnkit.builder": 5,
     "attnkit.impl": 5,
-    "attnkit.models": 5,
+    "attnkit.state_types": 5,
+    "attnkit.models": 6,
     "attnkit.binding": 6,
     "attnkit.backend": 7,
     "attnkit.registry": 8,
@@ -61,9 +63,9 @@ LAYERS: dict[str, int] = {
 }
 """Core modules and their layer."""
 
-_KERNEL_CALLERS = frozenset({"attnkit.demo", "attnkit.parallel"})
-"""Core modules that call a kernel: the demo, and the context-parallel merge
-(``merge_attn_states``)."""
+_KERNEL_CALLERS = frozenset({"attnkit.demo", "attnkit.parallel", "attnkit.state_types"})
+"""Core modules that call a kernel: the demo, the context-parallel merge
+(``merge_attn_states``), and the state types' reference computations."""
 
 BACKEND_MAX_CORE_LAYER = LAYERS["attnkit.backend"]
 """Backends (``attnkit.backends.*``) see the core up to ``backend``, never the registry,
@@ -148,7 +150,7 @@ def _violation(source: str, target: str) -> str | None:
         return None
     if target.startswith("attnkit.kernels"):
         return None if source.startswith("attnkit.backends") or source in _KERNEL_CALLERS else (
-            "only backends (and the demo's dense check) import kernels"
+            "only backends (and the demo, the merge, the state types) import kernels"
         )
     if source.startswith("attnkit.backends"):
         if target.startswith("attnkit.backends"):

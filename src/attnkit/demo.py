@@ -54,6 +54,7 @@ from .spec import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MambaType,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
@@ -66,6 +67,7 @@ from .state_inputs import (
     Mamba2Inputs,
     ShortConvInputs,
 )
+from .state_types import state_type_of
 
 __all__ = ["LAYER_KINDS", "MODELS", "DemoModel", "DemoResult", "demo_layout", "run_demo"]
 
@@ -729,7 +731,73 @@ _ATTENTION_KINDS: tuple[_AttentionKind, ...] = (
     "cross",
 )
 _MLA_KINDS = ("mla", "mla_window")
-_STATE_KINDS = ("mamba", "mamba1", "gdn", "linear", "short_conv")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateSizes:
+    """What the demo's state mixers are built from (``DemoModel``'s arguments)."""
+
+    hidden: int
+    heads: int
+    groups: int
+    d_state: int
+    width: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+_StateMixer = Callable[[_Rand, torch.Generator, _StateSizes], _Mixer[MambaSpec, Any]]
+
+_STATE_MIXERS: dict[MambaType, _StateMixer] = {
+    "mamba2": lambda rand, gen, s: _Mamba2(
+        rand,
+        gen,
+        hidden=s.hidden,
+        heads=s.heads,
+        groups=s.groups,
+        d_state=s.d_state,
+        width=s.width,
+        block_size=s.block_size,
+        dtype=s.dtype,
+        device=s.device,
+    ),
+    "mamba1": lambda rand, gen, s: _Mamba1(
+        rand,
+        gen,
+        hidden=s.hidden,
+        d_inner=s.hidden,
+        d_state=s.d_state,
+        dt_rank=max(1, s.hidden // 16),
+        width=s.width,
+        block_size=s.block_size,
+        dtype=s.dtype,
+        device=s.device,
+    ),
+    "gdn": lambda rand, gen, s: _GatedDeltaNet(
+        rand,
+        hidden=s.hidden,
+        heads=s.heads,
+        key_dim=s.d_state,
+        width=s.width,
+        block_size=s.block_size,
+        dtype=s.dtype,
+    ),
+    "linear": lambda rand, gen, s: _LinearAttention(
+        rand,
+        hidden=s.hidden,
+        heads=s.heads,
+        key_dim=s.d_state,
+        block_size=s.block_size,
+        device=s.device,
+    ),
+    "short_conv": lambda rand, gen, s: _ShortConv(
+        rand, hidden=s.hidden, width=3, block_size=s.block_size, dtype=s.dtype
+    ),
+}
+"""The state types the demo has a mixer for (each with its own dense definition); a
+layer's demo name is its type's ``short_name``."""
+_STATE_KINDS: dict[str, MambaType] = {state_type_of(t).short_name: t for t in _STATE_MIXERS}
 LAYER_KINDS = (*_ATTENTION_KINDS, *_MLA_KINDS, *_STATE_KINDS)
 """``DemoModel``'s layer kinds; an attention or MLA kind with the suffix ``"_sinks"``
 (``"full_sinks"``) also has learned per-head sink logits (gpt-oss)."""
@@ -771,11 +839,7 @@ _DEMO_KINDS: dict[tuple[str, str | None], str] = {
     ("sliding_window_mla", None): "mla_window",
     ("encoder_only_attention", None): "encoder",
     ("cross_attention", None): "cross",
-    ("mamba", "mamba1"): "mamba1",
-    ("mamba", "mamba2"): "mamba",
-    ("mamba", "gdn"): "gdn",
-    ("mamba", "linear"): "linear",
-    ("mamba", "short_conv"): "short_conv",
+    **{("mamba", t): short for short, t in _STATE_KINDS.items()},
 }
 
 DemoMode = Literal["decoder", "encoder", "encoder-decoder"]
@@ -920,6 +984,9 @@ class DemoModel:
 
         self.embed = rand(vocab, hidden)
         self.lm_head = rand(hidden, vocab, scale=hidden**-0.5)
+        sizes = _StateSizes(
+            hidden, mamba_heads, mamba_groups, d_state, conv_width, block_size, dtype, self.device
+        )
         # Mixers of every kind (each with its own spec and parameter types).
         self.layers: dict[str, _Mixer[Any, Any]] = {}
         for i, kind in enumerate(layout):
@@ -952,53 +1019,8 @@ class DemoModel:
                     dtype=dtype,
                     sinks=sinks,
                 )
-            elif base == "mamba":
-                mixer = _Mamba2(
-                    rand,
-                    gen,
-                    hidden=hidden,
-                    heads=mamba_heads,
-                    groups=mamba_groups,
-                    d_state=d_state,
-                    width=conv_width,
-                    block_size=block_size,
-                    dtype=dtype,
-                    device=self.device,
-                )
-            elif base == "mamba1":
-                mixer = _Mamba1(
-                    rand,
-                    gen,
-                    hidden=hidden,
-                    d_inner=hidden,
-                    d_state=d_state,
-                    dt_rank=max(1, hidden // 16),
-                    width=conv_width,
-                    block_size=block_size,
-                    dtype=dtype,
-                    device=self.device,
-                )
-            elif base == "gdn":
-                mixer = _GatedDeltaNet(
-                    rand,
-                    hidden=hidden,
-                    heads=mamba_heads,
-                    key_dim=d_state,
-                    width=conv_width,
-                    block_size=block_size,
-                    dtype=dtype,
-                )
-            elif base == "linear":
-                mixer = _LinearAttention(
-                    rand,
-                    hidden=hidden,
-                    heads=mamba_heads,
-                    key_dim=d_state,
-                    block_size=block_size,
-                    device=self.device,
-                )
-            else:  # short_conv: the kinds were checked above
-                mixer = _ShortConv(rand, hidden=hidden, width=3, block_size=block_size, dtype=dtype)
+            else:  # a state kind: the kinds were checked above
+                mixer = _STATE_MIXERS[_STATE_KINDS[base]](rand, gen, sizes)
             self.layers[f"layers.{i}"] = mixer
         self.specs: dict[str, KVCacheSpec] = {name: m.spec for name, m in self.layers.items()}
         self.params: dict[str, LayerParams] = {name: m.params for name, m in self.layers.items()}

@@ -71,6 +71,7 @@ from .spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from .state_types import state_type_of
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -134,7 +135,9 @@ class Mamba1Dims:
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((d_inner, d_conv - 1), (d_inner, d_state))``: conv state and SSM state."""
-        return ((self.d_inner, self.d_conv - 1), (self.d_inner, self.d_state))
+        return Mamba1LayerParams.state_shapes_for(
+            d_inner=self.d_inner, d_state=self.d_state, conv_kernel=self.d_conv
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,14 +158,17 @@ class Mamba2Dims:
     @property
     def conv_dim(self) -> int:
         """C = H*P + 2*G*N, the channels of x, B and C that go through the conv."""
-        return self.num_heads * self.head_dim + 2 * self.n_groups * self.d_state
+        return self.state_shapes[0][0]
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((C, W - 1), (H, P, N))``."""
-        return (
-            (self.conv_dim, self.d_conv - 1),
-            (self.num_heads, self.head_dim, self.d_state),
+        return Mamba2LayerParams.state_shapes_for(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            n_groups=self.n_groups,
+            d_state=self.d_state,
+            conv_kernel=self.d_conv,
         )
 
 
@@ -183,16 +189,18 @@ class GatedDeltaNetDims:
 
     @property
     def conv_dim(self) -> int:
-        return (
-            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-        )
+        """C = 2*Hk*K + Hv*V."""
+        return self.state_shapes[0][0]
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((C, W - 1), (Hv, K, V))``."""
-        return (
-            (self.conv_dim, self.conv_kernel - 1),
-            (self.num_value_heads, self.key_head_dim, self.value_head_dim),
+        return GatedDeltaNetLayerParams.state_shapes_for(
+            num_heads=self.num_value_heads,
+            num_key_heads=self.num_key_heads,
+            key_dim=self.key_head_dim,
+            value_dim=self.value_head_dim,
+            conv_kernel=self.conv_kernel,
         )
 
 
@@ -228,7 +236,9 @@ class LinearAttentionDims:
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((H, D, D),)``."""
-        return ((self.num_heads, self.head_dim, self.head_dim),)
+        return LinearAttentionLayerParams.state_shapes_for(
+            num_heads=self.num_heads, key_dim=self.head_dim, value_dim=self.head_dim
+        )
 
 
 def lightning_attention_decay(num_heads: int, layer_index: int, num_layers: int) -> torch.Tensor:
@@ -273,7 +283,9 @@ class ShortConvDims:
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((C, W - 1),)``."""
-        return ((self.channels, self.conv_kernel - 1),)
+        return ShortConvLayerParams.state_shapes_for(
+            channels=self.channels, conv_kernel=self.conv_kernel
+        )
 
 
 StateDims = Mamba1Dims | Mamba2Dims | GatedDeltaNetDims | LinearAttentionDims | ShortConvDims
@@ -819,13 +831,8 @@ class _Builder:
         spec = MambaSpec(
             block_size=self.block_size,
             shapes=shapes,
-            # Conv states in the model dtype; the recurrent state (the last shape) in
-            # state_dtype. Short conv has only conv states.
-            dtypes=(
-                (self.dtype,) * len(shapes)
-                if mamba_type == "short_conv"
-                else (self.dtype,) * (len(shapes) - 1) + (self.state_dtype,)
-            ),
+            # Conv states in the model dtype, recurrent states in state_dtype.
+            dtypes=state_type_of(mamba_type).state_dtypes(self.dtype, self.state_dtype),
             mamba_type=mamba_type,
         )
         return LayerInfo(spec=spec, state=dims, use_rope=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
 from .errors import InvalidArgumentError
-from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec, MambaType
+from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -30,7 +30,6 @@ from .state_inputs import (
 )
 
 __all__ = [
-    "STATE_PARAMS_BY_TYPE",
     "AttentionLayerParams",
     "GatedDeltaNetLayerParams",
     "LayerParams",
@@ -400,12 +399,24 @@ class Mamba2LayerParams:
         """W, the conv width."""
         return int(self.conv_weight.shape[1])
 
+    @staticmethod
+    def state_shapes_for(
+        *, num_heads: int, head_dim: int, n_groups: int, d_state: int, conv_kernel: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, P, N))`` for these sizes, ``C = H*P + 2*G*N``: the conv state
+        and the SSM state of one request (``attnkit.models`` reads a config's through it)."""
+        conv_dim = num_heads * head_dim + 2 * n_groups * d_state
+        return ((conv_dim, conv_kernel - 1), (num_heads, head_dim, d_state))
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((C, W-1), (H, P, N))``: the conv state and the SSM state of one request."""
-        return (
-            (self.conv_dim, self.conv_kernel - 1),
-            (self.num_heads, self.head_dim, self.d_state),
+        return self.state_shapes_for(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            n_groups=self.n_groups,
+            d_state=self.d_state,
+            conv_kernel=self.conv_kernel,
         )
 
     def output_shape(self, num_tokens: int) -> tuple[int, ...]:
@@ -523,10 +534,20 @@ class Mamba1LayerParams:
         """W, the conv width."""
         return int(self.conv_weight.shape[1])
 
+    @staticmethod
+    def state_shapes_for(
+        *, d_inner: int, d_state: int, conv_kernel: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """``((D, W-1), (D, N))`` for these sizes: the conv state and the SSM state of one
+        request."""
+        return ((d_inner, conv_kernel - 1), (d_inner, d_state))
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((D, W-1), (D, N))``: the conv state and the SSM state of one request."""
-        return ((self.d_inner, self.conv_kernel - 1), (self.d_inner, self.d_state))
+        return self.state_shapes_for(
+            d_inner=self.d_inner, d_state=self.d_state, conv_kernel=self.conv_kernel
+        )
 
     def output_shape(self, num_tokens: int) -> tuple[int, ...]:
         """``y`` of a step: ``[T, D]``."""
@@ -587,12 +608,24 @@ class GatedDeltaNetLayerParams:
         """C = 2*Hk*K + H*V."""
         return 2 * self.key_heads * self.key_dim + self.num_heads * self.value_dim
 
+    @staticmethod
+    def state_shapes_for(
+        *, num_heads: int, num_key_heads: int, key_dim: int, value_dim: int, conv_kernel: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1), (H, K, V))`` for these sizes, ``C = 2*Hk*K + H*V``: conv state and
+        delta-rule state."""
+        conv_dim = 2 * num_key_heads * key_dim + num_heads * value_dim
+        return ((conv_dim, conv_kernel - 1), (num_heads, key_dim, value_dim))
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """``((C, W-1), (H, K, V))``: conv state and delta-rule state."""
-        return (
-            (self.conv_dim, int(self.conv_weight.shape[1]) - 1),
-            (self.num_heads, self.key_dim, self.value_dim),
+        return self.state_shapes_for(
+            num_heads=self.num_heads,
+            num_key_heads=self.key_heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+            conv_kernel=int(self.conv_weight.shape[1]),
         )
 
     def output_shape(self, num_tokens: int) -> tuple[int, ...]:
@@ -631,9 +664,19 @@ class LinearAttentionLayerParams:
                 f"{list(self.decay.shape)} with min {float(self.decay.min()) if self.decay.numel() else 'n/a'}"
             )
 
+    @staticmethod
+    def state_shapes_for(
+        *, num_heads: int, key_dim: int, value_dim: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """``((H, K, V),)`` for these sizes: one ``K x V`` state per head."""
+        return ((num_heads, key_dim, value_dim),)
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return ((self.num_heads, self.key_dim, self.value_dim),)
+        """``((H, K, V),)``."""
+        return self.state_shapes_for(
+            num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim
+        )
 
     def output_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (num_tokens, self.num_heads, self.value_dim)
@@ -661,9 +704,17 @@ class ShortConvLayerParams:
         _check_state_params(owner, self, ("channels",))
         _check_conv_weight(owner, self.conv_weight, self.conv_bias, self.channels)
 
+    @staticmethod
+    def state_shapes_for(*, channels: int, conv_kernel: int) -> tuple[tuple[int, ...], ...]:
+        """``((C, W-1),)`` for these sizes: the conv state."""
+        return ((channels, conv_kernel - 1),)
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return ((self.channels, int(self.conv_weight.shape[1]) - 1),)
+        """``((C, W-1),)``."""
+        return self.state_shapes_for(
+            channels=self.channels, conv_kernel=int(self.conv_weight.shape[1])
+        )
 
     def output_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (num_tokens, self.channels)
@@ -676,16 +727,8 @@ StateLayerParams = (
     | LinearAttentionLayerParams
     | ShortConvLayerParams
 )
-"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type``."""
-
-STATE_PARAMS_BY_TYPE: Mapping[MambaType, type[StateLayerParams]] = {
-    "mamba1": Mamba1LayerParams,
-    "mamba2": Mamba2LayerParams,
-    "gdn": GatedDeltaNetLayerParams,
-    "linear": LinearAttentionLayerParams,
-    "short_conv": ShortConvLayerParams,
-}
-"""``MambaSpec.mamba_type`` -> the parameter class its layers take."""
+"""Parameters of a ``MambaSpec`` layer, one type per ``mamba_type`` (which class is whose:
+``attnkit.state_types``)."""
 
 LayerParams = AttentionLayerParams | StateLayerParams
 """Per-layer parameters an impl is built with."""

@@ -81,6 +81,7 @@ from .spec import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from .state_types import state_type_of
 
 __all__ = [
     "PER_RANK_JSON_KEYS",
@@ -758,79 +759,10 @@ def _split_kv_heads(heads: int, tp: int, what: str, where: str) -> tuple[int, in
 
 
 def _split_state(spec: MambaSpec, tp: int, where: str) -> tuple[MambaSpec, str]:
-    """A state layer's spec on one of ``tp`` ranks, and the split in words.
-
-    The state shapes are those of ``attnkit.models`` (and the layer params'
-    ``state_shapes``), so the sizes are read back from them: the heads (or channels)
-    are split evenly, the conv channels follow. Mamba2's B/C groups are split like K/V
-    heads (replicated when fewer than the ranks). Anything that does not divide
-    exactly, or shapes of another layout, is an error naming the layer.
-    """
-    kind, shapes = spec.mamba_type, spec.shapes
-
-    def fail(reason: str) -> InvalidArgumentError:
-        return InvalidArgumentError(
-            f"plan_model: tensor_parallel={tp} cannot split the {kind} state of {where}: "
-            f"{reason}"
-        )
-
-    def divided(count: int, what: str) -> int:
-        if count % tp:
-            raise fail(f"its {count} {what} are not a multiple of {tp}")
-        return count // tp
-
-    ranks: tuple[tuple[int, ...], ...]
-    if kind == "mamba1" and [len(s) for s in shapes] == [2, 2] and shapes[0][0] == shapes[1][0]:
-        # ((D, W - 1), (D, N)): every channel has its own conv and SSM state.
-        (d_inner, taps), (_, d_state) = shapes
-        local = divided(d_inner, "channels (d_inner)")
-        ranks = ((local, taps), (local, d_state))
-        detail = f"mamba1 channels {d_inner} -> {local} per rank"
-    elif kind == "mamba2" and [len(s) for s in shapes] == [2, 3]:
-        # ((H * P + 2 * G * N, W - 1), (H, P, N))
-        (conv, taps), (heads, head_dim, d_state) = shapes
-        bc = conv - heads * head_dim
-        if bc <= 0 or bc % (2 * d_state):
-            raise fail(f"shapes {shapes} are not ((H*P + 2*G*N, W-1), (H, P, N))")
-        n_groups = bc // (2 * d_state)
-        local = divided(heads, "heads")
-        local_groups, copies = _split_kv_heads(n_groups, tp, "B/C groups", where)
-        ranks = ((local * head_dim + 2 * local_groups * d_state, taps), (local, head_dim, d_state))
-        shared = f" (each on {copies} ranks)" if copies > 1 else ""
-        detail = (
-            f"mamba2 heads {heads} -> {local} per rank, B/C groups {n_groups} -> "
-            f"{local_groups} per rank{shared}"
-        )
-    elif kind == "gdn" and [len(s) for s in shapes] == [2, 3]:
-        # ((2 * Hk * K + Hv * V, W - 1), (Hv, K, V))
-        (conv, taps), (value_heads, key_dim, value_dim) = shapes
-        qk = conv - value_heads * value_dim
-        if qk <= 0 or qk % (2 * key_dim):
-            raise fail(f"shapes {shapes} are not ((2*Hk*K + Hv*V, W-1), (Hv, K, V))")
-        key_heads = qk // (2 * key_dim)
-        local_v = divided(value_heads, "value heads")
-        local_k = divided(key_heads, "key heads")
-        ranks = (
-            (2 * local_k * key_dim + local_v * value_dim, taps),
-            (local_v, key_dim, value_dim),
-        )
-        detail = (
-            f"gdn value heads {value_heads} -> {local_v}, key heads {key_heads} -> "
-            f"{local_k} per rank"
-        )
-    elif kind == "linear" and [len(s) for s in shapes] == [3]:
-        ((heads, key_dim, value_dim),) = shapes
-        local = divided(heads, "heads")
-        ranks = ((local, key_dim, value_dim),)
-        detail = f"linear attention heads {heads} -> {local} per rank"
-    elif kind == "short_conv" and [len(s) for s in shapes] == [2]:
-        ((channels, taps),) = shapes
-        local = divided(channels, "channels")
-        ranks = ((local, taps),)
-        detail = f"short conv channels {channels} -> {local} per rank"
-    else:
-        raise fail(f"its shapes {shapes} are not the {kind} layout attnkit knows")
-    return dataclasses.replace(spec, shapes=ranks), detail
+    """A state layer's spec on one of ``tp`` ranks, and the split in words: its type's
+    rule (``StateType.split_shapes``; an error names the layer)."""
+    shapes, detail = state_type_of(spec).split_shapes(spec.shapes, tp, where=where)
+    return dataclasses.replace(spec, shapes=shapes), detail
 
 
 def _split_group(

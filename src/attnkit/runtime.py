@@ -60,7 +60,7 @@ from .parallel import (
     merge_partials,
     step_fingerprint,
 )
-from .params import STATE_PARAMS_BY_TYPE, AttentionLayerParams, LayerParams
+from .params import AttentionLayerParams, LayerParams, StateLayerParams
 from .registry import BackendRegistry
 from .selector import Selection, select_backend
 from .spec import (
@@ -70,6 +70,7 @@ from .spec import (
     MambaSpec,
 )
 from .state_inputs import StateInputs
+from .state_types import state_type_of
 
 __all__ = [
     "AttentionRuntime",
@@ -1144,7 +1145,7 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
     elif isinstance(spec, MambaSpec):
-        expected = STATE_PARAMS_BY_TYPE[spec.mamba_type]
+        expected: type[StateLayerParams] = state_type_of(spec).params_type
         if not isinstance(params, expected):
             raise InvalidArgumentError(
                 f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "

@@ -81,14 +81,14 @@ def test_state_dtype_reason() -> None:
     reasons = TritonMamba2Backend.not_supported_reasons(
         BackendRequest(spec=spec("mamba2", (torch.float32, torch.bfloat16)), device=CPU)
     )
-    assert reasons == ["mamba2 state dtype must be float32, got bfloat16"]
+    assert reasons == ["mamba2 ssm state dtype (dtypes[1]) must be float32, got bfloat16"]
 
 
 def test_mamba1_state_dtype_reason_and_impl_checks() -> None:
     reasons = TritonMamba1Backend.not_supported_reasons(
         BackendRequest(spec=spec("mamba1", (torch.float32, torch.float16)), device=CPU)
     )
-    assert reasons == ["mamba1 state dtype must be float32, got float16"]
+    assert reasons == ["mamba1 ssm state dtype (dtypes[1]) must be float32, got float16"]
     params = Mamba1LayerParams(
         d_inner=32,
         d_state=16,

@@ -289,11 +289,11 @@ def _plans(
             )
             plans.append(plan)
     if KVCacheSpecKind.MAMBA in wanted:
-        for mamba_type in sorted(backend.supported_mamba_types):
+        for state_type in sorted(backend.supported_mamba_types):
             choice = LayerChoice(
-                kind=KVCacheSpecKind.MAMBA, block_size=block_sizes[0], mamba_type=mamba_type
+                kind=KVCacheSpecKind.MAMBA, block_size=block_sizes[0], mamba_type=state_type
             )
-            plans.append(_Plan(f"kind=mamba mamba_type={mamba_type}", choice))
+            plans.append(_Plan(f"kind=mamba mamba_type={state_type}", choice))
     for kind in sorted(served - wanted, key=lambda k: k.value):
         plans.append(_Plan(f"kind={kind.value}", None, skip="not among the kinds asked for"))
     # CUDA-graph levels, per kind checked (the first choice of each kind).

@@ -21,13 +21,9 @@ from ..capabilities import AttentionFeature
 from ..config import AttentionConfig
 from ..params import (
     AttentionLayerParams,
-    GatedDeltaNetLayerParams,
     LayerParams,
-    LinearAttentionLayerParams,
-    Mamba1LayerParams,
-    Mamba2LayerParams,
     MLAProjection,
-    ShortConvLayerParams,
+    StateLayerParams,
 )
 from ..registry import BackendRegistry
 from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
@@ -44,14 +40,8 @@ from ..spec import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from ..state_inputs import (
-    GatedDeltaNetInputs,
-    LinearAttentionInputs,
-    Mamba1Inputs,
-    Mamba2Inputs,
-    ShortConvInputs,
-    StateInputs,
-)
+from ..state_inputs import StateInputs
+from ..state_types import StateType, state_type_of
 from .strategies import Case, LayerChoice, Step
 from .tolerances import Tolerance, tolerance_for
 
@@ -165,74 +155,23 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
     return spec, params
 
 
+def _state_type(choice: LayerChoice) -> StateType[Any, Any]:
+    if choice.mamba_type is None:
+        raise KitError(f"a {choice.kind.value} layer choice needs a mamba_type, got None")
+    return state_type_of(choice.mamba_type)
+
+
 def _state_layer(
     choice: LayerChoice, gen: torch.Generator, device: torch.device
 ) -> tuple[KVCacheSpec, LayerParams]:
-    bs = choice.block_size
-    params: LayerParams
-    if choice.mamba_type == "mamba2":
-        heads, head_dim, groups, d_state = 2, 8, 1, 8
-        conv_dim = heads * head_dim + 2 * groups * d_state
-        params = Mamba2LayerParams(
-            num_heads=heads,
-            head_dim=head_dim,
-            n_groups=groups,
-            d_state=d_state,
-            conv_weight=_randn(gen, conv_dim, 4, scale=0.5).to(device),
-            conv_bias=_randn(gen, conv_dim, scale=0.1).to(device),
-            A=-torch.rand(heads, generator=gen).add(0.5).to(device),
-            D=_randn(gen, heads).to(device),
-            dt_bias=_randn(gen, heads, scale=0.5).to(device),
-            dt_softplus=True,
-            chunk_size=8,
-        )
-        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float32)
-    elif choice.mamba_type == "mamba1":
-        d_inner, d_state, rank = 16, 8, 2
-        params = Mamba1LayerParams(
-            d_inner=d_inner,
-            d_state=d_state,
-            conv_weight=_randn(gen, d_inner, 4, scale=0.5).to(device),
-            conv_bias=_randn(gen, d_inner, scale=0.1).to(device),
-            x_proj_weight=_randn(gen, rank + 2 * d_state, d_inner, scale=0.3).to(device),
-            dt_proj_weight=_randn(gen, d_inner, rank, scale=0.5).to(device),
-            dt_bias=_randn(gen, d_inner, scale=0.5).to(device),
-            A=-torch.rand(d_inner, d_state, generator=gen).add(0.5).to(device),
-            D=_randn(gen, d_inner).to(device),
-        )
-        dtypes = (torch.float32, torch.float32)
-    elif choice.mamba_type == "gdn":
-        # One query/key head shared by both value heads (as Qwen3-Next's 16 key heads
-        # serve 32 value heads): a backend must map value head h to key head
-        # h // (H // Hk); equal counts are the special case H // Hk = 1.
-        heads, key_heads, key_dim, value_dim = 2, 1, 8, 8
-        conv_dim = 2 * key_heads * key_dim + heads * value_dim
-        params = GatedDeltaNetLayerParams(
-            num_heads=heads,
-            num_key_heads=key_heads,
-            key_dim=key_dim,
-            value_dim=value_dim,
-            conv_weight=_randn(gen, conv_dim, 4, scale=0.5).to(device),
-            conv_bias=None,
-            chunk_size=16,
-        )
-        dtypes = (torch.float32, torch.float32)
-    elif choice.mamba_type == "linear":
-        heads = 2
-        decay = torch.tensor([2.0 ** (-4.0 * (i + 1)) for i in range(heads)], device=device)
-        params = LinearAttentionLayerParams(
-            num_heads=heads, key_dim=8, value_dim=8, decay=decay, chunk_size=16
-        )
-        dtypes = (torch.float32,)
-    elif choice.mamba_type == "short_conv":
-        params = ShortConvLayerParams(
-            channels=16, conv_weight=_randn(gen, 16, 3, scale=0.5).to(device)
-        )
-        dtypes = (torch.float32,)
-    else:
-        raise KitError(f"the kit has no inputs for mamba_type={choice.mamba_type}")
+    """The type's example layer (``StateType.example``), every state in float32."""
+    state_type = _state_type(choice)
+    params: StateLayerParams = state_type.example(gen, device)
     spec = MambaSpec(
-        block_size=bs, shapes=params.state_shapes, dtypes=dtypes, mamba_type=choice.mamba_type
+        block_size=choice.block_size,
+        shapes=params.state_shapes,
+        dtypes=state_type.state_dtypes(torch.float32),
+        mamba_type=state_type.name,
     )
     return spec, params
 
@@ -246,11 +185,16 @@ class _Inputs:
 
 
 def _request_inputs(
-    case: Case, n: int, encoder_len: int, gen: torch.Generator, device: torch.device
+    case: Case,
+    params: LayerParams,
+    n: int,
+    encoder_len: int,
+    gen: torch.Generator,
+    device: torch.device,
 ) -> _Inputs:
     choice = case.choice
     if choice.kind is KVCacheSpecKind.MAMBA:
-        return _Inputs(_state_inputs(choice, n, gen, device))
+        return _Inputs(_state_inputs(choice, params, n, gen, device))
     d, hkv, hq = choice.head_size, case.num_kv_heads, case.num_heads
 
     def t(*shape: int) -> torch.Tensor:
@@ -266,40 +210,16 @@ def _request_inputs(
 
 
 def _state_inputs(
-    choice: LayerChoice, n: int, gen: torch.Generator, device: torch.device
+    choice: LayerChoice, params: LayerParams, n: int, gen: torch.Generator, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return _randn(gen, *shape, scale=scale).to(device)
-
-    if choice.mamba_type == "mamba2":
-        return {"xBC": t(n, 2 * 8 + 2 * 8), "dt": t(n, 2, scale=0.5)}
-    if choice.mamba_type == "mamba1":
-        return {"x": t(n, 16)}
-    if choice.mamba_type == "gdn":
-        return {
-            "qkv": t(n, 2 * 1 * 8 + 2 * 8, scale=0.5),  # q | k (1 key head) | v (2 heads)
-            "g": -torch.nn.functional.softplus(t(n, 2)),
-            "beta": torch.sigmoid(t(n, 2)),
-        }
-    if choice.mamba_type == "linear":
-        return {
-            "q": torch.nn.functional.silu(t(n, 2, 8)),
-            "k": torch.nn.functional.silu(t(n, 2, 8)),
-            "v": t(n, 2, 8),
-        }
-    return {"b": t(n, 16), "c": t(n, 16), "x": t(n, 16)}
+    """The type's example inputs for ``n`` tokens (``StateType.example_inputs``), by field."""
+    inputs = _state_type(choice).example_inputs(params, n, gen, device)
+    return {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
 
 
 def _as_state_inputs(choice: LayerChoice, tensors: dict[str, torch.Tensor]) -> StateInputs:
-    if choice.mamba_type == "mamba2":
-        return Mamba2Inputs(xBC=tensors["xBC"], dt=tensors["dt"])
-    if choice.mamba_type == "mamba1":
-        return Mamba1Inputs(x=tensors["x"])
-    if choice.mamba_type == "gdn":
-        return GatedDeltaNetInputs(qkv=tensors["qkv"], g=tensors["g"], beta=tensors["beta"])
-    if choice.mamba_type == "linear":
-        return LinearAttentionInputs(q=tensors["q"], k=tensors["k"], v=tensors["v"])
-    return ShortConvInputs(b=tensors["b"], c=tensors["c"], x=tensors["x"])
+    inputs: StateInputs = _state_type(choice).inputs_type(**tensors)
+    return inputs
 
 
 def _budget(spec: KVCacheSpec, case: Case) -> int:
@@ -331,6 +251,7 @@ class _Side:
             registry=registry,
             cache_fill=float("nan"),
         )
+        self.params = params
         # Blocks handed out in a shuffled order: tables are neither contiguous nor sorted.
         random.Random(case.seed).shuffle(self.runtime.manager.pool._free)
 
@@ -379,11 +300,13 @@ def _compare(where: str, got: torch.Tensor, expected: torch.Tensor, tol: Toleran
 
 
 def _step_inputs(
-    case: Case, step: Step, gen: torch.Generator, device: torch.device
+    case: Case, step: Step, gen: torch.Generator, device: torch.device, params: LayerParams
 ) -> dict[str, _Inputs]:
     # Drawn in the schedule's order, so both sides get the same tensors whatever
     # order their runtimes lay the batch out in.
-    return {rid: _request_inputs(case, n, enc, gen, device) for rid, n, enc in step.scheduled}
+    return {
+        rid: _request_inputs(case, params, n, enc, gen, device) for rid, n, enc in step.scheduled
+    }
 
 
 def _sides(
@@ -416,7 +339,7 @@ def run_case(
     for i, step in enumerate(case.steps):
         for rid in step.finished:
             cached.pop(rid, None)
-        inputs = _step_inputs(case, step, gen, device)
+        inputs = _step_inputs(case, step, gen, device, ref.params)
         try:
             expected = ref.forward(case, ref.begin(step), inputs)
         except Exception as exc:
@@ -523,7 +446,7 @@ def check_cudagraph(
     addresses: dict[str, int] = {}
     moved: list[str] = []
     for i, step in enumerate(steps):
-        inputs = _step_inputs(case, step, gen, device)
+        inputs = _step_inputs(case, step, gen, device, ref.params)
         expected = ref.forward(case, ref.begin(step), inputs)
         try:
             batch = test.begin(step)

@@ -30,7 +30,6 @@ from attnkit.backends.reference import (
     ReferenceAttentionBuilder,
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
-    ReferenceMamba2Impl,
     ReferenceStateBuilder,
     ReferenceStateImpl,
     ReferenceStateMetadata,
@@ -69,8 +68,6 @@ def check(
     impl = ReferenceAttentionImpl(attn_spec, params)
     assert_type(impl.kv_cache_spec, AttentionSpec)
     assert_type(impl.layer_params, AttentionLayerParams)
-    mamba2 = ReferenceMamba2Impl(mamba_spec, mamba2_params)
-    assert_type(mamba2.layer_params, Mamba2LayerParams)
     dispatcher = ReferenceStateImpl(mamba_spec, mamba2_params)
     assert_type(dispatcher.layer_params, StateLayerParams)
 
@@ -81,8 +78,6 @@ def check(
     assert_type(b_window, BuilderBinding[SlidingWindowSpec, ReferenceAttentionMetadata])
     b_state = bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl)
     assert_type(b_state, BuilderBinding[MambaSpec, ReferenceStateMetadata])
-    b_mamba2 = bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceMamba2Impl)
-    assert_type(b_mamba2, BuilderBinding[MambaSpec, ReferenceStateMetadata])
     assert_type(
         b_state.create(mamba_spec, ["l1"], config, device).build(0, cm), ReferenceStateMetadata
     )

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl, ReferenceAttentionMetadata
 from .backend import ReferenceBackend
-from .mamba2 import ReferenceMamba2Impl, ReferenceStateBuilder, ReferenceStateMetadata
-from .state import (
-    ReferenceGatedDeltaNetImpl,
-    ReferenceLinearAttentionImpl,
-    ReferenceShortConvImpl,
-    ReferenceStateImpl,
-)
+from .state import ReferenceStateBuilder, ReferenceStateImpl, ReferenceStateMetadata
 
 __all__ = [
     "ReferenceAttentionBuilder",
     "ReferenceAttentionImpl",
     "ReferenceAttentionMetadata",
     "ReferenceBackend",
-    "ReferenceGatedDeltaNetImpl",
-    "ReferenceLinearAttentionImpl",
-    "ReferenceMamba2Impl",
-    "ReferenceShortConvImpl",
     "ReferenceStateBuilder",
     "ReferenceStateImpl",
     "ReferenceStateMetadata",

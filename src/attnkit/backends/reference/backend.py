@@ -17,10 +17,9 @@ from ...spec import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
 )
+from ...state_types import STATE_TYPES, state_spec_reasons
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
-from .mamba1 import mamba1_spec_problems
-from .mamba2 import ReferenceStateBuilder, mamba2_spec_problems
-from .state import ReferenceStateImpl
+from .state import ReferenceStateBuilder, ReferenceStateImpl
 
 __all__ = ["ReferenceBackend"]
 
@@ -28,8 +27,9 @@ __all__ = ["ReferenceBackend"]
 class ReferenceBackend(AttentionBackend):
     """Pure-torch kernels with float32 accumulation, written for clarity, not speed.
 
-    Serves every ``KVCacheSpecKind`` (state layers of types ``mamba1``, ``mamba2``, ``gdn``,
-    ``linear`` and ``short_conv``) with any head size and block size, on CPU and CUDA. Other backends are tested against it.
+    Serves every ``KVCacheSpecKind`` (state layers of every type in
+    ``attnkit.state_types``) with any head size and block size, on CPU and CUDA. Other
+    backends are tested against it.
     """
 
     name = "reference"
@@ -49,9 +49,8 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.CONTEXT_PARALLEL,
         }
     )
-    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(
-        {"mamba1", "mamba2", "gdn", "linear", "short_conv"}
-    )
+    # Every state type: each declares its reference computation.
+    supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(STATE_TYPES)
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),
         bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl),
@@ -61,10 +60,8 @@ class ReferenceBackend(AttentionBackend):
     @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         spec = request.spec
-        if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
-            return mamba2_spec_problems(spec)
-        if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
-            return mamba1_spec_problems(spec)
+        if isinstance(spec, MambaSpec):
+            return state_spec_reasons(spec, cls.supported_mamba_types)
         if isinstance(
             spec, MLAAttentionSpec | SlidingWindowMLASpec
         ) and spec.kv_cache_dtype.startswith("fp8"):

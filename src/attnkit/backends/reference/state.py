@@ -1,255 +1,200 @@
-"""The reference backend's state layers other than Mamba2: Gated DeltaNet, linear
-attention with decay, and LFM2-style short convolution, plus the impl that picks the
-right one by ``MambaSpec.mamba_type``.
+"""The reference backend's state layers: one builder and one impl for every state type.
 
-Like the Mamba2 path, every request of a step (decode or prefill) goes through the
-varlen torch kernels, starting from its cached state when it has context before the
-step. Each impl takes its type's input class (``attnkit.state_inputs``).
+The impl checks a step's tensors against what the layer's type declares
+(``attnkit.state_types``: its input widths, its states, its output) and runs the type's
+reference computation, the pure-torch varlen kernels of ``attnkit.kernels.torch``:
+every request of a step (decode or prefill) goes one path, starting from its cached
+states when it has context before the step, so state continuity does not depend on
+how a batch is split. A type it does not know is an error, never another type's path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from typing_extensions import override
 
+from ...builder import AttentionCGSupport, AttentionMetadataBuilder
+from ...config import AttentionConfig
+from ...errors import ArgumentTypeError, InvalidArgumentError
 from ...impl import StateImpl
-from ...kernels.torch.conv1d import causal_conv1d_varlen
-from ...kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
-from ...kernels.torch.linear_attention import chunk_linear_attention_varlen
-from ...kernels.torch.short_conv import short_conv_varlen
-from ...params import (
-    GatedDeltaNetLayerParams,
-    LinearAttentionLayerParams,
-    Mamba1LayerParams,
-    ShortConvLayerParams,
-    StateLayerParams,
-    check_state_shapes,
-)
+from ...metadata import CommonAttentionMetadata
+from ...params import StateLayerParams
 from ...spec import MambaSpec
-from ...state_inputs import (
-    GatedDeltaNetInputs,
-    LinearAttentionInputs,
-    ShortConvInputs,
-    StateInputs,
-)
-from ._checks import check_tensor
-from .mamba1 import ReferenceMamba1Impl
-from .mamba2 import ReferenceMamba2Impl, ReferenceStateMetadata
+from ...state_inputs import StateInputs
+from ...state_types import StateStep, StateType, check_state_layer
+from ._checks import check_tensor, describe
 
-__all__ = [
-    "ReferenceGatedDeltaNetImpl",
-    "ReferenceLinearAttentionImpl",
-    "ReferenceShortConvImpl",
-    "ReferenceStateImpl",
-]
+__all__ = ["ReferenceStateBuilder", "ReferenceStateImpl", "ReferenceStateMetadata"]
 
 
-def _check_spec(owner: str, spec: MambaSpec, params: StateLayerParams, mamba_type: str) -> None:
-    if spec.mamba_type != mamba_type:
-        raise ValueError(
-            f"{owner}: kv_cache_spec.mamba_type must be {mamba_type!r}, got {spec.mamba_type!r}"
-        )
-    check_state_shapes(owner, spec, params)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceStateMetadata:
+    """One state group's step, as the reference kernels take it.
 
-
-def _states(owner: str, kv_cache: Sequence[torch.Tensor], spec: MambaSpec) -> list[torch.Tensor]:
-    if len(kv_cache) != len(spec.shapes):
-        raise ValueError(
-            f"{owner}: kv_cache must hold {len(spec.shapes)} state tensors, got {len(kv_cache)}"
-        )
-    return [
-        check_tensor(
-            owner, f"kv_cache[{i}]", t, layout="[NB, *state]", shape=(None, *shape), dtype=dtype
-        )
-        for i, (t, shape, dtype) in enumerate(zip(kv_cache, spec.shapes, spec.dtypes, strict=True))
-    ]
-
-
-class ReferenceGatedDeltaNetImpl(
-    StateImpl[ReferenceStateMetadata, GatedDeltaNetLayerParams, GatedDeltaNetInputs]
-):
-    """Short conv (SiLU) over q/k/v, L2-normalised q and k, then the gated delta rule.
-
-    ``forward(GatedDeltaNetInputs(qkv [T, C], g [T, H], beta [T, H])) -> o [T, H, V]``,
-    ``C = 2*Hk*K + H*V`` (q, k with the ``Hk`` key heads, v with the ``H`` value heads).
+    Attributes:
+        num_actual_tokens: ``T``, the step's real tokens (inputs may be padded past it).
+        query_start_loc: int32 ``[B+1]`` on the device (``CommonAttentionMetadata``'s own).
+        state_indices: int32 ``[B]``: each request's state block, column 0 of the block
+            table (a view of it, not a copy).
+        has_initial_state: bool ``[B]``: the request has context before this step
+            (``seq_lens - query_lens > 0``), so it continues from its cached state.
     """
 
-    def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
-        super().__init__(kv_cache_spec, layer_params)
-        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "gdn")
-        if kv_cache_spec.dtypes[1] != torch.float32:
-            raise ValueError(
-                f"{type(self).__name__}: the delta-rule state (dtypes[1]) must be float32"
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+
+
+class ReferenceStateBuilder(AttentionMetadataBuilder[ReferenceStateMetadata, MambaSpec]):
+    """Builds ``ReferenceStateMetadata``; narrowed to ``MambaSpec`` by its type parameter."""
+
+    # The torch kernels read offsets back to the host: nothing can be captured.
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        # One metadata serves every state layer type: each request's state block,
+        # offsets and whether it continues from a cached state.
+
+    @override
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ReferenceStateMetadata:
+        cm = common_attn_metadata
+        table = cm.block_table_tensor
+        if table.shape[1] < 1:
+            raise InvalidArgumentError(
+                f"ReferenceStateBuilder: block_table_tensor must have a column 0 holding each "
+                f"request's state block, got {describe(table)}"
             )
-
-    @override
-    def forward(
-        self,
-        inputs: GatedDeltaNetInputs,
-        kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceStateMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
-        conv_states, states = _states(owner, kv_cache, self.kv_cache_spec)
-        n = md.num_actual_tokens
-        qkv = check_tensor(owner, "inputs.qkv", inputs.qkv, layout="[T, C]", shape=(None, p.conv_dim))
-        rows = (qkv.shape[0], p.num_heads)
-        g = check_tensor(owner, "inputs.g", inputs.g, layout="[T, H]", shape=rows)
-        beta = check_tensor(owner, "inputs.beta", inputs.beta, layout="[T, H]", shape=rows)
-        mixed = causal_conv1d_varlen(
-            qkv[:n].to(conv_states.dtype),
-            p.conv_weight,
-            p.conv_bias,
-            conv_states=conv_states,
-            query_start_loc=md.query_start_loc,
-            state_indices=md.state_indices,
-            has_initial_state=md.has_initial_state,
-            activation="silu",
+        qsl = cm.query_start_loc
+        query_lens = qsl[1:] - qsl[:-1]
+        return ReferenceStateMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=qsl,
+            state_indices=table[:, 0],
+            has_initial_state=(cm.seq_lens - query_lens) > 0,
         )
-        # q | k | v: Hk*K, Hk*K and H*V channels; q/k normalised per key head (the
-        # kernel shares each key head among H // Hk value heads).
-        qk_width = p.key_heads * p.key_dim
-        q = l2_normalize(mixed[:, :qk_width].reshape(n, p.key_heads, p.key_dim))
-        k = l2_normalize(mixed[:, qk_width : 2 * qk_width].reshape(n, p.key_heads, p.key_dim))
-        v = mixed[:, 2 * qk_width :].reshape(n, p.num_heads, p.value_dim)
-        scale = p.scale if p.scale is not None else p.key_dim**-0.5
-        output[:n] = chunk_gated_delta_rule_varlen(
-            q,
-            k,
-            v,
-            g[:n].float(),
-            beta[:n].float(),
-            scale=scale,
-            query_start_loc=md.query_start_loc,
-            states=states,
-            state_indices=md.state_indices,
-            has_initial_state=md.has_initial_state,
-            chunk_size=p.chunk_size,
-        ).to(output.dtype)
-        output[n:] = 0
-        return output
-
-
-class ReferenceLinearAttentionImpl(
-    StateImpl[ReferenceStateMetadata, LinearAttentionLayerParams, LinearAttentionInputs]
-):
-    """Linear attention with per-head decay. ``forward(LinearAttentionInputs(q, k, v)) -> o [T, H, V]``."""
-
-    def __init__(self, kv_cache_spec: MambaSpec, layer_params: LinearAttentionLayerParams) -> None:
-        super().__init__(kv_cache_spec, layer_params)
-        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "linear")
-        if kv_cache_spec.dtypes[0] != torch.float32:
-            raise ValueError(f"{type(self).__name__}: the linear-attention state must be float32")
-
-    @override
-    def forward(
-        self,
-        inputs: LinearAttentionInputs,
-        kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceStateMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
-        (states,) = _states(owner, kv_cache, self.kv_cache_spec)
-        n = md.num_actual_tokens
-        q = check_tensor(
-            owner, "inputs.q", inputs.q, layout="[T, H, K]", shape=(None, p.num_heads, p.key_dim)
-        )
-        k = check_tensor(owner, "inputs.k", inputs.k, layout="[T, H, K]", shape=q.shape)
-        v = check_tensor(
-            owner,
-            "inputs.v",
-            inputs.v,
-            layout="[T, H, V]",
-            shape=(q.shape[0], p.num_heads, p.value_dim),
-        )
-        scale = p.scale if p.scale is not None else p.key_dim**-0.5
-        output[:n] = chunk_linear_attention_varlen(
-            q[:n],
-            k[:n],
-            v[:n],
-            p.decay,
-            scale=scale,
-            query_start_loc=md.query_start_loc,
-            states=states,
-            state_indices=md.state_indices,
-            has_initial_state=md.has_initial_state,
-            chunk_size=p.chunk_size,
-        ).to(output.dtype)
-        output[n:] = 0
-        return output
-
-
-class ReferenceShortConvImpl(
-    StateImpl[ReferenceStateMetadata, ShortConvLayerParams, ShortConvInputs]
-):
-    """LFM2 short conv: ``y = c * conv(b * x)``. ``forward(ShortConvInputs(b, c, x)) -> y [T, C]``."""
-
-    def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
-        super().__init__(kv_cache_spec, layer_params)
-        _check_spec(type(self).__name__, kv_cache_spec, layer_params, "short_conv")
-
-    @override
-    def forward(
-        self,
-        inputs: ShortConvInputs,
-        kv_cache: Sequence[torch.Tensor],
-        attn_metadata: ReferenceStateMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        owner, p, md = f"{type(self).__name__}.forward", self.layer_params, attn_metadata
-        (conv_states,) = _states(owner, kv_cache, self.kv_cache_spec)
-        n = md.num_actual_tokens
-        b = check_tensor(
-            owner,
-            "inputs.b",
-            inputs.b,
-            layout="[T, C]",
-            shape=(None, p.channels),
-            dtype=conv_states.dtype,
-        )
-        c = check_tensor(owner, "inputs.c", inputs.c, layout="[T, C]", shape=b.shape, dtype=b.dtype)
-        x = check_tensor(owner, "inputs.x", inputs.x, layout="[T, C]", shape=b.shape, dtype=b.dtype)
-        output[:n] = short_conv_varlen(
-            b[:n],
-            c[:n],
-            x[:n],
-            p.conv_weight,
-            p.conv_bias,
-            conv_states=conv_states,
-            query_start_loc=md.query_start_loc,
-            state_indices=md.state_indices,
-            has_initial_state=md.has_initial_state,
-        ).to(output.dtype)
-        output[n:] = 0
-        return output
 
 
 class ReferenceStateImpl(StateImpl[ReferenceStateMetadata, StateLayerParams, StateInputs]):
-    """The reference impl of any state layer: the one its parameters' class names.
+    """The reference impl of any state layer: its type's reference computation.
 
-    Takes ``StateInputs``; the input class must be the one of the layer's type
-    (``layer_params.inputs_type``), else ``TypeError``.
+    ``forward(inputs, kv_cache, attn_metadata, output)`` takes the input class of the
+    layer's type (``layer_params.inputs_type``, else ``TypeError``) and writes
+    ``output`` (``layer_params.output_shape(T)``; rows past the step's tokens are
+    zeroed).
+
+    Args:
+        kv_cache_spec: the layer's ``MambaSpec``: a known type, shapes
+            ``layer_params.state_shapes``, recurrent states in float32.
+        layer_params: the parameter class of its type.
     """
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: StateLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        if isinstance(layer_params, GatedDeltaNetLayerParams):
-            self._core: StateImpl[ReferenceStateMetadata, StateLayerParams, Any] = (
-                ReferenceGatedDeltaNetImpl(kv_cache_spec, layer_params)
+        self._type: StateType[Any, Any] = check_state_layer(
+            type(self).__name__, kv_cache_spec, layer_params
+        )
+
+    def _check(
+        self,
+        inputs: StateInputs,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: object,
+        output: torch.Tensor,
+    ) -> tuple[StateInputs, list[torch.Tensor], int]:
+        """Check every argument; return the inputs cut to the step's tokens, the states
+        and the step's token count."""
+        owner, p, spec = f"{type(self).__name__}.forward", self.layer_params, self.kv_cache_spec
+        if not isinstance(attn_metadata, ReferenceStateMetadata):
+            raise ArgumentTypeError(
+                f"{owner}: attn_metadata must be ReferenceStateMetadata, "
+                f"got {type(attn_metadata).__name__}"
             )
-        elif isinstance(layer_params, LinearAttentionLayerParams):
-            self._core = ReferenceLinearAttentionImpl(kv_cache_spec, layer_params)
-        elif isinstance(layer_params, ShortConvLayerParams):
-            self._core = ReferenceShortConvImpl(kv_cache_spec, layer_params)
-        elif isinstance(layer_params, Mamba1LayerParams):
-            self._core = ReferenceMamba1Impl(kv_cache_spec, layer_params)
-        else:
-            self._core = ReferenceMamba2Impl(kv_cache_spec, layer_params)
+        n = attn_metadata.num_actual_tokens
+        rows: int | None = None
+        device = inputs.device
+        for name, want in self._type.input_widths(p).items():
+            label = f"inputs.{name}"
+            dtype = spec.dtypes[0] if want.conv_dtype else None
+            shape = (rows, *want.widths)
+            t = check_tensor(
+                owner,
+                label,
+                getattr(inputs, name),
+                layout=want.layout,
+                shape=shape,
+                dtype=dtype,
+                device=None if rows is None else device,
+            )
+            if rows is None:
+                rows = t.shape[0]
+                if rows < n:
+                    raise InvalidArgumentError(
+                        f"{owner}: {label} must have at least num_actual_tokens={n} rows, "
+                        f"got {describe(t)}"
+                    )
+            if not t.is_floating_point():
+                raise InvalidArgumentError(
+                    f"{owner}: {label} must be a floating-point tensor, got {describe(t)}"
+                )
+        assert rows is not None  # every type declares at least one input
+        name, layout = self._type.output
+        check_tensor(
+            owner,
+            f"output ({name})",
+            output,
+            layout=layout,
+            shape=p.output_shape(rows),
+            dtype=inputs.dtype,
+            device=device,
+        )
+        states = self._type.states
+        if len(kv_cache) != len(states):
+            raise InvalidArgumentError(
+                f"{owner}: kv_cache must hold {len(states)} tensors "
+                f"({', '.join(s.name for s in states)}), got {len(kv_cache)}"
+            )
+        checked = [
+            check_tensor(
+                owner,
+                f"kv_cache[{i}] ({state.name})",
+                t,
+                layout=f"[NB, {', '.join(state.dims)}]",
+                shape=(None, *shape),
+                dtype=dtype,
+                device=device,
+            )
+            for i, (t, state, shape, dtype) in enumerate(
+                zip(kv_cache, states, spec.shapes, spec.dtypes, strict=True)
+            )
+        ]
+        for field in dataclasses.fields(p):
+            t = getattr(p, field.name)
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise InvalidArgumentError(
+                    f"{owner}: layer_params.{field.name} must be on the inputs' device "
+                    f"{device}, got {describe(t)}"
+                )
+        if rows > n:
+            cut = {f.name: getattr(inputs, f.name)[:n] for f in dataclasses.fields(inputs)}
+            inputs = dataclasses.replace(inputs, **cut)
+        return inputs, checked, n
 
     @override
     def forward(
@@ -261,8 +206,18 @@ class ReferenceStateImpl(StateImpl[ReferenceStateMetadata, StateLayerParams, Sta
     ) -> torch.Tensor:
         expected = self.layer_params.inputs_type
         if not isinstance(inputs, expected):
-            raise TypeError(
-                f"ReferenceStateImpl: a {self.kv_cache_spec.mamba_type} layer takes "
+            raise ArgumentTypeError(
+                f"{type(self).__name__}: a {self.kv_cache_spec.mamba_type} layer takes "
                 f"{expected.__name__}, got {type(inputs).__name__}"
             )
-        return self._core.forward(inputs, kv_cache, attn_metadata, output)
+        inputs, states, n = self._check(inputs, kv_cache, attn_metadata, output)
+        md = attn_metadata
+        step = StateStep(
+            num_tokens=n,
+            query_start_loc=md.query_start_loc,
+            state_indices=md.state_indices,
+            has_initial_state=md.has_initial_state,
+        )
+        output[:n] = self._type.reference(self.layer_params, inputs, states, step)
+        output[n:] = 0  # padding rows
+        return output

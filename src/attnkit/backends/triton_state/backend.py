@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch
 from typing_extensions import override
 
-from ..._validation import dtype_name
 from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_builder
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
@@ -37,7 +36,6 @@ from ...params import (
     Mamba1LayerParams,
     Mamba2LayerParams,
     ShortConvLayerParams,
-    check_state_shapes,
 )
 from ...spec import MambaSpec, MambaType
 from ...state_inputs import (
@@ -47,6 +45,7 @@ from ...state_inputs import (
     Mamba2Inputs,
     ShortConvInputs,
 )
+from ...state_types import check_state_layer, state_spec_reasons
 from .._triton_env import triton_cpu_reasons
 
 __all__ = [
@@ -234,12 +233,7 @@ class TritonMamba1Impl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba1LayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        who = type(self).__name__
-        if kv_cache_spec.mamba_type != "mamba1":
-            raise ValueError(
-                f"{who}: kv_cache_spec.mamba_type must be 'mamba1', got {kv_cache_spec.mamba_type!r}"
-            )
-        check_state_shapes(who, kv_cache_spec, layer_params)
+        check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
         from ...kernels.triton.mamba1 import selective_scan_update, selective_scan_varlen
 
@@ -309,7 +303,7 @@ class TritonMamba2Impl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: Mamba2LayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
         from ...kernels.triton.mamba2 import (
             selective_state_update,
@@ -386,7 +380,7 @@ class TritonGatedDeltaNetImpl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: GatedDeltaNetLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         who = type(self).__name__
         # What the Triton kernels accept beyond the parameter class's own checks.
         if layer_params.chunk_size not in (16, 32, 64):
@@ -461,7 +455,7 @@ class TritonLinearAttentionImpl(
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: LinearAttentionLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         who = type(self).__name__
         if layer_params.chunk_size > 128:
             raise ValueError(
@@ -524,7 +518,7 @@ class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, S
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
-        check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
+        check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
 
         self._varlen = short_conv_varlen
@@ -585,15 +579,8 @@ class _TritonStateBackend(AttentionBackend):
     @classmethod
     @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
-        spec = request.spec
-        if isinstance(spec, MambaSpec) and spec.mamba_type in cls.supported_mamba_types:
-            # Recurrent states accumulate over the whole sequence: float32 only.
-            last = spec.dtypes[-1]
-            if spec.mamba_type != "short_conv" and last != torch.float32:
-                return [
-                    f"{spec.mamba_type} state dtype must be float32, got {dtype_name(last)}"
-                ]
-        return []
+        # The type's own rules: its layout, and recurrent states in float32.
+        return state_spec_reasons(request.spec, cls.supported_mamba_types)
 
 
 class TritonMamba1Backend(_TritonStateBackend):
