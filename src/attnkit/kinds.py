@@ -419,6 +419,11 @@ class KindRules(ABC, Generic[S]):
             f"come from their state type)"
         )
 
+    def example_extents(self, block_size: int) -> tuple[int, ...]:
+        """The extents (``extent``) the conformance kit draws for a block size: lengths
+        at and around block edges; none for a kind without one."""
+        return tuple(boundary_lengths(block_size)) if self.extent is not None else ()
+
     def example_layer_params(self, spec: S, draw: Callable[..., torch.Tensor]) -> dict[str, Any]:
         """Layer parameters the kind needs beyond the common ones, as
         ``AttentionLayerParams`` keywords; tensors come from ``draw(*shape)``."""
@@ -536,6 +541,11 @@ class _SinkRules(_PagedRules[SinkFullAttentionSpec]):
         return Mask(sink_len=spec.sink_len)
 
     @override
+    def example_extents(self, block_size: int) -> tuple[int, ...]:
+        bs = block_size
+        return tuple(sorted({1, 3, bs - 1, bs, bs + 1} - {0}))
+
+    @override
     def example_layer_params(
         self, spec: SinkFullAttentionSpec, draw: Callable[..., torch.Tensor]
     ) -> dict[str, Any]:
@@ -559,6 +569,10 @@ class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
     def mask(self, spec: SlidingWindowSpec) -> Mask:
         return Mask(window=spec.sliding_window)
 
+    @override
+    def example_extents(self, block_size: int) -> tuple[int, ...]:
+        return tuple(boundary_lengths(block_size, extra=(3, 5)))
+
 
 class _SlidingWindowMLARules(_LatentRules[SlidingWindowMLASpec]):
     releases = True
@@ -571,6 +585,10 @@ class _SlidingWindowMLARules(_LatentRules[SlidingWindowMLASpec]):
     def mask(self, spec: SlidingWindowMLASpec) -> Mask:
         return Mask(window=spec.sliding_window)
 
+    @override
+    def example_extents(self, block_size: int) -> tuple[int, ...]:
+        return tuple(boundary_lengths(block_size, extra=(3, 5)))
+
 
 class _ChunkedLocalRules(_PagedRules[ChunkedLocalAttentionSpec]):
     releases = True
@@ -582,6 +600,10 @@ class _ChunkedLocalRules(_PagedRules[ChunkedLocalAttentionSpec]):
     @override
     def mask(self, spec: ChunkedLocalAttentionSpec) -> Mask:
         return Mask(chunk=spec.attention_chunk_size)
+
+    @override
+    def example_extents(self, block_size: int) -> tuple[int, ...]:
+        return tuple(boundary_lengths(block_size, extra=(4, max(1, block_size // 2))))
 
 
 class _EncoderOnlyRules(_AttentionRules[EncoderOnlyAttentionSpec]):
