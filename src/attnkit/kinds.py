@@ -241,6 +241,19 @@ def _ceil_div(a: Ints, b: int) -> Ints:
     return -(-a // b)
 
 
+def _window_first_live_block(window: int, block_size: int, lens: StepLens) -> Ints:
+    # The step's first query sits at ``computed`` and sees ``window`` tokens back;
+    # later queries see less of the past.
+    first = np.maximum(lens.computed - window + 1, 0)
+    return first // block_size
+
+
+def _chunk_first_live_block(chunk: int, block_size: int, lens: StepLens) -> Ints:
+    # Queries see only their own chunk: everything before the chunk of the step's
+    # first query is dead.
+    return (lens.computed // chunk) * chunk // block_size
+
+
 class KindRules(ABC, Generic[S]):
     """The rules of one kind, for specs of type ``S``. The defaults are those of a
     decoder kind with a growing paged cache (full attention).
@@ -329,14 +342,9 @@ class KindRules(ABC, Generic[S]):
         if self.releases:
             mask = self.mask(spec)
             if mask.window is not None:
-                # The step's first query sits at ``computed`` and sees ``window`` tokens
-                # back; later queries see less of the past.
-                first = np.maximum(lens.computed - mask.window + 1, 0)
-                return first // spec.block_size
+                return _window_first_live_block(mask.window, spec.block_size, lens)
             if mask.chunk is not None:
-                # Queries see only their own chunk: everything before the chunk of the
-                # step's first query is dead.
-                return (lens.computed // mask.chunk) * mask.chunk // spec.block_size
+                return _chunk_first_live_block(mask.chunk, spec.block_size, lens)
         return np.zeros_like(lens.computed)
 
     def seq_lens(self, spec: S, lens: StepLens) -> Ints:
@@ -570,6 +578,10 @@ class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
         return Mask(window=spec.sliding_window)
 
     @override
+    def first_live_block(self, spec: SlidingWindowSpec, lens: StepLens) -> Ints:
+        return _window_first_live_block(spec.sliding_window, spec.block_size, lens)
+
+    @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:
         return tuple(boundary_lengths(block_size, extra=(3, 5)))
 
@@ -586,6 +598,10 @@ class _SlidingWindowMLARules(_LatentRules[SlidingWindowMLASpec]):
         return Mask(window=spec.sliding_window)
 
     @override
+    def first_live_block(self, spec: SlidingWindowMLASpec, lens: StepLens) -> Ints:
+        return _window_first_live_block(spec.sliding_window, spec.block_size, lens)
+
+    @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:
         return tuple(boundary_lengths(block_size, extra=(3, 5)))
 
@@ -600,6 +616,10 @@ class _ChunkedLocalRules(_PagedRules[ChunkedLocalAttentionSpec]):
     @override
     def mask(self, spec: ChunkedLocalAttentionSpec) -> Mask:
         return Mask(chunk=spec.attention_chunk_size)
+
+    @override
+    def first_live_block(self, spec: ChunkedLocalAttentionSpec, lens: StepLens) -> Ints:
+        return _chunk_first_live_block(spec.attention_chunk_size, spec.block_size, lens)
 
     @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:
