@@ -485,6 +485,7 @@ def test_each_kind_declares_its_mask_and_facts(kind: KVCacheSpecKind) -> None:
     assert mask == ref_mask(kind, 7)
     assert mask.bidirectional is (kind in (K.ENCODER_ONLY_ATTENTION, K.CROSS_ATTENTION))
     assert mask.causal is rules.causal  # the metadata's causal flag is the mask's
+    assert rules.shift(spec) == mask.sink_len  # positions shift by the sink tokens
     assert (
         rules.latent,
         rules.context_sharded,
