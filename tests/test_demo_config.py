@@ -258,12 +258,12 @@ def test_triton_backends_serve_the_new_kinds(
 # ---- the check catches a dense path that misses part of a kind's definition
 
 
-def _mask_without_chunks(*args: Any, **kwargs: Any) -> torch.Tensor:
-    return ORIGINAL_MASK(*args, **{**kwargs, "chunk": None})
+def _mask_without_chunks(mask: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return ORIGINAL_MASK(dataclasses.replace(mask, chunk=None), *args, **kwargs)
 
 
-def _causal_encoder_mask(kind: Any, rows: int, cols: int, **kwargs: Any) -> torch.Tensor:
-    return ORIGINAL_MASK("full" if kind == "encoder" else kind, rows, cols, **kwargs)
+def _causal_encoder_mask(mask: Any, rows: int, cols: int, **kwargs: Any) -> torch.Tensor:
+    return ORIGINAL_MASK(dataclasses.replace(mask, causal=True), rows, cols, **kwargs)
 
 
 def _attend_without_sinks(*args: Any, **kwargs: Any) -> torch.Tensor:

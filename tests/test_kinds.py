@@ -12,6 +12,7 @@ other's boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -20,11 +21,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import attnkit.kinds as kinds_module
 from attnkit import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    InvalidArgumentError,
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
@@ -33,7 +37,18 @@ from attnkit import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from attnkit.kinds import StepLens, rules_for
+from attnkit.kinds import (
+    CONTEXT_SHARDED_KINDS,
+    Mask,
+    ShardedRules,
+    StepLens,
+    StepTokens,
+    TensorSplit,
+    all_rules,
+    attention_rules,
+    rules_for,
+    rules_for_kind,
+)
 
 K = KVCacheSpecKind
 HEADS, HEAD_SIZE = 2, 8
@@ -422,3 +437,328 @@ def test_admission_problems_cases(
         assert problem[0] == expected[0]
         assert expected[1] in problem[1]
 
+
+
+# ---------------------------------------------------------------------------- what a kind declares
+# Each kind's facts, written out by hand: its mask for a spec of parameter ``p`` (the
+# window, chunk or sink length), and its constants.
+
+
+def ref_mask(kind: KVCacheSpecKind, p: int) -> Mask:
+    if kind in (K.ENCODER_ONLY_ATTENTION, K.CROSS_ATTENTION):
+        return Mask(causal=False)  # every key of the request (or of its encoder)
+    if kind in (K.SLIDING_WINDOW, K.SLIDING_WINDOW_MLA):
+        return Mask(causal=True, window=p)
+    if kind is K.CHUNKED_LOCAL_ATTENTION:
+        return Mask(causal=True, chunk=p)
+    if kind is K.SINK_FULL_ATTENTION:
+        return Mask(causal=True, sink_len=p)
+    return Mask(causal=True)  # full and MLA attention; states see the past only
+
+
+# kind: (latent, context_sharded, grows_without_bound, counts_kv_per_token, short_name)
+FACTS: dict[KVCacheSpecKind, tuple[bool, bool, bool, bool, str | None]] = {
+    K.FULL_ATTENTION: (False, True, True, True, "full"),
+    K.SINK_FULL_ATTENTION: (False, False, True, True, "sink_tokens"),
+    K.MLA_ATTENTION: (True, True, True, True, "mla"),
+    K.SLIDING_WINDOW: (False, False, False, True, "window"),
+    K.SLIDING_WINDOW_MLA: (True, False, False, True, "mla_window"),
+    K.CHUNKED_LOCAL_ATTENTION: (False, False, False, True, "chunked"),
+    K.ENCODER_ONLY_ATTENTION: (False, False, False, False, "encoder"),
+    K.CROSS_ATTENTION: (False, False, True, False, "cross"),
+    K.MAMBA: (False, False, False, False, None),
+}
+# kind: (extent, extent_field, bound label of a spec of parameter 7)
+EXTENTS: dict[KVCacheSpecKind, tuple[str | None, str | None, str | None]] = {
+    K.SINK_FULL_ATTENTION: ("sink_len", "sink_len", None),
+    K.SLIDING_WINDOW: ("window", "sliding_window", "window 7"),
+    K.SLIDING_WINDOW_MLA: ("window", "sliding_window", "window 7"),
+    K.CHUNKED_LOCAL_ATTENTION: ("chunk", "attention_chunk_size", "chunk 7"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+def test_each_kind_declares_its_mask_and_facts(kind: KVCacheSpecKind) -> None:
+    spec = make_spec(kind, 4, 7)
+    rules = rules_for(spec)
+    mask = rules.mask(spec)
+    assert mask == ref_mask(kind, 7)
+    assert mask.bidirectional is (kind in (K.ENCODER_ONLY_ATTENTION, K.CROSS_ATTENTION))
+    assert mask.causal is rules.causal  # the metadata's causal flag is the mask's
+    assert rules.shift(spec) == mask.sink_len  # positions shift by the sink tokens
+    assert (
+        rules.latent,
+        rules.context_sharded,
+        rules.grows_without_bound,
+        rules.counts_kv_per_token,
+        rules.short_name,
+    ) == FACTS[kind]
+    extent, field, label = EXTENTS.get(kind, (None, None, None))
+    assert (rules.extent, rules.extent_field, rules.bound_label(spec)) == (extent, field, label)
+    assert rules.bound(spec) == (7 if label is not None else None)
+    assert rules.kind is kind
+    assert rules_for_kind(kind) is rules
+    assert rules_for_kind(kind.value) is rules
+
+
+def test_rules_cover_every_kind_in_order() -> None:
+    assert [r.kind for r in all_rules()] == list(KVCacheSpecKind)
+    assert [r.kind for r in attention_rules()] == [k for k in KVCacheSpecKind if k is not K.MAMBA]
+    assert {k.value for k in CONTEXT_SHARDED_KINDS} == {"full_attention", "mla_attention"}
+
+
+def test_an_unknown_kind_is_an_error_naming_the_known_ones() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"got 'sparse'; known kinds: full_attention, "):
+        rules_for_kind("sparse")
+    with pytest.raises(InvalidArgumentError, match="cross_attention, mamba"):
+        rules_for_kind(3)
+
+
+def test_the_import_check_names_a_kind_without_rules() -> None:
+    """The registry kinds.py builds at import: the broken variants are refused, naming
+    the kind (so a kind added to spec.py alone fails at ``import attnkit``)."""
+    every = list(kinds_module._RULES.values())
+    assert kinds_module._registry(*every) == kinds_module._RULES
+    without = [r for r in every if r.kind is not K.CROSS_ATTENTION]
+    with pytest.raises(TypeError, match=r"no KindRules for kind\(s\) cross_attention"):
+        kinds_module._registry(*without)
+    with pytest.raises(TypeError, match="kind full_attention has two KindRules"):
+        kinds_module._registry(*every, every[0])
+
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Elsewhere(FullAttentionSpec):  # full_attention, but not spec.py's class
+        pass
+
+    wrong = type(every[0])(Elsewhere)
+    with pytest.raises(TypeError, match=r"name spec class Elsewhere, spec\.py defines Full"):
+        kinds_module._registry(wrong, *every[1:])
+
+
+# ---------------------------------------------------------------------------- slot mapping
+# Per token, in Python: a step kind writes each new token at its shifted position; cross
+# attention writes the encoder tokens of new requests first; the others write nothing.
+
+
+def ref_slots(
+    spec: KVCacheSpec,
+    table: list[list[int]],
+    computed: list[int],
+    query: list[int],
+    encoder: list[int],
+    shard: tuple[int, int] | None = None,
+) -> list[int]:
+    bs, shift = spec.block_size, ref_shift(spec)
+    tokens = [
+        (i, c + t) for i, (c, q) in enumerate(zip(computed, query, strict=True)) for t in range(q)
+    ]
+    if spec.kind in (K.ENCODER_ONLY_ATTENTION, K.MAMBA):
+        return [-1] * len(tokens)
+    if spec.kind is K.CROSS_ATTENTION:
+        written = [
+            table[i][e // bs] * bs + e % bs
+            for i in range(len(computed))
+            if computed[i] == 0
+            for e in range(encoder[i])
+        ]
+        return written + [-1] * (max(len(tokens), len(written)) - len(written))
+    slots = []
+    for i, pos in tokens:
+        p = shift + pos
+        if shard is not None:
+            rank, world = shard
+            if p % world != rank:
+                slots.append(-1)
+                continue
+            p //= world  # the rank's local index
+        slots.append(table[i][p // bs] * bs + p % bs)
+    return slots
+
+
+def step_tokens(computed: list[int], query: list[int]) -> StepTokens:
+    req = [i for i, q in enumerate(query) for _ in range(q)]
+    pos = [c + t for c, q in zip(computed, query, strict=True) for t in range(q)]
+    return StepTokens(np.array(req, dtype=np.int64), np.array(pos, dtype=np.int64))
+
+
+def random_table(data: st.DataObject, n: int, width: int) -> list[list[int]]:
+    """Distinct, shuffled block ids >= 1 (0 is the null block)."""
+    ids = data.draw(st.permutations(range(1, n * width + 1)), label="block ids")
+    return [list(ids[i * width : (i + 1) * width]) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_slot_mapping_agrees_with_a_per_token_loop(
+    kind: KVCacheSpecKind, data: st.DataObject
+) -> None:
+    spec = data.draw(specs(kind), label="spec")
+    computed, query, encoder = data.draw(step_lens(spec), label="computed, query, encoder")
+    n, bs = len(computed), spec.block_size
+    totals = [ref_shift(spec) + c + q for c, q in zip(computed, query, strict=True)]
+    longest = max([*totals, *encoder, 1])
+    width = longest // bs + 1
+    table = random_table(data, n, width)
+    rules = rules_for(spec)
+    got = rules.slot_mapping(
+        spec,
+        np.array(table, dtype=np.int32).reshape(n, width),
+        step_tokens(computed, query),
+        as_lens(computed, query, encoder),
+    )
+    assert got.dtype == np.int64
+    assert got.tolist() == ref_slots(spec, table, computed, query, encoder)
+
+
+@pytest.mark.parametrize(
+    "kind", [K.FULL_ATTENTION, K.SINK_FULL_ATTENTION, K.MLA_ATTENTION], ids=lambda k: k.value
+)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_sharded_slot_mapping_writes_the_ranks_positions(
+    kind: KVCacheSpecKind, data: st.DataObject
+) -> None:
+    spec = data.draw(specs(kind), label="spec")
+    computed, query, encoder = data.draw(step_lens(spec), label="computed, query, encoder")
+    world = data.draw(st.integers(1, 4), label="world_size")
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    n, bs = len(computed), spec.block_size
+    totals = [ref_shift(spec) + c + q for c, q in zip(computed, query, strict=True)]
+    longest = max([*totals, 1])
+    width = longest // bs + 1
+    table = random_table(data, n, width)
+    rules = ShardedRules(rules_for(spec), rank, world)
+    lens = as_lens(computed, query, encoder)
+    got = rules.slot_mapping(
+        spec, np.array(table, dtype=np.int32).reshape(n, width), step_tokens(computed, query), lens
+    )
+    assert got.tolist() == ref_slots(spec, table, computed, query, encoder, shard=(rank, world))
+    assert rules.context_shard == (rank, world)
+    assert rules.global_seq_lens(spec, lens).tolist() == [
+        ref_seq_len(spec, c, q, e) for c, q, e in zip(computed, query, encoder, strict=True)
+    ]
+
+
+def test_a_slot_on_the_null_block_is_a_manager_bug() -> None:
+    spec = make_spec(K.FULL_ATTENTION, 4, 0)
+    table = np.array([[5, 0]], dtype=np.int32)  # block 1 of the request never allocated
+    with pytest.raises(AssertionError, match="null block"):
+        rules_for(spec).slot_mapping(spec, table, step_tokens([3], [2]), as_lens([3], [2], [0]))
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+@pytest.mark.parametrize(
+    ("kind", "heads", "tp", "kv", "replicas", "detail"),
+    [
+        pytest.param(K.FULL_ATTENTION, 8, 4, 2, 1, "K/V heads 8 -> 2 per rank", id="split"),
+        pytest.param(K.SLIDING_WINDOW, 8, 8, 1, 1, "K/V heads 8 -> 1 per rank", id="one-each"),
+        pytest.param(
+            K.CROSS_ATTENTION, 2, 8, 1, 4, "K/V heads 2 -> 1 per rank (each on 4 ranks)",
+            id="replicated",
+        ),
+        pytest.param(K.ENCODER_ONLY_ATTENTION, 4, 1, 4, 1, "K/V heads 4 -> 4 per rank", id="tp1"),
+    ],
+)
+def test_tensor_split_of_kv_heads(
+    kind: KVCacheSpecKind, heads: int, tp: int, kv: int, replicas: int, detail: str
+) -> None:
+    spec = make_spec(kind, 16, 64)
+    assert isinstance(spec, AttentionSpec)
+    spec = dataclasses.replace(spec, num_kv_heads=heads)
+    split = rules_for(spec).tensor_split(spec, tp, "layer 'x'")
+    assert split == TensorSplit(dataclasses.replace(spec, num_kv_heads=kv), kv, replicas, detail)
+
+
+@pytest.mark.parametrize("kind", [K.MLA_ATTENTION, K.SLIDING_WINDOW_MLA], ids=lambda k: k.value)
+def test_tensor_split_replicates_a_latent(kind: KVCacheSpecKind) -> None:
+    spec = make_spec(kind, 16, 64)
+    split = rules_for(spec).tensor_split(spec, 8, "layer 'x'")
+    assert split == TensorSplit(
+        spec,
+        1,
+        8,
+        f"MLA latent ({HEAD_SIZE} per token) shared by all heads: replicated on every "
+        f"tensor-parallel rank",
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "tp", "match"),
+    [
+        pytest.param(3, 2, "cannot split the 3 K/V heads of layer 'x'.*divide 3", id="more"),
+        pytest.param(2, 3, "cannot split the 2 K/V heads of layer 'x'.*multiple of 2", id="fewer"),
+    ],
+)
+def test_tensor_split_refuses_heads_that_do_not_divide(heads: int, tp: int, match: str) -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=8, dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match=match):
+        rules_for(spec).tensor_split(spec, tp, "layer 'x'")
+
+
+def test_a_state_kind_has_no_attention_split() -> None:
+    spec = make_spec(K.MAMBA, 4, 3)
+    with pytest.raises(InvalidArgumentError, match="mamba of layer 'x' has no attention heads"):
+        rules_for(spec).tensor_split(spec, 2, "layer 'x'")
+
+
+# ---------------------------------------------------------------------------- examples
+
+
+ATTENTION_KINDS = [k for k in KVCacheSpecKind if k is not K.MAMBA]
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS, ids=lambda k: k.value)
+def test_example_spec_is_the_kinds_spec(kind: KVCacheSpecKind) -> None:
+    rules = rules_for_kind(kind)
+    heads = 1 if FACTS[kind][0] else HEADS  # a latent has one "head"
+    spec = rules.example_spec(
+        block_size=4, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16, extent=3
+    )
+    assert spec == make_spec(kind, 4, 3)  # the extent lands in the kind's own field
+    assert type(spec) is type(make_spec(kind, 4, 3))
+    fp8 = rules.example_spec(
+        block_size=4, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16,
+        kv_cache_dtype="fp8_e4m3", extent=3,
+    )
+    assert fp8.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_example_spec_needs_the_extent_of_a_kind_with_one() -> None:
+    with pytest.raises(InvalidArgumentError, match="sliding_window needs extent"):
+        rules_for_kind(K.SLIDING_WINDOW).example_spec(
+            block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16
+        )
+    with pytest.raises(InvalidArgumentError, match="come from their state type"):
+        rules_for_kind(K.MAMBA).example_spec(
+            block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16
+        )
+
+
+def test_example_extents_sit_at_block_edges() -> None:
+    assert rules_for_kind(K.FULL_ATTENTION).example_extents(4) == ()
+    assert rules_for_kind(K.SLIDING_WINDOW).example_extents(4) == (1, 2, 3, 4, 5, 7, 8, 9)
+    assert rules_for_kind(K.SLIDING_WINDOW_MLA).example_extents(16) == (
+        1, 2, 3, 5, 15, 16, 17, 31, 32, 33,
+    )
+    assert rules_for_kind(K.CHUNKED_LOCAL_ATTENTION).example_extents(16) == (
+        1, 2, 4, 8, 15, 16, 17, 31, 32, 33,
+    )
+    assert rules_for_kind(K.SINK_FULL_ATTENTION).example_extents(4) == (1, 3, 4, 5)
+
+
+def test_example_layer_params_of_sink_tokens() -> None:
+    spec = make_spec(K.SINK_FULL_ATTENTION, 4, 3)
+    shapes: list[tuple[int, ...]] = []
+
+    def draw(*shape: int) -> torch.Tensor:
+        shapes.append(shape)
+        return torch.zeros(shape)
+
+    extra = rules_for(spec).example_layer_params(spec, draw)
+    assert sorted(extra) == ["sink_key", "sink_value"]
+    assert shapes == [(3, HEADS, HEAD_SIZE)] * 2  # [sink_len, Hkv, D], key then value
+    full = make_spec(K.FULL_ATTENTION, 4, 3)
+    assert rules_for(full).example_layer_params(full, draw) == {}

@@ -817,14 +817,14 @@ def test_wrong_params_call_for_the_layer_kind() -> None:
         layout.layers["model.layers.0.conv"].state_params()
 
 
-def test_models_imports_only_spec_params_state_types_errors_and_validation() -> None:
+def test_models_imports_only_spec_kinds_params_state_types_errors_and_validation() -> None:
     source = Path(attnkit.models.__file__).read_text()
     imported = {
         node.module
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.level == 1
     }
-    assert imported == {"_validation", "errors", "params", "spec", "state_types"}
+    assert imported == {"_validation", "errors", "kinds", "params", "spec", "state_types"}
 
 
 # --------------------------------------------------------------------------- errors

@@ -42,6 +42,7 @@ from typing_extensions import override
 from .config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, AttentionConfig
 from .devices import check_device_available, device_problem, parse_device
 from .errors import AttnkitError, DeviceUnavailableError, InvalidArgumentError, PluginError
+from .kinds import rules_for
 from .models import ModelLayout, layout_from_hf_config
 from .planner import GroupSplit, ModelPlan, RankPlan, format_bytes, parse_memory_size, plan_model
 from .registry import BackendRegistry, call_backend_code, default_registry
@@ -52,8 +53,6 @@ from .spec import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -410,12 +409,7 @@ def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     for g in plan.groups:
         if g.per_request_cap_bytes is None:
             continue
-        spec = g.group.spec
-        bound = (
-            f"window {spec.sliding_window}"
-            if isinstance(spec, SlidingWindowSpec)
-            else f"chunk {getattr(spec, 'attention_chunk_size', '?')}"
-        )
+        bound = _bound(g.group.spec)
         lines.append(
             (
                 f"group {g.group.group_id}",
@@ -460,9 +454,7 @@ def _write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
 
 def _bound(spec: KVCacheSpec) -> str:
     """``window 4096`` / ``chunk 8192``: what bounds a windowed group's cache."""
-    if isinstance(spec, SlidingWindowSpec):
-        return f"window {spec.sliding_window}"
-    return f"chunk {getattr(spec, 'attention_chunk_size', '?')}"
+    return rules_for(spec).bound_label(spec) or "no bound"
 
 
 def _placement(split: GroupSplit, cp: int) -> str:
@@ -505,7 +497,7 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
             )
             heads = (
                 f"latent {spec.head_size}"
-                if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
+                if rules_for(spec).latent
                 else f"{spec.num_kv_heads} K/V head(s)"
             )
             size = f"block size {spec.block_size}{scaled}, {heads}, "

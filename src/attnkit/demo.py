@@ -32,6 +32,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
 from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
+from .kinds import KindRules, Mask, attention_rules, rules_for
 from .models import ModelLayout
 from .parallel import ContextParallel
 from .params import (
@@ -46,20 +47,7 @@ from .params import (
 )
 from .registry import BackendRegistry
 from .runtime import AttentionRuntime, ScheduledRequest
-from .spec import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MambaType,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from .spec import AttentionSpec, KVCacheSpec, MambaSpec, MambaType
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -123,9 +111,6 @@ class _Mixer(Generic[_SpecT, _ParamsT]):
         raise NotImplementedError
 
 
-_AttentionKind = Literal["full", "window", "chunked", "sink_tokens", "encoder", "cross"]
-
-
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,34 +139,28 @@ def _attend(
     return torch.einsum("hts,shd->thd", probs, vf)
 
 
-def _mask(
-    kind: _AttentionKind | Literal["mla"],
-    rows: int,
-    cols: int,
-    *,
-    window: int | None = None,
-    chunk: int | None = None,
-    device: torch.device,
-) -> torch.Tensor:
+def _mask(mask: Mask, rows: int, cols: int, *, device: torch.device) -> torch.Tensor:
     """Which keys each query of one sequence sees (bool ``[rows, cols]``), by definition:
-    queries and keys at positions ``0..rows-1`` (cross-attention and encoder layers: every
-    key; ``window``: the last ``window`` positions; ``chunk``: causal within the query's
-    chunk of ``chunk`` positions)."""
-    if kind in ("encoder", "cross"):
+    queries and keys at positions ``0..rows-1`` (bidirectional layers, cross-attention
+    and encoder ones: every key; causal ones the keys up to the query, and with a
+    ``window`` the last ``window`` positions, with a ``chunk`` those of the query's chunk
+    of ``chunk`` positions). Sink tokens are the caller's (``_Attention.dense``)."""
+    if mask.bidirectional:
         return torch.ones(rows, cols, dtype=torch.bool, device=device)
     i = torch.arange(rows, device=device)[:, None]
     j = torch.arange(cols, device=device)[None, :]
     seen = j <= i
-    if window is not None:
-        seen &= j > i - window
-    if chunk is not None:
-        seen &= j // chunk == i // chunk
+    if mask.window is not None:
+        seen &= j > i - mask.window
+    if mask.chunk is not None:
+        seen &= j // mask.chunk == i // mask.chunk
     return seen
 
 
 class _Attention(_Mixer[AttentionSpec, AttentionLayerParams]):
-    """Softmax attention of one kind: full, sliding-window, chunked-local, with sink
-    tokens (``sink_full_attention``), encoder-only (bidirectional, no cache) or
+    """Softmax attention of one kind (``rules``) under its mask: full, sliding-window,
+    chunked-local, with sink tokens (``sink_full_attention``: learned K/V in front of
+    every context, StreamingLLM style), encoder-only (bidirectional, no cache) or
     cross-attention (queries from the decoder, keys/values from the encoder output);
     ``sinks=True`` adds learned per-head sink logits (gpt-oss)."""
 
@@ -191,55 +170,34 @@ class _Attention(_Mixer[AttentionSpec, AttentionLayerParams]):
         self,
         rand: _Rand,
         *,
-        kind: _AttentionKind,
+        rules: KindRules[Any],
         hidden: int,
         heads: int,
         kv_heads: int,
         head_size: int,
-        window: int | None,
+        extent: int | None,
         block_size: int,
         dtype: torch.dtype,
         sinks: bool = False,
     ) -> None:
-        self.kind: _AttentionKind = kind
         self.heads, self.kv_heads, self.head_size = heads, kv_heads, head_size
-        self.window = window if kind == "window" else None
-        self.chunk = window if kind == "chunked" else None
+        # Cross attention: the keys/values come from the encoder's output.
+        self.reads_encoder = rules.writes == "encoder"
         self.wq = rand(hidden, heads * head_size, scale=hidden**-0.5)
         self.wk = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
         self.wv = rand(hidden, kv_heads * head_size, scale=hidden**-0.5)
         self.wo = rand(heads * head_size, hidden, scale=(heads * head_size) ** -0.5)
-        common: dict[str, Any] = {
-            "block_size": block_size,
-            "num_kv_heads": kv_heads,
-            "head_size": head_size,
-            "dtype": dtype,
-        }
-        sink_key = sink_value = None
-        self.spec: AttentionSpec
-        if kind == "window":
-            assert window is not None  # DemoModel passes its window
-            self.spec = SlidingWindowSpec(**common, sliding_window=window)
-        elif kind == "chunked":
-            assert window is not None
-            self.spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
-        elif kind == "sink_tokens":
-            # StreamingLLM-style sink tokens: learned K/V in front of every context.
-            sink_len = _SINK_TOKENS
-            self.spec = SinkFullAttentionSpec(**common, sink_len=sink_len)
-            sink_key = rand(sink_len, kv_heads, head_size)
-            sink_value = rand(sink_len, kv_heads, head_size)
-        elif kind == "encoder":
-            self.spec = EncoderOnlyAttentionSpec(**common)
-        elif kind == "cross":
-            self.spec = CrossAttentionSpec(**common)
-        else:
-            self.spec = FullAttentionSpec(**common)
+        self.spec: AttentionSpec = rules.example_spec(
+            block_size=block_size,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            extent=extent,
+        )
+        self.mask = rules.mask(self.spec)
+        extra = rules.example_layer_params(self.spec, rand)  # the sink tokens' K/V
         self.params = AttentionLayerParams(
-            num_heads=heads,
-            sinks=rand(heads).float() if sinks else None,
-            sink_key=sink_key,
-            sink_value=sink_value,
+            num_heads=heads, sinks=rand(heads).float() if sinks else None, **extra
         )
 
     def _q(self, h: torch.Tensor) -> torch.Tensor:
@@ -256,7 +214,7 @@ class _Attention(_Mixer[AttentionSpec, AttentionLayerParams]):
     def step(
         self, runtime: AttentionRuntime, name: str, h: torch.Tensor, ctx: _Context = _NO_CONTEXT
     ) -> torch.Tensor:
-        if self.kind == "cross":
+        if self.reads_encoder:
             # The encoder K/V are written once, on a request's first step; later steps
             # read them from the cache.
             k, v = self._kv(ctx.encoder) if ctx.encoder is not None else (None, None)
@@ -267,15 +225,13 @@ class _Attention(_Mixer[AttentionSpec, AttentionLayerParams]):
     @override
     def dense(self, h: torch.Tensor, ctx: _Context = _NO_CONTEXT) -> torch.Tensor:
         q = self._q(h)
-        if self.kind == "cross":
+        if self.reads_encoder:
             if ctx.encoder is None:
                 raise InvalidArgumentError("a cross-attention layer needs the encoder output")
             k, v = self._kv(ctx.encoder)
         else:
             k, v = self._kv(h)
-        mask = _mask(
-            self.kind, q.shape[0], k.shape[0], window=self.window, chunk=self.chunk, device=h.device
-        )
+        mask = _mask(self.mask, q.shape[0], k.shape[0], device=h.device)
         p = self.params
         if p.sink_key is not None and p.sink_value is not None:
             # Sink tokens sit in front of the context, seen by every query.
@@ -312,33 +268,33 @@ class _MLA(_Mixer[AttentionSpec, AttentionLayerParams]):
         self,
         rand: _Rand,
         *,
+        rules: KindRules[Any],
         hidden: int,
         heads: int,
         rank: int,
         rope_dim: int,
         nope_dim: int,
         v_dim: int,
-        window: int | None,
+        extent: int | None,
         block_size: int,
         dtype: torch.dtype,
         sinks: bool = False,
     ) -> None:
         self.heads, self.rank, self.rope_dim, self.nope_dim = heads, rank, rope_dim, nope_dim
-        self.window = window
         self.wq = rand(hidden, heads * (nope_dim + rope_dim), scale=hidden**-0.5)
         self.w_ckv = rand(hidden, rank, scale=hidden**-0.5)  # the latent's down-projection
         self.w_kpe = rand(hidden, rope_dim, scale=hidden**-0.5)  # the shared RoPE key
         self.w_uk = rand(heads, rank, nope_dim, scale=rank**-0.5)
         self.w_uv = rand(heads, rank, v_dim, scale=rank**-0.5)
         self.wo = rand(heads * v_dim, hidden, scale=(heads * v_dim) ** -0.5)
-        latent = rank + rope_dim
-        self.spec: AttentionSpec = (
-            SlidingWindowMLASpec(
-                block_size=block_size, head_size=latent, dtype=dtype, sliding_window=window
-            )
-            if window is not None
-            else MLAAttentionSpec(block_size=block_size, head_size=latent, dtype=dtype)
+        self.spec: AttentionSpec = rules.example_spec(
+            block_size=block_size,
+            num_kv_heads=1,  # one latent, read by every head
+            head_size=rank + rope_dim,
+            dtype=dtype,
+            extent=extent,
         )
+        self.mask = rules.mask(self.spec)
         # The scale of the unabsorbed per-head width: absorption keeps every score.
         # Without sinks the layer hands W_UK/W_UV to the backend (mla_projection), which
         # then picks the absorbed or up-projected form per step; with sinks (a feature
@@ -392,7 +348,7 @@ class _MLA(_Mixer[AttentionSpec, AttentionLayerParams]):
         k = torch.cat([k_nope, k_pe.float().expand(t, self.heads, self.rope_dim)], dim=-1)
         v = torch.einsum("tr,hrv->thv", c_kv.float(), self.w_uv.float())
         q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = _mask("mla", t, t, window=self.window, device=h.device)
+        mask = _mask(self.mask, t, t, device=h.device)
         scale = self.params.scale
         assert scale is not None  # set in __init__
         return self._out(_attend(q, k, v, mask, scale=scale, sinks=self.params.sinks))
@@ -722,15 +678,12 @@ class _ShortConv(_Mixer[MambaSpec, ShortConvLayerParams]):
         return y.to(h.dtype) @ self.w_out
 
 
-_ATTENTION_KINDS: tuple[_AttentionKind, ...] = (
-    "full",
-    "window",
-    "chunked",
-    "sink_tokens",
-    "encoder",
-    "cross",
-)
-_MLA_KINDS = ("mla", "mla_window")
+_KIND_RULES: dict[str, KindRules[Any]] = {
+    r.short_name: r for r in attention_rules() if r.short_name is not None
+}
+"""The attention kinds by their short names, which the kinds declare
+(``KindRules.short_name``: ``"full"``, ``"window"``, ``"chunked"``, ``"sink_tokens"``,
+``"mla"``, ``"mla_window"``, ``"encoder"``, ``"cross"``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,7 +751,11 @@ _STATE_MIXERS: dict[MambaType, _StateMixer] = {
 """The state types the demo has a mixer for (each with its own dense definition); a
 layer's demo name is its type's ``short_name``."""
 _STATE_KINDS: dict[str, MambaType] = {state_type_of(t).short_name: t for t in _STATE_MIXERS}
-LAYER_KINDS = (*_ATTENTION_KINDS, *_MLA_KINDS, *_STATE_KINDS)
+LAYER_KINDS = (
+    *(name for name, r in _KIND_RULES.items() if not r.latent),
+    *(name for name, r in _KIND_RULES.items() if r.latent),
+    *_STATE_KINDS,
+)
 """``DemoModel``'s layer kinds; an attention or MLA kind with the suffix ``"_sinks"``
 (``"full_sinks"``) also has learned per-head sink logits (gpt-oss)."""
 SINKS_SUFFIX = "_sinks"
@@ -830,17 +787,6 @@ MODELS: dict[str, tuple[str, ...]] = {
 DEMO_LAYERS_PER_KIND = 2
 """Layers of each kind ``demo_layout`` keeps."""
 
-_DEMO_KINDS: dict[tuple[str, str | None], str] = {
-    ("full_attention", None): "full",
-    ("sliding_window", None): "window",
-    ("chunked_local_attention", None): "chunked",
-    ("sink_full_attention", None): "sink_tokens",
-    ("mla_attention", None): "mla",
-    ("sliding_window_mla", None): "mla_window",
-    ("encoder_only_attention", None): "encoder",
-    ("cross_attention", None): "cross",
-    **{("mamba", t): short for short, t in _STATE_KINDS.items()},
-}
 
 DemoMode = Literal["decoder", "encoder", "encoder-decoder"]
 """How ``run_demo`` serves a layout: ``"decoder"`` (prefill and greedy decode),
@@ -855,14 +801,26 @@ def _base_kind(kind: str) -> tuple[str, bool]:
     return kind, False
 
 
+def _encodes(kind: str) -> bool:
+    """Whether a layer kind is the encoder stack's: attention that keeps no cache
+    (encoder-only, each prompt encoded whole)."""
+    rules = _KIND_RULES.get(_base_kind(kind)[0])
+    return rules is not None and not rules.has_cache
+
+
+def _reads_encoder(kind: str) -> bool:
+    """Whether a layer kind reads the encoder's output (cross-attention)."""
+    rules = _KIND_RULES.get(_base_kind(kind)[0])
+    return rules is not None and rules.writes == "encoder"
+
+
 def _stack_problem(kinds: Sequence[str]) -> tuple[int, str] | None:
     """The first layer the demo's two stacks cannot place, and why: encoder-only layers
     form the encoder stack and must all come first; every other layer is in the
     decoder stack, whose cross-attention layers read the encoder's output."""
     first_decoder: int | None = None
     for i, kind in enumerate(kinds):
-        base, _ = _base_kind(kind)
-        if base == "encoder":
+        if _encodes(kind):
             if first_decoder is not None:
                 return i, (
                     f"an encoder-only layer after a decoder layer (index {first_decoder}); "
@@ -871,7 +829,7 @@ def _stack_problem(kinds: Sequence[str]) -> tuple[int, str] | None:
         else:
             if first_decoder is None:
                 first_decoder = i
-            if base == "cross" and first_decoder == 0:
+            if _reads_encoder(kind) and first_decoder == 0:
                 return i, (
                     "a cross-attention layer with no encoder-only layer before it: there "
                     "is no encoder output for it to read"
@@ -901,10 +859,14 @@ def demo_layout(model: ModelLayout, *, per_kind: int = DEMO_LAYERS_PER_KIND) -> 
         spec = info.spec
         mamba_type = spec.mamba_type if isinstance(spec, MambaSpec) else None
         what = spec.kind.value + (f" ({mamba_type})" if mamba_type else "")
-        kind = _DEMO_KINDS.get((spec.kind.value, mamba_type))
-        if kind is None:
+        kind = (
+            state_type_of(spec).short_name
+            if isinstance(spec, MambaSpec)
+            else rules_for(spec).short_name
+        )
+        if kind is None or kind not in LAYER_KINDS:
             raise InvalidArgumentError(
-                f"the demo runs {', '.join(sorted(set(_DEMO_KINDS.values())))} layers (see "
+                f"the demo runs {', '.join(sorted(LAYER_KINDS))} layers (see "
                 f"demo_layout); {model.model_type} layer {name!r} is {what}, which it has "
                 f"no mixer for"
             )
@@ -992,29 +954,37 @@ class DemoModel:
         for i, kind in enumerate(layout):
             base, sinks = _base_kind(kind)
             mixer: _Mixer[Any, Any]
-            if base in _ATTENTION_KINDS:
+            rules = _KIND_RULES.get(base)
+            # The demo's size for the kind's one length parameter, if it has one.
+            extent = (
+                {"window": window, "chunk": chunk, "sink_len": _SINK_TOKENS}[rules.extent]
+                if rules is not None and rules.extent is not None
+                else None
+            )
+            if rules is not None and not rules.latent:
                 mixer = _Attention(
                     rand,
-                    kind=base,
+                    rules=rules,
                     hidden=hidden,
                     heads=num_heads,
                     kv_heads=num_kv_heads,
                     head_size=head_size,
-                    window=chunk if base == "chunked" else window,
+                    extent=extent,
                     block_size=block_size,
                     dtype=dtype,
                     sinks=sinks,
                 )
-            elif base in _MLA_KINDS:
+            elif rules is not None:
                 mixer = _MLA(
                     rand,
+                    rules=rules,
                     hidden=hidden,
                     heads=num_heads,
                     rank=3 * head_size,
                     rope_dim=head_size,
                     nope_dim=head_size,
                     v_dim=head_size,
-                    window=window if base == "mla_window" else None,
+                    extent=extent,
                     block_size=block_size,
                     dtype=dtype,
                     sinks=sinks,
@@ -1026,7 +996,7 @@ class DemoModel:
         self.params: dict[str, LayerParams] = {name: m.params for name, m in self.layers.items()}
         names = list(self.layers)
         self.encoder_layers: tuple[str, ...] = tuple(
-            n for n, kind in zip(names, layout, strict=True) if _base_kind(kind)[0] == "encoder"
+            n for n, kind in zip(names, layout, strict=True) if _encodes(kind)
         )
         """The encoder stack's layers (encoder-only), in order."""
         self.decoder_layers: tuple[str, ...] = tuple(

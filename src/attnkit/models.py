@@ -46,6 +46,7 @@ from ._validation import (
     is_positive_int,
 )
 from .errors import ArgumentTypeError, InvalidArgumentError
+from .kinds import rules_for
 from .params import (
     AttentionLayerParams,
     GatedDeltaNetLayerParams,
@@ -562,8 +563,7 @@ class ModelLayout:
         return sum(
             info.spec.page_size_bytes // info.spec.block_size
             for info in self.layers.values()
-            if isinstance(info.spec, AttentionSpec)
-            and not isinstance(info.spec, EncoderOnlyAttentionSpec | CrossAttentionSpec)
+            if rules_for(info.spec).counts_kv_per_token
         )
 
     def state_bytes_per_request(self) -> int:

@@ -20,7 +20,8 @@ import torch
 from ._validation import is_positive_int
 from .capabilities import AttentionFeature
 from .errors import InvalidArgumentError
-from .spec import AttentionSpec, KVCacheSpecKind, MambaSpec
+from .kinds import rules_for
+from .spec import AttentionSpec, MambaSpec
 from .state_inputs import (
     GatedDeltaNetInputs,
     LinearAttentionInputs,
@@ -314,7 +315,7 @@ def mla_projection_problems(spec: AttentionSpec, params: AttentionLayerParams) -
     if proj is None:
         return []
     problems: list[str] = []
-    if spec.kind not in (KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA):
+    if not rules_for(spec).latent:
         problems.append(f"mla_projection is for MLA layers, not {spec.kind.value}")
     if proj.kv_lora_rank > spec.head_size:
         problems.append(

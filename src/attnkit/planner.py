@@ -55,7 +55,7 @@ from .capabilities import KVCacheLayout
 from .config import AttentionConfig
 from .devices import parse_device
 from .errors import ArgumentTypeError, InvalidArgumentError, NoBackendError, Rejection
-from .kinds import CONTEXT_SHARDED_KINDS
+from .kinds import rules_for
 from .kv_cache import (
     BufferSetName,
     KVCacheGroup,
@@ -69,18 +69,7 @@ from .params import AttentionLayerParams, LayerParams
 from .registry import BackendRegistry
 from .runtime import default_layer_params, group_features, group_num_heads
 from .selector import Selection, select_backend
-from .spec import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    KVCacheSpec,
-    KVCacheSpecKind,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from .spec import AttentionSpec, KVCacheSpec, MambaSpec
 from .state_types import state_type_of
 
 __all__ = [
@@ -216,21 +205,6 @@ class GroupPlan:
 ContextPlacement = Literal["sharded", "replicated", "none"]
 """Where context parallelism puts a group's cache: its tokens spread over the ranks
 (``sharded``), all of it on every rank (``replicated``), or no cache (``none``)."""
-
-_CONTEXT_SHARDED: frozenset[KVCacheSpecKind] = CONTEXT_SHARDED_KINDS
-"""Kinds whose cache context parallelism shards, as the runtime does
-(``attnkit.kinds.CONTEXT_SHARDED_KINDS``: full and MLA attention, the decoder caches that
-grow with the context without bound). Every other cached kind is replicated on each
-context-parallel rank: bounded per request (a window, a chunk, a state, the encoder's
-tokens), or, for sink layers, not sharded by the runtime yet."""
-
-_GROWING: frozenset[KVCacheSpecKind] = (
-    _CONTEXT_SHARDED
-    | {KVCacheSpecKind.CROSS_ATTENTION, KVCacheSpecKind.SINK_FULL_ATTENTION}
-)
-"""Kinds whose blocks per request grow with the request's length without bound (the
-planner bounds cross-attention's encoder tokens by the same length)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class GroupSplit:
@@ -708,7 +682,7 @@ def _group_costs(group: KVCacheGroup, config: AttentionConfig) -> tuple[int, int
     layers = len(group.layer_names)
     if isinstance(spec, AttentionSpec):
         per_token = layers * spec.page_size_bytes // spec.block_size
-        bounded = isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec)
+        bounded = rules_for(spec).bound(spec) is not None
         cap = blocks * spec.page_size_bytes * layers if bounded else None
         return blocks, per_token, cap
     return blocks, 0, None
@@ -733,31 +707,6 @@ def _where(group: KVCacheGroup) -> str:
     return f"layer {group.layer_names[0]!r} (group {group.group_id}{layers})"
 
 
-def _split_kv_heads(heads: int, tp: int, what: str, where: str) -> tuple[int, int]:
-    """``(per rank, ranks holding each)`` of ``heads`` K/V heads over ``tp`` ranks.
-
-    At least as many heads as ranks: each rank holds ``heads / tp`` (``tp`` must divide
-    them). Fewer: each rank holds one, and each head is replicated on ``tp / heads``
-    ranks (``heads`` must divide ``tp``); this is how tensor-parallel engines shard
-    grouped-query attention (vLLM's ``QKVParallelLinear`` replicates K/V heads so).
-    """
-    if heads >= tp:
-        if heads % tp:
-            raise InvalidArgumentError(
-                f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of "
-                f"{where}: with at least as many {what} as ranks, tensor_parallel must "
-                f"divide {heads}"
-            )
-        return heads // tp, 1
-    if tp % heads:
-        raise InvalidArgumentError(
-            f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of {where}: "
-            f"with fewer {what} than ranks, tensor_parallel must be a multiple of {heads} "
-            f"(each is then replicated on tensor_parallel / {heads} ranks)"
-        )
-    return 1, tp // heads
-
-
 def _split_state(spec: MambaSpec, tp: int, where: str) -> tuple[MambaSpec, str]:
     """A state layer's spec on one of ``tp`` ranks, and the split in words: its type's
     rule (``StateType.split_shapes``; an error names the layer)."""
@@ -770,12 +719,9 @@ def _split_group(
 ) -> GroupSplit:
     """How ``tp`` tensor-parallel ranks split a model group (context placement by kind)."""
     spec, where = group.original_spec, _where(group)
+    rules = rules_for(spec)
     context: ContextPlacement = (
-        "none"
-        if not group.has_cache
-        else "sharded"
-        if spec.kind in _CONTEXT_SHARDED
-        else "replicated"
+        "none" if not group.has_cache else "sharded" if rules.context_sharded else "replicated"
     )
     if isinstance(spec, MambaSpec):
         state, detail = _split_state(spec, tp, where)
@@ -795,18 +741,16 @@ def _split_group(
         heads.append(layer.num_heads // tp)
     query = heads[0] if heads else None
     shown = f"query heads {query * tp} -> {query} per rank; " if query is not None else ""
-    if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
-        # The latent is one vector per token that every head reads: nothing to split.
-        detail = (
-            f"{shown}MLA latent ({spec.head_size} per token) shared by all heads: "
-            f"replicated on every tensor-parallel rank"
-        )
-        return GroupSplit(group.group_id, spec, query, 1, tp, context, detail)
-    kv, copies = _split_kv_heads(spec.num_kv_heads, tp, "K/V heads", where)
-    shared = f" (each on {copies} ranks)" if copies > 1 else ""
-    detail = f"{shown}K/V heads {spec.num_kv_heads} -> {kv} per rank{shared}"
-    rank_spec = dataclasses.replace(spec, num_kv_heads=kv)
-    return GroupSplit(group.group_id, rank_spec, query, kv, copies, context, detail)
+    split = rules.tensor_split(spec, tp, where)
+    return GroupSplit(
+        group.group_id,
+        split.spec,
+        query,
+        split.kv_heads,
+        split.kv_replicas,
+        context,
+        f"{shown}{split.detail}",
+    )
 
 
 def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -> int:
@@ -816,7 +760,7 @@ def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -
     Sharded kinds hold ``ceil(tokens / cp)`` slots on rank 0; replicated ones what the
     spec says for the whole request.
     """
-    if spec.kind in _CONTEXT_SHARDED:
+    if rules_for(spec).context_sharded:
         local = -(-max_model_len // cp)
         return -(-local // spec.block_size)
     return spec.max_memory_usage_bytes(max_model_len, batched) // spec.page_size_bytes
@@ -829,7 +773,7 @@ def _max_context(
     length: every group's blocks grow monotonically with it); ``None`` when every
     length fits (no cached group grows without bound, and the bounded ones fit)."""
     cached = [g.spec for g in groups if g.has_cache]
-    growing = [s.block_size for s in cached if s.kind in _GROWING]
+    growing = [s.block_size for s in cached if rules_for(s).grows_without_bound]
 
     def blocks(length: int) -> int:
         return sum(_rank_blocks(s, length, batched, cp) for s in cached)
@@ -844,11 +788,9 @@ def _max_context(
         # Windows and chunks stop growing once a request passes window (chunk) + one
         # step + one block; states never grow.
         spans = [
-            (s.sliding_window if isinstance(s, SlidingWindowSpec) else s.attention_chunk_size)
-            + batched
-            + s.block_size
+            bound + batched + s.block_size
             for s in cached
-            if isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec)
+            if (bound := rules_for(s).bound(s)) is not None
         ]
         high = 1 + max(spans, default=0)
         if blocks(high) <= usable:
@@ -900,14 +842,14 @@ def _rank_plan(
             blocks = _rank_blocks(spec, config.max_model_len, config.max_num_batched_tokens, cp)
             if isinstance(spec, AttentionSpec):
                 per_token = layers * spec.page_size_bytes // spec.block_size
-                if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+                if rules_for(spec).bound(spec) is not None:
                     cap = blocks * spec.page_size_bytes * layers
         planned.append(
             RankGroupPlan(
                 group=g,
                 model_groups=owners[g.group_id],
                 layout=rank_layouts[g.group_id],
-                context_sharded=g.has_cache and g.kind in _CONTEXT_SHARDED,
+                context_sharded=g.has_cache and rules_for(spec).context_sharded,
                 blocks_per_request=blocks,
                 bytes_per_token=per_token,
                 per_request_cap_bytes=cap,
@@ -921,8 +863,7 @@ def _rank_plan(
     kv_per_token = sum(
         s.page_size_bytes // s.block_size
         for s in rank_specs.values()
-        if isinstance(s, AttentionSpec)
-        and not isinstance(s, EncoderOnlyAttentionSpec | CrossAttentionSpec)
+        if rules_for(s).counts_kv_per_token
     )
     longest = (
         None
@@ -1090,28 +1031,20 @@ def plan_model(
     group_of = {name: g.group_id for g in groups for name in g.layer_names}
     layers: list[LayerPlan] = []
     for name, spec in specs.items():
+        mask = rules_for(spec).mask(spec)
         layers.append(
             LayerPlan(
                 name=name,
                 kind=spec.kind.value,
                 spec_class=type(spec).__name__,
                 mamba_type=spec.mamba_type if isinstance(spec, MambaSpec) else None,
-                sliding_window=(
-                    spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-                ),
-                attention_chunk_size=(
-                    spec.attention_chunk_size
-                    if isinstance(spec, ChunkedLocalAttentionSpec)
-                    else None
-                ),
+                sliding_window=mask.window,
+                attention_chunk_size=mask.chunk,
                 group=group_of[name],
             )
         )
     kv_per_token = sum(
-        s.page_size_bytes // s.block_size
-        for s in specs.values()
-        if isinstance(s, AttentionSpec)
-        and not isinstance(s, EncoderOnlyAttentionSpec | CrossAttentionSpec)
+        s.page_size_bytes // s.block_size for s in specs.values() if rules_for(s).counts_kv_per_token
     )
     state = sum(s.page_size_bytes for s in specs.values() if isinstance(s, MambaSpec))
     return ModelPlan(

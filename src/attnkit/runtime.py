@@ -42,7 +42,7 @@ from .errors import (
     UnknownLayerError,
 )
 from .impl import AttentionImpl, StateImpl
-from .kinds import CONTEXT_SHARDED_KINDS, Ints, KindRules, ShardedRules, StepLens, rules_for, spans
+from .kinds import Ints, KindRules, ShardedRules, StepLens, StepTokens, rules_for, spans
 from .kv_cache import (
     BufferSetName,
     KVCacheGroup,
@@ -268,7 +268,8 @@ class AttentionRuntime:
         cache_fill: fill the cache at allocation (tests pass ``float("nan")`` so a
             kernel that reads an unwritten slot is caught); ``None`` leaves it as is.
         context_parallel: make this runtime one rank of a decode context-parallel
-            group (``attnkit.parallel``): the caches of ``CONTEXT_SHARDED_KINDS``
+            group (``attnkit.parallel``): the caches of context-sharded kinds
+            (``KindRules.context_sharded``)
             hold this rank's share of every request's tokens, their groups are served
             by backends with the ``context_parallel`` feature, and each such layer's
             ``forward`` merges the ranks' partial results (one all-gather). Every rank
@@ -331,7 +332,7 @@ class AttentionRuntime:
             for g in groups
             if context_parallel is not None
             and context_parallel.world_size > 1
-            and g.spec.kind in CONTEXT_SHARDED_KINDS
+            and rules_for(g.spec).context_sharded
         )
         for group in groups:
             layer_params_of_group = [self.layer_params[n] for n in group.layer_names]
@@ -636,7 +637,7 @@ class AttentionRuntime:
         """The group's view of the step (see "Per-group metadata" in docs/architecture.md)."""
         spec = group.spec
         rules = self._rules_of[group.group_id]
-        num_reqs, bs = rows.size, spec.block_size
+        num_reqs = rows.size
         if rules.has_cache and num_reqs:
             width = self.manager.step_width(group.group_id)
             persistent = self.manager.table_array(group.group_id)
@@ -651,33 +652,12 @@ class AttentionRuntime:
             # No request (a step that only finishes requests) or no cache: an empty
             # table, one column wide for cached kinds (state builders read column 0).
             table = np.zeros((num_reqs, 1 if rules.has_cache else 0), dtype=np.int32)
-        shard: tuple[int, int] | None = None
+        # The kind writes its own slots (the step's tokens, the encoder's, a shard's).
+        slots = rules.slot_mapping(spec, table, shared, lens)
+        shard = rules.context_shard
         global_lens: torch.Tensor | None = None
-        if isinstance(rules, ShardedRules):
-            # Only the positions this rank holds are written, at their local index.
-            shard = (rules.rank, rules.world_size)
-            positions = shared.token_pos + rules.shift(spec)
-            mine, local = rules.owned(positions)
-            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
-            if mine.any():
-                block_idx, offset = np.divmod(local[mine], bs)
-                slots[mine] = _slots(table, shared.token_req[mine], block_idx, offset, bs)
-            global_lens = _from_numpy(rules.inner.seq_lens(spec, lens).astype(np.int32))
-        elif rules.writes == "step":
-            block_idx, offset = shared.block_coords(rules.shift(spec), bs)
-            slots = _slots(table, shared.token_req, block_idx, offset, bs)
-        elif rules.writes == "encoder":
-            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
-            writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
-            if writers.size:
-                counts = lens.encoder[writers]
-                owners, pos = spans(counts, np.zeros_like(counts), writers)
-                written = _slots(table, owners, pos // bs, pos % bs, bs)
-                if written.size > slots.size:
-                    slots = np.full(written.size, -1, dtype=np.int64)
-                slots[: written.size] = written
-        else:
-            slots = np.full(shared.num_tokens, -1, dtype=np.int64)
+        if shard is not None:
+            global_lens = _from_numpy(rules.global_seq_lens(spec, lens).astype(np.int32))
         seq_cpu, max_seq_len = shared.seq_lens(rules.seq_lens(spec, lens))
         return CommonAttentionMetadata(
             query_start_loc=shared.query_start_loc_device,
@@ -970,7 +950,7 @@ _NUM_NEW = operator.attrgetter("num_new_tokens")
 _ENCODER_LEN = operator.attrgetter("encoder_len")
 
 
-class _SharedStep:
+class _SharedStep(StepTokens):
     """What every group's metadata shares in a step: offsets, token positions, lengths."""
 
     def __init__(
@@ -985,26 +965,15 @@ class _SharedStep:
         self.query_start_loc = _from_numpy(qsl)
         self.query_start_loc_device = to_device(self.query_start_loc)
         self.computed = _from_numpy(lens.computed.astype(np.int32))
-        self.num_tokens = int(qsl[-1])
-        if self.num_tokens == n:  # every request decodes one token (each has >= 1)
+        num_tokens = int(qsl[-1])
+        if num_tokens == n:  # every request decodes one token (each has >= 1)
             self.max_query_len = 1 if n else 0
-            self.token_req, self.token_pos = _arange(n), lens.computed
+            super().__init__(_arange(n), lens.computed)
         else:
             self.max_query_len = int(lens.query.max())
             # Request index and (unshifted) position of every token of the step.
-            self.token_req, self.token_pos = spans(lens.query, lens.computed)
+            super().__init__(*spans(lens.query, lens.computed))
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
-        self._coords: dict[tuple[int, int], tuple[Ints, Ints]] = {}
-
-    def block_coords(self, shift: int, block_size: int) -> tuple[Ints, Ints]:
-        """Each token's logical block and offset in it, made once per geometry per step."""
-        key = (shift, block_size)
-        found = self._coords.get(key)
-        if found is None:
-            positions = self.token_pos + shift if shift else self.token_pos
-            found = np.divmod(positions, block_size)
-            self._coords[key] = found
-        return found
 
     def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
         """``values`` as an int32 CPU tensor and its maximum, made once per array per step
@@ -1094,17 +1063,6 @@ def _check_unique(ids: list[str]) -> None:
             if req_id in seen:
                 raise DuplicateRequestError(f"request {req_id!r} is scheduled twice in one step")
             seen.add(req_id)
-
-
-def _slots(
-    table: np.ndarray, token_req: Ints, block_idx: Ints, offset: Ints, block_size: int
-) -> Ints:
-    """Cache slot of each token: its request's block ``block_idx`` and the offset in it."""
-    blocks = table[token_req, block_idx].astype(np.int64)
-    if not blocks.all():  # the null block (0) for a live position: a manager bug
-        raise AssertionError("a live position maps to the null block")
-    slots: Ints = blocks * block_size + offset
-    return slots
 
 
 def default_layer_params(spec: KVCacheSpec) -> LayerParams | None:

@@ -72,18 +72,12 @@ from .._validation import is_positive_int
 from ..config import AttentionConfig
 from ..devices import parse_device
 from ..errors import ArgumentTypeError, AttnkitError, InvalidArgumentError, StaleStepError
+from ..kinds import rules_for
 from ..models import LayerInfo, ModelLayout, layout_from_hf_config
 from ..params import AttentionLayerParams
 from ..registry import BackendRegistry
 from ..runtime import AttentionRuntime, StepBatch
-from ..spec import (
-    AttentionSpec,
-    AttentionType,
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
+from ..spec import AttentionSpec, AttentionType, KVCacheSpec
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",
@@ -604,7 +598,7 @@ class TransformersAttachment:
     ) -> None:
         """The call's parameters must be the runtime's (else: stale, say so)."""
         p, spec, name = binding.params, binding.spec, binding.name
-        expected_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        expected_window = rules_for(spec).mask(spec).window
         given_scale = _number(kwargs, "scaling")
         checks: list[tuple[str, object, object]] = [
             ("scaling", spec.head_size**-0.5 if given_scale is None else given_scale, p.scale),
@@ -755,7 +749,11 @@ def _unservable(info: LayerInfo) -> str | None:
     if info.attn_type is not AttentionType.DECODER:
         kind = info.attn_type.value if info.attn_type is not None else "unknown"
         return f"{kind} attention (attnkit serves causal decoder attention here)"
-    if not isinstance(info.spec, FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec):
+    rules = rules_for(info.spec)
+    mask = rules.mask(info.spec)
+    # Served: causal decoder attention over per-head K/V written each step, with at most
+    # a window or a chunk (transformers' sink tokens and latents are not attnkit's).
+    if rules.latent or mask.bidirectional or mask.sink_len or rules.writes != "step":
         return f"a {info.spec.kind.value} layer"
     return None
 
@@ -786,11 +784,7 @@ def _bind(layout: ModelLayout, calls: Mapping[torch.nn.Module, _Call]) -> dict[s
             ("key/value heads", call.num_kv_heads, spec.num_kv_heads),
             ("head size", call.head_size, spec.head_size),
             ("value head size", call.v_head_size, spec.head_size),
-            (
-                "sliding_window",
-                call.sliding_window,
-                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
-            ),
+            ("sliding_window", call.sliding_window, rules_for(spec).mask(spec).window),
             ("sinks", call.has_sinks, info.has_sinks),
         ]
         for what, given, config_says in facts:
@@ -1078,11 +1072,12 @@ def describe_layers(attached: TransformersAttachment) -> list[str]:
     lines: list[str] = []
     for name, b in attached.layers.items():
         spec = b.spec
+        mask = rules_for(spec).mask(spec)
         extent = (
-            f" window={spec.sliding_window}"
-            if isinstance(spec, SlidingWindowSpec)
-            else f" chunk={spec.attention_chunk_size}"
-            if isinstance(spec, ChunkedLocalAttentionSpec)
+            f" window={mask.window}"
+            if mask.window is not None
+            else f" chunk={mask.chunk}"
+            if mask.chunk is not None
             else ""
         )
         scale = b.params.scale if b.params.scale is not None else math.nan

@@ -47,6 +47,7 @@ from ..backend import AttentionBackend, BackendRequest
 from ..builder import AttentionCGSupport
 from ..capabilities import AttentionFeature, MultipleOf, SizeRange, SizeRule, size_allowed
 from ..devices import parse_device
+from ..kinds import attention_rules, rules_for_kind
 from ..params import AttentionLayerParams, LayerParams
 from ..registry import BUILTIN_BACKENDS, BackendRegistry
 from ..spec import MODEL_DTYPES, KVCacheSpec, KVCacheSpecKind
@@ -85,17 +86,6 @@ class _ShrinkBudgetSpent(Exception):
     """Stops ``hypothesis.find`` once shrinking has run ``SHRINK_RUNS`` cases."""
 
 
-_ATTENTION_ORDER = (
-    KVCacheSpecKind.FULL_ATTENTION,
-    KVCacheSpecKind.SLIDING_WINDOW,
-    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-    KVCacheSpecKind.SINK_FULL_ATTENTION,
-    KVCacheSpecKind.CROSS_ATTENTION,
-    KVCacheSpecKind.ENCODER_ONLY_ATTENTION,
-    KVCacheSpecKind.MLA_ATTENTION,
-    KVCacheSpecKind.SLIDING_WINDOW_MLA,
-)
-_MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
 _HEAD_SIZES = (16, 32, 64, 80, 128, 8, 256)
 _BLOCK_SIZES = (16, 8, 32, 64, 128, 256)
 _NOT_CHECKED = {
@@ -254,7 +244,10 @@ def _plans(
     base_dtype = dtypes[0] if dtypes else torch.float32
     plans: list[_Plan] = []
     primary: LayerChoice | None = None
-    for kind in _ATTENTION_ORDER:
+    # Every attention kind the rules know, K/V kinds before latent ones (so the primary
+    # choice is a K/V kind where the backend serves one).
+    order = sorted(attention_rules(), key=lambda r: r.latent)
+    for kind in (r.kind for r in order):
         if kind not in wanted:
             continue
         choice = LayerChoice(
@@ -275,7 +268,9 @@ def _plans(
             plans.append(
                 _Plan(f"kv_cache_dtype={cache}", dataclasses.replace(primary, kv_cache_dtype=cache))
             )
-        mla = next((p.choice for p in plans if p.choice and p.choice.kind in _MLA_KINDS), None)
+        mla = next(
+            (p.choice for p in plans if p.choice and rules_for_kind(p.choice.kind).latent), None
+        )
         for feature in sorted(backend.supported_features, key=lambda f: f.value):
             # The projection is an MLA layer's: checked on the first MLA kind served.
             base = mla if feature is AttentionFeature.MLA_PROJECTION else primary
@@ -386,7 +381,7 @@ def check_backend(
         The report; ``report.assert_ok()`` fails a test with the whole report.
     """
     dev = parse_device(device)
-    wanted = None if kinds is None else [KVCacheSpecKind(k) for k in kinds]
+    wanted = None if kinds is None else [rules_for_kind(k).kind for k in kinds]
     name = backend_cls.name
     tolerances = (
         *((str(d).removeprefix("torch."), t) for d, t in TOLERANCES.items()),
@@ -455,7 +450,7 @@ def declared_capabilities(
 ) -> list[tuple[str, LayerChoice | None, str | None]]:
     """What ``check_backend`` would check: ``(capability, layer choice, why skipped)``."""
     dev = parse_device(device)
-    wanted = None if kinds is None else [KVCacheSpecKind(k) for k in kinds]
+    wanted = None if kinds is None else [rules_for_kind(k).kind for k in kinds]
     _, reference = _registry(backend_cls)
     return [(p.capability, p.choice, p.skip) for p in _plans(backend_cls, reference, dev, wanted)]
 

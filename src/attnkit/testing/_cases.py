@@ -19,6 +19,7 @@ import torch
 from ..builder import AttentionCGSupport
 from ..capabilities import AttentionFeature
 from ..config import AttentionConfig
+from ..kinds import rules_for, rules_for_kind
 from ..params import (
     AttentionLayerParams,
     LayerParams,
@@ -27,19 +28,7 @@ from ..params import (
 )
 from ..registry import BackendRegistry
 from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
-from ..spec import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    KVCacheSpecKind,
-    MambaSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from ..spec import KVCacheSpec, KVCacheSpecKind, MambaSpec
 from ..state_inputs import StateInputs
 from ..state_types import StateType, state_type_of
 from .strategies import Case, LayerChoice, Step
@@ -72,7 +61,7 @@ def tolerance_of(choice: LayerChoice) -> Tolerance:
     if choice.kind is KVCacheSpecKind.MAMBA:
         return tolerance_for(torch.float32)
     cache = choice.kv_cache_dtype
-    if choice.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+    if not rules_for_kind(choice.kind).has_cache:
         cache = "auto"  # no cache: nothing is quantised
     return tolerance_for(choice.dtype, cache)
 
@@ -93,41 +82,20 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
     gen = torch.Generator().manual_seed(case.seed + 1)
     if choice.kind is KVCacheSpecKind.MAMBA:
         return _state_layer(choice, gen, device)
-    common: dict[str, Any] = {
-        "block_size": choice.block_size,
-        "num_kv_heads": case.num_kv_heads,
-        "head_size": choice.head_size,
-        "dtype": choice.dtype,
-        "kv_cache_dtype": choice.kv_cache_dtype,
-    }
-    window = case.window if case.window is not None else 1
-    kind = choice.kind
-    spec: KVCacheSpec
-    if kind is KVCacheSpecKind.FULL_ATTENTION:
-        spec = FullAttentionSpec(**common)
-    elif kind is KVCacheSpecKind.SLIDING_WINDOW:
-        spec = SlidingWindowSpec(**common, sliding_window=window)
-    elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
-        spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
-    elif kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
-        spec = SinkFullAttentionSpec(**common, sink_len=window)
-    elif kind is KVCacheSpecKind.MLA_ATTENTION:
-        spec = MLAAttentionSpec(**common)
-    elif kind is KVCacheSpecKind.SLIDING_WINDOW_MLA:
-        spec = SlidingWindowMLASpec(**common, sliding_window=window)
-    elif kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
-        spec = EncoderOnlyAttentionSpec(**common)
-    else:
-        spec = CrossAttentionSpec(**common)
+    rules = rules_for_kind(choice.kind)  # an unknown kind: an error naming the known ones
+    spec = rules.example_spec(
+        block_size=choice.block_size,
+        num_kv_heads=case.num_kv_heads,
+        head_size=choice.head_size,
+        dtype=choice.dtype,
+        kv_cache_dtype=choice.kv_cache_dtype,
+        extent=case.window if case.window is not None else 1,
+    )
     hq = case.num_heads
     features = choice.features
-    sink_kv: dict[str, Any] = {}
-    if kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
-        shape = (window, case.num_kv_heads, choice.head_size)
-        sink_kv = {
-            "sink_key": _randn(gen, *shape).to(device, choice.dtype),
-            "sink_value": _randn(gen, *shape).to(device, choice.dtype),
-        }
+    extra = rules.example_layer_params(
+        spec, lambda *shape: _randn(gen, *shape).to(device, choice.dtype)
+    )
     projection = None
     if AttentionFeature.MLA_PROJECTION in features:
         nope, rope, v_dim = mla_projection_widths(choice.head_size)
@@ -150,7 +118,7 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
         ),
         k_scale=0.5 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
         v_scale=2.0 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
-        **sink_kv,
+        **extra,
     )
     return spec, params
 
@@ -225,8 +193,7 @@ def _as_state_inputs(choice: LayerChoice, tensors: dict[str, torch.Tensor]) -> S
 def _budget(spec: KVCacheSpec, case: Case) -> int:
     live = max(len(s.scheduled) + len(s.finished) for s in case.steps)
     longest = sum(n + enc for s in case.steps for _, n, enc in s.scheduled)
-    sink = case.window if case.choice.kind is KVCacheSpecKind.SINK_FULL_ATTENTION else 0
-    per_request = -(-(longest + (sink or 0)) // spec.block_size) + 2
+    per_request = -(-(longest + rules_for(spec).shift(spec)) // spec.block_size) + 2
     return spec.page_size_bytes * (live * per_request + 8)
 
 
@@ -271,7 +238,7 @@ class _Side:
         joined = {k: torch.cat([inputs[r].tensors[k] for r in order]) for k in keys}
         if choice.kind is KVCacheSpecKind.MAMBA:
             out = self.runtime.forward_state(LAYER, _as_state_inputs(choice, joined))
-        elif choice.kind is KVCacheSpecKind.CROSS_ATTENTION:
+        elif rules_for_kind(choice.kind).writes == "encoder":  # keys from the encoder
             enc = [e for r in batch.encoder_order if (e := inputs[r].encoder) is not None]
             key = torch.cat([e[0] for e in enc]) if enc else None
             value = torch.cat([e[1] for e in enc]) if enc else None
@@ -402,9 +369,10 @@ def check_cudagraph(
     """
     first, second = _GRAPH_STEPS[level]
     ids = [f"r{i}" for i in range(3)]
-    enc = 4 if choice.kind is KVCacheSpecKind.CROSS_ATTENTION else 0
+    rules = rules_for_kind(choice.kind)
+    enc = 4 if rules.writes == "encoder" else 0
     steps: tuple[Step, ...]
-    if choice.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+    if not rules.has_cache:
         # Requests come whole: two batches of new requests, the second after the first.
         later = [f"r{i}" for i in range(3, 6)]
         steps = (
@@ -418,20 +386,9 @@ def check_cudagraph(
             Step(tuple((r, n, 0) for r, n in zip(ids, second, strict=True))),
         )
     capture_from = len(steps) - 2
-    window = (
-        2 * choice.block_size - 1
-        if choice.kind
-        in (
-            KVCacheSpecKind.SLIDING_WINDOW,
-            KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-            KVCacheSpecKind.SINK_FULL_ATTENTION,
-            KVCacheSpecKind.SLIDING_WINDOW_MLA,
-        )
-        else None
-    )
+    window = 2 * choice.block_size - 1 if rules.extent is not None else None
     # MLA specs have one latent "head" by definition.
-    mla = (KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA)
-    heads = 1 if choice.kind in mla else 2
+    heads = 1 if rules.latent else 2
     case = Case(
         choice, heads, 1 if choice.kind is KVCacheSpecKind.MAMBA else 2, window, steps, seed
     )

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from .._validation import dtype_name
 from ..capabilities import AttentionFeature
+from ..kinds import boundary_lengths, rules_for_kind
 from ..spec import KVCacheDType, KVCacheSpecKind, MambaType
 
 __all__ = [
@@ -39,9 +40,6 @@ __all__ = [
     "ragged_case",
     "schedules",
 ]
-
-_NO_CACHE = KVCacheSpecKind.ENCODER_ONLY_ATTENTION
-_MLA = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +105,8 @@ class Case:
         choice: the declared capability under test.
         num_kv_heads: key/value heads (1 for MLA; the state layers' head count).
         gqa: query heads per KV head (``num_heads = num_kv_heads * gqa``).
-        window: the sliding window, chunk size or sink length of kinds that have one.
+        window: the sliding window, chunk size or sink length of kinds that have one
+            (``KindRules.extent``).
         steps: the schedule.
         seed: seeds the tensors and the shuffle of the block pool.
     """
@@ -125,25 +124,12 @@ class Case:
 
     def describe(self) -> str:
         """One line: what to rerun by hand."""
-        window = {
-            KVCacheSpecKind.SLIDING_WINDOW: "sliding_window",
-            KVCacheSpecKind.SLIDING_WINDOW_MLA: "sliding_window",
-            KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: "attention_chunk_size",
-            KVCacheSpecKind.SINK_FULL_ATTENTION: "sink_len",
-        }.get(self.choice.kind)
+        window = rules_for_kind(self.choice.kind).extent_field
         shape = f"num_kv_heads={self.num_kv_heads} num_heads={self.num_heads}"
         if window is not None:
             shape += f" {window}={self.window}"
         steps = " ".join(s.describe() for s in self.steps)
         return f"{self.choice.describe()} {shape} seed={self.seed} steps: {steps}"
-
-
-def boundary_lengths(block_size: int, *, extra: tuple[int, ...] = ()) -> list[int]:
-    """Lengths at and around block boundaries: 1, bs-1, bs, bs+1, 2bs-1, 2bs, 2bs+1."""
-    found = {1, 2, *extra}
-    for m in (1, 2):
-        found.update({m * block_size - 1, m * block_size, m * block_size + 1})
-    return sorted(n for n in found if n >= 1)
 
 
 def schedules(
@@ -164,6 +150,9 @@ def schedules(
     after their step; new cross-attention requests bring 1 to ``max_encoder_len``
     encoder tokens.
     """
+    rules = rules_for_kind(kind)
+    whole = not rules.has_cache  # requests come whole, and finish after their step
+    encoder = rules.writes == "encoder"  # new requests bring encoder tokens
 
     @st.composite
     def build(draw: Callable[[st.SearchStrategy[Any]], Any]) -> tuple[Step, ...]:
@@ -178,7 +167,7 @@ def schedules(
                 room = max_len - live[rid]
                 action = (
                     "finish"
-                    if kind is _NO_CACHE or room <= 0
+                    if whole or room <= 0
                     else draw(st.sampled_from(("decode", "chunk", "idle", "finish")))
                 )
                 if action == "finish":
@@ -200,13 +189,9 @@ def schedules(
             for _ in range(draw(st.integers(low, max(low, room_for_new)))):
                 rid = f"r{next_id}"
                 next_id += 1
-                limit = max_len if kind is _NO_CACHE else min(max_chunk, max_len)
+                limit = max_len if whole else min(max_chunk, max_len)
                 n = draw(st.integers(1, limit))
-                enc = (
-                    draw(st.integers(1, max_encoder_len))
-                    if kind is KVCacheSpecKind.CROSS_ATTENTION
-                    else 0
-                )
+                enc = draw(st.integers(1, max_encoder_len)) if encoder else 0
                 scheduled.append((rid, n, enc))
                 live[rid] = n
             order: list[tuple[str, int, int]] = draw(st.permutations(scheduled))
@@ -234,22 +219,16 @@ def cases(
     length = max_len if max_len is not None else min(max(20, 2 * bs + 3), 80)
     chunk = max_chunk if max_chunk is not None else min(max(9, bs + 2), 40)
     kind = choice.kind
+    rules = rules_for_kind(kind)
     if kind is KVCacheSpecKind.MAMBA:
         heads: st.SearchStrategy[int] = st.just(2)
         gqa: st.SearchStrategy[int] = st.just(1)
-    elif kind in _MLA:
+    elif rules.latent:
         heads, gqa = st.just(1), st.sampled_from((1, 2, 4))
     else:
         heads, gqa = st.sampled_from((1, 2)), st.sampled_from((1, 2, 3))
-    window: st.SearchStrategy[int | None]
-    if kind in (KVCacheSpecKind.SLIDING_WINDOW, KVCacheSpecKind.SLIDING_WINDOW_MLA):
-        window = st.sampled_from(boundary_lengths(bs, extra=(3, 5)))
-    elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
-        window = st.sampled_from(boundary_lengths(bs, extra=(4, max(1, bs // 2))))
-    elif kind is KVCacheSpecKind.SINK_FULL_ATTENTION:
-        window = st.sampled_from(sorted({1, 3, bs - 1, bs, bs + 1} - {0}))
-    else:
-        window = st.none()
+    extents = rules.example_extents(bs)
+    window: st.SearchStrategy[int | None] = st.sampled_from(extents) if extents else st.none()
     return st.builds(
         Case,
         choice=st.just(choice),
@@ -272,34 +251,28 @@ def ragged_case(choice: LayerChoice, *, seed: int = 0) -> Case:
     first cases hypothesis generates are its simplest ones)."""
     bs = choice.block_size
     kind = choice.kind
+    rules = rules_for_kind(kind)
     steps: tuple[Step, ...]
-    if kind is _NO_CACHE:
+    if not rules.has_cache:
         steps = (
             Step((("r0", bs + 3, 0), ("r1", 5, 0))),
             Step((("r2", 2, 0), ("r3", bs + 1, 0)), finished=("r0", "r1")),
             Step((("r4", 1, 0),), finished=("r2", "r3")),
         )
     else:
-        enc = kind is KVCacheSpecKind.CROSS_ATTENTION
+        enc = rules.writes == "encoder"
         steps = (
             Step((("r0", bs + 3, bs + 2 if enc else 0), ("r1", 5, 3 if enc else 0))),
             Step((("r1", 1, 0), ("r0", 4, 0), ("r2", 2, 1 if enc else 0))),
             Step((("r2", 1, 0), ("r3", 3, 2 if enc else 0)), finished=("r1",)),
             Step((("r3", 1, 0), ("r0", 1, 0))),
         )
-    mla = kind in _MLA
     state = kind is KVCacheSpecKind.MAMBA
-    windowed = (
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.SLIDING_WINDOW_MLA,
-        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-        KVCacheSpecKind.SINK_FULL_ATTENTION,
-    )
     return Case(
         choice=choice,
-        num_kv_heads=1 if mla else 2,
+        num_kv_heads=1 if rules.latent else 2,
         gqa=1 if state else 2,
-        window=bs + 1 if kind in windowed else None,
+        window=bs + 1 if rules.extent is not None else None,
         steps=steps,
         seed=seed,
     )

@@ -82,7 +82,8 @@ from typing import Literal
 import torch
 
 from ...capabilities import AttentionFeature
-from ...spec import AttentionSpec, KVCacheSpecKind
+from ...kinds import rules_for
+from ...spec import AttentionSpec
 
 __all__ = [
     "FA2_DIST",
@@ -91,7 +92,6 @@ __all__ = [
     "FA4_PIP",
     "NOT_INSTALLED_REASON",
     "NO_CUDA_REASON",
-    "PAGED_KINDS",
     "FlashAttnVersion",
     "VersionChoice",
     "choose_version",
@@ -115,17 +115,6 @@ NOT_INSTALLED_REASON = (
     f"flash-attn is not installed ({FA2_PIP} for flash-attn 2, or {FA4_PIP} for flash-attn 4)"
 )
 NO_CUDA_REASON = "no CUDA device is available (torch.cuda.is_available() is False)"
-
-PAGED_KINDS = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.CROSS_ATTENTION,
-    }
-)
-"""Kinds whose keys/values the kernel reads from the paged cache (through a block table)."""
-
-_CAUSAL_KINDS = frozenset({KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW})
 
 _PIP: dict[int, str] = {2: FA2_PIP, 4: FA4_PIP}
 _FEATURES: dict[int, frozenset[AttentionFeature]] = {
@@ -382,7 +371,8 @@ def _spec_reasons(
 ) -> list[str]:
     reasons: list[str] = []
     label, kind = _label(version), spec.kind
-    paged = kind in PAGED_KINDS
+    rules = rules_for(spec)
+    paged = rules.has_cache  # the kernel reads the paged cache through a block table
     major = capability[0] if capability is not None else None
     wide = release_at_least(release, FA4_WIDE)
     if version == 4 and paged and capability is not None:
@@ -440,7 +430,7 @@ def _spec_reasons(
     for feature in sorted(features - supported_features, key=lambda f: f.value):
         if feature in _FEATURES[2] | _FEATURES[4]:  # others: the backend's declaration says so
             reasons.append(f"feature {feature.value} not supported by {label} (supported: {names})")
-    if version == 2 and AttentionFeature.ALIBI in features and kind not in _CAUSAL_KINDS:
+    if version == 2 and AttentionFeature.ALIBI in features and not rules.mask(spec).causal:
         reasons.append(
             f"feature alibi not supported by flash-attn 2 for kind={kind.value} (its bias "
             f"-slope*|i-j| differs from attnkit's slope*(j-i) when keys follow the query)"

@@ -41,6 +41,7 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
+from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata
 from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
@@ -49,7 +50,6 @@ from ...spec import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    KVCacheSpecKind,
     SlidingWindowSpec,
 )
 from . import _versions
@@ -63,9 +63,6 @@ __all__ = [
     "FlashAttentionOptions",
 ]
 
-_BIDIRECTIONAL = frozenset(
-    {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
-)
 _FEATURES = frozenset(
     {
         AttentionFeature.LOGITS_SOFT_CAP,
@@ -253,10 +250,12 @@ class FlashAttentionMetadataBuilder(
         self.version: FlashAttnVersion = choice.version
         self.release = choice.release
         self.kind = spec.kind
-        self.causal = spec.kind not in _BIDIRECTIONAL
-        self.paged = spec.kind in _versions.PAGED_KINDS
-        sliding = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        self.window_size = _versions.window_size(self.version, sliding)
+        rules = rules_for(spec)
+        mask = rules.mask(spec)
+        self.causal = mask.causal
+        # The kernel reads keys/values from the paged cache (through a block table).
+        self.paged = rules.has_cache
+        self.window_size = _versions.window_size(self.version, mask.window)
         self.max_blocks = math.ceil(self.max_model_len / spec.block_size) if self.paged else 0
 
         def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -294,7 +293,7 @@ class FlashAttentionMetadataBuilder(
                 f"{self.kind.value} layers, got {cm.causal}"
             )
         b = cm.num_reqs
-        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION and not torch.equal(
+        if not self.paged and not torch.equal(
             cm.seq_lens_cpu, cm.query_lens_cpu
         ):
             raise ValueError(
@@ -531,6 +530,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
         if problems:
             raise ValueError(f"{who}: " + "; ".join(problems))
         self.kind = spec.kind
+        rules = rules_for(spec)
+        self._has_cache = rules.has_cache
+        self._encoder_keys = rules.writes == "encoder"  # cross attention
         self.num_heads = params.num_heads
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
         self.softcap: float = params.logits_soft_cap or 0.0  # 0.0: off, in both versions
@@ -608,14 +610,14 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
         fa2 = self._fa2_kernel() if md.version == 2 else None
         fa4 = self._fa4_kernel() if md.version == 4 else None
         n = md.num_actual_tokens
-        encoder_only = self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+        encoder_only = not self._has_cache
         if len(kv_cache) != (0 if encoder_only else 1):
             raise ValueError(
                 f"{who}: kv_cache must hold {0 if encoder_only else 1} tensor(s), "
                 f"got {len(kv_cache)}"
             )
         if (key is None) != (value is None) or (
-            key is None and self.kind is not KVCacheSpecKind.CROSS_ATTENTION
+            key is None and not self._encoder_keys
         ):
             raise ValueError(f"{who}: key and value must both be given")
 
@@ -627,7 +629,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata, AttentionSpec, At
             cache = kv_cache[0]
             if key is not None and value is not None:
                 # Cross attention writes the E encoder rows given; the others the step's T.
-                rows = key.shape[0] if self.kind is KVCacheSpecKind.CROSS_ATTENTION else n
+                rows = key.shape[0] if self._encoder_keys else n
                 _write_kv(key[:rows], value[:rows], cache, md.slot_mapping[:rows])
             k, v = cache[:, 0], cache[:, 1]
         if n == 0 or md.num_reqs == 0:

@@ -62,19 +62,10 @@ from ...builder import AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, KVCacheLayout, MultipleOf, SizeRule
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
+from ...kinds import Mask, attention_rules, rules_for
 from ...metadata import CommonAttentionMetadata, host_to_device
 from ...params import AttentionLayerParams, attention_params_problems
-from ...spec import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheDType,
-    KVCacheSpecKind,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
-)
+from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
 from ._compile import environment_problems, recorded_failure, run_compiled
 from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, plan_call
 
@@ -92,9 +83,6 @@ __all__ = [
 _NAME = "flex_attention"
 # torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
 _from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-_BIDIRECTIONAL = frozenset(
-    {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
-)
 _FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
 # Head sizes checked on CPU; FlexAttention's Triton template on CUDA wants powers of two.
 _HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
@@ -335,14 +323,6 @@ class FlexAttentionMetadata:
         return _Resolved(p2l=p2l, masks=tuple(masks))
 
 
-def _mask_of(spec: AttentionSpec) -> tuple[bool, int | None, int | None]:
-    """The kind's mask: causal or not, its sliding window and its attention chunk
-    (``None`` where the kind has none); read once by the builder and by the impl."""
-    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-    chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
-    return spec.kind not in _BIDIRECTIONAL, window, chunk
-
-
 def _rows(query_len: int, group: int) -> int:
     # One query row per K/V head would select inductor's CPU decoding template, which
     # walks every listed block once per partition of the whole plane when the mask
@@ -448,10 +428,15 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         self.kind = spec.kind
-        self.causal, self.window, self.chunk = _mask_of(spec)
-        self.sink_len = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+        rules = rules_for(spec)
+        mask = rules.mask(spec)
+        self.causal, self.window, self.chunk = mask.causal, mask.window, mask.chunk
+        self.sink_len = mask.sink_len
         self.options = _options(config)
-        self.encoder = spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+        # No cache (encoder-only): the step's own keys/values, in a scratch plane.
+        self.encoder = not rules.has_cache
+        # The cache holds the encoder's tokens (cross attention), written when given.
+        self.encoder_keys = rules.writes == "encoder"
         if self.causal:
             limits = (0, self.window or NO_LIMIT, self.chunk or NO_LIMIT, 0)
         else:
@@ -490,14 +475,14 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         if self.encoder and bool((seq != qlens).any()):
             b = int(np.argmax(seq != qlens))
             raise ValueError(
-                f"{who}: encoder_only_attention encodes a request whole in one step, so "
+                f"{who}: {self.kind.value} encodes a request whole in one step, so "
                 f"seq_lens must equal the query lengths; request {b} has "
                 f"seq_lens={int(seq[b])} and query length {int(qlens[b])}"
             )
         if self.sink_len and bool((seq - qlens < self.sink_len).any()):
             b = int(np.argmax(seq - qlens < self.sink_len))
             raise ValueError(
-                f"{who}: sink_full_attention seq_lens must count the sink_len="
+                f"{who}: {self.kind.value} seq_lens must count the sink_len="
                 f"{self.sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
                 f"{int(seq[b] - qlens[b])} < {self.sink_len}"
             )
@@ -560,7 +545,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             prefill_lens=qlens[long],
             prefill_seq=seq[long],
             read_step_kv=self.encoder
-            or (self.kind is not KVCacheSpecKind.CROSS_ATTENTION and write[1] is None),
+            or (not self.encoder_keys and write[1] is None),
         )
         return self._metadata(
             cm,
@@ -688,7 +673,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         dropped here (once per step); on CUDA the runtime's contract holds (no -1 among
         the step's tokens; cross attention: the first ``E`` entries are the encoder's)."""
         slots = cm.slot_mapping
-        if self.kind is not KVCacheSpecKind.CROSS_ATTENTION:
+        if not self.encoder_keys:
             slots = slots[: cm.num_actual_tokens]
         if slots.device.type != "cpu":
             return slots, None
@@ -696,7 +681,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             return slots, None
         keep = slots >= 0
         rows = torch.nonzero(keep).flatten()
-        if self.kind is KVCacheSpecKind.CROSS_ATTENTION and bool(
+        if self.encoder_keys and bool(
             (rows == torch.arange(rows.numel())).all()
         ):
             return slots[: rows.numel()], None  # the encoder tokens lead, as usual
@@ -839,19 +824,24 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         super().__init__(kv_cache_spec, layer_params)
         who = type(self).__name__
         spec, params = kv_cache_spec, layer_params
-        sink_tokens = isinstance(spec, SinkFullAttentionSpec)
+        rules = rules_for(spec)
+        self._mask: Mask = rules.mask(spec)
+        self._has_cache = rules.has_cache
+        self._encoder_keys = rules.writes == "encoder"
+        sink_len = self._mask.sink_len
+        sink_tokens = sink_len > 0
         checked = (
             dataclasses.replace(params, sink_key=None, sink_value=None) if sink_tokens else params
         )
         problems = attention_params_problems(
             spec, checked, backend=_NAME, supported_features=_FEATURES
         )
-        if isinstance(spec, SinkFullAttentionSpec):
-            want = (spec.sink_len, spec.num_kv_heads, spec.head_size)
+        if sink_tokens:
+            want = (sink_len, spec.num_kv_heads, spec.head_size)
             if params.sink_key is None or tuple(params.sink_key.shape) != want:
                 got = "None" if params.sink_key is None else str(list(params.sink_key.shape))
                 problems.append(
-                    f"a sink_full_attention layer needs layer_params.sink_key and sink_value "
+                    f"a {spec.kind.value} layer needs layer_params.sink_key and sink_value "
                     f"of shape [sink_len, Hkv, D]={list(want)}, got {got}"
                 )
         if problems:
@@ -860,7 +850,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         self.group = params.num_heads // spec.num_kv_heads
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
         self._soft_cap = params.logits_soft_cap
-        self._mask = _mask_of(spec)
         self._alibi = params.alibi_slopes
         self._constants: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
@@ -919,7 +908,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         want_kv = (spec.num_kv_heads, spec.head_size)
         for name, t in (("key", key), ("value", value)):
             if t is None:
-                if spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
+                if self._encoder_keys:
                     continue
                 raise ValueError(f"{who}: {name} must be a tensor [T, Hkv, D], got None")
             if t.dim() != 3 or tuple(t.shape[1:]) != want_kv or t.dtype != spec.dtype:
@@ -929,7 +918,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 )
         if (key is None) != (value is None):
             raise ValueError(f"{who}: key and value must both be tensors or both be None")
-        expected = 0 if spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION else 2
+        expected = 2 if self._has_cache else 0
         if len(kv_cache) != expected:
             raise ValueError(
                 f"{who}: kv_cache must hold {expected} tensors (the planes layout: K plane, "
@@ -964,7 +953,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         spec = self.kv_cache_spec
         if m.cpu is not None:
             return self._forward_cpu(query, key, value, kv_cache, m, m.cpu, output)
-        if spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        if not self._has_cache:
             assert key is not None  # checked
             assert value is not None
             k_plane = key.new_zeros((m.scratch_rows, spec.num_kv_heads, spec.head_size))
@@ -1049,7 +1038,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             self._write(k_plane, v_plane, key, value, m)
         output[n:] = 0
         _, slopes = self._device_constants(query.device)
-        causal, window, chunk = self._mask
+        causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
         if plan.native:
             assert k_plane is not None
             assert v_plane is not None
@@ -1143,15 +1132,11 @@ class FlexAttentionBackend(AttentionBackend):
     supported_features = _FEATURES
     options_type = FlexAttentionOptions
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
+    # Every attention kind with K and V planes: the mask_mod and the CPU engines express
+    # every kind's Mask (causal or bidirectional, window, chunk, sink tokens), and the
+    # write plan what each kind writes; MLA latents have no planes.
     builders = bind_each(
-        (
-            FullAttentionSpec,
-            SlidingWindowSpec,
-            ChunkedLocalAttentionSpec,
-            SinkFullAttentionSpec,
-            EncoderOnlyAttentionSpec,
-            CrossAttentionSpec,
-        ),
+        tuple(r.spec_class for r in attention_rules() if "planes" in r.layouts),
         FlexAttentionMetadataBuilder,
         FlexAttentionImpl,
     )

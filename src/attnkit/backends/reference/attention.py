@@ -33,17 +33,10 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
 from ...kernels.torch.attention import dense_attention, paged_attention, write_kv_cache
+from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata
 from ...params import AttentionLayerParams, mla_projection_problems
-from ...spec import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    KVCacheSpecKind,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from ...spec import AttentionSpec
 from ._checks import check_tensor, describe
 
 __all__ = [
@@ -51,11 +44,6 @@ __all__ = [
     "ReferenceAttentionImpl",
     "ReferenceAttentionMetadata",
 ]
-
-_BIDIRECTIONAL_KINDS = frozenset(
-    {KVCacheSpecKind.ENCODER_ONLY_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION}
-)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReferenceAttentionMetadata:
@@ -114,12 +102,13 @@ class ReferenceAttentionBuilder(
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         self.kind = spec.kind
-        self.causal = spec.kind not in _BIDIRECTIONAL_KINDS
-        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        self.chunk_size = (
-            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
-        )
-        self.sink_len = spec.sink_len if isinstance(spec, SinkFullAttentionSpec) else 0
+        rules = rules_for(spec)
+        mask = rules.mask(spec)
+        self.causal = mask.causal
+        self.sliding_window = mask.window
+        self.chunk_size = mask.chunk
+        self.sink_len = mask.sink_len
+        self.has_cache = rules.has_cache
 
     @override
     def build(
@@ -134,13 +123,13 @@ class ReferenceAttentionBuilder(
                 f"ReferenceAttentionBuilder: common_attn_metadata.causal must be {self.causal} "
                 f"for {self.kind.value} layers, got {cm.causal}"
             )
-        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        if not self.has_cache:
             differ = cm.seq_lens_cpu != cm.query_lens_cpu
             if bool(differ.any()):
                 b = int(torch.nonzero(differ)[0, 0])
                 raise ValueError(
-                    f"ReferenceAttentionBuilder: encoder_only_attention encodes a request "
-                    f"whole in one step, so seq_lens must equal the query lengths; request "
+                    f"ReferenceAttentionBuilder: {self.kind.value} keeps no cache and encodes "
+                    f"a request whole in one step, so seq_lens must equal the query lengths; request "
                     f"{b} has seq_lens={int(cm.seq_lens_cpu[b])} and "
                     f"query length {int(cm.query_lens_cpu[b])}"
                 )
@@ -171,7 +160,7 @@ class ReferenceAttentionBuilder(
         if bool(short.any()):
             b = int(torch.nonzero(short)[0, 0])
             raise ValueError(
-                f"ReferenceAttentionBuilder: sink_full_attention seq_lens must count the "
+                f"ReferenceAttentionBuilder: {self.kind.value} seq_lens must count the "
                 f"sink_len={sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
                 f"{int(context[b])} < {sink_len}"
             )
@@ -218,7 +207,12 @@ class ReferenceAttentionImpl(
                 f"backend does not declare the return_lse feature), got return_lse=True"
             )
         self.kind = spec.kind
-        self.is_mla = isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec)
+        rules = rules_for(spec)
+        self.is_mla = rules.latent
+        self.has_cache = rules.has_cache
+        # Cross attention: the cache holds the encoder's tokens, written when given.
+        self.encoder_keys = rules.writes == "encoder"
+        sink_len = rules.mask(spec).sink_len
         # Where forward_partial wants the lse (set only for the length of that call).
         self._lse_out: torch.Tensor | None = None
         self.num_heads = params.num_heads
@@ -253,12 +247,12 @@ class ReferenceAttentionImpl(
             if params.alibi_slopes is not None
             else None
         )
-        if isinstance(spec, SinkFullAttentionSpec):
-            want = (spec.sink_len, spec.num_kv_heads, spec.head_size)
+        if sink_len:
+            want = (sink_len, spec.num_kv_heads, spec.head_size)
             if params.sink_key is None or tuple(params.sink_key.shape) != want:
                 got = "None" if params.sink_key is None else describe(params.sink_key)
                 raise ValueError(
-                    f"{owner}: a sink_full_attention layer needs layer_params.sink_key and "
+                    f"{owner}: a {self.kind.value} layer needs layer_params.sink_key and "
                     f"sink_value of shape [sink_len, Hkv, D]={list(want)}, got {got}"
                 )
         elif params.sink_key is not None:
@@ -334,7 +328,7 @@ class ReferenceAttentionImpl(
                     dtype=query.dtype,
                     device=device,
                 )
-        elif self.kind is KVCacheSpecKind.CROSS_ATTENTION:
+        elif self.encoder_keys:
             if (key is None) != (value is None):
                 raise ValueError(
                     f"{owner}: key and value must both be the encoder states or both be "
@@ -376,10 +370,10 @@ class ReferenceAttentionImpl(
                     device=device,
                 )
 
-        if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        if not self.has_cache:
             if len(kv_cache) != 0:
                 raise ValueError(
-                    f"{owner}: kv_cache must be empty (encoder-only layers keep no cache), "
+                    f"{owner}: kv_cache must be empty ({self.kind.value} layers keep no cache), "
                     f"got {len(kv_cache)} tensors"
                 )
             return None
@@ -471,7 +465,7 @@ class ReferenceAttentionImpl(
         if self.is_mla:
             assert key is not None  # checked above
             _write_latents(key[:n, 0], cache, md.slot_mapping[:n])
-        elif self.kind is KVCacheSpecKind.CROSS_ATTENTION:
+        elif self.encoder_keys:
             if key is not None and value is not None:
                 write_kv_cache(
                     key,

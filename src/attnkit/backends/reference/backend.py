@@ -9,13 +9,13 @@ from typing_extensions import override
 from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_builder, bind_each
 from ...capabilities import AttentionFeature
+from ...kinds import rules_for
 from ...spec import (
     ATTENTION_SPEC_CLASSES,
+    AttentionSpec,
     KVCacheDType,
     MambaSpec,
     MambaType,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
 )
 from ...state_types import STATE_TYPES, state_spec_reasons
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
@@ -30,6 +30,10 @@ class ReferenceBackend(AttentionBackend):
     Serves every ``KVCacheSpecKind`` (state layers of every type in
     ``attnkit.state_types``) with any head size and block size, on CPU and CUDA. Other
     backends are tested against it.
+
+    Its attention kinds are ``ATTENTION_SPEC_CLASSES``, and its impl asks each kind's
+    ``KindRules`` (mask, what a step writes, latent or K/V), so a kind added in
+    ``spec.py`` and ``kinds.py`` is served here with no edit.
     """
 
     name = "reference"
@@ -62,9 +66,11 @@ class ReferenceBackend(AttentionBackend):
         spec = request.spec
         if isinstance(spec, MambaSpec):
             return state_spec_reasons(spec, cls.supported_mamba_types)
-        if isinstance(
-            spec, MLAAttentionSpec | SlidingWindowMLASpec
-        ) and spec.kv_cache_dtype.startswith("fp8"):
+        if (
+            rules_for(spec).latent
+            and isinstance(spec, AttentionSpec)
+            and spec.kv_cache_dtype.startswith("fp8")
+        ):
             return [
                 f"kv_cache_dtype={spec.kv_cache_dtype} is not supported for {spec.kind.value} layers"
             ]

@@ -35,6 +35,7 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange, SizeRule
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
+from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata, host_to_device
 from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
@@ -45,7 +46,6 @@ from ...spec import (
     FullAttentionSpec,
     KVCacheDType,
     KVCacheSpec,
-    KVCacheSpecKind,
     SlidingWindowSpec,
 )
 from .._triton_env import triton_cpu_reasons
@@ -66,14 +66,6 @@ __all__ = [
     "TritonAttentionMetadata",
     "TritonAttentionMetadataBuilder",
 ]
-
-_CAUSAL_KINDS = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-    }
-)
 
 # What the launchers accept; kept here as literals because reading them from the
 # kernel modules would import triton. The test suite checks they still agree.
@@ -173,7 +165,7 @@ class TritonAttentionMetadataBuilder(
         # lengths, blocks, slots, fp8 scales) from tensors and skip empty tiles.
         # Encoder-only layers use a per-step scratch cache sized by the step, and cross
         # attention writes a varying number of encoder tokens: neither is captured.
-        if kv_cache_spec.kind in _CAUSAL_KINDS:
+        if rules_for(kv_cache_spec).mask(kv_cache_spec).causal:
             return AttentionCGSupport.ALWAYS
         return AttentionCGSupport.NEVER
 
@@ -187,11 +179,12 @@ class TritonAttentionMetadataBuilder(
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
         self.kind = spec.kind
-        self.causal = spec.kind in _CAUSAL_KINDS
-        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        self.chunk_size = (
-            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
-        )
+        rules = rules_for(spec)
+        mask = rules.mask(spec)
+        self.causal = mask.causal
+        self.sliding_window, self.chunk_size = mask.window, mask.chunk
+        # No cache (encoder-only): the step's own keys/values, in a scratch cache.
+        self.scratch = not rules.has_cache
         self.num_sms: int = num_sms(device)
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
@@ -215,7 +208,7 @@ class TritonAttentionMetadataBuilder(
             )
         scratch = (
             self._scratch_layout(cm)
-            if self.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION
+            if self.scratch
             else _ScratchLayout()
         )
         # Encoder-only layers attend over the per-step scratch cache.
@@ -384,6 +377,9 @@ class TritonAttentionImpl(
             layer_params.scale if layer_params.scale is not None else kv_cache_spec.head_size**-0.5
         )
         self.fp8 = kv_cache_spec.kv_cache_dtype == "fp8_e4m3"
+        rules = rules_for(kv_cache_spec)
+        self._has_cache = rules.has_cache
+        self._encoder_keys = rules.writes == "encoder"  # cross attention
         # Device copies of the layer's constants, made on the first forward (the device
         # is not known before) and reused, so later steps and graph replays allocate
         # nothing.
@@ -486,7 +482,7 @@ class TritonAttentionImpl(
         n = m.num_actual_tokens
         consts = self._device_constants(query.device)
         k_scale, v_scale = consts.k_scale, consts.v_scale
-        if self.kv_cache_spec.kind is KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+        if not self._has_cache:
             if key is None or value is None:
                 raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
             cache = self._scratch_cache(m, key)
@@ -505,7 +501,7 @@ class TritonAttentionImpl(
                     f"got {len(kv_cache)}"
                 )
             cache = kv_cache[0]
-            if self.kv_cache_spec.kind is KVCacheSpecKind.CROSS_ATTENTION:
+            if self._encoder_keys:
                 if key is not None and value is not None:  # encoder states, first steps only
                     e = key.shape[0]
                     self._write_kv_cache(

@@ -52,16 +52,15 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, SizeRange, SizeRule
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
+from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata, host_to_device
 from ...params import AttentionLayerParams, attention_params_problems, mla_projection_problems
 from ...spec import (
     AttentionSpec,
     KVCacheDType,
     KVCacheSpec,
-    KVCacheSpecKind,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
-    SlidingWindowSpec,
 )
 from .._triton_env import triton_cpu_reasons
 from .._triton_paged import GraphBuffers, fp8_e4m3_capability_reasons, num_sms
@@ -86,7 +85,6 @@ Ints = npt.NDArray[np.int64]
 # torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
 _from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
-_MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW_MLA})
 
 # What the launchers accept; kept here as literals because reading them from the kernel
 # module would import triton. The test suite checks they still agree.
@@ -290,7 +288,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
         # device), so any batch of that shape replays; the kernels read every
         # per-request value (offsets, lengths, blocks, slots, the fp8 scale) from
         # tensors and skip empty tiles.
-        if kv_cache_spec.kind in _MLA_KINDS:
+        if rules_for(kv_cache_spec).latent:
             return AttentionCGSupport.ALWAYS
         return AttentionCGSupport.NEVER
 
@@ -303,7 +301,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
         spec = kv_cache_spec
-        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.sliding_window = rules_for(spec).mask(spec).window
         self.num_sms: int = num_sms(device)
         self.prefill_form: PrefillForm = config.options_for(
             "triton_mla", TritonMLAOptions
