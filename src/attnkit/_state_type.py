@@ -14,12 +14,12 @@ from typing import Generic
 import torch
 from typing_extensions import TypeVar
 
-from ._validation import dtype_name
+from ._validation import dtype_name, split_or_replicate
 from .errors import InvalidArgumentError
 from .spec import MambaSpec, MambaType
 from .state_inputs import StateInputs
 
-__all__ = ["InputWidth", "Shapes", "StateStep", "StateTensor", "StateType", "TensorSplit"]
+__all__ = ["InputWidth", "Shapes", "StateSplit", "StateStep", "StateTensor", "StateType"]
 
 Shapes = tuple[tuple[int, ...], ...]
 """A layer's state shapes, one per state, without the block dimension."""
@@ -87,7 +87,7 @@ class StateStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSplit:
+class StateSplit:
     """A tensor-parallel split of one layer's states, as a type's ``split`` rule sees it.
 
     ``per_rank`` and ``per_rank_or_replicated`` return a rank's share or raise the error
@@ -123,23 +123,7 @@ class TensorSplit:
         At least as many as ranks: each rank holds ``count / ranks``. Fewer: each rank
         holds one, replicated on ``ranks / count`` ranks (``count`` must divide them).
         """
-        tp = self.ranks
-        if count >= tp:
-            if count % tp:
-                raise InvalidArgumentError(
-                    f"{self.caller}: tensor_parallel={tp} cannot split the {count} {what} of "
-                    f"{self.where}: with at least as many {what} as ranks, tensor_parallel "
-                    f"must divide {count}"
-                )
-            return count // tp, 1
-        if tp % count:
-            raise InvalidArgumentError(
-                f"{self.caller}: tensor_parallel={tp} cannot split the {count} {what} of "
-                f"{self.where}: with fewer {what} than ranks, tensor_parallel must be a "
-                f"multiple of {count} (each is then replicated on tensor_parallel / {count} "
-                f"ranks)"
-            )
-        return 1, tp // count
+        return split_or_replicate(count, self.ranks, what, self.where, self.caller)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -160,7 +144,7 @@ class StateType(Generic[P, In]):
             place (``states[i][state_indices[r]]``). Inputs come checked against
             ``input_widths`` and cut to the step's tokens.
         split: a tensor-parallel rank's shapes from the whole layer's (already of
-            this layout) and the split in words; raises through ``TensorSplit``.
+            this layout) and the split in words; raises through ``StateSplit``.
         example: the conformance kit's layer parameters, weights from the generator.
         example_inputs: the kit's inputs for ``n`` tokens.
     """
@@ -173,7 +157,7 @@ class StateType(Generic[P, In]):
     output: tuple[str, str]
     input_widths: Callable[[P], Mapping[str, InputWidth]]
     reference: Callable[[P, In, Sequence[torch.Tensor], StateStep], torch.Tensor]
-    split: Callable[[Shapes, TensorSplit], tuple[Shapes, str]]
+    split: Callable[[Shapes, StateSplit], tuple[Shapes, str]]
     example: Callable[[torch.Generator, torch.device], P]
     example_inputs: Callable[[P, int, torch.Generator, torch.device], In]
 
@@ -236,7 +220,7 @@ class StateType(Generic[P, In]):
         divide, or shapes of another layout, is an ``InvalidArgumentError`` naming
         ``where``: the planner does not guess a layout the runtime would not run.
         """
-        split = TensorSplit(self.name, tensor_parallel, where, caller)
+        split = StateSplit(self.name, tensor_parallel, where, caller)
         if self.layout_problem(shapes) is not None:
             raise split.error(f"its shapes {shapes} are not the {self.name} layout attnkit knows")
         return self.split(shapes, split)

@@ -48,3 +48,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 def describe_tensor(t: torch.Tensor) -> str:
     """``"bfloat16 [4, 8] on cpu"``, for messages."""
     return f"{dtype_name(t.dtype)} {list(t.shape)} on {t.device}"
+
+
+def split_or_replicate(
+    count: int, ranks: int, what: str, where: str, caller: str = "plan_model"
+) -> tuple[int, int]:
+    """``(per rank, ranks holding each)`` of ``count`` heads (groups) over ``ranks``
+    tensor-parallel ranks.
+
+    At least as many as ranks: each rank holds ``count / ranks`` (``ranks`` must divide
+    them). Fewer: each rank holds one, replicated on ``ranks / count`` ranks (``count``
+    must divide ``ranks``); this is how tensor-parallel engines shard grouped-query
+    attention (vLLM's ``QKVParallelLinear`` replicates K/V heads so), and Mamba2's B/C
+    groups split the same way.
+
+    Raises:
+        InvalidArgumentError: the counts do not divide (the message names ``where``).
+    """
+    if count >= ranks:
+        if count % ranks:
+            raise InvalidArgumentError(
+                f"{caller}: tensor_parallel={ranks} cannot split the {count} {what} of "
+                f"{where}: with at least as many {what} as ranks, tensor_parallel must "
+                f"divide {count}"
+            )
+        return count // ranks, 1
+    if ranks % count:
+        raise InvalidArgumentError(
+            f"{caller}: tensor_parallel={ranks} cannot split the {count} {what} of {where}: "
+            f"with fewer {what} than ranks, tensor_parallel must be a multiple of {count} "
+            f"(each is then replicated on tensor_parallel / {count} ranks)"
+        )
+    return 1, ranks // count

@@ -32,6 +32,7 @@ import numpy.typing as npt
 import torch
 from typing_extensions import override
 
+from ._validation import split_or_replicate
 from .capabilities import KVCacheLayout
 from .errors import InvalidArgumentError
 from .spec import (
@@ -67,7 +68,6 @@ __all__ = [
     "rules_for_kind",
     "slots_of",
     "spans",
-    "split_kv_heads",
 ]
 
 Ints = npt.NDArray[np.int64]
@@ -207,34 +207,6 @@ def boundary_lengths(block_size: int, *, extra: tuple[int, ...] = ()) -> list[in
     for m in (1, 2):
         found.update({m * block_size - 1, m * block_size, m * block_size + 1})
     return sorted(n for n in found if n >= 1)
-
-
-def split_kv_heads(heads: int, tp: int, what: str, where: str) -> tuple[int, int]:
-    """``(per rank, ranks holding each)`` of ``heads`` K/V heads over ``tp`` ranks.
-
-    At least as many heads as ranks: each rank holds ``heads / tp`` (``tp`` must divide
-    them). Fewer: each rank holds one, and each head is replicated on ``tp / heads``
-    ranks (``heads`` must divide ``tp``); this is how tensor-parallel engines shard
-    grouped-query attention (vLLM's ``QKVParallelLinear`` replicates K/V heads so).
-
-    Raises:
-        InvalidArgumentError: the counts do not divide (the message names ``where``).
-    """
-    if heads >= tp:
-        if heads % tp:
-            raise InvalidArgumentError(
-                f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of "
-                f"{where}: with at least as many {what} as ranks, tensor_parallel must "
-                f"divide {heads}"
-            )
-        return heads // tp, 1
-    if tp % heads:
-        raise InvalidArgumentError(
-            f"plan_model: tensor_parallel={tp} cannot split the {heads} {what} of {where}: "
-            f"with fewer {what} than ranks, tensor_parallel must be a multiple of {heads} "
-            f"(each is then replicated on tensor_parallel / {heads} ranks)"
-        )
-    return 1, tp // heads
 
 
 def _ceil_div(a: Ints, b: int) -> Ints:
@@ -449,7 +421,7 @@ class _AttentionRules(KindRules[SA]):
 
     @override
     def tensor_split(self, spec: SA, tp: int, where: str) -> TensorSplit:
-        kv, copies = split_kv_heads(spec.num_kv_heads, tp, "K/V heads", where)
+        kv, copies = split_or_replicate(spec.num_kv_heads, tp, "K/V heads", where)
         shared = f" (each on {copies} ranks)" if copies > 1 else ""
         return TensorSplit(
             dataclasses.replace(spec, num_kv_heads=kv),

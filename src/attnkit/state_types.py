@@ -27,7 +27,7 @@ from typing import Any, get_args
 
 import torch
 
-from ._state_type import InputWidth, Shapes, StateStep, StateTensor, StateType, TensorSplit
+from ._state_type import InputWidth, Shapes, StateSplit, StateStep, StateTensor, StateType
 from .errors import InvalidArgumentError
 from .kernels.torch.conv1d import causal_conv1d_varlen
 from .kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
@@ -57,10 +57,10 @@ from .state_inputs import (
 __all__ = [
     "STATE_TYPES",
     "InputWidth",
+    "StateSplit",
     "StateStep",
     "StateTensor",
     "StateType",
-    "TensorSplit",
     "check_state_layer",
     "state_spec_reasons",
     "state_type_of",
@@ -125,7 +125,7 @@ def _mamba1_reference(
     )
 
 
-def _mamba1_split(shapes: Shapes, split: TensorSplit) -> tuple[Shapes, str]:
+def _mamba1_split(shapes: Shapes, split: StateSplit) -> tuple[Shapes, str]:
     # ((D, W - 1), (D, N)): every channel has its own conv and SSM state.
     (d_inner, taps), (_, d_state) = shapes
     local = split.per_rank(d_inner, "channels (d_inner)")
@@ -201,7 +201,7 @@ def _mamba2_reference(
     )
 
 
-def _mamba2_split(shapes: Shapes, split: TensorSplit) -> tuple[Shapes, str]:
+def _mamba2_split(shapes: Shapes, split: StateSplit) -> tuple[Shapes, str]:
     # ((H * P + 2 * G * N, W - 1), (H, P, N)): heads split, the B/C groups G like K/V
     # heads (replicated when fewer than the ranks).
     (conv, taps), (heads, head_dim, d_state) = shapes
@@ -295,7 +295,7 @@ def _gdn_reference(
     )
 
 
-def _gdn_split(shapes: Shapes, split: TensorSplit) -> tuple[Shapes, str]:
+def _gdn_split(shapes: Shapes, split: StateSplit) -> tuple[Shapes, str]:
     # ((2 * Hk * K + Hv * V, W - 1), (Hv, K, V)): value and key heads both split.
     (conv, taps), (value_heads, key_dim, value_dim) = shapes
     qk = conv - value_heads * value_dim
@@ -384,7 +384,7 @@ def _linear_reference(
     )
 
 
-def _linear_split(shapes: Shapes, split: TensorSplit) -> tuple[Shapes, str]:
+def _linear_split(shapes: Shapes, split: StateSplit) -> tuple[Shapes, str]:
     ((heads, key_dim, value_dim),) = shapes
     local = split.per_rank(heads, "heads")
     return ((local, key_dim, value_dim),), f"linear attention heads {heads} -> {local} per rank"
@@ -454,7 +454,7 @@ def _short_conv_reference(
     )
 
 
-def _short_conv_split(shapes: Shapes, split: TensorSplit) -> tuple[Shapes, str]:
+def _short_conv_split(shapes: Shapes, split: StateSplit) -> tuple[Shapes, str]:
     ((channels, taps),) = shapes
     local = split.per_rank(channels, "channels")
     return ((local, taps),), f"short conv channels {channels} -> {local} per rank"
