@@ -63,6 +63,23 @@ LAYERS: dict[str, int] = {
 }
 """Core modules and their layer."""
 
+PACKAGES: frozenset[str] = frozenset()
+"""Core modules that are packages of private submodules (``attnkit.planner._capacity``):
+a submodule takes its package's layer, and the modules of one package may import each
+other (the cycle check still holds inside the package)."""
+
+
+def package_of(module: str) -> str | None:
+    """The declared package ``module`` is a submodule of, if any."""
+    return next((p for p in PACKAGES if module.startswith(p + ".")), None)
+
+
+def layer_of(module: str) -> int:
+    """A core module's layer: its own entry, or its package's."""
+    package = package_of(module)
+    return LAYERS[module] if package is None else LAYERS[package]
+
+
 _KERNEL_CALLERS = frozenset({"attnkit.demo", "attnkit.parallel", "attnkit.state_types"})
 """Core modules that call a kernel: the demo, the context-parallel merge
 (``merge_attn_states``), and the state types' reference computations."""
@@ -149,7 +166,8 @@ def _violation(source: str, target: str) -> str | None:
             return "kernels import only kernel modules"
         return None
     if target.startswith("attnkit.kernels"):
-        return None if source.startswith("attnkit.backends") or source in _KERNEL_CALLERS else (
+        caller = package_of(source) or source
+        return None if source.startswith("attnkit.backends") or caller in _KERNEL_CALLERS else (
             "only backends (and the demo, the merge, the state types) import kernels"
         )
     if source.startswith("attnkit.backends"):
@@ -158,19 +176,37 @@ def _violation(source: str, target: str) -> str | None:
             own = ".".join(source.split(".")[:3])
             shared = target.count(".") == 2 and target.split(".")[2].startswith("_")
             return None if target.startswith(own) or shared else "a backend imports another backend"
-        if LAYERS[target] > BACKEND_MAX_CORE_LAYER:
+        if layer_of(target) > BACKEND_MAX_CORE_LAYER:
             return f"backends may import core modules up to attnkit.backend, not {target}"
         return None
     if target.startswith("attnkit.backends"):
         return f"{source} imports a backend package (backends are loaded through the registry)"
-    if LAYERS[target] >= LAYERS[source]:
-        return f"layer {LAYERS[source]} imports layer {LAYERS[target]}"
+    own = package_of(source) or source
+    if target == own or package_of(target) == own:
+        return None  # within one package (or a package and its submodules)
+    if layer_of(target) >= layer_of(source):
+        return f"layer {layer_of(source)} imports layer {layer_of(target)}"
     return None
 
 
 def test_every_core_module_has_a_layer() -> None:
     core = {m for m in MODULES if not m.startswith(("attnkit.kernels", "attnkit.backends"))}
-    assert core == set(LAYERS), "update LAYERS (and docs/architecture.md) for new modules"
+    listed = {m for m in core if m in LAYERS or package_of(m) is not None}
+    assert listed == core, "update LAYERS (and docs/architecture.md) for new modules"
+    assert set(LAYERS) <= core, "LAYERS names a module that does not exist"
+    assert set(LAYERS) >= PACKAGES, "a package of PACKAGES needs its layer in LAYERS"
+
+
+def test_a_package_submodule_takes_its_package_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A split module (attnkit.planner -> attnkit.planner._capacity, ...) keeps its
+    # layer: its submodules may import each other, but not a module above the package.
+    monkeypatch.setitem(globals(), "PACKAGES", frozenset({"attnkit.planner"}))
+    assert _violation("attnkit.planner._a", "attnkit.planner._b") is None
+    assert _violation("attnkit.planner", "attnkit.planner._a") is None
+    assert _violation("attnkit.planner._a", "attnkit.runtime") is None
+    assert _violation("attnkit.planner._a", "attnkit.cli") == "layer 11 imports layer 12"
+    assert _violation("attnkit.planner._a", "attnkit.demo") == "layer 11 imports layer 11"
+    assert _violation("attnkit.runtime", "attnkit.planner._a") == "layer 10 imports layer 11"
 
 
 def test_import_graph_has_no_cycle() -> None:
