@@ -210,7 +210,7 @@ def _run_shard(
         num_kv_heads=cache.shape[3],
         num_splits=num_splits,
         context_shard=(1, size),
-        total_seq_lens=_i32([total]),
+        global_seq_lens=_i32([total]),
     )
     lse = torch.zeros(query.shape[0], query.shape[1])
     paged_attention(query, cache, plan, scale=batch["scale"], lse=lse, **extra)

@@ -1482,10 +1482,10 @@ def test_kernels_imported_without_the_interpreter_are_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class CompiledKernels:
-        _INTERPRETED = False
+        INTERPRETED = False
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "attnkit.kernels.triton.paged_attention", CompiledKernels)
+    monkeypatch.setitem(sys.modules, "attnkit.kernels._triton.interpret", CompiledKernels)
     assert _reasons() == [
         "device=cpu needs the Triton interpreter, but attnkit's Triton kernels were already "
         "imported without it (set TRITON_INTERPRET=1 before importing triton)"

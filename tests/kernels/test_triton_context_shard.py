@@ -1,5 +1,5 @@
 """The Triton paged-attention kernels on a decode context-parallel shard
-(``plan_paged_attention(context_shard=(rank, size), total_seq_lens=...)``).
+(``plan_paged_attention(context_shard=(rank, size), global_seq_lens=...)``).
 
 For each rank the test builds the shard as the runtime would (position ``p`` of a
 request at local index ``p // size`` of rank ``p % size``, blocks shuffled, every other
@@ -98,7 +98,7 @@ def test_shard_partials_merge_to_full_attention(
             num_kv_heads=HKV,
             num_splits=splits,
             context_shard=(rank, size),
-            total_seq_lens=torch.tensor(totals, dtype=torch.int32, device=DEVICE),
+            global_seq_lens=torch.tensor(totals, dtype=torch.int32, device=DEVICE),
         )
         lse = torch.empty(sum(q_lens), HQ, device=DEVICE)
         out = paged_attention(
@@ -142,15 +142,15 @@ def test_shard_arguments_are_checked() -> None:
     table = torch.ones(1, 1, dtype=torch.int32)
     kw = {"max_query_len": 1, "max_seq_len": 3, "block_size": BS, "num_kv_heads": HKV}
     with pytest.raises(ValueError, match=r"0 <= rank < size, got \(2, 2\)"):
-        plan_paged_attention(qsl, lens, table, **kw, context_shard=(2, 2), total_seq_lens=lens)
-    with pytest.raises(ValueError, match="total_seq_lens"):
-        plan_paged_attention(qsl, lens, table, **kw, context_shard=(0, 2), total_seq_lens=None)
+        plan_paged_attention(qsl, lens, table, **kw, context_shard=(2, 2), global_seq_lens=lens)
+    with pytest.raises(ValueError, match="global_seq_lens"):
+        plan_paged_attention(qsl, lens, table, **kw, context_shard=(0, 2), global_seq_lens=None)
     with pytest.raises(ValueError, match="shards are of full attention"):
         plan_paged_attention(
-            qsl, lens, table, **kw, sliding_window=4, context_shard=(0, 2), total_seq_lens=lens
+            qsl, lens, table, **kw, sliding_window=4, context_shard=(0, 2), global_seq_lens=lens
         )
     with pytest.raises(ValueError, match="expected None without context_shard"):
-        plan_paged_attention(qsl, lens, table, **kw, total_seq_lens=lens)
+        plan_paged_attention(qsl, lens, table, **kw, global_seq_lens=lens)
 
 
 def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:

@@ -82,7 +82,6 @@ _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
 # The encoder-only path writes a step's keys/values into a scratch paged cache of
 # this block size (the kernels attend over paged caches only).
 _SCRATCH_BLOCK_SIZE = 16
-_KERNEL_MODULE = "attnkit.kernels.triton.paged_attention"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -242,7 +241,7 @@ class TritonAttentionMetadataBuilder(
             # A decode context-parallel shard (full attention): local keys, global
             # query positions (CommonAttentionMetadata.context_shard).
             context_shard=cm.context_shard,
-            total_seq_lens=(
+            global_seq_lens=(
                 host_to_device(cm.global_seq_lens_cpu, self.device)
                 if cm.global_seq_lens_cpu is not None and cm.context_shard is not None
                 else None
@@ -593,7 +592,7 @@ class TritonAttentionBackend(AttentionBackend):
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
-        return triton_cpu_reasons(device, _KERNEL_MODULE)
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

@@ -94,7 +94,6 @@ _MLA_KINDS = frozenset({KVCacheSpecKind.MLA_ATTENTION, KVCacheSpecKind.SLIDING_W
 # kernel pads R and rope separately, to at least 16 each, so small widths work too).
 _HEAD_SIZES: SizeRule = (SizeRange(16, 1024),)
 _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
-_KERNEL_MODULE = "attnkit.kernels.triton.mla_attention"
 # Soft-cap, ALiBi and sink logits are not part of MLA models, and forward() has no way
 # to hand a log-sum-exp back (return_lse). The projection is served (both forms).
 _FEATURES: frozenset[AttentionFeature] = frozenset({AttentionFeature.MLA_PROJECTION})
@@ -919,7 +918,7 @@ class TritonMLABackend(AttentionBackend):
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
-        return triton_cpu_reasons(device, _KERNEL_MODULE)
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

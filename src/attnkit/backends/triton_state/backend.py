@@ -580,7 +580,7 @@ class _TritonStateBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        return triton_cpu_reasons(device, "attnkit.kernels.triton.linear_attention")
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

@@ -1,6 +1,7 @@
 """The paged-attention contract: argument rules shared by the torch oracle
-(:mod:`attnkit.kernels.torch.attention`) and the Triton launcher
-(:mod:`attnkit.kernels.triton.paged_attention`).
+(:mod:`attnkit.kernels.torch.attention`) and the Triton launchers
+(:mod:`attnkit.kernels.triton.paged_attention`, ``kv_write``), and the launchers' own
+metadata rules (devices, strides, scale tensors).
 
 Shape letters as in the oracle's module docstring: ``query`` ``[T, Hq, D]``, ``kv_cache``
 ``[NB, 2, BS, Hkv, D]``, ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``,
@@ -25,6 +26,7 @@ from torch import Tensor
 from attnkit.kernels._checks import (
     KernelTypeError,
     check_bool,
+    check_device,
     check_int_arg,
     describe,
     require_tensor,
@@ -34,16 +36,20 @@ __all__ = [
     "FP8_DTYPE",
     "HEAD_VECTOR_DTYPES",
     "check_batch_layout",
+    "check_batch_metadata",
+    "check_block_table_width",
     "check_cache_layout",
     "check_context_shard",
-    "check_device",
     "check_head_vector",
     "check_index_layout",
+    "check_index_tensor",
     "check_kv_scale",
     "check_logits_soft_cap",
     "check_mask_options",
     "check_num_heads",
     "check_query_layout",
+    "check_scale_tensor",
+    "check_shard_lens",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,14 +57,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 HEAD_VECTOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 """Dtypes of the per-head ``alibi_slopes`` and ``sinks`` vectors (read as float32)."""
-
-
-def check_device(name: str, t: Tensor, device: torch.device | None, of: str = "query") -> None:
-    """``t`` on ``device`` (no check when None), described as "the ``of`` device"."""
-    if device is not None and t.device != device:
-        raise ValueError(
-            f"{name}: expected device {device} (the {of} device), got {t.device} ({describe(t)})"
-        )
 
 
 def check_context_shard(context_shard: object) -> tuple[int, int] | None:
@@ -79,6 +77,19 @@ def check_context_shard(context_shard: object) -> tuple[int, int] | None:
     if not 0 <= rank < size:
         raise ValueError(f"context_shard: expected 0 <= rank < size, got ({rank}, {size})")
     return rank, size
+
+
+def check_shard_lens(context_shard: object, global_seq_lens: object) -> tuple[int, int] | None:
+    """The shard (:func:`check_context_shard`); ``global_seq_lens`` (every request's whole
+    length, which places its queries) is given with a shard only. Each side checks the
+    tensor itself (the plan its layout, the oracle its values against ``seq_lens``)."""
+    shard = check_context_shard(context_shard)
+    if shard is None and global_seq_lens is not None:
+        raise ValueError(
+            "global_seq_lens: expected None without context_shard, "
+            f"got {describe(global_seq_lens)}"
+        )
+    return shard
 
 
 def check_mask_options(
@@ -151,13 +162,7 @@ def check_kv_scale(
     if value is None:
         return None
     if isinstance(value, Tensor) and allow_tensor:
-        if value.dtype != torch.float32 or value.numel() != 1 or value.dim() > 1:
-            raise ValueError(
-                f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
-                f"got {value.dtype} {list(value.shape)}"
-            )
-        check_device(name, value, device)
-        return value
+        return check_scale_tensor(name, value, device, "query")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         allowed = (
             "a float > 0, a one-element torch.float32 tensor or None"
@@ -221,3 +226,69 @@ def check_batch_layout(query_start_loc: object, seq_lens: object, block_table: o
     check_index_layout("query_start_loc", query_start_loc, (num_reqs + 1,))
     check_index_layout("block_table", block_table, (num_reqs, -1))
     return num_reqs
+
+
+# --------------------------------------------------------------------------- launchers
+# What the Triton launchers add on top (they read no metadata value back): devices,
+# unit last strides, one-element scale tensors, enough block-table columns.
+
+
+def check_index_tensor(
+    name: str, t: object, shape: tuple[int, ...], device: torch.device, of: str = "query"
+) -> Tensor:
+    """An int32 tensor of ``shape`` (``-1``: any size) on ``device``, unit last stride."""
+    t = check_index_layout(name, t, shape)
+    check_device(name, t, device, of)
+    # The kernels index the last dim with unit stride; checked here rather than copied
+    # so a caller's per-step metadata never silently allocates.
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: expected unit stride in the last dim, got strides {tuple(t.stride())}"
+        )
+    return t
+
+
+def check_scale_tensor(name: str, t: object, device: torch.device | None, of: str) -> Tensor:
+    """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
+    if not isinstance(t, Tensor):
+        raise KernelTypeError(
+            f"{name}: expected a one-element torch.float32 tensor or None, got {describe(t)}"
+        )
+    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
+        raise ValueError(
+            f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
+            f"got {t.dtype} {list(t.shape)}"
+        )
+    check_device(name, t, device, of)
+    return t
+
+
+def check_batch_metadata(
+    seq_lens: object,
+    query_start_loc: object,
+    block_table: object,
+    device: torch.device,
+    of: str = "query",
+) -> int:
+    """The op's metadata layout (:func:`check_batch_layout`) plus what the kernels need:
+    every tensor on ``device`` (called "the ``of`` device") with unit last stride;
+    returns ``B``."""
+    num_requests = check_batch_layout(query_start_loc, seq_lens, block_table)
+    for name, t in (
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("block_table", block_table),
+    ):
+        assert isinstance(t, Tensor)  # checked by check_batch_layout
+        check_index_tensor(name, t, tuple(t.shape), device, of)
+    return num_requests
+
+
+def check_block_table_width(block_table: Tensor, block_size: int, max_seq_len: int) -> None:
+    """``block_table`` has the columns ``max_seq_len`` keys need at ``block_size``."""
+    if block_table.shape[1] * block_size < max_seq_len:
+        raise ValueError(
+            f"block_table: expected at least {-(-max_seq_len // block_size)} columns "
+            f"for max_seq_len={max_seq_len} at block size {block_size}, "
+            f"got {block_table.shape[1]}"
+        )

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError, describe
-from attnkit.kernels._state_common import check_float, check_tensor
+from attnkit.kernels._checks import KernelTypeError, check_float, check_tensor, describe
 
 __all__ = ["ACTIVATIONS", "check_activation", "check_conv_params"]
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError
-from attnkit.kernels._state_common import check_float, check_tensor
+from attnkit.kernels._checks import check_float, check_tensor
 
-__all__ = ["alloc_out", "check_chunk_size", "check_gdn_inputs", "check_out", "head_group"]
+__all__ = ["alloc_out", "check_gdn_inputs", "check_out", "head_group"]
 
 
 def check_gdn_inputs(
@@ -67,15 +66,3 @@ def alloc_out(out: object, v: Tensor, lead: str) -> Tensor:
     """``out`` checked by :func:`check_out`, or a new tensor like ``v`` when None."""
     return torch.empty_like(v) if out is None else check_out(out, v, lead)
 
-
-def check_chunk_size(chunk_size: object, allowed: tuple[int, ...] | None = None) -> int:
-    """An int ``>= 1`` (and one of ``allowed`` when given: the Triton launcher's sizes)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise KernelTypeError(
-            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
-    if allowed is not None and chunk_size not in allowed:
-        raise ValueError(f"chunk_size: expected one of {allowed}, got {chunk_size}")
-    return chunk_size

@@ -9,23 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.kernels._checks import KernelTypeError
-from attnkit.kernels._state_common import check_float, check_tensor
+from attnkit.kernels._checks import check_float, check_tensor
 
-__all__ = ["alloc_out", "check_chunk_size", "check_decay_shape", "check_out", "check_qkv"]
-
-
-def check_chunk_size(chunk_size: object, *, maximum: int | None = None) -> int:
-    """``chunk_size``: an int ``>= 1`` (and ``<= maximum`` when given)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise KernelTypeError(
-            f"chunk_size: expected an int >= 1, got {chunk_size!r} ({type(chunk_size).__name__})"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
-    if maximum is not None and chunk_size > maximum:
-        raise ValueError(f"chunk_size: expected an int <= {maximum}, got {chunk_size}")
-    return chunk_size
+__all__ = ["alloc_out", "check_decay_shape", "check_out", "check_qkv"]
 
 
 def check_qkv(q: object, k: object, v: object, *, lead: str) -> tuple[Tensor, Tensor, Tensor]:

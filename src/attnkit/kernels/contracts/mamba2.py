@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels._state_common import check_float, check_tensor
+from attnkit.kernels._checks import check_float, check_tensor
 
 __all__ = ["check_ssm_inputs", "check_ssm_states"]
 

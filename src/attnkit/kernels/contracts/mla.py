@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import check_int_arg, describe, require_tensor
-from attnkit.kernels.contracts.attention import FP8_DTYPE, check_device, check_kv_scale
+from attnkit.kernels._checks import check_device, check_int_arg, describe, require_tensor
+from attnkit.kernels.contracts.attention import FP8_DTYPE, check_kv_scale
 
 __all__ = [
     "FP8_DTYPE",

@@ -25,6 +25,7 @@ from attnkit.kernels._checks import (
     check_distinct_output,
     check_finite_float,
     check_int_arg,
+    check_last_dim_contiguous,
     describe,
     require_tensor,
 )
@@ -51,21 +52,13 @@ def _cpu(name: str, t: Tensor, expected: str) -> None:
         raise ValueError(f"{name}: expected {expected} on cpu, got {describe(t)}")
 
 
-def _last_dim_contiguous(name: str, t: Tensor) -> None:
-    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: expected a contiguous last dimension (stride 1), got strides "
-            f"{list(t.stride())} for {describe(t)}"
-        )
-
-
 def _index_vector(name: str, value: object, dtype: torch.dtype, n: int | None) -> Tensor:
     t = require_tensor(name, value, f"a {dtype} tensor [N] on cpu")
     if t.dim() != 1 or t.dtype != dtype or t.device.type != "cpu":
         raise ValueError(f"{name}: expected a {dtype} tensor [N] on cpu, got {describe(t)}")
     if n is not None and t.shape[0] != n:
         raise ValueError(f"{name}: expected {n} entries (one per row in rows), got {describe(t)}")
-    _last_dim_contiguous(name, t)
+    check_last_dim_contiguous(name, t)
     return t
 
 
@@ -76,7 +69,7 @@ def _plane(name: str, value: object, dtype: torch.dtype) -> Tensor:
     if t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype} (the query's), got {describe(t)}")
     _cpu(name, t, "a tensor [R, Hkv, D]")
-    _last_dim_contiguous(name, t)
+    check_last_dim_contiguous(name, t)
     return t
 
 
@@ -131,7 +124,7 @@ def _check_common(
             f"got {describe(q)}"
         )
     _cpu("query", q, "a tensor [T, Hq, D]")
-    _last_dim_contiguous("query", q)
+    check_last_dim_contiguous("query", q)
     _, Hq, D = q.shape
     if Hq < 1 or D < 1:
         raise ValueError(f"query: expected Hq >= 1 and D >= 1, got {describe(q)}")
@@ -155,7 +148,7 @@ def _check_common(
     if bt.dim() != 2 or bt.dtype != torch.int32:
         raise ValueError(f"block_table: expected an int32 tensor [B, W], got {describe(bt)}")
     _cpu("block_table", bt, "an int32 tensor [B, W]")
-    _last_dim_contiguous("block_table", bt)
+    check_last_dim_contiguous("block_table", bt)
 
     scale_f = check_finite_float("scale", scale)
     cap = 0.0
@@ -175,7 +168,7 @@ def _check_common(
             raise ValueError(
                 f"alibi_slopes: expected a float32 tensor [{Hq}] on cpu, got {describe(slopes)}"
             )
-        _last_dim_contiguous("alibi_slopes", slopes)
+        check_last_dim_contiguous("alibi_slopes", slopes)
 
     out = require_tensor("output", output, "a torch.Tensor [T, Hq, D]")
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -184,7 +177,7 @@ def _check_common(
             f"got {describe(out)}"
         )
     _cpu("output", out, "a tensor [T, Hq, D]")
-    _last_dim_contiguous("output", out)
+    check_last_dim_contiguous("output", out)
     check_distinct_output("output", out, {"k_plane": k, "v_plane": v})
 
     threads = torch.get_num_threads() if num_threads is None else num_threads

@@ -52,6 +52,7 @@ from attnkit.kernels._checks import (
     check_distinct_output,
     check_finite_float,
     check_int_arg,
+    check_last_dim_contiguous,
     describe,
     require_tensor,
 )
@@ -85,14 +86,6 @@ def _check_cpu_tensor(
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {describe(t)}")
     return t
-
-
-def _check_last_dim_contiguous(name: str, t: Tensor) -> None:
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: expected a contiguous last dimension (stride 1), got strides "
-            f"{list(t.stride())} for {describe(t)}"
-        )
 
 
 def _check_index_array(name: str, value: object, n: int | None) -> list[int]:
@@ -323,12 +316,12 @@ def paged_prefill(
     q = _check_cpu_tensor("query", query, 3, "a torch.Tensor [T, Hq, D]")
     if q.dtype not in _DTYPES:
         raise ValueError(f"query: expected dtype float32, bfloat16 or float16, got {describe(q)}")
-    _check_last_dim_contiguous("query", q)
+    check_last_dim_contiguous("query", q)
     total, hq, d = q.shape
     out = _check_cpu_tensor("output", output, 3, "a torch.Tensor [T, Hq, D]", q.dtype)
     if out.shape != q.shape:
         raise ValueError(f"output: expected shape {list(q.shape)} (as query), got {describe(out)}")
-    _check_last_dim_contiguous("output", out)
+    check_last_dim_contiguous("output", out)
 
     if (k_plane is None) != (v_plane is None):
         raise ValueError(
@@ -352,8 +345,8 @@ def paged_prefill(
             raise ValueError(
                 f"v_plane: expected shape {list(kp.shape)} (as k_plane), got {describe(vp)}"
             )
-        _check_last_dim_contiguous("k_plane", kp)
-        _check_last_dim_contiguous("v_plane", vp)
+        check_last_dim_contiguous("k_plane", kp)
+        check_last_dim_contiguous("v_plane", vp)
         hkv = kp.shape[1]
     kk: Tensor | None = None
     vv: Tensor | None = None
@@ -368,8 +361,8 @@ def paged_prefill(
             )
         if vv.shape != kk.shape:
             raise ValueError(f"value: expected shape {list(kk.shape)} (as key), got {describe(vv)}")
-        _check_last_dim_contiguous("key", kk)
-        _check_last_dim_contiguous("value", vv)
+        check_last_dim_contiguous("key", kk)
+        check_last_dim_contiguous("value", vv)
         hkv = kk.shape[1]
     if hkv is not None and (hkv == 0 or hq % hkv != 0):
         raise ValueError(

@@ -86,12 +86,12 @@ from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_fl
 from attnkit.kernels.contracts.attention import (
     check_batch_layout,
     check_cache_layout,
-    check_context_shard,
     check_head_vector,
     check_kv_scale,
     check_logits_soft_cap,
     check_mask_options,
     check_query_layout,
+    check_shard_lens,
 )
 
 __all__ = ["dense_attention", "gather_kv", "paged_attention", "write_kv_cache"]
@@ -518,10 +518,8 @@ def _check_shard(
     """``(rank, world_size, global lengths)`` of a context-parallel shard, checked
     against the local ``seq_lens`` (``ceil((L - rank) / world_size)`` each); None
     without a shard."""
-    shard = check_context_shard(context_shard)
+    shard = check_shard_lens(context_shard, global_seq_lens)
     if shard is None:
-        if global_seq_lens is not None:
-            raise ValueError("global_seq_lens is only used with context_shard; got it without")
         return None
     rank, world = shard
     totals_t = _tensor("global_seq_lens", global_seq_lens, "an integer tensor [B]")

@@ -86,9 +86,10 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from attnkit.kernels._state_common import (
+from attnkit.kernels._checks import (
+    check_chunk_size,
+    check_finite_float,
     check_float,
-    check_scale,
     check_state_indices,
     check_state_lists,
     check_states,
@@ -96,7 +97,6 @@ from attnkit.kernels._state_common import (
 )
 from attnkit.kernels.contracts.gated_delta import (
     alloc_out,
-    check_chunk_size,
     check_gdn_inputs,
     head_group,
 )
@@ -233,7 +233,7 @@ def gated_delta_rule_recurrent_reference(
         after the last token, ``[H, K, V]`` float32.
     """
     q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="L")
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     q, k = _share_key_heads(q, k, v)
     length, heads, key_dim = k.shape
     value_dim = v.shape[2]
@@ -294,7 +294,7 @@ def chunk_gated_delta_rule_varlen(
         ``o`` ``[T, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
     q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="T")
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     states = check_states(states, k, v)
     chunk_size = check_chunk_size(chunk_size)
     offsets, slots, flags = check_state_lists(
@@ -353,7 +353,7 @@ def fused_recurrent_gated_delta_rule_update(
         ``o`` ``[B, H, V]`` in the dtype of ``v`` (``out`` when given).
     """
     q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead="B")
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     states = check_states(states, k, v)
     check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
     o = alloc_out(out, v, "B")

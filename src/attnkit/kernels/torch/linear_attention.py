@@ -55,9 +55,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels._state_common import (
+from attnkit.kernels._checks import (
+    check_chunk_size,
+    check_finite_float,
     check_float,
-    check_scale,
     check_state_indices,
     check_state_lists,
     check_states,
@@ -65,7 +66,6 @@ from attnkit.kernels._state_common import (
 )
 from attnkit.kernels.contracts.linear_attention import (
     alloc_out,
-    check_chunk_size,
     check_decay_shape,
     check_qkv,
 )
@@ -146,7 +146,7 @@ def linear_attention_recurrent_reference(
     q, k, v = check_qkv(q, k, v, lead="L")
     decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     length, heads, key_dim = q.shape
     value_dim = v.shape[2]
     if initial_state is None:
@@ -205,7 +205,7 @@ def chunk_linear_attention_varlen(
     q, k, v = check_qkv(q, k, v, lead="T")
     decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     states = check_states(states, q, v)
     chunk_size = check_chunk_size(chunk_size)
     offsets, slots, flags = check_state_lists(
@@ -258,7 +258,7 @@ def linear_attention_decode(
     q, k, v = check_qkv(q, k, v, lead="B")
     decay = check_decay_shape(decay, q)
     _check_decay_values(decay)
-    scale = check_scale(scale)
+    scale = check_finite_float("scale", scale)
     states = check_states(states, q, v)
     check_state_indices(state_indices, batch=q.shape[0], num_slots=states.shape[0], device=q.device)
     o = alloc_out(out, q, v, lead="B")

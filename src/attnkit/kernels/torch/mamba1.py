@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.kernels._checks import check_bool
-from attnkit.kernels._state_common import (
+from attnkit.kernels._checks import (
+    check_bool,
     check_has_initial_state,
     check_query_start_loc,
     check_state_indices,

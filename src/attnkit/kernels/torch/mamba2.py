@@ -51,8 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.kernels._checks import check_bool, check_chunk_size
-from attnkit.kernels._state_common import (
+from attnkit.kernels._checks import (
+    check_bool,
+    check_chunk_size,
     check_float,
     check_has_initial_state,
     check_query_start_loc,

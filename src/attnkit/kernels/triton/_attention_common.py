@@ -1,9 +1,7 @@
-"""Pieces shared by the paged-attention kernels and their launchers (private).
+"""The key tile shared by the paged-attention kernels (device functions, ``@triton.jit``).
 
-Device functions (``@triton.jit``, called from :mod:`.paged_attention`):
-
-* :func:`e4m3_bits_to_f32` / :func:`load_kv_tile`: the exact fp8 e4m3fn decoder used
-  under the Triton interpreter, and the masked K/V tile load around it;
+* :func:`load_kv_tile`: the masked K/V tile load (fp8 bit patterns decoded exactly
+  under the Triton interpreter, :func:`attnkit.kernels._triton.fp8.e4m3_bits_to_f32`);
 * :func:`mask_scores`: the causal / sliding-window / chunked-local visibility mask;
 * :func:`online_softmax_update`: one step of the online softmax and of the ``P @ V``
   accumulation;
@@ -11,69 +9,18 @@ Device functions (``@triton.jit``, called from :mod:`.paged_attention`):
   score, soft-cap, ALiBi, mask, online softmax); the kernels differ only in how they
   address the tile (one block per tile, or a per-key gather across blocks).
 
-Launcher-side argument checks (plain Python) are shared by :mod:`.paged_attention` and
-:mod:`.kv_write`; their error messages are part of the public behaviour. The op's own
-argument rules (mask options, soft-cap, per-head vectors, scales) live in
+The launchers' argument checks live in the op's contract,
 :mod:`attnkit.kernels.contracts.attention`.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from attnkit.kernels._checks import (
-    KernelTypeError,
-    check_finite_float,
-    check_int_arg,
-    describe,
-)
-from attnkit.kernels.contracts.attention import (
-    check_batch_layout,
-    check_device,
-    check_index_layout,
-)
+from attnkit.kernels._triton.fp8 import e4m3_bits_to_f32
 
-__all__ = [
-    "attend_kv_tile",
-    "check_batch_metadata",
-    "check_block_table_width",
-    "check_device",
-    "check_finite_float",
-    "check_index_tensor",
-    "check_int_arg",
-    "check_scale_tensor",
-    "e4m3_bits_to_f32",
-    "load_kv_tile",
-    "mask_scores",
-    "online_softmax_update",
-    "tanh",
-]
-
-# ------------------------------------------------------------------------ device
-
-
-@triton.jit
-def e4m3_bits_to_f32(bits):
-    """Decode float8 e4m3fn bit patterns (uint8) to float32 with integer ops, exactly.
-
-    e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 is
-    NaN; exponent 0 holds the subnormals ``m * 2**-9``. Used under the interpreter only
-    (see the ``_INTERPRETED`` notes in the kernel modules).
-    """
-    b = bits.to(tl.uint32)
-    sign = b >> 7
-    exponent = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    # Normal numbers: rebias the exponent (127 - 7 = 120) and widen the mantissa.
-    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(
-        tl.float32, bitcast=True
-    )
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2**-9, exact
-    subnormal = tl.where(sign == 1, -subnormal, subnormal)
-    value = tl.where(exponent == 0, subnormal, normal)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
+__all__ = ["attend_kv_tile", "load_kv_tile", "mask_scores", "online_softmax_update", "tanh"]
 
 
 @triton.jit
@@ -207,66 +154,3 @@ def attend_kv_tile(
     )
     # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
     return online_softmax_update(s, v, m_i, l_i, acc, P_DTYPE, DOT_PRECISION, DOT_IN_FP32)
-
-
-# ------------------------------------------------------------------------ launchers
-
-
-def check_index_tensor(
-    name: str, t: object, shape: tuple[int, ...], device: torch.device, of: str = "query"
-) -> torch.Tensor:
-    """An int32 tensor of ``shape`` (``-1``: any size) on ``device``, unit last stride."""
-    t = check_index_layout(name, t, shape)
-    check_device(name, t, device, of)
-    # The kernels index the last dim with unit stride; checked here rather than copied
-    # so a caller's per-step metadata never silently allocates.
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: expected unit stride in the last dim, got strides {tuple(t.stride())}"
-        )
-    return t
-
-
-def check_scale_tensor(name: str, t: object, device: torch.device, of: str) -> torch.Tensor:
-    """A one-element float32 tensor (shape ``[]`` or ``[1]``) on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise KernelTypeError(
-            f"{name}: expected a one-element torch.float32 tensor or None, got {describe(t)}"
-        )
-    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
-        raise ValueError(
-            f"{name}: expected a one-element torch.float32 tensor of shape [] or [1], "
-            f"got {t.dtype} {list(t.shape)}"
-        )
-    check_device(name, t, device, of)
-    return t
-
-
-def check_batch_metadata(
-    seq_lens: object,
-    query_start_loc: object,
-    block_table: object,
-    device: torch.device,
-    of: str = "query",
-) -> int:
-    """The op's metadata layout (:func:`~attnkit.kernels.contracts.attention.check_batch_layout`)
-    plus what the kernels need: every tensor on ``device`` (called "the ``of`` device")
-    with unit last stride; returns ``B``."""
-    num_requests = check_batch_layout(query_start_loc, seq_lens, block_table)
-    for name, t in (
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-        ("block_table", block_table),
-    ):
-        assert isinstance(t, torch.Tensor)  # checked by check_batch_layout
-        check_index_tensor(name, t, tuple(t.shape), device, of)
-    return num_requests
-
-
-def check_block_table_width(block_table: torch.Tensor, block_size: int, max_seq_len: int) -> None:
-    if block_table.shape[1] * block_size < max_seq_len:
-        raise ValueError(
-            f"block_table: expected at least {triton.cdiv(max_seq_len, block_size)} columns "
-            f"for max_seq_len={max_seq_len} at block size {block_size}, "
-            f"got {block_table.shape[1]}"
-        )

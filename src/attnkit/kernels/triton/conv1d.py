@@ -52,10 +52,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnkit.kernels._checks import check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import check_slot_tensor, check_tensor, check_varlen_tensors
+from attnkit.kernels._checks import (
+    alloc_out,
+    check_distinct_output,
+    check_dtype,
+    check_has_slots,
+    check_slot_tensor,
+    check_tensor,
+    check_varlen_tensors,
+)
+from attnkit.kernels._triton.varlen import find_segment, search_iters
 from attnkit.kernels.contracts.conv1d import check_conv_params
-from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 

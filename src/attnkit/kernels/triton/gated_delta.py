@@ -24,7 +24,7 @@ Chunks start at each request's first token. ``cu_chunks`` (int32 ``[B+1]``, the
 cumulative chunk counts, computed on the device by
 :func:`attnkit.kernels.triton.mamba2.ssd_chunk_offsets`) numbers the chunks of the whole
 batch; a chunk program finds its request by binary search over it
-(:func:`attnkit.kernels.triton._varlen.find_segment`). Grids are sized from shapes only:
+(:func:`attnkit.kernels._triton.varlen.find_segment`). Grids are sized from shapes only:
 a batch of ``T`` tokens in ``B`` requests has at most
 ``NC = min(T, (T + B (C - 1)) // C)`` chunks, and programs past the real count exit.
 The launcher allocates the float32 / compute-dtype workspaces with ``torch.empty``
@@ -104,23 +104,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels._checks import check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import (
-    check_scale,
+from attnkit.kernels._checks import (
+    check_chunk_size,
+    check_distinct_output,
+    check_dtype,
+    check_finite_float,
+    check_has_slots,
     check_slot_tensor,
     check_states,
     check_varlen_tensors,
-    flags_as_bytes,
 )
-from attnkit.kernels.contracts.gated_delta import (
-    alloc_out,
-    check_chunk_size,
-    check_gdn_inputs,
-    head_group,
-)
-from attnkit.kernels.triton._varlen import find_segment, search_iters
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.rounding import round_bf16
+from attnkit.kernels._triton.varlen import chunk_bounds, flags_as_bytes, search_iters
+from attnkit.kernels.contracts.gated_delta import alloc_out, check_gdn_inputs, head_group
 from attnkit.kernels.triton.mamba2 import ssd_chunk_offsets
 
 __all__ = ["chunk_gated_delta_rule_varlen", "fused_recurrent_gated_delta_rule_update"]
@@ -133,7 +131,6 @@ TENSOR_CORE_KERNELS = (
     "_gdn_chunk_output_kernel",
 )
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 # tl.dot needs every extent >= 16, so the chunk is one of these; the torch oracle
 # accepts any chunk size >= 1.
@@ -148,16 +145,6 @@ _MAX_STATE_TILE = 4096  # float32 elements of a state-pass program's state slice
 # ----------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _chunk_bounds(qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK):
-    """Token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""
-    request = find_segment(cu_ptr, 1, num_requests, chunk, num_search_iters)
-    first = tl.load(cu_ptr + request)
-    start = tl.load(qsl_ptr + request * stride_qsl) + (chunk - first) * CHUNK
-    end = tl.minimum(start + CHUNK, tl.load(qsl_ptr + (request + 1) * stride_qsl))
-    return start, end
 
 
 @triton.jit
@@ -178,9 +165,7 @@ def _as_dot_operand(x, dot_dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
     float32 accumulation multiplies on a GPU.
     """
     if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return round_bf16(x, True)
     else:
         return x.to(dot_dtype)
 
@@ -310,7 +295,7 @@ def _gdn_chunk_prep_kernel(
     head = tl.program_id(1)
     if chunk >= tl.load(cu_ptr + num_requests):
         return
-    start, end = _chunk_bounds(
+    _, start, end = chunk_bounds(
         qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK
     )
     dot_dtype = w_ptr.dtype.element_ty
@@ -694,7 +679,7 @@ def _gdn_chunk_output_kernel(
     v_block = tl.program_id(2)
     if chunk >= tl.load(cu_ptr + num_requests):
         return
-    start, end = _chunk_bounds(
+    _, start, end = chunk_bounds(
         qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, CHUNK
     )
     dot_dtype = d_ptr.dtype.element_ty
@@ -837,10 +822,6 @@ def _recurrent_update_kernel(
 # ----------------------------------------------------------------------------------
 
 
-# The interpreter's tl.dot cannot multiply bfloat16 tensors (see _as_dot_operand).
-_INTERPRETED = isinstance(_gdn_chunk_prep_kernel, InterpretedFunction)
-
-
 def _check_triton_inputs(
     q: object,
     k: object,
@@ -856,14 +837,13 @@ def _check_triton_inputs(
 ]:
     q, k, v, g, beta = check_gdn_inputs(q, k, v, g, beta, lead=lead)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"{name}: expected dtype in {_SUPPORTED_DTYPES}, got {t.dtype}")
+        check_dtype(name, t)
     key_dim = k.shape[2]
     if not 1 <= key_dim <= _MAX_KEY_DIM:
         raise ValueError(f"k: expected key dim K in [1, {_MAX_KEY_DIM}], got {key_dim}")
     if v.shape[2] < 1:
         raise ValueError(f"v: expected value dim V >= 1, got {v.shape[2]}")
-    return q, k, v, g, beta, check_scale(scale), check_states(states, k, v)
+    return q, k, v, g, beta, check_finite_float("scale", scale), check_states(states, k, v)
 
 
 def _blocks(key_dim: int, value_dim: int) -> tuple[int, int]:
@@ -911,7 +891,7 @@ def chunk_gated_delta_rule_varlen(
     q, k, v, g, beta, scale, states = _check_triton_inputs(
         q, k, v, g, beta, scale, states, lead="T"
     )
-    chunk = check_chunk_size(chunk_size, _SUPPORTED_CHUNK_SIZES)
+    chunk = check_chunk_size(chunk_size, allowed=_SUPPORTED_CHUNK_SIZES)
     qsl, slots, flags = check_varlen_tensors(
         query_start_loc, state_indices, has_initial_state, device=q.device
     )
@@ -932,8 +912,8 @@ def chunk_gated_delta_rule_varlen(
     dot_dtype = _dot_dtype(q, k, v)
     # Under the interpreter bfloat16 dot operands live in float32 workspaces, rounded to
     # bfloat16 values by hand (see _as_dot_operand).
-    round_bf16 = _INTERPRETED and dot_dtype == torch.bfloat16
-    ws_dtype = torch.float32 if round_bf16 else dot_dtype
+    emulate_bf16 = INTERPRETED and dot_dtype == torch.bfloat16
+    ws_dtype = torch.float32 if emulate_bf16 else dot_dtype
     # Workspaces (at least one chunk each, so that every pointer is valid).
     n_ws = max(max_chunks, 1)
     cum = torch.empty(n_ws, heads, chunk, dtype=torch.float32, device=dev)
@@ -953,7 +933,7 @@ def chunk_gated_delta_rule_varlen(
     tiles["HEAD_GROUP"] = head_group(k, v)
     # fp32 operands would otherwise default to TF32 on NVIDIA (see the module doc);
     # 16-bit operands ignore it.
-    precision = dict(DOT_PRECISION="ieee", ROUND_BF16=round_bf16)
+    precision = dict(DOT_PRECISION="ieee", ROUND_BF16=emulate_bf16)
     # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
     # (its default flips in 3.10), and the test suite turns warnings into errors.
     fusion = dict(enable_fp_fusion=True)

@@ -30,52 +30,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels._checks import describe, require_tensor
-from attnkit.kernels.triton._attention_common import check_device, check_scale_tensor
+from attnkit.kernels._checks import FLOAT_DTYPES, check_device, describe, require_tensor
+from attnkit.kernels._triton.fp8 import f32_to_e4m3_bits, saturate_e4m3
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels.contracts.attention import FP8_DTYPE, check_scale_tensor
 
 __all__ = ["write_kv_cache"]
 
 # Dtypes of key/value, and of the cache when it is not fp8.
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FP8_DTYPE = torch.float8_e4m3fn
-
-
-@triton.jit
-def _f32_to_e4m3_bits(x):
-    """Encode float32 (already clamped to [-448, 448]; NaN allowed) as e4m3fn bits (uint8).
-
-    Round to nearest, ties to even, like torch and the hardware conversion. e4m3fn has
-    1 sign, 4 exponent (bias 7) and 3 mantissa bits; S.1111.111 is NaN.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = bits >> 31
-    magnitude = bits & 0x7FFFFFFF
-    # |x| >= 2**-6 (e4m3's smallest normal): round the 23-bit mantissa to 3 bits by
-    # adding just under half an e4m3 ulp plus the lowest kept bit (ties to even); a
-    # carry out of the mantissa bumps the exponent, as it should. Then rebias the
-    # exponent from 127 to 7. |x| <= 448 keeps the result <= 0x7E.
-    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
-    normal = (rounded >> 20) - (120 << 3)
-    # |x| < 2**-6: the code is |x| / 2**-9 rounded to an integer in [0, 8] (8 is the
-    # smallest normal's code). Adding and subtracting 2**23 rounds a float32 in
-    # [0, 2**23) to an integer, ties to even; the scaling by 2**9 is exact. Other lanes
-    # (normal, NaN) use 0 here so the integer cast below never sees NaN.
-    is_subnormal = magnitude < 0x3C800000  # 0x3C800000 is 2**-6
-    y = tl.where(is_subnormal, tl.abs(x), 0.0) * 512.0
-    subnormal = ((y + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(is_subnormal, subnormal, normal)
-    code = tl.where(magnitude > 0x7F800000, 0x7F, code)  # NaN stays NaN
-    return (code | (sign << 7)).to(tl.uint8)
-
-
-@triton.jit
-def _saturate_e4m3(x):
-    # Clamp to the finite e4m3fn range; e4m3fn has no infinity, and a value rounding past
-    # 464 would become NaN. NaN itself passes through (min/max alone would drop it).
-    clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    return tl.where(x != x, x, clamped)
+_SUPPORTED_DTYPES = FLOAT_DTYPES
+_FP8_DTYPE = FP8_DTYPE
 
 
 @triton.jit
@@ -147,25 +112,22 @@ def _write_kv_cache_kernel(
         if USE_V_SCALE:
             v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
         if TO_FP8:
-            k = _saturate_e4m3(k.to(tl.float32))
-            v = _saturate_e4m3(v.to(tl.float32))
+            k = saturate_e4m3(k.to(tl.float32))
+            v = saturate_e4m3(v.to(tl.float32))
         if FP8_BITS:
-            k = _f32_to_e4m3_bits(k)
-            v = _f32_to_e4m3_bits(v)
+            k = f32_to_e4m3_bits(k)
+            v = f32_to_e4m3_bits(v)
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-# The Triton interpreter keeps float8 tensors as raw uint8 and its float32 -> e4m3 cast
-# rounds about one value in ten wrongly (mantissa carries, ties, subnormals; measured
-# against torch on triton 3.9). Under the interpreter the fp8 cache is therefore written
-# through a uint8 view with the exact integer encoder _f32_to_e4m3_bits (bit-identical
-# to torch's cast, which the tests check); compiled kernels store through the fp8
+# Under the Triton interpreter the fp8 cache is written through a uint8 view with the
+# exact integer encoder f32_to_e4m3_bits (bit-identical to torch's cast, which the tests
+# check; see attnkit.kernels._triton.fp8); compiled kernels store through the fp8
 # pointer with Triton's native round-to-nearest-even conversion (hardware cvt on
 # sm_89+). Under the interpreter a float32 -> bfloat16 cast truncates, so a non-unit
 # scale with a bfloat16 cache can differ from torch by one bf16 ulp there; with the
 # intended scale of 1 the division is exact and nothing is rounded.
-_INTERPRETED = isinstance(_write_kv_cache_kernel, InterpretedFunction)
 
 
 def _check_kv_cache(kv_cache: object) -> torch.Tensor:
@@ -270,11 +232,11 @@ def write_kv_cache(
     if num_tokens == 0:
         return
 
-    fp8_bits = is_fp8 and _INTERPRETED
+    fp8_bits = is_fp8 and INTERPRETED
     _write_kv_cache_kernel[(num_tokens,)](
         key_ptr=key,
         value_ptr=value,
-        # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
+        # A uint8 view shares the storage (no copy); see the note on INTERPRETED.
         cache_ptr=kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
         slot_mapping_ptr=slot_mapping,
         k_scale_ptr=k_scale,

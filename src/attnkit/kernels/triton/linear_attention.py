@@ -79,23 +79,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels._checks import check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import (
-    check_scale,
+from attnkit.kernels._checks import (
+    check_chunk_size,
+    check_distinct_output,
+    check_dtype,
+    check_finite_float,
+    check_has_slots,
     check_slot_tensor,
     check_states,
     check_varlen_tensors,
-    flags_as_bytes,
 )
-from attnkit.kernels.contracts.linear_attention import (
-    alloc_out,
-    check_chunk_size,
-    check_decay_shape,
-    check_qkv,
-)
-from attnkit.kernels.triton._rounding import round_bf16
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.rounding import round_bf16
+from attnkit.kernels._triton.varlen import flags_as_bytes
+from attnkit.kernels.contracts.linear_attention import alloc_out, check_decay_shape, check_qkv
 
 __all__ = ["chunk_linear_attention_varlen", "linear_attention_decode"]
 
@@ -103,7 +101,6 @@ __all__ = ["chunk_linear_attention_varlen", "linear_attention_decode"]
 # cores (benchmarks/compile_report.py fails a 16-bit variant without MMA instructions).
 TENSOR_CORE_KERNELS = ("_chunk_linear_attention_kernel",)
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_KEY_DIM = 256
 _MAX_CHUNK_SIZE = 128
 # Largest (BLOCK_K, BLOCK_V, BLOCK_J) of the chunk kernel: 16-bit inputs (tensor-core
@@ -440,21 +437,15 @@ def _linear_attention_decode_kernel(
     )
 
 
-# Under the interpreter bfloat16 outputs are rounded by hand (see round_bf16) and 16-bit
-# dots are widened to float32 (see _dot16).
-_INTERPRETED = isinstance(_chunk_linear_attention_kernel, InterpretedFunction)
-
-
 def _check_common(
     q: object, k: object, v: object, decay: object, scale: object, states: object, *, lead: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]:
     q, k, v = check_qkv(q, k, v, lead=lead)
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q: expected dtype in {_SUPPORTED_DTYPES}, got {q.dtype}")
+    check_dtype("q", q)
     if q.shape[2] > _MAX_KEY_DIM:
         raise ValueError(f"q: expected head dim K <= {_MAX_KEY_DIM}, got {q.shape[2]}")
     decay = check_decay_shape(decay, q)
-    return q, k, v, decay, check_scale(scale), check_states(states, q, v)
+    return q, k, v, decay, check_finite_float("scale", scale), check_states(states, q, v)
 
 
 def _chunk_config(
@@ -570,8 +561,8 @@ def chunk_linear_attention_varlen(
         BLOCK_J=block_j,
         IEEE_FP32=q.dtype == torch.float32,
         SPLIT_Q=q.dtype == torch.float16,
-        EMULATE_DOT16=_INTERPRETED,
-        EXACT_BF16=_INTERPRETED and q.dtype == torch.bfloat16,
+        EMULATE_DOT16=INTERPRETED,
+        EXACT_BF16=INTERPRETED and q.dtype == torch.bfloat16,
         num_warps=num_warps,
         # No software pipelining: the loads it would issue early include state tiles
         # that the previous iteration writes (see the kernel).
@@ -647,7 +638,7 @@ def linear_attention_decode(
         VALUE_DIM=value_dim,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
-        EXACT_BF16=_INTERPRETED and q.dtype == torch.bfloat16,
+        EXACT_BF16=INTERPRETED and q.dtype == torch.bfloat16,
         num_warps=4,
         enable_fp_fusion=True,
     )

@@ -37,14 +37,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnkit.kernels._checks import check_bool, check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import (
+from attnkit.kernels._checks import (
+    alloc_out,
+    check_bool,
+    check_distinct_output,
+    check_dtype,
+    check_has_slots,
     check_slot_tensor,
     check_varlen_tensors,
-    flags_as_bytes,
 )
+from attnkit.kernels._triton.activations import softplus
+from attnkit.kernels._triton.varlen import flags_as_bytes
 from attnkit.kernels.contracts.mamba1 import check_scan_inputs, check_scan_states
-from attnkit.kernels.triton._varlen import alloc_out, check_dtype
 
 __all__ = ["selective_scan_update", "selective_scan_varlen"]
 
@@ -56,16 +60,6 @@ TENSOR_CORE_KERNELS: tuple[str, ...] = ()
 _MAX_BLOCK_D = 64  # channels per program ...
 _MAX_STATE_TILE = 4096  # ... capped so BLOCK_D x N float32 elements stay in registers
 # (with the decay tile beside it: 8192 spilled 8-104 B on sm_80-sm_100)
-
-
-@triton.jit
-def _softplus(x):
-    """``torch.nn.functional.softplus`` (beta 1, threshold 20) in float32."""
-    z = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + z
-    # log1p(z) = log(u) * z / (u - 1) keeps the low bits of a small z.
-    log1p = tl.where(u == 1.0, z, tl.log(u) * (z / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
 
 
 @triton.jit
@@ -107,7 +101,7 @@ def _scan_token(
     )
     dt = dt + dt_bias
     if DT_SOFTPLUS:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     b = tl.load(B_ptr + token * stride_Bt + states * stride_Bn, mask=n_valid, other=0.0).to(
         tl.float32
     )
@@ -357,7 +351,7 @@ def selective_scan_varlen(
     (``[T, D]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``y`` ``[T, D]`` in the dtype of ``x``.
     """
-    x, dt, A, B, C, D, dt_bias, ssm_states, softplus = _checked(
+    x, dt, A, B, C, D, dt_bias, ssm_states, dt_softplus = _checked(
         x, dt, A, B, C, D, dt_bias, ssm_states, dt_softplus, "T"
     )
     qsl, slots, flags = check_varlen_tensors(
@@ -377,7 +371,7 @@ def selective_scan_varlen(
         C,
         D,
         dt_bias,
-        softplus,
+        dt_softplus,
         ssm_states,
         slots,
         result,
@@ -408,7 +402,7 @@ def selective_scan_update(
     (``[B, D]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``y`` ``[B, D]`` in the dtype of ``x``.
     """
-    x, dt, A, B, C, D, dt_bias, ssm_states, softplus = _checked(
+    x, dt, A, B, C, D, dt_bias, ssm_states, dt_softplus = _checked(
         x, dt, A, B, C, D, dt_bias, ssm_states, dt_softplus, "B"
     )
     batch = x.shape[0]
@@ -426,7 +420,7 @@ def selective_scan_update(
         C,
         D,
         dt_bias,
-        softplus,
+        dt_softplus,
         ssm_states,
         slots,
         result,

@@ -78,7 +78,7 @@ peak brought to ``2**14``) and the accumulator is kept in units of the latest ``
 range are not scaled. bf16 has float32's range.
 
 Measured under the interpreter (which honours the casts; bfloat16 products are
-emulated exactly, see ``_round_to_bf16``) against the float32 oracle on the same
+emulated exactly, see ``round_bf16``) against the float32 oracle on the same
 rounded inputs, ``x``, ``B``, ``C`` ~ N(0, 1) (and a 3x / 30x-state case),
 ``dt' = softplus(N(0, 1) - 1.5 + bias)``, ``A`` in ``[-4.5, -0.5]``, ``P = 64``,
 ``N = 64 / 128``, chunks 64 / 128, cached initial states: the tolerance ``t`` (as
@@ -110,20 +110,25 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
 from attnkit.kernels._checks import (
+    alloc_out,
     check_bool,
     check_chunk_size,
     check_distinct_output,
+    check_dtype,
     check_has_slots,
     check_int_arg,
+    check_slot_tensor,
+    check_varlen_tensors,
     describe,
     require_tensor,
 )
-from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors
+from attnkit.kernels._triton.activations import softplus
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.rounding import round_bf16
+from attnkit.kernels._triton.varlen import chunk_bounds, search_iters
 from attnkit.kernels.contracts.mamba2 import check_ssm_inputs, check_ssm_states
-from attnkit.kernels.triton._varlen import alloc_out, check_dtype, find_segment, search_iters
 
 __all__ = ["selective_state_update", "ssd_chunk_offsets", "ssd_chunked_varlen"]
 
@@ -140,27 +145,6 @@ _MAX_CUMSUM_TILE = 4096  # elements of the [chunk, heads] tile of the cumsum ker
 # ----------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _softplus(x):
-    """``torch.nn.functional.softplus`` (beta 1, threshold 20) in float32."""
-    z = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + z
-    # log1p(z) = log(u) * z / (u - 1) is accurate to a few ulps (Goldberg's trick),
-    # where log(u) alone loses the low bits of a small z; u == 1 means log1p(z) = z.
-    log1p = tl.where(u == 1.0, z, tl.log(u) * (z / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
-
-
-@triton.jit
-def _chunk_bounds(qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size):
-    """Request and token range ``[start, end)`` of global chunk ``chunk`` (a real one)."""
-    request = find_segment(cu_ptr, 1, num_requests, chunk, num_search_iters)
-    first = tl.load(cu_ptr + request)
-    start = tl.load(qsl_ptr + request * stride_qsl) + (chunk - first) * chunk_size
-    end = tl.minimum(start + chunk_size, tl.load(qsl_ptr + (request + 1) * stride_qsl))
-    return request, start, end
 
 
 # ----------------------------------------------------------------------------------
@@ -194,7 +178,7 @@ def _ssd_chunk_cumsum_kernel(
     chunk = tl.program_id(0)
     if chunk >= tl.load(cu_ptr + num_requests):
         return
-    _, start, end = _chunk_bounds(
+    _, start, end = chunk_bounds(
         qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
     )
     tokens = start + tl.arange(0, CHUNK_PAD)
@@ -209,30 +193,12 @@ def _ssd_chunk_cumsum_kernel(
         bias = tl.load(dt_bias_ptr + heads * stride_dt_bias, mask=h_valid, other=0.0)
         dt += bias.to(tl.float32)[None, :]
     if DT_SOFTPLUS:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     A = tl.load(A_ptr + heads * stride_A, mask=h_valid, other=0.0).to(tl.float32)
     cum = tl.cumsum(tl.where(mask, dt * A[None, :], 0.0), axis=0)
     offsets = rows[:, None] * num_heads + heads[None, :]
     tl.store(dtp_ptr + offsets, dt, mask=mask)
     tl.store(cum_ptr + offsets, cum, mask=mask)
-
-
-@triton.jit
-def _round_to_bf16(v):
-    """Float32 ``v`` rounded to the nearest bfloat16 value (ties to even), kept float32.
-
-    Used only when interpreted (``EMULATE_BF16``): the interpreter's float32 -> bfloat16
-    conversion truncates and its ``tl.dot`` misreads bfloat16 operands, so there the
-    kernels round by hand and multiply the rounded values in float32, which is what a
-    bfloat16 tensor-core product with float32 accumulation computes (the products of two
-    bfloat16 values are exact in float32). NaN stays NaN; overflow rounds to inf.
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    magnitude = bits & 0x7FFFFFFF
-    # Add half an ulp of bfloat16 (minus one, plus the kept lsb: ties go to even), cut.
-    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & 0xFFFF0000
-    return tl.where(v != v, v, (sign | rounded).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -247,7 +213,7 @@ def _dot_operand(v, DOT_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr):
         return v.to(tl.float16)
     elif DOT_MODE == 2:
         if EMULATE_BF16:
-            return _round_to_bf16(v)
+            return round_bf16(v, True)
         else:
             return v.to(tl.bfloat16)
     else:
@@ -337,7 +303,7 @@ def _ssd_chunk_state_kernel(
     chunk = tl.program_id(0)
     if chunk >= tl.load(cu_ptr + num_requests):
         return
-    _, start, end = _chunk_bounds(
+    _, start, end = chunk_bounds(
         qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
     )
     head = tl.program_id(1)
@@ -501,7 +467,7 @@ def _ssd_chunk_output_kernel(
     chunk = tl.program_id(0) // tiles_per_chunk
     if chunk >= tl.load(cu_ptr + num_requests):
         return
-    _, start, end = _chunk_bounds(
+    _, start, end = chunk_bounds(
         qsl_ptr, stride_qsl, cu_ptr, num_requests, num_search_iters, chunk, chunk_size
     )
     i0 = start + (tl.program_id(0) % tiles_per_chunk) * BLOCK_T
@@ -598,7 +564,7 @@ def _ssd_chunk_output_kernel(
         ).to(tl.float32)
         acc += tl.load(D_ptr + head * stride_D).to(tl.float32) * x_i
     if EMULATE_BF16:
-        acc = _round_to_bf16(acc)  # the interpreter's own cast would truncate
+        acc = round_bf16(acc, True)  # the interpreter's own cast would truncate
     tl.store(
         out_ptr + ri[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_op,
         acc.to(out_ptr.dtype.element_ty),
@@ -662,7 +628,7 @@ def _selective_state_update_kernel(
     if HAS_DT_BIAS:
         dt += tl.load(dt_bias_ptr + head * stride_dt_bias).to(tl.float32)
     if DT_SOFTPLUS:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     decay = tl.exp(dt * tl.load(A_ptr + head * stride_A).to(tl.float32))
     x = tl.load(
         x_ptr + row * stride_xb + head * stride_xh + dims * stride_xp, mask=p_valid, other=0.0
@@ -698,10 +664,6 @@ def _selective_state_update_kernel(
 # ----------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------
-
-
-# Under the interpreter bfloat16 dots are emulated (see _round_to_bf16).
-_INTERPRETED = isinstance(_ssd_chunk_output_kernel, InterpretedFunction)
 
 
 def _check_dtypes(**tensors: Tensor | None) -> None:
@@ -898,7 +860,7 @@ def ssd_chunked_varlen(
     heads_per_group = heads // groups
 
     dot_mode = _dot_mode(x, B, C)
-    emulate_bf16 = _INTERPRETED and dot_mode == _DOT_BF16
+    emulate_bf16 = INTERPRETED and dot_mode == _DOT_BF16
     st = _fit(_STATE_TILES[dot_mode], q, head_dim, state_size)
     ot = _fit(_OUTPUT_TILES[dot_mode], q, head_dim, state_size)
     pn_tiles = triton.cdiv(head_dim, st.block_p) * triton.cdiv(state_size, st.block_n)

@@ -60,10 +60,11 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels._checks import KernelTypeError, check_finite_float, describe
-from attnkit.kernels.contracts.attention import check_device
+from attnkit.kernels._checks import KernelTypeError, check_device, check_finite_float, describe
+from attnkit.kernels._triton.fp8 import f32_to_e4m3_bits, saturate_e4m3
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.varlen import find_segment
 from attnkit.kernels.contracts.mla import (
     FP8_DTYPE,
     check_kv_lora_rank,
@@ -80,7 +81,6 @@ from attnkit.kernels.triton._attention_common import (
     mask_scores,
     online_softmax_update,
 )
-from attnkit.kernels.triton._varlen import find_segment
 from attnkit.kernels.triton.paged_attention import (
     SUPPORTED_BLOCK_SIZES,
     PagedAttentionPlan,
@@ -335,38 +335,6 @@ def _mla_attention_kernel(
 
 
 @triton.jit
-def _f32_to_e4m3_code(x):
-    """float32 -> float8 e4m3fn bit pattern (uint8), round to nearest even, saturating
-    to +-448 (e4m3fn has no infinity); NaN stays NaN (0x7F | sign).
-
-    Integer arithmetic only, so the interpreter (whose own float -> fp8 cast misrounds,
-    see ``_INTERPRETED``) stores what torch's cast and the hardware conversion store.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    is_nan = mag > 0x7F800000
-    # Saturate: everything at or above 448 (0x43E00000) encodes as 0x7E.
-    mag = tl.minimum(mag, 0x43E00000)
-    # Normal range (|x| >= 2**-6): keep 3 of float32's 23 mantissa bits, rounding the 20
-    # dropped bits to nearest with ties to the even kept value, then rebias the exponent
-    # (127 -> 7, i.e. subtract 120 << 3 from the code).
-    dropped = mag & 0xFFFFF
-    kept = mag >> 20
-    round_up = (dropped > 0x80000) | ((dropped == 0x80000) & ((kept & 1) == 1))
-    normal = kept + round_up.to(tl.uint32) - (120 << 3)
-    # Subnormal range (|x| < 2**-6): the code is |x| / 2**-9 rounded to an integer
-    # (8 is the smallest normal's code, reached by rounding up). 2**23 + y rounds y in
-    # [0, 2**23) to an integer with ties to even in float32 arithmetic.
-    tiny = mag < 0x3C800000
-    y = tl.where(tiny, mag, 0).to(tl.float32, bitcast=True) * 512.0
-    sub = ((y + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(tiny, sub, normal)
-    code = tl.where(is_nan, 0x7F, code)
-    return (code | sign).to(tl.uint8)
-
-
-@triton.jit
 def _write_mla_latents_kernel(
     latents_ptr,
     cache_ptr,
@@ -402,25 +370,24 @@ def _write_mla_latents_kernel(
             x = tl.math.div_rn(x.to(tl.float32), scale_value)
         dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + dims
         if FP8_BITS:
-            tl.store(dst, _f32_to_e4m3_code(x.to(tl.float32)), mask=mask)
+            tl.store(dst, f32_to_e4m3_bits(x.to(tl.float32)), mask=mask)
         elif TO_FP8:
-            x = x.to(tl.float32)
             # Saturate to the finite e4m3 range (no infinity; NaN passes through).
-            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -448.0), 448.0))
+            x = saturate_e4m3(x.to(tl.float32))
             tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-# Under the Triton interpreter (CPU tests) two things differ from compiled kernels, as in
-# paged_attention.py: its tl.dot multiplies bfloat16 operands as their uint16 bit
-# patterns (triton-lang/triton#11584), so bfloat16 dot operands are upcast to float32
-# after the same rounding (DOT_IN_FP32); and it stores float8 tensors as raw uint8 with a
-# float8 <-> float32 conversion that misreads e4m3fn's NaN and misrounds, so fp8 caches
-# travel as uint8 views decoded (load_kv_tile's e4m3_bits_to_f32) and encoded (_f32_to_e4m3_code)
-# exactly with integer ops (FP8_BITS). Compiled kernels keep native bf16 dots and the
-# hardware fp8 conversion (sm_89+); both flags are constexprs that cost them nothing.
-_INTERPRETED = isinstance(_mla_attention_kernel, InterpretedFunction)
+# Under the Triton interpreter (CPU tests, INTERPRETED) two things differ from compiled
+# kernels, as in paged_attention.py: its tl.dot multiplies bfloat16 operands as their
+# uint16 bit patterns (triton-lang/triton#11584), so bfloat16 dot operands are upcast to
+# float32 after the same rounding (DOT_IN_FP32); and it stores float8 tensors as raw
+# uint8 with a float8 <-> float32 conversion that misreads e4m3fn's NaN and misrounds, so
+# fp8 caches travel as uint8 views decoded (load_kv_tile) and encoded (f32_to_e4m3_bits)
+# exactly with integer ops (FP8_BITS; attnkit.kernels._triton.fp8). Compiled kernels keep
+# native bf16 dots and the hardware fp8 conversion (sm_89+); both flags are constexprs
+# that cost them nothing.
 
 
 # ------------------------------------------------------------------------ launch
@@ -593,10 +560,10 @@ def mla_attention(
     shape = mla_launch_shape(
         num_heads, plan.block_q, block_size, rank_pad, fp32=query.dtype == torch.float32
     )
-    fp8_bits = latent_cache.dtype == FP8_DTYPE and _INTERPRETED
+    fp8_bits = latent_cache.dtype == FP8_DTYPE and INTERPRETED
     common = {
         "query_ptr": query,
-        # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
+        # A uint8 view shares the storage (no copy); see the note on INTERPRETED.
         "cache_ptr": latent_cache.view(torch.uint8) if fp8_bits else latent_cache,
         "query_start_loc_ptr": plan.query_start_loc,
         "seq_lens_ptr": plan.seq_lens,
@@ -632,7 +599,7 @@ def mla_attention(
         # float32 inputs would otherwise default to TF32 on NVIDIA; no effect on 16-bit
         # operands (tensor cores, float32 accumulation).
         "DOT_PRECISION": "ieee",
-        "DOT_IN_FP32": _INTERPRETED and query.dtype == torch.bfloat16,
+        "DOT_IN_FP32": INTERPRETED and query.dtype == torch.bfloat16,
         "num_warps": shape.num_warps,
         "num_stages": shape.num_stages,
         # Explicit: Triton 3.9 warns when the option is left unset.
@@ -766,10 +733,10 @@ def write_mla_latents(
     if num_tokens == 0:
         return
     is_fp8 = cache.dtype == FP8_DTYPE
-    fp8_bits = is_fp8 and _INTERPRETED
+    fp8_bits = is_fp8 and INTERPRETED
     _write_mla_latents_kernel[(num_tokens,)](
         latents_ptr=latents,
-        # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
+        # A uint8 view shares the storage (no copy); see the note on INTERPRETED.
         cache_ptr=cache.view(torch.uint8) if fp8_bits else cache,
         slot_mapping_ptr=slot_mapping,
         kv_scale_ptr=scale_arg if isinstance(scale_arg, torch.Tensor) else slot_mapping,

@@ -78,33 +78,33 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from attnkit.kernels._checks import (
+    FLOAT_DTYPES,
     KernelTypeError,
+    check_device,
+    check_dtype,
     check_finite_float,
     check_int_arg,
     describe,
     require_tensor,
 )
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.varlen import find_segment, search_iters
 from attnkit.kernels.contracts.attention import (
     FP8_DTYPE,
+    check_batch_metadata,
+    check_block_table_width,
     check_cache_layout,
-    check_context_shard,
-    check_device,
     check_head_vector,
+    check_index_tensor,
     check_kv_scale,
     check_logits_soft_cap,
     check_mask_options,
     check_query_layout,
+    check_shard_lens,
 )
-from attnkit.kernels.triton._attention_common import (
-    attend_kv_tile,
-    check_batch_metadata,
-    check_block_table_width,
-    check_index_tensor,
-)
-from attnkit.kernels.triton._varlen import find_segment, search_iters
+from attnkit.kernels.triton._attention_common import attend_kv_tile
 
 __all__ = [
     "AUTO_SPLIT_MAX_QUERY_LEN",
@@ -130,7 +130,7 @@ __all__ = [
 # cores (benchmarks/compile_report.py fails a 16-bit variant without MMA instructions).
 TENSOR_CORE_KERNELS = ("_unified_attention_kernel", "_split_kv_partial_kernel")
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = FLOAT_DTYPES
 """Query (and output) dtypes; the cache has the query dtype or :data:`FP8_DTYPE`."""
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_HEAD_DIM = 16
@@ -747,16 +747,12 @@ def _split_kv_merge_kernel(
 # cast to float32). Under the interpreter only, bf16 dot operands are upcast after the
 # same rounding the GPU path applies; compiled kernels keep native bf16 dots.
 #
-# fp8 under the interpreter: it stores float8 tensors as raw uint8 and converts them with
-# a generic bit-manipulation routine that decodes e4m3fn's NaN pattern (0x7F) as 480 and
-# whose float32 -> fp8 rounding is wrong for about one value in ten (mantissa carries,
-# ties, subnormals; measured against torch on triton 3.9). A NaN in an unwritten slot
+# fp8 under the interpreter (attnkit.kernels._triton.fp8): a NaN in an unwritten slot
 # must stay NaN so the tests catch a kernel that reads one, so under the interpreter the
-# cache is passed as a uint8 view and decoded exactly by e4m3_bits_to_f32 (in
-# _attention_common; integer ops only: exact, and checked against torch for all 256
-# patterns). Compiled kernels keep the fp8 tensor and Triton's native conversion
-# (hardware cvt on sm_89+); the FP8_BITS branch is a constexpr, so it costs them nothing.
-_INTERPRETED = isinstance(_unified_attention_kernel, InterpretedFunction)
+# cache is passed as a uint8 view and decoded exactly by e4m3_bits_to_f32 (integer ops
+# only: exact, and checked against torch for all 256 patterns). Compiled kernels keep
+# the fp8 tensor and Triton's native conversion (hardware cvt on sm_89+); the FP8_BITS
+# branch is a constexpr, so it costs them nothing.
 
 
 # ------------------------------------------------------------------------ plan
@@ -782,9 +778,9 @@ class PagedAttentionPlan:
         search_iters: binary-search steps over ``tile_offsets``.
         context_shard: ``(rank, size)`` when the cache is a decode context-parallel
             shard (local key ``j`` at position ``j * size + rank``); ``None`` otherwise.
-        total_seq_lens: int32 ``[B]`` every request's whole length with
+        global_seq_lens: int32 ``[B]`` every request's whole length with
             ``context_shard`` (``seq_lens`` are then the shard's counts).
-        shard_lens: int32 ``[2B]``, ``seq_lens`` then ``total_seq_lens``: what the
+        shard_lens: int32 ``[2B]``, ``seq_lens`` then ``global_seq_lens``: what the
             kernels read as their lengths on a shard (one argument, as unsharded).
     """
 
@@ -807,7 +803,7 @@ class PagedAttentionPlan:
     num_splits: int
     search_iters: int
     context_shard: tuple[int, int] | None = None
-    total_seq_lens: torch.Tensor | None = None
+    global_seq_lens: torch.Tensor | None = None
     shard_lens: torch.Tensor | None = None
 
 
@@ -898,7 +894,7 @@ def plan_paged_attention(
     copy_to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
     tile_offsets_out: torch.Tensor | None = None,
     context_shard: tuple[int, int] | None = None,
-    total_seq_lens: torch.Tensor | None = None,
+    global_seq_lens: torch.Tensor | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's batch metadata once and lay out its launches.
 
@@ -930,7 +926,7 @@ def plan_paged_attention(
             and the block table hold the shard's keys (local key ``j`` at position ``j *
             size + rank``); causal full attention only (no window or chunk). The
             kernels then return the shard's partial attention, to be merged by lse.
-        total_seq_lens: int32 ``[B]`` on ``device``: every request's whole length
+        global_seq_lens: int32 ``[B]`` on ``device``: every request's whole length
             (where its queries sit); required with ``context_shard``.
 
     Raises:
@@ -945,8 +941,8 @@ def plan_paged_attention(
     num_reqs = check_batch_metadata(seq_lens, query_start_loc, block_table, device, of="plan")
     causal, sliding_window, chunk_size = check_mask_options(causal, sliding_window, chunk_size)
     max_query_len = check_int_arg("max_query_len", max_query_len, 0)
-    context_shard, total_seq_lens = _check_shard(
-        context_shard, total_seq_lens, num_reqs, device, causal, sliding_window, chunk_size
+    context_shard, global_seq_lens = _check_shard(
+        context_shard, global_seq_lens, num_reqs, device, causal, sliding_window, chunk_size
     )
     # Only causal requests must hold their queries among their keys (a shard holds a
     # share of them).
@@ -1050,26 +1046,24 @@ def plan_paged_attention(
         num_splits=num_splits,
         search_iters=search_iters(num_reqs),
         context_shard=context_shard,
-        total_seq_lens=total_seq_lens,
-        shard_lens=(torch.cat([seq_lens, total_seq_lens]) if total_seq_lens is not None else None),
+        global_seq_lens=global_seq_lens,
+        shard_lens=(torch.cat([seq_lens, global_seq_lens]) if global_seq_lens is not None else None),
     )
 
 
 def _check_shard(
     context_shard: object,
-    total_seq_lens: object,
+    global_seq_lens: object,
     num_reqs: int,
     device: torch.device,
     causal: bool,
     sliding_window: int | None,
     chunk_size: int | None,
 ) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
-    """``(context_shard, total_seq_lens)`` checked: both or neither; a shard only of a
+    """``(context_shard, global_seq_lens)`` checked: both or neither; a shard only of a
     causal, unwindowed, unchunked step."""
-    shard = check_context_shard(context_shard)
+    shard = check_shard_lens(context_shard, global_seq_lens)
     if shard is None:
-        if total_seq_lens is not None:
-            raise ValueError("total_seq_lens: expected None without context_shard, got a tensor")
         return None, None
     if not causal or sliding_window is not None or chunk_size is not None:
         raise ValueError(
@@ -1077,7 +1071,7 @@ def _check_shard(
             f"(shards are of full attention), got causal={causal}, "
             f"sliding_window={sliding_window}, chunk_size={chunk_size}"
         )
-    totals = check_index_tensor("total_seq_lens", total_seq_lens, (num_reqs,), device, "plan")
+    totals = check_index_tensor("global_seq_lens", global_seq_lens, (num_reqs,), device, "plan")
     return shard, totals
 
 
@@ -1169,8 +1163,7 @@ def _check_workspace(
 def check_query(query: object, device: torch.device | None = None) -> torch.Tensor:
     """``query`` ``[T, Hq, D]`` of a supported dtype (and head size), on ``device``."""
     query = check_query_layout(query)
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"query: expected dtype in {SUPPORTED_DTYPES}, got {query.dtype}")
+    check_dtype("query", query, SUPPORTED_DTYPES)
     check_device("query", query, device, "plan")
     return query
 
@@ -1448,8 +1441,8 @@ def paged_attention(
         fp8_kv=is_fp8,
         sharded=plan.context_shard is not None,
     )
-    fp8_bits = is_fp8 and _INTERPRETED
-    # A uint8 view shares the storage (no copy); see the note on _INTERPRETED.
+    fp8_bits = is_fp8 and INTERPRETED
+    # A uint8 view shares the storage (no copy); see the note on INTERPRETED.
     cache_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
     # Scales given as tensors are read by the kernel (the float slot is then unused);
     # floats travel as arguments (seq_lens stands in for the unread pointer).
@@ -1510,7 +1503,7 @@ def paged_attention(
         # fp32 inputs would otherwise default to TF32 on NVIDIA, far outside fp32
         # tolerances; the setting has no effect on 16-bit operands (tensor cores).
         "DOT_PRECISION": "ieee",
-        "DOT_IN_FP32": _INTERPRETED and query.dtype == torch.bfloat16,
+        "DOT_IN_FP32": INTERPRETED and query.dtype == torch.bfloat16,
         "num_warps": shape.num_warps,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset
         # (its default flips in 3.10), and the test suite turns warnings into errors.
@@ -1599,8 +1592,7 @@ def merge_split_kv(
     output = require_tensor("output", output, "a torch.Tensor [T, H, Dv]")
     if output.dim() != 3 or 0 in output.shape[1:]:
         raise ValueError(f"output: expected shape [T, H >= 1, Dv >= 1], got {tuple(output.shape)}")
-    if output.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"output: expected dtype in {SUPPORTED_DTYPES}, got {output.dtype}")
+    check_dtype("output", output, SUPPORTED_DTYPES)
     check_device("output", output, device)
     num_tokens, num_heads, head_dim = output.shape
     part_out, part_lse = _check_workspace(

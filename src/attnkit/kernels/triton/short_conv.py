@@ -41,17 +41,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.kernels._checks import check_distinct_output, check_has_slots
-from attnkit.kernels._state_common import check_slot_tensor, check_varlen_tensors, flags_as_bytes
+from attnkit.kernels._checks import (
+    check_distinct_output,
+    check_dtype,
+    check_has_slots,
+    check_slot_tensor,
+    check_varlen_tensors,
+)
+from attnkit.kernels._triton.interpret import INTERPRETED
+from attnkit.kernels._triton.rounding import round_bf16
+from attnkit.kernels._triton.varlen import flags_as_bytes
 from attnkit.kernels.contracts.conv1d import check_conv_params
 from attnkit.kernels.contracts.short_conv import check_gates, check_out
-from attnkit.kernels.triton._rounding import round_bf16
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Every tap is unrolled into the kernel; LFM2 uses W = 3.
 _MAX_WIDTH = 32
 _BLOCK_T = 32
@@ -267,9 +272,6 @@ def _short_conv_update_kernel(
     )
 
 
-_INTERPRETED = isinstance(_short_conv_varlen_kernel, InterpretedFunction)
-
-
 def _check_all(
     b: object,
     c: object,
@@ -290,8 +292,7 @@ def _check_all(
     torch.Tensor,
 ]:
     b, c, x = check_gates(b, c, x, lead=lead)
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"x: expected dtype in {_SUPPORTED_DTYPES}, got {x.dtype}")
+    check_dtype("x", x)
     weight, bias, conv_states = check_conv_params(x, weight, bias, conv_states, None)
     if weight.shape[1] > _MAX_WIDTH:
         raise ValueError(
@@ -379,7 +380,7 @@ def short_conv_varlen(
         BLOCK_T=_BLOCK_T,
         BLOCK_CH=block_ch,
         HAS_BIAS=bias is not None,
-        EXACT_BF16=_INTERPRETED and x.dtype == torch.bfloat16,
+        EXACT_BF16=INTERPRETED and x.dtype == torch.bfloat16,
         num_warps=_VARLEN_WARPS,
         # Explicit, not Triton's default: Triton 3.9 warns when the option is left unset.
         enable_fp_fusion=True,
@@ -443,7 +444,7 @@ def short_conv_update(
         STATE_PAD=_state_pad(width),
         BLOCK_CH=block_ch,
         HAS_BIAS=bias is not None,
-        EXACT_BF16=_INTERPRETED and x.dtype == torch.bfloat16,
+        EXACT_BF16=INTERPRETED and x.dtype == torch.bfloat16,
         num_warps=4,
         enable_fp_fusion=True,
     )

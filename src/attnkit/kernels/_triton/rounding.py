@@ -15,7 +15,11 @@ def round_bf16(x, ENABLE: tl.constexpr):
     Only enabled under the Triton interpreter, whose float32 -> bfloat16 conversion
     truncates instead of rounding to nearest; a following ``.to(tl.bfloat16)`` of the
     rounded value is then exact (bfloat16 subnormals, below 1.2e-38, still flush to
-    zero there). Compiled kernels convert with the hardware's round-to-nearest.
+    zero there). Its ``tl.dot`` also misreads bfloat16 operands, so there the kernels
+    keep a rounded operand in float32 and multiply in float32: what a bfloat16
+    tensor-core product with float32 accumulation computes (products of two bfloat16
+    values are exact in float32). NaN stays NaN; overflow rounds to inf. Compiled
+    kernels convert with the hardware's round-to-nearest.
     """
     if ENABLE:
         bits = x.to(tl.uint32, bitcast=True)
