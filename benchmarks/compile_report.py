@@ -47,7 +47,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-KMOD = "attnkit.kernels.triton"
+KMOD = "attnkit.kernels"
 # Maximum shared memory per thread block in bytes (see the module docstring).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 DEFAULT_TARGETS = (80, 90, 100)
@@ -79,7 +79,7 @@ def missing_tools() -> str | None:
 class Launch:
     """One recorded ``kernel[grid](*args, **kwargs)`` call of a launcher."""
 
-    kernel: str  # module-relative name, e.g. "unified_attention._unified_attention_kernel"
+    kernel: str  # launcher module and name, e.g. "attention.triton._unified_attention_kernel"
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
@@ -98,9 +98,10 @@ class _Recorder:
 
 @contextlib.contextmanager
 def recording(*module_names: str) -> Iterator[list[Launch]]:
-    """Swap every ``@triton.jit`` function of ``attnkit.kernels.triton.<module_name>`` (for
-    each name given) for a recorder while the block runs; yields the list the launches
-    land in."""
+    """Swap every ``@triton.jit`` function in the namespace of ``attnkit.kernels.<module_name>``
+    (for each name given: a launcher module, e.g. ``"attention.triton"``, whose kernels
+    are looked up there when it launches them) for a recorder while the block runs;
+    yields the list the launches land in."""
     sink: list[Launch] = []
     saved: list[tuple[Any, str, JITFunction[Any]]] = []
     try:
@@ -217,7 +218,7 @@ def _run_shard(
 
 
 def run_merge(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.merge_attn_states import merge_attn_states
+    from attnkit.kernels.merge.triton import merge_attn_states
 
     out = torch.zeros(4, p["heads"], p["head"], dtype=DT[p["dtype"]])
     lse = torch.zeros(4, p["heads"])
@@ -408,7 +409,7 @@ def run_mamba1(p: dict[str, Any]) -> None:
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # kernel family, the row group of the report
-    module: str  # module under attnkit.kernels.triton whose kernels are recorded
+    module: str  # launcher module under attnkit.kernels whose kernels are recorded
     run: Callable[[dict[str, Any]], None]
     default: tuple[dict[str, Any], ...]  # the small default set
     full: tuple[dict[str, Any], ...]  # added by --full
@@ -485,7 +486,7 @@ _SHARD_GRID = _grid(
 FAMILIES: tuple[Family, ...] = (
     Family(
         "unified_attention",
-        "paged_attention",
+        "triton.paged_attention",
         run_unified,
         default=(
             *(_attn(head=d, q_len=128) for d in (64, 128, 256)),
@@ -513,7 +514,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "split_kv_decode",
-        "paged_attention",
+        "triton.paged_attention",
         run_split_kv,
         default=(
             _attn(head=128, splits=4),
@@ -527,7 +528,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mla_attention",
-        "mla_attention",
+        "triton.mla_attention",
         run_mla,
         default=(
             {"dtype": "bf16", "kv": "same", "block": 64, "q_len": 1, "splits": 4},
@@ -544,18 +545,18 @@ FAMILIES: tuple[Family, ...] = (
             {"dtype": "fp32", "kv": "same", "block": 16, "q_len": 128},
         ),
         # The split-KV merge is paged_attention's (merge_split_kv).
-        extra_modules=("paged_attention",),
+        extra_modules=("triton.paged_attention",),
     ),
     Family(
         "merge_attn_states",
-        "merge_attn_states",
+        "merge.triton",
         run_merge,
         default=({"dtype": "fp16", "heads": 8, "head": 128},),
         full=_grid(dtype=("fp16", "bf16"), heads=(8,), head=(64, 128, 256)),
     ),
     Family(
         "kv_write",
-        "kv_write",
+        "triton.kv_write",
         run_kv_write,
         default=(
             {"dtype": "fp16", "kv": "same", "block": 16, "head": 128},
@@ -565,7 +566,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "conv1d",
-        "conv1d",
+        "triton.conv1d",
         run_conv1d,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(4096,), width=(4,), tokens=(64,)
@@ -580,7 +581,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "short_conv",
-        "short_conv",
+        "triton.short_conv",
         run_short_conv,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(1024,), width=(3,), tokens=(64,)
@@ -595,7 +596,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "gated_delta",
-        "gated_delta",
+        "triton.gated_delta",
         run_gated_delta,
         default=_grid(
             mode=("varlen", "update"),
@@ -618,7 +619,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "linear_attention",
-        "linear_attention",
+        "triton.linear_attention",
         run_linear_attention,
         default=_grid(
             mode=("varlen", "update"),
@@ -639,7 +640,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba1",
-        "mamba1",
+        "triton.mamba1",
         run_mamba1,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(8192,), state=(16,), tokens=(64,)
@@ -654,7 +655,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba2",
-        "mamba2",
+        "triton.mamba2",
         run_mamba2,
         default=_grid(
             mode=("varlen", "update"),
@@ -917,9 +918,11 @@ def needs_tensor_cores(v: Variant) -> bool:
     ``TENSOR_CORE_KERNELS`` (work that is matrix products) and no case using the variant
     computes in float32 (float32 inputs keep IEEE float32 dots, on the FMA units, by
     design: see each kernel module's precision notes)."""
-    module = importlib.import_module(f"{KMOD}.{v.kernel.split('.')[0]}")
+    fn = kernel_fn(v.kernel)
+    # Declared where the kernel is defined (a launcher may import it from a sibling).
+    module = importlib.import_module(fn.fn.__module__)
     declared: tuple[str, ...] = getattr(module, "TENSOR_CORE_KERNELS", ())
-    fn_name = kernel_fn(v.kernel).__name__
+    fn_name = fn.__name__
     return fn_name in declared and all(c.get("dtype") != "fp32" for c in v.params)
 
 

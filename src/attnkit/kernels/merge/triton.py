@@ -1,7 +1,7 @@
 """Triton kernel: merge two partial attentions over disjoint key sets by log-sum-exp.
 
 Semantics, shapes and the ``-inf`` rules are those of the pure-torch reference
-:func:`attnkit.kernels.torch.merge.merge_attn_states` (its module docstring):
+:func:`attnkit.kernels.merge.reference.merge_attn_states` (its module docstring):
 
 * ``lse = log(exp(lse_a) + exp(lse_b))``, natural log, computed after subtracting the
   larger of the two;
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.kernels.contracts.merge import check_merge_inputs
+from attnkit.kernels.merge.contract import check_merge_inputs
 
 __all__ = ["merge_attn_states"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels.contracts.merge import check_merge_inputs
+from attnkit.kernels.merge.contract import check_merge_inputs
 
 __all__ = ["merge_attn_states"]
 

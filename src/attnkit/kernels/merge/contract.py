@@ -1,6 +1,6 @@
 """The contract of merging two partial attentions by log-sum-exp: the argument checks
-the torch oracle (:mod:`attnkit.kernels.torch.merge`) and the Triton launcher
-(:mod:`attnkit.kernels.triton.merge_attn_states`) share."""
+the torch oracle (:mod:`attnkit.kernels.merge.reference`) and the Triton launcher
+(:mod:`attnkit.kernels.merge.triton`) share."""
 
 from __future__ import annotations
 
