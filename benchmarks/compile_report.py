@@ -272,7 +272,7 @@ def _varlen(tokens: int) -> dict[str, Any]:
 
 
 def run_conv1d(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import conv1d
+    from attnkit.kernels.conv1d import triton as conv1d
 
     dtype, c, w, t = DT[p["dtype"]], p["channels"], p["width"], p["tokens"]
     weight = torch.zeros(c, w, dtype=dtype)
@@ -288,7 +288,7 @@ def run_conv1d(p: dict[str, Any]) -> None:
 
 
 def run_short_conv(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import short_conv
+    from attnkit.kernels.short_conv import triton as short_conv
 
     dtype, c, w, t = DT[p["dtype"]], p["channels"], p["width"], p["tokens"]
     weight = torch.zeros(c, w, dtype=dtype)
@@ -335,7 +335,7 @@ def run_gated_delta(p: dict[str, Any]) -> None:
 
 
 def run_linear_attention(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import linear_attention
+    from attnkit.kernels.linear_attention import triton as linear_attention
 
     dtype, h, k, v = DT[p["dtype"]], 2, p["key"], p["value"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -385,7 +385,7 @@ def run_mamba2(p: dict[str, Any]) -> None:
 
 
 def run_mamba1(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import mamba1
+    from attnkit.kernels.mamba1 import triton as mamba1
 
     dtype, d, n = DT[p["dtype"]], p["channels"], p["state"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -566,7 +566,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "conv1d",
-        "triton.conv1d",
+        "conv1d.triton",
         run_conv1d,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(4096,), width=(4,), tokens=(64,)
@@ -581,7 +581,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "short_conv",
-        "triton.short_conv",
+        "short_conv.triton",
         run_short_conv,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(1024,), width=(3,), tokens=(64,)
@@ -619,7 +619,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "linear_attention",
-        "triton.linear_attention",
+        "linear_attention.triton",
         run_linear_attention,
         default=_grid(
             mode=("varlen", "update"),
@@ -640,7 +640,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba1",
-        "triton.mamba1",
+        "mamba1.triton",
         run_mamba1,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(8192,), state=(16,), tokens=(64,)

@@ -29,8 +29,8 @@ from typing_extensions import override
 from .config import AttentionConfig
 from .devices import check_device_available, parse_device
 from .errors import ArgumentTypeError, InvalidArgumentError
+from .kernels.linear_attention.reference import linear_attention_recurrent_reference
 from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
-from .kernels.torch.linear_attention import linear_attention_recurrent_reference
 from .kernels.torch.mamba2 import ssd_recurrent_reference
 from .models import ModelLayout
 from .parallel import ContextParallel

@@ -1,6 +1,6 @@
 """Triton Mamba2 kernels (causal conv1d, chunked SSD, decode steps) against the torch oracles.
 
-Every launcher in ``attnkit.kernels.triton.conv1d`` / ``.mamba2`` is compared with its
+Every launcher in ``attnkit.kernels.conv1d.triton`` / ``.mamba2`` is compared with its
 oracle in ``attnkit.kernels.torch`` on the same inputs. The cache states are handed in
 the way attnkit's runtime does: non-contiguous views into larger pages (whose padding
 is NaN, so a kernel that assumed contiguity would read it), with slots in shuffled
@@ -27,13 +27,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch import conv1d as ref_conv
+from attnkit.kernels.conv1d import reference as ref_conv
 from attnkit.kernels.torch import mamba2 as ref_ssm
 from attnkit.testing.tolerances import TOLERANCES
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton import conv1d as tri_conv
+from attnkit.kernels.conv1d import triton as tri_conv
 from attnkit.kernels.triton import mamba2 as tri_ssm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

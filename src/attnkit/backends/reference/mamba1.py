@@ -15,8 +15,8 @@ from typing_extensions import override
 
 from ..._validation import dtype_name
 from ...impl import StateImpl
-from ...kernels.torch.conv1d import causal_conv1d_varlen
-from ...kernels.torch.mamba1 import mamba1_projections, selective_scan_varlen
+from ...kernels.conv1d.reference import causal_conv1d_varlen
+from ...kernels.mamba1.reference import mamba1_projections, selective_scan_varlen
 from ...params import Mamba1LayerParams, check_state_shapes
 from ...spec import MambaSpec
 from ...state_inputs import Mamba1Inputs

@@ -20,7 +20,7 @@ from ..._validation import dtype_name
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
-from ...kernels.torch.conv1d import causal_conv1d_varlen
+from ...kernels.conv1d.reference import causal_conv1d_varlen
 from ...kernels.torch.mamba2 import ssd_chunked_varlen
 from ...metadata import CommonAttentionMetadata
 from ...params import Mamba2LayerParams, check_state_shapes

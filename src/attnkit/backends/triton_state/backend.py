@@ -28,8 +28,8 @@ from ...binding import bind_builder
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
+from ...kernels.mamba1.reference import mamba1_projections
 from ...kernels.torch.gated_delta import l2_normalize
-from ...kernels.torch.mamba1 import mamba1_projections
 from ...metadata import CommonAttentionMetadata
 from ...params import (
     GatedDeltaNetLayerParams,
@@ -181,7 +181,7 @@ class _ConvMixin:
 
     def _load_conv(self) -> None:
         # Imported here: importing the backend must not import triton.
-        from ...kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
+        from ...kernels.conv1d.triton import causal_conv1d_update, causal_conv1d_varlen
 
         self._conv_update = causal_conv1d_update
         self._conv_varlen = causal_conv1d_varlen
@@ -241,7 +241,7 @@ class TritonMamba1Impl(
             )
         check_state_shapes(who, kv_cache_spec, layer_params)
         self._load_conv()
-        from ...kernels.triton.mamba1 import selective_scan_update, selective_scan_varlen
+        from ...kernels.mamba1.triton import selective_scan_update, selective_scan_varlen
 
         self._scan_update = selective_scan_update
         self._scan = selective_scan_varlen
@@ -467,7 +467,7 @@ class TritonLinearAttentionImpl(
             raise ValueError(
                 f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
             )
-        from ...kernels.triton.linear_attention import (
+        from ...kernels.linear_attention.triton import (
             chunk_linear_attention_varlen,
             linear_attention_decode,
         )
@@ -525,7 +525,7 @@ class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, S
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
         check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
-        from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
+        from ...kernels.short_conv.triton import short_conv_update, short_conv_varlen
 
         self._varlen = short_conv_varlen
         self._update = short_conv_update

@@ -69,7 +69,7 @@ Cache conventions
   slots named in ``state_indices`` are read or written.
 * ``query_start_loc`` int32 ``[B+1]``, ``state_indices`` int32 ``[B]`` (distinct, in
   ``[0, S)``), ``has_initial_state`` bool ``[B]`` (False: start from zeros and ignore
-  the slot's old content) -- as in :mod:`attnkit.kernels.torch.conv1d` and
+  the slot's old content) -- as in :mod:`attnkit.kernels.conv1d.reference` and
   :mod:`attnkit.kernels.torch.mamba2`.
 * After a call each request's slot holds its state after its last token; a zero-length
   request stores its initial state (zeros when ``has_initial_state`` is False).

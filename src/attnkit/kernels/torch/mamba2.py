@@ -34,7 +34,7 @@ Cache conventions
 * ``query_start_loc`` int32 ``[B+1]`` (cumulative offsets, starting at 0, ending at
   ``T``, non-decreasing), ``state_indices`` int32 ``[B]`` (distinct slots in
   ``[0, S)``), ``has_initial_state`` bool ``[B]`` (False: start from zeros and ignore the
-  slot's old content) -- same as in :mod:`attnkit.kernels.torch.conv1d`.
+  slot's old content) -- same as in :mod:`attnkit.kernels.conv1d.reference`.
 * After a call each request's slot holds its state after its last token; a zero-length
   request stores its initial state (zeros when ``has_initial_state`` is False).
 * Chunks are aligned to the first token of each request in the call (not to absolute

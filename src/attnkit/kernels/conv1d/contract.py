@@ -2,7 +2,7 @@
 
 The checks read tensor metadata only (shape, dtype, device), never values, so the Triton
 launchers can use them under CUDA graphs; the value checks of the cache lists live in
-:mod:`attnkit.kernels._state_common` and are run by the oracle alone.
+:mod:`attnkit.kernels._checks` and are run by the oracle alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Mamba (1) selective-scan kernels with per-request cached states (Triton).
 
 Same semantics, signatures and cache conventions as the torch oracle
-:mod:`attnkit.kernels.torch.mamba1` (read its module docstring first), plus an optional
+:mod:`attnkit.kernels.mamba1.reference` (read its module docstring first), plus an optional
 ``out=`` tensor. The math is the selective state-space model of A. Gu and T. Dao,
 "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", arXiv:2312.00752
 (Algorithm 2)::
@@ -48,7 +48,7 @@ from attnkit.kernels._checks import (
 )
 from attnkit.kernels._triton.activations import softplus
 from attnkit.kernels._triton.varlen import flags_as_bytes
-from attnkit.kernels.contracts.mamba1 import check_scan_inputs, check_scan_states
+from attnkit.kernels.mamba1.contract import check_scan_inputs, check_scan_states
 
 __all__ = ["selective_scan_update", "selective_scan_varlen"]
 
@@ -347,7 +347,7 @@ def selective_scan_varlen(
 ) -> Tensor:
     """The selective scan over a varlen batch, states read and written in the cache.
 
-    Semantics of :func:`attnkit.kernels.torch.mamba1.selective_scan_varlen`; ``out``
+    Semantics of :func:`attnkit.kernels.mamba1.reference.selective_scan_varlen`; ``out``
     (``[T, D]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``y`` ``[T, D]`` in the dtype of ``x``.
     """
@@ -398,7 +398,7 @@ def selective_scan_update(
 ) -> Tensor:
     """One decode step for ``B`` requests, each continuing from its cache slot.
 
-    Semantics of :func:`attnkit.kernels.torch.mamba1.selective_scan_update`; ``out``
+    Semantics of :func:`attnkit.kernels.mamba1.reference.selective_scan_update`; ``out``
     (``[B, D]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``y`` ``[B, D]`` in the dtype of ``x``.
     """

@@ -2,7 +2,7 @@
 
 The checks read tensor metadata only (shape, dtype, device), never values. The
 convolution's own parameters (``weight``, ``bias``, ``conv_states``) follow
-:func:`attnkit.kernels.contracts.conv1d.check_conv_params`.
+:func:`attnkit.kernels.conv1d.contract.check_conv_params`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ notes) projects its input to three streams ``b``, ``c``, ``x`` and computes::
 with a depthwise kernel of width ``W`` (``[C, W]``), an optional bias and no
 activation. These functions cover that core (the input and output projections are
 ordinary matmuls outside). They are oracles for faster kernels: the convolution is
-:func:`attnkit.kernels.torch.conv1d.causal_conv1d_varlen` /
-:func:`~attnkit.kernels.torch.conv1d.causal_conv1d_update` with ``activation=None``
+:func:`attnkit.kernels.conv1d.reference.causal_conv1d_varlen` /
+:func:`~attnkit.kernels.conv1d.reference.causal_conv1d_update` with ``activation=None``
 applied to ``Bx``, and the output gate is applied afterwards.
 
 Shape letters
@@ -20,7 +20,7 @@ Shape letters
 
 Conventions
 -----------
-Exactly those of :mod:`attnkit.kernels.torch.conv1d`, with ``Bx`` as the conv input:
+Exactly those of :mod:`attnkit.kernels.conv1d.reference`, with ``Bx`` as the conv input:
 
 * ``conv_states``: ``[S, C, W-1]`` in the dtype of ``x``, any strides. Slot ``s`` holds
   the last ``W-1`` values of ``Bx`` seen by its request, oldest first. ``Bx`` is rounded
@@ -46,15 +46,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.kernels.contracts.conv1d import check_conv_params
-from attnkit.kernels.contracts.short_conv import check_gates, check_out
-from attnkit.kernels.torch.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from attnkit.kernels.conv1d.contract import check_conv_params
+from attnkit.kernels.conv1d.reference import causal_conv1d_update, causal_conv1d_varlen
+from attnkit.kernels.short_conv.contract import check_gates, check_out
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
 
 # ----------------------------------------------------------------------------------
-# Helpers (the checks are the op's contract: attnkit.kernels.contracts.short_conv).
+# Helpers (the checks are the op's contract: attnkit.kernels.short_conv.contract).
 # ----------------------------------------------------------------------------------
 
 

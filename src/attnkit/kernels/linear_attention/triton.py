@@ -1,7 +1,7 @@
 """Linear attention with a constant per-head decay, states in a cache (Triton).
 
 Semantics, shapes and cache conventions are those of the torch oracle
-:mod:`attnkit.kernels.torch.linear_attention` (read its module docstring): per head
+:mod:`attnkit.kernels.linear_attention.reference` (read its module docstring): per head
 ``h`` with ``lam = exp(-decay[h])``::
 
     S_t = lam * S_{t-1} + outer(k_t, v_t);    o_t = scale * S_t^T q_t
@@ -93,7 +93,7 @@ from attnkit.kernels._checks import (
 from attnkit.kernels._triton.interpret import INTERPRETED
 from attnkit.kernels._triton.rounding import round_bf16
 from attnkit.kernels._triton.varlen import flags_as_bytes
-from attnkit.kernels.contracts.linear_attention import alloc_out, check_decay_shape, check_qkv
+from attnkit.kernels.linear_attention.contract import alloc_out, check_decay_shape, check_qkv
 
 __all__ = ["chunk_linear_attention_varlen", "linear_attention_decode"]
 

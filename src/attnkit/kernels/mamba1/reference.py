@@ -21,14 +21,14 @@ With ``dt'[t, d] = softplus(dt[t, d] + dt_bias[d])`` if ``dt_softplus`` else
     y[t, d]   = sum_n C[t, n] * h_t[d, n] + D[d] * x[t, d]        # D optional, i.e. 0
 
 ``h`` is ``[D, N]`` per sequence. ``x`` here is the scan's input, i.e. *after* the
-layer's causal conv (the conv is :mod:`attnkit.kernels.torch.conv1d`).
+layer's causal conv (the conv is :mod:`attnkit.kernels.conv1d.reference`).
 
 Cache conventions
 -----------------
 * ``ssm_states``: ``[S, D, N]``, **float32**, updated in place.
 * ``query_start_loc`` int32 ``[B+1]``, ``state_indices`` int32 ``[B]`` (distinct slots in
   ``[0, S)``), ``has_initial_state`` bool ``[B]`` (False: start from zeros and ignore the
-  slot's old content) -- as in :mod:`attnkit.kernels.torch.conv1d`.
+  slot's old content) -- as in :mod:`attnkit.kernels.conv1d.reference`.
 * After a call each request's slot holds its state after its last token; a zero-length
   request stores its initial state (zeros when ``has_initial_state`` is False).
 """
@@ -46,7 +46,7 @@ from attnkit.kernels._checks import (
     check_state_indices,
     check_tensor,
 )
-from attnkit.kernels.contracts.mamba1 import check_scan_inputs, check_scan_states
+from attnkit.kernels.mamba1.contract import check_scan_inputs, check_scan_states
 
 __all__ = ["discretize_dt", "mamba1_projections", "selective_scan_update", "selective_scan_varlen"]
 

@@ -1,7 +1,7 @@
 """Causal depthwise 1-D convolution with per-request cached states (Triton).
 
 Same semantics, signatures and cache conventions as the torch oracle
-:mod:`attnkit.kernels.torch.conv1d` (read its module docstring first), plus an optional
+:mod:`attnkit.kernels.conv1d.reference` (read its module docstring first), plus an optional
 ``out=`` tensor:
 
 * ``x``: ``[T, C]`` (varlen) or ``[B, C]`` (decode), any strides; float32, float16 or
@@ -62,7 +62,7 @@ from attnkit.kernels._checks import (
     check_varlen_tensors,
 )
 from attnkit.kernels._triton.varlen import find_segment, search_iters
-from attnkit.kernels.contracts.conv1d import check_conv_params
+from attnkit.kernels.conv1d.contract import check_conv_params
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
@@ -317,7 +317,7 @@ def causal_conv1d_varlen(
 ) -> Tensor:
     """Causal depthwise conv over a varlen batch, reading and writing cached states.
 
-    Semantics of :func:`attnkit.kernels.torch.conv1d.causal_conv1d_varlen`; ``out``
+    Semantics of :func:`attnkit.kernels.conv1d.reference.causal_conv1d_varlen`; ``out``
     (``[T, C]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``[T, C]`` in the dtype of ``x``.
     """
@@ -412,7 +412,7 @@ def causal_conv1d_update(
 ) -> Tensor:
     """One decode step: one new token per request, states shifted in place.
 
-    Semantics of :func:`attnkit.kernels.torch.conv1d.causal_conv1d_update`; ``out``
+    Semantics of :func:`attnkit.kernels.conv1d.reference.causal_conv1d_update`; ``out``
     (``[B, C]``, dtype of ``x``, any strides) receives the result when given.
     Returns ``[B, C]`` in the dtype of ``x``.
     """

@@ -51,12 +51,12 @@ from attnkit.kernels._checks import (
     check_state_indices,
     check_tensor,
 )
-from attnkit.kernels.contracts.conv1d import check_conv_params
+from attnkit.kernels.conv1d.contract import check_conv_params
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
 # ----------------------------------------------------------------------------------
-# Helpers (the shape/dtype checks are the op's contract, attnkit.kernels.contracts.conv1d,
+# Helpers (the shape/dtype checks are the op's contract, attnkit.kernels.conv1d.contract,
 # shared with the Triton launchers).
 # ----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The Mamba (1) selective-scan contract: operand checks shared by the torch oracle
-(:mod:`attnkit.kernels.torch.mamba1`) and the Triton launchers
-(:mod:`attnkit.kernels.triton.mamba1`).
+(:mod:`attnkit.kernels.mamba1.reference`) and the Triton launchers
+(:mod:`attnkit.kernels.mamba1.triton`).
 
 Shape letters as in the oracle's module docstring: ``x`` and ``dt`` ``[lead, D]``
 (``lead`` is ``T``, ``B`` or ``L``), ``A`` ``[D, N]``, ``B``/``C`` ``[lead, N]``,

@@ -38,7 +38,7 @@ Cache conventions
 * ``query_start_loc`` int32 ``[B+1]`` (cumulative offsets, starting at 0, ending at
   ``T``, non-decreasing), ``state_indices`` int32 ``[B]`` (distinct slots in ``[0, S)``),
   ``has_initial_state`` bool ``[B]`` (False: start from zeros and ignore the slot's old
-  content) -- as in :mod:`attnkit.kernels.torch.conv1d`.
+  content) -- as in :mod:`attnkit.kernels.conv1d.reference`.
 * After a call each request's slot holds its state after its last token; a zero-length
   request stores its initial state (zeros when ``has_initial_state`` is False). Slots
   not named in ``state_indices`` are never touched.
@@ -64,7 +64,7 @@ from attnkit.kernels._checks import (
     check_states,
     check_tensor,
 )
-from attnkit.kernels.contracts.linear_attention import (
+from attnkit.kernels.linear_attention.contract import (
     alloc_out,
     check_decay_shape,
     check_qkv,
@@ -79,7 +79,7 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------
 # Validation (the shape/dtype checks are the op's contract,
-# attnkit.kernels.contracts.linear_attention, shared with the Triton launchers; the
+# attnkit.kernels.linear_attention.contract, shared with the Triton launchers; the
 # value checks below read tensors back and are the oracle's alone).
 # ----------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """LFM2-style gated short convolution with per-request state in a cache (Triton).
 
 Semantics, shapes and cache conventions are those of the torch oracle
-:mod:`attnkit.kernels.torch.short_conv` (read its module docstring)::
+:mod:`attnkit.kernels.short_conv.reference` (read its module docstring)::
 
     Bx = b * x;    y = c * (bias + causal_depthwise_conv(Bx))
 
@@ -52,8 +52,8 @@ from attnkit.kernels._checks import (
 from attnkit.kernels._triton.interpret import INTERPRETED
 from attnkit.kernels._triton.rounding import round_bf16
 from attnkit.kernels._triton.varlen import flags_as_bytes
-from attnkit.kernels.contracts.conv1d import check_conv_params
-from attnkit.kernels.contracts.short_conv import check_gates, check_out
+from attnkit.kernels.conv1d.contract import check_conv_params
+from attnkit.kernels.short_conv.contract import check_gates, check_out
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
