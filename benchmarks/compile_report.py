@@ -306,7 +306,7 @@ def run_short_conv(p: dict[str, Any]) -> None:
 
 
 def run_gated_delta(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import gated_delta
+    from attnkit.kernels.gated_delta import triton as gated_delta
 
     dtype, h, k, v = DT[p["dtype"]], 2, p["key"], p["value"]
     # key_heads < h: value heads share key heads (Qwen3-Next: 16 key, 32 value heads).
@@ -361,7 +361,7 @@ def run_linear_attention(p: dict[str, Any]) -> None:
 
 
 def run_mamba2(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import mamba2
+    from attnkit.kernels.mamba2 import triton as mamba2
 
     dtype, h, hd, n = DT[p["dtype"]], 4, p["head"], p["state"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -596,7 +596,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "gated_delta",
-        "triton.gated_delta",
+        "gated_delta.triton",
         run_gated_delta,
         default=_grid(
             mode=("varlen", "update"),
@@ -655,7 +655,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba2",
-        "triton.mamba2",
+        "mamba2.triton",
         run_mamba2,
         default=_grid(
             mode=("varlen", "update"),

@@ -21,7 +21,7 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
 from ...kernels.conv1d.reference import causal_conv1d_varlen
-from ...kernels.torch.mamba2 import ssd_chunked_varlen
+from ...kernels.mamba2.reference import ssd_chunked_varlen
 from ...metadata import CommonAttentionMetadata
 from ...params import Mamba2LayerParams, check_state_shapes
 from ...spec import MambaSpec

@@ -17,9 +17,9 @@ from typing_extensions import override
 
 from ...impl import StateImpl
 from ...kernels.conv1d.reference import causal_conv1d_varlen
+from ...kernels.gated_delta.reference import chunk_gated_delta_rule_varlen, l2_normalize
 from ...kernels.linear_attention.reference import chunk_linear_attention_varlen
 from ...kernels.short_conv.reference import short_conv_varlen
-from ...kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
 from ...params import (
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,

@@ -28,8 +28,8 @@ from ...binding import bind_builder
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
+from ...kernels.gated_delta.reference import l2_normalize
 from ...kernels.mamba1.reference import mamba1_projections
-from ...kernels.torch.gated_delta import l2_normalize
 from ...metadata import CommonAttentionMetadata
 from ...params import (
     GatedDeltaNetLayerParams,
@@ -311,7 +311,7 @@ class TritonMamba2Impl(
         super().__init__(kv_cache_spec, layer_params)
         check_state_shapes(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
-        from ...kernels.triton.mamba2 import (
+        from ...kernels.mamba2.triton import (
             selective_state_update,
             ssd_chunk_offsets,
             ssd_chunked_varlen,
@@ -394,7 +394,7 @@ class TritonGatedDeltaNetImpl(
                 f"{who}: gdn chunk_size must be 16, 32 or 64, got {layer_params.chunk_size}"
             )
         self._load_conv()
-        from ...kernels.triton.gated_delta import (
+        from ...kernels.gated_delta.triton import (
             chunk_gated_delta_rule_varlen,
             fused_recurrent_gated_delta_rule_update,
         )

@@ -60,7 +60,7 @@ from attnkit.kernels._checks import (
     check_state_indices,
     check_tensor,
 )
-from attnkit.kernels.contracts.mamba2 import check_ssm_inputs, check_ssm_states
+from attnkit.kernels.mamba2.contract import check_ssm_inputs, check_ssm_states
 
 __all__ = ["selective_state_update", "ssd_chunked_varlen", "ssd_recurrent_reference"]
 

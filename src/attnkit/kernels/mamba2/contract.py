@@ -1,6 +1,6 @@
 """The Mamba2 (SSD) contract: operand checks shared by the torch oracle
-(:mod:`attnkit.kernels.torch.mamba2`) and the Triton launchers
-(:mod:`attnkit.kernels.triton.mamba2`).
+(:mod:`attnkit.kernels.mamba2.reference`) and the Triton launchers
+(:mod:`attnkit.kernels.mamba2.triton`).
 
 Shape letters as in the oracle's module docstring: ``x`` ``[lead, H, P]`` (``lead`` is
 ``T``, ``B`` or ``L``), ``dt`` ``[lead, H]``, ``A``/``D``/``dt_bias`` ``[H]``, ``B``/``C``

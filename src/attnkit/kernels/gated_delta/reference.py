@@ -70,7 +70,7 @@ Cache conventions
 * ``query_start_loc`` int32 ``[B+1]``, ``state_indices`` int32 ``[B]`` (distinct, in
   ``[0, S)``), ``has_initial_state`` bool ``[B]`` (False: start from zeros and ignore
   the slot's old content) -- as in :mod:`attnkit.kernels.conv1d.reference` and
-  :mod:`attnkit.kernels.torch.mamba2`.
+  :mod:`attnkit.kernels.mamba2.reference`.
 * After a call each request's slot holds its state after its last token; a zero-length
   request stores its initial state (zeros when ``has_initial_state`` is False).
 * Chunks are aligned to the first token of each request in the call (not to absolute
@@ -95,7 +95,7 @@ from attnkit.kernels._checks import (
     check_states,
     check_tensor,
 )
-from attnkit.kernels.contracts.gated_delta import (
+from attnkit.kernels.gated_delta.contract import (
     alloc_out,
     check_gdn_inputs,
     head_group,

@@ -1,6 +1,6 @@
 """The Gated DeltaNet (gated delta rule) contract: operand checks shared by the torch
-oracle (:mod:`attnkit.kernels.torch.gated_delta`) and the Triton launchers
-(:mod:`attnkit.kernels.triton.gated_delta`).
+oracle (:mod:`attnkit.kernels.gated_delta.reference`) and the Triton launchers
+(:mod:`attnkit.kernels.gated_delta.triton`).
 
 Shape letters as in the oracle's module docstring: ``q``/``k`` ``[lead, Hk, K]``, ``v`` and
 ``out`` ``[lead, H, V]``, ``g``/``beta`` ``[lead, H]`` (``lead`` is ``T``, ``B`` or ``L``),
