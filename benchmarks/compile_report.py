@@ -162,7 +162,7 @@ def _attention_tensors(
 
 
 def run_unified(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.unified_attention import unified_attention
+    from attnkit.kernels.attention.triton_unified import unified_attention
 
     q_len = p["q_len"]
     query, cache, extra = _attention_tensors(p, q_len)
@@ -174,7 +174,7 @@ def run_unified(p: dict[str, Any]) -> None:
 
 
 def run_split_kv(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.split_kv_decode import split_kv_decode
+    from attnkit.kernels.attention.triton_split_kv import split_kv_decode
 
     query, cache, extra = _attention_tensors(p, 1)
     batch = _attention_batch(1, 4 * p["block"], p["block"])
@@ -196,7 +196,8 @@ def _run_shard(
     """A decode context-parallel shard (rank 1 of ``p["shard"]``): the same launch with the
     kernels' SHARDED path (local keys, global query positions) and the lse stored, as
     ``triton_attn``'s ``forward_partial`` runs it."""
-    from attnkit.kernels.triton.paged_attention import paged_attention, plan_paged_attention
+    from attnkit.kernels.attention.triton import paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
 
     size = p["shard"]
     total = batch["max_seq_len"]
@@ -226,7 +227,7 @@ def run_merge(p: dict[str, Any]) -> None:
 
 
 def run_kv_write(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.kv_write import write_kv_cache
+    from attnkit.kernels.attention.triton_kv_write import write_kv_cache
 
     dtype = DT[p["dtype"]]
     key = torch.zeros(4, 2, p["head"], dtype=dtype)
@@ -241,8 +242,8 @@ def run_mla(p: dict[str, Any]) -> None:
     """DeepSeek-V3's absorbed MLA (128 heads, latent 576 = kv_lora_rank 512 + rope 64):
     decode (``q_len`` 1) on the split-KV path with ``splits`` splits, longer queries in
     one pass; plus the latent write of the step's tokens."""
-    from attnkit.kernels.triton.mla_attention import mla_attention, write_mla_latents
-    from attnkit.kernels.triton.paged_attention import plan_paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+    from attnkit.kernels.mla.triton import mla_attention, write_mla_latents
 
     dtype, bs, q_len = DT[p["dtype"]], p["block"], p["q_len"]
     query = torch.zeros(q_len, 128, 576, dtype=dtype)
@@ -486,7 +487,7 @@ _SHARD_GRID = _grid(
 FAMILIES: tuple[Family, ...] = (
     Family(
         "unified_attention",
-        "triton.paged_attention",
+        "attention.triton",
         run_unified,
         default=(
             *(_attn(head=d, q_len=128) for d in (64, 128, 256)),
@@ -514,7 +515,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "split_kv_decode",
-        "triton.paged_attention",
+        "attention.triton",
         run_split_kv,
         default=(
             _attn(head=128, splits=4),
@@ -528,7 +529,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mla_attention",
-        "triton.mla_attention",
+        "mla.triton",
         run_mla,
         default=(
             {"dtype": "bf16", "kv": "same", "block": 64, "q_len": 1, "splits": 4},
@@ -544,8 +545,8 @@ FAMILIES: tuple[Family, ...] = (
             ),
             {"dtype": "fp32", "kv": "same", "block": 16, "q_len": 128},
         ),
-        # The split-KV merge is paged_attention's (merge_split_kv).
-        extra_modules=("triton.paged_attention",),
+        # The split-KV merge is paged attention's (merge_split_kv).
+        extra_modules=("attention.triton",),
     ),
     Family(
         "merge_attn_states",
@@ -556,7 +557,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "kv_write",
-        "triton.kv_write",
+        "attention.triton_kv_write",
         run_kv_write,
         default=(
             {"dtype": "fp16", "kv": "same", "block": 16, "head": 128},

@@ -28,6 +28,10 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
+from attnkit.kernels.attention import reference as t_attn
+from attnkit.kernels.attention import triton_kv_write as tr_kvw
+from attnkit.kernels.attention import triton_split_kv as tr_skv
+from attnkit.kernels.attention import triton_unified as tr_ua
 from attnkit.kernels.conv1d import reference as t_conv
 from attnkit.kernels.conv1d import triton as tr_conv
 from attnkit.kernels.gated_delta import reference as t_gdn
@@ -38,10 +42,6 @@ from attnkit.kernels.mamba2 import triton as tr_ssm
 from attnkit.kernels.merge import reference as t_merge
 from attnkit.kernels.merge import triton as tr_merge
 from attnkit.kernels.short_conv import triton as tr_sc
-from attnkit.kernels.torch import attention as t_attn
-from attnkit.kernels.triton import kv_write as tr_kvw
-from attnkit.kernels.triton import split_kv_decode as tr_skv
-from attnkit.kernels.triton import unified_attention as tr_ua
 
 Kwargs = dict[str, Any]
 Mutation = Callable[[Kwargs], None]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from attnkit.kernels.attention.reference import dense_attention
 from attnkit.kernels.merge.reference import merge_attn_states as merge_reference
-from attnkit.kernels.torch.attention import dense_attention
 
 pytest.importorskip("triton")
 

@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from attnkit.kernels.triton.paged_attention import paged_attention, plan_paged_attention
+from attnkit.kernels.attention.triton import paged_attention
+from attnkit.kernels.attention.triton_plan import plan_paged_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HQ, HKV, D, BS = 4, 2, 32, 16
@@ -157,7 +158,7 @@ def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:
     """16-bit shards of head 256 take half the rows (the measured spill-free shape);
     decode tiles keep the 16-row minimum of the dots; below 256 only the split-KV
     pipeline depth changes."""
-    from attnkit.kernels.triton.paged_attention import _launch_shape
+    from attnkit.kernels.attention.triton_plan import _launch_shape
 
     base = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False)
     shard = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True)

@@ -1038,8 +1038,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
     ) -> torch.Tensor:
         """The step on the CPU engines: write the planes, then the native kernel for the
         short query runs and blocked matrix products for the rest."""
-        from ...kernels.cpu.decode import paged_attention_requests
-        from ...kernels.cpu.prefill import paged_prefill
+        from ...kernels.attention.cpu_decode import paged_attention_requests
+        from ...kernels.attention.cpu_prefill import paged_prefill
 
         n = m.num_actual_tokens
         k_plane: torch.Tensor | None = None
@@ -1165,7 +1165,7 @@ class FlexAttentionBackend(AttentionBackend):
         runs it uncompiled. A compile failure recorded in this process counts on both."""
         if device.type != "cpu":
             return environment_problems(device)
-        from ...kernels.cpu._native import native_problem
+        from ...kernels.attention.cpu_native import native_problem
 
         problems: list[str] = []
         native = native_problem()

@@ -5,7 +5,7 @@ example a shared prefix and each request's own suffix in cascade attention, or t
 chunks of one long context in split-KV decoding) combine into the attention over
 ``A | B``. With ``out_x`` the softmax-weighted values over ``X`` and ``lse_x`` the
 natural-log log-sum-exp of ``X``'s scores (the convention of
-:mod:`attnkit.kernels.torch.attention`):
+:mod:`attnkit.kernels.attention.reference`):
 
 * ``lse = log(exp(lse_a) + exp(lse_b))``
 * ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``

@@ -10,7 +10,7 @@ Semantics, shapes and the ``-inf`` rules are those of the pure-torch reference
   both ``-inf`` gives output 0 and lse ``-inf``.
 
 Used by cascade (shared-prefix) attention; split-KV decoding has its own S-way merge in
-(``_split_kv_merge_kernel`` in :mod:`attnkit.kernels.triton.paged_attention`) because it also folds in attention sinks.
+(``_split_kv_merge_kernel`` in :mod:`attnkit.kernels.attention.triton`) because it also folds in attention sinks.
 """
 
 from __future__ import annotations

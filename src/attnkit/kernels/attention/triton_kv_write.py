@@ -34,7 +34,7 @@ import triton.language as tl
 from attnkit.kernels._checks import FLOAT_DTYPES, check_device, describe, require_tensor
 from attnkit.kernels._triton.fp8 import f32_to_e4m3_bits, saturate_e4m3
 from attnkit.kernels._triton.interpret import INTERPRETED
-from attnkit.kernels.contracts.attention import FP8_DTYPE, check_scale_tensor
+from attnkit.kernels.attention.contract import FP8_DTYPE, check_scale_tensor
 
 __all__ = ["write_kv_cache"]
 

@@ -29,7 +29,7 @@ from attnkit.kernels._checks import (
     describe,
     require_tensor,
 )
-from attnkit.kernels.cpu._native import load_paged_decode, native_problem
+from attnkit.kernels.attention.cpu_native import load_paged_decode, native_problem
 
 __all__ = ["native_problem", "paged_attention_requests", "paged_attention_rows"]
 

@@ -1,6 +1,6 @@
 """The paged-attention contract: argument rules shared by the torch oracle
-(:mod:`attnkit.kernels.torch.attention`) and the Triton launchers
-(:mod:`attnkit.kernels.triton.paged_attention`, ``kv_write``), and the launchers' own
+(:mod:`attnkit.kernels.attention.reference`) and the Triton launchers
+(:mod:`attnkit.kernels.attention.triton`, ``kv_write``), and the launchers' own
 metadata rules (devices, strides, scale tensors).
 
 Shape letters as in the oracle's module docstring: ``query`` ``[T, Hq, D]``, ``kv_cache``

@@ -83,7 +83,7 @@ import torch
 from torch import Tensor
 
 from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_float, describe
-from attnkit.kernels.contracts.attention import (
+from attnkit.kernels.attention.contract import (
     check_batch_layout,
     check_cache_layout,
     check_head_vector,
@@ -134,7 +134,7 @@ def _check_options(
     sinks: object,
 ) -> None:
     """Validate the mask and score options shared by both attention entry points: the
-    op's contract (:mod:`attnkit.kernels.contracts.attention`), which the Triton
+    op's contract (:mod:`attnkit.kernels.attention.contract`), which the Triton
     launcher enforces too."""
     check_finite_float("scale", scale)
     check_mask_options(causal, sliding_window, chunk_size)

@@ -1,10 +1,10 @@
 """``unified_attention``: paged attention of a mixed batch (prefill, chunked prefill and
 decode) in one launch of the one-pass kernel.
 
-A thin wrapper over :mod:`attnkit.kernels.triton.paged_attention`: it plans the step
-(:func:`~attnkit.kernels.triton.paged_attention.plan_paged_attention` with
+A thin wrapper over :mod:`attnkit.kernels.attention.triton`: it plans the step
+(:func:`~attnkit.kernels.attention.triton_plan.plan_paged_attention` with
 ``num_splits=0``) and launches it
-(:func:`~attnkit.kernels.triton.paged_attention.paged_attention`). Callers that run many
+(:func:`~attnkit.kernels.attention.triton.paged_attention`). Callers that run many
 layers over one batch should build the plan once and call ``paged_attention`` per layer
 (the ``triton_attn`` backend does); shapes, semantics and the grid are described there.
 """
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.kernels.triton.paged_attention import (
-    FP8_DTYPE,
+from attnkit.kernels.attention.triton import FP8_DTYPE, check_kv_cache, check_query, paged_attention
+from attnkit.kernels.attention.triton_plan import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
-    check_kv_cache,
-    check_query,
-    paged_attention,
     plan_paged_attention,
 )
 

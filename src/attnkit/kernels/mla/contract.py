@@ -1,6 +1,6 @@
 """The contract of MLA attention in its absorbed form over a latent paged cache: the
 argument rules any implementation of the op shares (the Triton launcher
-:mod:`attnkit.kernels.triton.mla_attention`, and a torch side that reads the same cache).
+:mod:`attnkit.kernels.mla.triton`, and a torch side that reads the same cache).
 
 Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", section 2.1) caches one
 latent per token: ``D = R + P`` channels, the compressed key/value ``c`` (``R =
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from attnkit.kernels._checks import check_device, check_int_arg, describe, require_tensor
-from attnkit.kernels.contracts.attention import FP8_DTYPE, check_kv_scale
+from attnkit.kernels.attention.contract import FP8_DTYPE, check_kv_scale
 
 __all__ = [
     "FP8_DTYPE",

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) in its absorbed form over a latent paged cache.
 
-The op (rules in :mod:`attnkit.kernels.contracts.mla`; DeepSeek-AI, 2024, "DeepSeek-V2",
+The op (rules in :mod:`attnkit.kernels.mla.contract`; DeepSeek-AI, 2024, "DeepSeek-V2",
 section 2.1): every token caches one latent of ``D = R + P`` channels, the compressed
 key/value ``c`` (``R = kv_lora_rank``) followed by the shared rotary key ``k_pe`` (``P``
 channels). With ``W_UK`` absorbed into the query, head ``h`` of query token ``t`` scores
@@ -16,9 +16,9 @@ of every head of the program *and* its value.
 Shapes: ``query`` ``[T, H, D]`` (any strides), ``latent_cache`` ``[NB, BS, D]``
 (contiguous, the query dtype or ``torch.float8_e4m3fn``), ``output`` ``[T, H, R]``,
 ``lse`` float32 ``[T, H]``. The batch metadata and the launch layout come from a
-:class:`~attnkit.kernels.triton.paged_attention.PagedAttentionPlan` built with
+:class:`~attnkit.kernels.attention.triton_plan.PagedAttentionPlan` built with
 ``num_kv_heads=1`` (and ``sliding_window`` for sliding-window MLA); its semantics are
-those of :func:`~attnkit.kernels.triton.paged_attention.paged_attention` with one kv
+those of :func:`~attnkit.kernels.attention.triton.paged_attention` with one kv
 head: query ``t`` of a request with ``seq_len`` keys and ``q_len`` queries sits at
 position ``i = seq_len - q_len + t`` and sees keys ``j < seq_len`` with ``j <= i`` (when
 causal) and ``i - j < W`` (with a window). ``lse`` is the natural-log log-sum-exp of a
@@ -45,8 +45,8 @@ Kernel design (``_mla_attention_kernel``; one kernel, two modes):
 * Split-KV (``plan.num_splits >= 1``; Dao, Haziza, Massa, Sizov, 2023,
   "Flash-Decoding for long-context inference"): each split covers a run of whole
   blocks and writes a float32 partial output and its lse into a
-  :class:`~attnkit.kernels.triton.paged_attention.SplitKVWorkspace` (see
-  :func:`mla_split_workspace`); :func:`~attnkit.kernels.triton.paged_attention.merge_split_kv`
+  :class:`~attnkit.kernels.attention.triton_plan.SplitKVWorkspace` (see
+  :func:`mla_split_workspace`); :func:`~attnkit.kernels.attention.triton.merge_split_kv`
   merges them.
 
 With ``output``, ``lse`` (if wanted) and ``workspace`` given the launcher allocates
@@ -65,7 +65,19 @@ from attnkit.kernels._checks import KernelTypeError, check_device, check_finite_
 from attnkit.kernels._triton.fp8 import f32_to_e4m3_bits, saturate_e4m3
 from attnkit.kernels._triton.interpret import INTERPRETED
 from attnkit.kernels._triton.varlen import find_segment
-from attnkit.kernels.contracts.mla import (
+from attnkit.kernels.attention.triton import merge_split_kv
+from attnkit.kernels.attention.triton_plan import (
+    SUPPORTED_BLOCK_SIZES,
+    PagedAttentionPlan,
+    SplitKVWorkspace,
+    split_kv_workspace,
+)
+from attnkit.kernels.attention.triton_tile import (
+    load_kv_tile,
+    mask_scores,
+    online_softmax_update,
+)
+from attnkit.kernels.mla.contract import (
     FP8_DTYPE,
     check_kv_lora_rank,
     check_latent_cache,
@@ -75,18 +87,6 @@ from attnkit.kernels.contracts.mla import (
     check_mla_output,
     check_mla_query,
     check_slot_mapping,
-)
-from attnkit.kernels.triton._attention_common import (
-    load_kv_tile,
-    mask_scores,
-    online_softmax_update,
-)
-from attnkit.kernels.triton.paged_attention import (
-    SUPPORTED_BLOCK_SIZES,
-    PagedAttentionPlan,
-    SplitKVWorkspace,
-    merge_split_kv,
-    split_kv_workspace,
 )
 
 __all__ = [
@@ -380,7 +380,7 @@ def _write_mla_latents_kernel(
 
 
 # Under the Triton interpreter (CPU tests, INTERPRETED) two things differ from compiled
-# kernels, as in paged_attention.py: its tl.dot multiplies bfloat16 operands as their
+# kernels, as in attention/triton.py: its tl.dot multiplies bfloat16 operands as their
 # uint16 bit patterns (triton-lang/triton#11584), so bfloat16 dot operands are upcast to
 # float32 after the same rounding (DOT_IN_FP32); and it stores float8 tensors as raw
 # uint8 with a float8 <-> float32 conversion that misreads e4m3fn's NaN and misrounds, so
@@ -506,7 +506,7 @@ def mla_attention(
             ``q_nope @ W_UK`` (first ``R`` channels) then ``q_pe``.
         latent_cache: ``[NB, BS, D]`` contiguous, the query dtype or
             ``torch.float8_e4m3fn``; ``BS`` the plan's block size.
-        plan: :func:`~attnkit.kernels.triton.paged_attention.plan_paged_attention` with
+        plan: :func:`~attnkit.kernels.attention.triton_plan.plan_paged_attention` with
             ``num_kv_heads=1`` (``sliding_window`` for sliding-window MLA; ``num_splits``
             0 for one pass, ``S >= 1`` for split-KV, None to choose).
         kv_lora_rank: ``R``; the values are the first ``R`` channels of each latent.

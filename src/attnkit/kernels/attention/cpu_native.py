@@ -32,7 +32,7 @@ from pathlib import Path
 
 __all__ = ["NativeLibrary", "load_paged_decode", "native_problem"]
 
-_LOG = logging.getLogger("attnkit.kernels.cpu")
+_LOG = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared")

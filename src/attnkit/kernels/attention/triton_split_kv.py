@@ -6,7 +6,7 @@ splits each request's keys into ``num_splits`` runs of consecutive cache blocks 
 merges the partial results by log-sum-exp (Dao, Haziza, Massa, Sizov, 2023,
 "Flash-Decoding for long-context inference").
 
-A thin wrapper over :mod:`attnkit.kernels.triton.paged_attention`: it plans the step
+A thin wrapper over :mod:`attnkit.kernels.attention.triton`: it plans the step
 with the given ``num_splits`` and launches it. Callers that run many layers over one
 batch should build the plan once (``num_splits=None`` lets it choose with
 :func:`choose_num_splits`) and call ``paged_attention`` per layer. Shapes, semantics,
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from attnkit.kernels._checks import check_int_arg
-from attnkit.kernels.triton.paged_attention import (
-    FP8_DTYPE,
+from attnkit.kernels.attention.triton import FP8_DTYPE, check_kv_cache, check_query, paged_attention
+from attnkit.kernels.attention.triton_plan import (
     MAX_HEAD_DIM,
     MAX_NUM_SPLITS,
     MIN_HEAD_DIM,
@@ -27,10 +27,7 @@ from attnkit.kernels.triton.paged_attention import (
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
     SplitKVWorkspace,
-    check_kv_cache,
-    check_query,
     choose_num_splits,
-    paged_attention,
     plan_paged_attention,
     split_kv_workspace,
 )
@@ -95,7 +92,7 @@ def split_kv_decode(
             decode, more for speculative decoding, 0 launches nothing). Longer prefills
             belong in ``unified_attention``.
         causal, sliding_window, chunk_size, logits_soft_cap, alibi_slopes, sinks: as
-            for :func:`attnkit.kernels.torch.attention.paged_attention`; the two
+            for :func:`attnkit.kernels.attention.reference.paged_attention`; the two
             ``[Hq]`` tensors may be float32, float16 or bfloat16.
         k_scale, v_scale: multiply the cached keys / values; None (1.0), a float > 0, or
             a float32 one-element device tensor (read by the kernel, never by the host,

@@ -10,7 +10,7 @@
   address the tile (one block per tile, or a per-key gather across blocks).
 
 The launchers' argument checks live in the op's contract,
-:mod:`attnkit.kernels.contracts.attention`.
+:mod:`attnkit.kernels.attention.contract`.
 """
 
 from __future__ import annotations
