@@ -6,7 +6,7 @@ must have no cycle, and every edge must point down the layer table below (the sa
 table as in docs/architecture.md, "Layers of the package"): a module imports only
 modules of a strictly lower layer, a backend package imports the core modules up to
 ``backend`` plus the kernels and itself, and a kernel module imports only kernel
-modules (kernels know no attnkit types).
+modules (kernels know no attnkit types), organised by op (see "kernels" below).
 """
 
 from __future__ import annotations
@@ -232,21 +232,11 @@ KERNEL_IMPORTS: dict[str, frozenset[str]] = {
 }
 """Role -> the roles its imports may have."""
 
-# The language trees the kernels were organised in before; read as the same roles
-# until every op has moved.
-_LEGACY_TREES = {
-    "attnkit.kernels.contracts": "contract",
-    "attnkit.kernels.torch": "reference",
-    "attnkit.kernels.triton": "triton",
-    "attnkit.kernels.cpu": "cpu",
-}
-
-
 def kernel_role(module: str, is_package: bool = False) -> str | None:
     """The role of a kernel module (None: a module the per-op layout has no place for)."""
     if module == "attnkit.kernels":
         return "package"
-    for prefix, role in (*SHARED.items(), *_LEGACY_TREES.items()):
+    for prefix, role in SHARED.items():
         if module == prefix or module.startswith(prefix + "."):
             return role
     parts = module.split(".")
@@ -397,4 +387,31 @@ def test_the_kernel_rule_keeps_shared_helpers_below_the_ops(tmp_path: Path) -> N
     assert stray == [
         "attnkit.kernels.mamba2.helpers: not a module of the per-op layout "
         "(kernels/<op>/<role>.py)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "why"),
+    [
+        ("attnkit.kernels.merge.triton", "attnkit.spec", "kernels import only kernel modules"),
+        (
+            "attnkit.runtime",
+            "attnkit.kernels.merge.reference",
+            "only backends (and the demo's dense check) import kernels",
+        ),
+        ("attnkit.parallel", "attnkit.kernels.merge.triton", None),
+        ("attnkit.backends.reference.attention", "attnkit.kernels.attention.reference", None),
+    ],
+)
+def test_the_kernel_edges_of_the_layer_rule(source: str, target: str, why: str | None) -> None:
+    assert _violation(source, target) == why
+
+
+def test_an_op_package_imports_nothing(tmp_path: Path) -> None:
+    """Importing an op's package (for its docstring, or a reference below it) must not
+    import its Triton modules."""
+    path = tmp_path / "__init__.py"
+    path.write_text("from attnkit.kernels.conv1d.triton import causal_conv1d_varlen\n")
+    assert kernel_import_problems("attnkit.kernels.conv1d", path, True) == [
+        "attnkit.kernels.conv1d (package) imports attnkit.kernels.conv1d.triton (triton)"
     ]
