@@ -1,7 +1,7 @@
 """Triton Mamba2 kernels (causal conv1d, chunked SSD, decode steps) against the torch oracles.
 
 Every launcher in ``attnkit.kernels.conv1d.triton`` / ``.mamba2`` is compared with its
-oracle in ``attnkit.kernels.torch`` on the same inputs. The cache states are handed in
+oracle (``attnkit.kernels.<op>.reference``) on the same inputs. The cache states are handed in
 the way attnkit's runtime does: non-contiguous views into larger pages (whose padding
 is NaN, so a kernel that assumed contiguity would read it), with slots in shuffled
 order; slots not used by a call must stay bit-for-bit unchanged, and outputs are

@@ -2,7 +2,7 @@
 compiled FlexAttention on CUDA and the CPU engines on CPU.
 
 On CPU (``FlexAttentionOptions.cpu_path="engines"``, the default) a step runs on
-``attnkit.kernels.cpu`` instead of FlexAttention: requests with at most
+``attnkit.kernels.attention`` instead of FlexAttention: requests with at most
 ``NATIVE_MAX_QUERY`` queries go to a native paged kernel that reads K and V in place
 through the block table, longer runs to blocked matrix products over keys gathered
 once. Measured on a 2-core AVX2 machine (``benchmarks/bench_cpu.py``), inductor's
@@ -140,7 +140,7 @@ class FlexAttentionOptions(BackendOptions):
             increasing); ``None``: powers of two from 32. Decodes use 1.
         cpu_path: on CPU, ``"engines"`` (default) runs requests of at most
             ``NATIVE_MAX_QUERY`` queries through the native paged kernel and longer runs
-            as blocked matrix products (``attnkit.kernels.cpu``): nothing to compile
+            as blocked matrix products (``kernels.attention.cpu_prefill``): nothing to compile
             per shape, and faster than FlexAttention's compiled CPU kernel
             (``benchmarks/bench_cpu.py`` measures both); ``"flex"`` runs compiled
             FlexAttention for every call. Buckets apply to ``"flex"`` only. Ignored

@@ -1,7 +1,7 @@
 """The reference backend's Mamba2 path: conv1d + chunked SSD with states in the cache.
 
 Every request of a step, decode or prefill, goes through the varlen kernels of
-``attnkit.kernels.torch`` (``causal_conv1d_varlen``, ``ssd_chunked_varlen``): one path,
+``attnkit.kernels`` references (``causal_conv1d_varlen``, ``ssd_chunked_varlen``): one path,
 so state continuity does not depend on how a batch is split. A request starts from
 its cached state when it has context before the step (``has_initial_state``), from
 zeros otherwise. Letters: H heads, P head dim, G groups, N state size, W conv width,
