@@ -403,8 +403,8 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
     reads each latent tile once for a block of heads, so head blocks re-read it from L2,
     which this figure does not count), plus the absorbed queries and the outputs."""
     from attnkit.backends._triton_paged import num_sms
-    from attnkit.kernels.triton.mla_attention import mla_attention, mla_split_workspace
-    from attnkit.kernels.triton.paged_attention import plan_paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+    from attnkit.kernels.mla.triton import mla_attention, mla_split_workspace
 
     heads, rank, rope, block = (4, 32, 16, 16) if args.smoke else (128, 512, 64, 64)
     latent = rank + rope
@@ -800,7 +800,7 @@ def grid_efficiency(
     plan's shape-only grid (what a CUDA graph captures), its exact grid (eager, from the
     CPU offsets) and the old requests x tiles-of-the-longest grid. Needs no GPU: it
     builds the launcher's plan on CPU tensors and counts the tiles in plain Python."""
-    from attnkit.kernels.triton.paged_attention import count_query_tiles, plan_paged_attention
+    from attnkit.kernels.attention.triton_plan import count_query_tiles, plan_paged_attention
 
     rows: list[dict[str, Any]] = []
     group = num_q_heads // num_kv_heads

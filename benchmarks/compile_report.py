@@ -47,7 +47,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-KMOD = "attnkit.kernels.triton"
+KMOD = "attnkit.kernels"
 # Maximum shared memory per thread block in bytes (see the module docstring).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 DEFAULT_TARGETS = (80, 90, 100)
@@ -79,7 +79,7 @@ def missing_tools() -> str | None:
 class Launch:
     """One recorded ``kernel[grid](*args, **kwargs)`` call of a launcher."""
 
-    kernel: str  # module-relative name, e.g. "unified_attention._unified_attention_kernel"
+    kernel: str  # launcher module and name, e.g. "attention.triton._unified_attention_kernel"
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
@@ -98,9 +98,10 @@ class _Recorder:
 
 @contextlib.contextmanager
 def recording(*module_names: str) -> Iterator[list[Launch]]:
-    """Swap every ``@triton.jit`` function of ``attnkit.kernels.triton.<module_name>`` (for
-    each name given) for a recorder while the block runs; yields the list the launches
-    land in."""
+    """Swap every ``@triton.jit`` function in the namespace of ``attnkit.kernels.<module_name>``
+    (for each name given: a launcher module, e.g. ``"attention.triton"``, whose kernels
+    are looked up there when it launches them) for a recorder while the block runs;
+    yields the list the launches land in."""
     sink: list[Launch] = []
     saved: list[tuple[Any, str, JITFunction[Any]]] = []
     try:
@@ -161,7 +162,7 @@ def _attention_tensors(
 
 
 def run_unified(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.unified_attention import unified_attention
+    from attnkit.kernels.attention.triton_unified import unified_attention
 
     q_len = p["q_len"]
     query, cache, extra = _attention_tensors(p, q_len)
@@ -173,7 +174,7 @@ def run_unified(p: dict[str, Any]) -> None:
 
 
 def run_split_kv(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.split_kv_decode import split_kv_decode
+    from attnkit.kernels.attention.triton_split_kv import split_kv_decode
 
     query, cache, extra = _attention_tensors(p, 1)
     batch = _attention_batch(1, 4 * p["block"], p["block"])
@@ -195,7 +196,8 @@ def _run_shard(
     """A decode context-parallel shard (rank 1 of ``p["shard"]``): the same launch with the
     kernels' SHARDED path (local keys, global query positions) and the lse stored, as
     ``triton_attn``'s ``forward_partial`` runs it."""
-    from attnkit.kernels.triton.paged_attention import paged_attention, plan_paged_attention
+    from attnkit.kernels.attention.triton import paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
 
     size = p["shard"]
     total = batch["max_seq_len"]
@@ -210,14 +212,14 @@ def _run_shard(
         num_kv_heads=cache.shape[3],
         num_splits=num_splits,
         context_shard=(1, size),
-        total_seq_lens=_i32([total]),
+        global_seq_lens=_i32([total]),
     )
     lse = torch.zeros(query.shape[0], query.shape[1])
     paged_attention(query, cache, plan, scale=batch["scale"], lse=lse, **extra)
 
 
 def run_merge(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.merge_attn_states import merge_attn_states
+    from attnkit.kernels.merge.triton import merge_attn_states
 
     out = torch.zeros(4, p["heads"], p["head"], dtype=DT[p["dtype"]])
     lse = torch.zeros(4, p["heads"])
@@ -225,7 +227,7 @@ def run_merge(p: dict[str, Any]) -> None:
 
 
 def run_kv_write(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton.kv_write import write_kv_cache
+    from attnkit.kernels.attention.triton_kv_write import write_kv_cache
 
     dtype = DT[p["dtype"]]
     key = torch.zeros(4, 2, p["head"], dtype=dtype)
@@ -240,8 +242,8 @@ def run_mla(p: dict[str, Any]) -> None:
     """DeepSeek-V3's absorbed MLA (128 heads, latent 576 = kv_lora_rank 512 + rope 64):
     decode (``q_len`` 1) on the split-KV path with ``splits`` splits, longer queries in
     one pass; plus the latent write of the step's tokens."""
-    from attnkit.kernels.triton.mla_attention import mla_attention, write_mla_latents
-    from attnkit.kernels.triton.paged_attention import plan_paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+    from attnkit.kernels.mla.triton import mla_attention, write_mla_latents
 
     dtype, bs, q_len = DT[p["dtype"]], p["block"], p["q_len"]
     query = torch.zeros(q_len, 128, 576, dtype=dtype)
@@ -271,7 +273,7 @@ def _varlen(tokens: int) -> dict[str, Any]:
 
 
 def run_conv1d(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import conv1d
+    from attnkit.kernels.conv1d import triton as conv1d
 
     dtype, c, w, t = DT[p["dtype"]], p["channels"], p["width"], p["tokens"]
     weight = torch.zeros(c, w, dtype=dtype)
@@ -287,7 +289,7 @@ def run_conv1d(p: dict[str, Any]) -> None:
 
 
 def run_short_conv(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import short_conv
+    from attnkit.kernels.short_conv import triton as short_conv
 
     dtype, c, w, t = DT[p["dtype"]], p["channels"], p["width"], p["tokens"]
     weight = torch.zeros(c, w, dtype=dtype)
@@ -305,7 +307,7 @@ def run_short_conv(p: dict[str, Any]) -> None:
 
 
 def run_gated_delta(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import gated_delta
+    from attnkit.kernels.gated_delta import triton as gated_delta
 
     dtype, h, k, v = DT[p["dtype"]], 2, p["key"], p["value"]
     # key_heads < h: value heads share key heads (Qwen3-Next: 16 key, 32 value heads).
@@ -334,7 +336,7 @@ def run_gated_delta(p: dict[str, Any]) -> None:
 
 
 def run_linear_attention(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import linear_attention
+    from attnkit.kernels.linear_attention import triton as linear_attention
 
     dtype, h, k, v = DT[p["dtype"]], 2, p["key"], p["value"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -360,7 +362,7 @@ def run_linear_attention(p: dict[str, Any]) -> None:
 
 
 def run_mamba2(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import mamba2
+    from attnkit.kernels.mamba2 import triton as mamba2
 
     dtype, h, hd, n = DT[p["dtype"]], 4, p["head"], p["state"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -384,7 +386,7 @@ def run_mamba2(p: dict[str, Any]) -> None:
 
 
 def run_mamba1(p: dict[str, Any]) -> None:
-    from attnkit.kernels.triton import mamba1
+    from attnkit.kernels.mamba1 import triton as mamba1
 
     dtype, d, n = DT[p["dtype"]], p["channels"], p["state"]
     t = p["tokens"] if p["mode"] == "varlen" else 1
@@ -408,7 +410,7 @@ def run_mamba1(p: dict[str, Any]) -> None:
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # kernel family, the row group of the report
-    module: str  # module under attnkit.kernels.triton whose kernels are recorded
+    module: str  # launcher module under attnkit.kernels whose kernels are recorded
     run: Callable[[dict[str, Any]], None]
     default: tuple[dict[str, Any], ...]  # the small default set
     full: tuple[dict[str, Any], ...]  # added by --full
@@ -485,7 +487,7 @@ _SHARD_GRID = _grid(
 FAMILIES: tuple[Family, ...] = (
     Family(
         "unified_attention",
-        "paged_attention",
+        "attention.triton",
         run_unified,
         default=(
             *(_attn(head=d, q_len=128) for d in (64, 128, 256)),
@@ -513,7 +515,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "split_kv_decode",
-        "paged_attention",
+        "attention.triton",
         run_split_kv,
         default=(
             _attn(head=128, splits=4),
@@ -527,7 +529,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mla_attention",
-        "mla_attention",
+        "mla.triton",
         run_mla,
         default=(
             {"dtype": "bf16", "kv": "same", "block": 64, "q_len": 1, "splits": 4},
@@ -543,19 +545,19 @@ FAMILIES: tuple[Family, ...] = (
             ),
             {"dtype": "fp32", "kv": "same", "block": 16, "q_len": 128},
         ),
-        # The split-KV merge is paged_attention's (merge_split_kv).
-        extra_modules=("paged_attention",),
+        # The split-KV merge is paged attention's (merge_split_kv).
+        extra_modules=("attention.triton",),
     ),
     Family(
         "merge_attn_states",
-        "merge_attn_states",
+        "merge.triton",
         run_merge,
         default=({"dtype": "fp16", "heads": 8, "head": 128},),
         full=_grid(dtype=("fp16", "bf16"), heads=(8,), head=(64, 128, 256)),
     ),
     Family(
         "kv_write",
-        "kv_write",
+        "attention.triton_kv_write",
         run_kv_write,
         default=(
             {"dtype": "fp16", "kv": "same", "block": 16, "head": 128},
@@ -565,7 +567,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "conv1d",
-        "conv1d",
+        "conv1d.triton",
         run_conv1d,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(4096,), width=(4,), tokens=(64,)
@@ -580,7 +582,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "short_conv",
-        "short_conv",
+        "short_conv.triton",
         run_short_conv,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(1024,), width=(3,), tokens=(64,)
@@ -595,7 +597,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "gated_delta",
-        "gated_delta",
+        "gated_delta.triton",
         run_gated_delta,
         default=_grid(
             mode=("varlen", "update"),
@@ -618,7 +620,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "linear_attention",
-        "linear_attention",
+        "linear_attention.triton",
         run_linear_attention,
         default=_grid(
             mode=("varlen", "update"),
@@ -639,7 +641,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba1",
-        "mamba1",
+        "mamba1.triton",
         run_mamba1,
         default=_grid(
             mode=("varlen", "update"), dtype=("bf16",), channels=(8192,), state=(16,), tokens=(64,)
@@ -654,7 +656,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mamba2",
-        "mamba2",
+        "mamba2.triton",
         run_mamba2,
         default=_grid(
             mode=("varlen", "update"),
@@ -917,9 +919,11 @@ def needs_tensor_cores(v: Variant) -> bool:
     ``TENSOR_CORE_KERNELS`` (work that is matrix products) and no case using the variant
     computes in float32 (float32 inputs keep IEEE float32 dots, on the FMA units, by
     design: see each kernel module's precision notes)."""
-    module = importlib.import_module(f"{KMOD}.{v.kernel.split('.')[0]}")
+    fn = kernel_fn(v.kernel)
+    # Declared where the kernel is defined (a launcher may import it from a sibling).
+    module = importlib.import_module(fn.fn.__module__)
     declared: tuple[str, ...] = getattr(module, "TENSOR_CORE_KERNELS", ())
-    fn_name = kernel_fn(v.kernel).__name__
+    fn_name = fn.__name__
     return fn_name in declared and all(c.get("dtype") != "fp32" for c in v.params)
 
 

@@ -28,20 +28,20 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.torch import attention as t_attn
-from attnkit.kernels.torch import conv1d as t_conv
-from attnkit.kernels.torch import gated_delta as t_gdn
-from attnkit.kernels.torch import mamba2 as t_ssm
-from attnkit.kernels.torch import merge as t_merge
-from attnkit.kernels.triton import conv1d as tr_conv
-from attnkit.kernels.triton import gated_delta as tr_gdn
-from attnkit.kernels.triton import kv_write as tr_kvw
-from attnkit.kernels.triton import linear_attention as tr_la
-from attnkit.kernels.triton import mamba2 as tr_ssm
-from attnkit.kernels.triton import merge_attn_states as tr_merge
-from attnkit.kernels.triton import short_conv as tr_sc
-from attnkit.kernels.triton import split_kv_decode as tr_skv
-from attnkit.kernels.triton import unified_attention as tr_ua
+from attnkit.kernels.attention import reference as t_attn
+from attnkit.kernels.attention import triton_kv_write as tr_kvw
+from attnkit.kernels.attention import triton_split_kv as tr_skv
+from attnkit.kernels.attention import triton_unified as tr_ua
+from attnkit.kernels.conv1d import reference as t_conv
+from attnkit.kernels.conv1d import triton as tr_conv
+from attnkit.kernels.gated_delta import reference as t_gdn
+from attnkit.kernels.gated_delta import triton as tr_gdn
+from attnkit.kernels.linear_attention import triton as tr_la
+from attnkit.kernels.mamba2 import reference as t_ssm
+from attnkit.kernels.mamba2 import triton as tr_ssm
+from attnkit.kernels.merge import reference as t_merge
+from attnkit.kernels.merge import triton as tr_merge
+from attnkit.kernels.short_conv import triton as tr_sc
 
 Kwargs = dict[str, Any]
 Mutation = Callable[[Kwargs], None]

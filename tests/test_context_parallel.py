@@ -30,7 +30,7 @@ from attnkit import (
     SlidingWindowSpec,
 )
 from attnkit.errors import ArgumentTypeError, InvalidArgumentError
-from attnkit.kernels.torch.attention import paged_attention
+from attnkit.kernels.attention.reference import paged_attention
 from attnkit.kinds import CONTEXT_SHARDED_KINDS
 from attnkit.parallel import ContextParallel, ContextParallelMismatchError, merge_partials
 from attnkit.runtime import ScheduledRequest

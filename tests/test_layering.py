@@ -6,7 +6,7 @@ must have no cycle, and every edge must point down the layer table below (the sa
 table as in docs/architecture.md, "Layers of the package"): a module imports only
 modules of a strictly lower layer, a backend package imports the core modules up to
 ``backend`` plus the kernels and itself, and a kernel module imports only kernel
-modules (kernels know no attnkit types).
+modules (kernels know no attnkit types), organised by op (see "kernels" below).
 """
 
 from __future__ import annotations
@@ -245,31 +245,84 @@ def test_cycle_finder(graph: dict[str, set[str]], cycle: list[str] | None) -> No
 
 # --------------------------------------------------------------------------- kernels
 
-KERNEL_TREES = ("attnkit.kernels.torch", "attnkit.kernels.triton")
-"""The oracles and the Triton kernels: neither tree imports the other. What both need
-(an op's argument checks) lives in ``attnkit.kernels.contracts.<op>`` or the shared
-``attnkit.kernels._checks`` / ``_state_common``."""
+# Kernels are organised by op (docs/architecture.md, "Kernels"): ``kernels/<op>/`` holds
+# the op's contract (``contract.py``), its torch reference (``reference.py``), its Triton
+# kernels (``triton.py``, ``triton_*.py``) and its CPU engines (``cpu_*.py``); what every
+# op shares is in ``kernels/_checks.py`` (plain Python) and ``kernels/_triton/`` (Triton).
+SHARED: dict[str, str] = {
+    "attnkit.kernels._checks": "shared",
+    "attnkit.kernels._triton": "shared-triton",
+}
+"""The shared building blocks and their role."""
+
+# What a module of each role may import (roles of kernel modules). The implementations
+# (reference, triton, cpu) never import one another's kind: what two of them need is
+# the op's contract or a shared helper. Only Triton modules import the Triton helpers,
+# so a contract, a reference or a CPU engine never imports triton.
+KERNEL_IMPORTS: dict[str, frozenset[str]] = {
+    "package": frozenset(),
+    "shared": frozenset(),
+    "shared-triton": frozenset({"shared", "shared-triton"}),
+    "contract": frozenset({"shared", "contract"}),
+    "reference": frozenset({"shared", "contract", "reference"}),
+    "triton": frozenset({"shared", "shared-triton", "contract", "triton"}),
+    "cpu": frozenset({"shared", "contract", "cpu"}),
+}
+"""Role -> the roles its imports may have."""
+
+def kernel_role(module: str, is_package: bool = False) -> str | None:
+    """The role of a kernel module (None: a module the per-op layout has no place for)."""
+    if module == "attnkit.kernels":
+        return "package"
+    for prefix, role in SHARED.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return role
+    parts = module.split(".")
+    if len(parts) == 3 and is_package and not parts[2].startswith("_"):
+        return "package"  # an op's package: attnkit.kernels.<op>
+    if len(parts) != 4 or parts[2].startswith("_"):
+        return None
+    name = parts[3]
+    if name in ("contract", "reference"):
+        return name
+    if name == "triton" or name.startswith("triton_"):
+        return "triton"
+    if name.startswith("cpu_"):
+        return "cpu"
+    return None
 
 
-def _tree(module: str) -> str | None:
-    return next((t for t in KERNEL_TREES if module == t or module.startswith(t + ".")), None)
+def _package(module: str) -> str:
+    """The kernel package a module belongs to: ``attnkit.kernels.mamba2.triton`` ->
+    ``mamba2`` (an op), ``attnkit.kernels._triton.fp8`` -> ``_triton`` (shared)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
 
 
 def kernel_import_problems(module: str, path: Path, is_package: bool) -> list[str]:
     """Imports of ``module`` (a kernel module) that break the per-op organisation: an
-    import across the torch and Triton trees, or of a private (``_``-prefixed) name
-    from another module."""
+    import its role may not make (:data:`KERNEL_IMPORTS`), or of a private
+    (``_``-prefixed) name from another package's module (an op's private helpers stay
+    inside the op)."""
+    role = kernel_role(module, is_package)
+    if role is None:
+        return [f"{module}: not a module of the per-op layout (kernels/<op>/<role>.py)"]
     problems: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if not isinstance(node, ast.Import | ast.ImportFrom):
             continue
         targets = [t for t in dict.fromkeys(_targets(module, is_package, node)) if t != module]
         for target in targets:
-            mine, theirs = _tree(module), _tree(target)
-            if mine and theirs and mine != theirs:
-                problems.append(f"{module} imports {target} (across the torch/triton trees)")
+            theirs = kernel_role(target, MODULES.get(target, (path, False))[1])
+            if theirs not in KERNEL_IMPORTS[role]:
+                problems.append(f"{module} ({role}) imports {target} ({theirs})")
         private = [a.name for a in node.names if a.name.startswith("_")]
-        if isinstance(node, ast.ImportFrom) and private and targets:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and private
+            and targets
+            and _package(targets[0]) != _package(module)
+        ):
             problems.append(f"{module} imports private {', '.join(private)} from {targets[0]}")
     return problems
 
@@ -284,17 +337,119 @@ def test_kernels_are_organised_by_op() -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_the_kernel_rule_sees_cross_tree_and_private_imports(tmp_path: Path) -> None:
-    path = tmp_path / "k.py"
-    path.write_text(
-        "from attnkit.kernels.torch.mamba2 import ssd_chunked_varlen\n"
-        "from attnkit.kernels.contracts.mamba2 import _hidden, check_ssm_inputs\n"
+@pytest.mark.parametrize(
+    ("module", "is_package", "role"),
+    [
+        ("attnkit.kernels.mamba2", True, "package"),
+        ("attnkit.kernels.mamba2.contract", False, "contract"),
+        ("attnkit.kernels.mamba2.reference", False, "reference"),
+        ("attnkit.kernels.mamba2.triton", False, "triton"),
+        ("attnkit.kernels.attention.triton_plan", False, "triton"),
+        ("attnkit.kernels.attention.cpu_decode", False, "cpu"),
+        ("attnkit.kernels._checks", False, "shared"),
+        ("attnkit.kernels._triton.fp8", False, "shared-triton"),
+        ("attnkit.kernels.mamba2.helpers", False, None),
+        ("attnkit.kernels.mamba2.torch", False, None),
+        ("attnkit.kernels.helpers", False, None),
+        ("attnkit.kernels._private_op.triton", False, None),
+    ],
+)
+def test_kernel_roles(module: str, is_package: bool, role: str | None) -> None:
+    assert kernel_role(module, is_package) == role
+
+
+def _fake(tmp_path: Path, module: str, source: str) -> list[str]:
+    path = tmp_path / "fake.py"
+    path.write_text(source)
+    return kernel_import_problems(module, path, False)
+
+
+def test_the_kernel_rule_sees_cross_implementation_and_private_imports(tmp_path: Path) -> None:
+    # A Triton kernel that imports a reference and another op's private helper; its own
+    # op's private helpers, the contract and the shared helpers are fine.
+    problems = _fake(
+        tmp_path,
+        "attnkit.kernels.mamba2.triton_fake",
+        "from attnkit.kernels.mamba2.reference import ssd_chunked_varlen\n"
+        "from attnkit.kernels.gated_delta.contract import _hidden, check_gdn_inputs\n"
+        "from attnkit.kernels.mamba2.triton_kernels import _ssd_chunk_state_kernel\n"
+        "from attnkit.kernels.mamba2.contract import check_ssm_inputs\n"
         "from attnkit.kernels._checks import describe\n"
+        "from attnkit.kernels._triton.varlen import find_segment\n",
     )
-    problems = kernel_import_problems("attnkit.kernels.triton.fake", path, False)
     assert problems == [
-        "attnkit.kernels.triton.fake imports attnkit.kernels.torch.mamba2 "
-        "(across the torch/triton trees)",
-        "attnkit.kernels.triton.fake imports private _hidden from "
-        "attnkit.kernels.contracts.mamba2",
+        "attnkit.kernels.mamba2.triton_fake (triton) imports "
+        "attnkit.kernels.mamba2.reference (reference)",
+        "attnkit.kernels.mamba2.triton_fake imports private _hidden from "
+        "attnkit.kernels.gated_delta.contract",
+    ]
+
+
+def test_the_kernel_rule_keeps_triton_out_of_references_and_contracts(tmp_path: Path) -> None:
+    reference = _fake(
+        tmp_path,
+        "attnkit.kernels.conv1d.reference",
+        "from attnkit.kernels.conv1d.triton import causal_conv1d_varlen\n"
+        "from attnkit.kernels._triton.varlen import search_iters\n"
+        "from attnkit.kernels.conv1d.contract import check_conv_params\n",
+    )
+    assert reference == [
+        "attnkit.kernels.conv1d.reference (reference) imports "
+        "attnkit.kernels.conv1d.triton (triton)",
+        "attnkit.kernels.conv1d.reference (reference) imports "
+        "attnkit.kernels._triton.varlen (shared-triton)",
+    ]
+    contract = _fake(
+        tmp_path,
+        "attnkit.kernels.conv1d.contract",
+        "from attnkit.kernels.conv1d.reference import causal_conv1d_varlen\n",
+    )
+    assert contract == [
+        "attnkit.kernels.conv1d.contract (contract) imports "
+        "attnkit.kernels.conv1d.reference (reference)"
+    ]
+
+
+def test_the_kernel_rule_keeps_shared_helpers_below_the_ops(tmp_path: Path) -> None:
+    shared = _fake(
+        tmp_path,
+        "attnkit.kernels._triton.fake",
+        "from attnkit.kernels.attention.triton_tile import attend_kv_tile\n"
+        "from attnkit.kernels._checks import describe\n",
+    )
+    assert shared == [
+        "attnkit.kernels._triton.fake (shared-triton) imports "
+        "attnkit.kernels.attention.triton_tile (triton)"
+    ]
+    stray = _fake(tmp_path, "attnkit.kernels.mamba2.helpers", "")
+    assert stray == [
+        "attnkit.kernels.mamba2.helpers: not a module of the per-op layout "
+        "(kernels/<op>/<role>.py)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "why"),
+    [
+        ("attnkit.kernels.merge.triton", "attnkit.spec", "kernels import only kernel modules"),
+        (
+            "attnkit.runtime",
+            "attnkit.kernels.merge.reference",
+            "only backends (and the demo, the merge, the state types) import kernels",
+        ),
+        ("attnkit.parallel", "attnkit.kernels.merge.triton", None),
+        ("attnkit.backends.reference.attention", "attnkit.kernels.attention.reference", None),
+    ],
+)
+def test_the_kernel_edges_of_the_layer_rule(source: str, target: str, why: str | None) -> None:
+    assert _violation(source, target) == why
+
+
+def test_an_op_package_imports_nothing(tmp_path: Path) -> None:
+    """Importing an op's package (for its docstring, or a reference below it) must not
+    import its Triton modules."""
+    path = tmp_path / "__init__.py"
+    path.write_text("from attnkit.kernels.conv1d.triton import causal_conv1d_varlen\n")
+    assert kernel_import_problems("attnkit.kernels.conv1d", path, True) == [
+        "attnkit.kernels.conv1d (package) imports attnkit.kernels.conv1d.triton (triton)"
     ]

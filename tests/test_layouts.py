@@ -41,7 +41,7 @@ from attnkit.backend_api import (
     bind_each,
 )
 from attnkit.demo import DemoModel
-from attnkit.kernels.torch.attention import dense_attention
+from attnkit.kernels.attention.reference import dense_attention
 from attnkit.kinds import rules_for
 from attnkit.kv_cache import (
     NULL_BLOCK,

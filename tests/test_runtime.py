@@ -19,7 +19,7 @@ from attnkit import (
     FullAttentionSpec,
 )
 from attnkit.demo import DemoModel, run_demo
-from attnkit.kernels.torch.attention import dense_attention
+from attnkit.kernels.attention.reference import dense_attention
 from attnkit.kv_cache import OutOfBlocksError
 from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime, ScheduledRequest

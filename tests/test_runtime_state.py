@@ -26,7 +26,7 @@ from attnkit import (
     StateLayer,
 )
 from attnkit.demo import PRIORITIES, DemoModel
-from attnkit.kernels.torch.mamba2 import ssd_recurrent_reference
+from attnkit.kernels.mamba2.reference import ssd_recurrent_reference
 from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime, ScheduledRequest
 

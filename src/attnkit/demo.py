@@ -29,9 +29,9 @@ from typing_extensions import override
 from .config import AttentionConfig
 from .devices import check_device_available, parse_device
 from .errors import ArgumentTypeError, InvalidArgumentError
-from .kernels.torch.gated_delta import gated_delta_rule_recurrent_reference, l2_normalize
-from .kernels.torch.linear_attention import linear_attention_recurrent_reference
-from .kernels.torch.mamba2 import ssd_recurrent_reference
+from .kernels.gated_delta.reference import gated_delta_rule_recurrent_reference, l2_normalize
+from .kernels.linear_attention.reference import linear_attention_recurrent_reference
+from .kernels.mamba2.reference import ssd_recurrent_reference
 from .kinds import KindRules, Mask, attention_rules, rules_for
 from .models import ModelLayout
 from .parallel import ContextParallel

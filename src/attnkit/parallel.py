@@ -169,9 +169,9 @@ def merge_partials(
             f"{len(outputs)} and {len(lses)}"
         )
     if output.device.type == "cuda":
-        from .kernels.triton.merge_attn_states import merge_attn_states
+        from .kernels.merge.triton import merge_attn_states
     else:
-        from .kernels.torch.merge import merge_attn_states
+        from .kernels.merge.reference import merge_attn_states
     if len(outputs) == 1:
         output.copy_(outputs[0])
         return output

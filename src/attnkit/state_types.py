@@ -4,7 +4,7 @@ A ``StateType`` says, for one type: its parameter class (``attnkit.params``) and
 class (``attnkit.state_inputs``); its states (name, dimensions, which are recurrent)
 and so what makes a spec unusable (``spec_problems``); the widths its inputs must have;
 how tensor parallelism splits its states (``split_shapes``); the reference computation
-(pure torch, the kernels of ``attnkit.kernels.torch``), which the ``reference``
+(pure torch, the kernels of ``attnkit.kernels.<op>.reference``), which the ``reference``
 backend's one state impl calls; the conformance kit's example layer and inputs; the
 demo's short name. Code that differs per type asks ``state_type_of(spec)``; nothing
 else switches on ``mamba_type``, and an unknown type is an error naming the known ones::
@@ -29,12 +29,12 @@ import torch
 
 from ._state_type import InputWidth, Shapes, StateSplit, StateStep, StateTensor, StateType
 from .errors import InvalidArgumentError
-from .kernels.torch.conv1d import causal_conv1d_varlen
-from .kernels.torch.gated_delta import chunk_gated_delta_rule_varlen, l2_normalize
-from .kernels.torch.linear_attention import chunk_linear_attention_varlen
-from .kernels.torch.mamba1 import mamba1_projections, selective_scan_varlen
-from .kernels.torch.mamba2 import ssd_chunked_varlen
-from .kernels.torch.short_conv import short_conv_varlen
+from .kernels.conv1d.reference import causal_conv1d_varlen
+from .kernels.gated_delta.reference import chunk_gated_delta_rule_varlen, l2_normalize
+from .kernels.linear_attention.reference import chunk_linear_attention_varlen
+from .kernels.mamba1.reference import mamba1_projections, selective_scan_varlen
+from .kernels.mamba2.reference import ssd_chunked_varlen
+from .kernels.short_conv.reference import short_conv_varlen
 from .params import (
     GatedDeltaNetLayerParams,
     LinearAttentionLayerParams,

@@ -407,7 +407,7 @@ def test_default_cpu_priority_selects_it_first_for_the_kinds_it_serves() -> None
 def test_no_c_compiler_for_the_cpu_engines_falls_through_with_a_reason(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from attnkit.kernels.cpu import _native
+    from attnkit.kernels.attention import cpu_native as _native
 
     # A fresh process's view: nothing built yet, an empty cache, no usable compiler.
     monkeypatch.setattr(_native, "_STATE", [])

@@ -60,7 +60,7 @@ from attnkit.backends.triton_attn import (
     TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
-from attnkit.kernels.torch.attention import write_kv_cache as torch_write_kv_cache
+from attnkit.kernels.attention.reference import write_kv_cache as torch_write_kv_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = AttentionConfig()
@@ -595,7 +595,7 @@ def test_split_kv_decode_matches_reference(case: Case, monkeypatch: pytest.Monke
     layer.builder.num_sms = 132
     meta = layer.builder.build(0, cm)
     assert meta.num_splits == meta.plan.num_splits == 3
-    from attnkit.kernels.triton import paged_attention
+    from attnkit.kernels.attention import triton as paged_attention
 
     # Only the split-KV kernels may run.
     monkeypatch.setattr(paged_attention, "_unified_attention_kernel", ForbiddenKernel())
@@ -1320,15 +1320,16 @@ def test_declarations_are_valid() -> None:
 
 def test_declarations_agree_with_the_kernel_launchers() -> None:
     from attnkit.backends.triton_attn import backend
-    from attnkit.kernels.triton import kv_write, paged_attention
+    from attnkit.kernels.attention import triton_kv_write as kv_write
+    from attnkit.kernels.attention import triton_plan as pa
+    from attnkit.kernels.attention.contract import FP8_DTYPE
 
-    pa = paged_attention
     low, high = pa.MIN_HEAD_DIM, pa.MAX_HEAD_DIM
     assert TritonAttentionBackend.supported_head_sizes == (SizeRange(low, high),)
     assert TritonAttentionBackend.supported_block_sizes == pa.SUPPORTED_BLOCK_SIZES
     assert TritonAttentionBackend.supported_dtypes == frozenset(pa.SUPPORTED_DTYPES)
     assert TritonAttentionBackend.supported_dtypes == frozenset(kv_write._SUPPORTED_DTYPES)
-    assert pa.FP8_DTYPE == kv_write._FP8_DTYPE == FP8
+    assert FP8_DTYPE == kv_write._FP8_DTYPE == FP8
     assert backend._SCRATCH_BLOCK_SIZE in pa.SUPPORTED_BLOCK_SIZES
     assert 1 <= pa.AUTO_SPLIT_MAX_QUERY_LEN <= pa.SPLIT_KV_MAX_QUERY_LEN
 
@@ -1482,10 +1483,10 @@ def test_kernels_imported_without_the_interpreter_are_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class CompiledKernels:
-        _INTERPRETED = False
+        INTERPRETED = False
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "attnkit.kernels.triton.paged_attention", CompiledKernels)
+    monkeypatch.setitem(sys.modules, "attnkit.kernels._triton.interpret", CompiledKernels)
     assert _reasons() == [
         "device=cpu needs the Triton interpreter, but attnkit's Triton kernels were already "
         "imported without it (set TRITON_INTERPRET=1 before importing triton)"

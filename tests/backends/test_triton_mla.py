@@ -1043,7 +1043,7 @@ def test_importing_the_backend_does_not_import_triton() -> None:
         import attnkit.backends.triton_mla as b
         assert b.TritonMLABackend.name == "triton_mla"
         bad = sorted(m for m in sys.modules if m == "triton" or m.startswith("triton.")
-                     or m.startswith("attnkit.kernels.triton"))
+                     or m.startswith("attnkit.kernels.mla.triton"))
         assert not bad, bad
         """
     )
@@ -1125,7 +1125,7 @@ def test_cpu_routing_is_unchanged() -> None:
 def test_declarations_agree_with_the_kernel_launchers() -> None:
     from attnkit.backends.triton_mla import backend
     from attnkit.capabilities import SizeRange
-    from attnkit.kernels.triton import mla_attention
+    from attnkit.kernels.mla import triton as mla_attention
 
     assert backend._BLOCK_SIZES == mla_attention.SUPPORTED_BLOCK_SIZES
     assert (SizeRange(16, mla_attention.MAX_LATENT_DIM),) == backend._HEAD_SIZES

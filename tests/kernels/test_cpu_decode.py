@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.kernels.cpu import _native
-from attnkit.kernels.cpu.decode import native_problem, paged_attention_rows
+from attnkit.kernels.attention import cpu_native as _native
+from attnkit.kernels.attention.cpu_decode import native_problem, paged_attention_rows
 
 _PROBLEM = native_problem()
 if _PROBLEM is not None and _PROBLEM.startswith("no C compiler"):  # pragma: no cover
@@ -388,13 +388,13 @@ def test_build_caches_on_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="attnkit.kernels.cpu"):
+    with caplog.at_level(logging.INFO, logger="attnkit.kernels.attention.cpu_native"):
         first = _native._build()
     assert first.path.parent == tmp_path / "cpu-kernels"
     assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no temp left
     assert any("compiled paged_decode.c" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="attnkit.kernels.cpu"):
+    with caplog.at_level(logging.INFO, logger="attnkit.kernels.attention.cpu_native"):
         second = _native._build()
     assert second.path == first.path
     assert not any("compiled" in r.getMessage() for r in caplog.records)  # a cache hit
@@ -471,7 +471,7 @@ def test_requests_entry_plans_the_items_itself(
     q = torch.randn(qsl[-1] + 2, hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
     out = torch.full_like(q, 7.0)
     slopes = torch.rand(hq, generator=torch.Generator().manual_seed(4))
-    from attnkit.kernels.cpu.decode import paged_attention_requests
+    from attnkit.kernels.attention.cpu_decode import paged_attention_requests
 
     paged_attention_requests(
         q, k, v, table,
@@ -491,7 +491,7 @@ def test_requests_entry_plans_the_items_itself(
 
 
 def test_requests_entry_errors_name_the_argument_and_request() -> None:
-    from attnkit.kernels.cpu.decode import paged_attention_requests
+    from attnkit.kernels.attention.cpu_decode import paged_attention_requests
 
     q, k, v, table = make_case(
         dtype=torch.float32, hq=4, hkv=2, d=16, bs=16, ranges=[(0, 20), (0, 5)], width=2

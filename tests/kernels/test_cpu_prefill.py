@@ -1,4 +1,4 @@
-"""Tests for the CPU prefill engine (``attnkit.kernels.cpu.prefill.paged_prefill``).
+"""Tests for the CPU prefill engine (``attnkit.kernels.attention.cpu_prefill.paged_prefill``).
 
 Every case is checked against ``oracle`` below: float64, one query row at a time, with the
 visibility rule written out per key position, reading only the keys the row can see. The
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnkit.kernels.cpu.prefill import paged_prefill
+from attnkit.kernels.attention.cpu_prefill import paged_prefill
 
 TOLERANCE: dict[torch.dtype, float] = {
     torch.float32: 2e-5,

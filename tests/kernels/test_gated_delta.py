@@ -29,8 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch import gated_delta as torch_gdn
-from attnkit.kernels.torch.gated_delta import gated_delta_rule_recurrent_reference
+from attnkit.kernels.gated_delta import reference as torch_gdn
+from attnkit.kernels.gated_delta.reference import gated_delta_rule_recurrent_reference
 from attnkit.testing.tolerances import TOLERANCES
 
 try:
@@ -83,7 +83,7 @@ TRITON_CHUNK_SIZES = (16, 32, 64)
 def triton_gdn() -> ModuleType:
     if not HAS_TRITON:  # pragma: no cover
         pytest.skip("needs triton")
-    import attnkit.kernels.triton.gated_delta as module
+    import attnkit.kernels.gated_delta.triton as module
 
     return module
 

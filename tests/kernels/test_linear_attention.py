@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch import linear_attention as torch_la
-from attnkit.kernels.torch.linear_attention import linear_attention_recurrent_reference
-from attnkit.kernels.triton import linear_attention as triton_la
+from attnkit.kernels.linear_attention import reference as torch_la
+from attnkit.kernels.linear_attention import triton as triton_la
+from attnkit.kernels.linear_attention.reference import linear_attention_recurrent_reference
 
 IMPLS: dict[str, ModuleType] = {"torch": torch_la, "triton": triton_la}
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from attnkit.kernels.torch.attention import dense_attention
-from attnkit.kernels.torch.merge import merge_attn_states as merge_reference
+from attnkit.kernels.attention.reference import dense_attention
+from attnkit.kernels.merge.reference import merge_attn_states as merge_reference
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton.merge_attn_states import merge_attn_states as merge_triton
+from attnkit.kernels.merge.triton import merge_attn_states as merge_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NEG_INF = float("-inf")

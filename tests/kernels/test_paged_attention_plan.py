@@ -1,4 +1,4 @@
-"""The paged-attention plan (``attnkit.kernels.triton.paged_attention``): metadata
+"""The paged-attention plan (``attnkit.kernels.attention.triton``): metadata
 validated once per step, layer tensors checked against it, the query-tile grid and its
 efficiency, the split-KV chooser, and ragged batches checked against the torch oracle.
 
@@ -15,17 +15,17 @@ from typing import Any
 import pytest
 import torch
 
-from attnkit.kernels.torch.attention import paged_attention as oracle
+from attnkit.kernels.attention.reference import paged_attention as oracle
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton.paged_attention import (
+from attnkit.kernels.attention.triton import paged_attention
+from attnkit.kernels.attention.triton_plan import (
     AUTO_SPLIT_MAX_QUERY_LEN,
     BLOCK_Q_MAX,
     PagedAttentionPlan,
     choose_num_splits,
     count_query_tiles,
-    paged_attention,
     plan_paged_attention,
 )
 

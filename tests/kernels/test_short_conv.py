@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch import short_conv as torch_sc
-from attnkit.kernels.triton import short_conv as triton_sc
+from attnkit.kernels.short_conv import reference as torch_sc
+from attnkit.kernels.short_conv import triton as triton_sc
 
 IMPLS: dict[str, ModuleType] = {"torch": torch_sc, "triton": triton_sc}
 

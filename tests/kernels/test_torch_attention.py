@@ -1,4 +1,4 @@
-"""Tests for the pure-torch reference attention (``attnkit.kernels.torch.attention``).
+"""Tests for the pure-torch reference attention (``attnkit.kernels.attention.reference``).
 
 ``dense_attention`` is checked against ``naive_attention`` below: an independent,
 deliberately slow oracle with explicit Python loops over queries, heads and keys, float64
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch.attention import (
+from attnkit.kernels.attention.reference import (
     dense_attention,
     gather_kv,
     paged_attention,

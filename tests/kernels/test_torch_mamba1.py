@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attnkit.kernels.torch.mamba1 import (
+from attnkit.kernels.mamba1.reference import (
     mamba1_projections,
     selective_scan_update,
     selective_scan_varlen,

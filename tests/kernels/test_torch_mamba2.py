@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from attnkit.kernels.torch.mamba2 import (
+from attnkit.kernels.conv1d.reference import causal_conv1d_update, causal_conv1d_varlen
+from attnkit.kernels.mamba2.reference import (
     selective_state_update,
     ssd_chunked_varlen,
     ssd_recurrent_reference,

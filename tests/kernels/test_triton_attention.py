@@ -1,6 +1,6 @@
 """Triton ``write_kv_cache`` and ``unified_attention`` against the pure-torch oracle.
 
-The oracle is ``attnkit.kernels.torch.attention`` (``paged_attention``), which defines
+The oracle is ``attnkit.kernels.attention.reference`` (``paged_attention``), which defines
 every mask and score option. On a machine without CUDA, ``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` and the kernels run on CPU tensors under the Triton interpreter,
 which is slow: shapes here are kept small on purpose. Tests marked ``gpu`` run
@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.torch.attention import paged_attention
-from attnkit.kernels.triton.kv_write import write_kv_cache
-from attnkit.kernels.triton.unified_attention import unified_attention
+from attnkit.kernels.attention.reference import paged_attention
+from attnkit.kernels.attention.triton_kv_write import write_kv_cache
+from attnkit.kernels.attention.triton_unified import unified_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn

@@ -1,5 +1,5 @@
 """The Triton paged-attention kernels on a decode context-parallel shard
-(``plan_paged_attention(context_shard=(rank, size), total_seq_lens=...)``).
+(``plan_paged_attention(context_shard=(rank, size), global_seq_lens=...)``).
 
 For each rank the test builds the shard as the runtime would (position ``p`` of a
 request at local index ``p // size`` of rank ``p % size``, blocks shuffled, every other
@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from attnkit.kernels.triton.paged_attention import paged_attention, plan_paged_attention
+from attnkit.kernels.attention.triton import paged_attention
+from attnkit.kernels.attention.triton_plan import plan_paged_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HQ, HKV, D, BS = 4, 2, 32, 16
@@ -98,7 +99,7 @@ def test_shard_partials_merge_to_full_attention(
             num_kv_heads=HKV,
             num_splits=splits,
             context_shard=(rank, size),
-            total_seq_lens=torch.tensor(totals, dtype=torch.int32, device=DEVICE),
+            global_seq_lens=torch.tensor(totals, dtype=torch.int32, device=DEVICE),
         )
         lse = torch.empty(sum(q_lens), HQ, device=DEVICE)
         out = paged_attention(
@@ -142,22 +143,22 @@ def test_shard_arguments_are_checked() -> None:
     table = torch.ones(1, 1, dtype=torch.int32)
     kw = {"max_query_len": 1, "max_seq_len": 3, "block_size": BS, "num_kv_heads": HKV}
     with pytest.raises(ValueError, match=r"0 <= rank < size, got \(2, 2\)"):
-        plan_paged_attention(qsl, lens, table, **kw, context_shard=(2, 2), total_seq_lens=lens)
-    with pytest.raises(ValueError, match="total_seq_lens"):
-        plan_paged_attention(qsl, lens, table, **kw, context_shard=(0, 2), total_seq_lens=None)
+        plan_paged_attention(qsl, lens, table, **kw, context_shard=(2, 2), global_seq_lens=lens)
+    with pytest.raises(ValueError, match="global_seq_lens"):
+        plan_paged_attention(qsl, lens, table, **kw, context_shard=(0, 2), global_seq_lens=None)
     with pytest.raises(ValueError, match="shards are of full attention"):
         plan_paged_attention(
-            qsl, lens, table, **kw, sliding_window=4, context_shard=(0, 2), total_seq_lens=lens
+            qsl, lens, table, **kw, sliding_window=4, context_shard=(0, 2), global_seq_lens=lens
         )
     with pytest.raises(ValueError, match="expected None without context_shard"):
-        plan_paged_attention(qsl, lens, table, **kw, total_seq_lens=lens)
+        plan_paged_attention(qsl, lens, table, **kw, global_seq_lens=lens)
 
 
 def test_sharded_launch_shape_halves_rows_only_at_head_256() -> None:
     """16-bit shards of head 256 take half the rows (the measured spill-free shape);
     decode tiles keep the 16-row minimum of the dots; below 256 only the split-KV
     pipeline depth changes."""
-    from attnkit.kernels.triton.paged_attention import _launch_shape
+    from attnkit.kernels.attention.triton_plan import _launch_shape
 
     base = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False)
     shard = _launch_shape(256, 64, 32, 4, fp32=False, fp8_kv=False, sharded=True)

@@ -1,5 +1,5 @@
 """Triton Mamba (1) selective-scan kernels against the torch oracle
-(:mod:`attnkit.kernels.torch.mamba1`, itself checked against a token-by-token
+(:mod:`attnkit.kernels.mamba1.reference`, itself checked against a token-by-token
 definition in ``test_torch_mamba1.py``).
 
 States are handed in as attnkit's runtime does: non-contiguous views into NaN-padded
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnkit.kernels.torch import mamba1 as ref
+from attnkit.kernels.mamba1 import reference as ref
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton import mamba1 as tri
+from attnkit.kernels.mamba1 import triton as tri
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLS = {

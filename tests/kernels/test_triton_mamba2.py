@@ -1,7 +1,7 @@
 """Triton Mamba2 kernels (causal conv1d, chunked SSD, decode steps) against the torch oracles.
 
-Every launcher in ``attnkit.kernels.triton.conv1d`` / ``.mamba2`` is compared with its
-oracle in ``attnkit.kernels.torch`` on the same inputs. The cache states are handed in
+Every launcher in ``attnkit.kernels.conv1d.triton`` / ``.mamba2`` is compared with its
+oracle (``attnkit.kernels.<op>.reference``) on the same inputs. The cache states are handed in
 the way attnkit's runtime does: non-contiguous views into larger pages (whose padding
 is NaN, so a kernel that assumed contiguity would read it), with slots in shuffled
 order; slots not used by a call must stay bit-for-bit unchanged, and outputs are
@@ -27,14 +27,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnkit.kernels.torch import conv1d as ref_conv
-from attnkit.kernels.torch import mamba2 as ref_ssm
+from attnkit.kernels.conv1d import reference as ref_conv
+from attnkit.kernels.mamba2 import reference as ref_ssm
 from attnkit.testing.tolerances import TOLERANCES
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton import conv1d as tri_conv
-from attnkit.kernels.triton import mamba2 as tri_ssm
+from attnkit.kernels.conv1d import triton as tri_conv
+from attnkit.kernels.mamba2 import triton as tri_ssm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 Activation = Literal["silu"] | None
@@ -1026,8 +1026,8 @@ def test_gpu_decode_realistic_and_sync_free() -> None:
 
 
 def test_precomputed_chunk_offsets_give_the_same_result() -> None:
-    from attnkit.kernels.triton.mamba2 import ssd_chunk_offsets
-    from attnkit.kernels.triton.mamba2 import ssd_chunked_varlen as tri_ssd
+    from attnkit.kernels.mamba2.triton import ssd_chunk_offsets
+    from attnkit.kernels.mamba2.triton import ssd_chunked_varlen as tri_ssd
 
     gen = torch.Generator().manual_seed(11)
     lens = [5, 0, 9]
@@ -1061,12 +1061,13 @@ def test_precomputed_chunk_offsets_give_the_same_result() -> None:
 
 
 def test_oracle_and_launchers_share_one_contract() -> None:
-    """The operand checks live in ``kernels.contracts.mamba2``; the Triton module takes
-    nothing from the torch oracle's module (no private imports across the trees)."""
+    """The operand checks live in ``kernels.mamba2.contract``; the Triton module takes
+    nothing from the torch oracle's module (a reference and a Triton kernel never import
+    each other)."""
     import ast
     import inspect
 
-    from attnkit.kernels.contracts import mamba2 as contract
+    from attnkit.kernels.mamba2 import contract
 
     assert ref_ssm.check_ssm_inputs is contract.check_ssm_inputs
     assert tri_ssm.check_ssm_inputs is contract.check_ssm_inputs
@@ -1076,4 +1077,4 @@ def test_oracle_and_launchers_share_one_contract() -> None:
     imported = {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     }
-    assert not any(m.startswith("attnkit.kernels.torch") for m in imported), imported
+    assert not any(m.endswith(".reference") for m in imported), imported

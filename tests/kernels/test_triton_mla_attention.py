@@ -25,12 +25,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton.mla_attention import (
+from attnkit.kernels.attention.triton_plan import PagedAttentionPlan, plan_paged_attention
+from attnkit.kernels.mla.triton import (
     mla_attention,
     mla_split_workspace,
     write_mla_latents,
 )
-from attnkit.kernels.triton.paged_attention import PagedAttentionPlan, plan_paged_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn

@@ -18,13 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.kernels.torch.attention import paged_attention
+from attnkit.kernels.attention.reference import paged_attention
 
 pytest.importorskip("triton")
 
-from attnkit.kernels.triton.paged_attention import paged_attention as tr_paged_attention
-from attnkit.kernels.triton.paged_attention import plan_paged_attention
-from attnkit.kernels.triton.split_kv_decode import (
+from attnkit.kernels.attention.triton import paged_attention as tr_paged_attention
+from attnkit.kernels.attention.triton_plan import plan_paged_attention
+from attnkit.kernels.attention.triton_split_kv import (
     MAX_QUERY_LEN,
     SplitKVWorkspace,
     choose_num_splits,

@@ -3,6 +3,7 @@ tagged errors) and, where Node.js is available, under pyright strict."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import sys
 from pathlib import Path
@@ -92,6 +93,43 @@ def test_every_triton_launcher_is_annotated() -> None:
     assert check_launchers.unannotated() == []
 
 
+def test_the_launcher_check_covers_every_triton_module() -> None:
+    """The check reads the modules from mypy's override, and every module that defines a
+    ``@triton.jit`` kernel is among them (a kernel module outside the override would
+    fail mypy strict; one inside it is checked here)."""
+    files, stale = check_launchers.relaxed_modules()
+    assert stale == []
+    src = check_launchers.SRC / "attnkit"
+
+    def defines_a_kernel(path: Path) -> bool:
+        tree = ast.parse(path.read_text())
+        return any(
+            isinstance(node, ast.FunctionDef) and check_launchers._is_triton_kernel(node)
+            for node in ast.walk(tree)
+        )
+
+    jit = {p for p in src.rglob("*.py") if defines_a_kernel(p)}
+    assert jit
+    assert jit <= set(files)
+
+
+def test_launcher_module_patterns_follow_mypy(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    for rel in ("a/triton.py", "a/reference.py", "b/c/triton.py", "_t/__init__.py", "_t/x.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    files, stale = check_launchers.relaxed_modules(
+        ["pkg.*.triton", "pkg._t.*", "pkg.gone"], src=tmp_path
+    )
+    assert [f.relative_to(pkg).as_posix() for f in files] == [
+        "_t/__init__.py",
+        "_t/x.py",
+        "a/triton.py",
+        "b/c/triton.py",
+    ]
+    assert stale == ["pkg.gone"]
+
+
 def test_launcher_check_finds_an_unannotated_launcher(tmp_path: Path) -> None:
     (tmp_path / "kernels.py").write_text(
         "import triton\n"
@@ -105,7 +143,7 @@ def test_launcher_check_finds_an_unannotated_launcher(tmp_path: Path) -> None:
         "    def size(self) -> int:\n"
         "        return 0\n"
     )
-    assert check_launchers.unannotated(tmp_path, root=tmp_path) == [
+    assert check_launchers.unannotated([tmp_path / "kernels.py"], root=tmp_path) == [
         "kernels.py:5: launch (missing: grid)",
         "kernels.py:6: helper (missing: meta, return)",
     ]

@@ -18,7 +18,12 @@ KERNELS_COMPILED_REASON = (
 )
 
 
-def triton_cpu_reasons(device: torch.device, kernel_module: str) -> list[str]:
+# The kernels' interpreter shim: it records, once per process, how triton.jit defined
+# every kernel (attnkit.kernels._triton.interpret.INTERPRETED).
+_INTERPRET_MODULE = "attnkit.kernels._triton.interpret"
+
+
+def triton_cpu_reasons(device: torch.device) -> list[str]:
     """On CPU the kernels run only under the interpreter (read from the environment now)."""
     if device.type != "cpu":
         return []
@@ -26,7 +31,7 @@ def triton_cpu_reasons(device: torch.device, kernel_module: str) -> list[str]:
         return [INTERPRETER_REASON]
     # triton.jit picks interpreter or compiler when a kernel is defined, so kernels
     # imported before the variable was set stay compiled (and cannot run on CPU).
-    kernels = sys.modules.get(kernel_module)
-    if kernels is not None and getattr(kernels, "_INTERPRETED", True) is False:
+    shim = sys.modules.get(_INTERPRET_MODULE)
+    if shim is not None and getattr(shim, "INTERPRETED", True) is False:
         return [KERNELS_COMPILED_REASON]
     return []

@@ -27,7 +27,7 @@ from attnkit.backend_api import (
     attention_params_problems,
     bind_builder,
 )
-from attnkit.kernels.torch.attention import paged_attention, write_kv_cache
+from attnkit.kernels.attention.reference import paged_attention, write_kv_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """``flex_attention``: attention over the paged K/V planes: compiled FlexAttention on
-CUDA (and on CPU when asked), the CPU engines of ``attnkit.kernels.cpu`` on CPU by
+CUDA (and on CPU when asked), the CPU engines of ``attnkit.kernels.attention`` on CPU by
 default; the first choice on CPU.
 
 Importing this package imports neither dynamo nor inductor; the builder and impl do,

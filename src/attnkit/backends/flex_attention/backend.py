@@ -2,7 +2,7 @@
 compiled FlexAttention on CUDA and the CPU engines on CPU.
 
 On CPU (``FlexAttentionOptions.cpu_path="engines"``, the default) a step runs on
-``attnkit.kernels.cpu`` instead of FlexAttention: requests with at most
+``attnkit.kernels.attention`` instead of FlexAttention: requests with at most
 ``NATIVE_MAX_QUERY`` queries go to a native paged kernel that reads K and V in place
 through the block table, longer runs to blocked matrix products over keys gathered
 once. Measured on a 2-core AVX2 machine (``benchmarks/bench_cpu.py``), inductor's
@@ -128,7 +128,7 @@ class FlexAttentionOptions(BackendOptions):
             increasing); ``None``: powers of two from 32. Decodes use 1.
         cpu_path: on CPU, ``"engines"`` (default) runs requests of at most
             ``NATIVE_MAX_QUERY`` queries through the native paged kernel and longer runs
-            as blocked matrix products (``attnkit.kernels.cpu``): nothing to compile
+            as blocked matrix products (``kernels.attention.cpu_prefill``): nothing to compile
             per shape, and faster than FlexAttention's compiled CPU kernel
             (``benchmarks/bench_cpu.py`` measures both); ``"flex"`` runs compiled
             FlexAttention for every call. Buckets apply to ``"flex"`` only. Ignored
@@ -1027,8 +1027,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
     ) -> torch.Tensor:
         """The step on the CPU engines: write the planes, then the native kernel for the
         short query runs and blocked matrix products for the rest."""
-        from ...kernels.cpu.decode import paged_attention_requests
-        from ...kernels.cpu.prefill import paged_prefill
+        from ...kernels.attention.cpu_decode import paged_attention_requests
+        from ...kernels.attention.cpu_prefill import paged_prefill
 
         n = m.num_actual_tokens
         k_plane: torch.Tensor | None = None
@@ -1150,7 +1150,7 @@ class FlexAttentionBackend(AttentionBackend):
         runs it uncompiled. A compile failure recorded in this process counts on both."""
         if device.type != "cpu":
             return environment_problems(device)
-        from ...kernels.cpu._native import native_problem
+        from ...kernels.attention.cpu_native import native_problem
 
         problems: list[str] = []
         native = native_problem()

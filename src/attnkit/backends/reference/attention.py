@@ -3,7 +3,7 @@ for every attention kind.
 
 The builder passes the step's tensors through untouched and adds the kind's
 parameters from the spec; the impl writes the new keys/values through the slot
-mapping and runs the pure-torch kernels of ``attnkit.kernels.torch.attention``
+mapping and runs the pure-torch kernels of ``attnkit.kernels.attention.reference``
 (float32 accumulation). What each kind does in ``forward``:
 
 * ``full_attention``, ``sliding_window``, ``chunked_local_attention``: cache
@@ -32,7 +32,7 @@ from typing_extensions import override
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
-from ...kernels.torch.attention import dense_attention, paged_attention, write_kv_cache
+from ...kernels.attention.reference import dense_attention, paged_attention, write_kv_cache
 from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata
 from ...params import AttentionLayerParams, mla_projection_problems

@@ -2,7 +2,7 @@
 
 The impl checks a step's tensors against what the layer's type declares
 (``attnkit.state_types``: its input widths, its states, its output) and runs the type's
-reference computation, the pure-torch varlen kernels of ``attnkit.kernels.torch``:
+reference computation, the pure-torch varlen kernels of ``attnkit.kernels.<op>.reference``:
 every request of a step (decode or prefill) goes one path, starting from its cached
 states when it has context before the step, so state continuity does not depend on
 how a batch is split. A type it does not know is an error, never another type's path.

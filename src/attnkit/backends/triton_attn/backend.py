@@ -2,7 +2,7 @@
 
 Serves full, sliding-window, chunked-local, encoder-only and cross attention (GQA/MQA,
 soft-cap, ALiBi, per-head sinks, fp8_e4m3 caches with per-tensor scales) with
-``kernels.triton.kv_write.write_kv_cache`` and ``kernels.triton.paged_attention``:
+``kernels.attention.triton_kv_write.write_kv_cache`` and ``kernels.attention.triton``:
 one launch for mixed prefill, chunked prefill and decode or, for decode batches with few
 sequences and long contexts, split-KV (flash-decoding: the context is split across
 programs and the partial results merged by log-sum-exp).
@@ -57,7 +57,7 @@ from .._triton_paged import (
 )
 
 if TYPE_CHECKING:  # the kernel modules import triton; annotations only
-    from ...kernels.triton.paged_attention import PagedAttentionPlan, SplitKVWorkspace
+    from ...kernels.attention.triton_plan import PagedAttentionPlan, SplitKVWorkspace
 
 __all__ = [
     "FP8_E4M3_MIN_CAPABILITY",
@@ -74,7 +74,6 @@ _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
 # The encoder-only path writes a step's keys/values into a scratch paged cache of
 # this block size (the kernels attend over paged caches only).
 _SCRATCH_BLOCK_SIZE = 16
-_KERNEL_MODULE = "attnkit.kernels.triton.paged_attention"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -188,7 +187,7 @@ class TritonAttentionMetadataBuilder(
         self.num_sms: int = num_sms(device)
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
-        from ...kernels.triton.paged_attention import plan_paged_attention
+        from ...kernels.attention.triton_plan import plan_paged_attention
 
         self._plan_paged_attention = plan_paged_attention
         self._graph: GraphBuffers | None = None
@@ -235,7 +234,7 @@ class TritonAttentionMetadataBuilder(
             # A decode context-parallel shard (full attention): local keys, global
             # query positions (CommonAttentionMetadata.context_shard).
             context_shard=cm.context_shard,
-            total_seq_lens=(
+            global_seq_lens=(
                 host_to_device(cm.global_seq_lens_cpu, self.device)
                 if cm.global_seq_lens_cpu is not None and cm.context_shard is not None
                 else None
@@ -390,8 +389,9 @@ class TritonAttentionImpl(
         # triton (and on CPU, triton must be imported after TRITON_INTERPRET is set).
         # Assigned unannotated, so each attribute keeps the launcher's own signature and
         # every call below is checked against it.
-        from ...kernels.triton.kv_write import write_kv_cache
-        from ...kernels.triton.paged_attention import paged_attention, split_kv_workspace
+        from ...kernels.attention.triton import paged_attention
+        from ...kernels.attention.triton_kv_write import write_kv_cache
+        from ...kernels.attention.triton_plan import split_kv_workspace
 
         self._write_kv_cache = write_kv_cache
         self._paged_attention = paged_attention
@@ -589,7 +589,7 @@ class TritonAttentionBackend(AttentionBackend):
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
-        return triton_cpu_reasons(device, _KERNEL_MODULE)
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

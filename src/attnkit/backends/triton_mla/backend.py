@@ -2,7 +2,7 @@
 
 Serves ``mla_attention`` and ``sliding_window_mla`` layers (DeepSeek-V2/V3's MLA,
 arXiv:2405.04434 section 2.1, in its weight-absorbed form) with
-``kernels.triton.mla_attention``. The cache ``[NB, BS, D]`` holds one latent per token,
+``kernels.mla.triton``. The cache ``[NB, BS, D]`` holds one latent per token,
 ``D = R + rope``: the first ``R = kv_lora_rank`` channels are the compressed KV (the
 value of every head), the last ``rope`` channels the shared rotary key. The caller
 absorbs ``W_UK`` into the query, so every head scores its ``[D]`` query against the
@@ -66,7 +66,7 @@ from .._triton_env import triton_cpu_reasons
 from .._triton_paged import GraphBuffers, fp8_e4m3_capability_reasons, num_sms
 
 if TYPE_CHECKING:  # the kernel modules import triton; annotations only
-    from ...kernels.triton.paged_attention import PagedAttentionPlan, SplitKVWorkspace
+    from ...kernels.attention.triton_plan import PagedAttentionPlan, SplitKVWorkspace
 
 __all__ = [
     "DECODE_THRESHOLD",
@@ -92,7 +92,6 @@ _from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # py
 # kernel pads R and rope separately, to at least 16 each, so small widths work too).
 _HEAD_SIZES: SizeRule = (SizeRange(16, 1024),)
 _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
-_KERNEL_MODULE = "attnkit.kernels.triton.mla_attention"
 # Soft-cap, ALiBi and sink logits are not part of MLA models, and forward() has no way
 # to hand a log-sum-exp back (return_lse). The projection is served (both forms).
 _FEATURES: frozenset[AttentionFeature] = frozenset({AttentionFeature.MLA_PROJECTION})
@@ -308,7 +307,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata, Atten
         ).prefill_form
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
-        from ...kernels.triton.paged_attention import plan_paged_attention
+        from ...kernels.attention.triton_plan import plan_paged_attention
 
         self._plan_paged_attention = plan_paged_attention
         self._graph: GraphBuffers | None = None
@@ -625,12 +624,12 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         # Imported here, not at module level: importing the backend must not import
         # triton (and on CPU, triton must be imported after TRITON_INTERPRET is set).
         # Assigned unannotated, so each attribute keeps the launcher's own signature.
-        from ...kernels.triton.mla_attention import (
+        from ...kernels.attention.triton import paged_attention
+        from ...kernels.mla.triton import (
             mla_attention,
             mla_split_workspace,
             write_mla_latents,
         )
-        from ...kernels.triton.paged_attention import paged_attention
 
         self._mla_attention = mla_attention
         self._mla_split_workspace = mla_split_workspace
@@ -917,7 +916,7 @@ class TritonMLABackend(AttentionBackend):
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """On CPU, the Triton interpreter must be on (read from the environment now)."""
-        return triton_cpu_reasons(device, _KERNEL_MODULE)
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

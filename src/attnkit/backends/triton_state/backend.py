@@ -27,8 +27,8 @@ from ...binding import bind_builder
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import StateImpl
-from ...kernels.torch.gated_delta import l2_normalize
-from ...kernels.torch.mamba1 import mamba1_projections
+from ...kernels.gated_delta.reference import l2_normalize
+from ...kernels.mamba1.reference import mamba1_projections
 from ...metadata import CommonAttentionMetadata
 from ...params import (
     GatedDeltaNetLayerParams,
@@ -180,7 +180,7 @@ class _ConvMixin:
 
     def _load_conv(self) -> None:
         # Imported here: importing the backend must not import triton.
-        from ...kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
+        from ...kernels.conv1d.triton import causal_conv1d_update, causal_conv1d_varlen
 
         self._conv_update = causal_conv1d_update
         self._conv_varlen = causal_conv1d_varlen
@@ -235,7 +235,7 @@ class TritonMamba1Impl(
         super().__init__(kv_cache_spec, layer_params)
         check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
-        from ...kernels.triton.mamba1 import selective_scan_update, selective_scan_varlen
+        from ...kernels.mamba1.triton import selective_scan_update, selective_scan_varlen
 
         self._scan_update = selective_scan_update
         self._scan = selective_scan_varlen
@@ -305,7 +305,7 @@ class TritonMamba2Impl(
         super().__init__(kv_cache_spec, layer_params)
         check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
         self._load_conv()
-        from ...kernels.triton.mamba2 import (
+        from ...kernels.mamba2.triton import (
             selective_state_update,
             ssd_chunk_offsets,
             ssd_chunked_varlen,
@@ -388,7 +388,7 @@ class TritonGatedDeltaNetImpl(
                 f"{who}: gdn chunk_size must be 16, 32 or 64, got {layer_params.chunk_size}"
             )
         self._load_conv()
-        from ...kernels.triton.gated_delta import (
+        from ...kernels.gated_delta.triton import (
             chunk_gated_delta_rule_varlen,
             fused_recurrent_gated_delta_rule_update,
         )
@@ -461,7 +461,7 @@ class TritonLinearAttentionImpl(
             raise ValueError(
                 f"{who}: linear-attention chunk_size must be <= 128, got {layer_params.chunk_size}"
             )
-        from ...kernels.triton.linear_attention import (
+        from ...kernels.linear_attention.triton import (
             chunk_linear_attention_varlen,
             linear_attention_decode,
         )
@@ -519,7 +519,7 @@ class TritonShortConvImpl(StateImpl[TritonStateMetadata, ShortConvLayerParams, S
     def __init__(self, kv_cache_spec: MambaSpec, layer_params: ShortConvLayerParams) -> None:
         super().__init__(kv_cache_spec, layer_params)
         check_state_layer(type(self).__name__, kv_cache_spec, layer_params)
-        from ...kernels.triton.short_conv import short_conv_update, short_conv_varlen
+        from ...kernels.short_conv.triton import short_conv_update, short_conv_varlen
 
         self._varlen = short_conv_varlen
         self._update = short_conv_update
@@ -574,7 +574,7 @@ class _TritonStateBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        return triton_cpu_reasons(device, "attnkit.kernels.triton.linear_attention")
+        return triton_cpu_reasons(device)
 
     @classmethod
     @override

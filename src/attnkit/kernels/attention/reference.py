@@ -1,0 +1,807 @@
+"""Pure-torch reference attention over a paged KV cache: the oracle for every backend.
+
+Everything here is written for clarity and correctness first. Scores, softmax and the
+weighted sum of values are computed in float32 whatever the input dtype; the output is
+cast back to the query dtype at the end. Work is vectorised per request (one matrix of
+scores per request), never per token. Nothing here knows attnkit's own types: the
+functions take tensors and plain Python numbers.
+
+Shape letters used in the docstrings:
+
+* ``T``   total query tokens in the batch (all requests, plus trailing padding tokens)
+* ``B``   requests in the batch
+* ``Hq``  query heads; ``Hkv`` key/value heads; ``D`` head size
+* ``NB``  physical blocks in the cache; ``BS`` tokens per block
+
+Conventions
+-----------
+
+Paged KV cache
+    ``kv_cache`` is ``[NB, 2, BS, Hkv, D]``; index 0 of dim 1 holds keys, index 1 values.
+    Block 0 is by convention a null block that real requests never use, but nothing
+    here assumes anything about it.
+
+Batch metadata
+    ``query_start_loc`` int32 ``[B+1]`` holds cumulative query-token offsets starting at
+    0: the queries of request ``b`` are rows ``qsl[b]:qsl[b+1]`` of ``query``. Rows from
+    ``qsl[B]`` up to ``T`` are padding tokens; their output is 0 and their lse ``-inf``.
+    ``seq_lens`` int32 ``[B]`` is each request's whole context length *including* this
+    step's query tokens. ``block_table`` int32 ``[B, max_blocks]`` maps logical block
+    ``i`` of request ``b`` to physical block ``block_table[b, i]``: token position ``p``
+    lives at ``kv_cache[block_table[b, p // BS], :, p % BS]``. Entries past the
+    ``ceil(seq_len / BS)`` blocks a request needs are never read.
+    ``slot_mapping`` int64 ``[T]`` gives the physical slot ``block * BS + offset`` that
+    each new token's key and value are written to; ``-1`` marks a padding token that is
+    not written. Slots other than ``-1`` must be distinct.
+
+Query positions
+    The ``q_len = qsl[b+1] - qsl[b]`` queries of request ``b`` are the last ``q_len``
+    positions of its context: query ``t`` (0-based within the request) sits at absolute
+    position ``i = seq_len - q_len + t``. Keys sit at positions ``j = 0 .. seq_len-1``.
+
+Grouped-query attention
+    ``Hq`` is a multiple of ``Hkv``; query head ``h`` reads kv head ``h // (Hq // Hkv)``
+    (MQA is ``Hkv == 1``).
+
+Masks
+    ``causal=True``: query ``i`` sees keys ``j <= i``. ``causal=False`` (bidirectional
+    encoder attention, cross attention): a query sees every key of its request.
+    ``sliding_window=W`` (``W >= 1``) further requires ``i - j < W``; the window counts
+    the query token itself, so ``W=1`` sees only itself. ``chunk_size=C`` (chunked local
+    attention) further requires ``j // C == i // C``. Both need ``causal=True`` and at
+    most one of them may be given.
+
+Scores
+    ``s = scale * (q . k)``; then, with ``logits_soft_cap=cap``, ``s = cap * tanh(s / cap)``;
+    then, with ``alibi_slopes``, ``s += slope[h] * (j - i)`` (``<= 0`` for past keys);
+    then masked keys get ``-inf``.
+
+Attention sinks
+    ``sinks`` ``[Hq]`` holds one learned logit per head, used as is (not scaled, capped
+    or biased). It joins each row's softmax denominator but has no value vector, so it
+    only absorbs probability mass.
+
+Log-sum-exp
+    ``lse[t, h]`` (float32, natural log) is the log of row ``(t, h)``'s softmax
+    denominator, sink included, so that ``out = sum_j exp(s_j - lse) * v_j``. A row that
+    sees no key at all (only possible for invalid or empty input) gets output 0 and
+    lse ``-inf``; with a sink the denominator is ``exp(sink)``, so its lse is ``sinks[h]``.
+
+Quantisation scales
+    ``k_scale`` / ``v_scale`` multiply the cached keys / values after they are cast to
+    float32, and :func:`write_kv_cache` divides by them before casting to the cache
+    dtype. With the default 1.0 they change nothing; they exist so that a future fp8
+    cache can reuse this oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, overload
+
+import torch
+from torch import Tensor
+
+from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_float, describe
+from attnkit.kernels.attention.contract import (
+    check_batch_layout,
+    check_cache_layout,
+    check_head_vector,
+    check_kv_scale,
+    check_logits_soft_cap,
+    check_mask_options,
+    check_query_layout,
+    check_shard_lens,
+)
+
+__all__ = ["dense_attention", "gather_kv", "paged_attention", "write_kv_cache"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _describe(t: Tensor) -> str:
+    """``"torch.int64 [5]"``: dtype and shape, for error messages."""
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def _tensor(name: str, value: object, expected: str) -> Tensor:
+    """``value`` when it is a tensor, else a ``TypeError`` naming ``name``."""
+    if not isinstance(value, Tensor):
+        raise KernelTypeError(f"{name} must be {expected}, got {describe(value)}")
+    return value
+
+
+def _check_float(name: str, value: object, *, positive: bool = False) -> float:
+    """A finite Python number (``> 0`` with ``positive``), returned as a float."""
+    allowed = "a finite float > 0" if positive else "a finite float"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KernelTypeError(f"{name} must be {allowed}, got {describe(value)}")
+    if not math.isfinite(value) or (positive and not value > 0):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _check_options(
+    *,
+    num_q_heads: int,
+    scale: object,
+    causal: object,
+    sliding_window: object,
+    chunk_size: object,
+    logits_soft_cap: object,
+    alibi_slopes: object,
+    sinks: object,
+) -> None:
+    """Validate the mask and score options shared by both attention entry points: the
+    op's contract (:mod:`attnkit.kernels.attention.contract`), which the Triton
+    launcher enforces too."""
+    check_finite_float("scale", scale)
+    check_mask_options(causal, sliding_window, chunk_size)
+    check_logits_soft_cap(logits_soft_cap)
+    # Any device: the oracle moves the vectors to the query's device itself.
+    check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, None)
+    check_head_vector("sinks", sinks, num_q_heads, None)
+
+
+def _visible_keys(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> Tensor:
+    """Boolean ``[Tq, Tk]`` mask: ``True`` where query ``t`` may attend to key ``j``."""
+    i = q_positions.to(torch.int64)[:, None]  # [Tq, 1] query positions
+    j = k_positions.to(torch.int64)[None, :]  # [1, Tk] key positions
+    num_keys = j.shape[1]
+    visible = torch.ones(i.shape[0], num_keys, dtype=torch.bool, device=q_positions.device)
+    if causal:
+        visible &= j <= i
+        if sliding_window is not None:
+            visible &= (i - j) < sliding_window
+        if chunk_size is not None:
+            visible &= torch.div(j, chunk_size, rounding_mode="floor") == torch.div(
+                i, chunk_size, rounding_mode="floor"
+            )
+    return visible
+
+
+# --------------------------------------------------------------------------- cache I/O
+
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def write_kv_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write new tokens' keys and values into the paged cache, in place.
+
+    Args:
+        key: ``[T, Hkv, D]`` keys of the new tokens.
+        value: ``[T, Hkv, D]`` values of the new tokens.
+        kv_cache: ``[NB, 2, BS, Hkv, D]`` paged cache, modified in place.
+        slot_mapping: int64 ``[T]``; token ``t`` goes to block ``slot // BS``, offset
+            ``slot % BS``. Slots equal to ``-1`` (padding tokens) are skipped.
+        k_scale: stored key is ``key / k_scale`` cast to the cache dtype.
+        v_scale: stored value is ``value / v_scale`` cast to the cache dtype.
+    """
+    key = _tensor("key", key, "a tensor of shape [T, Hkv, D]")
+    value = _tensor("value", value, "a tensor of shape [T, Hkv, D]")
+    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
+    slot_mapping = _tensor("slot_mapping", slot_mapping, "an int64 tensor of shape [T]")
+    # Divided by: 0 would store inf, NaN would store NaN.
+    k_scale = _check_float("k_scale", k_scale, positive=True)
+    v_scale = _check_float("v_scale", v_scale, positive=True)
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must have shape [NB, 2, BS, Hkv, D], got {_describe(kv_cache)}")
+    num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError(
+            f"key must have shape [T, Hkv, D]=[T, {num_kv_heads}, {head_size}] "
+            f"to match kv_cache, got {_describe(key)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(
+            f"value must have the shape of key {list(key.shape)}, got {_describe(value)}"
+        )
+    num_tokens = key.shape[0]
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"slot_mapping must be int64 of shape [T]=[{num_tokens}], got {_describe(slot_mapping)}"
+        )
+    valid = slot_mapping != -1
+    slots = slot_mapping[valid]
+    if slots.numel() > 0:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping entries must be -1 or in [0, NB*BS)=[0, {num_blocks * block_size}), "
+                f"got values in [{lo}, {hi}]"
+            )
+    slots = slots.to(kv_cache.device)
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    valid = valid.to(key.device)
+    new_k = key[valid] if k_scale == 1.0 else key[valid].float() / k_scale
+    new_v = value[valid] if v_scale == 1.0 else value[valid].float() / v_scale
+    if kv_cache.dtype in _FP8_MAX:
+        # Saturate: a cast past the largest finite fp8 value would give NaN (e4m3fn has
+        # no infinity).
+        limit = _FP8_MAX[kv_cache.dtype]
+        new_k = new_k.float().clamp(-limit, limit)
+        new_v = new_v.float().clamp(-limit, limit)
+    kv_cache[blocks, 0, offsets] = new_k.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = new_v.to(device=kv_cache.device, dtype=kv_cache.dtype)
+
+
+def gather_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """Read one request's first ``seq_len`` keys and values out of the paged cache.
+
+    Args:
+        kv_cache: ``[NB, 2, BS, Hkv, D]`` paged cache.
+        block_table_row: integer ``[max_blocks]``; only the first
+            ``ceil(seq_len / BS)`` entries are read.
+        seq_len: number of context tokens to read.
+
+    Returns:
+        ``(key, value)``, each ``[seq_len, Hkv, D]`` in the cache dtype (fresh tensors).
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type or shape, a ``seq_len``
+            the row cannot hold, or a needed entry that is not a block of the cache
+            (the entries are read back to the host to check them).
+    """
+    kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
+    row = _tensor("block_table_row", block_table_row, "an integer tensor of shape [max_blocks]")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[2] == 0:
+        raise ValueError(
+            f"kv_cache must have shape [NB, 2, BS, Hkv, D] with BS >= 1, got {_describe(kv_cache)}"
+        )
+    if row.dim() != 1 or row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+        raise ValueError(
+            f"block_table_row must be an integer tensor of shape [max_blocks], got {_describe(row)}"
+        )
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise KernelTypeError(f"seq_len must be an int >= 0, got {describe(seq_len)}")
+    num_blocks, _, block_size, _, _ = kv_cache.shape
+    if not 0 <= seq_len <= row.shape[0] * block_size:
+        raise ValueError(
+            f"seq_len must be an int in [0, {row.shape[0] * block_size}] (max_blocks * BS), "
+            f"got {seq_len}"
+        )
+    needed = row[: -(-seq_len // block_size)]
+    if needed.numel() > 0:
+        lo, hi = int(needed.min()), int(needed.max())
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(
+                f"block_table_row entries must be physical block indices in [0, NB)=[0, "
+                f"{num_blocks}), got values in [{lo}, {hi}]"
+            )
+    return _gather_kv(kv_cache, row, seq_len)
+
+
+def _gather_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`gather_kv` without the checks (``paged_attention`` has made them)."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_needed = -(-seq_len // block_size)  # ceil division
+    blocks = block_table_row[:num_needed].to(device=kv_cache.device, dtype=torch.int64)
+    kv = kv_cache[blocks]  # [n, 2, BS, Hkv, D]: advanced indexing copies
+    key = kv[:, 0].reshape(num_needed * block_size, num_kv_heads, head_size)[:seq_len]
+    value = kv[:, 1].reshape(num_needed * block_size, num_kv_heads, head_size)[:seq_len]
+    return key, value
+
+
+# --------------------------------------------------------------------------- dense
+
+
+@overload
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float,
+    causal: bool = ...,
+    q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float,
+    causal: bool = ...,
+    q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float,
+    causal: bool = ...,
+    q_positions: Tensor | None = ...,
+    k_positions: Tensor | None = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: bool,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of one sequence's queries over its keys and values (no cache).
+
+    Args:
+        query: ``[Tq, Hq, D]``.
+        key: ``[Tk, Hkv, D]``; key ``j`` sits at position ``j``.
+        value: ``[Tk, Hkv, D]``.
+        scale: multiplies ``q . k``.
+        causal: see the module docstring for every mask and score option.
+        q_positions: integer ``[Tq]`` absolute query positions; by default the last
+            ``Tq`` positions of the keys, ``Tk - Tq + t``.
+        k_positions: integer ``[Tk]`` absolute key positions (increasing); by default
+            ``0 .. Tk - 1``. A context-parallel shard holds every ``N``-th position.
+        sliding_window: window length ``W >= 1`` (needs ``causal``), or None.
+        chunk_size: local-attention chunk length ``C >= 1`` (needs ``causal``), or None.
+        logits_soft_cap: ``cap > 0`` for ``cap * tanh(s / cap)``, or None.
+        alibi_slopes: float ``[Hq]`` slopes, or None.
+        sinks: float ``[Hq]`` sink logits, or None.
+        return_lse: also return the float32 ``[Tq, Hq]`` log-sum-exp.
+
+    Returns:
+        ``out`` ``[Tq, Hq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
+    """
+    query = _tensor("query", query, "a tensor of shape [Tq, Hq, D]")
+    key = _tensor("key", key, "a tensor of shape [Tk, Hkv, D]")
+    value = _tensor("value", value, "a tensor of shape [Tk, Hkv, D]")
+    return_lse = check_bool("return_lse", return_lse)
+    if query.dim() != 3:
+        raise ValueError(f"query must have shape [Tq, Hq, D], got {_describe(query)}")
+    if key.dim() != 3:
+        raise ValueError(f"key must have shape [Tk, Hkv, D], got {_describe(key)}")
+    if value.shape != key.shape:
+        raise ValueError(
+            f"value must have the shape of key {list(key.shape)}, got {_describe(value)}"
+        )
+    num_queries, num_q_heads, head_size = query.shape
+    num_keys, num_kv_heads, _ = key.shape
+    if key.shape[2] != head_size:
+        raise ValueError(f"head sizes differ: query has D={head_size} but key has D={key.shape[2]}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads Hq={num_q_heads} must be a multiple of kv heads Hkv={num_kv_heads}"
+        )
+    _check_options(
+        num_q_heads=num_q_heads,
+        scale=scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
+    device = query.device
+    if q_positions is None:
+        q_positions = torch.arange(num_keys - num_queries, num_keys, device=device)
+    elif not isinstance(q_positions, Tensor):
+        raise KernelTypeError(
+            f"q_positions must be an integer tensor of shape [Tq]=[{num_queries}] or None, "
+            f"got {describe(q_positions)}"
+        )
+    elif q_positions.shape != (num_queries,) or q_positions.is_floating_point():
+        raise ValueError(
+            f"q_positions must be an integer tensor of shape [Tq]=[{num_queries}], "
+            f"got {_describe(q_positions)}"
+        )
+    positions = q_positions.to(device=device, dtype=torch.int64)
+    if k_positions is None:
+        key_positions = torch.arange(num_keys, device=device, dtype=torch.int64)
+    elif not isinstance(k_positions, Tensor):
+        raise KernelTypeError(
+            f"k_positions must be an integer tensor of shape [Tk]=[{num_keys}] or None, "
+            f"got {describe(k_positions)}"
+        )
+    elif k_positions.shape != (num_keys,) or k_positions.is_floating_point():
+        raise ValueError(
+            f"k_positions must be an integer tensor of shape [Tk]=[{num_keys}], "
+            f"got {_describe(k_positions)}"
+        )
+    else:
+        key_positions = k_positions.to(device=device, dtype=torch.int64)
+    group = num_q_heads // num_kv_heads
+
+    # Scores [Hkv, G, Tq, Tk] in float32, without materialising repeated kv heads:
+    # query head h = n * G + g reads kv head n.
+    visible = _visible_keys(
+        positions,
+        key_positions,
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+    )
+    # Keys no query may see are zeroed, not just given weight 0: their slots may hold
+    # anything (a released block reads as the null block, a block's tail was never
+    # written), and 0 * NaN would still be NaN. A NaN in a *visible* slot stays and
+    # reaches the output, so a kernel bug that reads unwritten memory shows.
+    unseen = ~visible.any(dim=0)[:, None, None]  # [Tk, 1, 1]
+    q = query.float().reshape(num_queries, num_kv_heads, group, head_size)
+    k = key.to(device=device, dtype=torch.float32).masked_fill(unseen, 0.0)
+    v = value.to(device=device, dtype=torch.float32).masked_fill(unseen, 0.0)
+    scores = torch.einsum("qngd,knd->ngqk", q, k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if alibi_slopes is not None:
+        distance = (key_positions[None, :] - positions[:, None]).float()  # [Tq, Tk]: j - i
+        slopes = alibi_slopes.to(device=device, dtype=torch.float32)
+        scores = scores + slopes.reshape(num_kv_heads, group, 1, 1) * distance
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    # One extra column per row: the sink logit, or -inf (weight 0) without sinks. It
+    # also keeps the row maximum well defined when Tk == 0.
+    if sinks is not None:
+        extra = sinks.to(device=device, dtype=torch.float32).reshape(num_kv_heads, group, 1, 1)
+    else:
+        extra = torch.full((num_kv_heads, group, 1, 1), float("-inf"), device=device)
+    logits = torch.cat([scores, extra.expand(-1, -1, num_queries, 1)], dim=-1)
+
+    row_max = logits.amax(dim=-1, keepdim=True)
+    # A row with no visible key and no sink has max -inf; shift by 0 to avoid NaN.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)  # masked keys -> exactly 0
+    denom = weights.sum(dim=-1, keepdim=True)  # [Hkv, G, Tq, 1]
+    weighted = torch.einsum("ngqk,knd->ngqd", weights[..., :num_keys], v)
+    # Only a row that sees nothing (denominator exactly 0) is defined as 0; NaN stays NaN.
+    out = torch.where(denom == 0, torch.zeros_like(weighted), weighted / denom)
+    out = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_size)
+    out = out.to(query.dtype)
+    if not return_lse:
+        return out
+    lse = (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf for empty rows
+    lse = lse.permute(2, 0, 1).reshape(num_queries, num_q_heads)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- paged
+
+
+def _check_shard(
+    context_shard: object, global_seq_lens: object, seq_lens: Tensor
+) -> tuple[int, int, list[int]] | None:
+    """``(rank, world_size, global lengths)`` of a context-parallel shard, checked
+    against the local ``seq_lens`` (``ceil((L - rank) / world_size)`` each); None
+    without a shard."""
+    shard = check_shard_lens(context_shard, global_seq_lens)
+    if shard is None:
+        return None
+    rank, world = shard
+    totals_t = _tensor("global_seq_lens", global_seq_lens, "an integer tensor [B]")
+    if totals_t.shape != seq_lens.shape or totals_t.is_floating_point():
+        raise ValueError(
+            f"global_seq_lens must be an integer tensor of seq_lens' shape "
+            f"{list(seq_lens.shape)}, got {_describe(totals_t)}"
+        )
+    totals: list[int] = totals_t.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    local: list[int] = seq_lens.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    for b, (total, held) in enumerate(zip(totals, local, strict=True)):
+        want = max(0, -(-(total - rank) // world))
+        if held != want:
+            raise ValueError(
+                f"seq_lens[{b}]={held} must be the shard's share of global_seq_lens[{b}]="
+                f"{total} on rank {rank} of {world}: ceil((L - rank) / world_size) = {want}"
+            )
+    return rank, world, totals
+
+
+def _check_paged_inputs(
+    query: Tensor,
+    kv_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    output: Tensor | None,
+    *,
+    causal: bool = True,
+) -> None:
+    """Validate shapes, dtypes and per-request consistency of a paged batch.
+
+    Non-causal batches (cross attention) may have more queries than keys. The oracle
+    reads the metadata's values back to the host to check them (unlike the kernels).
+    """
+    # The op's layout rules (shared with the Triton launcher).
+    query = check_query_layout(query)
+    kv_cache = check_cache_layout(kv_cache, query)
+    num_reqs = check_batch_layout(query_start_loc, seq_lens, block_table)
+    if output is not None:
+        output = _tensor("output", output, "a tensor of shape [T, Hq, D] or None")
+    num_tokens = query.shape[0]
+    num_blocks, _, block_size, _, _ = kv_cache.shape
+    if output is not None and (
+        output.shape != query.shape or output.dtype != query.dtype or output.device != query.device
+    ):
+        raise ValueError(
+            f"output must match query ({_describe(query)} on {query.device}), "
+            f"got {_describe(output)} on {output.device}"
+        )
+
+    qsl = query_start_loc.to(torch.int64).cpu()
+    lens = seq_lens.to(torch.int64).cpu()
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+    q_lens = qsl[1:] - qsl[:-1]
+    if bool((q_lens < 0).any()):
+        b = int(torch.nonzero(q_lens < 0)[0, 0])
+        raise ValueError(
+            f"query_start_loc must be non-decreasing, got query_start_loc[{b}]={int(qsl[b])} "
+            f"> query_start_loc[{b + 1}]={int(qsl[b + 1])}"
+        )
+    if int(qsl[-1]) > num_tokens:
+        raise ValueError(
+            f"query_start_loc[{num_reqs}]={int(qsl[-1])} exceeds the number of query tokens "
+            f"T={num_tokens}"
+        )
+    if bool((lens < 0).any()):
+        b = int(torch.nonzero(lens < 0)[0, 0])
+        raise ValueError(f"seq_lens[{b}] must be >= 0, got {int(lens[b])}")
+    if causal and bool((q_lens > lens).any()):
+        b = int(torch.nonzero(q_lens > lens)[0, 0])
+        raise ValueError(
+            f"request {b} has q_len={int(q_lens[b])} query tokens but seq_lens[{b}]="
+            f"{int(lens[b])}; seq_lens must include the query tokens"
+        )
+    max_blocks = block_table.shape[1]
+    needed = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
+    if bool((needed > max_blocks).any()):
+        b = int(torch.nonzero(needed > max_blocks)[0, 0])
+        raise ValueError(
+            f"block_table[{b}] has {max_blocks} blocks but seq_lens[{b}]={int(lens[b])} "
+            f"needs {int(needed[b])} with block_size={block_size}"
+        )
+    table = block_table.to(torch.int64).cpu()
+    used = torch.arange(max_blocks)[None, :] < needed[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"block_table[{b}, {i}]={int(table[b, i])} is not a physical block index "
+            f"in [0, NB)=[0, {num_blocks})"
+        )
+
+
+@overload
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    *,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    scale: float,
+    causal: bool = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    k_scale: float = ...,
+    v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
+    output: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    *,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    scale: float,
+    causal: bool = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    k_scale: float = ...,
+    v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
+    output: Tensor | None = ...,
+    return_lse: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    *,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    scale: float,
+    causal: bool = ...,
+    sliding_window: int | None = ...,
+    chunk_size: int | None = ...,
+    logits_soft_cap: float | None = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    k_scale: float = ...,
+    v_scale: float = ...,
+    context_shard: tuple[int, int] | None = ...,
+    global_seq_lens: Tensor | None = ...,
+    output: Tensor | None = ...,
+    return_lse: bool,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    *,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    context_shard: tuple[int, int] | None = None,
+    global_seq_lens: Tensor | None = None,
+    output: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of a ragged batch of requests over the paged KV cache.
+
+    Each request's context is gathered through its block table and handed to
+    :func:`dense_attention` with its queries at the last ``q_len`` positions.
+
+    Args:
+        query: ``[T, Hq, D]``; rows ``qsl[B]:T`` are padding.
+        kv_cache: ``[NB, 2, BS, Hkv, D]``; this step's K/V must already be written.
+        query_start_loc: int32 ``[B+1]``.
+        seq_lens: int32 ``[B]``, context lengths including this step's queries.
+        block_table: int32 ``[B, max_blocks]``.
+        scale, causal, sliding_window, chunk_size, logits_soft_cap, alibi_slopes, sinks:
+            as for :func:`dense_attention`.
+        k_scale: multiplies the float32-cast cached keys.
+        v_scale: multiplies the float32-cast cached values.
+        context_shard: ``(rank, world_size)`` when the cache holds one context-parallel
+            shard: request position ``p`` lives on rank ``p % world_size`` at local
+            index ``p // world_size``, so ``seq_lens`` are the local counts and local key
+            ``j`` sits at position ``j * world_size + rank``. The result is the shard's
+            partial attention (rows that see no local key: 0, lse ``-inf``), to be
+            merged with the other ranks' by their log-sum-exps. Needs
+            ``global_seq_lens``.
+        global_seq_lens: int ``[B]`` every request's whole length (queries included),
+            which places its queries; with ``context_shard`` only.
+        output: optional ``[T, Hq, D]`` tensor of the query dtype to write into (and
+            return); padding rows are set to 0.
+        return_lse: also return the float32 ``[T, Hq]`` log-sum-exp (``-inf`` on padding).
+
+    Returns:
+        ``out`` ``[T, Hq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
+    """
+    causal = check_bool("causal", causal)
+    return_lse = check_bool("return_lse", return_lse)
+    # The contract's rule (None or a float > 0); the oracle takes no device tensor.
+    k_checked = check_kv_scale("k_scale", k_scale, None, allow_tensor=False)
+    v_checked = check_kv_scale("v_scale", v_scale, None, allow_tensor=False)
+    k_scale = 1.0 if k_checked is None else float(k_checked)
+    v_scale = 1.0 if v_checked is None else float(v_checked)
+    shard = _check_shard(context_shard, global_seq_lens, seq_lens)
+    _check_paged_inputs(
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        output,
+        causal=causal and shard is None,
+    )
+    _check_options(
+        num_q_heads=query.shape[1],
+        scale=scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
+    num_tokens, num_q_heads, _ = query.shape
+    if output is None:
+        output = torch.empty_like(query)
+    lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
+
+    starts: list[int] = query_start_loc.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    lens: list[int] = seq_lens.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
+    output[starts[-1] :] = 0  # padding rows
+    totals = shard[2] if shard is not None else lens
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end == q_start:
+            continue
+        key, value = _gather_kv(kv_cache, block_table[b], seq_len)
+        q_positions = k_positions = None
+        if shard is not None:
+            rank, world, _ = shard
+            q_positions = torch.arange(totals[b] - (q_end - q_start), totals[b])
+            k_positions = torch.arange(seq_len) * world + rank
+        out_b, lse_b = dense_attention(
+            query[q_start:q_end],
+            key.float() * k_scale,
+            value.float() * v_scale,
+            scale=scale,
+            causal=causal,
+            q_positions=q_positions,
+            k_positions=k_positions,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            logits_soft_cap=logits_soft_cap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            return_lse=True,
+        )
+        output[q_start:q_end] = out_b
+        lse[q_start:q_end] = lse_b
+    if return_lse:
+        return output, lse
+    return output

@@ -1,1 +1,0 @@
-"""Pure-torch reference kernels: written for clarity, float32 accumulation."""

@@ -1,1 +1,0 @@
-"""Triton kernels. Importing a module here imports triton; ``import attnkit`` never does."""
