@@ -114,6 +114,9 @@ class KindRules(ABC, Generic[S]):
     """The cache layouts a backend may declare for this kind (``KVCacheLayout``)."""
     no_planes_because: str = ""
     """Why the kind has no ``"planes"`` layout (for rejection reasons); empty if it has one."""
+    latent: bool = False
+    """Whether the cache holds one latent per token, read by every head (MLA), instead of
+    per-head keys and values."""
 
     def shift(self, spec: S) -> int:
         """Positions in front of every request's tokens (sink tokens)."""
@@ -188,6 +191,7 @@ class _LatentRules(KindRules[SA]):
     """MLA kinds: one latent per token, no separate values: ``[num_blocks, block_size, D]``
     (already token-major: ``view(-1, D)`` is row = slot, without a copy)."""
 
+    latent = True
     no_planes_because = "an MLA cache holds one latent per token, not separate K and V"
 
     @override
