@@ -424,4 +424,3 @@ def copy_back(result: torch.Tensor, caller: torch.Tensor | None) -> torch.Tensor
         return result
     caller.copy_(result)
     return caller
-
