@@ -186,8 +186,13 @@ class AttentionInputs:
             else _Dim("Dv", spec.head_size, "the spec's head_size")
         )
         self.output = _TensorRule("output", "T", (heads, v_width), spec.dtype, device)
+        kv_heads = (
+            "one latent per token, read by every head"
+            if self.form == "latent"
+            else "the spec's num_kv_heads"
+        )
         kv_dims = (
-            _Dim("Hkv", spec.num_kv_heads, "the spec's num_kv_heads"),
+            _Dim("Hkv", spec.num_kv_heads, kv_heads),
             _Dim("D", spec.head_size, "the spec's head_size"),
         )
         rows = "E" if self.form == "encoder" else "T"
