@@ -86,11 +86,15 @@ class _TensorRule:
     def inner(self) -> tuple[int, ...]:
         return tuple(d.size for d in self.dims)
 
+    @property
+    def layout(self) -> str:
+        """``"[T, Hq, D]"``."""
+        return f"[{', '.join((self.rows, *(d.letter for d in self.dims)))}]"
+
     def want(self, rows: str) -> str:
-        layout = ", ".join((self.rows, *(d.letter for d in self.dims)))
         sizes = ", ".join((rows, *(str(d.size) for d in self.dims)))
         dtype = "floating-point" if self.dtype is None else dtype_name(self.dtype)
-        return f"{dtype} [{layout}]=[{sizes}] on {self.device}"
+        return f"{dtype} {self.layout}=[{sizes}] on {self.device}"
 
     def error(
         self, layer: str, t: torch.Tensor, rows: int, exact: bool, rows_why: str
@@ -210,7 +214,7 @@ class AttentionInputs:
     def _type_error(self, query: object, key: object, value: object, output: object) -> NoReturn:
         layer = self.layer
         if not isinstance(query, torch.Tensor):
-            raise _tensor_type_error(layer, "query", "a torch.Tensor [T, Hq, D]", query)
+            raise _tensor_type_error(layer, "query", f"a torch.Tensor {self.query.layout}", query)
         for name, t in (("key", key), ("value", value)):
             if t is not None and not isinstance(t, torch.Tensor):
                 what = "a torch.Tensor [T, Hkv, D]"
