@@ -206,7 +206,9 @@ def test_each_entry_point_refuses_the_other_kind_of_layer() -> None:
             "layers.1", GatedDeltaNetInputs(qkv=xbc, g=dt, beta=torch.rand(3, params.num_heads))
         )
     with pytest.raises(
-        ValueError, match=r"^layers\.1: inputs has 2 rows but the step has 3 tokens$"
+        ValueError,
+        match=r"^layers\.1: inputs\.xBC has 2 rows but the step has 3 tokens; inputs\.xBC must be "
+        r"float32 \[T, C\]=\[>=3, 96\] on cpu, got float32 \[2, 96\] on cpu$",
     ):
         runtime.forward_state("layers.1", Mamba2Inputs(xBC=xbc[:2], dt=dt[:2]))
     with pytest.raises(TypeError, match=r"^layers\.0 is an attention layer, not a state layer$"):

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 import numpy as np
 import torch
 
+from ._boundary import AttentionInputs, StateLayerInputs, copy_back, input_device
 from ._validation import is_nonnegative_int, is_positive_int
 from .backend import AnyBinding, AttentionBackend
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
@@ -385,6 +386,16 @@ class AttentionRuntime:
                         f"{type(impl).__name__} for {name!r}: impls must subclass "
                         f"AttentionImpl or StateImpl"
                     )
+        # What each layer's forward takes, checked on every call before its backend runs.
+        where = input_device(self.device)
+        self._attention_inputs = {
+            name: AttentionInputs(name, impl.kv_cache_spec, impl.layer_params, where)
+            for name, impl in self._attention_impls.items()
+        }
+        self._state_inputs = {
+            name: StateLayerInputs(name, impl.kv_cache_spec, impl.layer_params, where)
+            for name, impl in self._state_impls.items()
+        }
         self.kv_caches = allocate_kv_cache_tensors(
             groups,
             shapes,
@@ -412,6 +423,7 @@ class AttentionRuntime:
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step: StepBatch | None = None
+        self._encoder_tokens = 0  # the encoder tokens cross-attention layers write this step
         self._stale: str | None = "forward() called before begin_step()"
         self._step_rows_version = -1
         self._last_ids: list[str] = []
@@ -619,15 +631,17 @@ class AttentionRuntime:
         query_lens = tuple(lens.query.tolist())
         self._stale = None
         self._step_rows_version = self.manager.rows_version
+        encoder_order: tuple[str, ...] = ()
+        self._encoder_tokens = 0
+        if self._reads_encoder:
+            writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
+            encoder_order = tuple(ids[int(i)] for i in writers)
+            self._encoder_tokens = int(lens.encoder[writers].sum())
         self._step = StepBatch(
             order=tuple(ids),
             query_lens=query_lens,
             num_tokens=shared.num_tokens,
-            encoder_order=tuple(
-                ids[int(i)] for i in np.flatnonzero(lens.is_new & (lens.encoder > 0))
-            )
-            if self._reads_encoder
-            else (),
+            encoder_order=encoder_order,
         )
         return self._step
 
@@ -698,18 +712,6 @@ class AttentionRuntime:
         if self._stale is not None:
             raise StaleStepError(self._stale)
 
-    def _check_rows(self, layer_name: str, what: str, rows: int, device: torch.device) -> None:
-        self._check_step_live()
-        n = self._current_step().num_tokens
-        if rows < n:
-            raise InvalidArgumentError(
-                f"{layer_name}: {what} has {rows} rows but the step has {n} tokens"
-            )
-        if device != self.device:
-            raise InvalidArgumentError(
-                f"{layer_name}: {what} is on {device}, the runtime on {self.device}"
-            )
-
     def forward(
         self,
         layer_name: str,
@@ -721,13 +723,28 @@ class AttentionRuntime:
     ) -> torch.Tensor:
         """Run one attention layer of the current step.
 
-        query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (cross-attention: the encoder
-        states of ``StepBatch.encoder_order``, or ``None``); returns ``[T, Hq, Dv]``.
+        query ``[T, Hq, D]`` (with ``layer_params.mla_projection``: the un-absorbed
+        ``[T, Hq, N + P]``), key/value ``[T, Hkv, D]`` with the query's ``T`` (MLA: key
+        the new latents ``[T, 1, D]``, value ``None`` or the same; cross-attention: the
+        encoder states ``[E, Hkv, D]`` of ``StepBatch.encoder_order``, ``E`` their
+        encoder tokens, or ``None`` when no request is new); ``T`` is at least the
+        step's tokens (rows past them are padding). Every tensor has the spec's dtype
+        and is on the runtime's device. Returns ``output`` ``[T, Hq, Dv]`` (``Dv`` is
+        ``layer_params.v_head_size`` or the head size), a new tensor when ``None``.
         State layers take typed inputs: ``forward_state`` or ``state_layer``.
 
+        The call is checked before any backend runs, so a rejected call changes
+        nothing. Any strided view is accepted: a tensor whose last dimension is not
+        unit-stride is copied once into a contiguous tensor (an ``output`` of that
+        kind is written through a contiguous buffer); other views, such as slices of
+        a fused QKV projection, reach the backend without a copy.
+
         Raises:
-            TypeError: ``layer_name`` is a state layer.
-            ValueError: too few rows, or tensors on another device.
+            ArgumentTypeError: ``layer_name`` is a state layer, or an argument is not a
+                tensor.
+            InvalidArgumentError: a tensor's rank, rows, sizes, dtype or device does
+                not fit the layer and the step (the message names the argument).
+            StaleStepError: no step yet, or the step's requests were freed since.
         """
         name: object = layer_name  # untyped callers may pass anything
         impl = self._attention_impls.get(layer_name) if isinstance(name, str) else None
@@ -737,28 +754,17 @@ class AttentionRuntime:
                 f"{layer_name} is a state layer: call forward_state({layer_name!r}, "
                 f"{self._state_impls[layer_name].layer_params.inputs_type.__name__}(...))"
             )
-        for what, tensor in (("query", query), ("key", key), ("value", value), ("output", output)):
-            if not isinstance(tensor, torch.Tensor) and (what == "query" or tensor is not None):
-                raise ArgumentTypeError(
-                    f"{layer_name}: {what} must be a torch.Tensor"
-                    + ("" if what == "query" else " or None")
-                    + f", got {type(tensor).__name__}"
-                )
-        if query.dim() != 3:
-            raise InvalidArgumentError(
-                f"{layer_name}: query must be [T, Hq, D] (3 dimensions), got shape "
-                f"{list(query.shape)}"
-            )
-        self._check_rows(layer_name, "query", query.shape[0], query.device)
-        if output is None:
-            params: AttentionLayerParams = impl.layer_params
-            v_size = params.v_head_size or impl.kv_cache_spec.head_size
-            output = query.new_empty((query.shape[0], query.shape[1], v_size))
+        self._check_step_live()
+        query, key, value, out, caller = self._attention_inputs[layer_name].check(
+            query, key, value, output, self._current_step().num_tokens, self._encoder_tokens
+        )
         entry = self._groups[self._layer_group[layer_name]]
         caches = self.kv_caches.get(layer_name, ())
         if entry.group.group_id not in self._sharded:
-            return impl.forward(query, key, value, caches, entry.metadata, output)
-        return self._forward_sharded(impl, query, key, value, caches, entry.metadata, output)
+            result = impl.forward(query, key, value, caches, entry.metadata, out)
+        else:
+            result = self._forward_sharded(impl, query, key, value, caches, entry.metadata, out)
+        return result if caller is None else copy_back(result, caller)
 
     def _forward_sharded(
         self,
@@ -819,9 +825,17 @@ class AttentionRuntime:
         result has ``layer_params.output_shape(T)``. ``state_layer`` gives a handle
         whose ``forward`` the type checker checks too.
 
+        Checked before any backend runs, as ``forward`` is: each field has the widths
+        its type declares (``StateType.input_widths``) and at least the step's tokens
+        as rows, the dtype the type asks for, and the runtime's device; the same
+        stride rule applies (a field whose last dimension is not unit-stride is copied
+        once).
+
         Raises:
-            TypeError: an attention layer, or inputs of another layer type.
-            ValueError: too few rows, or tensors on another device.
+            ArgumentTypeError: an attention layer, or inputs of another layer type.
+            InvalidArgumentError: a field's rank, rows, widths, dtype or device, or the
+                output's, does not fit (the message names ``inputs.<field>``).
+            StaleStepError: no step yet, or the step's requests were freed since.
         """
         name: object = layer_name  # untyped callers may pass anything
         impl = self._state_impls.get(layer_name) if isinstance(name, str) else None
@@ -830,25 +844,13 @@ class AttentionRuntime:
             raise ArgumentTypeError(
                 f"{layer_name} is an attention layer: call forward({layer_name!r}, query, key, value)"
             )
-        expected = impl.layer_params.inputs_type
-        if output is not None and not isinstance(output, torch.Tensor):
-            raise ArgumentTypeError(
-                f"{layer_name}: output must be a torch.Tensor or None, got {type(output).__name__}"
-            )
-        if not isinstance(inputs, expected):
-            raise ArgumentTypeError(
-                f"{layer_name} is a {impl.kv_cache_spec.mamba_type} layer: inputs must be "
-                f"{expected.__name__}, got {type(inputs).__name__}"
-            )
-        self._check_rows(layer_name, "inputs", inputs.num_rows, inputs.device)
-        if output is None:
-            output = torch.empty(
-                impl.layer_params.output_shape(inputs.num_rows),
-                dtype=inputs.dtype,
-                device=inputs.device,
-            )
+        self._check_step_live()
+        inputs, out, caller = self._state_inputs[layer_name].check(
+            inputs, output, self._current_step().num_tokens
+        )
         entry = self._groups[self._layer_group[layer_name]]
-        return impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, output)
+        result = impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, out)
+        return result if caller is None else copy_back(result, caller)
 
     def state_layer(self, layer_name: str, inputs_type: type[InputsT]) -> StateLayer[InputsT]:
         """A typed handle on a state layer: ``forward`` takes ``inputs_type`` only.
@@ -1103,7 +1105,11 @@ def _check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> N
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
     elif isinstance(spec, MambaSpec):
-        expected: type[StateLayerParams] = state_type_of(spec).params_type
+        state_type = state_type_of(spec)
+        layout = state_type.layout_problem(spec.shapes)
+        if layout is not None:  # no backend could run it: said before any is selected
+            raise InvalidArgumentError(f"layer_specs[{name!r}]: {layout}")
+        expected: type[StateLayerParams] = state_type.params_type
         if not isinstance(params, expected):
             raise InvalidArgumentError(
                 f"layer_params[{name!r}] must be {expected.__name__} for a {spec.mamba_type} "

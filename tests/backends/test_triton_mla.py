@@ -863,44 +863,8 @@ OWNER = "TritonMLAImpl.forward (mla_attention)"
         pytest.param(
             lambda a: a.update(key=None),
             TypeError,
-            f"{OWNER}: key (the new latents) must be a torch.Tensor float16 [T, 1, D]=[2, 1, 48] "
-            f"on {DEVICE}, got None",
+            f"{OWNER}: key (the new latents) must be a torch.Tensor [T, 1, D], got None",
             id="no-latents",
-        ),
-        pytest.param(
-            lambda a: a.update(key=a["query"]),
-            ValueError,
-            f"{OWNER}: key (the new latents) must be float16 [T, 1, D]=[2, 1, 48] on {DEVICE}, "
-            f"got float16 [2, 8, 48] on {DEVICE}",
-            id="per-head-keys",
-        ),
-        pytest.param(
-            lambda a: a.update(value=a["key"][:, :, :32]),
-            ValueError,
-            f"{OWNER}: value (None or the latents again) must be float16 [T, 1, D]=[2, 1, 48] on "
-            f"{DEVICE}, got float16 [2, 1, 32] on {DEVICE}",
-            id="value-planes",
-        ),
-        pytest.param(
-            lambda a: a.update(query=a["query"].float()),
-            ValueError,
-            f"{OWNER}: query (absorbed) must be float16 [T, H, D]=[*, 8, 48], "
-            f"got float32 [2, 8, 48] on {DEVICE}",
-            id="query-dtype",
-        ),
-        pytest.param(
-            lambda a: a.update(query=a["query"][:, :, :32]),
-            ValueError,
-            f"{OWNER}: query (absorbed) must be float16 [T, H, D]=[*, 8, 48], "
-            f"got float16 [2, 8, 32] on {DEVICE}",
-            id="query-not-absorbed",
-        ),
-        pytest.param(
-            lambda a: a.update(output=torch.empty(2, 8, 48, dtype=F16, device=DEVICE)),
-            ValueError,
-            f"{OWNER}: output must be float16 [T, H, R]=[2, 8, 32] on {DEVICE}, "
-            f"got float16 [2, 8, 48] on {DEVICE}",
-            id="output-as-wide-as-the-latent",
         ),
         pytest.param(
             lambda a: a.update(kv_cache=[*a["kv_cache"], *a["kv_cache"]]),
@@ -923,13 +887,6 @@ OWNER = "TritonMLAImpl.forward (mla_attention)"
             id="kv-cache-dtype",
         ),
         pytest.param(
-            lambda a: a.update(query=a["query"][:1], key=a["key"][:1], output=a["output"][:1]),
-            ValueError,
-            f"{OWNER}: query must have at least num_actual_tokens=2 rows, got float16 [1, 8, 48] "
-            f"on {DEVICE}",
-            id="too-few-rows",
-        ),
-        pytest.param(
             lambda a: a.update(attn_metadata=object()),
             TypeError,
             f"{OWNER}: attn_metadata must be TritonMLAMetadata, got object",
@@ -940,12 +897,104 @@ OWNER = "TritonMLAImpl.forward (mla_attention)"
 def test_forward_rejects_bad_inputs(
     change: Callable[[dict[str, Any]], None], error: type[Exception], message: str
 ) -> None:
+    """The impl's own rules (its metadata, the latent cache); the query, latents and
+    output are checked by the runtime before it runs (the next test)."""
     args = _forward_args(Case())
     change(args)
     impl = args.pop("impl")
     with pytest.raises(error) as info:
         impl.forward(**args)
     assert str(info.value) == message
+
+
+def _on(device: torch.device) -> str:
+    """The device as the runtime names it (a bare ``cuda`` gets its index)."""
+    return str(torch.empty(0, device=device).device)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param(
+            lambda a: a.update(key=a["query"]),
+            "mla: key (the new latents) has Hkv=8, the layer takes 1 (one latent per token, "
+            "read by every head); key (the new latents) must be float16 [T, Hkv, D]=[2, 1, 48] "
+            "on {dev}, got float16 [2, 8, 48] on {dev}",
+            id="per-head-keys",
+        ),
+        pytest.param(
+            lambda a: a.update(value=a["key"][:, :, :32]),
+            "mla: value (None or the latents again) has D=32, the layer takes 48 (the spec's "
+            "head_size); value (None or the latents again) must be float16 [T, Hkv, D]="
+            "[2, 1, 48] on {dev}, got float16 [2, 1, 32] on {dev}",
+            id="value-planes",
+        ),
+        pytest.param(
+            lambda a: a.update(query=a["query"].float()),
+            "mla: query is float32, the layer's dtype float16; query must be float16 "
+            "[T, Hq, D]=[>=2, 8, 48] on {dev}, got float32 [2, 8, 48] on {dev}",
+            id="query-dtype",
+        ),
+        pytest.param(
+            lambda a: a.update(query=a["query"][:, :, :32]),
+            "mla: query has D=32, the layer takes 48 (the spec's head_size); query must be "
+            "float16 [T, Hq, D]=[>=2, 8, 48] on {dev}, got float16 [2, 8, 32] on {dev}",
+            id="query-not-absorbed",
+        ),
+        pytest.param(
+            lambda a: a.update(output=torch.empty(2, 8, 48, dtype=F16, device=DEVICE)),
+            "mla: output has Dv=48, the layer takes 32 (layer_params.v_head_size); output must "
+            "be float16 [T, Hq, Dv]=[2, 8, 32] on {dev}, got float16 [2, 8, 48] on {dev}",
+            id="output-as-wide-as-the-latent",
+        ),
+        pytest.param(
+            lambda a: a.update(query=a["query"][:1], key=a["key"][:1], output=a["output"][:1]),
+            "mla: query has 1 rows but the step has 2 tokens; query must be float16 "
+            "[T, Hq, D]=[>=2, 8, 48] on {dev}, got float16 [1, 8, 48] on {dev}",
+            id="too-few-rows",
+        ),
+        pytest.param(
+            lambda a: a.update(key=None),
+            "mla: key (the new latents) must be float16 [T, Hkv, D]=[2, 1, 48] on {dev}, got None",
+            id="no-latents",
+        ),
+    ],
+)
+def test_the_runtime_rejects_bad_inputs_before_the_impl_runs(
+    change: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """Query, latents and output are checked against the layer by the runtime (the
+    messages name the caller's argument); the cache is left as it was."""
+    from attnkit import AttentionRuntime, InvalidArgumentError
+    from attnkit.runtime import ScheduledRequest
+
+    case = Case()
+    reg = _registry()
+    config = AttentionConfig.model_validate({"backend": "triton_mla"}, context={"registry": reg})
+    rt = AttentionRuntime(
+        {"mla": case.spec()},
+        config,
+        device=DEVICE,
+        memory_budget_bytes=2**20,
+        layer_params={"mla": case.params()},
+        registry=reg,
+        cache_fill=float("nan"),
+    )
+    assert rt.routing_table()[0].backend == "triton_mla"
+    rt.begin_step([ScheduledRequest("a", 2)])
+    query, latents = make_inputs(case, 2, torch.Generator().manual_seed(0))
+    args: dict[str, Any] = {
+        "query": query,
+        "key": latents,
+        "value": None,
+        "output": torch.empty(2, case.num_heads, case.rank, dtype=case.dtype, device=DEVICE),
+    }
+    change(args)
+    before = rt.kv_caches["mla"][0].view(torch.uint8).clone()
+    with pytest.raises(InvalidArgumentError) as info:
+        rt.forward("mla", **args)
+    assert str(info.value) == message.format(dev=_on(DEVICE))
+    assert torch.equal(rt.kv_caches["mla"][0].view(torch.uint8), before)
 
 
 # ------------------------------------------------------------------ declarations, selection

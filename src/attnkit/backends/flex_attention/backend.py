@@ -876,48 +876,25 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
 
     def _check(
         self,
-        query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         kv_cache: Sequence[torch.Tensor],
         m: object,
-        output: torch.Tensor,
     ) -> None:
+        """The backend's own rules: its metadata and the planes layout. The query, key,
+        value and output were checked against the layer by the runtime
+        (``attnkit._boundary``); only their presence is checked here."""
         who = f"{type(self).__name__}.forward ({self.kv_cache_spec.kind.value})"
         spec = self.kv_cache_spec
         if not isinstance(m, FlexAttentionMetadata):
             raise TypeError(
                 f"{who}: attn_metadata must be FlexAttentionMetadata, got {type(m).__name__}"
             )
-        want_q = (self.num_heads, spec.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != want_q or query.dtype != spec.dtype:
-            raise ValueError(
-                f"{who}: query must be {spec.dtype} [T, Hq={self.num_heads}, D={spec.head_size}], "
-                f"got {query.dtype} {list(query.shape)}"
-            )
-        if query.shape[0] < m.num_actual_tokens:
-            raise ValueError(
-                f"{who}: query must have at least num_actual_tokens={m.num_actual_tokens} rows, "
-                f"got {list(query.shape)}"
-            )
-        if tuple(output.shape) != tuple(query.shape) or output.dtype != query.dtype:
-            raise ValueError(
-                f"{who}: output must be {query.dtype} {list(query.shape)} like the query, "
-                f"got {output.dtype} {list(output.shape)}"
-            )
+        if (key is None) != (value is None) or (
+            key is None and not self._encoder_keys
+        ):
+            raise ValueError(f"{who}: key and value must both be tensors [T, Hkv, D]")
         want_kv = (spec.num_kv_heads, spec.head_size)
-        for name, t in (("key", key), ("value", value)):
-            if t is None:
-                if self._encoder_keys:
-                    continue
-                raise ValueError(f"{who}: {name} must be a tensor [T, Hkv, D], got None")
-            if t.dim() != 3 or tuple(t.shape[1:]) != want_kv or t.dtype != spec.dtype:
-                raise ValueError(
-                    f"{who}: {name} must be {spec.dtype} [T, Hkv={spec.num_kv_heads}, "
-                    f"D={spec.head_size}], got {t.dtype} {list(t.shape)}"
-                )
-        if (key is None) != (value is None):
-            raise ValueError(f"{who}: key and value must both be tensors or both be None")
         expected = 2 if self._has_cache else 0
         if len(kv_cache) != expected:
             raise ValueError(
@@ -947,7 +924,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         attn_metadata: FlexAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        self._check(query, key, value, kv_cache, attn_metadata, output)
+        self._check(key, value, kv_cache, attn_metadata)
         m = attn_metadata
         n = m.num_actual_tokens
         spec = self.kv_cache_spec

@@ -549,13 +549,9 @@ def _check_tensor(
         TypeError: ``t`` is not a tensor.
         ValueError: naming ``owner``, ``name``, what was expected and what was given.
     """
-    want = (
-        f"{dtype_name(dtype)} {layout}=[{', '.join('*' if d is None else str(d) for d in shape)}]"
-    )
-    if device is not None:
-        want = f"{want} on {device}"
     if not isinstance(t, torch.Tensor):
         got = "None" if t is None else f"a {type(t).__name__}"
+        want = _want(layout, shape, dtype, device)
         raise TypeError(f"{owner}: {name} must be a torch.Tensor {want}, got {got}")
     if (
         t.dim() != len(shape)
@@ -563,8 +559,18 @@ def _check_tensor(
         or t.dtype != dtype
         or (device is not None and t.device != device)
     ):
+        want = _want(layout, shape, dtype, device)
         raise ValueError(f"{owner}: {name} must be {want}, got {describe_tensor(t)}")
     return t
+
+
+def _want(
+    layout: str, shape: tuple[int | None, ...], dtype: torch.dtype, device: torch.device | None
+) -> str:
+    """``"float16 [NB, BS, D]=[*, 16, 48] on cpu"``, for messages (built only for one)."""
+    sizes = ", ".join("*" if d is None else str(d) for d in shape)
+    where = "" if device is None else f" on {device}"
+    return f"{dtype_name(dtype)} {layout}=[{sizes}]{where}"
 
 
 class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLayerParams]):
@@ -662,15 +668,15 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
 
     def _check_inputs(
         self,
-        query: torch.Tensor,
         key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: object,
-        output: torch.Tensor,
+        device: torch.device,
     ) -> torch.Tensor:
-        """Check every argument (shapes, dtypes, devices only: no device reads); return
-        the cache tensor."""
+        """The backend's own rules (no device reads): its metadata, the latent cache's
+        layout and the projection's device; return the cache tensor. The query, the
+        latents and the output were checked against the layer by the runtime
+        (``attnkit._boundary``); only the latents' presence is checked here."""
         spec = self.kv_cache_spec
         owner = f"{type(self).__name__}.forward ({spec.kind.value})"
         if not isinstance(attn_metadata, TritonMLAMetadata):
@@ -678,53 +684,14 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
                 f"{owner}: attn_metadata must be TritonMLAMetadata, "
                 f"got {type(attn_metadata).__name__}"
             )
-        d = self.head_size
-        query = _check_tensor(
-            owner,
-            "query (absorbed)" if self.projection is None else "query (q_nope, q_pe)",
-            query,
-            layout="[T, H, D]" if self.projection is None else "[T, H, N + P]",
-            shape=(None, self.num_heads, self.query_size),
-            dtype=spec.dtype,
-        )
-        device, tokens = query.device, query.shape[0]
+        if key is None:
+            raise TypeError(
+                f"{owner}: key (the new latents) must be a torch.Tensor [T, 1, D], got None"
+            )
         if self.projection is not None and self.projection.w_uk.device != device:
             raise ValueError(
                 f"{owner}: layer_params.mla_projection must be on the query's device "
                 f"{device}, got its weights on {self.projection.w_uk.device}"
-            )
-        if tokens < attn_metadata.num_actual_tokens:
-            raise ValueError(
-                f"{owner}: query must have at least num_actual_tokens="
-                f"{attn_metadata.num_actual_tokens} rows, got {describe_tensor(query)}"
-            )
-        _check_tensor(
-            owner,
-            "output",
-            output,
-            layout="[T, H, R]" if self.projection is None else "[T, H, V]",
-            shape=(tokens, self.num_heads, self.output_size),
-            dtype=query.dtype,
-            device=device,
-        )
-        _check_tensor(
-            owner,
-            "key (the new latents)",
-            key,
-            layout="[T, 1, D]",
-            shape=(tokens, 1, d),
-            dtype=query.dtype,
-            device=device,
-        )
-        if value is not None:
-            _check_tensor(
-                owner,
-                "value (None or the latents again)",
-                value,
-                layout="[T, 1, D]",
-                shape=(tokens, 1, d),
-                dtype=query.dtype,
-                device=device,
             )
         if len(kv_cache) != 1:
             raise ValueError(f"{owner}: kv_cache must hold 1 tensor, got {len(kv_cache)}")
@@ -733,7 +700,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             "kv_cache[0]",
             kv_cache[0],
             layout="[NB, BS, D]",
-            shape=(None, spec.block_size, d),
+            shape=(None, spec.block_size, self.head_size),
             dtype=spec.cache_torch_dtype,
             device=device,
         )
@@ -752,7 +719,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
 
         ``value`` is ignored (the latents are written once, from ``key``).
         """
-        cache = self._check_inputs(query, key, value, kv_cache, attn_metadata, output)
+        cache = self._check_inputs(key, kv_cache, attn_metadata, query.device)
         assert key is not None  # checked above
         m = attn_metadata
         n = m.num_actual_tokens
