@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnkit.kinds as kinds_module
+import attnkit.kinds._registry as kinds_module
 from attnkit import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -515,7 +515,7 @@ def test_an_unknown_kind_is_an_error_naming_the_known_ones() -> None:
 
 
 def test_the_import_check_names_a_kind_without_rules() -> None:
-    """The registry kinds.py builds at import: the broken variants are refused, naming
+    """The registry attnkit.kinds builds at import: the broken variants are refused, naming
     the kind (so a kind added to spec.py alone fails at ``import attnkit``)."""
     every = list(kinds_module._RULES.values())
     assert kinds_module._registry(*every) == kinds_module._RULES

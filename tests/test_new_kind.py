@@ -1,6 +1,6 @@
-"""A spec kind added through ``spec.py``, ``kinds.py`` and ``__init__.py`` alone is run by
-the runtime on ``reference``, planned by ``plan_model`` and checked by the conformance
-kit, with no edit anywhere else (docs/architecture.md, "Adding a spec kind").
+"""A spec kind added through ``spec.py``, ``kinds/_attention.py`` and ``__init__.py`` alone
+is run by the runtime on ``reference``, planned by ``plan_model`` and checked by the
+conformance kit, with no edit anywhere else (docs/architecture.md, "Adding a spec kind").
 
 The test copies the package to a temporary directory, inserts a throwaway kind there
 (``wide_window``: a sliding window under another name and another field, ``width``),
@@ -8,8 +8,8 @@ and runs a script against the copy in a subprocess. The script checks the runtim
 output against a dense softmax over each request's whole sequence under the window
 mask, written here, plans a model with the kind, and runs the kit on ``reference`` and
 on ``flex_attention`` (both declare their kinds from the rules) restricted to it. The
-negative control leaves the ``kinds.py`` insertions out and must fail at import,
-naming the kind.
+negative control leaves the ``kinds/_attention.py`` insertions out and must fail at
+import, naming the kind.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ SPEC_EDITS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 KINDS_EDITS: dict[str, list[tuple[str, str]]] = {
-    "kinds.py": [
-        _after("    spec_class_for_kind,\n)\n", "from .spec import WideWindowSpec\n"),
-        _before("def _registry(", KINDS_CLASS),
+    "kinds/_attention.py": [
+        _after("    SlidingWindowSpec,\n)\n", "from ..spec import WideWindowSpec\n"),
+        _before("ATTENTION_RULES: tuple[", KINDS_CLASS),
         _after("    _CrossRules(CrossAttentionSpec),\n", "    _WideWindowRules(WideWindowSpec),\n"),
     ],
 }
@@ -241,7 +241,7 @@ def test_a_kind_added_in_spec_kinds_and_init_only_runs_plans_and_passes_the_kit(
         for p in copy.rglob("*")
         if p.is_file() and p.read_bytes() != (PACKAGE / p.relative_to(copy)).read_bytes()
     }
-    assert changed == {"spec.py", "kinds.py", "__init__.py"}  # nothing else is edited
+    assert changed == {"spec.py", "kinds/_attention.py", "__init__.py"}  # nothing else is edited
     result = _run(tmp_path, src)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "runtime: max error" in result.stdout
@@ -250,7 +250,7 @@ def test_a_kind_added_in_spec_kinds_and_init_only_runs_plans_and_passes_the_kit(
 
 
 def test_a_kind_without_rules_fails_at_import_naming_it(tmp_path: Path) -> None:
-    """Negative control: the same kind with the ``kinds.py`` insertions left out."""
+    """Negative control: the same kind with the ``kinds/_attention.py`` insertions left out."""
     src = _copy_with(tmp_path, SPEC_EDITS)
     result = _run(tmp_path, src)
     assert result.returncode != 0

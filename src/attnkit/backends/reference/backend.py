@@ -33,7 +33,7 @@ class ReferenceBackend(AttentionBackend):
 
     Its attention kinds are ``ATTENTION_SPEC_CLASSES``, and its impl asks each kind's
     ``KindRules`` (mask, what a step writes, latent or K/V), so a kind added in
-    ``spec.py`` and ``kinds.py`` is served here with no edit.
+    ``spec.py`` and ``kinds/_attention.py`` is served here with no edit.
     """
 
     name = "reference"

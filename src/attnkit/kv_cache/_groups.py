@@ -1,0 +1,106 @@
+"""Grouping and page-size unification: layers with equal specs share a ``KVCacheGroup``,
+and every group's page is brought to the one unified page ``P`` (``attnkit.kv_cache``'s
+docstring states the rule)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from ..errors import InvalidArgumentError
+from ..kinds import rules_for
+from ..spec import AttentionSpec, KVCacheSpec, KVCacheSpecKind, MambaSpec
+
+_ALIGN = 16  # byte alignment of each state tensor inside a page
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one spec, and so one block table per request.
+
+    Attributes:
+        group_id: index of the group.
+        spec: the spec the backends see (block size possibly scaled by unification).
+        layer_names: the group's layers, in model order.
+        original_spec: the spec the layers declared.
+    """
+
+    group_id: int
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+    original_spec: KVCacheSpec
+
+    @property
+    def kind(self) -> KVCacheSpecKind:
+        return self.spec.kind
+
+    @property
+    def has_cache(self) -> bool:
+        """Whether the group keeps anything between steps (encoder-only layers do not)."""
+        return rules_for(self.spec).has_cache
+
+
+def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
+    """Group layers with equal specs, in order of first appearance.
+
+    Raises:
+        ValueError: if there are no layers, or a value is not a ``KVCacheSpec``.
+    """
+    if not layer_specs:
+        raise InvalidArgumentError("layer_specs must name at least one layer, got none")
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise InvalidArgumentError(
+                f"layer_specs[{name!r}] must be a KVCacheSpec, got {type(spec).__name__}"
+            )
+        by_spec.setdefault(spec, []).append(name)
+    return [
+        KVCacheGroup(group_id=i, spec=spec, layer_names=tuple(names), original_spec=spec)
+        for i, (spec, names) in enumerate(by_spec.items())
+    ]
+
+
+def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup], int]:
+    """Apply the unification rule of the package docstring.
+
+    Returns:
+        The groups with scaled specs, and the unified page size ``P`` in bytes
+        (0 when no group keeps a cache).
+    """
+    cached = [g for g in groups if g.has_cache]
+    attention_pages = [g.spec.page_size_bytes for g in cached if isinstance(g.spec, AttentionSpec)]
+    mamba_pages = [g.spec.page_size_bytes for g in cached if isinstance(g.spec, MambaSpec)]
+    largest_state = max(mamba_pages, default=0)
+    if attention_pages:
+        lcm = math.lcm(*attention_pages)
+        page = lcm * max(1, math.ceil(largest_state / lcm))
+    else:
+        page = _round_up(largest_state, _ALIGN)
+    unified: list[KVCacheGroup] = []
+    for group in groups:
+        spec = group.spec
+        if group.has_cache and isinstance(spec, AttentionSpec):
+            factor = page // spec.page_size_bytes
+            spec = dataclasses.replace(spec, block_size=spec.block_size * factor)
+        unified.append(dataclasses.replace(group, spec=spec))
+    return unified, page
+
+
+def unified_groups(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[list[KVCacheGroup], int]:
+    """``group_layers`` then ``unify_page_sizes``: the groups (block sizes scaled) and the
+    unified page size ``P``.
+
+    The one code path from layer specs to the groups the cache is built for:
+    ``AttentionRuntime`` and ``attnkit.planner.plan_model`` both call it, so the block
+    size a plan shows is the one the runtime runs.
+
+    Raises:
+        InvalidArgumentError: as ``group_layers``.
+    """
+    return unify_page_sizes(group_layers(layer_specs))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,362 @@
+"""The block manager: every request's block table in every group, persistent numpy
+tables grown and released by the groups' kind rules, over one ``BlockPool``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentTypeError, OutOfBlocksError, UnknownRequestError
+from ..kinds import Ints, KindRules, StepLens, rules_for, spans
+from ._groups import KVCacheGroup
+from ._pool import NULL_BLOCK, BlockPool, Ints32
+
+RECENTLY_FREED = 4096
+"""How many freed request ids the manager remembers, to tell "already freed" apart
+from "never scheduled" in errors."""
+
+
+class _Tables:
+    """One group's block tables: a persistent ``[rows, width]`` int32 array.
+
+    Row ``r`` is the request that holds row ``r``; ``num_blocks[r]`` logical blocks
+    exist (entries past it are 0), entries before ``first_live[r]`` were released (0,
+    the null block). Grown by doubling, never rebuilt.
+    """
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.first_live = np.zeros(rows, dtype=np.int64)
+
+    def grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        if rows <= old_rows and width <= old_width:
+            return
+        new_rows, new_width = max(rows, old_rows), max(width, old_width)
+        if rows > old_rows:
+            new_rows = max(rows, 2 * old_rows)
+        if width > old_width:
+            new_width = max(width, 2 * old_width)
+        table = np.zeros((new_rows, new_width), dtype=np.int32)
+        table[:old_rows, :old_width] = self.table
+        self.table = table
+        for name in ("num_blocks", "first_live"):
+            old = getattr(self, name)
+            new = np.zeros(new_rows, dtype=np.int64)
+            new[:old_rows] = old
+            setattr(self, name, new)
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What one group does in a step, computed before anything changes."""
+
+    group: KVCacheGroup
+    grow: Ints  # new blocks per scheduled request
+    release_from: Ints  # first_live before the step
+    release_to: Ints  # first_live after the step
+    width: int  # the largest table length among the step's requests after it
+
+
+class KVCacheManager:
+    """Per-request block tables of every group, over one ``BlockPool``.
+
+    A request's table in a group maps its logical block ``i`` to a physical block.
+    What a group allocates and releases follows its kind's rules (``attnkit.kinds``):
+    attention groups grow their tables as tokens arrive; sliding-window and
+    chunked-local groups release blocks that no present or future query can see
+    (their entries become the null block); a Mamba group holds one block per request;
+    a cross-attention group holds the request's encoder tokens; encoder-only groups
+    hold nothing.
+
+    Tables are persistent numpy arrays, one row per live request (rows of finished
+    requests are reused): a step does only its new work, vectorised over requests,
+    and releases cost O(blocks released).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        *,
+        rules: Sequence[KindRules[Any]] | None = None,
+    ) -> None:
+        """``rules``: one per group, replacing its kind's (a context-parallel rank's
+        sharded rules); default ``rules_for`` each group's spec."""
+        self.groups = tuple(groups)
+        self.pool = BlockPool(num_blocks)
+        self._rules = list(rules) if rules is not None else [rules_for(g.spec) for g in self.groups]
+        if len(self._rules) != len(self.groups):
+            raise ValueError(
+                f"rules must have one entry per group ({len(self.groups)}), got {len(self._rules)}"
+            )
+        self._rows: dict[str, int] = {}
+        capacity = 16
+        # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
+        self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
+        self._step_widths: list[int] = [0] * len(self.groups)
+        self.rows_version = 0
+        # Ids of the last frees (oldest first), so a second free can say "already freed".
+        self._recently_freed: dict[str, None] = {}
+        """Bumped whenever a request id gains or loses its row (callers may cache
+        ``lookup_rows`` results while it is unchanged)."""
+        self._num_tokens = np.zeros(capacity, dtype=np.int64)
+        self._encoder_len = np.zeros(capacity, dtype=np.int64)
+        self._tables = [_Tables(capacity, 16) for _ in self.groups]
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row_of(self, req_id: str) -> int:
+        """The table row of a live request.
+
+        Raises:
+            UnknownRequestError: ``req_id`` is not live; the message says whether it
+                was freed (among the last ``RECENTLY_FREED`` frees) or never seen.
+        """
+        try:
+            return self._rows[req_id]
+        except KeyError:
+            raise self.unknown_request(req_id) from None
+        except TypeError:  # unhashable
+            raise ArgumentTypeError(
+                f"request ids are strings, got {req_id!r} ({type(req_id).__name__})"
+            ) from None
+
+    def unknown_request(self, req_id: object) -> UnknownRequestError:
+        """The error for a request id that is not live (see ``row_of``)."""
+        if not isinstance(req_id, str):
+            return UnknownRequestError(
+                f"unknown request {req_id!r}: request ids are strings, got {type(req_id).__name__}"
+            )
+        if req_id in self._recently_freed:
+            return UnknownRequestError(
+                f"request {req_id!r} was already freed (it has no cache now; schedule it "
+                f"as a new request to start it again)"
+            )
+        return UnknownRequestError(
+            f"unknown request {req_id!r}: it was never scheduled, or was freed long ago "
+            f"({len(self._rows)} live request(s))"
+        )
+
+    def num_tokens(self, req_id: str) -> int:
+        """Tokens of ``req_id`` whose K/V (or state) are in the cache after the last step."""
+        return int(self._num_tokens[self.row_of(req_id)])
+
+    def encoder_len(self, req_id: str) -> int:
+        return int(self._encoder_len[self.row_of(req_id)])
+
+    def block_table(self, group_id: int, req_id: str) -> list[int]:
+        """A copy of ``req_id``'s table in group ``group_id``."""
+        row = self.row_of(req_id)
+        tables = self._tables[group_id]
+        blocks: list[int] = tables.table[row, : tables.num_blocks[row]].tolist()
+        return blocks
+
+    def step_width(self, group_id: int) -> int:
+        """The largest table length (logical blocks) in group ``group_id`` among the
+        requests of the last ``allocate_rows`` call."""
+        return self._step_widths[group_id]
+
+    def num_blocks_of(self, group_id: int, rows: Ints) -> Ints:
+        """Logical blocks of each of ``rows`` in group ``group_id`` (released ones included)."""
+        return self._tables[group_id].num_blocks[rows]
+
+    def table_array(self, group_id: int) -> Ints32:
+        """Group ``group_id``'s persistent table (rows as ``row_of`` gives them); read only."""
+        return self._tables[group_id].table
+
+    def owned_blocks(self) -> dict[str, set[int]]:
+        """Request -> every non-null block it holds in any group (for checks)."""
+        return {
+            rid: {
+                b
+                for t in range(len(self.groups))
+                for b in self.block_table(t, rid)
+                if b != NULL_BLOCK
+            }
+            for rid in self._rows
+        }
+
+    def lookup_rows(self, req_ids: Sequence[str]) -> Ints:
+        """Rows of ``req_ids``, -1 for ids not live."""
+        return np.fromiter(
+            map(self._rows.get, req_ids, itertools.repeat(-1)), dtype=np.int64, count=len(req_ids)
+        )
+
+    def step_lens(self, rows: Ints, num_new: Ints, encoder_lens: Ints) -> StepLens:
+        """The step's lengths for ``rows`` (-1: a new request)."""
+        live = rows >= 0
+        if live.all():
+            return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
+        safe = np.where(live, rows, 0)
+        computed = np.where(live, self._num_tokens[safe], 0)
+        encoder = np.where(live, self._encoder_len[safe], encoder_lens)
+        return StepLens(computed, num_new, encoder)
+
+    def allocate_step(
+        self,
+        scheduled: Sequence[tuple[str, int, int]],
+    ) -> None:
+        """Make room for one step: ``(req_id, num_new_tokens, encoder_len)`` per request.
+
+        New request ids are added. Blocks that fall out of a window are released
+        first. All or nothing: on ``OutOfBlocksError`` no table and no block changed.
+        """
+        ids = [r for r, _, _ in scheduled]
+        num_new = np.fromiter((n for _, n, _ in scheduled), dtype=np.int64, count=len(ids))
+        enc = np.fromiter((e for _, _, e in scheduled), dtype=np.int64, count=len(ids))
+        rows = self.lookup_rows(ids)
+        self.allocate_rows(ids, rows, self.step_lens(rows, num_new, enc))
+
+    def allocate_rows(
+        self,
+        req_ids: Sequence[str],
+        rows: Ints,
+        lens: StepLens,
+        *,
+        finished: Sequence[str] = (),
+    ) -> Ints:
+        """``allocate_step`` for callers that have the rows and lengths already.
+
+        ``rows`` holds -1 for new requests; the rows they get are filled in (the array
+        is updated in place and returned). ``finished`` requests are freed first, but
+        only once the step is known to fit (their blocks count as free): a rejected
+        step changes nothing, finished requests included. An id both finished and
+        scheduled must be given as new (-1) in ``rows``.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step (nothing changed).
+        """
+        plans: list[_StepPlan] = []
+        total_new = total_released = 0
+        new = rows < 0
+        any_new = bool(new.any())
+        old_rows = np.where(new, 0, rows) if any_new else rows
+        for group, rules in zip(self.groups, self._rules, strict=True):
+            tables = self._tables[group.group_id]
+            have = tables.num_blocks[old_rows]
+            if any_new:
+                have[new] = 0
+            after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
+            grow = after_grow - have
+            width = int(after_grow.max()) if after_grow.size else 0
+            if rules.releases:
+                before = tables.first_live[old_rows]
+                if any_new:
+                    before[new] = 0
+                after = np.maximum(
+                    np.minimum(rules.first_live_block(group.spec, lens), have), before
+                )
+                total_released += int((after - before).sum())
+            else:
+                before = after = _NO_INTS
+            total_new += int(grow.sum())
+            plans.append(_StepPlan(group, grow, before, after, width))
+        held = sum(self._blocks_held(self.row_of(r)) for r in finished)
+        if total_new > self.pool.num_free_blocks + total_released + held:
+            raise OutOfBlocksError(
+                f"the step needs {total_new} new block(s) but only "
+                f"{self.pool.num_free_blocks} are free (+{total_released} released by windows, "
+                f"+{held} held by finished requests) of {self.pool.num_blocks - 1}; "
+                f"nothing was allocated or freed"
+            )
+        # Checked: from here on nothing fails. Finished requests go, new ones get rows.
+        for req_id in finished:
+            self.free_request(req_id)
+        if any_new:
+            self._assign_rows(req_ids, rows, lens)
+        # Releases first, for every request: a request earlier in the batch may need
+        # the blocks a later one releases.
+        for plan in plans:
+            if plan.release_to.size:
+                self._release(
+                    self._tables[plan.group.group_id], rows, plan.release_from, plan.release_to
+                )
+        for plan in plans:
+            self._grow(self._tables[plan.group.group_id], rows, plan.grow, plan.width)
+        self._num_tokens[rows] = lens.total
+        self._step_widths = [plan.width for plan in plans]
+        return rows
+
+    def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
+        new_idx = np.flatnonzero(rows < 0)
+        needed = len(self._rows) + new_idx.size
+        capacity = self._num_tokens.shape[0]
+        if needed > capacity:
+            size = max(needed, 2 * capacity)
+            for name in ("_num_tokens", "_encoder_len"):
+                grown = np.zeros(size, dtype=np.int64)
+                grown[:capacity] = getattr(self, name)
+                setattr(self, name, grown)
+            for tables in self._tables:
+                tables.grow(size, 0)
+            self._free_rows[:0] = range(size - 1, capacity - 1, -1)
+        self.rows_version += 1
+        for i in (int(k) for k in new_idx):
+            row = self._free_rows.pop()
+            rows[i] = row
+            self._rows[req_ids[i]] = row
+            if self._recently_freed:
+                self._recently_freed.pop(req_ids[i], None)
+        self._encoder_len[rows[new_idx]] = lens.encoder[new_idx]
+        self._num_tokens[rows[new_idx]] = 0
+
+    def _release(self, tables: _Tables, rows: Ints, before: Ints, after: Ints) -> None:
+        moved = np.flatnonzero(after > before)
+        if moved.size == 0:
+            return
+        rows, before, after = rows[moved], before[moved], after[moved]
+        owners, cols = spans(after - before, before, rows)
+        dead = tables.table[owners, cols]
+        tables.table[owners, cols] = NULL_BLOCK
+        self.pool.give_back(dead[dead != NULL_BLOCK])
+        tables.first_live[rows] = after
+
+    def _grow(self, tables: _Tables, rows: Ints, grow: Ints, width: int) -> None:
+        growing = np.flatnonzero(grow)
+        if growing.size == 0:
+            return
+        rows, grow = rows[growing], grow[growing]
+        have = tables.num_blocks[rows]
+        tables.grow(0, width)
+        owners, cols = spans(grow, have, rows)
+        tables.table[owners, cols] = self.pool.take(owners.size)
+        tables.num_blocks[rows] = have + grow
+
+    def _blocks_held(self, row: int) -> int:
+        held = 0
+        for tables in self._tables:
+            used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+            held += int(np.count_nonzero(used))
+        return held
+
+    def free_request(self, req_id: str) -> None:
+        """Release every block of ``req_id`` and forget it."""
+        row = self.row_of(req_id)
+        for tables in self._tables:
+            used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+            self.pool.give_back(used[used != NULL_BLOCK])
+            tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
+            tables.num_blocks[row] = 0
+            tables.first_live[row] = 0
+        self._num_tokens[row] = 0
+        self._encoder_len[row] = 0
+        del self._rows[req_id]
+        self._free_rows.append(row)
+        self.rows_version += 1
+        recent = self._recently_freed
+        recent[req_id] = None
+        if len(recent) > RECENTLY_FREED:
+            del recent[next(iter(recent))]
+
+
+_NO_INTS: Ints = np.zeros(0, dtype=np.int64)
