@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import attnkit.cli
+import attnkit.cli._demo as cli_demo
 import attnkit.demo as demo
 import attnkit.demo._attention as demo_attention
 import attnkit.demo._mixer as demo_mixer
@@ -396,7 +396,7 @@ def test_demo_config_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     def layout_without_encoder(path: object) -> ModelLayout:
         return decoder_only
 
-    monkeypatch.setattr(attnkit.cli, "layout_from_hf_config", layout_without_encoder)
+    monkeypatch.setattr(cli_demo, "layout_from_hf_config", layout_without_encoder)
     status, text, err = _run(["demo", "--config", str(config)])
     assert (status, text) == (2, "")
     assert err == (
