@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-import attnkit.cli
+import attnkit.cli._demo as cli_demo
 import attnkit.demo as demo
+import attnkit.demo._attention as demo_attention
+import attnkit.demo._mixer as demo_mixer
+import attnkit.demo._state as demo_state
 from attnkit import BackendRegistry, InvalidArgumentError, layout_from_hf_config
 from attnkit.cli import main
 from attnkit.demo import DemoModel, demo_layout, run_demo
@@ -270,8 +273,8 @@ def _attend_without_sinks(*args: Any, **kwargs: Any) -> torch.Tensor:
     return ORIGINAL_ATTEND(*args, **{**kwargs, "sinks": None})
 
 
-ORIGINAL_MASK = demo._mask
-ORIGINAL_ATTEND = demo._attend
+ORIGINAL_MASK = demo_attention._mask
+ORIGINAL_ATTEND = demo_attention._attend
 
 
 @pytest.mark.parametrize(
@@ -298,7 +301,7 @@ def test_a_broken_dense_path_fails_the_check(
         )
         return result, out.getvalue()
 
-    monkeypatch.setattr(demo, attribute, broken)
+    monkeypatch.setattr(demo_attention, attribute, broken)
     bad, text = run()
     assert not bad.passed
     assert bad.max_error > 1e-2  # 500x the tolerance: a real difference, not rounding
@@ -309,10 +312,12 @@ def test_a_broken_dense_path_fails_the_check(
 def test_a_broken_mamba1_recurrence_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mamba1's dense recurrence without the skip term ``D * u``: the check fails."""
     layout = demo_layout(_layout("jamba-v0.1"))
-    original = demo._Mamba1.dense
+    original = demo_state._Mamba1.dense
 
     def dense_without_skip(
-        self: demo._Mamba1, h: torch.Tensor, ctx: demo._Context = demo._NO_CONTEXT
+        self: demo_state._Mamba1,
+        h: torch.Tensor,
+        ctx: demo_mixer.Context = demo_mixer.NO_CONTEXT,
     ) -> torch.Tensor:
         params = self.params
         assert params.D is not None
@@ -322,7 +327,7 @@ def test_a_broken_mamba1_recurrence_fails_the_check(monkeypatch: pytest.MonkeyPa
         finally:
             self.params = params
 
-    monkeypatch.setattr(demo._Mamba1, "dense", dense_without_skip)
+    monkeypatch.setattr(demo_state._Mamba1, "dense", dense_without_skip)
     out = io.StringIO()
     result = run_demo(layout=layout, model_name="jamba", decode_steps=1, out=out)
     assert not result.passed
@@ -391,7 +396,7 @@ def test_demo_config_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     def layout_without_encoder(path: object) -> ModelLayout:
         return decoder_only
 
-    monkeypatch.setattr(attnkit.cli, "layout_from_hf_config", layout_without_encoder)
+    monkeypatch.setattr(cli_demo, "layout_from_hf_config", layout_without_encoder)
     status, text, err = _run(["demo", "--config", str(config)])
     assert (status, text) == (2, "")
     assert err == (

@@ -65,7 +65,15 @@ LAYERS: dict[str, int] = {
 """Core modules and their layer."""
 
 PACKAGES: frozenset[str] = frozenset(
-    {"attnkit.kinds", "attnkit.kv_cache", "attnkit.models", "attnkit.planner"}
+    {
+        "attnkit.cli",
+        "attnkit.demo",
+        "attnkit.integrations.transformers",
+        "attnkit.kinds",
+        "attnkit.kv_cache",
+        "attnkit.models",
+        "attnkit.planner",
+    }
 )
 """Core modules that are packages of private submodules (``attnkit.planner._capacity``):
 a submodule takes its package's layer, and the modules of one package may import each

@@ -1,0 +1,120 @@
+"""``attnkit backends``: every registered backend, what it serves, and whether it can
+run on a device (with the reasons when it cannot)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from functools import partial
+
+import torch
+
+from ..devices import device_problem, parse_device
+from ..errors import PluginError
+from ..registry import BackendRegistry, call_backend_code
+from ._common import Streams
+
+
+@dataclasses.dataclass
+class BackendRow:
+    """One line of ``attnkit backends``."""
+
+    name: str
+    origin: str
+    source: str
+    kinds: list[str]
+    devices: list[str]
+    available: bool
+    reasons: list[str]
+    description: str
+
+
+def backend_rows(registry: BackendRegistry, device: torch.device) -> list[BackendRow]:
+    """Every backend (loading plugins), excluded plugins last, with availability on ``device``."""
+    rows: list[BackendRow] = []
+    for entry in registry.load_all():
+        backend = entry.backend
+        if backend is None:
+            rows.append(
+                BackendRow(
+                    entry.name,
+                    entry.origin,
+                    entry.source,
+                    [],
+                    [],
+                    False,
+                    [f"excluded: {entry.error}"],
+                    "",
+                )
+            )
+            continue
+        # A plugin's hooks run behind the plugin guard: what they raise becomes a
+        # reason on its row (the PluginError's message), not an error of the listing.
+        reasons: list[str] = []
+        kinds: list[str] = []
+        try:
+            declared = call_backend_code(entry, "supported_kinds()", backend.supported_kinds)
+            kinds = sorted(k.value for k in declared)
+        except PluginError as exc:
+            reasons.append(str(exc))
+        for what, hook in (
+            ("environment_reasons()", backend.environment_reasons),
+            ("device_reasons()", backend.device_reasons),  # the device is absent here
+        ):
+            try:
+                found = call_backend_code(entry, what, partial(hook, device))
+            except PluginError as exc:
+                found = [str(exc)]
+            reasons += [r for r in found if r not in reasons]
+        rows.append(
+            BackendRow(
+                name=entry.name,
+                origin=entry.origin,
+                source=entry.source,
+                kinds=kinds,
+                devices=sorted(backend.supported_devices),
+                available=not reasons,
+                reasons=reasons,
+                description=backend.description,
+            )
+        )
+    return rows
+
+
+def _inspected_device(args: argparse.Namespace, io: Streams) -> torch.device:
+    """``--device`` of ``backends`` and ``plan``: these describe a device, so an absent
+    one is reported on stderr (as a note) rather than refused."""
+    device = parse_device(args.device, argument="--device")
+    problem = device_problem(device)
+    if problem is not None:
+        io.note(f"{problem}; showing what attnkit reports for it")
+    return device
+
+
+def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Streams) -> int:
+    device = _inspected_device(args, io)
+    out = io.out
+    rows = backend_rows(registry, device)
+    if args.json:
+        json.dump(
+            {"device": str(device), "backends": [dataclasses.asdict(r) for r in rows]},
+            out,
+            indent=2,
+        )
+        out.write("\n")
+        return 0
+    if not rows:
+        out.write("no backends are registered\n")
+        return 0
+    out.write(f"backends on {device}:\n")
+    for row in rows:
+        status = "available" if row.available else "unavailable"
+        out.write(
+            f"  {row.name} [{row.origin}] {status}\n    kinds: {', '.join(row.kinds) or '-'}\n"
+        )
+        if row.description:
+            out.write(f"    {row.description}\n")
+        for reason in row.reasons:
+            out.write(f"    - {reason}\n")
+    return 0

@@ -1,0 +1,275 @@
+"""``attnkit plan``'s text report: the layers table, the groups with their backends and
+skipped candidates, the capacity lines, and with tensor or context parallelism what
+each rank holds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TextIO
+
+from ..kinds import rules_for
+from ..planner import GroupSplit, ModelPlan, RankPlan, format_bytes
+from ..spec import AttentionSpec, KVCacheSpec
+
+
+def layer_list(names: Sequence[str]) -> str:
+    """Layer names for a group's header: all of them, or the first two and the last."""
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, ..., {names[-1]} ({len(names)} layers)"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _bytes(value: int) -> str:
+    shown = format_bytes(value)
+    return f"{value} B" if shown.endswith(" B") else f"{value} B ({shown})"
+
+
+def _pool_lines(
+    pool: ModelPlan | RankPlan, memory_bytes: int, num_blocks: int
+) -> list[tuple[str, str]]:
+    """The memory and capacity lines of a pool with a budget (one device or one rank)."""
+    lines = [
+        (
+            "memory",
+            f"{_bytes(memory_bytes)} -> {num_blocks} blocks "
+            f"({pool.usable_blocks} usable; block 0 is the null block)",
+        )
+    ]
+    if pool.max_concurrency is None:
+        lines.append(("capacity", "unbounded by the cache (the model caches nothing)"))
+    else:
+        lines.append(("tokens that fit", str(pool.tokens_that_fit)))
+        lines.append(
+            ("concurrent requests", f"{pool.max_concurrency} of {pool.max_model_len} tokens")
+        )
+    return lines
+
+
+def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
+    """The plan as text: layers, groups with their backends, capacity."""
+    out.write(f"{title}\n")
+    dtype = str(plan.dtype).removeprefix("torch.") if plan.dtype is not None else None
+    if dtype is not None:
+        out.write(f"dtype {dtype}\n")
+    out.write("\nlayers:\n")
+    rows = [("layer", "kind", "state", "window", "chunk", "group", "backend")]
+    for layer in plan.layers:
+        rows.append(
+            (
+                layer.name,
+                layer.kind,
+                layer.mamba_type or "-",
+                str(layer.sliding_window or "-"),
+                str(layer.attention_chunk_size or "-"),
+                str(layer.group),
+                plan.groups[layer.group].backend_name or "NONE",
+            )
+        )
+    out.writelines(line + "\n" for line in _table(rows))
+    out.write(f"\ngroups (unified page {plan.page_size_bytes} B):\n")
+    for g in plan.groups:
+        group = g.group
+        out.write(
+            f"\n{layer_list(group.layer_names)}: {group.kind.value} ({type(group.spec).__name__})\n"
+        )
+        if g.selection is None:
+            out.write(
+                "  NO BACKEND\n" + "".join(f"    {line}\n" for line in (g.error or "").splitlines())
+            )
+        else:
+            out.write(f"  -> {g.selection.backend_name} (chosen by {g.selection.source})\n")
+            for rejection in g.rejected:
+                out.write(f"     skipped {rejection}\n")
+        if not group.has_cache:
+            out.write(f"  group {group.group_id}: no cache\n")
+            continue
+        spec, declared = group.spec, group.original_spec
+        scaled = (
+            f" (declared {declared.block_size}, scaled to the unified page)"
+            if spec.block_size != declared.block_size
+            else ""
+        )
+        size = (
+            f"block size {spec.block_size}{scaled}, "
+            if isinstance(spec, AttentionSpec)
+            else f"state {spec.page_size_bytes} B per layer, "
+        )
+        out.write(
+            f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
+            f"{g.layout}, at most {g.blocks_per_request} block(s) per request\n"
+        )
+    out.write(
+        f"\ncapacity (max_model_len {plan.max_model_len}, max_num_batched_tokens "
+        f"{plan.max_num_batched_tokens}):\n"
+    )
+    sets = ", ".join(f"{name} {count}" for name, count in sorted(plan.buffers.items()))
+    lines = [
+        (
+            "page",
+            f"{plan.page_size_bytes} B in {sum(plan.buffers.values())} layer buffer(s)"
+            f" ({sets or 'none'}) = {_bytes(plan.bytes_per_block)} per block",
+        ),
+        ("KV per token", f"{_bytes(plan.kv_bytes_per_token)} (attention layers)"),
+    ]
+    for g in plan.groups:
+        if g.per_request_cap_bytes is None:
+            continue
+        bound = _bound(g.group.spec)
+        lines.append(
+            (
+                f"group {g.group.group_id}",
+                f"{g.bytes_per_token} B per token up to its {bound}; at most "
+                f"{_bytes(g.per_request_cap_bytes)} per request",
+            )
+        )
+    lines.append(("state per request", _bytes(plan.state_bytes_per_request)))
+    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in plan.groups)
+    lines.append(
+        (
+            "blocks per request",
+            f"{plan.blocks_per_request} ({per_group}) = {_bytes(plan.bytes_per_request)}",
+        )
+    )
+    if plan.memory_bytes is None:
+        lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
+    elif plan.num_blocks is None:
+        lines.append(
+            (
+                "memory",
+                f"{_bytes(plan.memory_bytes)} holds fewer than 2 blocks of the whole model "
+                "(see per rank)",
+            )
+        )
+    else:
+        lines.extend(_pool_lines(plan, plan.memory_bytes, plan.num_blocks))
+    cg = plan.cudagraph()
+    lines.append(
+        (
+            "CUDA graphs",
+            f"{cg[0].name} (limited by {cg[1]})"
+            if cg is not None
+            else "unknown (a group has no backend)",
+        )
+    )
+    width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
+    out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
+    if plan.per_rank.world_size > 1:
+        _write_per_rank(out, plan)
+
+
+def _bound(spec: KVCacheSpec) -> str:
+    """``window 4096`` / ``chunk 8192``: what bounds a windowed group's cache."""
+    return rules_for(spec).bound_label(spec) or "no bound"
+
+
+def _placement(split: GroupSplit, cp: int) -> str:
+    """How context parallelism places the group, after ``; `` (nothing to say at cp 1)."""
+    if split.context == "none":
+        return "; no cache"
+    if cp == 1:
+        return ""
+    if split.context == "sharded":
+        return f"; context sharded (token t on rank t mod {cp})"
+    return f"; context replicated on each of the {cp} context-parallel ranks"
+
+
+def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
+    """What each rank holds with --tensor-parallel / --context-parallel: the split of
+    every model group, the rank's groups, and its capacity."""
+    rank = plan.per_rank
+    tp, cp = rank.tensor_parallel, rank.context_parallel
+    out.write(
+        f"\nper rank (tensor_parallel {tp} x context_parallel {cp} = {rank.world_size} "
+        "ranks; --gpu-memory and --num-blocks are each rank's, the capacity above is the "
+        "whole model on one device):\n"
+    )
+    for split in rank.splits:
+        model = plan.groups[split.group_id]
+        out.write(f"  {model.describe()}: {split.detail}{_placement(split, cp)}\n")
+    out.write("groups on each rank:\n")
+    for g in rank.groups:
+        group = g.group
+        if not group.has_cache:
+            out.write(f"  {g.describe()}: no cache\n")
+            continue
+        spec = group.spec
+        if isinstance(spec, AttentionSpec):
+            declared = group.original_spec.block_size
+            scaled = (
+                f" (declared {declared}, scaled to the rank's page)"
+                if spec.block_size != declared
+                else ""
+            )
+            heads = (
+                f"latent {spec.head_size}"
+                if rules_for(spec).latent
+                else f"{spec.num_kv_heads} K/V head(s)"
+            )
+            size = f"block size {spec.block_size}{scaled}, {heads}, "
+        else:
+            size = f"state {spec.page_size_bytes} B per layer, "
+        out.write(
+            f"  {g.describe()}: {size}{len(group.layer_names)} layer(s), at most "
+            f"{g.blocks_per_request} block(s) per request\n"
+        )
+    sets = ", ".join(f"{name} {count}" for name, count in sorted(rank.buffers.items()))
+    lines = [
+        (
+            "page",
+            f"{rank.page_size_bytes} B in {sum(rank.buffers.values())} layer buffer(s)"
+            f" ({sets or 'none'}) = {_bytes(rank.bytes_per_block)} per block",
+        ),
+        (
+            "KV per token",
+            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds "
+            "the token)",
+        ),
+    ]
+    if cp > 1 and any(g.context_sharded for g in rank.groups):
+        lines.append(
+            (
+                "context per rank",
+                f"{rank.context_tokens} of {plan.max_model_len} tokens in sharded groups",
+            )
+        )
+    for g in rank.groups:
+        if g.per_request_cap_bytes is not None:
+            lines.append(
+                (
+                    f"group {g.group.group_id}",
+                    f"{g.bytes_per_token} B per token up to its {_bound(g.group.spec)}; at "
+                    f"most {_bytes(g.per_request_cap_bytes)} per request",
+                )
+            )
+    lines.append(("state per request", _bytes(rank.state_bytes_per_request)))
+    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in rank.groups)
+    lines.append(
+        (
+            "blocks per request",
+            f"{rank.blocks_per_request} ({per_group}) = {_bytes(rank.bytes_per_request)}",
+        )
+    )
+    if rank.memory_bytes is None or rank.num_blocks is None:
+        lines.append(("memory", "not given (--gpu-memory or --num-blocks)"))
+    else:
+        lines.extend(_pool_lines(rank, rank.memory_bytes, rank.num_blocks))
+        longest = rank.max_context_tokens
+        lines.append(
+            (
+                "max context",
+                f"{longest} tokens (one request alone in the pool)"
+                if longest is not None
+                else "unbounded by the cache (no cached layer grows with the context)",
+            )
+        )
+    width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
+    out.write("capacity per rank:\n")
+    out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
