@@ -64,7 +64,7 @@ LAYERS: dict[str, int] = {
 }
 """Core modules and their layer."""
 
-PACKAGES: frozenset[str] = frozenset()
+PACKAGES: frozenset[str] = frozenset({"attnkit.runtime"})
 """Core modules that are packages of private submodules (``attnkit.planner._capacity``):
 a submodule takes its package's layer, and the modules of one package may import each
 other (the cycle check still holds inside the package)."""
