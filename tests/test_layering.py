@@ -35,7 +35,6 @@ LAYERS: dict[str, int] = {
     "attnkit.impl": 5,
     "attnkit.state_types": 5,
     "attnkit.models": 6,
-    "attnkit._boundary": 6,
     "attnkit.binding": 6,
     "attnkit.backend": 7,
     "attnkit.registry": 8,

@@ -17,8 +17,9 @@ exactly once; every ``forward`` of the step reuses it.
 
 The package's modules: ``_requests`` (``ScheduledRequest``, ``StepBatch``), ``_runtime``
 (``AttentionRuntime``'s construction and introspection, ``StateLayer``), ``_step`` (the
-per-step host path), ``_forward`` (the layer calls), ``_base`` (the state its parts
-share), ``_checks`` (construction checks), ``_reports`` (routing and memory reports).
+per-step host path), ``_forward`` (the layer calls), ``_boundary`` (the input boundary
+those calls pass), ``_base`` (the state its parts share), ``_checks`` (construction
+checks), ``_reports`` (routing and memory reports).
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from .._boundary import AttentionInputs, StateLayerInputs
 from ..backend import AnyBinding
 from ..builder import AttentionMetadataBuilder
 from ..config import AttentionConfig
@@ -26,6 +25,7 @@ from ..kv_cache import KVCacheGroup, KVCacheManager
 from ..metadata import CommonAttentionMetadata
 from ..parallel import ContextParallel
 from ..selector import Selection
+from ._boundary import AttentionInputs, StateLayerInputs
 from ._requests import StepBatch
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .._boundary import copy_back
 from ..errors import ArgumentTypeError
 from ..impl import AttentionImpl
 from ..parallel import merge_partials
 from ..state_inputs import StateInputs
 from ._base import RuntimeBase
+from ._boundary import copy_back
 
 
 class LayerCalls(RuntimeBase):

@@ -13,7 +13,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from .._boundary import AttentionInputs, StateLayerInputs, input_device
 from ..backend import AttentionBackend
 from ..builder import AttentionCGSupport
 from ..capabilities import AttentionFeature, KVCacheLayout
@@ -39,6 +38,7 @@ from ..selector import Selection, select_backend
 from ..spec import KVCacheSpec
 from ..state_inputs import StateInputs
 from ._base import _Group
+from ._boundary import AttentionInputs, StateLayerInputs, input_device
 from ._checks import (
     check_constructor_args,
     check_params,

@@ -676,7 +676,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         """The backend's own rules (no device reads): its metadata, the latent cache's
         layout and the projection's device; return the cache tensor. The query, the
         latents and the output were checked against the layer by the runtime
-        (``attnkit._boundary``); only the latents' presence is checked here."""
+        (``attnkit.runtime._boundary``); only the latents' presence is checked here."""
         spec = self.kv_cache_spec
         owner = f"{type(self).__name__}.forward ({spec.kind.value})"
         if not isinstance(attn_metadata, TritonMLAMetadata):
