@@ -1,5 +1,5 @@
 """The runtime's input boundary: every ``forward`` / ``forward_state`` call is checked
-against the layer and the step before any backend runs (``attnkit._boundary``).
+against the layer and the step before any backend runs (``attnkit.runtime._boundary``).
 
 Each finding of the issue ("validation is per backend") runs against every built-in
 backend that serves the kind on CPU: ``reference``, ``flex_attention`` (the CPU

@@ -35,7 +35,6 @@ LAYERS: dict[str, int] = {
     "attnkit.impl": 5,
     "attnkit.state_types": 5,
     "attnkit.models": 6,
-    "attnkit._boundary": 6,
     "attnkit.binding": 6,
     "attnkit.backend": 7,
     "attnkit.registry": 8,
@@ -73,6 +72,7 @@ PACKAGES: frozenset[str] = frozenset(
         "attnkit.kv_cache",
         "attnkit.models",
         "attnkit.planner",
+        "attnkit.runtime",
     }
 )
 """Core modules that are packages of private submodules (``attnkit.planner._capacity``):

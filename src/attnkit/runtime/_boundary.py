@@ -34,13 +34,13 @@ from typing import Any, Literal, NoReturn, cast
 
 import torch
 
-from ._validation import describe_tensor, dtype_name
-from .errors import ArgumentTypeError, InvalidArgumentError
-from .kinds import rules_for
-from .params import AttentionLayerParams, StateLayerParams
-from .spec import AttentionSpec, MambaSpec
-from .state_inputs import StateInputs
-from .state_types import state_type_of
+from .._validation import describe_tensor, dtype_name
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..kinds import rules_for
+from ..params import AttentionLayerParams, StateLayerParams
+from ..spec import AttentionSpec, MambaSpec
+from ..state_inputs import StateInputs
+from ..state_types import state_type_of
 
 __all__ = ["AttentionInputs", "StateLayerInputs", "copy_back", "input_device", "unit_last_stride"]
 

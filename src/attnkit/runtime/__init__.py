@@ -1,0 +1,42 @@
+"""``AttentionRuntime``: the per-step driver an engine uses.
+
+Built once from the model's layer specs, it groups layers, unifies page sizes, selects
+a backend per group, makes one builder per group and one impl per layer, and
+allocates the paged cache. Each step::
+
+    step = runtime.begin_step([ScheduledRequest("a", 7), ScheduledRequest("b", 1)],
+                              finished=["c"])
+    # lay out the step's tokens in step.order (decodes first when a backend asks)
+    out = runtime.forward("layers.0", q, k, v)                         # attention
+    y = runtime.forward_state("layers.1", Mamba2Inputs(xBC=xbc, dt=dt))  # a state layer
+    mamba = runtime.state_layer("layers.1", Mamba2Inputs)    # or a typed handle:
+    y = mamba.forward(Mamba2Inputs(xBC=xbc, dt=dt))          # mypy checks the input class
+
+``begin_step`` builds ``CommonAttentionMetadata`` and each group's backend metadata
+exactly once; every ``forward`` of the step reuses it.
+
+The package's modules: ``_requests`` (``ScheduledRequest``, ``StepBatch``), ``_runtime``
+(``AttentionRuntime``'s construction and introspection, ``StateLayer``), ``_step`` (the
+per-step host path), ``_forward`` (the layer calls), ``_boundary`` (the input boundary
+those calls pass), ``_base`` (the state its parts share), ``_checks`` (construction
+checks), ``_reports`` (routing and memory reports).
+"""
+
+from __future__ import annotations
+
+from ._checks import default_layer_params as default_layer_params
+from ._checks import group_features as group_features
+from ._checks import group_num_heads as group_num_heads
+from ._reports import GroupMemory, MemoryReport, RoutingRow
+from ._requests import ScheduledRequest, StepBatch
+from ._runtime import AttentionRuntime, StateLayer
+
+__all__ = [
+    "AttentionRuntime",
+    "GroupMemory",
+    "MemoryReport",
+    "RoutingRow",
+    "ScheduledRequest",
+    "StateLayer",
+    "StepBatch",
+]

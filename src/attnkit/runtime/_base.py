@@ -1,0 +1,94 @@
+"""What the runtime's parts share: the state ``AttentionRuntime.__init__`` sets up and
+the step lookups every part makes (which layer is in which group, whether the current
+step still holds).
+
+``AttentionRuntime`` is one class made of parts, one per module: construction and
+introspection (``_runtime``), the per-step host path (``_step``) and the layer calls
+(``_forward``). Each part derives from ``RuntimeBase``, which declares the attributes
+they read, so the type checkers see one runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..backend import AnyBinding
+from ..builder import AttentionMetadataBuilder
+from ..config import AttentionConfig
+from ..errors import StaleStepError, UnknownLayerError
+from ..impl import AttentionImpl, StateImpl
+from ..kinds import Ints, KindRules
+from ..kv_cache import KVCacheGroup, KVCacheManager
+from ..metadata import CommonAttentionMetadata
+from ..parallel import ContextParallel
+from ..selector import Selection
+from ._boundary import AttentionInputs, StateLayerInputs
+from ._requests import StepBatch
+
+
+@dataclasses.dataclass
+class _Group:
+    group: KVCacheGroup
+    selection: Selection
+    binding: AnyBinding
+    builder: AttentionMetadataBuilder[Any, Any]
+    metadata: Any = None
+    common: CommonAttentionMetadata | None = None
+
+
+class RuntimeBase:
+    """The runtime's state, declared for its parts (set by ``AttentionRuntime.__init__``
+    and, per step, by ``begin_step``)."""
+
+    # Built once.
+    device: torch.device
+    config: AttentionConfig
+    context_parallel: ContextParallel | None
+    manager: KVCacheManager
+    kv_caches: dict[str, tuple[torch.Tensor, ...]]
+    _groups: list[_Group]
+    _layer_group: dict[str, int]
+    _sharded: frozenset[int]
+    _rules_of: dict[int, KindRules[Any]]
+    _kind_rules: list[KindRules[Any]]
+    _thresholds: tuple[int, ...]
+    _reads_encoder: bool
+    _attention_impls: dict[str, AttentionImpl[Any, Any, Any]]
+    _state_impls: dict[str, StateImpl[Any, Any, Any]]
+    _attention_inputs: dict[str, AttentionInputs]
+    _state_inputs: dict[str, StateLayerInputs]
+    # Per step.
+    _cp_step: int
+    _step: StepBatch | None
+    _encoder_tokens: int
+    _stale: str | None
+    _step_rows_version: int
+    _last_ids: list[str]
+    _last_rows: Ints
+    _last_rows_version: int
+
+    def _group_id(self, layer_name: str) -> int:
+        try:
+            return self._layer_group[layer_name]
+        except (KeyError, TypeError):  # TypeError: an unhashable name
+            raise UnknownLayerError(
+                f"unknown layer {layer_name!r}; layers: {', '.join(self._layer_group)}"
+            ) from None
+
+    def _current_step(self) -> StepBatch:
+        if self._step is None:
+            raise StaleStepError("forward() called before begin_step()")
+        return self._step
+
+    def _check_step_live(self) -> None:
+        """Raise ``StaleStepError`` unless the current step's metadata still holds."""
+        if self._stale is None and self.manager.rows_version != self._step_rows_version:
+            self._stale = (
+                "requests gained or lost their cache since begin_step() (through the "
+                "manager); call begin_step() again"
+            )
+        if self._stale is not None:
+            raise StaleStepError(self._stale)

@@ -1,0 +1,140 @@
+"""The layer calls of a step: ``forward`` (attention; a context-sharded group's
+partial result and the merge across ranks) and ``forward_state`` (state layers), each
+checked at the input boundary before any backend runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ArgumentTypeError
+from ..impl import AttentionImpl
+from ..parallel import merge_partials
+from ..state_inputs import StateInputs
+from ._base import RuntimeBase
+from ._boundary import copy_back
+
+
+class LayerCalls(RuntimeBase):
+    """``AttentionRuntime``'s layer calls: ``forward``, ``forward_state``."""
+
+    def forward(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one attention layer of the current step.
+
+        query ``[T, Hq, D]`` (with ``layer_params.mla_projection``: the un-absorbed
+        ``[T, Hq, N + P]``), key/value ``[T, Hkv, D]`` with the query's ``T`` (MLA: key
+        the new latents ``[T, 1, D]``, value ``None`` or the same; cross-attention: the
+        encoder states ``[E, Hkv, D]`` of ``StepBatch.encoder_order``, ``E`` their
+        encoder tokens, or ``None`` when no request is new); ``T`` is at least the
+        step's tokens (rows past them are padding). Every tensor has the spec's dtype
+        and is on the runtime's device. Returns ``output`` ``[T, Hq, Dv]`` (``Dv`` is
+        ``layer_params.v_head_size`` or the head size), a new tensor when ``None``.
+        State layers take typed inputs: ``forward_state`` or ``state_layer``.
+
+        The call is checked before any backend runs, so a rejected call changes
+        nothing. Any strided view is accepted: a tensor whose last dimension is not
+        unit-stride is copied once into a contiguous tensor (an ``output`` of that
+        kind is written through a contiguous buffer); other views, such as slices of
+        a fused QKV projection, reach the backend without a copy.
+
+        Raises:
+            ArgumentTypeError: ``layer_name`` is a state layer, or an argument is not a
+                tensor.
+            InvalidArgumentError: a tensor's rank, rows, sizes, dtype or device does
+                not fit the layer and the step (the message names the argument).
+            StaleStepError: no step yet, or the step's requests were freed since.
+        """
+        name: object = layer_name  # untyped callers may pass anything
+        impl = self._attention_impls.get(layer_name) if isinstance(name, str) else None
+        if impl is None:
+            self._group_id(layer_name)  # unknown layers: the error lists the layers
+            raise ArgumentTypeError(
+                f"{layer_name} is a state layer: call forward_state({layer_name!r}, "
+                f"{self._state_impls[layer_name].layer_params.inputs_type.__name__}(...))"
+            )
+        self._check_step_live()
+        query, key, value, out, caller = self._attention_inputs[layer_name].check(
+            query, key, value, output, self._current_step().num_tokens, self._encoder_tokens
+        )
+        entry = self._groups[self._layer_group[layer_name]]
+        caches = self.kv_caches.get(layer_name, ())
+        if entry.group.group_id not in self._sharded:
+            result = impl.forward(query, key, value, caches, entry.metadata, out)
+        else:
+            result = self._forward_sharded(impl, query, key, value, caches, entry.metadata, out)
+        return result if caller is None else copy_back(result, caller)
+
+    def _forward_sharded(
+        self,
+        impl: AttentionImpl[Any, Any, Any],
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        caches: Sequence[torch.Tensor],
+        metadata: Any,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's partial attention, then one all-gather of ``(output, lse)`` and the
+        merge (``attnkit.parallel``)."""
+        cp = self.context_parallel
+        assert cp is not None  # only sharded groups come here
+        n = self._current_step().num_tokens
+        lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32, device=query.device)
+        partial = output.new_empty(output.shape)
+        impl.forward_partial(query, key, value, caches, metadata, partial, lse)
+        # Rows past the step's tokens (padding) are not exchanged.
+        packed = torch.cat([partial[:n].float().flatten(1), lse[:n]], dim=1)
+        gathered = cp.communicator.all_gather(packed)
+        width = partial[:n].flatten(1).shape[1]
+        shape = (n, *output.shape[1:])
+        outs = [g[:, :width].reshape(shape) for g in gathered]
+        lses = [g[:, width:] for g in gathered]
+        merge_partials(outs, lses, output[:n])
+        return output
+
+    def forward_state(
+        self, layer_name: str, inputs: StateInputs, *, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one state layer of the current step with its type's inputs.
+
+        ``inputs`` is the input class of the layer's type (``Mamba2Inputs``,
+        ``GatedDeltaNetInputs``, ``LinearAttentionInputs``, ``ShortConvInputs``); the
+        result has ``layer_params.output_shape(T)``. ``state_layer`` gives a handle
+        whose ``forward`` the type checker checks too.
+
+        Checked before any backend runs, as ``forward`` is: each field has the widths
+        its type declares (``StateType.input_widths``) and at least the step's tokens
+        as rows, the dtype the type asks for, and the runtime's device; the same
+        stride rule applies (a field whose last dimension is not unit-stride is copied
+        once).
+
+        Raises:
+            ArgumentTypeError: an attention layer, or inputs of another layer type.
+            InvalidArgumentError: a field's rank, rows, widths, dtype or device, or the
+                output's, does not fit (the message names ``inputs.<field>``).
+            StaleStepError: no step yet, or the step's requests were freed since.
+        """
+        name: object = layer_name  # untyped callers may pass anything
+        impl = self._state_impls.get(layer_name) if isinstance(name, str) else None
+        if impl is None:
+            self._group_id(layer_name)
+            raise ArgumentTypeError(
+                f"{layer_name} is an attention layer: call forward({layer_name!r}, query, key, value)"
+            )
+        self._check_step_live()
+        inputs, out, caller = self._state_inputs[layer_name].check(
+            inputs, output, self._current_step().num_tokens
+        )
+        entry = self._groups[self._layer_group[layer_name]]
+        result = impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, out)
+        return result if caller is None else copy_back(result, caller)

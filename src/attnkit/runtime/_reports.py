@@ -1,0 +1,103 @@
+"""What the runtime reports about itself: the routing table's rows and where the KV
+cache's bytes go (``AttentionRuntime.routing_table()``, ``memory_report()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ..capabilities import KVCacheLayout
+from ..kv_cache import BufferSetName
+from ..spec import KVCacheSpecKind
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRow:
+    """One line of the routing table: layer -> kind -> group -> backend."""
+
+    layer: str
+    kind: KVCacheSpecKind
+    group_id: int
+    backend: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupMemory:
+    """One group's share of the KV cache (a row of ``MemoryReport.groups``).
+
+    Attributes:
+        group_id, kind, backend: as in the routing table.
+        layout: the cache layout its backend declares (``AttentionBackend.kv_cache_layout``).
+        buffer_set: the set of layer buffers its layers view (``"page_major"`` or
+            ``"planes"``); ``None`` for a group that keeps no cache (encoder-only).
+        num_layers: its layers.
+        bytes: what its layers' views span, ``num_layers * num_blocks * page``; shared
+            with the other groups of its set (the set's bytes count once in
+            ``MemoryReport.total_bytes``).
+    """
+
+    group_id: int
+    kind: KVCacheSpecKind
+    backend: str
+    layout: KVCacheLayout
+    buffer_set: BufferSetName | None
+    num_layers: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Where the KV cache's bytes go (``AttentionRuntime.memory_report()``).
+
+    Groups of one buffer set alias its layer buffers (block ownership keeps them
+    apart); page-major and planes views cannot alias each other, so a model whose
+    groups use both sets pays for both.
+
+    Attributes:
+        num_blocks, page_size_bytes: the pool's geometry (null block included).
+        groups: one row per group, in group order.
+        buffers: buffer set -> its layer buffers (sets in use only).
+        set_bytes: buffer set -> its bytes, ``buffers * num_blocks * page``.
+        total_bytes: the cache's bytes, the sum of ``set_bytes``.
+        extra_bytes: what a second set costs at this ``num_blocks``: ``total_bytes``
+            minus one set of the larger buffer count (0 with one set).
+        num_blocks_one_set: blocks the same budget would hold if every group shared
+            one set (``num_blocks`` when there is one set).
+    """
+
+    num_blocks: int
+    page_size_bytes: int
+    groups: tuple[GroupMemory, ...]
+    buffers: Mapping[BufferSetName, int]
+    set_bytes: Mapping[BufferSetName, int]
+    total_bytes: int
+    extra_bytes: int
+    num_blocks_one_set: int
+
+    def describe(self) -> str:
+        """The report as text (what the runtime logs at construction)."""
+        lines = [
+            f"KV cache: {self.total_bytes} B = {self.num_blocks} blocks x page "
+            f"{self.page_size_bytes} B x {sum(self.buffers.values())} layer buffer(s) "
+            f"in {len(self.buffers)} set(s)"
+        ]
+        for g in self.groups:
+            where = (
+                f"buffer set {g.buffer_set}, {g.bytes} B in {g.num_layers} view(s)"
+                if g.buffer_set is not None
+                else "no cache"
+            )
+            lines.append(
+                f"  group {g.group_id} ({g.kind.value}, backend {g.backend}, "
+                f"{g.num_layers} layer(s)): layout {g.layout}, {where}"
+            )
+        for name, count in self.buffers.items():
+            lines.append(f"  set {name}: {count} buffer(s), {self.set_bytes[name]} B")
+        if self.extra_bytes:
+            lines.append(
+                f"  page-major and planes views cannot alias: the second set costs "
+                f"{self.extra_bytes} B; one shared set would hold {self.num_blocks_one_set} "
+                f"blocks in this budget instead of {self.num_blocks}"
+            )
+        return "\n".join(lines)

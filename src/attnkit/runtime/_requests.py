@@ -1,0 +1,71 @@
+"""What an engine schedules (``ScheduledRequest``) and what ``begin_step`` decided
+(``StepBatch``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .._validation import is_nonnegative_int, is_positive_int
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request of a step.
+
+    Attributes:
+        req_id: the engine's id; a new id starts a request.
+        num_new_tokens: tokens scheduled this step (a prompt chunk, or 1 to decode).
+        encoder_len: for models with cross-attention layers, the request's encoder
+            tokens (given on its first step).
+    """
+
+    req_id: str
+    num_new_tokens: int
+    encoder_len: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked here, where the engine makes it, so begin_step need not re-check
+        # every field of every request on the hot path.
+        if not isinstance(self.req_id, str):
+            raise ArgumentTypeError(
+                f"ScheduledRequest.req_id must be a str, got {self.req_id!r} "
+                f"({type(self.req_id).__name__})"
+            )
+        if not self.req_id:
+            raise InvalidArgumentError("ScheduledRequest.req_id must be a non-empty str, got ''")
+        if not is_positive_int(self.num_new_tokens):
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: num_new_tokens must be an int >= 1, "
+                f"got {self.num_new_tokens!r}"
+            )
+        if not is_nonnegative_int(self.encoder_len):
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: encoder_len must be an int >= 0, got {self.encoder_len!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """What ``begin_step`` decided.
+
+    Attributes:
+        order: request ids in batch order; the step's tokens must be laid out in it.
+        query_lens: new tokens per request, in ``order``.
+        num_tokens: total tokens of the step.
+        encoder_order: requests whose encoder K/V are written this step, in order.
+    """
+
+    order: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    num_tokens: int
+    encoder_order: tuple[str, ...]
+
+    def token_slices(self) -> dict[str, slice]:
+        """Request id -> the rows of the step's token tensors that belong to it."""
+        slices: dict[str, slice] = {}
+        start = 0
+        for rid, n in zip(self.order, self.query_lens, strict=True):
+            slices[rid] = slice(start, start + n)
+            start += n
+        return slices

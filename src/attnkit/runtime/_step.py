@@ -1,0 +1,360 @@
+"""The per-step host path: ``begin_step`` (checks, admission, order, allocation), each
+group's ``CommonAttentionMetadata`` and the arrays every group shares, ``free`` and the
+context-parallel ranks' agreement on the step (see "The per-step host path" in
+docs/architecture.md)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DuplicateRequestError,
+    EngineLimitError,
+    InvalidArgumentError,
+)
+from ..kinds import Ints, StepLens, StepTokens, spans
+from ..kv_cache import KVCacheGroup
+from ..metadata import CommonAttentionMetadata, host_to_device
+from ..parallel import ContextParallelMismatchError, step_fingerprint
+from ._base import RuntimeBase
+from ._requests import ScheduledRequest, StepBatch
+
+# torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
+_from_numpy: Callable[[np.ndarray[Any, Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+
+
+class StepHost(RuntimeBase):
+    """``AttentionRuntime``'s per-step part: ``begin_step``, ``free``."""
+
+    def begin_step(
+        self, scheduled: Sequence[ScheduledRequest], *, finished: Iterable[str] = ()
+    ) -> StepBatch:
+        """Free finished requests, make room for the scheduled ones, build all metadata.
+
+        All or nothing: when it raises, nothing changed (finished requests included),
+        so the same call can be retried.
+
+        Raises:
+            ArgumentTypeError: ``scheduled`` is not a sequence of ``ScheduledRequest``,
+                or ``finished`` not an iterable of ids (a bare string is refused).
+            UnknownRequestError: ``finished`` names a request that is not live.
+            DuplicateRequestError: a request scheduled twice or finished twice.
+            EngineLimitError: more requests than ``config.max_num_reqs``, more tokens
+                than ``config.max_num_batched_tokens``, or a request longer than
+                ``config.max_model_len``.
+            InvalidArgumentError: an encoder-only request split over steps, a new
+                cross-attention request without encoder tokens.
+            OutOfBlocksError: the cache cannot hold the step.
+        """
+        finished = self._check_ids("finished", finished)
+        _check_types(scheduled)
+        ids: list[str] = list(map(_REQ_ID, scheduled))
+        if self.context_parallel is not None:
+            self._check_ranks_agree(scheduled, finished)
+        # The steady state schedules the same requests as the last step: their rows
+        # are known (and their ids unique) while no request gained or lost a row.
+        cached = (
+            not finished
+            and self.manager.rows_version == self._last_rows_version
+            and ids == self._last_ids
+        )
+        if not cached:
+            _check_unique(ids)
+        count = len(ids)
+        limits = self.config
+        if count > limits.max_num_reqs:
+            raise EngineLimitError(
+                f"the step schedules {count} requests; AttentionConfig.max_num_reqs="
+                f"{limits.max_num_reqs} allows at most that many per step"
+            )
+        counts = np.fromiter(map(_NUM_NEW, scheduled), dtype=np.int64, count=count)
+        step_tokens = int(counts.sum())
+        if step_tokens > limits.max_num_batched_tokens:
+            raise EngineLimitError(
+                f"the step schedules {step_tokens} tokens; AttentionConfig."
+                f"max_num_batched_tokens={limits.max_num_batched_tokens} allows at most "
+                f"that many per step"
+            )
+        encoder = (
+            np.fromiter(map(_ENCODER_LEN, scheduled), dtype=np.int64, count=count)
+            if self._reads_encoder
+            else np.zeros(count, dtype=np.int64)
+        )
+        # Not mutated below unless a request is new or finished (then not cached).
+        rows = self._last_rows if cached else self.manager.lookup_rows(ids)
+        given_ids, given_rows, version = ids, rows, self.manager.rows_version
+        if finished:
+            # Finished requests are freed only once the step is known to fit; an id
+            # finished and scheduled again starts anew.
+            gone = set(finished)
+            for i, req_id in enumerate(ids):
+                if req_id in gone:
+                    rows[i] = -1
+        lens = self.manager.step_lens(rows, counts, encoder)
+        longest = int(lens.total.max()) if count else 0
+        if longest > limits.max_model_len:
+            index = int(lens.total.argmax())
+            raise EngineLimitError(
+                f"request {ids[index]!r} would reach {longest} tokens "
+                f"({int(lens.computed[index])} cached + {int(lens.query[index])} new); "
+                f"AttentionConfig.max_model_len={limits.max_model_len}"
+            )
+        for rules in self._kind_rules:
+            problem = rules.admission_problems(lens)
+            if problem is not None:
+                index, why = problem
+                raise InvalidArgumentError(f"request {ids[index]!r} {why}")
+        if self._thresholds:
+            # Stable: for every builder's threshold, continuing requests at or under it
+            # come first. A new request is never a decode (nothing cached to extend).
+            key = sum((lens.is_new | (lens.query > t)).astype(np.int64) for t in self._thresholds)
+            order = np.argsort(key, kind="stable")
+            if (order != np.arange(order.size)).any():
+                ids = [ids[i] for i in order.tolist()]
+                rows = rows[order]
+                lens = StepLens(lens.computed[order], lens.query[order], lens.encoder[order])
+        rows = self.manager.allocate_rows(ids, rows, lens, finished=finished)
+        if self.manager.rows_version == version:  # no request gained or lost a row
+            self._last_ids, self._last_rows = given_ids, given_rows
+            self._last_rows_version = version
+        shared = _SharedStep(lens, rows, self._to_device)
+        try:
+            for entry in self._groups:
+                entry.common = self._common_metadata(entry.group, rows, lens, shared)
+                entry.metadata = entry.builder.build(0, entry.common)
+        except BaseException as exc:
+            # The cache already holds the step (builders run on its tables): a builder
+            # that fails here is a backend bug. No layer may run on half-built metadata.
+            self._stale = (
+                f"begin_step() failed while building metadata ({type(exc).__name__}: "
+                f"{exc}); the step's blocks are allocated, call begin_step() again"
+            )
+            self._step_rows_version = self.manager.rows_version
+            raise
+        query_lens = tuple(lens.query.tolist())
+        self._stale = None
+        self._step_rows_version = self.manager.rows_version
+        encoder_order: tuple[str, ...] = ()
+        self._encoder_tokens = 0
+        if self._reads_encoder:
+            writers = np.flatnonzero(lens.is_new & (lens.encoder > 0))
+            encoder_order = tuple(ids[int(i)] for i in writers)
+            self._encoder_tokens = int(lens.encoder[writers].sum())
+        self._step = StepBatch(
+            order=tuple(ids),
+            query_lens=query_lens,
+            num_tokens=shared.num_tokens,
+            encoder_order=encoder_order,
+        )
+        return self._step
+
+    def _common_metadata(
+        self, group: KVCacheGroup, rows: Ints, lens: StepLens, shared: _SharedStep
+    ) -> CommonAttentionMetadata:
+        """The group's view of the step (see "Per-group metadata" in docs/architecture.md)."""
+        spec = group.spec
+        rules = self._rules_of[group.group_id]
+        num_reqs = rows.size
+        if rules.has_cache and num_reqs:
+            width = self.manager.step_width(group.group_id)
+            persistent = self.manager.table_array(group.group_id)
+            first = int(rows[0])
+            if shared.rows_contiguous:
+                # The batch holds consecutive rows in order (the steady state): a view of
+                # the persistent table, no copy. Valid until the next begin_step.
+                table = persistent[first : first + num_reqs, :width]
+            else:
+                table = persistent[rows, :width]
+        else:
+            # No request (a step that only finishes requests) or no cache: an empty
+            # table, one column wide for cached kinds (state builders read column 0).
+            table = np.zeros((num_reqs, 1 if rules.has_cache else 0), dtype=np.int32)
+        # The kind writes its own slots (the step's tokens, the encoder's, a shard's).
+        slots = rules.slot_mapping(spec, table, shared, lens)
+        shard = rules.context_shard
+        global_lens: torch.Tensor | None = None
+        if shard is not None:
+            global_lens = _from_numpy(rules.global_seq_lens(spec, lens).astype(np.int32))
+        seq_cpu, max_seq_len = shared.seq_lens(rules.seq_lens(spec, lens))
+        return CommonAttentionMetadata(
+            query_start_loc=shared.query_start_loc_device,
+            query_start_loc_cpu=shared.query_start_loc,
+            seq_lens=self._to_device(seq_cpu),
+            seq_lens_cpu=seq_cpu,
+            num_reqs=num_reqs,
+            num_actual_tokens=shared.num_tokens,
+            max_query_len=shared.max_query_len,
+            max_seq_len=max_seq_len,
+            block_table_tensor=self._to_device(_from_numpy(table)),
+            slot_mapping=self._to_device(_from_numpy(slots)),
+            causal=rules.causal,
+            num_computed_tokens_cpu=shared.computed,
+            context_shard=shard,
+            global_seq_lens_cpu=global_lens,
+            validate=False,
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runtime's device, without a wait (``host_to_device``)."""
+        if self.device.type == "cpu":
+            return t
+        return host_to_device(t, self.device)
+
+    def _check_ranks_agree(
+        self, scheduled: Sequence[ScheduledRequest], finished: Sequence[str]
+    ) -> None:
+        """All-gather this step's fingerprint; raise on every rank when they differ."""
+        cp = self.context_parallel
+        assert cp is not None
+        schedule = [(r.req_id, r.num_new_tokens, r.encoder_len) for r in scheduled]
+        mine = step_fingerprint(self._cp_step, schedule, finished)
+        probe = torch.tensor([self._cp_step, mine], dtype=torch.int64, device=self.device)
+        seen = [(int(t[0]), int(t[1])) for t in cp.communicator.all_gather(probe)]
+        if len(set(seen)) != 1:
+            steps = [s for s, _ in seen]
+            odd = [r for r, fp in enumerate(seen) if fp != seen[cp.rank]]
+            raise ContextParallelMismatchError(
+                f"context-parallel rank {cp.rank} of {cp.world_size}: the ranks were given "
+                f"different steps (step counters {steps}; ranks {odd} differ from this "
+                f"one, which scheduled {schedule} and finished {sorted(finished)}); every "
+                f"rank must call begin_step with the same requests in the same order"
+            )
+        self._cp_step += 1
+
+    def free(self, req_ids: Iterable[str]) -> None:
+        """Release finished requests now (``begin_step(finished=...)`` does the same).
+
+        All or nothing: every id is checked before any is freed. Freeing a request of
+        the current step makes the step's metadata stale: ``forward`` then raises
+        ``StaleStepError`` instead of writing into blocks that are back in the pool.
+
+        Raises:
+            ArgumentTypeError: ``req_ids`` is a bare string or holds a non-string.
+            UnknownRequestError: an id is not live (the message says whether it was
+                already freed or never scheduled).
+            DuplicateRequestError: an id given twice.
+        """
+        ids = self._check_ids("req_ids", req_ids)
+        step = self._step
+        for req_id in ids:
+            self.manager.free_request(req_id)
+        if step is not None and self._stale is None:
+            hit = set(ids).intersection(step.order)
+            if hit:
+                self._stale = (
+                    f"request(s) {sorted(hit)} of the current step were freed after "
+                    f"begin_step(); its metadata would write into blocks back in the pool. "
+                    f"Call begin_step() again"
+                )
+            else:  # unrelated requests: the step's metadata still holds
+                self._step_rows_version = self.manager.rows_version
+
+    def _check_ids(self, argument: str, req_ids: Iterable[str]) -> list[str]:
+        """``req_ids`` as a list of live, distinct ids, or an error naming ``argument``."""
+        given: object = req_ids  # untyped callers reach here too
+        if isinstance(given, str | bytes) or not isinstance(given, Iterable):
+            raise ArgumentTypeError(
+                f"{argument} must be an iterable of request ids (e.g. a list of str), "
+                f"got {req_ids!r}"
+            )
+        ids: list[object] = list(cast("Iterable[object]", given))
+        for req_id in ids:
+            if not isinstance(req_id, str):
+                raise ArgumentTypeError(
+                    f"{argument} must hold request ids (str), got {req_id!r} "
+                    f"({type(req_id).__name__})"
+                )
+            if req_id not in self.manager:
+                raise self.manager.unknown_request(req_id)
+        checked = cast("list[str]", ids)
+        if len(set(checked)) != len(checked):
+            twice = sorted({r for r in checked if checked.count(r) > 1})
+            raise DuplicateRequestError(f"{argument} names request(s) {twice} twice")
+        return checked
+
+
+_REQ_ID = operator.attrgetter("req_id")
+_NUM_NEW = operator.attrgetter("num_new_tokens")
+_ENCODER_LEN = operator.attrgetter("encoder_len")
+
+
+class _SharedStep(StepTokens):
+    """What every group's metadata shares in a step: offsets, token positions, lengths."""
+
+    def __init__(
+        self, lens: StepLens, rows: Ints, to_device: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        n = rows.size
+        self.rows_contiguous = bool(
+            n and rows[-1] - rows[0] == n - 1 and (rows[1:] == rows[:-1] + 1).all()
+        )
+        qsl = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(lens.query, out=qsl[1:])
+        self.query_start_loc = _from_numpy(qsl)
+        self.query_start_loc_device = to_device(self.query_start_loc)
+        self.computed = _from_numpy(lens.computed.astype(np.int32))
+        num_tokens = int(qsl[-1])
+        if num_tokens == n:  # every request decodes one token (each has >= 1)
+            self.max_query_len = 1 if n else 0
+            super().__init__(_arange(n), lens.computed)
+        else:
+            self.max_query_len = int(lens.query.max())
+            # Request index and (unshifted) position of every token of the step.
+            super().__init__(*spans(lens.query, lens.computed))
+        self._seq: list[tuple[Ints, torch.Tensor, int]] = []
+
+    def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
+        """``values`` as an int32 CPU tensor and its maximum, made once per array per step
+        (groups of the same kind rules share the step's ``total`` array)."""
+        for array, tensor, largest in self._seq:
+            if array is values:
+                return tensor, largest
+        tensor = _from_numpy(values.astype(np.int32))
+        largest = int(values.max()) if values.size else 0
+        self._seq.append((values, tensor, largest))
+        return tensor, largest
+
+
+_ARANGE: list[Ints] = [np.arange(1024)]
+_ARANGE[0].flags.writeable = False
+
+
+def _arange(n: int) -> Ints:
+    """``np.arange(n)`` as a read-only view of a cached array (decode steps use it)."""
+    if n > _ARANGE[0].size:
+        grown = np.arange(max(n, 2 * _ARANGE[0].size))
+        grown.flags.writeable = False
+        _ARANGE[0] = grown
+    return _ARANGE[0][:n]
+
+
+def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:
+    """``scheduled`` must be a sequence whose entries are ``ScheduledRequest`` (or a
+    subclass): their own checks ran."""
+    given_object: object = scheduled  # untyped callers reach here too
+    if not isinstance(given_object, Sequence) or isinstance(given_object, str | bytes):
+        raise ArgumentTypeError(
+            f"scheduled must be a sequence (e.g. a list) of ScheduledRequest, got "
+            f"{type(given_object).__name__}"
+            + (" (wrap it in a list)" if isinstance(given_object, ScheduledRequest) else "")
+        )
+    types = set(map(type, scheduled)) - {ScheduledRequest}
+    if types and not all(issubclass(t, ScheduledRequest) for t in types):
+        given: Sequence[object] = scheduled  # untyped callers reach here too
+        bad = next(r for r in given if not isinstance(r, ScheduledRequest))
+        raise ArgumentTypeError(f"scheduled must hold ScheduledRequest objects, got {bad!r}")
+
+
+def _check_unique(ids: list[str]) -> None:
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        for req_id in ids:
+            if req_id in seen:
+                raise DuplicateRequestError(f"request {req_id!r} is scheduled twice in one step")
+            seen.add(req_id)
