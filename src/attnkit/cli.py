@@ -46,6 +46,7 @@ from .kinds import rules_for
 from .models import ModelLayout, layout_from_hf_config
 from .planner import GroupSplit, ModelPlan, RankPlan, format_bytes, parse_memory_size, plan_model
 from .registry import BackendRegistry, call_backend_code, default_registry
+from .selector import DEFAULT_PRIORITY
 from .spec import (
     KV_CACHE_DTYPES,
     AttentionSpec,
@@ -275,9 +276,17 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: _Strea
     device = _inspected_device(args, io)
     out = io.out
     rows = backend_rows(registry, device)
+    # The device's default order, as far as these backends are registered: a layer gets
+    # the first one that serves it, so the first is the device's default.
+    listed = {row.name for row in rows}
+    order = [name for name in DEFAULT_PRIORITY.get(device.type, ()) if name in listed]
     if args.json:
         json.dump(
-            {"device": str(device), "backends": [dataclasses.asdict(r) for r in rows]},
+            {
+                "device": str(device),
+                "default_order": order,
+                "backends": [dataclasses.asdict(r) for r in rows],
+            },
             out,
             indent=2,
         )
@@ -287,8 +296,16 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: _Strea
         out.write("no backends are registered\n")
         return 0
     out.write(f"backends on {device}:\n")
+    if order:
+        then = f", then {', '.join(order[1:])}" if len(order) > 1 else ""
+        out.write(
+            f"  default on {device.type}: {order[0]}{then} (each layer gets the first that "
+            "serves it)\n"
+        )
     for row in rows:
         status = "available" if row.available else "unavailable"
+        if order and row.name == order[0]:
+            status += f" (default on {device.type})"
         out.write(
             f"  {row.name} [{row.origin}] {status}\n    kinds: {', '.join(row.kinds) or '-'}\n"
         )
@@ -1036,10 +1053,11 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--prefer",
         choices=("default", "reference", "triton", "flex"),
         default="default",
-        help="default: the device's priority list (on CPU flex_attention, on its CPU "
+        help="default: the device's priority list (on CPU cpu_attn, attnkit's CPU "
         "engines, for the attention kinds it serves); reference: the reference backend "
         "for every kind; triton: try the Triton backends first for every kind (on CPU, "
-        "under the interpreter); flex: flex_attention first",
+        "under the interpreter); flex: flex_attention (compiled FlexAttention) first; on "
+        "CPU each new shape compiles for seconds",
     )
     demo.add_argument(
         "--context-parallel",
