@@ -59,9 +59,9 @@ __all__ = [
 
 _NAME = "cpu_attn"
 _FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
-# The head and block sizes the engines are tested and measured at (those flex_attention
-# declared when it ran them). The kernels themselves take any head size (float32 rows of
-# a size not a multiple of 16 go through a float32 buffer) and any block size.
+# The head and block sizes the engines are tested and measured at. The kernels
+# themselves take any head size (float32 rows of a size not a multiple of 16 go through
+# a float32 buffer) and any block size; declaring more needs tests at those sizes.
 _HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
 NATIVE_MAX_QUERY = 4
