@@ -1,4 +1,5 @@
-"""The CPU attention paths: ``flex_attention`` against in-run baselines on this machine.
+"""The CPU attention paths: ``cpu_attn`` (the CPU default) against in-run baselines on
+this machine.
 
 Shapes (issue "A fast CPU path"): 32 query / 8 K/V heads, head size 128, float32, block
 size 16, block pools shuffled (tables neither contiguous nor ordered).
@@ -8,12 +9,12 @@ size 16, block pools shuffled (tables neither contiguous nor ordered).
 
 Each is measured, in the same run, through:
 
-* ``flex_attention`` on its default CPU path (``cpu_path="engines"``: the native paged
-  kernel for decodes, blocked matrix products for prefills): its builder (once per
-  step, timed apart) and one layer's ``forward`` (write the step's K/V into the
-  planes, attend) over the planes cache;
-* ``flex_attention`` with ``cpu_path="flex"``: the same through compiled FlexAttention
-  (inductor's CPU kernel), for comparison (``--no-compiled`` skips it);
+* ``cpu_attn`` (attnkit's CPU engines: the native paged kernel for decodes, blocked
+  matrix products for prefills): its builder (once per step, timed apart) and one
+  layer's ``forward`` (write the step's K/V into the planes, attend) over the planes
+  cache;
+* ``flex_attention``: the same through compiled FlexAttention (inductor's CPU kernel),
+  for comparison (``--no-compiled`` skips it);
 * ``reference``: its builder and ``forward`` over the interleaved cache;
 * SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on dense, contiguous K/V
   (``[B, H, S, D]``, GQA through ``enable_gqa``; causal for prefill) - what a dense
@@ -25,7 +26,7 @@ Each is measured, in the same run, through:
   memory of the same page size.
 
 Reported: medians of timed calls after a warm-up (each first call compiles, its cost
-reported apart, with ``compile_records``). The targets are paired: the default path and
+reported apart, with ``compile_records``). The targets are paired: ``cpu_attn`` and
 its baseline (the plain read for decode, SDPA causal for prefill) run alternately, one
 call each per round (``3 x --reps`` rounds for decode, ``--reps`` for prefill), and the
 figure is the median of the per-round ratios, so a change in the machine's load hits
@@ -35,8 +36,7 @@ time). Targets: decode
 >= 60% of the plain read, prefill >= 1.0x SDPA. All figures are this machine's (two
 cores here, shared with other jobs): ratios carry over, absolute times do not. Then the
 demo (``attnkit demo``: default model, CPU, float32) before and after: every attention
-kind forced to ``reference``, then the default selection (``flex_attention`` on its CPU
-engines), each run
+kind forced to ``reference``, then the default selection (``cpu_attn``), each run
 twice in the process (the second run finds its kernels compiled), tokens/s.
 
     python benchmarks/bench_cpu.py --out bench-results [--quick]
@@ -151,26 +151,28 @@ class _Step:
         return sum(self.seq_lens) * HKV * D * 4 * 2
 
 
-def _backend_layer(name: str, cpu_path: str) -> tuple[Any, Any]:
+def _backend_layer(name: str) -> tuple[Any, Any]:
+    from attnkit.backends.cpu_attn import CpuAttentionBackend
     from attnkit.backends.flex_attention import FlexAttentionBackend
     from attnkit.backends.reference import ReferenceBackend
 
-    backend = FlexAttentionBackend if name == "flex_attention" else ReferenceBackend
+    backends = {
+        "cpu_attn": CpuAttentionBackend,
+        "flex_attention": FlexAttentionBackend,
+        "reference": ReferenceBackend,
+    }
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
-    binding = backend.get_binding(spec)
-    config = AttentionConfig(backend_options={"flex_attention": {"cpu_path": cpu_path}})
-    builder = binding.create(spec, ["layer"], config, torch.device("cpu"))
+    binding = backends[name].get_binding(spec)
+    builder = binding.create(spec, ["layer"], AttentionConfig(), torch.device("cpu"))
     impl = binding.create_impl(spec, AttentionLayerParams(num_heads=HQ))
     return builder, impl
 
 
-def _paged(
-    name: str, step: _Step, reps: int, cpu_path: str = "engines"
-) -> tuple[dict[str, float], Callable[[], object]]:
+def _paged(name: str, step: _Step, reps: int) -> tuple[dict[str, float], Callable[[], object]]:
     """Build and first-call figures, the output's error, and the forward call itself."""
-    builder, impl = _backend_layer(name, cpu_path)
+    builder, impl = _backend_layer(name)
     cache: list[torch.Tensor] = (
-        [step.k_plane, step.v_plane] if name == "flex_attention" else [step.interleaved]
+        [step.interleaved] if name == "reference" else [step.k_plane, step.v_plane]
     )
     out = torch.empty_like(step.q)
     build_s = _median_seconds(lambda: builder.build(0, step.cm), reps)
@@ -287,17 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-compiled",
         action="store_true",
-        help="skip flex_attention with cpu_path='flex' (compiled FlexAttention)",
+        help="skip flex_attention (compiled FlexAttention)",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     BS = args.block_size
+    from attnkit.backends.cpu_attn import CpuAttentionBackend
     from attnkit.backends.flex_attention import FlexAttentionBackend, compile_records
 
-    reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
+    reasons = CpuAttentionBackend.environment_reasons(torch.device("cpu"))
     if reasons:
-        print("flex_attention cannot run here: " + "; ".join(reasons))
+        print("cpu_attn cannot run here: " + "; ".join(reasons))
         return 0
+    flex_reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
+    if flex_reasons and not args.no_compiled:
+        print("flex_attention cannot run here, skipped: " + "; ".join(flex_reasons))
+        args.no_compiled = True
     reps = args.reps or (3 if args.quick else 5)
     decode_b, decode_ctx = (16, 1024) if args.quick else (32, 2048)
     prefill_b, prefill_len = (2, 256) if args.quick else (4, 512)
@@ -306,57 +313,57 @@ def main(argv: list[str] | None = None) -> int:
     step = _Step([1] * decode_b, [decode_ctx - 1] * decode_b)
     gb = step.kv_bytes() / 1e9
     rounds = reps * 3
-    flex, forward = _paged("flex_attention", step, reps)
-    flex["forward_s"], read_s, fraction = _paired(forward, _plain_read(step), rounds)
-    flex["sdpa_s"], sdpa_s, flex_over_sdpa = _paired(forward, _sdpa(step), reps)
+    engines, forward = _paged("cpu_attn", step, reps)
+    engines["forward_s"], read_s, fraction = _paired(forward, _plain_read(step), rounds)
+    engines["sdpa_s"], sdpa_s, engines_over_sdpa = _paired(forward, _sdpa(step), reps)
     ref, ref_forward = _paged("reference", step, 1)
     ref["forward_s"] = _median_seconds(ref_forward, max(1, reps // 2))
     decode: dict[str, Any] = {
         "shape": f"{decode_b} x {decode_ctx} context, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
         "kv_gb": gb,
         "rounds": rounds,
-        "flex": flex,
+        "cpu_attn": engines,
         "reference": ref,
         "sdpa_dense_s": sdpa_s,
         "plain_read_s": read_s,
-        "flex_gbps": gb / flex["forward_s"],
+        "cpu_attn_gbps": gb / engines["forward_s"],
         "reference_gbps": gb / ref["forward_s"],
         "sdpa_dense_gbps": gb / sdpa_s,
         "plain_read_gbps": gb / read_s,
-        "flex_fraction_of_read": fraction,
-        "flex_over_sdpa": flex_over_sdpa,
+        "cpu_attn_fraction_of_read": fraction,
+        "cpu_attn_over_sdpa": engines_over_sdpa,
     }
     decode["reference_fraction_of_read"] = read_s / ref["forward_s"]
-    decode["flex_over_reference"] = ref["forward_s"] / flex["forward_s"]
+    decode["cpu_attn_over_reference"] = ref["forward_s"] / engines["forward_s"]
     if not args.no_compiled:
-        compiled, compiled_forward = _paged("flex_attention", step, reps, "flex")
+        compiled, compiled_forward = _paged("flex_attention", step, reps)
         compiled["forward_s"] = _median_seconds(compiled_forward, reps, warmup=0)
-        decode["flex_compiled"] = compiled
-        decode["flex_compiled_gbps"] = gb / compiled["forward_s"]
-        decode["flex_compiled_fraction_of_read"] = read_s / compiled["forward_s"]
+        decode["flex_attention"] = compiled
+        decode["flex_attention_gbps"] = gb / compiled["forward_s"]
+        decode["flex_attention_fraction_of_read"] = read_s / compiled["forward_s"]
     results["decode"] = decode
     del step
 
     step = _Step([prefill_len] * prefill_b, [0] * prefill_b, seed=1)
-    flex, forward = _paged("flex_attention", step, reps)
-    flex["forward_s"], sdpa_s, flex_over_sdpa = _paired(forward, _sdpa(step), reps)
+    engines, forward = _paged("cpu_attn", step, reps)
+    engines["forward_s"], sdpa_s, engines_over_sdpa = _paired(forward, _sdpa(step), reps)
     ref, ref_forward = _paged("reference", step, 1)
     ref["forward_s"] = _median_seconds(ref_forward, max(1, reps // 2))
     prefill: dict[str, Any] = {
         "shape": f"{prefill_b} x {prefill_len} tokens causal, Hq {HQ} / Hkv {HKV}, D {D}, fp32",
         "rounds": reps,
-        "flex": flex,
+        "cpu_attn": engines,
         "reference": ref,
         "sdpa_causal_s": sdpa_s,
-        "flex_over_sdpa": flex_over_sdpa,
+        "cpu_attn_over_sdpa": engines_over_sdpa,
         "reference_over_sdpa": sdpa_s / ref["forward_s"],
-        "flex_over_reference": ref["forward_s"] / flex["forward_s"],
+        "cpu_attn_over_reference": ref["forward_s"] / engines["forward_s"],
     }
     if not args.no_compiled:
-        compiled, compiled_forward = _paged("flex_attention", step, reps, "flex")
+        compiled, compiled_forward = _paged("flex_attention", step, reps)
         compiled["forward_s"] = _median_seconds(compiled_forward, reps, warmup=0)
-        prefill["flex_compiled"] = compiled
-        prefill["flex_compiled_over_sdpa"] = sdpa_s / compiled["forward_s"]
+        prefill["flex_attention"] = compiled
+        prefill["flex_attention_over_sdpa"] = sdpa_s / compiled["forward_s"]
     results["prefill"] = prefill
     if not args.no_demo:
         everything = ",".join(
@@ -371,27 +378,29 @@ def main(argv: list[str] | None = None) -> int:
 
     d, p = results["decode"], results["prefill"]
     print(f"decode {d['shape']} ({d['kv_gb']:.2f} GB of K/V), this machine:")
-    for name in ("flex", "flex_compiled", "reference", "sdpa_dense", "plain_read"):
+    for name in ("cpu_attn", "flex_attention", "reference", "sdpa_dense", "plain_read"):
         if f"{name}_gbps" in d:
-            print(f"  {name:13s} {d[f'{name}_gbps']:7.2f} GB/s")
-    ok = d["flex_fraction_of_read"] >= TARGET_DECODE_FRACTION
+            print(f"  {name:14s} {d[f'{name}_gbps']:7.2f} GB/s")
+    ok = d["cpu_attn_fraction_of_read"] >= TARGET_DECODE_FRACTION
     print(
-        f"  flex / plain read {d['flex_fraction_of_read']:.0%} "
+        f"  cpu_attn / plain read {d['cpu_attn_fraction_of_read']:.0%} "
         f"({'meets' if ok else 'MISSES'} >= {TARGET_DECODE_FRACTION:.0%}); reference "
-        f"{d['reference_fraction_of_read']:.0%}; flex {d['flex_over_sdpa']:.2f}x SDPA, "
-        f"{d['flex_over_reference']:.0f}x reference; build {d['flex']['build_s'] * 1e3:.2f} ms"
+        f"{d['reference_fraction_of_read']:.0%}; cpu_attn {d['cpu_attn_over_sdpa']:.2f}x SDPA, "
+        f"{d['cpu_attn_over_reference']:.0f}x reference; "
+        f"build {d['cpu_attn']['build_s'] * 1e3:.2f} ms"
     )
-    ok = p["flex_over_sdpa"] >= TARGET_PREFILL_RATIO
+    ok = p["cpu_attn_over_sdpa"] >= TARGET_PREFILL_RATIO
     print(f"prefill {p['shape']}, this machine:")
     print(
-        f"  flex {p['flex_over_sdpa']:.2f}x SDPA causal ({'meets' if ok else 'MISSES'} >= "
-        f"{TARGET_PREFILL_RATIO:g}x); reference {p['reference_over_sdpa']:.2f}x; flex "
-        f"{p['flex_over_reference']:.0f}x reference; build {p['flex']['build_s'] * 1e3:.2f} ms"
+        f"  cpu_attn {p['cpu_attn_over_sdpa']:.2f}x SDPA causal ({'meets' if ok else 'MISSES'} "
+        f">= {TARGET_PREFILL_RATIO:g}x); reference {p['reference_over_sdpa']:.2f}x; cpu_attn "
+        f"{p['cpu_attn_over_reference']:.0f}x reference; "
+        f"build {p['cpu_attn']['build_s'] * 1e3:.2f} ms"
     )
-    if "flex_compiled_over_sdpa" in p:
-        print(f"  flex compiled (cpu_path='flex') {p['flex_compiled_over_sdpa']:.2f}x SDPA causal")
+    if "flex_attention_over_sdpa" in p:
+        print(f"  flex_attention (compiled) {p['flex_attention_over_sdpa']:.2f}x SDPA causal")
     for name, row in (("decode", d), ("prefill", p)):
-        for path in ("flex", "flex_compiled", "reference"):
+        for path in ("cpu_attn", "flex_attention", "reference"):
             if path in row:
                 print(f"  {name} {path} max |err| vs float64: {row[path]['max_err']:.2e}")
     if "demo" in results:

@@ -4,7 +4,7 @@ A small decode step (4 requests, 40 tokens cached each; full attention, Hq 8, Hk
 D 64, float32) and many ``forward`` calls on it, with ``output`` given and with
 ``output=None``. Backends: a no-op one defined here (its impl returns ``output``
 untouched, so the figure is the runtime's own per-call work: the input checks and the
-dispatch) and the CPU default, ``flex_attention`` (the CPU engines). Reported per case:
+dispatch) and the CPU default, ``cpu_attn`` (the CPU engines). Reported per case:
 microseconds per call, the minimum and the median over rounds.
 
 To compare two trees, run it under each and alternate the runs on the same machine::
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     v = torch.randn(4, 2, 64, generator=gen)
     out = torch.empty(4, 8, 64)
     report: dict[str, object] = {"attnkit": attnkit.__file__}
-    for backend in ("bench_noop", "flex_attention"):
+    for backend in ("bench_noop", "cpu_attn"):
         forward = decode_runtime(backend).forward
         calls = args.calls if backend == "bench_noop" else max(args.calls // 20, 1)
         for case, given in (("output given", out), ("output=None", None)):

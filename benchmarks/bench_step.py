@@ -18,7 +18,7 @@ the figures are medians.
 The runtime measured against the targets pins every kind to ``reference``, whose builder
 passes the batch metadata through: the figures are the runtime's own work (blocks,
 tables, slots, offsets), which is what the baseline does. The CPU default selection
-(``flex_attention``, whose builder splits each step for its CPU engines) is reported
+(``cpu_attn``, whose builder splits each step between its CPU engines) is reported
 after them, for decode 1 and 256 and the mixed step, without a target: its extra cost
 over the pinned runtime is that per-step plan (once per group, shared by the group's
 layers).
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         contexts = rng.integers(1024, 4096, size=batch)
         results[f"decode_{batch}"] = measure(batch, contexts, reps=reps)
     results["mixed_63_plus_512"] = measure(63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps)
-    # The CPU default selection: flex_attention's builder plans each step for its CPU
+    # The CPU default selection: cpu_attn's builder splits each step between its
     # engines (no target: the figure is the runtime's overhead plus that plan).
     default: dict[str, dict[str, float]] = {}
     for batch in (1, 256):
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:22s} {row['begin_step_us']:10.1f}us {row['baseline_us']:8.1f}us "
             f"{row['ratio']:6.2f}x"
         )
-    print("default CPU selection (flex_attention, CPU engines), no target:")
+    print("default CPU selection (cpu_attn), no target:")
     for name, row in default.items():
         print(
             f"  {name:20s} {row['begin_step_us']:10.1f}us {row['baseline_us']:8.1f}us "

@@ -108,6 +108,33 @@ def test_backends_lists_the_kinds_each_builtin_binds() -> None:
     assert "    kinds: " + ", ".join(sorted(k.value for k in KVCacheSpecKind)) + "\n" in text
 
 
+def test_backends_names_the_default_on_the_device() -> None:
+    from attnkit.registry import BUILTIN_BACKENDS
+
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    status, text = run(["backends"], reg)
+    assert status == 0
+    assert text.startswith(
+        "backends on cpu:\n  default on cpu: cpu_attn, then reference, triton_attn (each "
+        "layer gets the first that serves it)\n"
+    )
+    assert "  cpu_attn [builtin] available (default on cpu)\n" in text
+    assert "  reference [builtin] available\n" in text
+    assert text.count("(default on cpu)") == 1
+    status, text = run(["backends", "--json"], reg)
+    assert json.loads(text)["default_order"] == ["cpu_attn", "reference", "triton_attn"]
+    # Only registered names count: without cpu_attn, reference is the default here.
+    reg = BackendRegistry(
+        builtins={"reference": BUILTIN_BACKENDS["reference"]}, discover_plugins=False
+    )
+    status, text = run(["backends"], reg)
+    assert "  default on cpu: reference (each layer gets the first that serves it)\n" in text
+    assert "  reference [builtin] available (default on cpu)\n" in text
+    # A registry with none of the priority list's backends names no default.
+    status, text = run(["backends"], registry())
+    assert "default on" not in text
+
+
 def test_backends_with_none_registered() -> None:
     reg = BackendRegistry(discover_plugins=False)
     assert run(["backends"], reg) == (0, "no backends are registered\n")

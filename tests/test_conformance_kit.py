@@ -108,10 +108,10 @@ def test_triton_attn_passes() -> None:
     } <= passed
 
 
-def test_flex_attention_passes_on_its_cpu_engines() -> None:
-    """flex_attention's default CPU path (the native decode kernel, blocked prefill):
-    every kind and feature it declares, against the kit's oracle."""
-    report = check_backend(builtin("flex_attention"))
+def test_cpu_attn_passes() -> None:
+    """The CPU default (the native decode kernel, blocked prefill): every kind and
+    feature it declares, against the kit's oracle."""
+    report = check_backend(builtin("cpu_attn"))
     assert_passes(report)
     passed = {r.capability for r in report.results if r.status == "passed"}
     assert {

@@ -2,8 +2,8 @@
 against the layer and the step before any backend runs (``attnkit.runtime._boundary``).
 
 Each finding of the issue ("validation is per backend") runs against every built-in
-backend that serves the kind on CPU: ``reference``, ``flex_attention`` (the CPU
-default, its CPU engines) and ``triton_attn`` under the Triton interpreter for the
+backend that serves the kind on CPU: ``reference``, ``cpu_attn`` (the CPU default,
+attnkit's CPU engines) and ``triton_attn`` under the Triton interpreter for the
 attention kinds, ``triton_mla`` for MLA, ``triton_mamba2`` for the state finding. A
 refused call raises an attnkit error naming the caller's argument and leaves the cache
 bytes as they were. A recording toy backend behind the runtime shows the checks run
@@ -56,7 +56,7 @@ CPU = torch.device("cpu")
 BS, HKV, HQ, D = 16, 2, 4, 16
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=F32)
 PARAMS = AttentionLayerParams(num_heads=HQ)
-ATTENTION_BACKENDS = ["reference", "flex_attention", "triton_attn"]
+ATTENTION_BACKENDS = ["reference", "cpu_attn", "triton_attn"]
 """The built-in backends that serve full attention on CPU."""
 R = ScheduledRequest
 
@@ -133,7 +133,7 @@ def refused(
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 def test_a_key_shorter_than_the_step_is_refused_naming_key(backend: str) -> None:
-    """flex_attention used to accept ``k[:3]`` for a 4-token step and return finite
+    """The CPU engines used to accept ``k[:3]`` for a 4-token step and return finite
     numbers; triton_attn blamed ``slot_mapping``. Every backend now gets the same
     error, naming the argument, before anything is written."""
     runtime = make_runtime(backend)
@@ -336,7 +336,7 @@ STEPS = [[("a", 5), ("b", 3)], [("a", 1), ("b", 1)], [("a", 2), ("c", 17)]]
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("layout", ["last-dim-stride-2", "transposed", "fused-qkv"])
 def test_strided_views_give_the_dense_result(backend: str, layout: str) -> None:
-    """flex_attention used to refuse views with a non-unit last stride; every backend now
+    """The CPU engines used to refuse views with a non-unit last stride; every backend now
     takes any view and gives what the dense definition gives, as the contiguous
     tensors do (output a strided view too)."""
     plain, strided = make_runtime(backend), make_runtime(backend)
@@ -383,7 +383,7 @@ ENCODER = EncoderOnlyAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
     [
         *(
             pytest.param(SINK, SINK_PARAMS, b, id=f"sink-{b}")
-            for b in ("reference", "flex_attention")
+            for b in ("reference", "cpu_attn")
         ),
         *(pytest.param(ENCODER, PARAMS, b, id=f"encoder-only-{b}") for b in ATTENTION_BACKENDS),
     ],

@@ -7,7 +7,7 @@ The test copies the package to a temporary directory, inserts a throwaway kind t
 and runs a script against the copy in a subprocess. The script checks the runtime's
 output against a dense softmax over each request's whole sequence under the window
 mask, written here, plans a model with the kind, and runs the kit on ``reference`` and
-on ``flex_attention`` (both declare their kinds from the rules) restricted to it. The
+on ``cpu_attn`` (both declare their kinds from the rules) restricted to it. The
 negative control leaves the ``kinds/_attention.py`` insertions out and must fail at
 import, naming the kind.
 """
@@ -190,14 +190,16 @@ SCRIPT = textwrap.dedent(
     assert report.result("kind=full_attention").status == "skipped"
     print("kit:", report.result("kind=wide_window").capability, "passed")
 
-    # flex_attention declares its kinds from the rules too (every kind with K/V planes):
-    # the kit checks it against reference on the new kind.
+    # cpu_attn (and flex_attention) declare their kinds from the rules too (every kind
+    # with K/V planes): the kit checks the CPU default against reference on the new kind.
+    from attnkit.backends.cpu_attn import CpuAttentionBackend
     from attnkit.backends.flex_attention import FlexAttentionBackend
 
     assert KIND in FlexAttentionBackend.supported_kinds()
-    flex = check_backend(FlexAttentionBackend, kinds=[KIND], max_examples=2)
-    flex.assert_ok()
-    print("flex:", flex.result("kind=wide_window").status)
+    assert KIND in CpuAttentionBackend.supported_kinds()
+    engines = check_backend(CpuAttentionBackend, kinds=[KIND], max_examples=2)
+    engines.assert_ok()
+    print("cpu_attn:", engines.result("kind=wide_window").status)
     '''
 )
 
@@ -246,7 +248,7 @@ def test_a_kind_added_in_spec_kinds_and_init_only_runs_plans_and_passes_the_kit(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "runtime: max error" in result.stdout
     assert "kit: kind=wide_window passed" in result.stdout
-    assert "flex: " in result.stdout
+    assert "cpu_attn: passed" in result.stdout
 
 
 def test_a_kind_without_rules_fails_at_import_naming_it(tmp_path: Path) -> None:

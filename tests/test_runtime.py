@@ -134,8 +134,8 @@ def test_cudagraph_support_is_the_minimum_and_names_the_group() -> None:
     runtime = make_runtime(model)
     level, who = runtime.cudagraph_support()
     assert level is AttentionCGSupport.NEVER
-    # The CPU default for attention (flex_attention's engines) never captures graphs.
-    assert who.startswith("group 0 (full_attention, backend flex_attention)")
+    # The CPU default for attention (cpu_attn, the CPU engines) never captures graphs.
+    assert who.startswith("group 0 (full_attention, backend cpu_attn)")
 
 
 def test_out_of_blocks_leaves_the_runtime_usable() -> None:
@@ -416,7 +416,7 @@ def test_demo_passes(per_kind: str | None) -> None:
     text = out.getvalue()
     assert result.passed, text
     assert "FAIL" not in text
-    expected_backend = "triton_attn" if per_kind else "flex_attention"
+    expected_backend = "triton_attn" if per_kind else "cpu_attn"
     assert f"full_attention    group 0 (block_size 32) -> {expected_backend}" in text
     assert "mamba(mamba2)     group 1 (block_size 16) -> reference" in text
     assert result.max_error < 2e-5

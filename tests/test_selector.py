@@ -344,7 +344,7 @@ def test_a_present_device_has_no_device_reason() -> None:
     for name in reg.names():
         assert reg.get(name).device_reasons(torch.device("cpu")) == [], name
     chosen = select_backend(FULL, config(reg), device="cpu", registry=reg)
-    assert chosen.backend_name == "flex_attention"  # first on CPU for the kinds it serves
+    assert chosen.backend_name == "cpu_attn"  # first on CPU for the kinds it serves
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

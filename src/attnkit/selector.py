@@ -72,11 +72,13 @@ DEFAULT_PRIORITY: Mapping[str, tuple[str, ...]] = {
         "flex_attention",
         "reference",
     ),
-    # flex_attention first on CPU: its CPU engines (a native paged kernel for decodes,
-    # blocked matrix products for prefills) meet benchmarks/bench_cpu.py's targets and
-    # compile nothing per shape; reference stays the oracle and the fallback for what
-    # it does not serve (sinks, fp8 caches, MLA, state layers).
-    "cpu": ("flex_attention", "reference", "triton_attn"),
+    # cpu_attn first on CPU: its engines (a native paged kernel for decodes, blocked
+    # matrix products for prefills) meet benchmarks/bench_cpu.py's targets and compile
+    # nothing per shape; reference stays the oracle and the fallback for what it does
+    # not serve (sink logits, fp8 caches, MLA, state layers). flex_attention is left
+    # out: on CPU it is slower and compiles each new shape for seconds; it runs there
+    # when named (AttentionConfig.backend or backend_per_kind).
+    "cpu": ("cpu_attn", "reference", "triton_attn"),
 }
 """Device type -> backend names tried first, fastest valid choice first."""
 

@@ -1,12 +1,8 @@
-"""The ``flex_attention`` backend against the reference backend, and its planning and
-compile-failure paths.
+"""The ``flex_attention`` backend (compiled FlexAttention, here on CPU, where it runs
+when named) against the reference backend, and its planning and compile-failure paths.
 
-Every schedule runs through an ``AttentionRuntime`` with ``flex_attention`` (planes
-layout) on both CPU paths (``cpu_path="engines"``: the native kernel and blocked
-products; ``"flex"``: compiled FlexAttention) and one with ``reference`` (interleaved
-layout, pure torch): caches start as NaN (block 0 zero), block pools are shuffled with
-one seed, so tables are neither contiguous nor ordered, and every side gets identical
-inputs.
+The schedules and the comparison are ``planes_schedules``'s: NaN-filled caches,
+shuffled pools, identical inputs on both sides.
 
 Compiling a FlexAttention shape costs ~10 s on a 2-core CPU, so every runtime here shares
 one spec geometry (Hkv 2, D 16, block 16, one memory budget) and pins the buckets
@@ -17,34 +13,40 @@ kernels (decode, prefill), which dynamo keeps across tests in the process.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from planes_schedules import (
+    BS,
+    CROSS,
+    DECODES,
+    ENCODER,
+    HKV,
+    RAGGED,
+    D,
+    Step,
+    compare_with_reference,
+    make_runtime,
+    params_of,
+    run_steps,
+    spec_of,
+)
 
 from attnkit import (
     AttentionConfig,
     AttentionLayerParams,
     AttentionRuntime,
     AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
+    BackendNotSupportedError,
     FullAttentionSpec,
-    MLAAttentionSpec,
     ScheduledRequest,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
     select_backend,
 )
 from attnkit.backends.flex_attention import (
-    NATIVE_MAX_QUERY,
     FlexAttentionBackend,
     FlexAttentionImpl,
-    FlexAttentionMetadata,
     FlexAttentionOptions,
     FlexCompileError,
     _compile,
@@ -52,151 +54,12 @@ from attnkit.backends.flex_attention import (
 )
 from attnkit.backends.flex_attention._plan import bucket_for, plan_call
 
-HKV, D, BS = 2, 16, 16
-NUM_PAGES = 64
-"""One memory budget for every runtime: the planes' length is part of the compiled shape."""
-OPTIONS = {"flex_attention": {"batch_buckets": (8,), "query_buckets": (64,)}}
-PATHS = ("engines", "flex")
-# (atol, rtol): float32 differs by summation order only; bf16 outputs are rounded.
-TOLERANCES = {
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-    torch.float16: (2e-3, 2e-3),
-}
-
-Step = Sequence[tuple[str, int, int]]
-"""One step: ``(request id, new tokens, encoder tokens)`` per scheduled request."""
-
-# Prompts that cross blocks and query blocks (32 tokens), chunked prefill, decodes,
-# a finish, and a request that arrives late.
-RAGGED: tuple[Step, ...] = (
-    (("a", 37, 0), ("b", 5, 0)),
-    (("a", 1, 0), ("b", 1, 0), ("c", 20, 0)),
-    (("a", 1, 0), ("b", 1, 0), ("c", 30, 0)),
-    (("a", 1, 0), ("c", 1, 0), ("d", 64, 0)),
-    (("a", 1, 0), ("c", 1, 0), ("d", 1, 0)),
-)
-ENCODER: tuple[Step, ...] = ((("a", 37, 0), ("b", 5, 0), ("c", 20, 0)), (("d", 64, 0),))
-CROSS: tuple[Step, ...] = (
-    (("a", 3, 40), ("b", 1, 17), ("e", 19, 18)),  # e: more queries than encoder tokens
-    (("a", 1, 0), ("b", 1, 0), ("c", 20, 33)),
-    (("a", 1, 0), ("b", 1, 0), ("c", 1, 0)),
-)
+NAME = "flex_attention"
+OPTIONS = {NAME: {"batch_buckets": (8,), "query_buckets": (64,)}}
 
 
-def _spec(kind: str, dtype: torch.dtype = torch.float32) -> AttentionSpec:
-    if kind == "window":  # crosses block edges
-        return SlidingWindowSpec(
-            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=dtype, sliding_window=21
-        )
-    if kind == "chunked":  # not a block multiple
-        return ChunkedLocalAttentionSpec(
-            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=dtype, attention_chunk_size=24
-        )
-    if kind == "sink":
-        return SinkFullAttentionSpec(
-            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=dtype, sink_len=3
-        )
-    classes: dict[str, type[AttentionSpec]] = {
-        "full": FullAttentionSpec,
-        "encoder": EncoderOnlyAttentionSpec,
-        "cross": CrossAttentionSpec,
-    }
-    return classes[kind](block_size=BS, num_kv_heads=HKV, head_size=D, dtype=dtype)
-
-
-def _params(
-    spec: AttentionSpec,
-    num_heads: int = 4,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: tuple[float, ...] | None = None,
-) -> AttentionLayerParams:
-    sink_key = sink_value = None
-    if isinstance(spec, SinkFullAttentionSpec):
-        gen = torch.Generator().manual_seed(7)
-        shape = (spec.sink_len, spec.num_kv_heads, spec.head_size)
-        sink_key = torch.randn(*shape, generator=gen).to(spec.dtype)
-        sink_value = torch.randn(*shape, generator=gen).to(spec.dtype)
-    return AttentionLayerParams(
-        num_heads=num_heads,
-        logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes,
-        sink_key=sink_key,
-        sink_value=sink_value,
-    )
-
-
-def _runtime(
-    backend: str, spec: AttentionSpec, params: AttentionLayerParams, cpu_path: str = "engines"
-) -> AttentionRuntime:
-    options = {"flex_attention": {**OPTIONS["flex_attention"], "cpu_path": cpu_path}}
-    config = AttentionConfig(backend_per_kind={spec.kind: backend}, backend_options=options)
-    rt = AttentionRuntime(
-        {"layer": spec},
-        config,
-        device="cpu",
-        memory_budget_bytes=spec.page_size_bytes * NUM_PAGES,
-        layer_params={"layer": params},
-        cache_fill=float("nan"),
-    )
-    random.Random(0).shuffle(rt.manager.pool._free)
-    return rt
-
-
-def _run(
-    backend: str,
-    spec: AttentionSpec,
-    params: AttentionLayerParams,
-    steps: Sequence[Step],
-    cpu_path: str = "engines",
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Each step's output per request."""
-    rt = _runtime(backend, spec, params, cpu_path)
-    gen = torch.Generator().manual_seed(0)
-    live: set[str] = set()
-    for step in steps:
-        finished = sorted(live - {rid for rid, _, _ in step})
-        live -= set(finished)
-        live |= {rid for rid, _, _ in step}
-        inputs = {
-            rid: (
-                torch.randn(n, params.num_heads, D, generator=gen).to(spec.dtype),
-                torch.randn(max(n, enc), HKV, D, generator=gen).to(spec.dtype),
-                torch.randn(max(n, enc), HKV, D, generator=gen).to(spec.dtype),
-                enc,
-            )
-            for rid, n, enc in step
-        }
-        batch = rt.begin_step([ScheduledRequest(r, n, e) for r, n, e in step], finished=finished)
-        q = torch.cat([inputs[r][0] for r in batch.order])
-        if isinstance(spec, CrossAttentionSpec):
-            enc_rows = [inputs[r] for r in batch.encoder_order]
-            k = torch.cat([x[1][: x[3]] for x in enc_rows]) if enc_rows else None
-            v = torch.cat([x[2][: x[3]] for x in enc_rows]) if enc_rows else None
-        else:
-            n_of = {r: n for r, n, _ in step}
-            k = torch.cat([inputs[r][1][: n_of[r]] for r in batch.order])
-            v = torch.cat([inputs[r][2][: n_of[r]] for r in batch.order])
-        out = rt.forward("layer", q, k, v)
-        yield {rid: out[rows].clone() for rid, rows in batch.token_slices().items()}
-
-
-def _compare(
-    spec: AttentionSpec, params: AttentionLayerParams, steps: Sequence[Step], cpu_path: str
-) -> None:
-    atol, rtol = TOLERANCES[spec.dtype]
-    pairs = zip(
-        _run("flex_attention", spec, params, steps, cpu_path),
-        _run("reference", spec, params, steps),
-        strict=True,
-    )
-    for i, (got, want) in enumerate(pairs):
-        assert got.keys() == want.keys()
-        for rid, expected in want.items():
-            assert not expected.isnan().any()
-            torch.testing.assert_close(
-                got[rid], expected, atol=atol, rtol=rtol, msg=f"step {i} {rid}"
-            )
+def _compare(spec: AttentionSpec, params: AttentionLayerParams, steps: Sequence[Step]) -> None:
+    compare_with_reference(NAME, spec, params, steps, OPTIONS)
 
 
 @pytest.fixture(autouse=True)
@@ -209,87 +72,45 @@ def _no_recorded_failure() -> Iterator[None]:
 # ------------------------------------------------------------------ against reference
 
 
-@pytest.mark.parametrize("cpu_path", PATHS)
 @pytest.mark.parametrize("kind", ["full", "window", "chunked", "sink"])
-def test_paged_kinds_match_reference(kind: str, cpu_path: str) -> None:
-    spec = _spec(kind)
-    _compare(spec, _params(spec), RAGGED, cpu_path)
+def test_paged_kinds_match_reference(kind: str) -> None:
+    spec = spec_of(kind)
+    _compare(spec, params_of(spec), RAGGED)
 
 
-@pytest.mark.parametrize("cpu_path", PATHS)
-def test_cross_attention_matches_reference(cpu_path: str) -> None:
-    spec = _spec("cross")
-    _compare(spec, _params(spec), CROSS, cpu_path)
+def test_cross_attention_matches_reference() -> None:
+    spec = spec_of("cross")
+    _compare(spec, params_of(spec), CROSS)
 
 
-@pytest.mark.parametrize("cpu_path", PATHS)
-def test_encoder_only_matches_reference(cpu_path: str) -> None:
-    spec = _spec("encoder")
-    _compare(spec, _params(spec), ENCODER, cpu_path)
+def test_encoder_only_matches_reference() -> None:
+    spec = spec_of("encoder")
+    _compare(spec, params_of(spec), ENCODER)
 
 
-@pytest.mark.parametrize("cpu_path", PATHS)
-def test_soft_cap_and_alibi_match_reference(cpu_path: str) -> None:
-    spec = _spec("window")
+def test_soft_cap_and_alibi_match_reference() -> None:
+    spec = spec_of("window")
     slopes = tuple(2.0 ** (-(i + 1) / 2) for i in range(4))
-    _compare(spec, _params(spec, logits_soft_cap=1.5, alibi_slopes=slopes), RAGGED, cpu_path)
+    _compare(spec, params_of(spec, logits_soft_cap=1.5, alibi_slopes=slopes), RAGGED)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "cpu_path"),
-    # One half dtype on the compiled path: each dtype is one more compile (~10 s).
-    [(torch.bfloat16, "engines"), (torch.float16, "engines"), (torch.bfloat16, "flex")],
-)
-def test_half_dtypes_match_reference(dtype: torch.dtype, cpu_path: str) -> None:
-    spec = _spec("full", dtype)
-    _compare(spec, _params(spec), RAGGED[:1] + RAGGED[3:4], cpu_path)
+def test_bfloat16_matches_reference() -> None:
+    # One half dtype: each dtype is one more compile (~10 s).
+    spec = spec_of("full", torch.bfloat16)
+    _compare(spec, params_of(spec), RAGGED[:1] + RAGGED[3:4])
 
 
-@pytest.mark.parametrize("cpu_path", PATHS)
-def test_one_query_head_per_kv_head_decodes(cpu_path: str) -> None:
-    # G = 1: one query row per K/V head, which the call pads to two rows (see _rows).
-    spec = _spec("chunked")
-    steps = [(("a", 1, 0), ("b", 1, 0))] * 3 + [(("a", 1, 0), ("b", 1, 0), ("c", 1, 0))] * 30
-    _compare(spec, _params(spec, num_heads=HKV), steps, cpu_path)
-
-
-def test_engines_split_short_and_long_runs() -> None:
-    """Query runs of up to NATIVE_MAX_QUERY tokens (speculative decoding) take the native
-    kernel, one work item per token with its own key range; longer ones the blocked
-    products: both within one step, against the reference."""
-    spec = _spec("window")
-    steps: tuple[Step, ...] = (
-        (("a", 40, 0), ("b", 2, 0)),
-        (("a", NATIVE_MAX_QUERY, 0), ("b", NATIVE_MAX_QUERY + 1, 0), ("c", 3, 0)),
-        (("a", 1, 0), ("b", NATIVE_MAX_QUERY, 0), ("c", 33, 0)),
-    )
-    _compare(spec, _params(spec), steps, "engines")
-    rt = _runtime("flex_attention", spec, _params(spec))
-    rt.begin_step([ScheduledRequest("a", 3), ScheduledRequest("b", 9)])
-    md = rt.metadata_for("layer")
-    assert isinstance(md, FlexAttentionMetadata)
-    assert md.cpu is not None
-    assert md.calls == ()
-    assert md.cpu.native
-    assert md.cpu.native_requests is not None
-    assert md.cpu.native_requests.tolist() == [0]  # a's three tokens
-    assert md.cpu.prefill_requests.tolist() == [1]
-    assert md.cpu.prefill_lens.tolist() == [9]
-    # A decode step: the native kernel takes the whole step, nothing planned.
-    rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 1)])
-    md = rt.metadata_for("layer")
-    assert isinstance(md, FlexAttentionMetadata)
-    assert md.cpu is not None
-    assert md.cpu.native
-    assert md.cpu.native_requests is None
-    assert len(md.cpu.prefill_requests) == 0
+def test_one_query_head_per_kv_head_decodes() -> None:
+    # G = 1: one query row per K/V head, which the call pads to two rows (see _mods.query_rows).
+    spec = spec_of("chunked")
+    _compare(spec, params_of(spec, num_heads=HKV), DECODES)
 
 
 def test_steps_reuse_compiled_kernels() -> None:
-    spec = _spec("full")
-    params = _params(spec)
+    spec = spec_of("full")
+    params = params_of(spec)
     steps = list(RAGGED)
-    run = _run("flex_attention", spec, params, steps + steps[1:2], "flex")
+    run = run_steps(NAME, spec, params, steps + steps[1:2], OPTIONS)
     for _ in steps:
         next(run)
     # Same buckets as an earlier step: dynamo must not compile again.
@@ -388,45 +209,48 @@ def test_options_reject_unordered_buckets() -> None:
         FlexAttentionOptions(query_buckets=(0, 16))
 
 
+def test_cpu_path_is_refused_naming_the_backend_that_took_it_over() -> None:
+    config = AttentionConfig(backend_options={NAME: {"cpu_path": "engines"}})
+    with pytest.raises(
+        ValueError, match=r"cpu_path is no longer a flex_attention option: .* the cpu_attn backend"
+    ):
+        config.options_for(NAME, FlexAttentionOptions)
+    # Any other unknown field keeps pydantic's own message.
+    config = AttentionConfig(backend_options={NAME: {"cpu_paths": "engines"}})
+    with pytest.raises(ValueError, match="cpu_paths: Extra inputs are not permitted"):
+        config.options_for(NAME, FlexAttentionOptions)
+
+
 # ------------------------------------------------------------------ selection and failures
 
 
-def test_default_cpu_priority_selects_it_first_for_the_kinds_it_serves() -> None:
-    config = AttentionConfig()
-    chosen = select_backend(_spec("window"), config, device="cpu")
-    assert chosen.backend_name == "flex_attention"
-    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    chosen = select_backend(mla, config, device="cpu")
-    assert chosen.backend_name == "reference"
-    odd = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    chosen = select_backend(odd, config, device="cpu")
-    assert chosen.backend_name == "reference"
-    assert any("head_size=8 not supported" in r for x in chosen.rejected for r in x.reasons)
-
-
-def test_no_c_compiler_for_the_cpu_engines_falls_through_with_a_reason(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from attnkit.kernels.attention import cpu_native as _native
-
-    # A fresh process's view: nothing built yet, an empty cache, no usable compiler.
-    monkeypatch.setattr(_native, "_STATE", [])
-    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "attnkit-no-such-compiler")
-    reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
-    assert any("native kernel is unavailable" in r and "CC=" in r for r in reasons), reasons
-    chosen = select_backend(_spec("full"), AttentionConfig(), device="cpu")
-    assert chosen.backend_name == "reference"
-    (flex,) = [r for r in chosen.rejected if r.backend == "flex_attention"]
-    assert any("attnkit-no-such-compiler" in r for r in flex.reasons)
+def test_on_cpu_it_runs_when_named_and_is_not_in_the_default_order() -> None:
+    spec = spec_of("window")
+    chosen = select_backend(spec, AttentionConfig(), device="cpu")
+    assert chosen.backend_name == "cpu_attn"
+    assert all(r.backend != NAME for r in chosen.rejected)
+    chosen = select_backend(spec, AttentionConfig(backend=NAME), device="cpu")
+    assert (chosen.backend_name, chosen.source) == (NAME, "backend")
+    per_kind = AttentionConfig(backend_per_kind={spec.kind: NAME})
+    chosen = select_backend(spec, per_kind, device="cpu")
+    assert (chosen.backend_name, chosen.source) == (NAME, "backend_per_kind")
+    # Named on CPU, it compiles FlexAttention: the step plans FlexAttention calls.
+    rt = make_runtime(NAME, spec, params_of(spec), OPTIONS)
+    rt.begin_step([ScheduledRequest("a", 3), ScheduledRequest("b", 1)])
+    md = rt.metadata_for("layer")
+    assert [(c.batch, c.query_len) for c in md.calls] == [(8, 1), (8, 64)]
 
 
 def test_missing_cpp_compiler_is_a_reason_for_compiled_flex() -> None:
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch({"cpp.cxx": ("attnkit-no-such-compiler",)}):
-        reasons = _compile.environment_problems(torch.device("cpu"))
-    assert any("needs a C++ compiler" in r for r in reasons)
+        reasons = FlexAttentionBackend.environment_reasons(torch.device("cpu"))
+        assert any("needs a C++ compiler" in r for r in reasons), reasons
+        # Named on CPU, it is refused with that reason.
+        with pytest.raises(BackendNotSupportedError, match=r"needs a C\+\+ compiler"):
+            select_backend(spec_of("full"), AttentionConfig(backend=NAME), device="cpu")
+    assert FlexAttentionBackend.environment_reasons(torch.device("cpu")) == []
 
 
 def test_compile_failure_raises_is_recorded_and_selection_falls_through(
@@ -441,45 +265,50 @@ def test_compile_failure_raises_is_recorded_and_selection_falls_through(
     monkeypatch.setattr(_compile, "_compile", broken)
     # Head size 32: a shape no other test compiled, so this call is its first.
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=32, dtype=torch.float32)
+    named = AttentionConfig(backend_per_kind={spec.kind: NAME})
     rt = AttentionRuntime(
         {"layer": spec},
-        AttentionConfig(backend_options={"flex_attention": {"cpu_path": "flex"}}),
+        named,
         device="cpu",
         memory_budget_bytes=spec.page_size_bytes * 16,
         layer_params={"layer": AttentionLayerParams(num_heads=4)},
     )
-    assert rt.routing_table()[0].backend == "flex_attention"
+    assert rt.routing_table()[0].backend == NAME
     rt.begin_step([ScheduledRequest("a", 5)])
     q, kv = torch.randn(5, 4, 32), torch.randn(5, HKV, 32)
     with pytest.raises(FlexCompileError, match="forced inductor failure") as err:
         rt.forward("layer", q, kv, kv)
     assert "does not fall back to the uncompiled kernel" in str(err.value)
-    chosen = select_backend(spec, AttentionConfig(), device="cpu")
+    # In an order that lists it (the demo's --prefer flex), selection moves on.
+    order = {"cpu": (NAME, "reference")}
+    chosen = select_backend(spec, AttentionConfig(), device="cpu", priority=order)
     assert chosen.backend_name == "reference"
-    (flex,) = [r for r in chosen.rejected if r.backend == "flex_attention"]
+    (flex,) = [r for r in chosen.rejected if r.backend == NAME]
     assert any("compiling FlexAttention failed earlier" in r for r in flex.reasons)
     # Named explicitly, it is an error with the same reason, never a silent fallback.
     with pytest.raises(Exception, match="failed earlier"):
-        select_backend(spec, AttentionConfig(backend="flex_attention"), device="cpu")
+        select_backend(spec, named, device="cpu")
+    # The CPU default does not depend on it.
+    assert select_backend(spec, AttentionConfig(), device="cpu").backend_name == "cpu_attn"
 
 
 def test_undeclared_features_are_refused_at_construction() -> None:
-    spec = _spec("full")
+    spec = spec_of("full")
     with pytest.raises(ValueError, match="attention_sinks"):
         FlexAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))
     with pytest.raises(ValueError, match="return_lse"):
         FlexAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
-    sink = _spec("sink")
+    sink = spec_of("sink")
     with pytest.raises(ValueError, match="sink_key"):
         FlexAttentionImpl(sink, AttentionLayerParams(num_heads=4))
 
 
 def test_planes_layout_and_bad_cache_argument() -> None:
-    spec = _spec("full")
+    spec = spec_of("full")
     assert FlexAttentionBackend.get_kv_cache_shapes(4, spec) == ((64, HKV, D), (64, HKV, D))
-    rt = _runtime("flex_attention", spec, _params(spec))
+    rt = make_runtime(NAME, spec, params_of(spec), OPTIONS)
     rt.begin_step([ScheduledRequest("a", 3)])
-    impl = FlexAttentionImpl(spec, _params(spec))
+    impl = FlexAttentionImpl(spec, params_of(spec))
     md = rt.metadata_for("layer")
     q, kv = torch.randn(3, 4, D), torch.randn(3, HKV, D)
     with pytest.raises(ValueError, match="kv_cache must hold 2 tensors"):
@@ -487,8 +316,9 @@ def test_planes_layout_and_bad_cache_argument() -> None:
 
 
 def test_demo_with_flex_first_passes_its_dense_checks() -> None:
-    """``attnkit demo --prefer flex``: full and window layers on flex_attention, the state
-    layers on the reference; every step within the demo's tolerance of its dense check."""
+    """``attnkit demo --prefer flex``: full and window layers on compiled FlexAttention
+    (three shapes compile on CPU), the state layers on the reference; every step within
+    the demo's tolerance of its dense check."""
     import io
 
     from attnkit.demo import run_demo

@@ -13,6 +13,7 @@ import torch
 from ..devices import device_problem, parse_device
 from ..errors import PluginError
 from ..registry import BackendRegistry, call_backend_code
+from ..selector import DEFAULT_PRIORITY
 from ._common import Streams
 
 
@@ -96,9 +97,17 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
     device = _inspected_device(args, io)
     out = io.out
     rows = backend_rows(registry, device)
+    # The device's default order, as far as these backends are registered: a layer gets
+    # the first one that serves it, so the first is the device's default.
+    listed = {row.name for row in rows}
+    order = [name for name in DEFAULT_PRIORITY.get(device.type, ()) if name in listed]
     if args.json:
         json.dump(
-            {"device": str(device), "backends": [dataclasses.asdict(r) for r in rows]},
+            {
+                "device": str(device),
+                "default_order": order,
+                "backends": [dataclasses.asdict(r) for r in rows],
+            },
             out,
             indent=2,
         )
@@ -108,8 +117,16 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
         out.write("no backends are registered\n")
         return 0
     out.write(f"backends on {device}:\n")
+    if order:
+        then = f", then {', '.join(order[1:])}" if len(order) > 1 else ""
+        out.write(
+            f"  default on {device.type}: {order[0]}{then} (each layer gets the first that "
+            "serves it)\n"
+        )
     for row in rows:
         status = "available" if row.available else "unavailable"
+        if order and row.name == order[0]:
+            status += f" (default on {device.type})"
         out.write(
             f"  {row.name} [{row.origin}] {status}\n    kinds: {', '.join(row.kinds) or '-'}\n"
         )

@@ -299,10 +299,11 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--prefer",
         choices=("default", "reference", "triton", "flex"),
         default="default",
-        help="default: the device's priority list (on CPU flex_attention, on its CPU "
+        help="default: the device's priority list (on CPU cpu_attn, attnkit's CPU "
         "engines, for the attention kinds it serves); reference: the reference backend "
         "for every kind; triton: try the Triton backends first for every kind (on CPU, "
-        "under the interpreter); flex: flex_attention first",
+        "under the interpreter); flex: flex_attention (compiled FlexAttention) first; on "
+        "CPU each new shape compiles for seconds",
     )
     demo.add_argument(
         "--context-parallel",

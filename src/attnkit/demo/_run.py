@@ -25,7 +25,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
 PRIORITIES: dict[str, tuple[str, ...]] = {
     "default": (),  # the device's default priority list
-    # The oracle for every kind (on CPU the default puts flex_attention first).
+    # The oracle for every kind (on CPU the default puts cpu_attn first).
     "reference": ("reference",),
     "triton": (
         "triton_attn",
@@ -37,8 +37,9 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
         "triton_short_conv",
         "reference",
     ),
-    # FlexAttention first (CPU or CUDA; compiled per shape on first use), the reference
-    # for what it does not serve (MLA, state layers, sink logits).
+    # Compiled FlexAttention first (CUDA, or CPU by this choice: each new shape compiles
+    # on first use, seconds on a CPU), the reference for what it does not serve (MLA,
+    # state layers, sink logits).
     "flex": ("flex_attention", "reference"),
 }
 
@@ -93,7 +94,8 @@ def run_demo(
     ``model_name``: a key of ``MODELS``; or, with ``layout`` (the layer kinds, e.g. from
     ``demo_layout``), only the name the report shows. ``prefer`` (kinds without a per-kind setting):
     ``"default"`` the device's priority list, ``"reference"`` the reference backend for
-    every kind, ``"triton"`` the Triton backends first, ``"flex"`` flex_attention first.
+    every kind, ``"triton"`` the Triton backends first, ``"flex"`` flex_attention (compiled
+    FlexAttention) first.
 
     The layout's ``DemoModel.mode`` decides how requests are served: ``"decoder"``
     prefills the prompts (the long one in chunks under ``token_budget``) and decodes

@@ -1,6 +1,5 @@
-"""``flex_attention``: attention over the paged K/V planes: compiled FlexAttention on
-CUDA (and on CPU when asked), the CPU engines of ``attnkit.kernels.attention`` on CPU by
-default; the first choice on CPU.
+"""``flex_attention``: compiled FlexAttention over the paged K/V planes, on CUDA and, when
+selected by name, on CPU (where the default is ``cpu_attn``).
 
 Importing this package imports neither dynamo nor inductor; the builder and impl do,
 when a step first runs FlexAttention. ``compile_records()`` lists the shapes compiled so far in the
@@ -11,8 +10,6 @@ from __future__ import annotations
 
 from ._compile import CompileRecord, FlexCompileError, compile_records
 from .backend import (
-    NATIVE_MAX_QUERY,
-    CpuPlan,
     FlexAttentionBackend,
     FlexAttentionImpl,
     FlexAttentionMetadata,
@@ -21,9 +18,7 @@ from .backend import (
 )
 
 __all__ = [
-    "NATIVE_MAX_QUERY",
     "CompileRecord",
-    "CpuPlan",
     "FlexAttentionBackend",
     "FlexAttentionImpl",
     "FlexAttentionMetadata",

@@ -201,9 +201,9 @@ def run_compiled(key: str, device_type: str, *args: Any, **kwargs: Any) -> torch
         raise FlexCompileError(
             f"flex_attention: compiling FlexAttention for {key} on {device_type} failed "
             f"({message}). The backend does not fall back to the uncompiled kernel (tens of "
-            f"times slower); it is now skipped by selection in this process, so a new "
-            f"AttentionRuntime selects the next backend (on CPU: reference), or choose one "
-            f"explicitly with AttentionConfig(backend='reference')."
+            f"times slower); it is now refused by selection in this process, so choose "
+            f"another backend for a new AttentionRuntime (on CPU: cpu_attn, the default, "
+            f"or reference), or drop the setting that named flex_attention."
         ) from exc
     if first:
         seconds = time.perf_counter() - started

@@ -1,16 +1,7 @@
-"""The ``flex_attention`` backend: attention over the paged K/V planes, through
-compiled FlexAttention on CUDA and the CPU engines on CPU.
-
-On CPU (``FlexAttentionOptions.cpu_path="engines"``, the default) a step runs on
-``attnkit.kernels.attention`` instead of FlexAttention: requests with at most
-``NATIVE_MAX_QUERY`` queries go to a native paged kernel that reads K and V in place
-through the block table, longer runs to blocked matrix products over keys gathered
-once. Measured on a 2-core AVX2 machine (``benchmarks/bench_cpu.py``), inductor's
-compiled CPU kernel for FlexAttention reads K/V at 19-29% of a plain read when
-decoding and prefills at 0.5-0.67x SDPA whatever the block sizes, and compiles each
-new shape for 5-18 s; the engines meet the targets (decode >= 60% of a plain read:
-61-64%; prefill >= 1x SDPA: 1.5x) and compile one small C file once per machine.
-``cpu_path="flex"`` keeps FlexAttention on CPU too (the description below).
+"""The ``flex_attention`` backend: compiled FlexAttention over the paged K/V planes, on
+CUDA and, when a user selects it there, on CPU (the CPU default is ``cpu_attn``: on CPU,
+inductor's compiled kernel is slower than attnkit's CPU engines and compiles each new
+shape for seconds, see ``benchmarks/bench_cpu.py``).
 
 FlexAttention (PyTorch, ``torch.nn.attention.flex_attention``; Dong et al. 2024,
 arXiv:2412.05496) computes attention with a user mask (``mask_mod``) and score
@@ -47,13 +38,13 @@ latent per token: no planes layout) and state layers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from typing_extensions import override
 
 from ...backend import AttentionBackend
@@ -62,11 +53,23 @@ from ...builder import AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, KVCacheLayout, MultipleOf, SizeRule
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
-from ...kinds import Mask, attention_rules, rules_for
+from ...kinds import attention_rules, rules_for
 from ...metadata import CommonAttentionMetadata, host_to_device
-from ...params import AttentionLayerParams, attention_params_problems
+from ...params import AttentionLayerParams
 from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
-from ._compile import environment_problems, recorded_failure, run_compiled
+from .._planes import (
+    NO_WRITES,
+    PlanesWrites,
+    check_causal,
+    check_planes,
+    check_step_lengths,
+    from_numpy,
+    layer_problems,
+    step_writes,
+    write_planes,
+)
+from ._compile import environment_problems, run_compiled
+from ._mods import make_mask_mod, make_score_mod, pad_blocks, query_rows, workspace
 from ._plan import NO_LIMIT, CallPlan, Ints, bucket_for, plan_call
 
 if TYPE_CHECKING:  # importing flex_attention pulls in dynamo: annotations only
@@ -81,8 +84,6 @@ __all__ = [
 ]
 
 _NAME = "flex_attention"
-# torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
-_from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 _FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
 # Head sizes checked on CPU; FlexAttention's Triton template on CUDA wants powers of two.
 _HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
@@ -98,21 +99,12 @@ powers of two from 1: their padding costs whole query and output planes."""
 _MIN_PREFILL_BUCKET = 32
 """One query block of tokens: rows of a request past its length cost nothing once a
 query block holds none of its tokens, so small prompts share one bucket."""
-NATIVE_MAX_QUERY = 4
-"""On the CPU engines, requests with at most this many queries (decodes, short
-speculative runs) go to the native paged kernel, which reads each key once per query
-token; longer runs go to blocked matrix products, which gather the keys once."""
 _ENCODER_BLOCK = 16
-_NO_BLOCKS = torch.zeros(0, dtype=torch.int64)
-_NO_INTS: Ints = np.zeros(0, dtype=np.int64)
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous int32 tensor (no copy when it is one already)."""
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
 """Block size of the per-step scratch plane that holds an encoder-only step's K/V."""
+
+
+def _has_key(data: object, key: str) -> bool:
+    return isinstance(data, Mapping) and key in cast("Mapping[object, object]", data)
 
 
 class FlexAttentionOptions(BackendOptions):
@@ -126,18 +118,22 @@ class FlexAttentionOptions(BackendOptions):
             ``None``: powers of two from 8. Past the largest, the next power of two.
         query_buckets: query lengths a prefill call is padded to (strictly
             increasing); ``None``: powers of two from 32. Decodes use 1.
-        cpu_path: on CPU, ``"engines"`` (default) runs requests of at most
-            ``NATIVE_MAX_QUERY`` queries through the native paged kernel and longer runs
-            as blocked matrix products (``kernels.attention.cpu_prefill``): nothing to compile
-            per shape, and faster than FlexAttention's compiled CPU kernel
-            (``benchmarks/bench_cpu.py`` measures both); ``"flex"`` runs compiled
-            FlexAttention for every call. Buckets apply to ``"flex"`` only. Ignored
-            on CUDA, where FlexAttention always runs.
     """
 
     batch_buckets: tuple[int, ...] | None = None
     query_buckets: tuple[int, ...] | None = None
-    cpu_path: Literal["engines", "flex"] = "engines"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_cpu_path(cls, data: object) -> object:
+        # Unknown fields are refused anyway; this one says where its setting went.
+        if _has_key(data, "cpu_path"):
+            raise ValueError(
+                "cpu_path is no longer a flex_attention option: flex_attention always runs "
+                "compiled FlexAttention, and the CPU engines (cpu_path='engines') are the "
+                "cpu_attn backend, the CPU default"
+            )
+        return data
 
     @field_validator("batch_buckets", "query_buckets")
     @classmethod
@@ -185,40 +181,6 @@ class FlexCall:
     full_blocks: torch.Tensor
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class CpuPlan:
-    """One step on the CPU engines (``FlexAttentionOptions.cpu_path="engines"``).
-
-    Attributes:
-        block_table: int32 ``[B, W]`` (contiguous rows), or ``None`` (encoder-only:
-            no cache).
-        query_start_loc, seq_lens: the step's int32 CPU offsets ``[B + 1]`` and lengths
-            ``[B]``, as the runtime handed them over: the native kernel plans its work
-            items from them (no per-token arrays are built on the host).
-        native: whether some request goes to the native kernel.
-        native_requests: int32 ``[n]``: the requests it serves (those with at most
-            ``NATIVE_MAX_QUERY`` queries), or ``None``: every request of the step.
-        prefill_requests, prefill_start, prefill_lens, prefill_seq: the longer runs
-            (host arrays): block-table row, first row, query length and sequence
-            length of each.
-        read_step_kv: requests with ``seq == qlen`` may read their keys/values from the
-            step's ``key``/``value`` rows instead of the planes (the same values: every
-            token of the step was written); False for cross attention, whose step rows
-            are encoder tokens, and when some token was not written.
-    """
-
-    block_table: torch.Tensor | None
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    native: bool
-    native_requests: torch.Tensor | None
-    prefill_requests: Ints
-    prefill_start: Ints
-    prefill_lens: Ints
-    prefill_seq: Ints
-    read_step_kv: bool
-
-
 @dataclasses.dataclass
 class _Resolved:
     """What the first layer of a step makes for its cache size and GQA ratio."""
@@ -238,20 +200,14 @@ class FlexAttentionMetadata:
         calls: the step's launches (decodes, prefills; empty for an empty step).
         limits: int32 ``[4]``: ``(future, window, chunk, offset)`` of the mask (see
             ``_mask``); ``NO_LIMIT`` where a term does not apply.
-        write_slots: int64: cache slots of the new keys/values (-1 entries removed
-            when the slot mapping was on the CPU); ``None`` for encoder-only.
-        write_rows: int64 rows of ``key``/``value`` for ``write_slots``; ``None``: the
-            first ``len(write_slots)`` rows.
-        sink_slots: int64 ``[R * sink_len]`` sink slots of requests in their first step
-            (sink_full_attention), or ``None``.
-        tail_slots: int64: the slots past each request's length in its last block,
-            zeroed before attending (they may hold anything, and FlexAttention
-            multiplies masked weights, which are 0, by them); ``None`` if none.
+        writes: what the step writes into the planes (the new keys/values, sink
+            tokens) and the slots it zeroes: past each request's length in its last
+            block, which may hold anything, and FlexAttention multiplies masked
+            weights, which are 0, by them. Nothing for encoder-only.
         p2l_blocks, p2l_logical: int64: physical blocks the step reads and their
             logical index, from which the physical -> logical map is made.
         scratch_rows, scratch_dest: encoder-only: rows of the scratch plane and, for
             each of the step's tokens in order, its scratch row.
-        cpu: the step on the CPU engines (then ``calls`` is empty), or ``None``.
     """
 
     num_actual_tokens: int
@@ -259,15 +215,11 @@ class FlexAttentionMetadata:
     block_size: int
     calls: tuple[FlexCall, ...]
     limits: torch.Tensor
-    write_slots: torch.Tensor | None = None
-    write_rows: torch.Tensor | None = None
-    sink_slots: torch.Tensor | None = None
-    tail_slots: torch.Tensor | None = None
+    writes: PlanesWrites = NO_WRITES
     p2l_blocks: torch.Tensor
     p2l_logical: torch.Tensor
     scratch_rows: int = 0
     scratch_dest: torch.Tensor | None = None
-    cpu: CpuPlan | None = None
     _resolved: dict[tuple[int, int], _Resolved] = dataclasses.field(
         default_factory=lambda: dict[tuple[int, int], _Resolved]()
     )
@@ -304,10 +256,10 @@ class FlexAttentionMetadata:
         bs = self.block_size
         masks: list[BlockMask] = []
         for call in self.calls:
-            rows = _rows(call.query_len, group)
+            rows = query_rows(call.query_len, group)
             width = num_blocks
-            kv = _pad_blocks(call.kv_blocks, width)
-            full = _pad_blocks(call.full_blocks, width)
+            kv = pad_blocks(call.kv_blocks, width)
+            full = pad_blocks(call.full_blocks, width)
             masks.append(
                 BlockMask.from_kv_blocks(
                     call.kv_num,
@@ -315,103 +267,12 @@ class FlexAttentionMetadata:
                     call.full_num,
                     full,
                     BLOCK_SIZE=(_QUERY_TOKENS_PER_BLOCK * group, bs),
-                    mask_mod=_mask(p2l, call.info, self.limits, group, bs),
+                    mask_mod=make_mask_mod(p2l, call.info, self.limits, group, bs),
                     seq_lengths=(rows, num_blocks * bs),
                     compute_q_blocks=False,
                 )
             )
         return _Resolved(p2l=p2l, masks=tuple(masks))
-
-
-def _rows(query_len: int, group: int) -> int:
-    # One query row per K/V head would select inductor's CPU decoding template, which
-    # walks every listed block once per partition of the whole plane when the mask
-    # depends on the request; two rows (one padding) keep the block-sparse template.
-    return max(query_len * group, 2)
-
-
-def _pad_blocks(blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """``[Bb, 1, NQB, W]`` -> ``[Bb, 1, NQB, width]``: the compiled CPU kernel asserts
-    that the index tensor spans the whole key sequence (``NB`` blocks)."""
-    out = blocks.new_zeros((*blocks.shape[:-1], width))
-    out[..., : min(blocks.shape[-1], width)] = blocks[..., :width]
-    return out
-
-
-def _mask(
-    p2l: torch.Tensor, info: torch.Tensor, limits: torch.Tensor, group: int, block_size: int
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The step's ``mask_mod``: one function for every kind (the kind's terms come
-    from ``limits``), so one compiled kernel serves every kind of one shape."""
-
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
-        t = q_idx // group
-        logical = p2l[kv_idx // block_size]
-        pos = logical * block_size + kv_idx % block_size
-        qp = info[b, 0] + t
-        future, window, chunk, offset = limits[0], limits[1], limits[2], limits[3]
-        return (
-            (t < info[b, 1])
-            & (logical >= 0)
-            & (pos < info[b, 2])
-            & (pos <= qp + future)
-            & (qp - pos < window)
-            & ((pos + offset) // chunk == (qp + offset) // chunk)
-        )
-
-    return mask_mod
-
-
-def _score(
-    p2l: torch.Tensor,
-    info: torch.Tensor,
-    group: int,
-    block_size: int,
-    soft_cap: torch.Tensor | None,
-    slopes: torch.Tensor | None,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The layer's ``score_mod``: soft-cap ``cap * tanh(s / cap)``, then ALiBi
-    ``s + slope[head] * (j - i)`` (the reference's order and sign)."""
-
-    def score_mod(
-        score: torch.Tensor,
-        b: torch.Tensor,
-        h: torch.Tensor,
-        q_idx: torch.Tensor,
-        kv_idx: torch.Tensor,
-    ) -> torch.Tensor:
-        if soft_cap is not None:
-            score = soft_cap * torch.tanh(score / soft_cap)
-        if slopes is not None:
-            head = h * group + q_idx % group
-            pos = p2l[kv_idx // block_size] * block_size + kv_idx % block_size
-            qp = info[b, 0] + q_idx // group
-            score = score + slopes[head] * (pos - qp)
-        return score
-
-    return score_mod
-
-
-_workspaces: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _workspace(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A flat buffer of at least ``numel`` elements, shared by every layer (layers run
-    one after another) and grown when a step needs more: the query and output copies of
-    a prefill are tens of MB, and a fresh allocation of that size costs page faults on
-    every layer."""
-    key = (name, like.device, like.dtype)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(
-            max(numel, int(buf.numel() * 1.5) if buf is not None else 0),
-            dtype=like.dtype,
-            device=like.device,
-        )
-        _workspaces[key] = buf
-    return buf[:numel]
 
 
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata, AttentionSpec]):
@@ -456,128 +317,16 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
     ) -> FlexAttentionMetadata:
         cm = common_attn_metadata
         who = type(self).__name__
-        if cm.causal is not self.causal:
-            raise ValueError(
-                f"{who}: common_attn_metadata.causal must be {self.causal} for "
-                f"{self.kind.value} layers, got {cm.causal}"
-            )
-        engines = self.device.type == "cpu" and self.options.cpu_path == "engines"
-        if (
-            engines
-            and cm.max_query_len <= NATIVE_MAX_QUERY
-            and not self.encoder
-            and not self.sink_len
-        ):
-            return self._build_cpu_short(cm)
+        check_causal(who, self.kind, self.causal, cm)
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         qlens = np.diff(qsl)
         seq = cm.seq_lens_cpu.numpy().astype(np.int64)
-        if self.encoder and bool((seq != qlens).any()):
-            b = int(np.argmax(seq != qlens))
-            raise ValueError(
-                f"{who}: {self.kind.value} encodes a request whole in one step, so "
-                f"seq_lens must equal the query lengths; request {b} has "
-                f"seq_lens={int(seq[b])} and query length {int(qlens[b])}"
-            )
-        if self.sink_len and bool((seq - qlens < self.sink_len).any()):
-            b = int(np.argmax(seq - qlens < self.sink_len))
-            raise ValueError(
-                f"{who}: {self.kind.value} seq_lens must count the sink_len="
-                f"{self.sink_len} sink tokens, but request {b} has seq_lens - query_lens = "
-                f"{int(seq[b] - qlens[b])} < {self.sink_len}"
-            )
-        if engines:
-            return self._build_cpu(cm, qsl, qlens, seq)
+        check_step_lengths(
+            who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
+        )
         if self.encoder:
             return self._build_encoder(cm, qsl, qlens, seq)
         return self._build_paged(cm, qsl, qlens, seq)
-
-    # ------------------------------------------------------------------ CPU engines
-
-    def _build_cpu_short(self, cm: CommonAttentionMetadata) -> FlexAttentionMetadata:
-        """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps): the
-        native kernel takes the whole step from the runtime's offsets as they are, so
-        nothing is planned here (no host array is touched)."""
-        # No sink kind here (sink_len == 0), so the lengths are not read.
-        return self._cpu_metadata(cm, _NO_INTS, _NO_INTS, None, True, _NO_INTS, _NO_INTS)
-
-    def _build_cpu(
-        self,
-        cm: CommonAttentionMetadata,
-        qsl: Ints,
-        qlens: Ints,
-        seq: Ints,
-    ) -> FlexAttentionMetadata:
-        """Split the step between the native kernel (requests with short query runs)
-        and the blocked prefill (the rest; everything for encoder-only layers)."""
-        is_live = qlens > 0
-        is_short = is_live & (qlens <= NATIVE_MAX_QUERY) if not self.encoder else ~is_live
-        long = np.flatnonzero(is_live & ~is_short)
-        short = np.flatnonzero(is_short)
-        served = None if len(long) == 0 else _from_numpy(short.astype(np.int32))
-        return self._cpu_metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
-
-    def _cpu_metadata(
-        self,
-        cm: CommonAttentionMetadata,
-        seq: Ints,
-        qlens: Ints,
-        served: torch.Tensor | None,
-        native: bool,
-        long: Ints,
-        long_start: Ints,
-    ) -> FlexAttentionMetadata:
-        table: torch.Tensor | None = None
-        write: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if not self.encoder:
-            table = cm.block_table_tensor
-            if table.dtype != torch.int32 or table.stride(-1) != 1:
-                table = table.to(torch.int32).contiguous()
-            write = self._write_plan(cm)
-        plan = CpuPlan(
-            block_table=table,
-            query_start_loc=_int32(cm.query_start_loc_cpu),
-            seq_lens=_int32(cm.seq_lens_cpu),
-            native=native,
-            native_requests=served,
-            prefill_requests=long,
-            prefill_start=long_start,
-            prefill_lens=qlens[long],
-            prefill_seq=seq[long],
-            read_step_kv=self.encoder
-            or (not self.encoder_keys and write[1] is None),
-        )
-        return self._metadata(
-            cm,
-            seq,
-            qlens,
-            write,
-            block_size=self.kv_cache_spec.block_size,
-            calls=(),
-            p2l_blocks=_NO_BLOCKS,
-            p2l_logical=_NO_BLOCKS,
-            cpu=plan,
-        )
-
-    def _metadata(
-        self,
-        cm: CommonAttentionMetadata,
-        seq: Ints,
-        qlens: Ints,
-        write: tuple[torch.Tensor | None, torch.Tensor | None],
-        **fields: Any,
-    ) -> FlexAttentionMetadata:
-        """The step's metadata: what every paged path sets the same way (the writes,
-        the sink slots, the limits), plus the path's own ``fields``."""
-        return FlexAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            kind=self.kind,
-            limits=self._limits,
-            write_slots=write[0],
-            write_rows=write[1],
-            sink_slots=self._sink_slots(cm, seq, qlens) if self.sink_len else None,
-            **fields,
-        )
 
     # ------------------------------------------------------------------ paged kinds
 
@@ -635,8 +384,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 p2l_log.append(logical[:n][valid])
         req_all = np.concatenate(p2l_req) if p2l_req else np.zeros(0, dtype=np.int64)
         log_all = np.concatenate(p2l_log) if p2l_log else np.zeros(0, dtype=np.int64)
-        req_t = host_to_device(_from_numpy(req_all), device)
-        log_t = host_to_device(_from_numpy(log_all), device)
+        req_t = host_to_device(from_numpy(req_all), device)
+        log_t = host_to_device(from_numpy(log_all), device)
         p2l_blocks = table[req_t, log_t].to(torch.int64)
 
         # The slots past each request's length in its last block.
@@ -651,56 +400,30 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             offsets = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(starts, count)
             offsets += np.repeat(rem[tail_req], count)
             last = np.repeat((seq[tail_req] - 1) // bs, count)
-            r_t = host_to_device(_from_numpy(req_rep), device)
-            l_t = host_to_device(_from_numpy(last), device)
-            o_t = host_to_device(_from_numpy(offsets), device)
+            r_t = host_to_device(from_numpy(req_rep), device)
+            l_t = host_to_device(from_numpy(last), device)
+            o_t = host_to_device(from_numpy(offsets), device)
             tail_slots = table[r_t, l_t].to(torch.int64) * bs + o_t
 
-        return self._metadata(
+        writes = step_writes(
             cm,
-            seq,
-            qlens,
-            self._write_plan(cm),
+            encoder_keys=self.encoder_keys,
+            sink_len=self.sink_len,
+            block_size=bs,
+            seq=seq,
+            qlens=qlens,
+            tail_slots=tail_slots,
+        )
+        return FlexAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            kind=self.kind,
             block_size=bs,
             calls=tuple(calls),
-            tail_slots=tail_slots,
+            limits=self._limits,
+            writes=writes,
             p2l_blocks=p2l_blocks,
             p2l_logical=log_t,
         )
-
-    def _write_plan(self, cm: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The slots new keys/values go to. From a CPU slot mapping, -1 entries are
-        dropped here (once per step); on CUDA the runtime's contract holds (no -1 among
-        the step's tokens; cross attention: the first ``E`` entries are the encoder's)."""
-        slots = cm.slot_mapping
-        if not self.encoder_keys:
-            slots = slots[: cm.num_actual_tokens]
-        if slots.device.type != "cpu":
-            return slots, None
-        if slots.numel() == 0 or int(slots.numpy().min()) >= 0:  # numpy: no dispatch cost
-            return slots, None
-        keep = slots >= 0
-        rows = torch.nonzero(keep).flatten()
-        if self.encoder_keys and bool(
-            (rows == torch.arange(rows.numel())).all()
-        ):
-            return slots[: rows.numel()], None  # the encoder tokens lead, as usual
-        return slots[rows], rows
-
-    def _sink_slots(
-        self, cm: CommonAttentionMetadata, seq: Ints, qlens: Ints
-    ) -> torch.Tensor | None:
-        """Sink slots of the requests in their first step (context == sink_len)."""
-        sink_len, bs = self.sink_len, self.kv_cache_spec.block_size
-        new = np.nonzero(seq - qlens == sink_len)[0]
-        if len(new) == 0:
-            return None
-        table = cm.block_table_tensor
-        pos = np.arange(sink_len, dtype=np.int64)
-        rows = host_to_device(_from_numpy(np.repeat(new, sink_len)), table.device)
-        logical = host_to_device(_from_numpy(np.tile(pos // bs, len(new))), table.device)
-        offsets = host_to_device(_from_numpy(np.tile(pos % bs, len(new))), table.device)
-        return table[rows, logical].to(torch.int64) * bs + offsets
 
     def _plan(
         self,
@@ -735,7 +458,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         block table (paged kinds) or the scratch layout (encoder-only)."""
 
         def dev(a: npt.NDArray[Any]) -> torch.Tensor:
-            return host_to_device(_from_numpy(np.array(a, copy=True)), device)
+            return host_to_device(from_numpy(np.array(a, copy=True)), device)
 
         bb = plan.batch
         slot_req = np.zeros(bb, dtype=np.int64)
@@ -794,10 +517,10 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             rows = bb * lb
             by_token = np.empty(cm.num_actual_tokens, dtype=np.int64)
             by_token[plan.out_dest] = plan.out_batch * lb + plan.out_token
-            dest = host_to_device(_from_numpy(by_token), device)
+            dest = host_to_device(from_numpy(by_token), device)
             blocks = np.arange(bb * per, dtype=np.int64)
-            p2l_blocks = host_to_device(_from_numpy(blocks), device)
-            p2l_logical = host_to_device(_from_numpy(blocks % per), device)
+            p2l_blocks = host_to_device(from_numpy(blocks), device)
+            p2l_logical = host_to_device(from_numpy(blocks % per), device)
         return FlexAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             kind=self.kind,
@@ -825,25 +548,11 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         who = type(self).__name__
         spec, params = kv_cache_spec, layer_params
         rules = rules_for(spec)
-        self._mask: Mask = rules.mask(spec)
         self._has_cache = rules.has_cache
         self._encoder_keys = rules.writes == "encoder"
-        sink_len = self._mask.sink_len
-        sink_tokens = sink_len > 0
-        checked = (
-            dataclasses.replace(params, sink_key=None, sink_value=None) if sink_tokens else params
+        problems = layer_problems(
+            spec, params, sink_len=rules.mask(spec).sink_len, backend=_NAME, features=_FEATURES
         )
-        problems = attention_params_problems(
-            spec, checked, backend=_NAME, supported_features=_FEATURES
-        )
-        if sink_tokens:
-            want = (sink_len, spec.num_kv_heads, spec.head_size)
-            if params.sink_key is None or tuple(params.sink_key.shape) != want:
-                got = "None" if params.sink_key is None else str(list(params.sink_key.shape))
-                problems.append(
-                    f"a {spec.kind.value} layer needs layer_params.sink_key and sink_value "
-                    f"of shape [sink_len, Hkv, D]={list(want)}, got {got}"
-                )
         if problems:
             raise ValueError(f"{who}: " + "; ".join(problems))
         self.num_heads = params.num_heads
@@ -874,46 +583,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             self._constants[device] = found
         return found
 
-    def _check(
-        self,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: Sequence[torch.Tensor],
-        m: object,
-    ) -> None:
-        """The backend's own rules: its metadata and the planes layout. The query, key,
-        value and output were checked against the layer by the runtime
-        (``attnkit._boundary``); only their presence is checked here."""
-        who = f"{type(self).__name__}.forward ({self.kv_cache_spec.kind.value})"
-        spec = self.kv_cache_spec
-        if not isinstance(m, FlexAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be FlexAttentionMetadata, got {type(m).__name__}"
-            )
-        if (key is None) != (value is None) or (
-            key is None and not self._encoder_keys
-        ):
-            raise ValueError(f"{who}: key and value must both be tensors [T, Hkv, D]")
-        want_kv = (spec.num_kv_heads, spec.head_size)
-        expected = 2 if self._has_cache else 0
-        if len(kv_cache) != expected:
-            raise ValueError(
-                f"{who}: kv_cache must hold {expected} tensors (the planes layout: K plane, "
-                f"V plane), got {len(kv_cache)}"
-            )
-        for name, plane in zip(("K plane", "V plane"), kv_cache, strict=False):
-            if (
-                plane.dim() != 3
-                or tuple(plane.shape[1:]) != want_kv
-                or plane.shape[0] % spec.block_size
-                or plane.dtype != spec.dtype
-            ):
-                raise ValueError(
-                    f"{who}: kv_cache's {name} must be {spec.dtype} [NB * BS, Hkv, D] with "
-                    f"BS={spec.block_size}, Hkv={spec.num_kv_heads}, D={spec.head_size}, "
-                    f"got {plane.dtype} {list(plane.shape)}"
-                )
-
     @override
     def forward(
         self,
@@ -924,12 +593,23 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         attn_metadata: FlexAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        self._check(key, value, kv_cache, attn_metadata)
-        m = attn_metadata
-        n = m.num_actual_tokens
+        m: object = attn_metadata
         spec = self.kv_cache_spec
-        if m.cpu is not None:
-            return self._forward_cpu(query, key, value, kv_cache, m, m.cpu, output)
+        who = f"{type(self).__name__}.forward ({spec.kind.value})"
+        if not isinstance(m, FlexAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be FlexAttentionMetadata, got {type(m).__name__}"
+            )
+        check_planes(
+            who,
+            spec,
+            key,
+            value,
+            kv_cache,
+            has_cache=self._has_cache,
+            encoder_keys=self._encoder_keys,
+        )
+        n = m.num_actual_tokens
         if not self._has_cache:
             assert key is not None  # checked
             assert value is not None
@@ -940,7 +620,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 v_plane.index_copy_(0, m.scratch_dest, value[:n])
         else:
             k_plane, v_plane = kv_cache[0], kv_cache[1]
-            self._write(k_plane, v_plane, key, value, m)
+            write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
         output[n:] = 0
         if not m.calls:
             return output
@@ -957,14 +637,16 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
         variant = ("cap" if cap is not None else "") + ("alibi" if slopes is not None else "")
         for call, mask in zip(m.calls, resolved.masks, strict=True):
             bb, lb = call.batch, call.query_len
-            q_rows = _workspace("q", hkv * bb * lb * g * d, query).view(hkv, bb * lb, g, d)
+            q_rows = workspace("q", hkv * bb * lb * g * d, query).view(hkv, bb * lb, g, d)
             torch.index_select(q_heads, 1, call.q_source, out=q_rows)
             q = q_rows.view(hkv, bb, lb * g, d).transpose(0, 1)
-            rows = _rows(lb, g)
+            rows = query_rows(lb, g)
             if rows != lb * g:
                 q = torch.cat([q, q.new_zeros((bb, hkv, rows - lb * g, d))], dim=2)
             score_mod = (
-                _score(resolved.p2l, call.info, g, m.block_size, cap, slopes) if variant else None
+                make_score_mod(resolved.p2l, call.info, g, m.block_size, cap, slopes)
+                if variant
+                else None
             )
             shape = (
                 f"{variant or 'plain'} q=[{bb},{hkv},{rows},{d}] kv={k.shape[2]} "
@@ -984,7 +666,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
             # real rows into a reused buffer, one scatter into the token-major output.
             heads_first = out.transpose(0, 1)[:, :, : lb * g].reshape(hkv, bb * lb, g * d)
             m_rows = call.out_flat.shape[0]
-            picked = _workspace("out", hkv * m_rows * g * d, query).view(hkv, m_rows, g * d)
+            picked = workspace("out", hkv * m_rows * g * d, query).view(hkv, m_rows, g * d)
             torch.index_select(heads_first, 1, call.out_flat, out=picked)
             target = output if output.is_contiguous() else torch.empty_like(output)
             target.view(-1, hkv, g * d).index_copy_(0, call.out_dest, picked.transpose(0, 1))
@@ -992,114 +674,16 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata, AttentionSpec, Atte
                 output.index_copy_(0, call.out_dest, target.index_select(0, call.out_dest))
         return output
 
-    def _forward_cpu(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: Sequence[torch.Tensor],
-        m: FlexAttentionMetadata,
-        plan: CpuPlan,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        """The step on the CPU engines: write the planes, then the native kernel for the
-        short query runs and blocked matrix products for the rest."""
-        from ...kernels.attention.cpu_decode import paged_attention_requests
-        from ...kernels.attention.cpu_prefill import paged_prefill
-
-        n = m.num_actual_tokens
-        k_plane: torch.Tensor | None = None
-        v_plane: torch.Tensor | None = None
-        if kv_cache:
-            k_plane, v_plane = kv_cache[0], kv_cache[1]
-            self._write(k_plane, v_plane, key, value, m)
-        output[n:] = 0
-        _, slopes = self._device_constants(query.device)
-        causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
-        if plan.native:
-            assert k_plane is not None
-            assert v_plane is not None
-            assert plan.block_table is not None
-            paged_attention_requests(
-                query,
-                k_plane,
-                v_plane,
-                plan.block_table,
-                plan.query_start_loc,
-                plan.seq_lens,
-                plan.native_requests,
-                block_size=m.block_size,
-                causal=causal,
-                window=window,
-                chunk=chunk,
-                scale=self.scale,
-                output=output,
-                soft_cap=self._soft_cap,
-                alibi_slopes=slopes,
-            )
-        if len(plan.prefill_requests):
-            paged_prefill(
-                query,
-                k_plane,
-                v_plane,
-                plan.block_table,
-                plan.prefill_requests,
-                plan.prefill_start,
-                plan.prefill_lens,
-                plan.prefill_seq,
-                block_size=m.block_size,
-                causal=causal,
-                window=window,
-                chunk=chunk,
-                scale=self.scale,
-                output=output,
-                soft_cap=self._soft_cap,
-                alibi_slopes=slopes,
-                key=key if plan.read_step_kv else None,
-                value=value if plan.read_step_kv else None,
-            )
-        return output
-
-    def _write(
-        self,
-        k_plane: torch.Tensor,
-        v_plane: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        m: FlexAttentionMetadata,
-    ) -> None:
-        """New keys/values (and sink tokens) into the planes, then zero the tails."""
-        if key is not None and value is not None and m.write_slots is not None:
-            slots = m.write_slots
-            if m.write_rows is not None:
-                k_new, v_new = (
-                    key.index_select(0, m.write_rows),
-                    value.index_select(0, m.write_rows),
-                )
-            else:
-                count = min(slots.shape[0], key.shape[0])
-                slots, k_new, v_new = slots[:count], key[:count], value[:count]
-            k_plane.index_copy_(0, slots, k_new)
-            v_plane.index_copy_(0, slots, v_new)
-        if m.sink_slots is not None:
-            sk, sv = self.layer_params.sink_key, self.layer_params.sink_value
-            assert sk is not None  # checked at construction
-            assert sv is not None
-            new = m.sink_slots.shape[0] // sk.shape[0]
-            k_plane.index_copy_(0, m.sink_slots, sk.to(k_plane).repeat(new, 1, 1))
-            v_plane.index_copy_(0, m.sink_slots, sv.to(v_plane).repeat(new, 1, 1))
-        if m.tail_slots is not None:
-            k_plane.index_fill_(0, m.tail_slots, 0)
-            v_plane.index_fill_(0, m.tail_slots, 0)
-
 
 class FlexAttentionBackend(AttentionBackend):
-    """Compiled FlexAttention over the paged planes: the fast path on CPU."""
+    """Compiled FlexAttention over the paged planes: on CUDA, and on CPU when selected
+    by name (the CPU priority list has ``cpu_attn`` instead)."""
 
     name = _NAME
     description = (
-        "compiled FlexAttention over K/V planes: full, sliding-window, chunked-local, "
-        "sink-token, encoder-only and cross; GQA, soft-cap, ALiBi; CPU and CUDA"
+        "compiled FlexAttention (torch.compile) over K/V planes: full, sliding-window, "
+        "chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, ALiBi; CUDA, "
+        "and CPU when selected by name (each new shape compiles for seconds)"
     )
     supported_devices = frozenset({"cpu", "cuda"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -1109,9 +693,9 @@ class FlexAttentionBackend(AttentionBackend):
     supported_features = _FEATURES
     options_type = FlexAttentionOptions
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
-    # Every attention kind with K and V planes: the mask_mod and the CPU engines express
-    # every kind's Mask (causal or bidirectional, window, chunk, sink tokens), and the
-    # write plan what each kind writes; MLA latents have no planes.
+    # Every attention kind with K and V planes: the mask_mod expresses every kind's Mask
+    # (causal or bidirectional, window, chunk, sink tokens), and the write plan what
+    # each kind writes; MLA latents have no planes.
     builders = bind_each(
         tuple(r.spec_class for r in attention_rules() if "planes" in r.layouts),
         FlexAttentionMetadataBuilder,
@@ -1121,22 +705,7 @@ class FlexAttentionBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        """On CPU the default path is the CPU engines, whose native kernel must build
-        here (a C compiler; built once per machine and cached on disk); elsewhere
-        compiled FlexAttention must be possible (see ``_compile``): the backend never
-        runs it uncompiled. A compile failure recorded in this process counts on both."""
-        if device.type != "cpu":
-            return environment_problems(device)
-        from ...kernels.attention.cpu_native import native_problem
-
-        problems: list[str] = []
-        native = native_problem()
-        if native is not None:
-            problems.append(
-                f"the CPU engines' native kernel is unavailable ({native}); "
-                "flex_attention is not offered on CPU"
-            )
-        failed = recorded_failure("cpu")
-        if failed is not None:
-            problems.append(f"compiling FlexAttention failed earlier in this process: {failed}")
-        return problems
+        """Compiled FlexAttention must be possible on the device (see ``_compile``): the
+        backend never runs it uncompiled. A compile failure recorded in this process
+        counts too."""
+        return environment_problems(device)

@@ -1,0 +1,381 @@
+"""The ``cpu_attn`` backend: attention over the paged K/V planes on CPU, through the CPU
+engines of ``attnkit.kernels.attention``; the first choice on CPU.
+
+A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, short speculative
+runs) go to the native paged kernel (``cpu_decode``), which reads K and V in place
+through the block table; longer runs go to blocked matrix products over keys gathered
+once (``cpu_prefill``). Nothing is compiled per shape: the native library is built once
+per machine with the system C compiler. ``benchmarks/bench_cpu.py`` measures both
+engines against a plain read of the same bytes and SDPA.
+
+Queries ``[T, Hq, D]``, key/value ``[T, Hkv, D]``, the planes ``[NB * BS, Hkv, D]``
+(``attnkit.backends._planes``), output ``[T, Hq, D]``.
+
+What the engines do not serve here, and so is not declared: per-head sink logits
+(``attention_sinks``) and ``return_lse``, fp8 caches, MLA (one latent per token: no
+planes layout) and state layers; those layers go to ``reference`` on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+from typing_extensions import override
+
+from ...backend import AttentionBackend
+from ...binding import bind_each
+from ...builder import AttentionMetadataBuilder
+from ...capabilities import AttentionFeature, KVCacheLayout, MultipleOf, SizeRule
+from ...config import AttentionConfig
+from ...impl import AttentionImpl
+from ...kinds import Mask, attention_rules, rules_for
+from ...metadata import CommonAttentionMetadata
+from ...params import AttentionLayerParams
+from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
+from .._planes import (
+    NO_WRITES,
+    Ints,
+    PlanesWrites,
+    check_causal,
+    check_planes,
+    check_step_lengths,
+    from_numpy,
+    layer_problems,
+    step_writes,
+    write_planes,
+)
+
+__all__ = [
+    "NATIVE_MAX_QUERY",
+    "CpuAttentionBackend",
+    "CpuAttentionImpl",
+    "CpuAttentionMetadata",
+    "CpuAttentionMetadataBuilder",
+]
+
+_NAME = "cpu_attn"
+_FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
+# The head and block sizes the engines are tested and measured at. The kernels
+# themselves take any head size (float32 rows of a size not a multiple of 16 go through
+# a float32 buffer) and any block size; declaring more needs tests at those sizes.
+_HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
+_BLOCK_SIZES: SizeRule = (MultipleOf(16),)
+NATIVE_MAX_QUERY = 4
+"""Requests with at most this many queries (decodes, short speculative runs) go to the
+native paged kernel, which reads each key once per query token; longer runs go to
+blocked matrix products, which gather the keys once."""
+_NO_INTS: Ints = np.zeros(0, dtype=np.int64)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int32 tensor (no copy when it is one already)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CpuAttentionMetadata:
+    """One group's step on the CPU engines.
+
+    Attributes:
+        num_actual_tokens: ``T``; rows of ``output`` past it are zeroed.
+        kind: the group's kind.
+        block_size: the cache block size.
+        writes: what the step writes into the planes (nothing for encoder-only).
+        block_table: int32 ``[B, W]`` (contiguous rows), or ``None`` (encoder-only:
+            no cache).
+        query_start_loc, seq_lens: the step's int32 CPU offsets ``[B + 1]`` and lengths
+            ``[B]``, as the runtime handed them over: the native kernel plans its work
+            items from them (no per-token arrays are built on the host).
+        native: whether some request goes to the native kernel.
+        native_requests: int32 ``[n]``: the requests it serves (those with at most
+            ``NATIVE_MAX_QUERY`` queries), or ``None``: every request of the step.
+        prefill_requests, prefill_start, prefill_lens, prefill_seq: the longer runs
+            (host arrays): block-table row, first row, query length and sequence
+            length of each.
+        read_step_kv: requests with ``seq == qlen`` may read their keys/values from the
+            step's ``key``/``value`` rows instead of the planes (the same values: every
+            token of the step was written); False for cross attention, whose step rows
+            are encoder tokens, and when some token was not written.
+    """
+
+    num_actual_tokens: int
+    kind: KVCacheSpecKind
+    block_size: int
+    writes: PlanesWrites
+    block_table: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    native: bool
+    native_requests: torch.Tensor | None
+    prefill_requests: Ints
+    prefill_start: Ints
+    prefill_lens: Ints
+    prefill_seq: Ints
+    read_step_kv: bool
+
+
+class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata, AttentionSpec]):
+    """Splits each step between the two engines; a decode step (every request with at
+    most ``NATIVE_MAX_QUERY`` queries) is handed over as the runtime built it."""
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: Sequence[str],
+        config: AttentionConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        spec = kv_cache_spec
+        self.kind = spec.kind
+        rules = rules_for(spec)
+        mask = rules.mask(spec)
+        self.causal = mask.causal
+        self.sink_len = mask.sink_len
+        # No cache (encoder-only): the engines read the step's own keys/values.
+        self.encoder = not rules.has_cache
+        # The cache holds the encoder's tokens (cross attention), written when given.
+        self.encoder_keys = rules.writes == "encoder"
+
+    @override
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CpuAttentionMetadata:
+        cm = common_attn_metadata
+        who = type(self).__name__
+        check_causal(who, self.kind, self.causal, cm)
+        if cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len:
+            return self._build_short(cm)
+        qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+        check_step_lengths(
+            who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
+        )
+        return self._build_split(cm, qsl, qlens, seq)
+
+    def _build_short(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps): the
+        native kernel takes the whole step from the runtime's offsets as they are, so
+        nothing is planned here (no host array is touched)."""
+        # No sink kind here (sink_len == 0), so the lengths are not read.
+        return self._metadata(cm, _NO_INTS, _NO_INTS, None, True, _NO_INTS, _NO_INTS)
+
+    def _build_split(
+        self,
+        cm: CommonAttentionMetadata,
+        qsl: Ints,
+        qlens: Ints,
+        seq: Ints,
+    ) -> CpuAttentionMetadata:
+        """Split the step between the native kernel (requests with short query runs)
+        and the blocked prefill (the rest; everything for encoder-only layers)."""
+        is_live = qlens > 0
+        is_short = is_live & (qlens <= NATIVE_MAX_QUERY) if not self.encoder else ~is_live
+        long = np.flatnonzero(is_live & ~is_short)
+        short = np.flatnonzero(is_short)
+        served = None if len(long) == 0 else from_numpy(short.astype(np.int32))
+        return self._metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
+
+    def _metadata(
+        self,
+        cm: CommonAttentionMetadata,
+        seq: Ints,
+        qlens: Ints,
+        served: torch.Tensor | None,
+        native: bool,
+        long: Ints,
+        long_start: Ints,
+    ) -> CpuAttentionMetadata:
+        table: torch.Tensor | None = None
+        writes = NO_WRITES
+        block_size = self.kv_cache_spec.block_size
+        if not self.encoder:
+            table = cm.block_table_tensor
+            if table.dtype != torch.int32 or table.stride(-1) != 1:
+                table = table.to(torch.int32).contiguous()
+            writes = step_writes(
+                cm,
+                encoder_keys=self.encoder_keys,
+                sink_len=self.sink_len,
+                block_size=block_size,
+                seq=seq,
+                qlens=qlens,
+            )
+        return CpuAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            kind=self.kind,
+            block_size=block_size,
+            writes=writes,
+            block_table=table,
+            query_start_loc=_int32(cm.query_start_loc_cpu),
+            seq_lens=_int32(cm.seq_lens_cpu),
+            native=native,
+            native_requests=served,
+            prefill_requests=long,
+            prefill_start=long_start,
+            prefill_lens=qlens[long],
+            prefill_seq=seq[long],
+            read_step_kv=self.encoder or (not self.encoder_keys and writes.rows is None),
+        )
+
+
+class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLayerParams]):
+    """Writes the step's K/V into the planes, then runs the native kernel for the short
+    query runs and blocked matrix products for the rest.
+
+    Raises at construction (so a bad layer fails before its first step):
+        ValueError: ``layer_params`` asks for a feature the backend does not declare,
+            or does not fit the spec.
+    """
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_params: AttentionLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        spec, params = kv_cache_spec, layer_params
+        rules = rules_for(spec)
+        self._mask: Mask = rules.mask(spec)
+        self._has_cache = rules.has_cache
+        self._encoder_keys = rules.writes == "encoder"
+        problems = layer_problems(
+            spec, params, sink_len=self._mask.sink_len, backend=_NAME, features=_FEATURES
+        )
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
+        self._soft_cap = params.logits_soft_cap
+        self._slopes = (
+            torch.tensor(params.alibi_slopes, dtype=torch.float32)
+            if params.alibi_slopes is not None
+            else None
+        )
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: CpuAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        from ...kernels.attention.cpu_decode import paged_attention_requests
+        from ...kernels.attention.cpu_prefill import paged_prefill
+
+        m: object = attn_metadata
+        spec = self.kv_cache_spec
+        who = f"{type(self).__name__}.forward ({spec.kind.value})"
+        if not isinstance(m, CpuAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
+            )
+        check_planes(
+            who,
+            spec,
+            key,
+            value,
+            kv_cache,
+            has_cache=self._has_cache,
+            encoder_keys=self._encoder_keys,
+        )
+        n = m.num_actual_tokens
+        k_plane: torch.Tensor | None = None
+        v_plane: torch.Tensor | None = None
+        if kv_cache:
+            k_plane, v_plane = kv_cache[0], kv_cache[1]
+            write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
+        output[n:] = 0
+        causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
+        if m.native:
+            assert k_plane is not None
+            assert v_plane is not None
+            assert m.block_table is not None
+            paged_attention_requests(
+                query,
+                k_plane,
+                v_plane,
+                m.block_table,
+                m.query_start_loc,
+                m.seq_lens,
+                m.native_requests,
+                block_size=m.block_size,
+                causal=causal,
+                window=window,
+                chunk=chunk,
+                scale=self.scale,
+                output=output,
+                soft_cap=self._soft_cap,
+                alibi_slopes=self._slopes,
+            )
+        if len(m.prefill_requests):
+            paged_prefill(
+                query,
+                k_plane,
+                v_plane,
+                m.block_table,
+                m.prefill_requests,
+                m.prefill_start,
+                m.prefill_lens,
+                m.prefill_seq,
+                block_size=m.block_size,
+                causal=causal,
+                window=window,
+                chunk=chunk,
+                scale=self.scale,
+                output=output,
+                soft_cap=self._soft_cap,
+                alibi_slopes=self._slopes,
+                key=key if m.read_step_kv else None,
+                value=value if m.read_step_kv else None,
+            )
+        return output
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """The CPU engines over the paged planes: the first choice on CPU."""
+
+    name = _NAME
+    description = (
+        "CPU engines over K/V planes: a native paged-decode C kernel for decodes (and runs "
+        f"of up to {NATIVE_MAX_QUERY} queries), blocked matrix products for prefills; full, "
+        "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
+        "ALiBi; CPU only"
+    )
+    supported_devices = frozenset({"cpu"})
+    supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    supported_head_sizes = _HEAD_SIZES
+    supported_block_sizes = _BLOCK_SIZES
+    supported_features = _FEATURES
+    kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
+    # Every attention kind with K and V planes: the engines take every kind's Mask
+    # (causal or bidirectional, window, chunk, sink tokens), and the write plan what each
+    # kind writes; MLA latents have no planes.
+    builders = bind_each(
+        tuple(r.spec_class for r in attention_rules() if "planes" in r.layouts),
+        CpuAttentionMetadataBuilder,
+        CpuAttentionImpl,
+    )
+
+    @classmethod
+    @override
+    def extra_environment_reasons(cls, device: torch.device) -> list[str]:
+        """The engines are CPU code; on CPU their native kernel must build here (a C
+        compiler; built once per machine and cached on disk)."""
+        if device.type != "cpu":
+            return [
+                f"{_NAME} is CPU-only: its engines are a native C kernel and CPU matrix products"
+            ]
+        from ...kernels.attention.cpu_native import native_problem
+
+        native = native_problem()
+        if native is not None:
+            return [f"the CPU engines' native kernel is unavailable ({native})"]
+        return []

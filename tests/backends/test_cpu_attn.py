@@ -1,0 +1,190 @@
+"""The ``cpu_attn`` backend (attnkit's CPU engines: the native paged-decode kernel and
+blocked prefill products) against the reference backend, its step split, its
+selection as the CPU default, and its reasons.
+
+The schedules and the comparison are ``planes_schedules``'s: NaN-filled caches,
+shuffled pools, identical inputs on both sides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from planes_schedules import (
+    CROSS,
+    DECODES,
+    ENCODER,
+    HKV,
+    RAGGED,
+    D,
+    Step,
+    compare_with_reference,
+    make_runtime,
+    params_of,
+    spec_of,
+)
+
+from attnkit import (
+    AttentionConfig,
+    AttentionLayerParams,
+    BackendNotSupportedError,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    ScheduledRequest,
+    select_backend,
+)
+from attnkit.backends.cpu_attn import (
+    NATIVE_MAX_QUERY,
+    CpuAttentionBackend,
+    CpuAttentionImpl,
+    CpuAttentionMetadata,
+)
+
+NAME = "cpu_attn"
+
+# ------------------------------------------------------------------ against reference
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "chunked", "sink"])
+def test_paged_kinds_match_reference(kind: str) -> None:
+    spec = spec_of(kind)
+    compare_with_reference(NAME, spec, params_of(spec), RAGGED)
+
+
+def test_cross_attention_matches_reference() -> None:
+    spec = spec_of("cross")
+    compare_with_reference(NAME, spec, params_of(spec), CROSS)
+
+
+def test_encoder_only_matches_reference() -> None:
+    spec = spec_of("encoder")
+    compare_with_reference(NAME, spec, params_of(spec), ENCODER)
+
+
+def test_soft_cap_and_alibi_match_reference() -> None:
+    spec = spec_of("window")
+    slopes = tuple(2.0 ** (-(i + 1) / 2) for i in range(4))
+    params = params_of(spec, logits_soft_cap=1.5, alibi_slopes=slopes)
+    compare_with_reference(NAME, spec, params, RAGGED)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes_match_reference(dtype: torch.dtype) -> None:
+    spec = spec_of("full", dtype)
+    compare_with_reference(NAME, spec, params_of(spec), RAGGED[:1] + RAGGED[3:4])
+
+
+def test_one_query_head_per_kv_head_decodes() -> None:
+    spec = spec_of("chunked")
+    compare_with_reference(NAME, spec, params_of(spec, num_heads=HKV), DECODES)
+
+
+def test_short_and_long_runs_split_between_the_engines() -> None:
+    """Query runs of up to NATIVE_MAX_QUERY tokens (speculative decoding) take the native
+    kernel, one work item per token with its own key range; longer ones the blocked
+    products: both within one step, against the reference."""
+    spec = spec_of("window")
+    steps: tuple[Step, ...] = (
+        (("a", 40, 0), ("b", 2, 0)),
+        (("a", NATIVE_MAX_QUERY, 0), ("b", NATIVE_MAX_QUERY + 1, 0), ("c", 3, 0)),
+        (("a", 1, 0), ("b", NATIVE_MAX_QUERY, 0), ("c", 33, 0)),
+    )
+    compare_with_reference(NAME, spec, params_of(spec), steps)
+    rt = make_runtime(NAME, spec, params_of(spec))
+    rt.begin_step([ScheduledRequest("a", 3), ScheduledRequest("b", 9)])
+    md = rt.metadata_for("layer")
+    assert isinstance(md, CpuAttentionMetadata)
+    assert md.native
+    assert md.native_requests is not None
+    assert md.native_requests.tolist() == [0]  # a's three tokens
+    assert md.prefill_requests.tolist() == [1]
+    assert md.prefill_lens.tolist() == [9]
+    # A decode step: the native kernel takes the whole step, nothing planned.
+    rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 1)])
+    md = rt.metadata_for("layer")
+    assert isinstance(md, CpuAttentionMetadata)
+    assert md.native
+    assert md.native_requests is None
+    assert len(md.prefill_requests) == 0
+
+
+# ------------------------------------------------------------------ selection and reasons
+
+
+def test_the_cpu_default_for_the_kinds_it_serves_and_reference_for_the_rest() -> None:
+    config = AttentionConfig()
+    chosen = select_backend(spec_of("window"), config, device="cpu")
+    assert chosen.backend_name == NAME
+    assert chosen.source == "priority"
+    assert chosen.rejected == ()
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    chosen = select_backend(mla, config, device="cpu")
+    assert chosen.backend_name == "reference"
+    (skipped,) = [r for r in chosen.rejected if r.backend == NAME]
+    assert any("kind=mla_attention not supported" in r for r in skipped.reasons)
+    odd = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    chosen = select_backend(odd, config, device="cpu")
+    assert chosen.backend_name == "reference"
+    assert any("head_size=8 not supported" in r for x in chosen.rejected for r in x.reasons)
+    # flex_attention is not in the CPU order: neither chosen nor asked by default.
+    assert all(r.backend != "flex_attention" for r in chosen.rejected)
+
+
+def test_no_c_compiler_for_the_native_kernel_falls_through_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from attnkit.kernels.attention import cpu_native as _native
+
+    # A fresh process's view: nothing built yet, an empty cache, no usable compiler.
+    monkeypatch.setattr(_native, "_STATE", [])
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "attnkit-no-such-compiler")
+    reasons = CpuAttentionBackend.environment_reasons(torch.device("cpu"))
+    assert any("native kernel is unavailable" in r and "CC=" in r for r in reasons), reasons
+    chosen = select_backend(spec_of("full"), AttentionConfig(), device="cpu")
+    assert chosen.backend_name == "reference"
+    (engines,) = [r for r in chosen.rejected if r.backend == NAME]
+    assert any("attnkit-no-such-compiler" in r for r in engines.reasons)
+
+
+def test_on_cuda_its_reasons_say_it_is_cpu_only() -> None:
+    reasons = CpuAttentionBackend.environment_reasons(torch.device("cuda"))
+    assert reasons == [
+        "device=cuda not supported (supported: cpu)",
+        "cpu_attn is CPU-only: its engines are a native C kernel and CPU matrix products",
+    ]
+    config = AttentionConfig(backend_per_kind={"full_attention": NAME})
+    with pytest.raises(BackendNotSupportedError, match="cpu_attn is CPU-only"):
+        select_backend(
+            spec_of("full"), config, device="cuda", capability=(9, 0), hypothetical_device=True
+        )
+
+
+# ------------------------------------------------------------------ construction and calls
+
+
+def test_undeclared_features_are_refused_at_construction() -> None:
+    spec = spec_of("full")
+    with pytest.raises(ValueError, match="attention_sinks"):
+        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))
+    with pytest.raises(ValueError, match="return_lse"):
+        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
+    sink = spec_of("sink")
+    with pytest.raises(ValueError, match="sink_key"):
+        CpuAttentionImpl(sink, AttentionLayerParams(num_heads=4))
+
+
+def test_planes_layout_and_bad_cache_argument() -> None:
+    spec = spec_of("full")
+    assert CpuAttentionBackend.get_kv_cache_shapes(4, spec) == ((64, HKV, D), (64, HKV, D))
+    rt = make_runtime(NAME, spec, params_of(spec))
+    rt.begin_step([ScheduledRequest("a", 3)])
+    impl = CpuAttentionImpl(spec, params_of(spec))
+    md = rt.metadata_for("layer")
+    q, kv = torch.randn(3, 4, D), torch.randn(3, HKV, D)
+    with pytest.raises(ValueError, match="kv_cache must hold 2 tensors"):
+        impl.forward(q, kv, kv, [torch.zeros(4, 2, 16, HKV, D)], md, torch.empty_like(q))
+    with pytest.raises(TypeError, match="attn_metadata must be CpuAttentionMetadata"):
+        impl.forward(q, kv, kv, [], object(), torch.empty_like(q))  # type: ignore[arg-type]  # the wrong metadata on purpose
