@@ -6,72 +6,8 @@ cast back to the query dtype at the end. Work is vectorised per request (one mat
 scores per request), never per token. Nothing here knows attnkit's own types: the
 functions take tensors and plain Python numbers.
 
-Shape letters used in the docstrings:
-
-* ``T``   total query tokens in the batch (all requests, plus trailing padding tokens)
-* ``B``   requests in the batch
-* ``Hq``  query heads; ``Hkv`` key/value heads; ``D`` head size
-* ``NB``  physical blocks in the cache; ``BS`` tokens per block
-
-Conventions
------------
-
-Paged KV cache
-    ``kv_cache`` is ``[NB, 2, BS, Hkv, D]``; index 0 of dim 1 holds keys, index 1 values.
-    Block 0 is by convention a null block that real requests never use, but nothing
-    here assumes anything about it.
-
-Batch metadata
-    ``query_start_loc`` int32 ``[B+1]`` holds cumulative query-token offsets starting at
-    0: the queries of request ``b`` are rows ``qsl[b]:qsl[b+1]`` of ``query``. Rows from
-    ``qsl[B]`` up to ``T`` are padding tokens; their output is 0 and their lse ``-inf``.
-    ``seq_lens`` int32 ``[B]`` is each request's whole context length *including* this
-    step's query tokens. ``block_table`` int32 ``[B, max_blocks]`` maps logical block
-    ``i`` of request ``b`` to physical block ``block_table[b, i]``: token position ``p``
-    lives at ``kv_cache[block_table[b, p // BS], :, p % BS]``. Entries past the
-    ``ceil(seq_len / BS)`` blocks a request needs are never read.
-    ``slot_mapping`` int64 ``[T]`` gives the physical slot ``block * BS + offset`` that
-    each new token's key and value are written to; ``-1`` marks a padding token that is
-    not written. Slots other than ``-1`` must be distinct.
-
-Query positions
-    The ``q_len = qsl[b+1] - qsl[b]`` queries of request ``b`` are the last ``q_len``
-    positions of its context: query ``t`` (0-based within the request) sits at absolute
-    position ``i = seq_len - q_len + t``. Keys sit at positions ``j = 0 .. seq_len-1``.
-
-Grouped-query attention
-    ``Hq`` is a multiple of ``Hkv``; query head ``h`` reads kv head ``h // (Hq // Hkv)``
-    (MQA is ``Hkv == 1``).
-
-Masks
-    ``causal=True``: query ``i`` sees keys ``j <= i``. ``causal=False`` (bidirectional
-    encoder attention, cross attention): a query sees every key of its request.
-    ``sliding_window=W`` (``W >= 1``) further requires ``i - j < W``; the window counts
-    the query token itself, so ``W=1`` sees only itself. ``chunk_size=C`` (chunked local
-    attention) further requires ``j // C == i // C``. Both need ``causal=True`` and at
-    most one of them may be given.
-
-Scores
-    ``s = scale * (q . k)``; then, with ``logits_soft_cap=cap``, ``s = cap * tanh(s / cap)``;
-    then, with ``alibi_slopes``, ``s += slope[h] * (j - i)`` (``<= 0`` for past keys);
-    then masked keys get ``-inf``.
-
-Attention sinks
-    ``sinks`` ``[Hq]`` holds one learned logit per head, used as is (not scaled, capped
-    or biased). It joins each row's softmax denominator but has no value vector, so it
-    only absorbs probability mass.
-
-Log-sum-exp
-    ``lse[t, h]`` (float32, natural log) is the log of row ``(t, h)``'s softmax
-    denominator, sink included, so that ``out = sum_j exp(s_j - lse) * v_j``. A row that
-    sees no key at all (only possible for invalid or empty input) gets output 0 and
-    lse ``-inf``; with a sink the denominator is ``exp(sink)``, so its lse is ``sinks[h]``.
-
-Quantisation scales
-    ``k_scale`` / ``v_scale`` multiply the cached keys / values after they are cast to
-    float32, and :func:`write_kv_cache` divides by them before casting to the cache
-    dtype. With the default 1.0 they change nothing; they exist so that a future fp8
-    cache can reuse this oracle.
+Shapes, batch metadata, positions, masks, scores, sinks, lse and scales follow the
+op's contract (:mod:`attnkit.kernels.attention.contract`, its module docstring).
 """
 
 from __future__ import annotations
