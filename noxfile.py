@@ -35,7 +35,8 @@ def tests(session: nox.Session) -> None:
     extra (tests/integrations check attnkit against transformers' eager attention)."""
     _install(session, extras="dev,transformers")
     env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
-    session.run("pytest", *(session.posargs or ["-q"]), env=env)
+    # One worker per core (pytest-xdist); arguments after `--` replace these.
+    session.run("pytest", *(session.posargs or ["-q", "-n", "auto"]), env=env)
 
 
 @nox.session(python=PYTHON)
