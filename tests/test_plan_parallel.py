@@ -2,8 +2,8 @@
 context_parallel=C)`` and ``attnkit plan --tensor-parallel T --context-parallel C``.
 
 Every expected number is computed by hand in a comment next to it, from the model's
-config (heads, head size, layers, dtype) and the rules of docs/architecture.md,
-"Parallel planning": query heads split; K/V heads split, or one per rank replicated
+config (heads, head size, layers, dtype) and the rules of docs/parallel.md:
+query heads split; K/V heads split, or one per rank replicated
 ``T / Hkv`` times when fewer than the ranks; MLA latents on every rank; state heads
 split; full and MLA caches sharded token by token over the context-parallel
 ranks (``ceil(L / C)`` tokens on rank 0), the others (sink layers too) replicated. The longest

@@ -56,7 +56,7 @@ class MLAProjection:
     form: absorbed (``q_nope @ W_UK`` scored against the latent, the ``[R]`` result
     multiplied by ``W_UV``) or up-projected (per-head keys ``[c @ W_UK, k_pe]`` and
     values ``c @ W_UV``, then ordinary attention). Both give the same result; they cost
-    different FLOPs (docs/architecture.md, triton_mla).
+    different FLOPs (docs/backends.md, "triton_mla").
 
     Attributes:
         w_uk: ``[H, R, N]``: head ``h``'s no-rope key is ``c @ w_uk[h]`` (``R`` the

@@ -52,7 +52,7 @@ page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
 state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
 num_blocks, usable_blocks, tokens_that_fit, max_concurrency, max_context_tokens).
 Absent values are null (no budget: no num_blocks, tokens_that_fit or
-max_concurrency). docs/models.md and docs/architecture.md have the details."""
+max_concurrency). docs/models.md and docs/parallel.md have the details."""
 
 
 def _parse_capability(text: str) -> tuple[int, int]:

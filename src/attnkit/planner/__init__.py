@@ -30,7 +30,7 @@ for the pool. The arithmetic (docs/models.md, "Capacity planning"):
   attention layers only, ``(num_blocks - 1) * block_size``).
 
 With ``tensor_parallel`` and ``context_parallel`` ranks, ``ModelPlan.per_rank`` repeats
-the arithmetic for one rank (docs/architecture.md, "Parallel planning"): each group's
+the arithmetic for one rank (docs/parallel.md): each group's
 heads or state split over the tensor-parallel ranks (K/V heads replicated when fewer
 than the ranks, MLA latents on every rank), the rank's specs grouped and unified as
 the runtime does, full and MLA caches sharded token by token over the

@@ -1,6 +1,6 @@
 """The per-rank plan: each model group split over the tensor-parallel ranks (heads or
 state), then the rank's groups built, unified and sized with the runtime's rules
-(docs/architecture.md, "Parallel planning")."""
+(docs/parallel.md)."""
 
 from __future__ import annotations
 

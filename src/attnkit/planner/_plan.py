@@ -80,8 +80,8 @@ def plan_model(
             block included, >= 2). At most one; with neither, the plan has no block,
             token or concurrency counts. With parallelism, each rank's.
         tensor_parallel, context_parallel: ranks that shard the model's heads and
-            its context (``ModelPlan.per_rank``; docs/architecture.md, "Parallel
-            planning"). Query heads split evenly; K/V heads split, or replicate when
+            its context (``ModelPlan.per_rank``; docs/parallel.md). Query heads
+            split evenly; K/V heads split, or replicate when
             fewer than the ranks; MLA latents replicate; state heads split. Full and
             MLA caches shard their tokens over the context-parallel ranks; the others
             (windows, chunks, states, cross-attention, sink layers) replicate.

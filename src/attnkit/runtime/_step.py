@@ -1,7 +1,7 @@
 """The per-step host path: ``begin_step`` (checks, admission, order, allocation), each
 group's ``CommonAttentionMetadata`` and the arrays every group shares, ``free`` and the
 context-parallel ranks' agreement on the step (see "The per-step host path" in
-docs/architecture.md)."""
+docs/runtime.md)."""
 
 from __future__ import annotations
 

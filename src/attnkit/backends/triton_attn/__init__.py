@@ -1,4 +1,5 @@
-"""``triton_attn``: causal paged attention (full and sliding window) with Triton kernels.
+"""``triton_attn``: paged attention with Triton kernels (full, sliding-window, chunked-local,
+encoder-only and cross attention).
 
 Importing this package does not import triton; the impl does, when it is constructed.
 """

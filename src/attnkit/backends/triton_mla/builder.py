@@ -33,7 +33,7 @@ DECODE_THRESHOLD = 16
 """Requests with at most this many new tokens over cached context are decodes: they come
 first in the batch and always run absorbed. At ``q`` queries per key the absorbed form
 costs ``q * 1088`` multiply-adds per (key, head) at DeepSeek-V3's widths, the
-up-projected one ``131072 + q * 512`` (docs/architecture.md): at 16 (speculative
+up-projected one ``131072 + q * 512`` (docs/backends.md): at 16 (speculative
 verification, a chunk's last few tokens) absorbed is 7x cheaper."""
 
 
