@@ -135,7 +135,7 @@ def _names(
     rows[:, 0] = bs
     rows[:, 1:-1] = np.reshape(tokens[offset : offset + m * bs], (m, bs))
     rows[:, -1] = 0
-    buf = memoryview(rows.tobytes())
+    buf = rows.tobytes()  # bytes: slicing them is cheaper than slicing a memoryview
     width = (bs + 2) * 4
     if extras:
         for i in range(m):
