@@ -18,7 +18,15 @@ import torch
 from ..capabilities import KVCacheLayout
 from ..errors import InvalidArgumentError
 from ..spec import KVCacheDType, KVCacheSpec
-from ._prefix import BlockLookup, NeverHits, PrefixMiss, TokenLayout, paged_blocks, paged_hit
+from ._prefix import (
+    BlockLookup,
+    NeverHits,
+    PrefixMiss,
+    TokenLayout,
+    _check_length,
+    paged_blocks,
+    paged_hit,
+)
 
 __all__ = [  # what the package and the kinds' modules use, the shared helpers included
     "Extent",
@@ -377,7 +385,7 @@ class KindRules(ABC, Generic[S]):
         why = self.prefix_never_hits(spec)
         layout = self.prefix_layout(spec)
         if why is not None or layout is None:
-            if length == 0:
+            if _check_length(length) == 0:
                 return 0, None
             return 0, NeverHits(self.kind.value, why or "its cache is not named by tokens")
         mask = self.mask(spec)

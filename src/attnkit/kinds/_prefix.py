@@ -28,7 +28,7 @@ from typing_extensions import override
 from .._validation import check_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = [
+__all__ = [  # what the kinds' modules and the package use
     "BelowMinimum",
     "BlockLookup",
     "BlockNotCached",
@@ -38,6 +38,7 @@ __all__ = [
     "NotFullBlock",
     "PrefixMiss",
     "TokenLayout",
+    "_check_length",
     "checkpoint_hit",
     "paged_blocks",
     "paged_hit",
