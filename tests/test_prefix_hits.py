@@ -271,6 +271,8 @@ def test_encoder_only_and_cross_attention_never_hit(kind: KVCacheSpecKind) -> No
     }[kind]
     assert str(reason).startswith(expected)
     assert rules.prefix_hit(spec, np.ones(8, dtype=np.bool_), 0) == (0, None)
+    with pytest.raises(InvalidArgumentError, match="length must be >= 0, got -2"):
+        rules.prefix_hit(spec, np.ones(8, dtype=np.bool_), -2)
     with pytest.raises(InvalidArgumentError, match="reads no cached blocks"):
         rules.prefix_blocks(spec, 4)
 

@@ -321,7 +321,7 @@ def paged_hit(
     count of misses), or a lookup: full attention asks blocks left to right up to the
     first miss; windows and chunks right to left (a miss at block ``m`` refuses every
     hit ending past ``m``, which all still see it, so the next candidate ends at ``m``),
-    each block at most once. The reason for a shorter hit: the tail is not a full
+    each block once (plus the few the reason's block is found among). The reason for a shorter hit: the tail is not a full
     block, or the highest missing block a hit one block longer would need.
     """
     length = _check_length(length)
