@@ -261,12 +261,12 @@ class PageSlab:
             return np.zeros(0, dtype=np.int32)
         if n <= self.num_free_blocks:
             taken = self._pop(n)
-        else:
+        elif self.num_free_blocks:
             # The slab's own free blocks first (fewer half-used pages), then new pages.
-            held = self._pop(self.num_free_blocks) if self.num_free_blocks else None
-            self._add_pages(self.pages_for(n))
-            rest = self._pop(n - (0 if held is None else int(held.size)))
-            taken = rest if held is None else np.concatenate((held, rest))
+            held = self._pop(self.num_free_blocks)
+            taken = np.concatenate((held, self._new_pages(n - int(held.size))))
+        else:
+            taken = self._new_pages(n)
         if n == 1:  # one decode crossing a block boundary: the common case
             self.refs[int(taken[0])] = 1
         else:
@@ -357,18 +357,29 @@ class PageSlab:
         self._top = top + count
         self._listed[ids] = True
 
-    def _add_pages(self, count: int) -> None:
-        """Take ``count`` pages from the pool; their kernel blocks become free here."""
-        pages = np.array(self.pool.take(count), dtype=np.int64)
+    def _new_pages(self, n: int) -> Ints32:
+        """Take the pages that hold ``n`` kernel blocks from the pool (the slab has no
+        free block left): their first ``n`` blocks, in order; the rest become free."""
         k = self.blocks_per_page
+        count = -(-n // k)
+        pages = np.array(self.pool.take(count), dtype=np.int64)
         self.owned[pages] = True
         self.num_pages += count
         self.num_free_blocks += count * k
-        # The first page's block 0 on top. Blocks still on the stack from the page's
-        # last stay here (stale then, valid again now) are not pushed twice.
-        self._stale -= int(self._listed_by_page[pages].sum())  # valid again
-        blocks = (pages[:, None] * k + np.arange(k)).ravel()[::-1].astype(np.int32)
-        self._push(blocks[~self._listed[blocks]])
+        if self._stale:
+            revived = int(self._listed_by_page[pages].sum())
+            if revived:  # blocks still on the stack from the pages' last stay: valid again
+                self._stale -= revived
+                blocks = (pages[:, None] * k + np.arange(k)).ravel()[::-1].astype(np.int32)
+                self._push(blocks[~self._listed[blocks]])
+                return self._pop(n)
+        if count == 1:
+            start = int(pages[0]) * k
+            blocks = np.arange(start, start + k, dtype=np.int32)
+        else:
+            blocks = (pages[:, None] * k + np.arange(k)).ravel().astype(np.int32)
+        self._push(blocks[n:][::-1])  # the next block of the last page on top
+        return blocks[:n]
 
     def _return_pages(self, pages: npt.NDArray[np.int64]) -> None:
         """Give pages whose kernel blocks are all free back to the pool."""
