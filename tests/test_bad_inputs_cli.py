@@ -285,19 +285,6 @@ CASES = [
         ),
         id="demo-backend-cannot-serve-kind",
     ),
-    pytest.param(
-        user(
-            "demo",
-            "--dtype",
-            "float16",
-            "--backend-per-kind",
-            "full_attention=triton_attn",
-            error=CANNOT_SERVE.format(kind="full_attention", spec="FullAttentionSpec"),
-            # The attention pages are scaled to the Mamba2 page: 48 tokens in float16.
-            rest=("  - block_size=48 not supported (supported: 16, 32, 64, 128)", HINT),
-        ),
-        id="demo-float16-scaled-block-size",
-    ),
     # plan: a layer without a backend fails, unless --report-only.
     pytest.param(
         Case(

@@ -24,7 +24,7 @@ without it, --example NAME plans an example layout (default hybrid).
 
 The text report: a table of layers (name, kind, state type, window, chunk, group,
 backend); each group with its backend, every skipped candidate and why, its block
-size (scaled to the unified page where the runtime scales it) and blocks per request;
+size, the blocks a unified page holds (where more than one) and blocks per request;
 then capacity: bytes per block, KV bytes per token, windowed groups' per-request cap,
 state bytes per request, blocks per request, and with --gpu-memory or --num-blocks
 the blocks, tokens and concurrent requests of --max-model-len tokens that fit, and
@@ -178,8 +178,8 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--block-size",
         type=int_range(1),
         default=16,
-        help="tokens per block as declared (CONFIG only; default 16); the runtime may "
-        "scale attention groups' blocks to the unified page, and the plan shows that",
+        help="tokens per block as declared (CONFIG only; default 16): the kernels' block; "
+        "a unified page may hold several, and the plan shows how many",
     )
     plan.add_argument(
         "--max-model-len",

@@ -15,7 +15,7 @@ from ..kv_cache import KVCacheGroup, buffers_per_set, num_blocks_for_budget, uni
 from ..params import AttentionLayerParams, LayerParams
 from ..spec import AttentionSpec, KVCacheSpec, MambaSpec
 from ..state_types import state_type_of
-from ._capacity import _max_context, _rank_blocks
+from ._capacity import _max_context, _pages, _rank_kernel_blocks
 from ._types import ContextPlacement, GroupSplit, RankGroupPlan, RankPlan
 
 __all__ = ["_rank_plan"]  # plan_model's
@@ -39,7 +39,7 @@ def _split_group(
     group: KVCacheGroup, params: Mapping[str, LayerParams | None], tp: int
 ) -> GroupSplit:
     """How ``tp`` tensor-parallel ranks split a model group (context placement by kind)."""
-    spec, where = group.original_spec, _where(group)
+    spec, where = group.spec, _where(group)
     rules = rules_for(spec)
     context: ContextPlacement = (
         "none" if not group.has_cache else "sharded" if rules.context_sharded else "replicated"
@@ -103,21 +103,24 @@ def _rank_plan(
     planned: list[RankGroupPlan] = []
     for g in rank_groups:
         spec, layers = g.spec, len(g.layer_names)
-        blocks = per_token = 0
+        kernel = per_token = 0
         cap: int | None = None
         if g.has_cache:
-            blocks = _rank_blocks(spec, config.max_model_len, config.max_num_batched_tokens, cp)
+            kernel = _rank_kernel_blocks(
+                spec, config.max_model_len, config.max_num_batched_tokens, cp
+            )
             if isinstance(spec, AttentionSpec):
                 per_token = layers * spec.page_size_bytes // spec.block_size
                 if rules_for(spec).bound(spec) is not None:
-                    cap = blocks * spec.page_size_bytes * layers
+                    cap = kernel * spec.page_size_bytes * layers
         planned.append(
             RankGroupPlan(
                 group=g,
                 model_groups=owners[g.group_id],
                 layout=rank_layouts[g.group_id],
                 context_sharded=g.has_cache and rules_for(spec).context_sharded,
-                blocks_per_request=blocks,
+                blocks_per_request=_pages(kernel, g.blocks_per_page),
+                kernel_blocks_per_request=kernel,
                 bytes_per_token=per_token,
                 per_request_cap_bytes=cap,
             )
