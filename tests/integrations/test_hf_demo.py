@@ -71,6 +71,32 @@ def test_the_example_generates_and_checks(capsys: pytest.CaptureFixture[str]) ->
     assert out.rstrip().endswith("-> ok")
 
 
+def test_the_example_checks_the_device_before_downloading(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tf = pytest.importorskip("transformers")
+    path = ROOT / "examples" / "transformers_generate.py"
+    spec = importlib.util.spec_from_file_location("transformers_generate_example", path)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def no_download(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_pretrained was called before the device check")
+
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained", no_download)
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", no_download)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(SystemExit) as raised:
+        example.main(["--model", "Qwen/Qwen2.5-0.5B", "--device", f"cuda:{count}"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: argument --device: 'cuda:{count}' is not available here ({count} CUDA "
+        "device(s) visible); --device cpu runs anywhere"
+    )
+
+
 class _Tokenizer:
     """Stands in for a downloaded tokenizer: bytes -> ids, ids -> text."""
 
