@@ -107,12 +107,14 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def test_the_readme_example_generates(
+def test_the_documented_example_generates(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The Python block of docs/integrations.md, "Use attnkit with a transformers
+    model", as written (tests/test_docs.py leaves it to this test)."""
     tf = pytest.importorskip("transformers")
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Use attnkit with a transformers model") :]
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    section = text[text.index("## Use attnkit with a transformers model") :]
     block = re.search(r"```python\n(.*?)```", section, flags=re.S)
     assert block is not None
     config = tf.Qwen2Config(
@@ -131,7 +133,7 @@ def test_the_readme_example_generates(
     # No download: the checkpoint and tokenizer are a tiny random Qwen2 and a byte map.
     monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained", tiny)
     monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", lambda name: _Tokenizer())
-    exec(compile(block.group(1), "README.md", "exec"), {})
+    exec(compile(block.group(1), "docs/integrations.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     for rid in ("r0", "r1"):
         generated = next(line for line in lines if line.startswith(f"{rid} ")).split()[1:]
