@@ -321,6 +321,19 @@ def test_plan_rejects_bad_capability(capsys: pytest.CaptureFixture[str]) -> None
     )
 
 
+@pytest.mark.parametrize("command", [[], ["backends"], ["plan"], ["demo"]], ids=["attnkit", "backends", "plan", "demo"])
+def test_help_is_plain_text_and_short(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"], registry=registry())
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: attnkit {' '.join(command)}".rstrip() + " [-h]")
+    assert "``" not in text  # no reST markup
+    # The JSON keys are documented in docs/models.md, not listed in --help.
+    assert "per_request_cap_bytes" not in text
+    assert len(text.splitlines()) < 100
+
+
 def test_example_models() -> None:
     for name in EXAMPLE_MODELS:
         layers = example_model(name)

@@ -205,7 +205,7 @@ def test_parse_memory_size(text: str, expected: int) -> None:
     [
         ("80 gigs", "memory must be a size such as 80GiB"),
         ("80gib", "memory must be a size such as 80GiB"),
-        ("-1GiB", "memory must be a size such as 80GiB"),
+        ("-1GiB", "memory must be positive, got '-1GiB'"),
         ("0.3B", "memory must be a whole number of bytes, got '0.3B'"),
         ("0", "memory must be at least 1 byte, got '0'"),
     ],
@@ -481,6 +481,36 @@ def test_cli_block_size_option() -> None:
     # 2 * 32 * 8 * 128 * 2
     assert data["page_size_bytes"] == 131072
     assert data["groups"][0]["block_size"] == 32
+
+
+def test_cli_says_why_a_group_falls_back_to_reference() -> None:
+    """Blocks of 7 tokens: cpu_attn (blocks of 16n) refuses, so every layer runs on
+    reference; the note under the layer table says so, with the reason. State layers,
+    which no faster CPU backend serves, get no note."""
+    llama = str(CONFIGS / "llama-3.1-8b.json")
+    registry = BackendRegistry(
+        builtins={
+            "cpu_attn": "attnkit.backends.cpu_attn:CpuAttentionBackend",
+            "reference": "attnkit.backends.reference:ReferenceBackend",
+        },
+        entry_points=[],
+    )
+
+    def report(*argv: str) -> str:
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["plan", *argv], registry=registry, out=out, err=err) == 0
+        assert err.getvalue() == ""
+        return out.getvalue()
+
+    text = report(llama, "--block-size", "7")
+    table_end = text.index("\ngroups (")
+    assert text[text.rindex("  model.layers.31.self_attn", 0, table_end) :].split("\n")[1:3] == [
+        "note: group 0 (32 layer(s), full_attention) runs on reference, the pure-torch oracle "
+        "(correct, not fast), because the faster backends for full_attention refused:",
+        "  cpu_attn: block_size=7 not supported (supported: multiple of 16)",
+    ]
+    assert "note:" not in report(llama)
+    assert "note:" not in report(str(CONFIGS / "jamba-v0.1.json"))  # mamba: reference only
 
 
 def test_cli_unserved_state_layers_exit_1() -> None:

@@ -540,7 +540,10 @@ def test_query_heads_must_split() -> None:
         plan_of("deepseek-v3", max_model_len=4096, tp=3, memory=None)
     assert str(info.value) == (
         "plan_model: tensor_parallel=3 does not divide the 128 query heads of layer "
-        "'model.layers.0.self_attn' (mla_attention); each rank must hold whole heads"
+        "'model.layers.0.self_attn' (mla_attention); each rank must hold whole heads "
+        # the divisors of 128 (the latent is on every rank, whatever the size)
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 4, 8, 16, 32, "
+        "64, 128)"
     )
 
 
@@ -552,7 +555,9 @@ def test_fewer_kv_heads_than_ranks_must_divide_the_ranks() -> None:
         "plan_model: tensor_parallel=7 cannot split the 4 K/V heads of layer "
         "'model.layers.0.self_attn' (group 0, 28 layers): with fewer K/V heads than "
         "ranks, tensor_parallel must be a multiple of 4 (each is then replicated on "
-        "tensor_parallel / 4 ranks)"
+        "tensor_parallel / 4 ranks) "
+        # divisors of the 28 query heads that divide the 4 K/V heads or are a multiple
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 4, 28)"
     )
 
 
@@ -570,7 +575,9 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
     assert str(info.value) == (
         "plan_model: tensor_parallel=4 cannot split the 6 K/V heads of layer 'l0' "
         "(group 0): with at least as many K/V heads as ranks, tensor_parallel must "
-        "divide 6"
+        "divide 6 "
+        # divisors of the 12 query heads that divide the 6 K/V heads or are a multiple
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 3, 6, 12)"
     )
 
 
@@ -586,7 +593,8 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
                 mamba_type="mamba2",
             ),
             "plan_model: tensor_parallel=8 cannot split the mamba2 state of layer 's' "
-            "(group 0): its 4 heads are not a multiple of 8",
+            "(group 0): its 4 heads are not a multiple of 8 (tensor_parallel sizes that "
+            "split every layer of this model: 1, 2, 4)",
         ),
         (
             # 100 - 4 * 16 = 36 conv channels left for B and C: not 2 * G * 16
@@ -609,7 +617,8 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
                 mamba_type="gdn",
             ),
             "plan_model: tensor_parallel=8 cannot split the gdn state of layer 's' "
-            "(group 0): its 4 key heads are not a multiple of 8",
+            "(group 0): its 4 key heads are not a multiple of 8 (tensor_parallel sizes "
+            "that split every layer of this model: 1, 2, 4)",
         ),
         (
             MambaSpec(
@@ -800,7 +809,8 @@ def test_cli_reports_heads_that_do_not_split() -> None:
     assert err == (
         "attnkit plan: error: plan_model: tensor_parallel=3 does not divide the 32 query "
         "heads of layer 'model.layers.0.self_attn' (full_attention); each rank must hold "
-        "whole heads\n"
+        "whole heads (tensor_parallel sizes that split every layer of this model: 1, 2, 4, "
+        "8, 16, 32)\n"
     )
 
 

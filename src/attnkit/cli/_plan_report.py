@@ -12,6 +12,9 @@ from ..kv_cache import KVCacheGroup
 from ..planner import GroupSplit, ModelPlan, RankPlan, format_bytes
 from ..spec import AttentionSpec, KVCacheSpec
 
+_ORACLE = "reference"
+"""The built-in pure-torch backend: every kind, correct everywhere, never fast."""
+
 
 def layer_list(names: Sequence[str]) -> str:
     """Layer names for a group's header: all of them, or the first two and the last."""
@@ -75,6 +78,21 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     out.writelines(line + "\n" for line in _table(rows))
+    for g in plan.groups:
+        # Falling back to the oracle is correct but slow: say so under the table, with
+        # the reasons of each candidate tried first that serves the kind.
+        group = g.group
+        other_kind = f"kind={group.kind.value} not supported"
+        refused = [
+            r for r in g.rejected if not any(why.startswith(other_kind) for why in r.reasons)
+        ]
+        if g.backend_name == _ORACLE and refused:
+            out.write(
+                f"note: group {group.group_id} ({len(group.layer_names)} layer(s), "
+                f"{group.kind.value}) runs on {_ORACLE}, the pure-torch oracle (correct, "
+                f"not fast), because the faster backends for {group.kind.value} refused:\n"
+            )
+            out.writelines(f"  {rejection}\n" for rejection in refused)
     out.write(f"\ngroups (unified page {plan.page_size_bytes} B):\n")
     for g in plan.groups:
         group = g.group

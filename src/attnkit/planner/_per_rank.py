@@ -74,6 +74,23 @@ def _split_group(
     )
 
 
+def _splitting_sizes(
+    groups: Sequence[KVCacheGroup], params: Mapping[str, LayerParams | None]
+) -> list[int]:
+    """The tensor-parallel sizes that split every group, up to the most query heads of
+    a layer (a rank holds at least one; 64 for a model of state layers only)."""
+    heads = [p.num_heads for p in params.values() if isinstance(p, AttentionLayerParams)]
+    sizes: list[int] = []
+    for tp in range(1, max(heads, default=64) + 1):
+        try:
+            for g in groups:
+                _split_group(g, params, tp)
+        except InvalidArgumentError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
 def _rank_plan(
     specs: Mapping[str, KVCacheSpec],
     params: Mapping[str, LayerParams | None],
@@ -89,7 +106,16 @@ def _rank_plan(
     """The per-rank plan: split every model group, then group, unify and size the
     rank's cache with the runtime's own rules (``unified_groups``, ``buffers_per_set``,
     ``num_blocks_for_budget``), ``memory_bytes`` / ``num_blocks`` being the rank's."""
-    splits = tuple(_split_group(g, params, tp) for g in groups)
+    try:
+        splits = tuple(_split_group(g, params, tp) for g in groups)
+    except InvalidArgumentError as exc:
+        sizes = _splitting_sizes(groups, params)
+        if not sizes:
+            raise  # no size splits it (a state of a layout attnkit does not know)
+        shown = ", ".join(map(str, sizes))
+        raise InvalidArgumentError(
+            f"{exc} (tensor_parallel sizes that split every layer of this model: {shown})"
+        ) from None
     model_group = {name: g.group_id for g in groups for name in g.layer_names}
     rank_specs = {name: splits[model_group[name]].spec for name in specs}
     rank_groups, page = unified_groups(rank_specs)
