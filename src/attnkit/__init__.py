@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .builder import AttentionCGSupport
 from .capabilities import AttentionFeature
-from .config import AttentionConfig, BackendOptions, parse_backend_per_kind
+from .config import AttentionConfig, BackendOptions, PrefixCachingConfig, parse_backend_per_kind
 from .errors import (
     ArgumentTypeError,
     AttnkitError,
@@ -38,6 +38,7 @@ from .errors import (
     OutOfBlocksError,
     PluginError,
     Rejection,
+    StalePrefixError,
     StaleStepError,
     UnknownBackendError,
     UnknownLayerError,
@@ -146,6 +147,7 @@ __all__ = [
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
+    "PrefixCachingConfig",
     "Rejection",
     "RoutingRow",
     "ScheduledRequest",
@@ -155,6 +157,7 @@ __all__ = [
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StalePrefixError",
     "StaleStepError",
     "StateInputs",
     "StateLayer",
