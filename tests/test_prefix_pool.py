@@ -497,9 +497,15 @@ class PrefixMachine(RuleBasedStateMachine):
     def cached_meanings(self, gid: int) -> set[Meaning]:
         return {self.meanings[(gid, name)] for name in cached(self.mgr, gid).block_of}
 
-    def commit(self) -> None:
-        """The last step is done: its prompt blocks get their names (or keep a duplicate)."""
+    def commit(self, flush: bool = True) -> None:
+        """The last step is done: its prompt blocks get their names (or keep a
+        duplicate), checked once every named block is in its group's map (``flush``;
+        else they stay lazily named, as between two steps)."""
         self.p.commit()
+        if not flush:
+            self.pending = []
+            return
+        self.p.flush()
         for gid, block, meaning in self.pending:
             slab = cached(self.mgr, gid)
             name = slab.name_of.get(block)
@@ -579,6 +585,17 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         self.commit()
+        self.make_step(data, arrive=True, exact=True)
+
+    @rule(data=st.data())
+    def lazy_step(self, data: st.DataObject) -> None:
+        """A step while blocks are named lazily (not yet in their groups' maps): the
+        blocks a release frees get their names first. No lookup in it (a lookup
+        puts every name in its map); the step check's page counts are not predicted."""
+        self.commit(flush=False)
+        self.make_step(data, arrive=False, exact=False)
+
+    def make_step(self, data: st.DataObject, *, arrive: bool, exact: bool) -> None:
         live = sorted(self.reqs)
         chosen = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3)) if live else []
         scheduled: list[tuple[str, int]] = []
@@ -588,7 +605,7 @@ class PrefixMachine(RuleBasedStateMachine):
             n = data.draw(st.integers(1, max(1, left))) if left > 0 else 1
             scheduled.append((rid, n))
         arrivals: dict[str, tuple[list[int], str | None, PrefixMatch | None]] = {}
-        for _ in range(data.draw(st.integers(0, 2))):
+        for _ in range(data.draw(st.integers(0, 2 if arrive else 0))):
             kind = data.draw(st.sampled_from(["new", "new", "saved", "twin", "plain"]))
             rid = f"r{self.next_id}"
             self.next_id += 1
@@ -610,7 +627,7 @@ class PrefixMachine(RuleBasedStateMachine):
             scheduled.append((rid, n))
         order = data.draw(st.permutations(scheduled))
         # As an engine does: a refused step goes again without its last request.
-        while order and not self.run_step(order, arrivals):
+        while order and not self.run_step(order, arrivals, exact=exact):
             dropped = order.pop()[0]
             arrivals = {r: a for r, a in arrivals.items() if r != dropped}
 
@@ -623,8 +640,11 @@ class PrefixMachine(RuleBasedStateMachine):
         self,
         scheduled: Sequence[tuple[str, int]],
         arrivals: dict[str, tuple[list[int], str | None, PrefixMatch | None]],
+        *,
+        exact: bool = True,
     ) -> bool:
-        """Run one step; whether the manager took it."""
+        """Run one step; whether the manager took it. ``exact``: every named block is
+        in its map, so the step check is predicted to the page."""
         mgr = self.mgr
         groups = self.groups
         # ---- the model's view of the step
@@ -680,25 +700,26 @@ class PrefixMachine(RuleBasedStateMachine):
                     0, blocks_needed(g.spec, computed_before[rid] + n) - len(table)
                 )
         fits, free_after, idle_after = self.predict(tables_after, need)
-        before = self.snapshot()
+        before = self.snapshot(names=exact)
         prefixes = [arrivals[rid][2] if rid in arrivals else None for rid, _ in scheduled]
         try:
             mgr.allocate_step([(rid, n, 0) for rid, n in scheduled], prefixes=prefixes)
         except StalePrefixError:
             assert stale, "refused a match whose blocks are all cached"
-            assert self.snapshot() == before, "StalePrefixError changed the manager"
+            assert self.snapshot(names=exact) == before, "StalePrefixError changed the manager"
             return False
         except OutOfBlocksError:
             assert not stale, "took a stale match"
-            assert not fits, "refused a step that fits"
-            assert self.snapshot() == before, "OutOfBlocksError changed the manager"
+            assert not fits or not exact, "refused a step that fits"
+            assert self.snapshot(names=exact) == before, "OutOfBlocksError changed the manager"
             return False
         assert not stale, "took a stale match"
-        assert fits, "took a step that does not fit"
         pool = mgr.pool
         assert isinstance(pool, CachedPool)
-        assert pool.num_free_blocks == free_after, "took more free pages than the step needs"
-        assert len(pool.idle) == idle_after, "evicted more cached pages than the step needs"
+        if exact:
+            assert fits, "took a step that does not fit"
+            assert pool.num_free_blocks == free_after, "took more free pages than needed"
+            assert len(pool.idle) == idle_after, "evicted more cached pages than needed"
         # ---- the model follows the manager
         for rid, (tokens, salt, match) in arrivals.items():
             tables = hit_tables.get(rid, [[] for _ in groups])
@@ -839,7 +860,9 @@ class PrefixMachine(RuleBasedStateMachine):
         fits = pages <= free_pages + len(idle)
         return fits, max(0, free_pages - pages), len(idle) - max(0, pages - free_pages)
 
-    def snapshot(self) -> tuple[object, ...]:
+    def snapshot(self, *, names: bool = True) -> tuple[object, ...]:
+        """The manager's state (``names``: with the groups' maps; a step may put lazily
+        named blocks into them before it is refused)."""
         mgr = self.mgr
         pool = mgr.pool
         assert isinstance(pool, CachedPool)
@@ -857,9 +880,9 @@ class PrefixMachine(RuleBasedStateMachine):
                 if s is None
                 else (
                     s.refs.tobytes(),
-                    tuple(s.block_of.items()),
-                    tuple(s._unnamed),
-                    tuple(s._named_free),
+                    tuple(s.block_of.items()) if names else (),
+                    tuple(s._unnamed) if names else (),
+                    tuple(s._named_free) if names else (),
                 )
                 for s in mgr.cached_slabs
             ),
@@ -894,6 +917,20 @@ class PrefixMachine(RuleBasedStateMachine):
                         assert self.meanings[(gid, name)] == meaning
                     else:
                         assert any(self.meanings.get((gid, n)) == meaning for n in slab.block_of)
+        self.last_step = []
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(data=st.data(), with_tokens=st.booleans())
+    def lazy_finish(self, data: st.DataObject, with_tokens: bool) -> None:
+        """A free while the request's blocks are named lazily: they get into their
+        groups' maps as they are freed."""
+        self.commit(flush=False)
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        req = self.reqs.pop(rid)
+        self.mgr.free_request(rid, req.tokens if with_tokens else None)
+        if with_tokens and req.tracked and not req.tainted:
+            self.past.append(list(req.tokens))
+            self.learn_names(req.tokens, req.salt)
         self.last_step = []
 
     @precondition(lambda self: bool(self.last_step))
@@ -995,21 +1032,13 @@ def _forget_a_ref(self: CachedSlab, blocks: Any) -> None:
 
 
 def _named_when_partial(self: _prefix.PrefixCache, rows: Any, lens: Any) -> None:
-    """A cache that also names the block a step leaves partial (one past the full ones)."""
+    """A cache that counts one more token as filled than a step computed: the block
+    that token would close is named while its last slot is unwritten."""
     _note_step(self, rows, lens)
-    for i in range(len(rows)):
-        row = int(rows[i])
-        tracked = self._tracked.get(row)
-        if tracked is None:
-            continue
-        for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True)):
-            if slab is None or lay is None:
-                continue
-            b = lay.full_blocks(int(lens.total[i]))
-            names = tracked.match._names[lay]
-            table = self._table_array(gid)[row]
-            if b < len(names) and table[b] != NULL_BLOCK and not slab.named[table[b]]:
-                self._pending.append((slab, [int(table[b])], [names[b]], None))
+    self.pending = [
+        (tracked, min(tracked.match.num_prompt_tokens, filled + 1))
+        for tracked, filled in self.pending
+    ]
 
 
 _touch = _cached.CachedSlab.touch

@@ -58,6 +58,8 @@ class CachedPool(BlockPool):
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self.idle: dict[int, CachedSlab] = {}
+        self.shared = 0
+        """The slabs' ``shared`` summed: 0 when no block has two holders."""
 
     @property
     def num_available(self) -> int:
@@ -125,6 +127,11 @@ class CachedSlab:
         size = pool.num_blocks * k
         self.refs: Ints32 = np.zeros(size, dtype=np.int32)
         self.named: npt.NDArray[np.bool_] = np.zeros(size, dtype=np.bool_)
+        # Per-block reads and writes from Python go through memoryviews of the same bytes:
+        # a step moves a few blocks per group, where one numpy call costs more than a
+        # short Python loop.
+        self._refs_mv: memoryview = self.refs.data
+        self._named_mv: memoryview = self.named.data
         self._refs_by_page: Ints32 = np.reshape(self.refs, (pool.num_blocks, k))
         self._named_by_page: npt.NDArray[np.bool_] = np.reshape(self.named, (pool.num_blocks, k))
         self._owned: npt.NDArray[np.bool_] = np.zeros(pool.num_blocks, dtype=np.bool_)
@@ -191,7 +198,9 @@ class CachedSlab:
             blocks, names = [b for b, _ in keep], [n for _, n in keep]
         block_of.update(zip(names, blocks, strict=True))
         self.name_of.update(zip(blocks, names, strict=True))
-        self.named[np.asarray(blocks, dtype=np.int64)] = True
+        named = self._named_mv
+        for block in blocks:
+            named[block] = True
         evicted = self.evicted
         if evicted and not evicted.keys().isdisjoint(names):
             for name in names:
@@ -204,7 +213,7 @@ class CachedSlab:
     def _unname(self, block: int, *, evicted: bool) -> None:
         name = self.name_of.pop(block)
         del self.block_of[name]
-        self.named[block] = False
+        self._named_mv[block] = False
         salt_free = self._salt_free_of.pop(block, None)
         if salt_free is not None:
             left = self.first_salt_free[salt_free] - 1
@@ -253,16 +262,18 @@ class CachedSlab:
 
     # ------------------------------------------------------------------ blocks
 
-    def take(self, n: int) -> Ints32:
+    def take(self, n: int) -> list[int] | Ints32:
         """Take ``n`` kernel blocks in the module docstring's order (checked by the
         caller): each is live once, unnamed."""
         if n <= 0:
-            return np.zeros(0, dtype=np.int32)
+            return []
         k = self.blocks_per_page
         if k == 1:
-            ids = np.array(self.pool.take(n), dtype=np.int32)
-            self.refs[ids] = 1
-            return ids
+            pages = self.pool.take(n)
+            refs = self._refs_mv
+            for page in pages:
+                refs[page] = 1
+            return pages
         taken: list[int] = []
         unnamed = self._unnamed
         while unnamed and len(taken) < n:
@@ -295,7 +306,9 @@ class CachedSlab:
         before = self.refs[uniq].astype(np.int64)
         after = before + counts
         self.refs[uniq] = after
-        self.shared += int((np.maximum(after - 1, 0) - np.maximum(before - 1, 0)).sum())
+        more = int((np.maximum(after - 1, 0) - np.maximum(before - 1, 0)).sum())
+        self.shared += more
+        self.pool.shared += more
         revived = uniq[before == 0].tolist()
         if not revived:
             return
@@ -323,6 +336,26 @@ class CachedSlab:
         """Remove one holder per entry of ``blocks`` (in the order given: a request's
         blocks tail first); blocks left with none are free: named ones stay cached,
         unnamed ones (and pages left with neither) go back."""
+        if not self.shared and self.blocks_per_page == 1:
+            # Every live block has one holder (no repeats, all freed), and a block is its
+            # page: the common case (a decode step's window releases, a free).
+            given: list[int] = blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
+            holders = self._refs_mv
+            for block in given:
+                holders[block] = 0
+            if not self.name_of:
+                self.pool.give_back(given)
+                return
+            named, idle = self._named_mv, self.pool.idle
+            back: list[int] = []
+            for block in given:
+                if named[block]:
+                    idle[block] = self
+                else:
+                    back.append(block)
+            if back:
+                self.pool.give_back(back)
+            return
         ids = np.asarray(blocks, dtype=np.int64)
         if ids.size == 0:
             return
@@ -335,7 +368,9 @@ class CachedSlab:
             before = refs[uniq].astype(np.int64)
             after = before - counts
             refs[uniq] = after
-            self.shared -= int((np.maximum(before - 1, 0) - np.maximum(after - 1, 0)).sum())
+            fewer = int((np.maximum(before - 1, 0) - np.maximum(after - 1, 0)).sum())
+            self.shared -= fewer
+            self.pool.shared -= fewer
             at_zero = ids[refs[ids] == 0]
             freed = np.array(list(dict.fromkeys(at_zero.tolist())), dtype=np.int64)
             if freed.size == 0:

@@ -182,15 +182,25 @@ class KVCacheManager:
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
         self._tables = [_Tables(capacity, 16) for _ in self.groups]
+        self._idle: dict[int, CachedSlab] | None = None
+        """With prefix caching on and every cached group's block a page (no slab of
+        several blocks per page), the pool's idle pages: steps take the plain path."""
+        self._cached_pool = self.pool if isinstance(self.pool, CachedPool) else CachedPool(2)
         if caching:
             assert prefix_caching is not None
+            if not self._paged and all(c is None or c.blocks_per_page == 1 for c in cached):
+                self._idle = self._cached_pool.idle
             self.prefix = PrefixCache(
                 self.groups,
                 self._rules,
                 self.cached_slabs,
                 get_hasher(prefix_caching.hash),
                 self.table_array,
+                self._row_tokens,
             )
+
+    def _row_tokens(self, row: int) -> int:
+        return int(self._num_tokens[row])
 
     def _cached_slabs(
         self,
@@ -401,9 +411,15 @@ class KVCacheManager:
             OutOfBlocksError: the pool cannot hold the step (nothing changed).
             StalePrefixError: a match whose blocks were evicted since (nothing changed).
         """
-        if self.prefix is not None:
-            return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
-        if prefixes is not None and any(p is not None for p in prefixes):
+        prefix = self.prefix
+        if prefix is not None:
+            if prefix.pending:
+                prefix.commit()  # the last step is done: its blocks get their names
+            if prefixes is not None or self._idle is None or self._cached_pool.shared:
+                return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
+            # Else every cached block is a page with one holder at most: the step is
+            # checked and made as without caching, free idle pages counted as free.
+        elif prefixes is not None and any(p is not None for p in prefixes):
             raise InvalidArgumentError(
                 "a request brings a prefix match but prefix caching is off "
                 "(AttentionConfig(prefix_caching={'enabled': True}))"
@@ -445,12 +461,16 @@ class KVCacheManager:
             self._check_pages(plans, [self.row_of(r) for r in finished])
         else:  # every kernel block is a page: count blocks
             held = sum(self._blocks_held(self.row_of(r)) for r in finished)
-            if total_new > self.pool.num_free_blocks + total_released + held:
+            free = self.pool.num_free_blocks
+            if self._idle:  # prefix caching: cached pages no request holds are evictable
+                free += len(self._idle)
+            if total_new > free + total_released + held:
                 raise OutOfBlocksError(
                     f"the step needs {total_new} new block(s) but only "
-                    f"{self.pool.num_free_blocks} are free (+{total_released} released by "
-                    f"windows, +{held} held by finished requests) of "
-                    f"{self.pool.num_blocks - 1}; nothing was allocated or freed"
+                    f"{self.pool.num_free_blocks} are free"
+                    + (f" and {len(self._idle)} hold only cached blocks" if self._idle else "")
+                    + f" (+{total_released} released by windows, +{held} held by finished "
+                    f"requests) of {self.pool.num_blocks - 1}; nothing was allocated or freed"
                 )
         # Checked: from here on nothing fails. Finished requests go, new ones get rows.
         for req_id in finished:
@@ -468,6 +488,8 @@ class KVCacheManager:
             self._grow(plan.group.group_id, rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
+        if prefix is not None:
+            prefix.note_step(rows, lens)
         return rows
 
     def _allocate_cached(
@@ -483,7 +505,8 @@ class KVCacheManager:
         checked with ``_check_cached``."""
         prefix = self.prefix
         assert prefix is not None
-        prefix.commit()  # the last step is done: its blocks get their names
+        if prefix.unflushed:  # the check reads which free blocks hold names
+            prefix.flush()
         hits: list[PrefixHitTables] = (
             prefix.resolve(req_ids, prefixes, lens) if prefixes is not None else []
         )
@@ -594,6 +617,7 @@ class KVCacheManager:
             for tables in self._tables:
                 tables.grow(size, 0)
             self._free_rows[:0] = range(size - 1, capacity - 1, -1)
+
         self.rows_version += 1
         for i in (int(k) for k in new_idx):
             row = self._free_rows.pop()
@@ -716,7 +740,8 @@ class KVCacheManager:
         prefix = self.prefix
         if prefix is not None:
             tokens = None if token_ids is None else prefix.check_tokens(row, req_id, token_ids)
-            prefix.commit()  # the last step is done: its blocks get their names
+            if prefix.pending:
+                prefix.commit()  # the last step is done: its blocks get their names
             prefix.forget(row, int(self._num_tokens[row]), tokens)
         for gid, (tables, give_back) in enumerate(zip(self._tables, self._give_back, strict=True)):
             used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]

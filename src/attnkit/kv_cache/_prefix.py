@@ -13,6 +13,12 @@ request starts from, and when a request's blocks get their names.
   ``match_prefix``, ``begin_step`` or ``free``); ``discard`` drops them (a step whose
   model call failed). Blocks of generated tokens are named when the request is freed
   with its tokens: nothing is hashed on the decode path.
+- Naming is lazy where it can be: a commit moves the request's watermark (its named
+  tokens); the blocks of a group that keeps them (full attention, MLA, sinks) enter its
+  map (``flush``) when something reads the map: a lookup, the request's free, a report,
+  a step that shares blocks. A group that releases blocks (a window, a chunk) gets them
+  at the commit, before a later step can free them. So a prefill step does no work per
+  block for the groups that keep their blocks.
 - A request whose step was discarded, or that was live at a ``reset``, is never named
   again (its later blocks were computed over bytes no name describes).
 """
@@ -195,9 +201,16 @@ class PrefixHitTables:
     tables: list[tuple[Ints32, int] | None]  # per group; None: nothing to install
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Tracked:
+    """A request started from a match: ``named`` tokens are committed (their full
+    blocks are named), of which each group's map holds the first ``flushed[g]``
+    blocks."""
+
+    row: int
     match: PrefixMatch
+    named: int
+    flushed: list[int]
     tainted: bool = False
 
 
@@ -210,6 +223,7 @@ class PrefixCache:
             (state layers until they have checkpoints, kinds that never hit).
         hasher: the hash of block names.
         table_array: group id -> the manager's persistent table.
+        num_tokens: row -> the tokens the manager holds for it.
     """
 
     def __init__(
@@ -219,12 +233,14 @@ class PrefixCache:
         slabs: Sequence[CachedSlab | None],
         hasher: Hasher,
         table_array: Callable[[int], Ints32],
+        num_tokens: Callable[[int], int],
     ) -> None:
         self.groups = tuple(groups)
         self.rules = tuple(rules)
         self.slabs = tuple(slabs)
         self.hasher = hasher
         self._table_array = table_array
+        self._num_tokens = num_tokens
         self.layouts: tuple[TokenLayout | None, ...] = tuple(
             None if slab is None else r.prefix_layout(g.spec)
             for g, r, slab in zip(self.groups, self.rules, self.slabs, strict=True)
@@ -234,10 +250,21 @@ class PrefixCache:
         )
         self.granularity = prefix_granularity(g.spec for g in self.groups)
         self.counters = PrefixCacheCounters()
+        self._cached_groups = [
+            (gid, slab, lay)
+            for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True))
+            if slab is not None and lay is not None
+        ]
+        self._eager = [gid for gid, _, _ in self._cached_groups if self.rules[gid].releases]
+        """The cached groups that release blocks: named at the commit."""
+        self._lazy = len(self._eager) < len(self._cached_groups)
         self._tracked: dict[int, _Tracked] = {}
-        self._prompt_len: Ints = np.zeros(16, dtype=np.int64)  # rows still in their prompt
-        self._num_in_prompt = 0
-        self._pending: list[tuple[CachedSlab, list[int], list[bytes], bytes | None]] = []
+        self._in_prompt: dict[int, _Tracked] = {}
+        """Tracked rows whose prompt is not all computed yet."""
+        self.pending: list[tuple[_Tracked, int]] = []
+        """The last step's filled prompt tokens per request, named at ``commit``."""
+        self.unflushed: dict[int, _Tracked] = {}
+        """Rows with named blocks their groups' maps do not hold yet."""
         self._step_rows: Ints = np.zeros(0, dtype=np.int64)
         for slab in self.slabs:
             if slab is not None:
@@ -260,7 +287,10 @@ class PrefixCache:
                 values, an empty prompt, a bad salt, adapter id or multimodal input
                 (the message names the argument).
         """
-        self.commit()
+        if self.pending:
+            self.commit()
+        if self.unflushed:
+            self.flush()
         tokens = as_token_array(prompt_token_ids, "prompt_token_ids")
         n = int(tokens.size)
         if n == 0:
@@ -389,63 +419,75 @@ class PrefixCache:
     # ------------------------------------------------------------------ requests
 
     def track(self, row: int, match: PrefixMatch) -> None:
-        """Row ``row`` starts from ``match``: its prompt blocks get names as they fill."""
-        if row >= self._prompt_len.size:
-            grown = np.zeros(max(row + 1, 2 * self._prompt_len.size), dtype=np.int64)
-            grown[: self._prompt_len.size] = self._prompt_len
-            self._prompt_len = grown
-        self._tracked[row] = _Tracked(match)
-        self._prompt_len[row] = match.num_prompt_tokens
-        self._num_in_prompt += 1
+        """Row ``row`` starts from ``match``: its prompt blocks get names as they fill
+        (its hit's blocks have theirs)."""
+        flushed = [0] * len(self.groups)
+        for gid, _, lay in self._cached_groups:
+            flushed[gid] = lay.full_blocks(match.num_tokens) if match.num_tokens else 0
+        tracked = _Tracked(row, match, match.num_tokens, flushed)
+        self._tracked[row] = tracked
+        self._in_prompt[row] = tracked
 
     def note_step(self, rows: Ints, lens: StepLens) -> None:
-        """After a step's allocation: the prompt blocks it fills, to be named at the
-        next ``commit``."""
+        """After a step's allocation: the prompt tokens each tracked request has filled,
+        to be named at the next ``commit``."""
         self._step_rows = rows
-        if not self._num_in_prompt:
+        if not self._in_prompt:
             return
-        prompt_len = self._prompt_len
-        safe = rows < prompt_len.size
-        filling = np.flatnonzero(safe & (prompt_len[np.where(safe, rows, 0)] > lens.computed))
-        for i in filling.tolist():
-            row = int(rows[i])
-            tracked = self._tracked[row]
-            n = int(prompt_len[row])
-            done, total = int(lens.computed[i]), min(int(lens.total[i]), n)
-            if total >= n:
-                prompt_len[row] = 0
-                self._num_in_prompt -= 1
-            if tracked.tainted:
-                continue
-            for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True)):
-                if slab is None or lay is None:
-                    continue
-                # A first step fills block 0 even with no token in it (sink slots only).
-                first = lay.full_blocks(done) if done else 0
-                end = lay.full_blocks(total)
-                if end <= first:
-                    continue
-                blocks: list[int] = self._table_array(gid)[row, first:end].tolist()
-                names = list(tracked.match._names[lay][first:end])
-                if NULL_BLOCK in blocks:
-                    pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
-                    blocks, names = [b for b, _ in pairs], [m for _, m in pairs]
-                salt_free = tracked.match._salt_free[lay] if first == 0 else None
-                self._pending.append((slab, blocks, names, salt_free))
+        done: list[int] = []
+        for row, tracked in self._in_prompt.items():
+            n = tracked.match.num_prompt_tokens
+            filled = min(self._num_tokens(row), n)
+            if filled > tracked.named:
+                self.pending.append((tracked, filled))
+            if filled >= n:
+                done.append(row)
+        for row in done:
+            del self._in_prompt[row]
 
     def commit(self) -> None:
-        """Name the blocks the last step filled (it is done)."""
-        if not self._pending:
-            return
-        for slab, blocks, names, salt_free in self._pending:
+        """The last step is done: the prompt blocks it filled are named (lazily: see
+        the module docstring)."""
+        for tracked, filled in self.pending:
+            if not tracked.tainted and self._tracked.get(tracked.row) is tracked:
+                tracked.named = filled
+                for gid in self._eager:
+                    self._flush(tracked, gid)
+                if self._lazy:
+                    self.unflushed[tracked.row] = tracked
+        self.pending.clear()
+
+    def flush(self) -> None:
+        """Put every named block into its group's map."""
+        for tracked in list(self.unflushed.values()):
+            self._flush(tracked, None)
+
+    def _flush(self, tracked: _Tracked, only: int | None) -> None:
+        """Put ``tracked``'s named blocks into their maps (``only``: one group's)."""
+        names_of = tracked.match._names
+        for gid, slab, lay in self._cached_groups:
+            if only is not None and gid != only:
+                continue
+            start = tracked.flushed[gid]
+            end = lay.full_blocks(tracked.named)
+            if end <= start:
+                continue
+            blocks: list[int] = self._table_array(gid)[tracked.row, start:end].tolist()
+            names = list(names_of[lay][start:end])
+            if NULL_BLOCK in blocks:
+                pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
+                blocks, names = [b for b, _ in pairs], [m for _, m in pairs]
+            salt_free = tracked.match._salt_free[lay] if start == 0 else None
             if blocks:
                 slab.register(blocks, names, salt_free)
-        self._pending.clear()
+            tracked.flushed[gid] = end
+        if only is None:
+            self.unflushed.pop(tracked.row, None)
 
     def discard(self) -> None:
         """The last step's model call failed: its blocks are not named, and its tracked
         requests are never named again."""
-        self._pending.clear()
+        self.pending.clear()
         for row in self._step_rows.tolist():
             self._taint(row)
 
@@ -454,9 +496,7 @@ class PrefixCache:
         if tracked is None:
             return
         tracked.tainted = True
-        if row < self._prompt_len.size and self._prompt_len[row]:
-            self._prompt_len[row] = 0
-            self._num_in_prompt -= 1
+        self._in_prompt.pop(row, None)
 
     def check_tokens(self, row: int, req_id: str, token_ids: Tokens) -> npt.NDArray[np.uint32]:
         """``token_ids`` given for a request at its free: its tokens, prompt first.
@@ -482,20 +522,19 @@ class PrefixCache:
     def forget(self, row: int, num_tokens: int, tokens: npt.NDArray[np.uint32] | None) -> None:
         """Row ``row`` is being freed (its blocks are still in its tables): name the full
         blocks of its generated tokens first, when ``tokens`` (checked) are given."""
-        tracked = self._tracked.pop(row, None)
+        tracked = self._tracked.get(row)
         if tracked is None:
             return
-        if row < self._prompt_len.size and self._prompt_len[row]:
-            self._prompt_len[row] = 0
-            self._num_in_prompt -= 1
+        if row in self.unflushed:
+            self._flush(tracked, None)
+        del self._tracked[row]
+        self._in_prompt.pop(row, None)
         if tokens is None or tracked.tainted:
             return
         match = tracked.match
         known = min(num_tokens, int(tokens.size))
         made: dict[TokenLayout, tuple[int, list[bytes]]] = {}
-        for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True)):
-            if slab is None or lay is None:
-                continue
+        for gid, slab, lay in self._cached_groups:
             first, end = lay.full_blocks(match.num_prompt_tokens), lay.full_blocks(known)
             if end <= first:
                 continue
@@ -523,13 +562,16 @@ class PrefixCache:
     def reset(self) -> int:
         """Drop every name (weights changed); live requests are never named again.
         Returns the names dropped."""
-        self._pending.clear()
+        self.pending.clear()
+        self.unflushed.clear()
         for row in list(self._tracked):
             self._taint(row)
         return sum(slab.reset() for slab in self.slabs if slab is not None)
 
     def stats(self) -> PrefixCacheStats:
         """The counters, with the named blocks now (in use or free) and the free ones."""
+        if self.unflushed:
+            self.flush()
         slabs = [s for s in self.slabs if s is not None]
         return dataclasses.replace(
             self.counters.stats(),
