@@ -57,11 +57,13 @@ from .params import (
     ShortConvLayerParams,
     StateLayerParams,
 )
+from .prefix_cache import PrefixCacheStats
 from .registry import BackendRegistry, default_registry, register_backend
 from .runtime import (
     AttentionRuntime,
     GroupMemory,
     MemoryReport,
+    PrefixMatch,
     RoutingRow,
     ScheduledRequest,
     StateLayer,
@@ -147,7 +149,9 @@ __all__ = [
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
+    "PrefixCacheStats",
     "PrefixCachingConfig",
+    "PrefixMatch",
     "Rejection",
     "RoutingRow",
     "ScheduledRequest",
