@@ -171,10 +171,6 @@ class CachedSlab:
         """Named free kernel blocks in the slab's pinned pages."""
         return len(self._named_free)
 
-    def num_idle_pages(self) -> int:
-        """The slab's idle pages."""
-        return sum(1 for slab in self.pool.idle.values() if slab is self)
-
     def num_cached_free(self) -> int:
         """Named kernel blocks no request holds (evictable)."""
         return int(np.count_nonzero(self.named & (self.refs == 0)))
