@@ -26,6 +26,12 @@ by its definition, the token-by-token Mamba2 recurrence) when a request ends and
 one request every ``CHECK_EVERY`` steps. At the end everything is freed and every
 block must be back.
 
+A second soak drives ``Engine`` with prefix caching on: requests built from a few shared
+prefixes (repeats included) on a pool small enough to evict cached blocks and preempt;
+after every step each cached group's ref counts must be exactly its tables' holders (a
+block two requests hold is shared through its name), no page in two groups, nothing
+leaked; the tokens equal the same requests' with caching off.
+
 ``ATTNKIT_SOAK_STEPS`` sets the steps per seed (default ``DEFAULT_STEPS``; ``nox -s
 soak`` runs 5000).
 """
@@ -60,10 +66,12 @@ from attnkit import (
     UnknownRequestError,
 )
 from attnkit.demo import DemoModel
+from attnkit.integrations.engine import Engine, FunctionModel, SamplingParams
+from attnkit.integrations.engine import Request as EngineRequest
 from attnkit.kv_cache import NULL_BLOCK
 from attnkit.params import LayerParams
 from attnkit.registry import BUILTIN_BACKENDS
-from attnkit.runtime import AttentionRuntime, ScheduledRequest
+from attnkit.runtime import AttentionRuntime, ScheduledRequest, StepBatch
 
 DEFAULT_STEPS = 200
 SEEDS = (0, 1, 2)
@@ -867,3 +875,141 @@ def test_an_empty_step_with_state_layers() -> None:
     assert batch.num_tokens == 0
     assert "a" not in runtime.manager
     assert runtime.manager.pool.num_free_blocks == runtime.num_blocks - 1
+
+
+# ---------------------------------------------------------------------------- prefixes
+
+PREFIX_LAYOUT = ("full", "window", "chunked", "full")
+
+
+def check_prefix_cache(runtime: AttentionRuntime) -> None:
+    """With prefix caching on: every cached group's ref counts are exactly the table
+    entries that hold each kernel block (a block two requests hold is shared through
+    its name), no page is in two groups or both free and owned, nothing leaks."""
+    manager = runtime.manager
+    page_owner: dict[int, int] = {}
+    for gid, (tables, slab) in enumerate(zip(manager._tables, manager.cached_slabs, strict=True)):
+        assert slab is not None, f"group {gid} caches nothing"
+        holders: collections.Counter[int] = collections.Counter()
+        for row in manager._rows.values():
+            used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+            holders.update(int(b) for b in used.tolist() if b != NULL_BLOCK)
+        refs = {int(b): int(slab.refs[b]) for b in slab.refs.nonzero()[0].tolist()}
+        assert refs == dict(holders), f"group {gid}: ref counts are not the tables' holders"
+        for block, count in holders.items():
+            assert count == 1 or bool(slab.named[block]), f"block {block} shared without a name"
+        assert not slab.named[NULL_BLOCK], "the null block holds a name"
+        bpp = runtime.groups[gid].blocks_per_page
+        for page in slab.owned.nonzero()[0].tolist():
+            assert page != NULL_BLOCK, f"group {gid} owns the null page"
+            assert page_owner.setdefault(page, gid) == gid, f"page {page} in two groups"
+        for block in holders:
+            assert slab.owned[block // bpp], f"block {block} held in a page its group lacks"
+    free = manager.pool._free
+    assert len(set(free)) == len(free), "a page is free twice"
+    assert not set(free) & set(page_owner), "a page is both free and owned"
+    assert len(free) + len(page_owner) == runtime.num_blocks - 1, "leak"
+
+
+def prefix_engine(
+    model: DemoModel, *, on: bool, pages: int | None
+) -> tuple[Engine, AttentionRuntime]:
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    config = AttentionConfig.model_validate(
+        {
+            "backend": "reference",
+            "max_num_batched_tokens": 48,
+            "max_model_len": 256,
+            "prefix_caching": {"enabled": on},
+        },
+        context={"registry": reg},
+    )
+
+    def build(budget: int) -> AttentionRuntime:
+        return AttentionRuntime(
+            model.specs,
+            config,
+            device="cpu",
+            memory_budget_bytes=budget,
+            layer_params=model.params,
+            registry=reg,
+            cache_fill=float("nan"),
+        )
+
+    runtime = build(2**22)
+    if pages is not None:
+        runtime = build(pages * (runtime.memory_report().total_bytes // runtime.num_blocks))
+    random.Random(pages).shuffle(runtime.manager.pool._free)
+
+    def call(batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.logits(model.forward_step(runtime, token_ids, positions=positions))
+
+    return Engine(FunctionModel(runtime, call), max_tokens_per_step=48), runtime
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2], ids=[f"seed{s}" for s in SEEDS[:2]])
+def test_soak_engine_with_shared_prefixes(seed: int) -> None:
+    """Requests built from a few shared prefixes (and repeats, and second turns of
+    finished ones) through ``Engine`` with prefix caching on, on a pool small enough to
+    evict and preempt: the cache is checked after every step, the tokens equal those
+    of the same requests with caching off on a roomy pool, and every block comes back."""
+    rng = random.Random(seed)
+    model = DemoModel(layout=PREFIX_LAYOUT, block_size=16, window=10, chunk=16, num_kv_heads=1)
+    prefixes = [[rng.randrange(64) for _ in range(rng.randrange(16, 70))] for _ in range(3)]
+    requests: list[EngineRequest] = []
+    for i in range(30):
+        prompt = [*rng.choice(prefixes), *(rng.randrange(64) for _ in range(rng.randrange(1, 20)))]
+        if requests and rng.random() < 0.2:
+            prompt = list(rng.choice(requests).prompt)  # a repeat: everything but one token hits
+        sampling = SamplingParams(max_new_tokens=rng.randrange(1, 8))
+        requests.append(
+            EngineRequest(f"r{i}", tuple(prompt), sampling, arrival_step=rng.randrange(0, 60))
+        )
+    engine, runtime = prefix_engine(model, on=True, pages=24)
+    for request in requests:
+        engine.submit(request)
+    steps = preempted = 0
+    while engine.has_unfinished():
+        preempted += len(engine.step().preempted)
+        check_prefix_cache(runtime)
+        steps += 1
+        assert steps < 2000
+    reference, _ = prefix_engine(model, on=False, pages=None)
+    expected = reference.run(requests).outputs
+    got = {rid: live.tokens[len(live.request.prompt) :] for rid, live in engine._done.items()}
+    assert got == dict(expected)
+    stats = engine.prefix_stats()
+    cache = runtime.prefix_cache_stats()
+    print(
+        f"\nseed {seed}: {steps} steps, {stats.cached_tokens}/{stats.prompt_tokens} tokens "
+        f"from the cache, {cache.evictions} evictions, {preempted} preemptions"
+    )
+    assert stats.cached_tokens > 0, stats
+    assert cache.evictions > 0, cache  # the pool was small enough to evict
+    assert preempted > 0
+    assert not runtime.manager._rows
+    assert all(s is None or int(s.refs.sum()) == 0 for s in runtime.manager.cached_slabs)
+
+
+@pytest.mark.parametrize("broken", ["forgotten ref", "shared unnamed", "leaked page"])
+def test_the_prefix_cache_check_catches_broken_caches(broken: str) -> None:
+    """Broken variants: a ref count short of the tables, a block two requests hold
+    without a name, a page neither free nor owned."""
+    model = DemoModel(layout=("full",), block_size=16, num_kv_heads=1)
+    engine, runtime = prefix_engine(model, on=True, pages=None)
+    engine.add_request("a", list(range(40)), SamplingParams(max_new_tokens=8))
+    engine.add_request("b", list(range(40)), SamplingParams(max_new_tokens=8), arrival_step=1)
+    engine.step()
+    engine.step()
+    check_prefix_cache(runtime)  # intact: b shares a's two full blocks
+    slab = runtime.manager.cached_slabs[0]
+    assert slab is not None
+    shared = int((slab.refs == 2).nonzero()[0][0])
+    if broken == "forgotten ref":
+        slab.refs[shared] -= 1
+    elif broken == "shared unnamed":
+        slab.named[shared] = False
+    else:
+        runtime.manager.pool._free.pop()
+    with pytest.raises(AssertionError):
+        check_prefix_cache(runtime)

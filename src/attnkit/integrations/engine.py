@@ -24,7 +24,14 @@ Scheduling (a common continuous-batching policy, e.g. vLLM's, kept minimal):
   back to the front of the queue, to recompute its prompt and the tokens generated so far
   in a later step (recompute, not swap);
 - a request finishes after ``max_new_tokens`` tokens or a stop token; its blocks are
-  freed at once.
+  freed at once (with its tokens, so the cache can name its generated blocks).
+
+Prefix caching (docs/prefix-caching.md): when the runtime was built with it on
+(``AttentionConfig(prefix_caching={'enabled': True})``), every request is looked up when
+it is admitted (``runtime.match_prefix`` over its known tokens) and starts from the hit:
+its cached tokens are not computed again (the last prompt token always is, for its
+logits). ``Engine(..., prefix_caching=False)`` turns that off; ``Engine.prefix_stats()``
+reports the hit rate, the prefill tokens saved and why hits fell short.
 
 The model is anything with ``prepare_step()`` (the runtime to run the step on) and
 ``__call__(batch, token_ids, positions) -> logits [T, V]`` (``StepModel``);
@@ -52,11 +59,15 @@ from ..errors import (
     EngineLimitError,
     InvalidArgumentError,
     OutOfBlocksError,
+    StalePrefixError,
 )
+from ..kv_cache import PrefixMatch
+from ..prefix_cache import PrefixCacheStats
 from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
 
 __all__ = [
     "Engine",
+    "EnginePrefixStats",
     "EngineResult",
     "FunctionModel",
     "Request",
@@ -227,6 +238,8 @@ class StepStats:
         finished: requests that completed this step.
         num_free_blocks: free cache blocks after the step (finished requests freed).
         logits: request id -> its rows of the step's logits (``keep_logits=True``).
+        num_cached_tokens: tokens the step's admitted requests started with from the
+            prefix cache (not computed: prefill saved).
     """
 
     step: int
@@ -240,6 +253,43 @@ class StepStats:
     finished: tuple[str, ...]
     num_free_blocks: int
     logits: Mapping[str, RequestLogits] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePrefixStats:
+    """What prefix caching saved the engine so far (``Engine.prefix_stats()``).
+
+    Attributes:
+        enabled: whether the engine looks requests up (the runtime has a prefix cache
+            and the engine was not built with ``prefix_caching=False``).
+        why_off: why it does not, when ``enabled`` is false.
+        admissions: requests admitted with a lookup (a preempted request admitted
+            again counts again: it recomputes).
+        prompt_tokens: the known tokens of those admissions (prompt, plus the tokens
+            generated before a preemption).
+        cached_tokens: of them, the tokens started from the cache: prefill saved.
+        misses: why a lookup served less than its tokens minus the last: the reason's
+            kind (``"BlockNotCached"``, ``"NoCheckpoint"``, ``"NeverHits"``, ...) ->
+            admissions it limited.
+        last_miss: the last such explanation, in words (``PrefixMatch.explain()``).
+        cache: the runtime's own counters (``runtime.prefix_cache_stats()``), ``None``
+            when it has no prefix cache.
+    """
+
+    enabled: bool
+    why_off: str | None = None
+    admissions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    misses: Mapping[str, int] = dataclasses.field(default_factory=dict[str, int])
+    last_miss: str | None = None
+    cache: PrefixCacheStats | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached tokens over the admissions' tokens (0 with none)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +320,7 @@ class _Live:
     generator: torch.Generator
     num_computed: int = 0
     started: bool = False  # holds blocks in the current runtime
+    match: PrefixMatch | None = None  # its lookup, for the admission being tried
 
     @property
     def req_id(self) -> str:
@@ -289,6 +340,10 @@ class Engine:
             runtime's ``AttentionConfig.max_num_batched_tokens``.
         max_requests_per_step: default and upper bound: ``AttentionConfig.max_num_reqs``.
         keep_logits: keep each step's logits in ``StepStats.logits`` (for checks).
+        prefix_caching: look every admitted request up in the runtime's prefix cache
+            and skip its cached tokens (default); it takes effect when the runtime was
+            built with prefix caching on. ``False``: never look up (every token is
+            computed; the runtime still caches what it computes).
 
     Raises:
         InvalidArgumentError: a limit out of range (the message names it).
@@ -301,6 +356,7 @@ class Engine:
         max_tokens_per_step: int | None = None,
         max_requests_per_step: int | None = None,
         keep_logits: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         given: object = model
         if not callable(given) or not callable(getattr(given, "prepare_step", None)):
@@ -325,6 +381,11 @@ class Engine:
             "AttentionConfig.max_num_reqs",
         )
         self.keep_logits = keep_logits
+        flag: object = prefix_caching
+        if not isinstance(flag, bool):
+            raise ArgumentTypeError(f"prefix_caching must be a bool, got {type(flag).__name__}")
+        self.prefix_caching = prefix_caching
+        self._prefix = _PrefixTally()
         self.step_index = 0
         self._live: dict[str, _Live] = {}
         self._running: list[_Live] = []  # holds blocks, oldest admission first
@@ -425,23 +486,43 @@ class Engine:
             self._runtime = runtime
             for live in self._running:
                 live.num_computed, live.started = 0, False
+        lookup = runtime if self._looks_up(runtime) else None
+        for live in self._waiting:  # a request held back is looked up again
+            live.match = None
+        for live in self._running:
+            live.match = None
         preempted: list[str] = []
         held: set[_Live] = set()
         while True:
             # No admissions in a step that had to preempt: the room is for the running.
-            plan, admitted = self._schedule(index, held, admit=not preempted)
+            plan, admitted = self._schedule(index, held, admit=not preempted, lookup=lookup)
             if not plan:
                 return self._idle_stats(index, preempted)
             try:
                 batch = runtime.begin_step(
-                    [ScheduledRequest(live.req_id, n) for live, n in plan.items()]
+                    [
+                        ScheduledRequest(live.req_id, n, prefix=live.match)
+                        for live, n in plan.items()
+                    ]
                 )
                 break
             except OutOfBlocksError:
                 self._make_room(plan, admitted, held, preempted)
+            except StalePrefixError:
+                # A hit's block was evicted since its lookup (nothing changed): look
+                # the step's new requests up again.
+                for live in plan:
+                    live.match = None
         for live in admitted:
             self._waiting.remove(live)
             self._running.append(live)
+        cached = 0
+        for live in plan:
+            if live.match is not None:  # it started in the runtime from its hit
+                live.num_computed = live.match.num_tokens
+                cached += live.num_computed
+                self._prefix.record(live.match)
+                live.match = None
         try:
             logits = self._forward(batch, plan)
         except BaseException:
@@ -449,19 +530,51 @@ class Engine:
             # running over so both agree again, then let the error through.
             self._reset_running(runtime)
             raise
-        return self._finish_step(index, runtime, batch, plan, admitted, preempted, logits)
+        return self._finish_step(index, runtime, batch, plan, admitted, preempted, logits, cached)
+
+    def _looks_up(self, runtime: AttentionRuntime) -> bool:
+        return self.prefix_caching and runtime.manager.prefix is not None
+
+    def prefix_stats(self) -> EnginePrefixStats:
+        """The hit rate and prefill tokens prefix caching saved so far, and why it is
+        off (``why_off``) or why hits fell short (``misses``, ``last_miss``)."""
+        runtime = self._runtime
+        has_cache = runtime.manager.prefix is not None
+        why_off: str | None = None
+        if not self.prefix_caching:
+            why_off = "turned off: Engine(prefix_caching=False)"
+        elif not has_cache:
+            why_off = (
+                "the runtime's prefix caching is off: build it with "
+                "AttentionConfig(prefix_caching={'enabled': True})"
+            )
+        tally = self._prefix
+        return EnginePrefixStats(
+            enabled=why_off is None,
+            why_off=why_off,
+            admissions=tally.admissions,
+            prompt_tokens=tally.prompt_tokens,
+            cached_tokens=tally.cached_tokens,
+            misses=dict(tally.misses),
+            last_miss=tally.last_miss,
+            cache=runtime.prefix_cache_stats() if has_cache else None,
+        )
 
     def _schedule(
-        self, index: int, held: set[_Live], *, admit: bool
+        self, index: int, held: set[_Live], *, admit: bool, lookup: AttentionRuntime | None
     ) -> tuple[dict[_Live, int], list[_Live]]:
         """Tokens per request for this step (running first), and the newly admitted
-        (none unless ``admit``); ``held``: waiting requests held back from this step."""
+        (none unless ``admit``); ``held``: waiting requests held back from this step.
+        ``lookup``: the runtime whose prefix cache an admission is looked up in (its
+        first chunk starts after the hit)."""
         budget = self.max_tokens_per_step
         plan: dict[_Live, int] = {}
         for live in self._running:
             if budget == 0 or len(plan) == self.max_requests_per_step:
                 break
-            n = min(len(live.tokens) - live.num_computed, budget)
+            # One that holds no blocks (a failed step, a rebuilt runtime) starts again.
+            hit = 0 if live.started else self._look_up(live, lookup)
+            n = min(len(live.tokens) - max(live.num_computed, hit), budget)
             plan[live] = n
             budget -= n
         admitted: list[_Live] = []
@@ -470,11 +583,21 @@ class Engine:
                 break
             if live.request.arrival_step > index or live in held:
                 continue
-            n = min(len(live.tokens), budget)
+            n = min(len(live.tokens) - self._look_up(live, lookup), budget)
             plan[live] = n
             admitted.append(live)
             budget -= n
         return plan, admitted
+
+    @staticmethod
+    def _look_up(live: _Live, lookup: AttentionRuntime | None) -> int:
+        """The tokens ``live`` starts with from ``lookup``'s prefix cache (matched once
+        per attempt)."""
+        if lookup is None:
+            return 0
+        if live.match is None:
+            live.match = lookup.match_prefix(live.tokens)
+        return live.match.num_tokens
 
     def _make_room(
         self,
@@ -501,7 +624,7 @@ class Engine:
             return
         victim = self._running.pop()
         if victim.started:
-            self._runtime.free([victim.req_id])
+            self._free(self._runtime, [victim])
         victim.num_computed, victim.started = 0, False
         self._waiting.appendleft(victim)
         preempted.append(victim.req_id)
@@ -548,6 +671,7 @@ class Engine:
         admitted: list[_Live],
         preempted: list[str],
         logits: torch.Tensor,
+        cached: int,
     ) -> StepStats:
         sampled: dict[str, int] = {}
         finished: list[str] = []
@@ -573,7 +697,7 @@ class Engine:
             if live.num_generated >= stop.max_new_tokens or token in stop.stop_token_ids:
                 finished.append(req_id)
         if finished:
-            runtime.free(finished)
+            self._free(runtime, [self._live[rid] for rid in finished])
             for req_id in finished:
                 live = self._live.pop(req_id)
                 self._running.remove(live)
@@ -590,6 +714,7 @@ class Engine:
             finished=tuple(finished),
             num_free_blocks=runtime.manager.pool.num_free_blocks,
             logits=kept if self.keep_logits else None,
+            num_cached_tokens=cached,
         )
 
     def _idle_stats(self, index: int, preempted: list[str]) -> StepStats:
@@ -607,12 +732,40 @@ class Engine:
             logits={} if self.keep_logits else None,
         )
 
+    def _free(self, runtime: AttentionRuntime, lives: Sequence[_Live]) -> None:
+        """Free requests, with their tokens so their generated blocks get names."""
+        ids = [live.req_id for live in lives]
+        if runtime.manager.prefix is None:
+            runtime.free(ids)
+        else:
+            runtime.free(ids, token_ids={live.req_id: live.tokens for live in lives})
+
     def _reset_running(self, runtime: AttentionRuntime) -> None:
+        runtime.discard_step()  # the failed step's blocks must never get names
         held = [live.req_id for live in self._running if live.req_id in runtime.manager]
         if held:
             runtime.free(held)
         for live in self._running:
             live.num_computed, live.started = 0, False
+
+
+class _PrefixTally:
+    """The engine's prefix-caching counts (``EnginePrefixStats``)."""
+
+    def __init__(self) -> None:
+        self.admissions = self.prompt_tokens = self.cached_tokens = 0
+        self.misses: dict[str, int] = {}
+        self.last_miss: str | None = None
+
+    def record(self, match: PrefixMatch) -> None:
+        self.admissions += 1
+        self.prompt_tokens += match.num_prompt_tokens
+        self.cached_tokens += match.num_tokens
+        reason = match.reason
+        if reason is not None:
+            kind = type(reason).__name__
+            self.misses[kind] = self.misses.get(kind, 0) + 1
+            self.last_miss = match.explain()
 
 
 def _limit(name: str, value: int | None, bound: int, bound_name: str) -> int:

@@ -1,0 +1,253 @@
+"""Prefix caching end to end: requests that share most of their prompts through
+``Engine``, with caching on against off, and what a lookup costs per prompt token.
+
+Workloads (a tiny demo model on CPU: full, sliding-window and full attention layers,
+hidden 64, blocks of 16, the default CPU backends; greedy decoding):
+
+- few-shot: 32 requests, each a shared 820-token block of examples followed by its own
+  205-token question (80% of each prompt shared; the first request finds nothing, so
+  at most 1 / (0.2 + 0.8 / 32) = 4.4x fewer prefill tokens), 8 new tokens each;
+- multi-turn chat: 4 conversations of 4 turns; turn 1 is a shared 512-token system
+  prompt and a 64-token question, each next turn the previous prompt, its answer
+  (8 tokens) and a new 56-token question (the turns run one after another).
+
+Each round runs the workload through a fresh runtime with caching on and one with it
+off, alternating which goes first (paired rounds). Reported: prompt tokens, the share
+of them a previous request already held (the workload's sharing), prefill tokens
+computed with caching on and off and their ratio (target >= 4x fewer), median end-to-end
+seconds and their ratio (target >= 2x faster), the engine's hit rate, and whether the
+two modes generated the same tokens (they must).
+
+Lookup cost: ``runtime.match_prefix`` on a 1k and an 8k-token prompt (a Python list)
+that is not cached, per prompt token, against the hash alone (the exact messages of the
+chain, prebuilt, hashed once each with ``hashlib.sha256(m).digest()``; as in
+benchmarks/bench_prefix_hash.py): the share of a lookup that is the hash. A lookup
+names every full block of the prompt (once, at admission), so a request's steps only
+register the names; this is the cost moved out of ``begin_step``.
+
+    python benchmarks/bench_prefix.py --out bench-results [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnkit import AttentionConfig
+from attnkit.demo import DemoModel
+from attnkit.integrations.engine import Engine, FunctionModel, Request, SamplingParams
+from attnkit.prefix_cache import TokenLayout, get_hasher, prefix_root
+from attnkit.runtime import AttentionRuntime, StepBatch
+
+BS = 16
+LAYOUT = ("full", "window", "full")
+PREFILL_TARGET = 4.0
+"""Lower bound on prefill tokens computed with caching off over on."""
+SPEEDUP_TARGET = 2.0
+"""Lower bound on end-to-end seconds with caching off over on."""
+
+Workload = Callable[[Engine], tuple[dict[str, list[int]], int]]
+"""Runs its requests through an engine: every request's tokens, and the prefill tokens
+the engine computed."""
+
+
+def demo_model() -> DemoModel:
+    return DemoModel(layout=LAYOUT, block_size=BS, window=64, num_kv_heads=1)
+
+
+def make_engine(m: DemoModel, *, on: bool) -> tuple[Engine, AttentionRuntime]:
+    config = AttentionConfig(
+        max_num_reqs=16,
+        max_num_batched_tokens=1024,
+        max_model_len=2048,
+        prefix_caching={"enabled": on},
+    )
+    runtime = AttentionRuntime(
+        m.specs, config, device="cpu", memory_budget_bytes=2**26, layer_params=m.params
+    )
+
+    def call(batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return m.logits(m.forward_step(runtime, token_ids, positions=positions))
+
+    return Engine(FunctionModel(runtime, call), max_tokens_per_step=1024), runtime
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 64, size=n).tolist()
+
+
+def few_shot(engine: Engine) -> tuple[dict[str, list[int]], int]:
+    shared = ids(820, seed=1)
+    requests = [
+        Request(f"q{i}", (*shared, *ids(205, seed=100 + i)), SamplingParams(max_new_tokens=8))
+        for i in range(32)
+    ]
+    result = engine.run(requests)
+    return dict(result.tokens), sum(s.num_prefill_tokens for s in result.steps)
+
+
+def chat(engine: Engine) -> tuple[dict[str, list[int]], int]:
+    system = ids(512, seed=2)
+    prompts = {f"c{c}": [*system, *ids(64, seed=200 + c)] for c in range(4)}
+    out: dict[str, list[int]] = {}
+    prefill = 0
+    for turn in range(4):
+        result = engine.run(
+            [
+                Request(f"{cid}t{turn}", tuple(p), SamplingParams(max_new_tokens=8))
+                for cid, p in prompts.items()
+            ]
+        )
+        prefill += sum(s.num_prefill_tokens for s in result.steps)
+        for cid in prompts:
+            tokens = result.tokens[f"{cid}t{turn}"]
+            out[f"{cid}t{turn}"] = tokens
+            prompts[cid] = [*tokens, *ids(56, seed=300 + 10 * turn + int(cid[1:]))]
+    return out, prefill
+
+
+def shared_share(tokens: dict[str, list[int]], outputs: int) -> tuple[int, float]:
+    """Prompt tokens of the workload, and the share of them a previous request's
+    tokens already held as a prefix (what an ideal cache could serve)."""
+    seen: list[list[int]] = []
+    total = shared = 0
+    for toks in tokens.values():
+        prompt = toks[: len(toks) - outputs]
+        best = 0
+        for other in seen:
+            n = 0
+            for x, y in zip(prompt, other, strict=False):
+                if x != y:
+                    break
+                n += 1
+            best = max(best, n)
+        total += len(prompt)
+        shared += best
+        seen.append(toks)
+    return total, shared / total
+
+
+def measure_workload(workload: Workload, rounds: int) -> dict[str, float | bool]:
+    m = demo_model()
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    prefill: dict[str, int] = {}
+    tokens: dict[str, dict[str, list[int]]] = {}
+    hit_rate = 0.0
+    for r in range(rounds):
+        for mode in ("on", "off") if r % 2 else ("off", "on"):
+            engine, _ = make_engine(m, on=mode == "on")
+            start = time.perf_counter()
+            with torch.inference_mode():
+                tokens[mode], prefill[mode] = workload(engine)
+            times[mode].append(time.perf_counter() - start)
+            if mode == "on":
+                hit_rate = engine.prefix_stats().hit_rate
+    prompt_tokens, share = shared_share(tokens["off"], 8)
+    on_s, off_s = (statistics.median(times[k]) for k in ("on", "off"))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "shared_share": share,
+        "prefill_on": prefill["on"],
+        "prefill_off": prefill["off"],
+        "prefill_ratio": prefill["off"] / prefill["on"],
+        "seconds_on": on_s,
+        "seconds_off": off_s,
+        "speedup": off_s / on_s,
+        "hit_rate": hit_rate,
+        "same_tokens": tokens["on"] == tokens["off"],
+    }
+
+
+def measure_lookup(num_tokens: int, rounds: int) -> dict[str, float]:
+    """``match_prefix`` on an uncached prompt against the hash alone, ns per token."""
+    m = demo_model()
+    _, runtime = make_engine(m, on=True)
+    prompt = ids(num_tokens, seed=num_tokens)
+    # The chain's messages, prebuilt: parent name + u32 count + ids (u32 LE) + u32 0.
+    hasher = get_hasher("sha256")
+    parent = prefix_root(hasher)
+    messages: list[bytes] = []
+    layout = TokenLayout(BS)
+    arr = np.asarray(prompt, dtype="<u4")
+    for b in range(layout.full_blocks(num_tokens)):
+        body = (
+            np.uint32(BS).tobytes() + arr[b * BS : (b + 1) * BS].tobytes() + np.uint32(0).tobytes()
+        )
+        messages.append(parent + body)
+        parent = hashlib.sha256(parent + body).digest()
+    runtime.match_prefix(prompt)  # warm-up
+    lookup: list[float] = []
+    floor: list[float] = []
+    for r in range(rounds):
+        for which in (0, 1) if r % 2 else (1, 0):
+            start = time.perf_counter()
+            if which == 0:
+                runtime.match_prefix(prompt)
+                lookup.append(time.perf_counter() - start)
+            else:
+                _ = [hashlib.sha256(msg).digest() for msg in messages]
+                floor.append(time.perf_counter() - start)
+    lk, fl = (statistics.median(t) * 1e9 / num_tokens for t in (lookup, floor))
+    return {"match_ns_per_token": lk, "hash_ns_per_token": fl, "ratio": lk / fl}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    args = parser.parse_args(argv)
+    rounds = 2 if args.quick else 6
+    torch.set_num_threads(1)
+    workloads: dict[str, Workload] = {"few_shot": few_shot, "multi_turn_chat": chat}
+    results: dict[str, object] = {}
+    ok = True
+    print(
+        f"{'workload':16s} {'prompt':>7s} {'shared':>7s} {'prefill on/off':>16s} {'fewer':>7s} "
+        f"{'seconds on/off':>16s} {'faster':>7s} {'hits':>6s}"
+    )
+    rows: dict[str, dict[str, float | bool]] = {}
+    for name, workload in workloads.items():
+        row = measure_workload(workload, rounds)
+        rows[name] = row
+        fewer_ok = float(row["prefill_ratio"]) >= PREFILL_TARGET
+        fast_ok = float(row["speedup"]) >= SPEEDUP_TARGET
+        ok = ok and fewer_ok and fast_ok and bool(row["same_tokens"])
+        print(
+            f"{name:16s} {row['prompt_tokens']:7.0f} {row['shared_share']:6.1%} "
+            f"{row['prefill_on']:7.0f}/{row['prefill_off']:<7.0f} {row['prefill_ratio']:6.2f}x "
+            f"{row['seconds_on']:7.3f}/{row['seconds_off']:<7.3f} {row['speedup']:6.2f}x "
+            f"{row['hit_rate']:5.1%}"
+        )
+        print(
+            f"  prefill >= {PREFILL_TARGET:g}x fewer: {'meets' if fewer_ok else 'MISSES'}; "
+            f"end to end >= {SPEEDUP_TARGET:g}x faster: {'meets' if fast_ok else 'MISSES'}; "
+            f"same tokens on and off: {'yes' if row['same_tokens'] else 'NO'}"
+        )
+    results["workloads"] = rows
+    lookups = {f"tokens_{n}": measure_lookup(n, 5 if args.quick else 41) for n in (1024, 8192)}
+    print("match_prefix on an uncached prompt (sha256, one layout), ns per prompt token:")
+    for name, lk in lookups.items():
+        print(
+            f"  {name:12s} match {lk['match_ns_per_token']:6.1f}  hash alone "
+            f"{lk['hash_ns_per_token']:6.1f}  ratio {lk['ratio']:5.2f}x"
+        )
+    results["lookup"] = lookups
+    results["targets"] = {"prefill_ratio": PREFILL_TARGET, "speedup": SPEEDUP_TARGET}
+    results["all_targets_met"] = ok
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_prefix.json").write_text(json.dumps(results, indent=2))
+    print(f"targets {'met' if ok else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
