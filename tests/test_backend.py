@@ -667,6 +667,30 @@ def test_bind_builder_narrowing_via_generic_parameter_is_seen_at_runtime() -> No
     assert bind_builder(FullAttentionSpec, OnlyFull, ToyImpl).spec_type is FullAttentionSpec
 
 
+def test_bind_builder_narrowing_by_annotation_alone_is_seen_at_runtime() -> None:
+    # A class-level annotation with no __init__ taking the narrower spec: mypy reports
+    # neither this binding nor a construction with another spec
+    # (tests/typing/fail/annotation_only_narrowing.py); the import-time check does.
+    class AnnotatedOnly(AttentionMetadataBuilder[ToyMeta]):
+        kv_cache_spec: FullAttentionSpec  # pyright: ignore[reportIncompatibleMethodOverride]  # the spelling under test
+
+        @override
+        def build(
+            self,
+            common_prefix_len: int,
+            common_attn_metadata: CommonAttentionMetadata,
+            fast_build: bool = False,
+        ) -> ToyMeta:
+            raise NotImplementedError
+
+    with pytest.raises(
+        TypeError,
+        match=r"AnnotatedOnly accepts FullAttentionSpec specs, so it cannot be bound to SlidingWindowSpec$",
+    ):
+        bind_builder(SlidingWindowSpec, AnnotatedOnly, ToyImpl)
+    assert bind_builder(FullAttentionSpec, AnnotatedOnly, ToyImpl).spec_type is FullAttentionSpec
+
+
 # ---------------------------------------------------------------------------
 # Declaration problems (checked at registration)
 

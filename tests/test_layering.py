@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "attnkit._state_type": 3,
     "attnkit.config": 4,
     "attnkit.params": 4,
+    "attnkit.prefix_cache": 4,
     "attnkit.builder": 5,
     "attnkit.impl": 5,
     "attnkit.state_types": 5,
@@ -75,6 +76,7 @@ PACKAGES: frozenset[str] = frozenset(
         "attnkit.kv_cache",
         "attnkit.models",
         "attnkit.planner",
+        "attnkit.prefix_cache",
         "attnkit.runtime",
     }
 )

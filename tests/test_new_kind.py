@@ -1,6 +1,7 @@
 """A spec kind added through ``spec.py``, ``kinds/_attention.py`` and ``__init__.py`` alone
 is run by the runtime on ``reference``, planned by ``plan_model`` and checked by the
-conformance kit, with no edit anywhere else (docs/architecture.md, "Adding a spec kind").
+conformance kit, and hits the prefix cache by the rule its mask implies, with no edit
+anywhere else (docs/architecture.md, "Adding a spec kind").
 
 The test copies the package to a temporary directory, inserts a throwaway kind there
 (``wide_window``: a sliding window under another name and another field, ``width``),
@@ -200,6 +201,17 @@ SCRIPT = textwrap.dedent(
     engines = check_backend(CpuAttentionBackend, kinds=[KIND], max_examples=2)
     engines.assert_ok()
     print("cpu_attn:", engines.result("kind=wide_window").status)
+
+    # 4. The prefix cache: the kind's hit rule follows from its mask (a window of 5 in
+    # blocks of 4: a hit of 12 tokens reads the blocks of positions 8..11, block 2 only).
+    import numpy as np
+    from attnkit.kinds import rules_for
+
+    rules = rules_for(spec)
+    cached = np.array([False, False, True, False])
+    assert rules.prefix_hit(spec, cached, 13)[0] == 12, rules.prefix_hit(spec, cached, 13)
+    assert rules.prefix_blocks(spec, 12).tolist() == [2]
+    print("prefix: hit", rules.prefix_hit(spec, cached, 13)[0])
     '''
 )
 
@@ -249,6 +261,7 @@ def test_a_kind_added_in_spec_kinds_and_init_only_runs_plans_and_passes_the_kit(
     assert "runtime: max error" in result.stdout
     assert "kit: kind=wide_window passed" in result.stdout
     assert "cpu_attn: passed" in result.stdout
+    assert "prefix: hit 12" in result.stdout
 
 
 def test_a_kind_without_rules_fails_at_import_naming_it(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ PUBLIC_API = [
     "MambaSpec",
     "MambaType",
     "MemoryReport",
+    "MissingDependencyError",
     "ModelLayout",
     "NoBackendError",
     "OutOfBlocksError",
@@ -98,9 +99,12 @@ BACKEND_API = [
     "AttentionMetadataBuilder",
     "BackendOptions",
     "BackendRequest",
+    "Binding",
     "BuilderBinding",
+    "BuilderConstructor",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "ImplConstructor",
     "KVCacheLayout",
     "LayerImpl",
     "MultipleOf",
@@ -154,10 +158,10 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
 
 def test_every_error_is_an_attnkit_error() -> None:
     errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
-    assert len(errors) == 17
+    assert len(errors) == 18
     assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
     # Each also derives from the builtin it resembles, so existing clauses catch it.
-    builtins = (ValueError, TypeError, KeyError, RuntimeError)
+    builtins = (ValueError, TypeError, KeyError, RuntimeError, ImportError)
     assert all(issubclass(e, builtins) for e in errors if e is not attnkit.AttnkitError)
 
 

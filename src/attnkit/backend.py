@@ -24,12 +24,12 @@ import importlib.util
 import inspect
 from abc import ABC
 from collections.abc import Mapping
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 
 from ._validation import dtype_name, is_capability, is_positive_int
-from .binding import BuilderBinding
+from .binding import Binding, BuilderBinding
 from .capabilities import (
     KV_CACHE_LAYOUTS,
     AttentionFeature,
@@ -54,10 +54,6 @@ from .spec import (
 )
 
 __all__ = ["AttentionBackend", "BackendRequest"]
-
-AnyBinding = BuilderBinding[Any, Any]
-"""A binding with its type parameters erased: what a backend's ``builders`` holds."""
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackendRequest:
@@ -92,8 +88,11 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     """Registry name, e.g. ``"triton_attn"``."""
-    builders: ClassVar[tuple[AnyBinding, ...]]
-    """One ``bind_builder(...)`` per spec class served; their kinds are the kinds served."""
+    builders: ClassVar[tuple[Binding, ...]]
+    """One ``bind_builder(...)`` per spec class served; their kinds are the kinds served.
+
+    Declared with the non-generic ``Binding`` so that each ``bind_builder`` call in a
+    subclass body is checked from its own arguments (``attnkit.binding``)."""
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     """Device types (``torch.device.type``)."""
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
@@ -276,7 +275,7 @@ class AttentionBackend(ABC):
         return not cls.not_supported_reasons(request)
 
     @classmethod
-    def find_binding(cls, spec: KVCacheSpec) -> AnyBinding | None:
+    def find_binding(cls, spec: KVCacheSpec) -> Binding | None:
         """The binding of ``spec``'s kind (binding is by exact kind), if ``spec`` is of its class."""
         for binding in cls.builders:
             if binding.kind is spec.kind and isinstance(spec, binding.spec_type):
@@ -284,7 +283,7 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
-    def get_binding(cls, spec: KVCacheSpec) -> AnyBinding:
+    def get_binding(cls, spec: KVCacheSpec) -> Binding:
         """Like ``find_binding`` but raises ``TypeError`` naming the bound spec types."""
         binding = cls.find_binding(spec)
         if binding is None:
@@ -333,7 +332,7 @@ class AttentionBackend(ABC):
         builders: object = getattr(cls, "builders", None)
         # The declaration is unchecked here: look at it as objects, keep the bindings.
         items = cast("tuple[object, ...]", builders) if isinstance(builders, tuple) else ()
-        bindings: list[AnyBinding] = [b for b in items if isinstance(b, BuilderBinding)]
+        bindings: list[Binding] = [b for b in items if isinstance(b, BuilderBinding)]
         if not items or len(bindings) != len(items):
             problems.append(
                 f"builders must be a non-empty tuple of bind_builder(...) results, got {builders!r}"

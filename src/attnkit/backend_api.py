@@ -22,7 +22,14 @@ Specs, layer parameters, state inputs and the config come from ``attnkit`` itsel
 from __future__ import annotations
 
 from .backend import AttentionBackend, BackendRequest
-from .binding import BuilderBinding, bind_builder, bind_each
+from .binding import (
+    Binding,
+    BuilderBinding,
+    BuilderConstructor,
+    ImplConstructor,
+    bind_builder,
+    bind_each,
+)
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .capabilities import (
     AttentionFeature,
@@ -52,9 +59,12 @@ __all__ = [
     "AttentionMetadataBuilder",
     "BackendOptions",
     "BackendRequest",
+    "Binding",
     "BuilderBinding",
+    "BuilderConstructor",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "ImplConstructor",
     "KVCacheLayout",
     "LayerImpl",
     "MultipleOf",

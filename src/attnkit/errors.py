@@ -32,6 +32,7 @@ __all__ = [
     "EngineLimitError",
     "InvalidArgumentError",
     "InvalidBackendError",
+    "MissingDependencyError",
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
@@ -90,6 +91,11 @@ class BackendNotSupportedError(NoBackendError):
 
 class OutOfBlocksError(AttnkitError, RuntimeError):
     """The pool has fewer free blocks than a step needs. Nothing was changed."""
+
+
+class MissingDependencyError(AttnkitError, ImportError):
+    """An optional dependency is missing or too old; the message names the extra that
+    installs it (``pip install 'attnkit[xxhash]'``)."""
 
 
 class InvalidArgumentError(AttnkitError, ValueError):

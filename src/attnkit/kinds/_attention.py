@@ -267,6 +267,10 @@ class _EncoderOnlyRules(_AttentionRules[EncoderOnlyAttentionSpec]):
         return ()
 
     @override
+    def prefix_never_hits(self, spec: EncoderOnlyAttentionSpec) -> str | None:
+        return "a request is encoded whole, in one step, and nothing is kept for another"
+
+    @override
     def admission_problems(self, lens: StepLens) -> tuple[int, str] | None:
         again = np.flatnonzero(~lens.is_new)
         if again.size:
@@ -307,6 +311,13 @@ class _CrossRules(_PagedRules[CrossAttentionSpec]):
                 slots = np.full(written.size, -1, dtype=np.int64)
             slots[: written.size] = written
         return slots
+
+    @override
+    def prefix_never_hits(self, spec: CrossAttentionSpec) -> str | None:
+        return (
+            "its cache holds the encoder's states, which depend on the encoder input, not "
+            "on the decoder's tokens"
+        )
 
     @override
     def admission_problems(self, lens: StepLens) -> tuple[int, str] | None:

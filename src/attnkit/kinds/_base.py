@@ -18,6 +18,15 @@ import torch
 from ..capabilities import KVCacheLayout
 from ..errors import InvalidArgumentError
 from ..spec import KVCacheDType, KVCacheSpec
+from ._prefix import (
+    BlockLookup,
+    NeverHits,
+    PrefixMiss,
+    TokenLayout,
+    _check_length,
+    paged_blocks,
+    paged_hit,
+)
 
 __all__ = [  # what the package and the kinds' modules use, the shared helpers included
     "Extent",
@@ -239,6 +248,9 @@ class KindRules(ABC, Generic[S]):
     """The kind's name in the demo's layouts (``"window"``), if it has one."""
     context_shard: tuple[int, int] | None = None
     """``(rank, world_size)`` of a context-parallel shard (``ShardedRules``), else ``None``."""
+    prefix_unit: Literal["block", "length"] = "block"
+    """What the prefix-cache lookup ``prefix_hit`` takes is indexed by: the group's blocks
+    in its ``prefix_layout``, or prefix lengths (a state checkpoint after ``L`` tokens)."""
 
     def __init__(self, spec_class: type[S]) -> None:
         self.spec_class = spec_class
@@ -340,6 +352,63 @@ class KindRules(ABC, Generic[S]):
         """
         raise InvalidArgumentError(
             f"plan_model: kind {self.kind.value} of {where} has no attention heads to split"
+        )
+
+    def prefix_never_hits(self, spec: S) -> str | None:
+        """Why this kind can never serve a cached prefix, in words; ``None`` if it can.
+        Here: a kind without a cache, or a bidirectional one (a key's value would depend
+        on tokens after it)."""
+        if not self.has_cache:
+            return "its layers keep no cache between steps"
+        if not self.causal:
+            return "its queries see every key of the request, so no prefix stands alone"
+        return None
+
+    def prefix_layout(self, spec: S) -> TokenLayout | None:
+        """How the kind lays a request's tokens into blocks: the layout its cached blocks
+        are named in and a hit must end on a boundary of (``spec.block_size``, shifted by
+        ``shift``); ``None`` for a kind that never hits or whose cache is not in blocks of
+        tokens."""
+        if self.prefix_never_hits(spec) is not None:
+            return None
+        return TokenLayout(spec.block_size, self.shift(spec))
+
+    def prefix_hit(self, spec: S, cached: BlockLookup, length: int) -> tuple[int, PrefixMiss | None]:
+        """The longest prefix ``<= length`` tokens this group can serve from the cache,
+        and why it is shorter (``None`` when it is ``length``).
+
+        Here, from the kind's ``mask``: the hit ends on a block boundary of
+        ``prefix_layout`` and every block a query after it can see is cached
+        (``cached``: a bool per block of the layout, or a lookup ``cached(block)``); a
+        kind that never hits serves 0 (``NeverHits``). 0 is always served.
+        """
+        why = self.prefix_never_hits(spec)
+        layout = self.prefix_layout(spec)
+        if why is not None or layout is None:
+            if _check_length(length) == 0:
+                return 0, None
+            return 0, NeverHits(self.kind.value, why or "its cache is not named by tokens")
+        mask = self.mask(spec)
+        return paged_hit(
+            layout, cached, length, window=mask.window, chunk=mask.chunk, sink_len=mask.sink_len
+        )
+
+    def prefix_blocks(self, spec: S, length: int) -> Ints:
+        """The blocks of ``prefix_layout`` (sorted indices) a hit of ``length`` tokens
+        reads; the request's other blocks before them stay the null block.
+
+        Raises:
+            InvalidArgumentError: ``length`` does not end on a block boundary, or the
+                kind never hits.
+        """
+        layout = self.prefix_layout(spec)
+        if layout is None:
+            raise InvalidArgumentError(
+                f"prefix_blocks: kind {self.kind.value} reads no cached blocks of tokens"
+            )
+        mask = self.mask(spec)
+        return paged_blocks(
+            layout, length, window=mask.window, chunk=mask.chunk, sink_len=mask.sink_len
         )
 
     def example_spec(

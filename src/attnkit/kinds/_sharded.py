@@ -106,3 +106,8 @@ class ShardedRules(KindRules[Any]):
     @override
     def tensor_split(self, spec: Any, tp: int, where: str) -> TensorSplit:
         return self.inner.tensor_split(spec, tp, where)
+
+    @override
+    def prefix_never_hits(self, spec: Any) -> str | None:
+        # A rank's blocks hold every world_size-th position, not a run of tokens.
+        return "a context-parallel rank's blocks hold every n-th token, not a prefix's blocks"

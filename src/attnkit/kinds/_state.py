@@ -12,6 +12,7 @@ from typing_extensions import override
 from ..capabilities import KVCacheLayout
 from ..spec import MambaSpec
 from ._base import Ints, KindRules, StepLens, StepTokens
+from ._prefix import BlockLookup, PrefixMiss, TokenLayout, checkpoint_hit
 
 __all__ = ["_StateRules"]  # registered by _registry
 
@@ -20,6 +21,7 @@ class _StateRules(KindRules[MambaSpec]):
     writes = "none"  # states are written by the kernels, in each request's block
     grows_without_bound = False
     no_planes_because = "a state layer keeps one state per request, not per-token K and V"
+    prefix_unit = "length"  # a hit needs a checkpoint of the state after exactly L tokens
 
     @override
     def blocks_needed(self, spec: MambaSpec, lens: StepLens) -> Ints:
@@ -37,3 +39,20 @@ class _StateRules(KindRules[MambaSpec]):
     ) -> tuple[tuple[int, ...], ...]:
         self.check_layout(spec, layout)
         return tuple((num_blocks, *shape) for shape in spec.shapes)
+
+    @override
+    def prefix_layout(self, spec: MambaSpec) -> TokenLayout | None:
+        return None  # one state per request, not blocks of tokens
+
+    @override
+    def prefix_hit(
+        self, spec: MambaSpec, cached: BlockLookup, length: int
+    ) -> tuple[int, PrefixMiss | None]:
+        """The longest prefix ``<= length`` with a state checkpoint after it: ``cached``
+        is indexed by length (``cached[L]`` / ``cached(L)``: a checkpoint after ``L``
+        tokens exists)."""
+        return checkpoint_hit(cached, length)
+
+    @override
+    def prefix_blocks(self, spec: MambaSpec, length: int) -> Ints:
+        return np.zeros(0, dtype=np.int64)  # a hit copies a checkpoint, it reads no block

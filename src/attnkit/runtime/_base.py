@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..backend import AnyBinding
+from ..binding import Binding
 from ..builder import AttentionMetadataBuilder
 from ..config import AttentionConfig
 from ..errors import StaleStepError, UnknownLayerError
@@ -33,7 +33,7 @@ from ._requests import StepBatch
 class _Group:
     group: KVCacheGroup
     selection: Selection
-    binding: AnyBinding
+    binding: Binding
     builder: AttentionMetadataBuilder[Any, Any]
     metadata: Any = None
     common: CommonAttentionMetadata | None = None

@@ -1,14 +1,14 @@
 """Binding a builder and an impl to a spec class that one of them does not accept, or
-an impl to a builder whose metadata it does not consume."""
+an impl to a builder whose metadata it does not consume. (The same in a backend's class
+body: class_body_binding.py.)"""
 
 from __future__ import annotations
 
 from attnkit import FullAttentionSpec, SlidingWindowSpec
-from attnkit.backend_api import AttentionBackend, bind_builder, bind_each
+from attnkit.backend_api import bind_builder, bind_each
 
 from ._common import (
     AnyAttentionBuilder,
-    AttnImpl,
     FullBuilder,
     FullOnlyImpl,
     MambaBuilder,
@@ -29,10 +29,3 @@ bind_builder(FullAttentionSpec, FullBuilder, SinkOnlyImpl)  # E: arg-type | pyri
 bind_each((FullAttentionSpec, SlidingWindowSpec), AnyAttentionBuilder, FullOnlyImpl)  # E: arg-type | pyright: reportArgumentType
 # The impl consumes MambaMeta but the builder produces AttnMeta.
 bind_builder(FullAttentionSpec, FullBuilder, MambaMetaAttnImpl)  # E: misc | pyright: reportArgumentType
-
-
-class WrongBackend(AttentionBackend):
-    name = "wrong"
-    builders = (bind_builder(FullAttentionSpec, FullBuilder, AttnImpl),)
-    # A backend may not bind an impl whose metadata its builder does not make.
-    more = (bind_builder(FullAttentionSpec, AnyAttentionBuilder, MambaMetaAttnImpl),)  # E: misc | pyright: reportArgumentType

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from typing_extensions import assert_type
 
@@ -16,7 +14,13 @@ from attnkit import (
     FullAttentionSpec,
     SlidingWindowSpec,
 )
-from attnkit.backend_api import BuilderBinding, CommonAttentionMetadata, bind_builder, bind_each
+from attnkit.backend_api import (
+    Binding,
+    BuilderBinding,
+    CommonAttentionMetadata,
+    bind_builder,
+    bind_each,
+)
 from attnkit.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -66,7 +70,7 @@ for each in bind_each(
     made = each.create(spec, ["layers.0"], config, torch.device("cpu"))
     assert_type(made.build(0, batch), FlashAttentionMetadata)
 assert_type(config.options_for("flash_attn", FlashAttentionOptions), FlashAttentionOptions)
-assert_type(FlashAttentionBackend.builders, tuple[BuilderBinding[Any, Any], ...])
+builders: tuple[Binding, ...] = FlashAttentionBackend.builders
 
 choice = choose_version(None, (10, 0), installed=frozenset({2, 4}))
 assert_type(choice, VersionChoice)

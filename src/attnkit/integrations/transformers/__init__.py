@@ -55,13 +55,13 @@ fails in ``attach`` with ``UnsupportedModelError`` naming the layer and why.
 
 from __future__ import annotations
 
+from ...errors import MissingDependencyError
 from ._attachment import TransformersAttachment, attach, describe_layers
 from ._eager import EAGER_TOLERANCE, EagerCheck, check_against_eager, eager_logits
 from ._families import SUPPORTED_MODEL_TYPES, tiny_model
 from ._interface import (
     ATTENTION_IMPLEMENTATION,
     MIN_TRANSFORMERS_VERSION,
-    MissingDependencyError,
     StaleParametersError,
     UnsupportedModelError,
 )

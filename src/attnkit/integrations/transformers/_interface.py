@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...errors import AttnkitError
+from ...errors import AttnkitError, MissingDependencyError
 
 ATTENTION_IMPLEMENTATION = "attnkit"
 """The name ``attach`` registers in transformers' ``AttentionInterface``."""
@@ -23,10 +23,6 @@ with per-call keyword parameters, ``set_attn_implementation``, v5 module layout)
 
 
 _EXTRA_HINT = "pip install 'attnkit[transformers]'"
-
-
-class MissingDependencyError(AttnkitError, ImportError):
-    """An optional dependency is missing or too old; the message names the extra."""
 
 
 class UnsupportedModelError(AttnkitError, ValueError):
