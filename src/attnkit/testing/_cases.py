@@ -2,13 +2,13 @@
 
 Both run the same case through their own ``AttentionRuntime`` (caches filled with NaN,
 block pools shuffled by the case's seed, so blocks are neither contiguous nor in
-order) of two layers in one KV-cache group (they share the step's metadata, so a layer
-that corrupts it fails the next one), with identical inputs per layer, request and
-step; outputs are compared per layer and request with the dtype's tolerance. After
-every ``forward`` of the backend under test, its inputs, the step's metadata and every
-cache slot outside the step's writes must be unchanged (``_guards``); with
-``twice=True`` each call also runs a second time on a copy of the cache as it was, and
-must give the same bits. ``run_case`` returns ``None`` when all holds and the first
+order) of ``case.layers`` layers in one KV-cache group (two in the fixed ragged case:
+they share the step's metadata, so a layer that corrupts it fails the next one), with
+identical inputs per layer, request and step; outputs are compared per layer and
+request with the dtype's tolerance. After every ``forward`` of the backend under test,
+its inputs, the step's metadata and every cache slot outside the step's writes must be
+unchanged (``_guards``); with ``twice=True`` each call also runs a second time on a
+copy of the cache as it was, and must give the same bits. ``run_case`` returns ``None`` when all holds and the first
 problem, as text, otherwise. Anything the backend under test raises is a failure;
 anything ``reference`` raises is a problem of the kit (``KitError``).
 """
@@ -42,12 +42,14 @@ from .tolerances import Tolerance, tolerance_for
 
 __all__ = ["KitError", "check_cudagraph", "config_for", "make_layer", "run_case", "tolerance_of"]
 
-def _layers(case: Case) -> tuple[str, ...]:
-    """The case's layers, all of its kind: one KV-cache group, whose metadata all read."""
-    return tuple(f"layer{i}" for i in range(case.layers))
 REFERENCE = "reference"
 SOFT_CAP = 1.5
 """Small enough that the cap changes scores of the kit's inputs by several percent."""
+
+
+def _layers(case: Case) -> tuple[str, ...]:
+    """The case's layers, all of its kind: one KV-cache group, whose metadata all read."""
+    return tuple(f"layer{i}" for i in range(case.layers))
 
 
 class KitError(Exception):
@@ -231,7 +233,7 @@ def _budget(spec: KVCacheSpec, case: Case) -> int:
 
 
 class _Side:
-    """One runtime of a case (the backend under test or reference), two layers of it."""
+    """One runtime of a case (the backend under test or reference), ``case.layers`` layers."""
 
     def __init__(
         self,
