@@ -1,16 +1,28 @@
 """Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``soak``, ``bench``,
 ``compile``.
 
-Every session installs torch first, pinned to the CPU build this project tests with,
-so pip never resolves ``torch>=2.4`` to a multi-GB CUDA build by itself. On a GPU
-machine set ``ATTNKIT_TORCH_SPEC`` (e.g. ``ATTNKIT_TORCH_SPEC="torch==2.13.0"`` from
-a CUDA index, or ``ATTNKIT_TORCH_SPEC=skip`` to use a torch already installed with
-``nox --no-venv``).
+``tests``, ``typecheck``, ``soak``, ``bench`` and ``compile`` need the same packages
+(torch, triton, the project with its ``dev`` and ``transformers`` extras), so they share
+one environment, ``.nox/dev`` (about 2.3 GB with the CPU build of torch), instead of
+one each of that size: nox still makes each session's own environment (about 15 MB,
+left empty) and the session runs its commands in the shared one. ``lint`` has its own
+(ruff only). Delete ``.nox`` to start afresh.
+
+torch is installed first, pinned to the release this project tests with, so that the
+project's ``torch>=2.4`` keeps it. ``ATTNKIT_TORCH_SPEC`` says what to install instead:
+pip arguments, e.g. ``"torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"``
+for the CPU build on Linux (PyPI's Linux wheel is the CUDA build, several GB with its
+``nvidia-*`` packages), or ``skip`` to use a torch already installed with
+``nox --no-venv`` (which runs every session in the current environment).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import nox
 
@@ -19,24 +31,65 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = os.environ.get("ATTNKIT_NOX_PYTHON", "3.11")
 TORCH_SPEC = os.environ.get("ATTNKIT_TORCH_SPEC", "torch==2.13.0")
-EXAMPLE = "examples/out_of_tree_backend"
-PYRIGHT = "pyright==1.1.414"
+SHARED_ENV = "dev"
+"""The environment (under nox's ``--envdir``, ``.nox``) the torch sessions share."""
+SHARED_EXTRAS = "dev,transformers"
+
+Run = Callable[..., object]
 
 
 def _install(session: nox.Session, *extra: str, extras: str = "dev") -> None:
     if TORCH_SPEC != "skip":
-        session.install(TORCH_SPEC)
+        session.install(*shlex.split(TORCH_SPEC))
     session.install("-e", f".[{extras}]", *extra)
+
+
+def _shared(session: nox.Session) -> Run:
+    """Make (once) and update the shared environment; returns ``run(program, *args,
+    env=...)``, which runs one of its programs.
+
+    Under ``nox --no-venv`` there is no environment to share: the session installs and
+    runs in the current one, as a plain session does.
+    """
+    if session.venv_backend == "none":
+        _install(session, extras=SHARED_EXTRAS)
+        return session.run
+    location = Path(session.virtualenv.location).parent / SHARED_ENV
+    bin_dir = location / ("Scripts" if sys.platform == "win32" else "bin")
+    python = bin_dir / "python"
+    if not python.exists():
+        # virtualenv is nox's own dependency; the interpreter is the one nox resolved
+        # for this session (PYTHON), so the shared environment runs the same Python.
+        base = Path(session.bin) / "python"
+        session.run_install(
+            sys.executable, "-m", "virtualenv", "--python", str(base), str(location),
+            external=True, silent=True,
+        )  # fmt: skip
+    pip = (str(python), "-m", "pip", "install")
+    if TORCH_SPEC != "skip":
+        session.run_install(*pip, *shlex.split(TORCH_SPEC), external=True)
+    session.run_install(*pip, "-e", f".[{SHARED_EXTRAS}]", external=True)
+    path = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+
+    def run(program: str, *args: str, env: dict[str, str] | None = None) -> object:
+        return session.run(
+            str(bin_dir / program),
+            *args,
+            env={"VIRTUAL_ENV": str(location), "PATH": path, **(env or {})},
+            external=True,
+        )
+
+    return run
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Unit, kernel (Triton interpreter on CPU) and typing tests, with the transformers
     extra (tests/integrations check attnkit against transformers' eager attention)."""
-    _install(session, extras="dev,transformers")
+    run = _shared(session)
     env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     # One worker per core (pytest-xdist); arguments after `--` replace these.
-    session.run("pytest", *(session.posargs or ["-q", "-n", "auto"]), env=env)
+    run("pytest", *(session.posargs or ["-q", "-n", "auto"]), env=env)
 
 
 @nox.session(python=PYTHON)
@@ -44,15 +97,18 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict, then pyright strict, over src, tests/typing/pass and examples; then
     the fail cases under each checker and the Triton launchers' annotations.
 
-    pyright (pinned; its wheel bundles the type checker, Node.js must be on PATH) runs
-    through tests/typing/run_pyright.py, so it resolves imports from this session's
-    environment rather than the project's .venv.
+    pyright (pinned in the dev extra; its wheel bundles the type checker, Node.js must
+    be on PATH) runs through tests/typing/run_pyright.py, so it resolves imports from
+    this session's environment rather than the project's .venv. The example backend is
+    checked from its source (``mypy_path``, pyright's ``extraPaths``), not installed:
+    installed, its entry point would register a plugin in every session sharing the
+    environment.
     """
-    _install(session, "-e", EXAMPLE, PYRIGHT)
-    session.run("mypy")
-    session.run("python", "tests/typing/run_pyright.py")
-    session.run("python", "tests/typing/check_cases.py")
-    session.run("python", "tests/typing/check_launchers.py")
+    run = _shared(session)
+    run("mypy")
+    run("python", "tests/typing/run_pyright.py")
+    run("python", "tests/typing/check_cases.py")
+    run("python", "tests/typing/check_launchers.py")
 
 
 @nox.session(python=PYTHON)
@@ -65,25 +121,25 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """The runtime soak, tests/test_soak.py, at ATTNKIT_SOAK_STEPS=5000 steps per seed."""
-    _install(session)
+    run = _shared(session)
     env = {
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
         "ATTNKIT_SOAK_STEPS": "5000",
     }
-    session.run("pytest", *(session.posargs or ["-q"]), "tests/test_soak.py", env=env)
+    run("pytest", *(session.posargs or ["-q"]), "tests/test_soak.py", env=env)
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks that run on this machine; results are ratios to an in-run baseline."""
-    _install(session)
+    run = _shared(session)
     out = os.environ.get("ATTNKIT_BENCH_OUT", "bench-results")
     # On CPU the Triton kernels exist only under the interpreter; GPU benchmarks skip
     # with a printed reason there (benchmarks/gpu_check.sh runs them on a GPU).
     env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     for script in sorted(os.listdir("benchmarks")):
         if script.startswith("bench_") and script.endswith(".py"):
-            session.run("python", f"benchmarks/{script}", "--out", out, env=env)
+            run("python", f"benchmarks/{script}", "--out", out, env=env)
 
 
 @nox.session(python=PYTHON, name="compile")
@@ -94,13 +150,13 @@ def compile_report(session: nox.Session) -> None:
     Arguments after ``--`` go to benchmarks/compile_report.py (e.g. ``-- --full`` or
     ``-- --report-only``); the report lands in ``$ATTNKIT_BENCH_OUT/compile``.
     """
-    _install(session)
+    run = _shared(session)
     out = os.environ.get("ATTNKIT_BENCH_OUT", "bench-results")
     # Compiled kernels, never the interpreter: the report compiles what a GPU would run.
     env = {"TRITON_INTERPRET": "0"}
     args = session.posargs or []
-    session.run("python", "benchmarks/compile_report.py", "--out", f"{out}/compile", *args, env=env)
+    run("python", "benchmarks/compile_report.py", "--out", f"{out}/compile", *args, env=env)
     if not args:
         # The compile-marked tests (left out of `nox -s tests`): the default set's
         # report checked row by row, families and MMA rule included.
-        session.run("pytest", "-q", "-m", "compile", "tests/test_compile_report.py", env=env)
+        run("pytest", "-q", "-m", "compile", "tests/test_compile_report.py", env=env)

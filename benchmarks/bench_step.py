@@ -29,6 +29,13 @@ slope over batch size (microseconds per extra request, 64 -> 1024) of both; and,
 contexts. Targets (issue "Engine hot path"): ratio <= 2 at 256 and 1024 decodes
 (stretch 1.2), slope <= 2 us per request, 4k/1k ratio <= 1.1.
 
+Hybrid section (no target): ``begin_step`` on a hybrid model (2 full-attention layers
+next to 2 short-conv state layers of 67584 B, so that a unified page holds 66 attention
+blocks of 16 tokens, as in Qwen3-Next), decode batches of 1, 256 and 1024 and the mixed
+step. Attention keeps blocks of 16 tokens inside pages of 1056 (two-level allocation:
+kernel blocks from the group's pages, a page from the pool every 66 blocks); the
+figures are the runtime's own cost of that, next to the 32-layer model above.
+
 Allocator section: allocate+free cycles of ``n`` blocks (n = 1, 16, 256; a decode
 step of 256 requests with block size 16 takes about 16 blocks per group) on a pool of
 65536 blocks, half of them held. Four variants, timed back to back in each
@@ -60,10 +67,13 @@ import torch
 
 from attnkit import (
     AttentionConfig,
+    AttentionLayerParams,
     AttentionRuntime,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     ScheduledRequest,
+    ShortConvLayerParams,
     SlidingWindowSpec,
 )
 from attnkit._validation import is_nonnegative_int, is_positive_int
@@ -86,6 +96,69 @@ def model_specs() -> dict[str, KVCacheSpec]:
     )
     # Every fourth layer is sliding-window: 24 full + 8 windowed.
     return {f"layers.{i}": window if i % 4 == 3 else full for i in range(32)}
+
+
+HYBRID_CHANNELS = 16896  # short-conv state 16896 * 2 * 2 B = 66 attention pages of 1024 B
+
+
+def hybrid_model() -> tuple[dict[str, KVCacheSpec], dict[str, AttentionLayerParams | ShortConvLayerParams]]:
+    """Two full-attention layers (block 16, one K/V head of 16, bf16: 1024 B a block) and
+    two short-conv layers whose state is 66 of those blocks."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    conv = ShortConvLayerParams(
+        channels=HYBRID_CHANNELS, conv_weight=torch.zeros(HYBRID_CHANNELS, 3, dtype=torch.bfloat16)
+    )
+    state = MambaSpec(
+        block_size=BLOCK, shapes=conv.state_shapes, dtypes=(torch.bfloat16,), mamba_type="short_conv"
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    params: dict[str, AttentionLayerParams | ShortConvLayerParams] = {}
+    for i in range(4):
+        if i % 2:
+            specs[f"layers.{i}"], params[f"layers.{i}"] = full, AttentionLayerParams(num_heads=1)
+        else:
+            specs[f"layers.{i}"], params[f"layers.{i}"] = state, conv
+    return specs, params
+
+
+def measure_hybrid(
+    num_decodes: int, contexts: np.ndarray, *, prefill: int = 0, reps: int
+) -> dict[str, float]:
+    """Median ``begin_step`` microseconds on the hybrid model, pinned to ``reference``."""
+    specs, params = hybrid_model()
+    num_reqs = num_decodes + (1 if prefill else 0)
+    max_ctx = int(contexts.max()) + 2 * reps + prefill * (2 * reps + 4) + BLOCK
+    config = AttentionConfig(
+        backend="reference",
+        max_num_reqs=num_reqs,
+        max_num_batched_tokens=int(contexts[:num_decodes].sum()) + prefill + 1,
+        max_model_len=max_ctx + prefill * (2 * reps + 4),
+    )
+    page = 66 * specs["layers.1"].page_size_bytes
+    pages = 2 * num_reqs * (max_ctx // (66 * BLOCK) + 3) + 16
+    runtime = AttentionRuntime(
+        specs, config, device="cpu", memory_budget_bytes=pages * page * 2, layer_params=params
+    )
+    ids = [f"r{i}" for i in range(num_reqs)]
+    runtime.begin_step(
+        [ScheduledRequest(r, int(n)) for r, n in zip(ids, contexts[:num_decodes], strict=False)]
+    )
+    schedule = [ScheduledRequest(r, 1) for r in ids[:num_decodes]]
+    if prefill:
+        schedule.append(ScheduledRequest(ids[-1], prefill))
+    for _ in range(3):
+        runtime.begin_step(schedule)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runtime.begin_step(schedule)
+        times.append(time.perf_counter() - start)
+    group = runtime.groups[1]
+    return {
+        "begin_step_us": statistics.median(times) * 1e6,
+        "block_size": float(group.spec.block_size),
+        "blocks_per_page": float(getattr(group, "blocks_per_page", 1)),
+    }
 
 
 class IncrementalEngine:
@@ -388,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     default["mixed_63_plus_512"] = measure(
         63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps, backend=None
     )
+    hybrid: dict[str, dict[str, float]] = {}
+    for batch in (1, 256, 1024):
+        hybrid[f"decode_{batch}"] = measure_hybrid(
+            batch, rng.integers(1024, 4096, size=batch), reps=reps
+        )
+    hybrid["mixed_63_plus_512"] = measure_hybrid(
+        63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps
+    )
     d64, d1024 = results["decode_64"], results["decode_1024"]
     summary = {
         "slope_us_per_req": (d1024["begin_step_us"] - d64["begin_step_us"]) / 960,
@@ -408,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:20s} {row['begin_step_us']:10.1f}us {row['baseline_us']:8.1f}us "
             f"{row['ratio']:6.2f}x"
         )
+    first = next(iter(hybrid.values()))
+    print(
+        f"hybrid (2 full + 2 short-conv layers; attention block size "
+        f"{first['block_size']:.0f}, {first['blocks_per_page']:.0f} per page), no target:"
+    )
+    for name, row in hybrid.items():
+        print(f"  {name:20s} {row['begin_step_us']:10.1f}us")
     for key, value in summary.items():
         target = TARGETS.get(key)
         if target is None:
@@ -434,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "cases": results,
                 "default_selection": default,
+                "hybrid": hybrid,
                 "summary": summary,
                 "targets": TARGETS,
                 "allocator": {

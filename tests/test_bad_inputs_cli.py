@@ -146,6 +146,52 @@ CASES = [
     pytest.param(
         usage("plan", "--capability", "-1.0", error=CAPABILITY + "'-1.0'"), id="capability-negative"
     ),
+    pytest.param(
+        usage(
+            "plan",
+            "--device",
+            "cuda",
+            "--capability",
+            "99.99",
+            error="argument --capability: must be the compute capability of a CUDA GPU (3.0, "
+            "3.2, 3.5, 3.7, 5.0, 5.2, 5.3, 6.0, 6.1, 6.2, 7.0, 7.2, 7.5, 8.0, 8.6, 8.7, 8.9, "
+            "9.0, 10.0, 10.1, 10.3, 11.0, 12.0, 12.1), got '99.99'",
+        ),
+        id="capability-no-such-gpu",
+    ),
+    pytest.param(
+        usage("plan", "--gpu-memory", "-80GiB", error="argument --gpu-memory: must be positive, got '-80GiB'"),
+        id="plan-gpu-memory-negative",
+    ),
+    pytest.param(
+        usage("plan", "--block-size", "-16", error="argument --block-size: must be an integer >= 1, got '-16'"),
+        id="plan-block-size-negative",
+    ),
+    pytest.param(
+        # A value that starts with "-" reaches the option's own check ...
+        user("plan", "--device", "-x", error=DEVICES + "'-x'" + ANY),
+        id="plan-device-dashed",
+    ),
+    pytest.param(
+        # ... and an option of the command stays an option.
+        usage("plan", "--backend", "--json", error="argument --backend: expected one argument"),
+        id="plan-backend-without-value",
+    ),
+    pytest.param(
+        user(
+            "plan",
+            "tests/fixtures/model-configs/qwen3-next-80b-a3b-instruct.json",
+            "--tensor-parallel",
+            "32",
+            # 32 divides the 32 value heads but not the 16 key heads (nor the attention
+            # layers' 16 query heads): the sizes given split every layer.
+            error="plan_model: tensor_parallel=32 cannot split the gdn state of layer "
+            "'model.layers.0.linear_attn' (group 0, 36 layers): its 16 key heads are not a "
+            "multiple of 32 (tensor_parallel sizes that split every layer of this model: 1, "
+            "2, 4, 8, 16)",
+        ),
+        id="plan-tensor-parallel-state-and-heads",
+    ),
     # Choices.
     pytest.param(
         usage(
@@ -284,19 +330,6 @@ CASES = [
             rest=("  - kind=mamba not supported (supported: " + ANY + "full_attention" + ANY, HINT),
         ),
         id="demo-backend-cannot-serve-kind",
-    ),
-    pytest.param(
-        user(
-            "demo",
-            "--dtype",
-            "float16",
-            "--backend-per-kind",
-            "full_attention=triton_attn",
-            error=CANNOT_SERVE.format(kind="full_attention", spec="FullAttentionSpec"),
-            # The attention pages are scaled to the Mamba2 page: 48 tokens in float16.
-            rest=("  - block_size=48 not supported (supported: 16, 32, 64, 128)", HINT),
-        ),
-        id="demo-float16-scaled-block-size",
     ),
     # plan: a layer without a backend fails, unless --report-only.
     pytest.param(

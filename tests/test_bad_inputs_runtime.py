@@ -30,6 +30,7 @@ from attnkit import (
     FullAttentionSpec,
     GatedDeltaNetInputs,
     InvalidArgumentError,
+    KVCacheSpecKind,
     Mamba2Inputs,
     MambaSpec,
     OutOfBlocksError,
@@ -116,9 +117,31 @@ def test_stateless_bad_input(make: Call, error: type[Exception], match: str) -> 
 
 
 def test_frozen_config_cannot_be_mutated() -> None:
-    config = AttentionConfig(backend_per_kind={"sliding_window": "reference"})
-    with pytest.raises(TypeError, match=r"does not support item assignment"):
+    config = AttentionConfig(
+        backend_per_kind={"sliding_window": "reference"},
+        backend_options={"flash_attn": {"version": 2}},
+    )
+    read_only = (
+        r"^AttentionConfig\.{shown} is read-only \(a validated config is frozen\); make a "
+        r"changed copy instead: config\.model_copy\(update=\{{'{field}': \.\.\.\}}\) "
+        r"validates the new value as the constructor does$"
+    )
+    per_kind = read_only.format(shown="backend_per_kind", field="backend_per_kind")
+    with pytest.raises(ArgumentTypeError, match=per_kind):
         config.backend_per_kind[next(iter(config.backend_per_kind))] = "triton_attn"  # type: ignore[index]  # the mutation is the test
+    with pytest.raises(ArgumentTypeError, match=per_kind):
+        del config.backend_per_kind[next(iter(config.backend_per_kind))]  # type: ignore[attr-defined]  # the mutation is the test
+    options = read_only.format(shown=r"backend_options\['flash_attn'\]", field="backend_options")
+    with pytest.raises(ArgumentTypeError, match=options):
+        config.backend_options["flash_attn"]["version"] = 4  # type: ignore[index]  # the mutation is the test
+    # The copy the message names is validated as the constructor validates.
+    changed = config.model_copy(update={"backend_per_kind": "full_attention=reference"})
+    assert dict(changed.backend_per_kind) == {KVCacheSpecKind.FULL_ATTENTION: "reference"}
+    assert changed.backend_options == config.backend_options
+    with pytest.raises(ValidationError, match=r"unknown kind 'attention'"):
+        config.model_copy(update={"backend_per_kind": {"attention": "reference"}})
+    with pytest.raises(ValidationError, match=r"bogus\n.*Extra inputs are not permitted"):
+        config.model_copy(update={"bogus": 1})
     with pytest.raises(ValidationError, match=r"frozen"):
         config.backend = "triton_attn"  # type: ignore[misc]  # the mutation is the test
     assert dict(config.backend_per_kind) == {

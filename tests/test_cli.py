@@ -186,8 +186,8 @@ def test_plan_routes_groups_and_explains() -> None:
 
 def test_plan_shows_the_block_size_the_runtime_runs() -> None:
     """The hybrid example's Mamba2 state (2147840 B) sets the unified page: attention
-    pages of 65536 B are scaled 33 times (65536 * 33 = 2162688 >= 2147840), to
-    16 * 33 = 528 tokens, which the toy attention backend (16 or 32) cannot serve."""
+    pages of 65536 B fit 33 times (65536 * 33 = 2162688 >= 2147840), so a page holds 33
+    kernel blocks of 16 tokens, and the toy attention backend (16 or 32) serves them."""
     status, text, err = run_both(["plan", "--model", "hybrid", "--report-only"], registry())
     assert (status, err) == (0, "")
     assert "groups (unified page 2162688 B):\n" in text
@@ -195,9 +195,13 @@ def test_plan_shows_the_block_size_the_runtime_runs() -> None:
         "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority)\n"
         in text
     )
-    assert "        block_size=528 not supported (supported: 16, 32)\n" in text
-    assert "  group 0: block size 528 (declared 16, scaled to the unified page)" in text
-    assert text.endswith("\n3 group(s) have no backend\n")
+    assert "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority)\n" in text
+    # ceil(32768 / 16) = 2048 kernel blocks, ceil(2048 / 33) = 63 pages.
+    assert (
+        "  group 0: block size 16, 33 per page of 528 tokens, 1 layer(s), layout interleaved, "
+        "at most 2048 kernel block(s) in 63 page(s) per request\n"
+    ) in text
+    assert text.endswith("\n1 group(s) have no backend\n")  # chunked-local: no toy serves it
 
 
 @pytest.mark.parametrize("flags", [[], ["--strict"]], ids=["default", "strict"])
@@ -315,6 +319,19 @@ def test_plan_rejects_bad_capability(capsys: pytest.CaptureFixture[str]) -> None
         "(MAJOR.MINOR, digits only), got '9'\n"
         "see 'attnkit plan --help'\n"
     )
+
+
+@pytest.mark.parametrize("command", [[], ["backends"], ["plan"], ["demo"]], ids=["attnkit", "backends", "plan", "demo"])
+def test_help_is_plain_text_and_short(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"], registry=registry())
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: attnkit {' '.join(command)}".rstrip() + " [-h]")
+    assert "``" not in text  # no reST markup
+    # The JSON keys are documented in docs/models.md, not listed in --help.
+    assert "per_request_cap_bytes" not in text
+    assert len(text.splitlines()) < 100
 
 
 def test_example_models() -> None:

@@ -32,6 +32,7 @@ from attnkit import (
 from attnkit.cli import example_model, main
 from attnkit.models import Mamba2Dims, ModelLayout, ShortConvDims
 from attnkit.planner import PLAN_JSON_KEYS, ModelPlan, parse_memory_size, plan_model
+from attnkit.registry import BUILTIN_BACKENDS
 
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model-configs"
 GIB = 2**30
@@ -141,7 +142,7 @@ def test_deepseek_v3_mla_latent_576() -> None:
     assert plan.tokens_that_fit == 1222352
 
 
-def test_qwen3_next_hybrid_scales_attention_blocks() -> None:
+def test_qwen3_next_hybrid_puts_attention_blocks_in_pages() -> None:
     plan = plan_of("qwen3-next-80b-a3b-instruct", max_model_len=262144)
     gdn, attention = plan.groups
     assert (gdn.group.kind.value, attention.group.kind.value) == ("mamba", "full_attention")
@@ -152,16 +153,18 @@ def test_qwen3_next_hybrid_scales_attention_blocks() -> None:
     # attention page 2 * 16 * 2 KV heads * 256 * 2 = 32768 B; the smallest multiple
     # holding the state: 32768 * ceil(2146304 / 32768) = 32768 * 66 = 2162688
     assert plan.page_size_bytes == 2162688
-    # so attention blocks hold 16 * 66 tokens
-    assert attention.group.spec.block_size == 1056
-    assert attention.group.original_spec.block_size == 16
+    # so a page holds 66 attention blocks of 16 tokens (1056 tokens); the kernels see 16
+    assert attention.group.spec.block_size == 16
+    assert attention.group.blocks_per_page == 66
+    assert attention.group.page_tokens == 1056
     # 36 buffers (the largest group) * 2162688
     assert plan.bytes_per_block == 77856768
     # 12 layers * 2 * 2 * 256 * 2
     assert plan.kv_bytes_per_token == 24576
     # 85899345920 // 77856768
     assert plan.num_blocks == 1103
-    # ceil(262144 / 1056) = 249 attention blocks + 1 state block
+    # ceil(262144 / 16) = 16384 kernel blocks in ceil(16384 / 66) = 249 pages, + 1 state page
+    assert (attention.kernel_blocks_per_request, gdn.kernel_blocks_per_request) == (16384, 1)
     assert (attention.blocks_per_request, gdn.blocks_per_request) == (249, 1)
     # 1102 // 250
     assert plan.max_concurrency == 4
@@ -202,7 +205,7 @@ def test_parse_memory_size(text: str, expected: int) -> None:
     [
         ("80 gigs", "memory must be a size such as 80GiB"),
         ("80gib", "memory must be a size such as 80GiB"),
-        ("-1GiB", "memory must be a size such as 80GiB"),
+        ("-1GiB", "memory must be positive, got '-1GiB'"),
         ("0.3B", "memory must be a whole number of bytes, got '0.3B'"),
         ("0", "memory must be at least 1 byte, got '0'"),
     ],
@@ -284,15 +287,16 @@ def _layouts() -> list[Case]:
     return cases
 
 
-def test_the_small_hybrid_scales_its_attention_blocks() -> None:
+def test_the_small_hybrid_puts_three_attention_blocks_in_a_page() -> None:
     specs, params = _small_hybrid()
     plan = plan_model(
         specs, AttentionConfig(), device="cpu", registry=reference_only(), layer_params=params
     )
     # 2048 * 3
     assert plan.page_size_bytes == 6144
-    # full, mamba2, sliding window: attention blocks of 16 * 3 tokens
-    assert [g.group.spec.block_size for g in plan.groups] == [48, 16, 48]
+    # full, mamba2, sliding window: pages of 3 attention blocks of 16 tokens
+    assert [g.group.spec.block_size for g in plan.groups] == [16, 16, 16]
+    assert [g.group.blocks_per_page for g in plan.groups] == [3, 1, 3]
 
 
 @pytest.mark.parametrize(("name", "specs", "params"), _layouts(), ids=[c[0] for c in _layouts()])
@@ -314,6 +318,7 @@ def test_plan_block_sizes_are_the_runtimes(
     )
     assert [g.group.spec for g in plan.groups] == [g.spec for g in runtime.groups]
     assert [g.group.layer_names for g in plan.groups] == [g.layer_names for g in runtime.groups]
+    assert [g.group for g in plan.groups] == list(runtime.groups)  # blocks per page too
     assert plan.page_size_bytes == runtime.page_size_bytes
     assert plan.num_blocks == runtime.num_blocks == 3
     assert [g.backend_name for g in plan.groups] == [s.backend_name for s in runtime.selections]
@@ -322,11 +327,11 @@ def test_plan_block_sizes_are_the_runtimes(
     assert cg == runtime.cudagraph_support()
 
 
-def test_the_hybrid_example_scales_attention_blocks() -> None:
+def test_the_hybrid_example_puts_attention_blocks_in_pages() -> None:
     """The case the shared path is for: Mamba2 states of (8448, 3) and (64, 64, 128)
-    in float32 are 8448*3*4 + 64*64*128*4 = 101376 + 2097152 = 2198528 B; attention
-    pages of 2*16*8*128*4 = 131072 B scale by ceil(2198528 / 131072) = 17, to blocks of
-    16 * 17 = 272 tokens."""
+    in float32 are 8448*3*4 + 64*64*128*4 = 101376 + 2097152 = 2198528 B; a page holds
+    ceil(2198528 / 131072) = 17 attention pages of 2*16*8*128*4 = 131072 B, i.e. 17
+    kernel blocks of 16 tokens (272 tokens)."""
     plan = plan_model(
         example_model("hybrid", dtype=torch.float32),
         AttentionConfig(),
@@ -334,7 +339,9 @@ def test_the_hybrid_example_scales_attention_blocks() -> None:
         registry=reference_only(),
     )
     assert plan.page_size_bytes == 131072 * 17
-    assert [g.group.spec.block_size for g in plan.groups] == [272, 16, 272, 272]
+    assert [g.group.spec.block_size for g in plan.groups] == [16, 16, 16, 16]
+    assert [g.group.blocks_per_page for g in plan.groups] == [17, 1, 17, 17]
+    assert [g.group.page_tokens for g in plan.groups] == [272, 16, 272, 272]
 
 
 # --------------------------------------------------------------------------- the command
@@ -378,7 +385,7 @@ def test_cli_text_report_for_llama() -> None:
     )
 
 
-def test_cli_text_report_shows_windows_and_scaled_blocks() -> None:
+def test_cli_text_report_shows_windows_and_blocks_per_page() -> None:
     status, text, _ = run(
         ["plan", str(CONFIGS / "qwen3-next-80b-a3b-instruct.json"), "--num-blocks", "100"]
     )
@@ -387,7 +394,7 @@ def test_cli_text_report_shows_windows_and_scaled_blocks() -> None:
         "  model.layers.0.linear_attn   mamba           gdn    -       -      0      reference\n"
         in text
     )
-    assert "  group 1: block size 1056 (declared 16, scaled to the unified page)" in text
+    assert "  group 1: block size 16, 66 per page of 1056 tokens, 12 layer(s)" in text
     status, text, _ = run(
         [
             "plan",
@@ -474,6 +481,36 @@ def test_cli_block_size_option() -> None:
     # 2 * 32 * 8 * 128 * 2
     assert data["page_size_bytes"] == 131072
     assert data["groups"][0]["block_size"] == 32
+
+
+def test_cli_says_why_a_group_falls_back_to_reference() -> None:
+    """Blocks of 7 tokens: cpu_attn (blocks of 16n) refuses, so every layer runs on
+    reference; the note under the layer table says so, with the reason. State layers,
+    which no faster CPU backend serves, get no note."""
+    llama = str(CONFIGS / "llama-3.1-8b.json")
+    registry = BackendRegistry(
+        builtins={
+            "cpu_attn": "attnkit.backends.cpu_attn:CpuAttentionBackend",
+            "reference": "attnkit.backends.reference:ReferenceBackend",
+        },
+        entry_points=[],
+    )
+
+    def report(*argv: str) -> str:
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["plan", *argv], registry=registry, out=out, err=err) == 0
+        assert err.getvalue() == ""
+        return out.getvalue()
+
+    text = report(llama, "--block-size", "7")
+    table_end = text.index("\ngroups (")
+    assert text[text.rindex("  model.layers.31.self_attn", 0, table_end) :].split("\n")[1:3] == [
+        "note: group 0 (32 layer(s), full_attention) runs on reference, the pure-torch oracle "
+        "(correct, not fast), because the faster backends for full_attention refused:",
+        "  cpu_attn: block_size=7 not supported (supported: multiple of 16)",
+    ]
+    assert "note:" not in report(llama)
+    assert "note:" not in report(str(CONFIGS / "jamba-v0.1.json"))  # mamba: reference only
 
 
 def test_cli_unserved_state_layers_exit_1() -> None:
@@ -607,3 +644,28 @@ def test_plan_model_rejects_a_model_of_another_type() -> None:
         "plan_model: model must be a ModelLayout or a mapping of layer name -> KVCacheSpec, "
         "got list"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "per_page"),
+    [("qwen3-next-80b-a3b-instruct", 66), ("jamba-v0.1", 9), ("bamba-9b", 33)],
+)
+def test_hybrid_full_attention_routes_to_triton_attn_on_cuda(name: str, per_page: int) -> None:
+    """``attnkit plan CONFIG --device cuda --capability 9.0`` (no GPU needed): a hybrid's
+    full attention keeps its blocks of 16 tokens, which triton_attn takes, and a unified
+    page holds ``per_page`` of them (once, a page-sized block of 16 * per_page tokens
+    went to flex_attention)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["plan", str(CONFIGS / f"{name}.json"), "--device", "cuda", "--capability", "9.0"]
+    registry = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    status = main([*argv, "--json"], registry=registry, out=out, err=err)
+    assert status == 0, err.getvalue()  # (off CUDA: a note that the device is hypothetical)
+    data = json.loads(out.getvalue())
+    full = [g for g in data["groups"] if g["kind"] == "full_attention"]
+    assert [(g["backend"], g["block_size"], g["blocks_per_page"]) for g in full] == [
+        ("triton_attn", 16, per_page)
+    ]
+    assert full[0]["page_size_bytes"] == data["page_size_bytes"]
+    out = io.StringIO()
+    assert main(argv, registry=registry, out=out, err=err) == 0
+    assert f"block size 16, {per_page} per page of {16 * per_page} tokens" in out.getvalue()

@@ -221,7 +221,7 @@ def test_each_rank_holds_only_its_tokens() -> None:
     for rank, got in enumerate(run_ranks(world, body)):
         local = [-(-(n - rank) // world) for n in (61, 2)]
         for name in ("full.0", "mla.2"):
-            bs = got[name][0]  # the group's (page-unified) block size
+            bs = got[name][0]  # the group's (kernel) block size
             assert got[name][1:] == [-(-c // bs) for c in local], (rank, name, got)
         bs = got["window.1"][0]
         assert got["window.1"][1:] == [-(-61 // bs), -(-2 // bs)]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -17,6 +17,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from attnkit import (
@@ -26,17 +27,22 @@ from attnkit import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UnknownRequestError,
 )
+from attnkit.capabilities import KVCacheLayout
+from attnkit.kinds import rules_for
 from attnkit.kv_cache import (
     NULL_BLOCK,
     BlockPool,
     KVCacheGroup,
     KVCacheManager,
     OutOfBlocksError,
+    PageSlab,
+    _pool,
     allocate_kv_cache_tensors,
     group_layers,
     num_blocks_for_budget,
@@ -96,13 +102,15 @@ def test_group_layers_errors() -> None:
 # ---------------------------------------------------------------------------- unification
 
 
-def test_attention_pages_unify_by_scaling_block_sizes() -> None:
+def test_attention_pages_unify_into_kernel_blocks_per_page() -> None:
     # full: 2 * 16 * 4 heads * 32 * 4 B = 16384; window: 2 * 16 * 2 * 32 * 4 = 8192.
     groups, page = unify_page_sizes(group_layers({"a": full(heads=4), "b": window(64, heads=2)}))
     assert page == 16384
-    assert [g.spec.block_size for g in groups] == [16, 32]
-    assert [g.spec.page_size_bytes for g in groups] == [16384, 16384]
-    assert groups[1].original_spec.block_size == 16
+    # Block sizes stay as declared (the kernels' blocks); a page holds 1 and 2 of them.
+    assert [g.spec.block_size for g in groups] == [16, 16]
+    assert [g.blocks_per_page for g in groups] == [1, 2]
+    assert [g.page_tokens for g in groups] == [16, 32]
+    assert [g.spec.page_size_bytes * g.blocks_per_page for g in groups] == [16384, 16384]
 
 
 def test_mamba_state_smaller_than_attention_page_is_padded() -> None:
@@ -110,20 +118,23 @@ def test_mamba_state_smaller_than_attention_page_is_padded() -> None:
     groups, page = unify_page_sizes(group_layers({"a": full(), "m": mamba((64, 2))}))
     assert page == 8192
     assert [g.spec.block_size for g in groups] == [16, 1]
+    assert [g.blocks_per_page for g in groups] == [1, 1]
 
 
-def test_mamba_state_larger_than_attention_page_scales_attention() -> None:
+def test_mamba_state_larger_than_attention_page_puts_blocks_in_a_page() -> None:
     # attention page 8192; mamba state 512*3*4 + 4*8*64*4 = 6144 + 8192 = 14336 -> P = 16384.
     groups, page = unify_page_sizes(group_layers({"a": full(), "m": mamba((512, 3), (4, 8, 64))}))
     assert page == 16384
-    assert groups[0].spec.block_size == 32
+    assert groups[0].spec.block_size == 16
+    assert (groups[0].blocks_per_page, groups[1].blocks_per_page) == (2, 1)
 
 
 def test_lcm_of_unrelated_attention_pages() -> None:
-    # pages 2*16*3*32*4 = 12288 and 2*16*2*32*4 = 8192: lcm 24576 -> block sizes 32 and 48.
+    # pages 2*16*3*32*4 = 12288 and 2*16*2*32*4 = 8192: lcm 24576 -> 2 and 3 blocks a page.
     groups, page = unify_page_sizes(group_layers({"a": full(heads=3), "b": full(heads=2)}))
     assert page == 24576
-    assert [g.spec.block_size for g in groups] == [32, 48]
+    assert [g.spec.block_size for g in groups] == [16, 16]
+    assert [g.blocks_per_page for g in groups] == [2, 3]
 
 
 def test_mamba_only_and_encoder_only() -> None:
@@ -233,6 +244,184 @@ def test_block_pool_rejects_tiny_pool() -> None:
         ValueError, match=r"num_blocks must be an int >= 2 \(block 0 is reserved\), got 1"
     ):
         BlockPool(1)
+
+
+# ---------------------------------------------------------------------------- page slabs
+
+
+def test_a_slab_page_goes_back_to_the_pool_only_when_all_its_kernel_blocks_are_free() -> None:
+    pool = BlockPool(4)  # pages 1, 2, 3; kernel blocks 3k .. 3k+2 of page k
+    slab = PageSlab(pool, 3)
+    first = slab.take(2).tolist()
+    assert first == [3, 4]  # page 1, in order
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (2, 1, 1)
+    second = slab.take(2).tolist()  # the last block of page 1, then a new page
+    assert sorted(second) == [5, 6]
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (1, 2, 2)
+    slab.give_back([3, 4])  # page 1 still holds block 5
+    assert pool.is_allocated(1)
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (1, 2, 4)
+    slab.give_back(np.array([5], dtype=np.int32))  # its last live block: page 1 goes back
+    assert not pool.is_allocated(1)
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (2, 1, 2)
+    assert slab.live_blocks([0, 1, 2, 3]).tolist() == [0, 0, 1, 0]
+    assert np.flatnonzero(slab.refs).tolist() == [6]
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["one-at-a-time", "at-once"])
+def test_a_slab_never_hands_out_blocks_of_a_page_it_gave_back(at_once: bool) -> None:
+    """Page 1's free kernel blocks stay on the slab's stack, above page 2's, once page 1
+    is back in the pool and another group holds it: the slab must skip them."""
+    pool = BlockPool(4)  # pages 1, 2, 3; kernel blocks 4k .. 4k+3 of page k
+    slab = PageSlab(pool, 4)
+    assert slab.take(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    slab.give_back([8, 9, 10])  # page 2 keeps block 11
+    slab.give_back([4, 5, 6])  # page 1 keeps block 7
+    slab.give_back([7])  # page 1 is empty: back to the pool
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (2, 1, 3)
+    assert pool.take(1) == [1]  # another group holds page 1 now
+    if at_once:  # past the stale entries, then one found beyond the need goes back
+        taken = slab.take(2).tolist() + slab.take(1).tolist()
+    else:
+        taken = [int(slab.take(1)[0]) for _ in range(3)]
+    assert sorted(taken) == [8, 9, 10]  # page 2's, never page 1's
+    assert (pool.num_free_blocks, slab.num_pages, slab.num_free_blocks) == (1, 1, 0)
+    stacked = slab._stack[: slab._top].tolist()
+    assert len(stacked) == len(set(stacked)) == int(slab._listed.sum())  # once each, at most
+    # Page 1 comes back to the pool, then to the slab: its blocks serve again, once each.
+    pool.give_back([1])
+    slab.give_back(taken)
+    slab.give_back([11])
+    assert pool.num_free_blocks == 3
+    again = slab.take(12).tolist()
+    assert sorted(again) == list(range(4, 16))
+    stacked = slab._stack[: slab._top].tolist()
+    assert len(stacked) == len(set(stacked)) == int(slab._listed.sum())
+
+
+def test_pages_for_and_preview_give_back_change_nothing() -> None:
+    pool = BlockPool(10)
+    slab = PageSlab(pool, 4)
+    held = slab.take(6).tolist()  # pages 1 (4 blocks) and 2 (2 blocks): 2 free
+    assert [slab.pages_for(n) for n in (0, 2, 3, 6, 7)] == [0, 0, 1, 1, 2]
+    assert slab.pages_for(3, free=6) == 0
+    state = (pool.num_free_blocks, slab.num_free_blocks, slab.refs.tobytes(), slab._top)
+    # Giving back page 2's two blocks empties it (it goes back); page 1's two do not.
+    page_1, page_2 = [b for b in held if b // 4 == 1], [b for b in held if b // 4 == 2]
+    assert slab.preview_give_back(page_2) == (2 + 2 - 4, 1)
+    assert slab.preview_give_back(page_1[:2]) == (2 + 2, 0)
+    assert slab.preview_give_back([]) == (2, 0)
+    assert (pool.num_free_blocks, slab.num_free_blocks, slab.refs.tobytes(), slab._top) == state
+
+
+def test_slab_arguments() -> None:
+    with pytest.raises(ValueError, match=r"blocks_per_page must be a positive int, got 0"):
+        PageSlab(BlockPool(4), 0)
+    with pytest.raises(ValueError, match=r"exceed the int32 ids of block tables"):
+        PageSlab(BlockPool(2**20), 2**12)
+    groups = group_layers({"m": mamba()})
+    with pytest.raises(
+        ValueError, match=r"group 0 \(mamba\): blocks_per_page must be 1 for a group whose block"
+    ):
+        KVCacheManager([dataclasses.replace(groups[0], blocks_per_page=2)], num_blocks=4)
+
+
+def hybrid_groups(per_page: int) -> list[KVCacheGroup]:
+    """Full attention (blocks of 4 tokens) whose page holds ``per_page`` blocks, and a
+    state layer (one page per request)."""
+    groups = group_layers({"a": full(block_size=4), "m": mamba()})
+    return [dataclasses.replace(groups[0], blocks_per_page=per_page), groups[1]]
+
+
+def test_a_step_that_needs_one_page_more_than_is_free_fails_and_changes_nothing() -> None:
+    mgr = KVCacheManager(hybrid_groups(3), num_blocks=6)  # 5 usable pages
+    # "a": 8 tokens = 2 kernel blocks (page 1, one free block left) + a state page.
+    mgr.allocate_step([("a", 8, 0)])
+    assert mgr.pool.num_free_blocks == 3
+    slab = mgr.slabs[0]
+    assert slab is not None
+    assert slab.num_free_blocks == 1
+    before = (
+        list(mgr.pool._free),
+        slab._stack[: slab._top].tobytes(),
+        slab.refs.tobytes(),
+        mgr.block_table(0, "a"),
+        mgr.num_tokens("a"),
+    )
+    # "b": 28 tokens = 7 kernel blocks: 1 free in page 1, 6 more in 2 pages; + 1 state
+    # page: 3 pages, 3 free. "a" grows by one block (4 more tokens) too: one block more
+    # than page 1 and the 2 new pages hold, so a fourth page.
+    with pytest.raises(
+        OutOfBlocksError,
+        match=(
+            r"the step needs 4 new page\(s\) but only 3 are free \(\+0 given back by window "
+            r"releases and finished requests\) of 5; group 0 \(full_attention\): 8 kernel "
+            r"block\(s\) of 4 tokens, 1 free in its 1 page\(s\) of 3 -> 3 page\(s\); "
+            r"group 1 \(mamba\): 1 page\(s\); nothing was allocated or freed"
+        ),
+    ):
+        mgr.allocate_step([("a", 4, 0), ("b", 28, 0)])
+    after = (
+        list(mgr.pool._free),
+        slab._stack[: slab._top].tobytes(),
+        slab.refs.tobytes(),
+        mgr.block_table(0, "a"),
+        mgr.num_tokens("a"),
+    )
+    assert after == before
+    assert "b" not in mgr
+    # Without "a"'s growth the pages hold it exactly.
+    mgr.allocate_step([("b", 28, 0)])
+    assert mgr.pool.num_free_blocks == 0
+    assert slab.num_free_blocks == 0
+
+
+def test_a_finished_request_gives_its_pages_to_the_step() -> None:
+    """All or nothing with finished requests: their kernel blocks count as free, and the
+    pages they empty as free pages; a step too big even so changes nothing."""
+    mgr = KVCacheManager(hybrid_groups(2), num_blocks=6)
+    mgr.allocate_step([("a", 12, 0)])  # 3 kernel blocks in 2 pages + 1 state page
+    mgr.allocate_step([("b", 4, 0)])  # page 2's second block + 1 state page
+    assert mgr.pool.num_free_blocks == 1
+    slab = mgr.slabs[0]
+    assert slab is not None
+    # Finishing "a" frees 3 blocks: page 1 empties, page 2 keeps "b"'s; + its state page.
+    # "c": 20 tokens = 5 blocks: 1 free in page 2, 4 in 2 pages; + 1 state page = 3 of
+    # 1 + 2 free pages.
+    mgr.allocate_rows(
+        ["c"],
+        np.array([-1]),
+        mgr.step_lens(np.array([-1]), np.array([20]), np.array([0])),
+        finished=["a"],
+    )
+    assert "a" not in mgr
+    assert mgr.pool.num_free_blocks == 0
+    # "d": 12 tokens = 3 blocks: 1 free in page 2 once "b" finishes, 2 in a new page; +
+    # 1 state page: 2 pages, but finishing "b" gives back only its state page (page 2
+    # keeps "c"'s block).
+    state = (list(mgr.pool._free), slab.refs.tobytes(), sorted(mgr.owned_blocks()))
+    with pytest.raises(OutOfBlocksError, match=r"needs 2 new page\(s\) but only 0 are free"):
+        mgr.allocate_rows(
+            ["d"],
+            np.array([-1]),
+            mgr.step_lens(np.array([-1]), np.array([12]), np.array([0])),
+            finished=["b"],
+        )
+    assert (list(mgr.pool._free), slab.refs.tobytes(), sorted(mgr.owned_blocks())) == state
+    assert "b" in mgr
+
+
+def test_kernel_blocks_of_a_request_fill_pages_in_order() -> None:
+    """A prefill's kernel blocks come out page by page, in order inside each page; no
+    kernel block of the null page is ever handed out."""
+    mgr = KVCacheManager(hybrid_groups(4), num_blocks=8)
+    mgr.allocate_step([("a", 4 * 9, 0)])  # 9 kernel blocks: pages 1, 2 and one of page 3
+    table = mgr.block_table(0, "a")
+    pages = [b // 4 for b in table]
+    assert pages == [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert [b % 4 for b in table] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert mgr.block_table(1, "a") == [4]  # the state page after them
+    assert mgr.owned_pages() == {0: {1, 2, 3}, 1: {4}}
 
 
 # ---------------------------------------------------------------------------- manager
@@ -370,26 +559,49 @@ class RefRequest:
 
 
 Snapshot = tuple[object, ...]
+Key = tuple[int, int]  # (group id, kernel block)
+
+
+def paged(group: KVCacheGroup) -> bool:
+    """Whether a group's page may hold several of its blocks (its blocks are per-token
+    K/V or latents; a state fills its page, encoder-only layers keep nothing)."""
+    return not isinstance(group.spec, MambaSpec | EncoderOnlyAttentionSpec)
 
 
 class ManagerMachine(RuleBasedStateMachine):
     """Random steps (small and large batches, long prefills) and finishes, checked step
-    by step against a per-request reference model, and the persistent arrays against
-    ``block_table``."""
+    by step against a per-request reference model of kernel blocks inside pages, and
+    the persistent arrays against ``block_table``.
+
+    The reference keeps the live ``(group, kernel block)`` pairs only; everything else
+    follows from them: a page is held by the group that has a live kernel block in it
+    (at most one group), and is free otherwise. A step fits when, after its releases,
+    every group's new kernel blocks fit in the free kernel blocks of the pages it holds
+    plus the fewest whole pages that hold the rest, out of the free pages.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.groups = machine_groups()
         self.mgr = KVCacheManager(self.groups, num_blocks=2)  # replaced by init_pool
         self.ref: dict[str, RefRequest] = {}
-        self.ref_free: set[int] = set()
+        self.live: dict[Key, str] = {}  # (group, kernel block) -> the request holding it
+        self.num_pages = 2
         self.next_id = 0
         self.peak_live = 0
 
-    @initialize(num_blocks=st.sampled_from([96, 24, 700, 700]))
-    def init_pool(self, num_blocks: int) -> None:
+    @initialize(num_blocks=st.sampled_from([96, 24, 700, 700]), data=st.data())
+    def init_pool(self, num_blocks: int, data: st.DataObject) -> None:
+        # Half the runs: every paged group's page holds 1, 2, 3 or 5 of its blocks.
+        if data.draw(st.booleans()):
+            self.groups = [
+                dataclasses.replace(g, blocks_per_page=data.draw(st.sampled_from([1, 2, 3, 5])))
+                if paged(g)
+                else g
+                for g in self.groups
+            ]
         self.mgr = KVCacheManager(self.groups, num_blocks=num_blocks)
-        self.ref_free = set(range(1, num_blocks))
+        self.num_pages = num_blocks
 
     # ------------------------------------------------------------------ rules
 
@@ -437,11 +649,10 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.ref)))
         row = self.mgr.row_of(rid)
         self.mgr.free_request(rid)
-        for blocks in self.ref.pop(rid).tables:
+        for g, blocks in zip(self.groups, self.ref.pop(rid).tables, strict=True):
             for block in blocks:
                 if block != NULL_BLOCK:
-                    assert block not in self.ref_free
-                    self.ref_free.add(block)
+                    assert self.live.pop((g.group_id, block)) == rid
         assert rid not in self.mgr
         # The row is zeroed at once, before any reuse.
         rows = np.array([row])
@@ -450,13 +661,31 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.num_blocks_of(g.group_id, rows).tolist() == [0]
         self._compare_with_reference()
 
-    # ------------------------------------------------------------------ the reference step
+    # ------------------------------------------------------------------ the reference
+
+    def _page(self, key: Key) -> int:
+        gid, block = key
+        return block // self.groups[gid].blocks_per_page
+
+    def _held_pages(self, live: Sequence[Key]) -> dict[int, int]:
+        """Page -> the group holding it (a live kernel block in it)."""
+        held: dict[int, int] = {}
+        for key in live:
+            page = self._page(key)
+            assert held.setdefault(page, key[0]) == key[0], f"page {page} held by two groups"
+        return held
+
+    def _free_in_pages(self, gid: int, live: Sequence[Key], held: dict[int, int]) -> int:
+        """Free kernel blocks in the pages group ``gid`` holds."""
+        pages = sum(1 for owner in held.values() if owner == gid)
+        return pages * self.groups[gid].blocks_per_page - sum(1 for g, _ in live if g == gid)
 
     def _run_step(self, scheduled: Sequence[tuple[str, int, int]]) -> None:
-        # Predict from the reference whether the step fits: the blocks it adds against
-        # the free ones plus those the step's windows and chunks release.
+        # Predict from the reference whether the step fits, in pages, once the step's
+        # windows and chunks released their blocks.
         plan: list[tuple[str, int, int]] = []  # (id, tokens after the step, encoder length)
-        total_new = total_released = 0
+        need = [0] * len(self.groups)
+        released: set[Key] = set()
         for rid, n, enc in scheduled:
             req = self.ref.get(rid)
             computed = req.tokens if req else 0
@@ -464,13 +693,22 @@ class ManagerMachine(RuleBasedStateMachine):
             for g in self.groups:
                 table = req.tables[g.group_id] if req else []
                 dead = min(ref_dead_blocks(g.spec, computed), len(table))
-                total_released += sum(1 for b in table[:dead] if b != NULL_BLOCK)
-                need = ref_blocks_needed(g.spec, computed + n, encoder)
-                total_new += max(need - len(table), 0)
+                released.update((g.group_id, b) for b in table[:dead] if b != NULL_BLOCK)
+                wanted = ref_blocks_needed(g.spec, computed + n, encoder)
+                need[g.group_id] += max(wanted - len(table), 0)
             plan.append((rid, computed + n, encoder))
-        free = len(self.ref_free)
-        fits = total_new <= free + total_released
-        why = f"needs {total_new} block(s), {free} free + {total_released} released"
+        live = [key for key in self.live if key not in released]
+        held = self._held_pages(live)
+        free_pages = self.num_pages - 1 - len(held)
+        pages = [
+            -(
+                -max(0, need[g.group_id] - self._free_in_pages(g.group_id, live, held))
+                // g.blocks_per_page
+            )
+            for g in self.groups
+        ]
+        fits = sum(pages) <= free_pages
+        why = f"needs {pages} page(s) for {need} block(s), {free_pages} pages free after releases"
         before = self._snapshot()
         try:
             self.mgr.allocate_step(scheduled)
@@ -487,21 +725,30 @@ class ManagerMachine(RuleBasedStateMachine):
                 dead = min(ref_dead_blocks(g.spec, req.tokens), len(table))
                 for i in range(dead):
                     if table[i] != NULL_BLOCK:
-                        assert table[i] not in self.ref_free
-                        self.ref_free.add(table[i])
+                        assert self.live.pop((g.group_id, table[i])) == rid
                         table[i] = NULL_BLOCK
+        taken: dict[int, set[int]] = {g.group_id: set() for g in self.groups}  # new pages
         for rid, tokens, encoder in plan:
             req = self.ref[rid]
             for g in self.groups:
                 table = req.tables[g.group_id]
-                need = ref_blocks_needed(g.spec, tokens, encoder)
+                wanted = ref_blocks_needed(g.spec, tokens, encoder)
                 got = self.mgr.block_table(g.group_id, rid)
-                assert len(got) == max(need, len(table)), (rid, g.kind.value)
+                assert len(got) == max(wanted, len(table)), (rid, g.kind.value)
                 for block in got[len(table) :]:  # the manager chose these ids
-                    assert block in self.ref_free, f"block {block} handed out but not free"
-                    self.ref_free.remove(block)
+                    key = (g.group_id, block)
+                    assert key not in self.live, f"kernel block {key} handed out twice"
+                    page = self._page(key)
+                    assert page != NULL_BLOCK, f"kernel block {key} lies in the null page"
+                    owner = held.get(page)
+                    assert owner in (None, g.group_id), f"{key}: page {page} is group {owner}'s"
+                    if owner is None:
+                        taken[g.group_id].add(page)
+                    self.live[key] = rid
                     table.append(block)
             req.tokens = tokens
+        # A group takes a page only once the pages it holds have no free kernel block.
+        assert [len(taken[g.group_id]) for g in self.groups] == pages, (taken, pages)
         self.peak_live = max(self.peak_live, len(self.ref))
         self._compare_with_reference()
 
@@ -515,9 +762,36 @@ class ManagerMachine(RuleBasedStateMachine):
                 table = self.mgr.block_table(g.group_id, rid)
                 # Same entries in the same places: the same set of blocks, same nulls.
                 assert table == req.tables[g.group_id], (rid, g.kind.value)
-        assert self.mgr.pool.num_free_blocks == len(self.ref_free)
-        for block in range(1, self.mgr.pool.num_blocks):
-            assert self.mgr.pool.is_allocated(block) == (block not in self.ref_free)
+        # Pages: held exactly while a kernel block in them is live, free otherwise.
+        held = self._held_pages(list(self.live))
+        pool = self.mgr.pool
+        assert pool.num_free_blocks == self.num_pages - 1 - len(held)
+        for page in range(1, pool.num_blocks):
+            assert pool.is_allocated(page) == (page in held), page
+        for g, slab in zip(self.groups, self.mgr.slabs, strict=True):
+            assert (slab is None) == (g.blocks_per_page == 1)
+            if slab is None:
+                continue
+            mine = {b for gid, b in self.live if gid == g.group_id}
+            pages = {p for p, owner in held.items() if owner == g.group_id}
+            assert set(np.flatnonzero(slab.owned).tolist()) == pages
+            assert slab.num_pages == len(pages)
+            assert set(np.flatnonzero(slab.refs).tolist()) == mine
+            assert slab.num_free_blocks == len(pages) * g.blocks_per_page - len(mine)
+            # The free-block stack: each block at most once; every free block of the
+            # slab's pages on it; the others (blocks of pages given back) counted stale.
+            stacked = slab._stack[: slab._top].tolist()
+            assert len(stacked) == len(set(stacked)) == int(slab._listed.sum())
+            free = {
+                p * g.blocks_per_page + j for p in pages for j in range(g.blocks_per_page)
+            } - mine
+            assert free <= set(stacked)
+            assert slab._stale == len(set(stacked) - free)
+            counts = np.bincount(
+                np.array(sorted(mine), dtype=np.int64) // g.blocks_per_page,
+                minlength=pool.num_blocks,
+            )
+            assert np.array_equal(slab.live_blocks(np.arange(pool.num_blocks)), counts)
 
     def _snapshot(self) -> Snapshot:
         live = sorted(self.ref)
@@ -525,6 +799,7 @@ class ManagerMachine(RuleBasedStateMachine):
         all_rows = np.arange(self.mgr.table_array(0).shape[0], dtype=np.int64)
         return (
             self.mgr.pool.num_free_blocks,
+            tuple(self.mgr.pool._free),
             tuple(b for b in range(self.mgr.pool.num_blocks) if self.mgr.pool.is_allocated(b)),
             len(self.mgr),
             rows,
@@ -542,6 +817,18 @@ class ManagerMachine(RuleBasedStateMachine):
                 for g in self.groups
                 for rid in live
             },
+            tuple(
+                None
+                if slab is None
+                else (
+                    slab.num_free_blocks,
+                    slab.num_pages,
+                    slab.refs.tobytes(),
+                    slab.owned.tobytes(),
+                    slab._stack[: slab._top].tobytes(),
+                )
+                for slab in self.mgr.slabs
+            ),
         )
 
     # ------------------------------------------------------------------ invariants
@@ -576,12 +863,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_owned_twice_or_leaked(self) -> None:
-        owners: dict[int, str] = {}
+        owners: dict[Key, str] = {}
         for rid, blocks in self.mgr.owned_blocks().items():
-            for block in blocks:
-                assert block not in owners, f"block {block} owned by {owners[block]} and {rid}"
-                owners[block] = rid
-            assert all(self.mgr.pool.is_allocated(b) for b in blocks)
+            for key in blocks:
+                assert key not in owners, f"kernel block {key} owned by {owners[key]} and {rid}"
+                owners[key] = rid
+        assert owners == self.live
         counted = sum(
             1
             for g in self.groups
@@ -590,7 +877,11 @@ class ManagerMachine(RuleBasedStateMachine):
             if b != NULL_BLOCK
         )
         assert counted == len(owners), "a block appears twice in one request's tables"
-        assert len(owners) + self.mgr.pool.num_free_blocks == self.mgr.pool.num_blocks - 1
+        pages = self.mgr.owned_pages()
+        held = [p for group_pages in pages.values() for p in group_pages]
+        assert len(held) == len(set(held)), "a page is held by two groups"
+        assert all(self.mgr.pool.is_allocated(p) for p in held)
+        assert len(held) + self.mgr.pool.num_free_blocks == self.mgr.pool.num_blocks - 1
 
     @invariant()
     def tables_cover_every_visible_position(self) -> None:
@@ -612,6 +903,38 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+def test_the_machine_catches_a_page_given_back_while_one_of_its_blocks_is_live(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deliberately broken slab: a page goes back to the pool as soon as only one of its
+    kernel blocks is live. The machine (its reference of pages) must catch it."""
+    give_back = _pool.PageSlab.give_back
+
+    def early_give_back(self: PageSlab, blocks: _pool.Ints32 | list[int]) -> None:
+        give_back(self, blocks)
+        pages = np.unique(np.asarray(blocks, dtype=np.int64) // self.blocks_per_page)
+        early = pages[self.owned[pages] & (self.live_blocks(pages) == 1)]
+        # The bug: the pool gets the page back while one of its kernel blocks is live
+        # (and could hand it to another group).
+        self.pool.give_back(early.tolist())
+
+    monkeypatch.setattr(_pool.PageSlab, "give_back", early_give_back)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            ManagerMachine,
+            settings=settings(
+                max_examples=200,
+                stateful_step_count=30,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+                print_blob=False,
+            ),
+        )
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -646,6 +969,72 @@ def test_tensors_alias_across_groups_and_states_do_not_overlap() -> None:
     assert bool(torch.isnan(conv[4]).all())
     ssm[3].fill_(2.0)
     assert bool((conv[3] == 1.0).all())
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "planes", "mla"])
+def test_kernel_block_views_address_the_bytes_of_their_page(layout: str) -> None:
+    """Kernel block ``j`` of page ``p`` is the ``j``-th ``P / k`` bytes of page ``p``
+    (of each plane's half for planes): written through the layer's kernel-block view,
+    exactly those bytes of the layer buffer change, and a state layer viewing the same
+    buffer sees them in page ``p`` only."""
+    attention: KVCacheSpec = (
+        MLAAttentionSpec(block_size=16, head_size=64, dtype=torch.float32)
+        if layout == "mla"
+        else full(heads=1)  # 2 * 16 * 1 * 32 * 4 = 4096 B
+    )
+    # The state: 512*3*4 + 4*8*64*4 = 14336 B -> P = 16384 B = 4 attention blocks.
+    groups, page = unify_page_sizes(
+        group_layers({"a": attention, "m": mamba((512, 3), (4, 8, 64))})
+    )
+    k = groups[0].blocks_per_page
+    assert (page, k) == (16384, 4)
+    nb = 5
+    kind_layout: KVCacheLayout = "planes" if layout == "planes" else "interleaved"
+    shapes = {
+        0: rules_for(attention).cache_shapes(attention, nb * k, kind_layout),
+        1: ((nb, 512, 3), (nb, 4, 8, 64)),
+    }
+    layouts: dict[int, KVCacheLayout] = {0: kind_layout}
+    caches = allocate_kv_cache_tensors(
+        groups,
+        shapes,
+        num_blocks=nb,
+        page_size_bytes=page,
+        device=torch.device("cpu"),
+        fill=0.0,
+        layouts=layouts,
+    )
+    tensors = caches["a"]
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
+    assert raw.numel() == nb * page
+    states = caches["m"]
+    shares = layout != "planes"  # page-major views alias the state layer's buffer
+    assert (states[0].untyped_storage().data_ptr() == raw.data_ptr()) == shares
+    share = page // k
+    for p in range(1, nb):
+        for j in range(k):
+            block = p * k + j
+            for t in tensors:
+                t.zero_()
+            if layout == "planes":
+                key, value = tensors
+                key[block * 16 : (block + 1) * 16] = 1.5
+                value[block * 16 : (block + 1) * 16] = -2.5
+                k_at = p * page // 2 + j * share // 2
+                v_at = nb * page // 2 + k_at
+                expected = {(k_at, k_at + share // 2, 1.5), (v_at, v_at + share // 2, -2.5)}
+            else:
+                tensors[0][block] = 1.5
+                start = p * page + j * share
+                expected = {(start, start + share, 1.5)}
+            written = torch.zeros(nb * page, dtype=torch.bool)
+            for start, stop, value in expected:
+                assert bool((raw[start:stop].view(torch.float32) == value).all()), (p, j)
+                written[start:stop] = True
+            assert not bool(raw[~written].any()), (p, j)  # nothing else changed
+            if shares:  # the state layer's page p holds the bytes, no other page does
+                touched = {q for q in range(nb) for s in states if bool(s[q].any())}
+                assert touched == {p}, (p, j, touched)
 
 
 def test_tensor_layout_errors() -> None:

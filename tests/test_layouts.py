@@ -336,14 +336,19 @@ def test_budget_counts_one_buffer_per_layer_of_each_set() -> None:
     assert num_blocks_for_budget(groups, page, budget, {0: "planes"}) == 10
 
 
-def test_plane_groups_of_any_geometry_put_a_block_at_the_same_bytes() -> None:
-    # Two planes groups with one page size but different heads (so different block
-    # sizes after unification) alias one buffer: block c is the same bytes in both.
+def test_plane_groups_of_any_geometry_put_a_page_at_the_same_bytes() -> None:
+    # Two planes groups with one page size but different heads (so a page holds one
+    # and two kernel blocks of 16 tokens) alias one buffer: page c is the same bytes in
+    # both.
     groups, page = unify_page_sizes(group_layers({"a": full(heads=2), "b": full(heads=1)}))
-    assert [g.spec.block_size for g in groups] == [16, 32]
+    assert [g.spec.block_size for g in groups] == [16, 16]
+    assert [g.blocks_per_page for g in groups] == [1, 2]
     nb = 6
     layouts: dict[int, KVCacheLayout] = {0: "planes", 1: "planes"}
-    shapes = {g.group_id: PlanesBackend.get_kv_cache_shapes(nb, g.spec) for g in groups}
+    shapes = {
+        g.group_id: PlanesBackend.get_kv_cache_shapes(nb * g.blocks_per_page, g.spec)
+        for g in groups
+    }
     caches = allocate_kv_cache_tensors(
         groups, shapes, num_blocks=nb, page_size_bytes=page, device=CPU, fill=0.0, layouts=layouts
     )
@@ -356,7 +361,7 @@ def test_plane_groups_of_any_geometry_put_a_block_at_the_same_bytes() -> None:
         assert plane.untyped_storage().data_ptr() == storage.data_ptr()
     for block in range(1, nb):
         ka.zero_()
-        ka[block * 16 : (block + 1) * 16] = 1.0  # group a writes block `block`'s K rows
+        ka[block * 16 : (block + 1) * 16] = 1.0  # group a writes page `block`'s K rows
         touched = (kb != 0).any(dim=(1, 2))
         assert torch.equal(touched.nonzero().flatten(), torch.arange(block * 32, (block + 1) * 32))
         assert bool((va == 0).all())
@@ -538,8 +543,8 @@ def test_hybrid_planes_and_mamba_use_two_buffer_sets_and_say_so(
     assert len(logged) == 1
     assert f"the second set costs {60 * page} B" in logged[0]
     assert (
-        "group 0 (full_attention, backend toy_planes, 2 layer(s)): layout planes, buffer set planes"
-        in logged[0]
+        "group 0 (full_attention, backend toy_planes, 2 layer(s)): layout planes, block size "
+        "16, 2 per page, buffer set planes" in logged[0]
     )
     assert (
         "group 1 (mamba, backend reference, 1 layer(s)): layout interleaved, buffer set page_major"

@@ -223,7 +223,8 @@ def test_qwen3_next_gated_deltanet_splits_its_heads() -> None:
     2 * 8 * 128 + 16 * 128 = 4096 (bf16, width 4 - 1), state (16, 128, 128) float32:
     4096 * 3 * 2 + 16 * 128 * 128 * 4 = 24576 + 1048576 = 1073152 B. Attention: 2 KV
     heads -> 1, page 2 * 16 * 1 * 256 * 2 = 16384 B; the rank's page is
-    16384 * ceil(1073152 / 16384) = 16384 * 66 = 1081344 B, attention blocks 16 * 66."""
+    16384 * ceil(1073152 / 16384) = 16384 * 66 = 1081344 B: 66 attention blocks of 16
+    tokens a page."""
     plan = plan_of("qwen3-next-80b-a3b-instruct", max_model_len=262144, tp=2)
     rank = plan.per_rank
     gdn, attention = rank.splits
@@ -234,16 +235,18 @@ def test_qwen3_next_gated_deltanet_splits_its_heads() -> None:
     assert gdn.context == "replicated"
     assert (attention.query_heads, attention.kv_heads, attention.kv_replicas) == (8, 1, 1)
     assert rank.page_size_bytes == 1081344
-    assert [g.group.spec.block_size for g in rank.groups] == [16, 1056]
+    assert [g.group.spec.block_size for g in rank.groups] == [16, 16]
+    assert [g.group.blocks_per_page for g in rank.groups] == [1, 66]
     assert rank.bytes_per_block == 38928384  # 36 state layers' buffers * 1081344
     assert rank.num_blocks == 2206  # 85899345920 // 38928384
     assert rank.state_bytes_per_request == 38633472  # 36 * 1073152
     assert rank.kv_bytes_per_token == 12288  # 12 layers * 2 * 1 * 256 * 2
-    # ceil(262144 / 1056) = 249 attention blocks + 1 state block
+    # ceil(262144 / 16) = 16384 kernel blocks in ceil(16384 / 66) = 249 pages + 1 state page
+    assert [g.kernel_blocks_per_request for g in rank.groups] == [1, 16384]
     assert [g.blocks_per_request for g in rank.groups] == [1, 249]
     assert rank.max_concurrency == 8  # 2205 // 250
     assert rank.tokens_that_fit == 2312110  # 2205 * 262144 // 250
-    assert rank.max_context_tokens == 2327424  # (2205 - 1) * 1056
+    assert rank.max_context_tokens == 2327424  # (2205 - 1) pages * 66 * 16
 
 
 def test_bamba_mamba2_group_is_replicated_with_context_parallelism() -> None:
@@ -251,7 +254,7 @@ def test_bamba_mamba2_group_is_replicated_with_context_parallelism() -> None:
     every rank: conv (16 * 64 + 2 * 1 * 128 = 1280, 3), SSM (16, 64, 128):
     1280 * 3 * 4 + 16 * 64 * 128 * 4 = 15360 + 524288 = 539648 B. Attention: 8 KV heads
     -> 1, page 2 * 16 * 1 * 128 * 4 = 16384; rank page 16384 * ceil(539648 / 16384) =
-    16384 * 33 = 540672, attention blocks 16 * 33 = 528 tokens."""
+    16384 * 33 = 540672: 33 attention blocks of 16 tokens (528 tokens) a page."""
     rank = plan_of("bamba-9b", max_model_len=8192, tp=8, cp=2, dtype=torch.float32).per_rank
     mamba, attention = rank.splits
     assert isinstance(mamba.spec, MambaSpec)
@@ -260,14 +263,16 @@ def test_bamba_mamba2_group_is_replicated_with_context_parallelism() -> None:
     assert "B/C groups 1 -> 1 per rank (each on 8 ranks)" in mamba.detail
     assert (mamba.context, attention.context) == ("replicated", "sharded")
     assert rank.page_size_bytes == 540672
-    assert [g.group.spec.block_size for g in rank.groups] == [16, 528]
-    # the state block, and ceil(ceil(8192 / 2) / 528) = ceil(4096 / 528) = 8
+    assert [g.group.spec.block_size for g in rank.groups] == [16, 16]
+    assert [g.group.blocks_per_page for g in rank.groups] == [1, 33]
+    # the state page, and ceil(8192 / 2) / 16 = 256 kernel blocks in ceil(256 / 33) = 8 pages
+    assert [g.kernel_blocks_per_request for g in rank.groups] == [1, 256]
     assert [g.blocks_per_request for g in rank.groups] == [1, 8]
     assert rank.bytes_per_block == 15679488  # 29 state layers * 540672
     assert rank.num_blocks == 5478  # 85899345920 // 15679488
     assert rank.max_concurrency == 608  # 5477 // 9
-    # one request alone: 5477 - 1 state block = 5476 attention blocks of 528 tokens per
-    # rank, every second token on this rank: 5476 * 528 * 2
+    # one request alone: 5477 - 1 state page = 5476 attention pages of 33 * 16 tokens
+    # per rank, every second token on this rank: 5476 * 528 * 2
     assert rank.max_context_tokens == 5782656
 
 
@@ -417,17 +422,17 @@ def test_t5_cross_attention_is_replicated() -> None:
 
 
 def _brute_force_longest(
-    usable: int, cp: int, full_bs: int, window_bs: int, window: int, batched: int
+    usable: int, cp: int, bs: int, per_page: int, window: int, batched: int
 ) -> int:
-    """The largest L whose blocks fit, by trying every length: full attention sharded
-    (token t on rank t mod cp), a window replicated (its bound written out again), a
-    state of one block."""
+    """The largest L whose pages fit, by trying every length: full attention sharded
+    (token t on rank t mod cp), a window replicated (its bound written out again), in
+    kernel blocks of ``bs`` tokens, ``per_page`` to a page; a state of one page."""
 
     def blocks(length: int) -> int:
-        full = math.ceil(math.ceil(length / cp) / full_bs)
+        full = math.ceil(math.ceil(length / cp) / bs)
         live = min(window - 1 + batched, length)
-        windowed = min(math.ceil(live / window_bs) + 1, math.ceil(length / window_bs))
-        return full + windowed + 1
+        windowed = min(math.ceil(live / bs) + 1, math.ceil(length / bs))
+        return math.ceil(full / per_page) + math.ceil(windowed / per_page) + 1
 
     length = 0
     while blocks(length + 1) <= usable:
@@ -438,8 +443,8 @@ def _brute_force_longest(
 @pytest.mark.parametrize("num_blocks", [4, 9, 30])
 @pytest.mark.parametrize("cp", [1, 3])
 def test_longest_request_matches_a_brute_force_search(num_blocks: int, cp: int) -> None:
-    """Full, Mamba2 and sliding-window layers whose state scales attention blocks to
-    48 tokens (the small hybrid of test_cli_plan.py: page 2048 * 3)."""
+    """Full, Mamba2 and sliding-window layers whose state puts 3 attention blocks of 16
+    tokens in a page (the small hybrid of test_cli_plan.py: page 2048 * 3)."""
     state = MambaSpec(
         block_size=16,
         shapes=((96, 3), (4, 16, 16)),
@@ -459,8 +464,9 @@ def test_longest_request_matches_a_brute_force_search(num_blocks: int, cp: int) 
         context_parallel=cp,
     )
     rank = plan.per_rank
-    assert [g.group.spec.block_size for g in rank.groups] == [48, 16, 48]
-    expected = _brute_force_longest(num_blocks - 1, cp, 48, 48, 64, 32)
+    assert [g.group.spec.block_size for g in rank.groups] == [16, 16, 16]
+    assert [g.group.blocks_per_page for g in rank.groups] == [3, 1, 3]
+    expected = _brute_force_longest(num_blocks - 1, cp, 16, 3, 64, 32)
     assert rank.max_context_tokens == expected
 
 
@@ -534,7 +540,10 @@ def test_query_heads_must_split() -> None:
         plan_of("deepseek-v3", max_model_len=4096, tp=3, memory=None)
     assert str(info.value) == (
         "plan_model: tensor_parallel=3 does not divide the 128 query heads of layer "
-        "'model.layers.0.self_attn' (mla_attention); each rank must hold whole heads"
+        "'model.layers.0.self_attn' (mla_attention); each rank must hold whole heads "
+        # the divisors of 128 (the latent is on every rank, whatever the size)
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 4, 8, 16, 32, "
+        "64, 128)"
     )
 
 
@@ -546,7 +555,9 @@ def test_fewer_kv_heads_than_ranks_must_divide_the_ranks() -> None:
         "plan_model: tensor_parallel=7 cannot split the 4 K/V heads of layer "
         "'model.layers.0.self_attn' (group 0, 28 layers): with fewer K/V heads than "
         "ranks, tensor_parallel must be a multiple of 4 (each is then replicated on "
-        "tensor_parallel / 4 ranks)"
+        "tensor_parallel / 4 ranks) "
+        # divisors of the 28 query heads that divide the 4 K/V heads or are a multiple
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 4, 28)"
     )
 
 
@@ -564,7 +575,9 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
     assert str(info.value) == (
         "plan_model: tensor_parallel=4 cannot split the 6 K/V heads of layer 'l0' "
         "(group 0): with at least as many K/V heads as ranks, tensor_parallel must "
-        "divide 6"
+        "divide 6 "
+        # divisors of the 12 query heads that divide the 6 K/V heads or are a multiple
+        "(tensor_parallel sizes that split every layer of this model: 1, 2, 3, 6, 12)"
     )
 
 
@@ -580,7 +593,8 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
                 mamba_type="mamba2",
             ),
             "plan_model: tensor_parallel=8 cannot split the mamba2 state of layer 's' "
-            "(group 0): its 4 heads are not a multiple of 8",
+            "(group 0): its 4 heads are not a multiple of 8 (tensor_parallel sizes that "
+            "split every layer of this model: 1, 2, 4)",
         ),
         (
             # 100 - 4 * 16 = 36 conv channels left for B and C: not 2 * G * 16
@@ -603,7 +617,8 @@ def test_more_kv_heads_than_ranks_must_be_divided_by_them() -> None:
                 mamba_type="gdn",
             ),
             "plan_model: tensor_parallel=8 cannot split the gdn state of layer 's' "
-            "(group 0): its 4 key heads are not a multiple of 8",
+            "(group 0): its 4 key heads are not a multiple of 8 (tensor_parallel sizes "
+            "that split every layer of this model: 1, 2, 4)",
         ),
         (
             MambaSpec(
@@ -794,7 +809,8 @@ def test_cli_reports_heads_that_do_not_split() -> None:
     assert err == (
         "attnkit plan: error: plan_model: tensor_parallel=3 does not divide the 32 query "
         "heads of layer 'model.layers.0.self_attn' (full_attention); each rank must hold "
-        "whole heads\n"
+        "whole heads (tensor_parallel sizes that split every layer of this model: 1, 2, 4, "
+        "8, 16, 32)\n"
     )
 
 

@@ -140,7 +140,7 @@ def test_every_public_name_exists(module: object) -> None:
 
 def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
     engine = set(PUBLIC_API)
-    # The README's engine loop: runtime, step types, errors, config, specs, inputs.
+    # The engine loop of docs/usage.md: runtime, step types, errors, config, specs, inputs.
     assert {
         "AttentionRuntime",
         "ScheduledRequest",

@@ -417,6 +417,7 @@ def test_demo_passes(per_kind: str | None) -> None:
     assert result.passed, text
     assert "FAIL" not in text
     expected_backend = "triton_attn" if per_kind else "cpu_attn"
-    assert f"full_attention    group 0 (block_size 32) -> {expected_backend}" in text
+    # The Mamba2 state fills two attention pages: a page holds two blocks of 16 tokens.
+    assert f"full_attention    group 0 (block_size 16, 2 per page) -> {expected_backend}" in text
     assert "mamba(mamba2)     group 1 (block_size 16) -> reference" in text
     assert result.max_error < 2e-5

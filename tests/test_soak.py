@@ -81,8 +81,8 @@ HIDDEN = 16
 HEADS, KV_HEADS, HEAD_SIZE = 2, 1, 8
 WINDOW = 7
 CHUNK = 10
-BLOCK_SIZE = 4  # attention block size before page unification (the groups get 12)
-NUM_BLOCKS = 26  # null block + 25: one request of MAX_MODEL_LEN needs about 11
+BLOCK_SIZE = 4  # attention block size; a unified page holds 3 of them (12 tokens)
+NUM_BLOCKS = 26  # pages: null page + 25; one request of MAX_MODEL_LEN needs about 11
 
 
 def soak_steps() -> int:
@@ -278,6 +278,8 @@ def make_runtime(model: SoakModel, seed: int) -> AttentionRuntime:
         cache_fill=float("nan"),  # a read of an unwritten slot poisons the outputs
     )
     assert runtime.num_blocks == NUM_BLOCKS
+    # full, Mamba2, window, chunk: the state fills a page of three attention blocks.
+    assert [g.blocks_per_page for g in runtime.groups] == [3, 1, 3, 3]
     assert {row.backend for row in runtime.routing_table()} == {"reference"}
     # Hand out physical blocks in a random order: nothing may rely on contiguity.
     random.Random(seed).shuffle(runtime.manager.pool._free)
@@ -310,12 +312,17 @@ class Request:
         self.outputs.clear()
 
 
-Snapshot = tuple[list[int], dict[str, tuple[int, tuple[tuple[int, ...], ...]]]]
+Snapshot = tuple[
+    list[int],
+    dict[str, tuple[int, tuple[tuple[int, ...], ...]]],
+    list[tuple[int, bytes, bytes] | None],
+]
 
 
 def snapshot(runtime: AttentionRuntime) -> Snapshot:
-    """Everything a rejected call must leave alone: the free list (order included),
-    the live requests, their token counts and block tables in every group."""
+    """Everything a rejected call must leave alone: the free list of pages (order
+    included), the live requests, their token counts and block tables in every group,
+    and each slab's free kernel blocks (order included) and ref counts."""
     manager = runtime.manager
     tables = {
         rid: (
@@ -324,7 +331,13 @@ def snapshot(runtime: AttentionRuntime) -> Snapshot:
         )
         for rid in manager.owned_blocks()
     }
-    return list(manager.pool._free), tables
+    slabs = [
+        None
+        if slab is None
+        else (slab.num_free_blocks, slab._stack[: slab._top].tobytes(), slab.refs.tobytes())
+        for slab in manager.slabs
+    ]
+    return list(manager.pool._free), tables, slabs
 
 
 def expected_table(spec: KVCacheSpec, req: Request) -> tuple[int, int]:
@@ -383,7 +396,6 @@ class Soak:
         self.last_tokens = 0
         self.restarting: list[Request] = []
         self.last_step: list[tuple[Request, int]] = []  # as given to begin_step
-        self.finishing_held = 0  # blocks held by the requests of this step's finished=
 
     # ---------------------------------------------------------------- requests
 
@@ -417,7 +429,6 @@ class Soak:
     def finish(self, req: Request, finished: list[str]) -> None:
         """Finish ``req`` through this step's ``finished=`` (its blocks serve the step)."""
         finished.append(req.rid)
-        self.finishing_held += blocks_held(self.runtime, req)
 
     def aborts(self, finished: list[str]) -> None:
         """Abort a random live request (``finished=`` or ``free``), restart one (finished
@@ -563,7 +574,7 @@ class Soak:
             need, usable = self.fit(big)
             if need > usable:
                 bad.append(
-                    BadStep("out of blocks", big, finished, OutOfBlocksError, f"needs {need} new")
+                    BadStep("out of blocks", big, finished, OutOfBlocksError, self.needs(need))
                 )
         return bad
 
@@ -583,37 +594,59 @@ class Soak:
     def fit(
         self, scheduled: list[ScheduledRequest], also_finished: Request | None = None
     ) -> tuple[int, int]:
-        """(new blocks the step needs, blocks it may use), from the test's own counts and
-        the kinds' rules: it fits iff need <= free + released by windows/chunks + held by
-        this step's finished requests (``also_finished``: one more of them). Finished or
-        unknown ids start anew."""
-        held = self.finishing_held
-        if also_finished is not None:
-            held += blocks_held(self.runtime, also_finished)
-        free = self.runtime.num_blocks - 1 - self.finishing_held
-        free -= sum(blocks_held(self.runtime, r) for r in self.live.values())
-        need = released = 0
-        for group in self.runtime.groups:
-            spec = group.spec
+        """(new pages the step needs, pages it may use), from the test's own counts, the
+        kinds' rules and the kernel blocks in the tables: after the step's releases and
+        finished requests (``also_finished``: one more of them) gave their blocks back,
+        a page is held by the group with a live kernel block in it; each group needs
+        the fewest pages that hold its new kernel blocks beyond the free ones in the
+        pages it holds. Finished or unknown ids start anew."""
+        runtime = self.runtime
+        need = [0] * len(runtime.groups)
+        live: set[tuple[int, int]] = set()  # (group, kernel block) live after the step's releases
+        steps = {s.req_id: s for s in scheduled}
+        for group in runtime.groups:
+            spec, gid = group.spec, group.group_id
+            for rid, req in self.live.items():
+                if also_finished is not None and rid == also_finished.rid:
+                    continue  # its blocks go back
+                have, before = expected_table(spec, req)
+                first = before
+                s = steps.get(rid)
+                if s is not None:
+                    computed = req.computed
+                    if isinstance(spec, SlidingWindowSpec):
+                        first = max(computed - spec.sliding_window + 1, 0) // spec.block_size
+                    elif isinstance(spec, ChunkedLocalAttentionSpec):
+                        chunk = spec.attention_chunk_size
+                        first = computed // chunk * chunk // spec.block_size
+                    first = max(min(first, have), before)
+                table = runtime.block_table(group.layer_names[0], rid)
+                live.update((gid, b) for b in table[first:have])
             for s in scheduled:
                 if also_finished is not None and s.req_id == also_finished.rid:
                     req = None  # finished and scheduled: starts anew
                 else:
                     req = self.live.get(s.req_id)
                 computed = req.computed if req is not None else 0
-                have, before = expected_table(spec, req) if req is not None else (0, 0)
+                have = expected_table(spec, req)[0] if req is not None else 0
                 if isinstance(spec, MambaSpec):
-                    need += 1 - have
-                    continue
-                need += max(math.ceil((computed + s.num_new_tokens) / spec.block_size) - have, 0)
-                first = 0
-                if isinstance(spec, SlidingWindowSpec):
-                    first = max(computed - spec.sliding_window + 1, 0) // spec.block_size
-                elif isinstance(spec, ChunkedLocalAttentionSpec):
-                    chunk = spec.attention_chunk_size
-                    first = computed // chunk * chunk // spec.block_size
-                released += max(min(first, have), before) - before
-        return need, free + released + held
+                    need[gid] += 1 - have
+                else:
+                    blocks = math.ceil((computed + s.num_new_tokens) / spec.block_size)
+                    need[gid] += max(blocks - have, 0)
+        per_page = [g.blocks_per_page for g in runtime.groups]
+        held = [{b // per_page[gid] for g, b in live if g == gid} for gid in range(len(need))]
+        pages = 0
+        for gid, wanted in enumerate(need):
+            free = len(held[gid]) * per_page[gid] - sum(1 for g, _ in live if g == gid)
+            pages += -(-max(0, wanted - free) // per_page[gid])
+        return pages, runtime.num_blocks - 1 - sum(map(len, held))
+
+    def needs(self, pages: int) -> str:
+        """What the runtime's ``OutOfBlocksError`` says a step needs: pages, or blocks
+        when every group's kernel blocks are pages."""
+        paged = any(g.blocks_per_page > 1 for g in self.runtime.groups)
+        return f"needs {pages} new {'page' if paged else 'block'}"
 
     def refuse_finishing_more(self, scheduled: list[ScheduledRequest], finished: list[str]) -> None:
         """The step did not fit. Finishing one more live request (the one holding the
@@ -626,7 +659,7 @@ class Soak:
         else:
             return
         before = snapshot(self.runtime)
-        with pytest.raises(OutOfBlocksError, match=f"needs {need} new block"):
+        with pytest.raises(OutOfBlocksError, match=self.needs(need)):
             self.runtime.begin_step(scheduled, finished=[*finished, extra.rid])
         assert snapshot(self.runtime) == before
         self.stats["out of blocks with finished="] += 1
@@ -664,7 +697,6 @@ class Soak:
     def step(self, index: int) -> None:
         self.arrive()
         finished: list[str] = []
-        self.finishing_held = 0
         for req in self.to_finish:
             del self.live[req.rid]
             if self.rng.random() < 0.7:
@@ -694,7 +726,7 @@ class Soak:
                 batch = self.runtime.begin_step(scheduled, finished=finished)
                 break
             before = snapshot(self.runtime)
-            with pytest.raises(OutOfBlocksError, match=f"needs {need} new block"):
+            with pytest.raises(OutOfBlocksError, match=self.needs(need)):
                 self.runtime.begin_step(scheduled, finished=finished)
             assert snapshot(self.runtime) == before
             self.stats["out of blocks"] += 1
@@ -749,7 +781,7 @@ class Soak:
         owned = manager.owned_blocks()
         assert set(owned) == set(self.live)
         assert len(manager) == len(self.live)
-        held: collections.Counter[int] = collections.Counter()
+        held: collections.Counter[tuple[int, int]] = collections.Counter()
         for group in runtime.groups:
             layer = group.layer_names[0]
             for rid, req in self.live.items():
@@ -759,18 +791,23 @@ class Soak:
                 assert len(table) == length, (rid, group.spec, table, req.computed)
                 assert table[:released] == [NULL_BLOCK] * released, (rid, group.spec, table)
                 assert NULL_BLOCK not in table[released:], (rid, group.spec, table)
-                held.update(table[released:])
+                held.update((group.group_id, b) for b in table[released:])
                 if released:
                     self.stats[f"released: {group.kind.value}"] += 1
         twice = sorted(b for b, count in held.items() if count > 1)
-        assert not twice, f"blocks owned twice: {twice}"
-        assert NULL_BLOCK not in held
+        assert not twice, f"kernel blocks owned twice: {twice}"
         assert set(held) == set().union(*owned.values())
+        # Pages: a page with a live kernel block belongs to that block's group only.
+        page_owner: dict[int, int] = {}
+        for gid, block in held:
+            page = block // runtime.groups[gid].blocks_per_page
+            assert page != NULL_BLOCK, f"kernel block {block} of group {gid} is in the null page"
+            assert page_owner.setdefault(page, gid) == gid, f"page {page} in two groups"
         free = manager.pool._free
-        assert len(set(free)) == len(free), "a block is free twice"
+        assert len(set(free)) == len(free), "a page is free twice"
         assert NULL_BLOCK not in free
-        assert not set(free) & set(held), "a block is both free and owned"
-        assert manager.pool.num_free_blocks + len(held) == runtime.num_blocks - 1, "leak"
+        assert not set(free) & set(page_owner), "a page is both free and holds a live block"
+        assert manager.pool.num_free_blocks + len(page_owner) == runtime.num_blocks - 1, "leak"
 
     def finish_all(self) -> None:
         """Free every live request; all blocks must be back."""

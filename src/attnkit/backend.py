@@ -301,9 +301,11 @@ class AttentionBackend(ABC):
         attention ``[num_blocks, 2, block_size, Hkv, D]`` (interleaved) or two planes
         ``[num_blocks * block_size, Hkv, D]`` (planes); MLA ``[num_blocks, block_size, D]``;
         Mamba ``[num_blocks, *shape]`` per state; encoder-only layers keep no cache (no
-        tensors). An override must keep the allocator's geometry: page-major tensors
-        start with ``num_blocks`` and fit one page per block; the two planes start with
-        ``num_blocks * block_size`` and a block's rows fill exactly half a page.
+        tensors). ``num_blocks`` counts kernel blocks of ``spec.block_size`` (the pool's
+        pages times the blocks a page holds, ``KVCacheGroup.blocks_per_page``). An
+        override must keep the allocator's geometry: page-major tensors start with
+        ``num_blocks`` and fit one block's share of a page per block; the two planes
+        start with ``num_blocks * block_size`` and a page's rows fill exactly half a page.
 
         Raises:
             ValueError: a bad ``num_blocks``, or a layout the kind does not have.

@@ -27,9 +27,8 @@ FlashAttentionOptions)``.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from pydantic import (
     BaseModel,
@@ -41,7 +40,9 @@ from pydantic import (
     field_serializer,
     field_validator,
 )
+from typing_extensions import Self, override
 
+from .errors import ArgumentTypeError
 from .spec import KVCacheSpecKind
 
 __all__ = ["AttentionConfig", "BackendOptions", "parse_backend_per_kind"]
@@ -93,6 +94,47 @@ def parse_backend_per_kind(value: str | Mapping[str, str] | Mapping[KVCacheSpecK
             )
         parsed[kind] = raw_backend
     return parsed
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _ReadOnly(Mapping[K, V]):
+    """A validated config's mapping: read like a dict; writing to it says how to get a
+    changed config instead of Python's "does not support item assignment"."""
+
+    __slots__ = ("_field", "_items", "_shown")
+
+    def __init__(self, shown: str, field: str, items: Mapping[K, V]) -> None:
+        self._shown, self._field = shown, field
+        self._items = dict(items)
+
+    @override
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
+    @override
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._items)
+
+    @override
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @override
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def _refuse(self, *_: object) -> NoReturn:
+        raise ArgumentTypeError(
+            f"AttentionConfig.{self._shown} is read-only (a validated config is frozen); "
+            f"make a changed copy instead: config.model_copy(update={{{self._field!r}: ...}}) "
+            "validates the new value as the constructor does"
+        )
+
+    __setitem__ = __delitem__ = _refuse
+    pop = popitem = clear = update = setdefault = _refuse
 
 
 def _context(info: ValidationInfo) -> Mapping[str, Any]:
@@ -169,14 +211,14 @@ class AttentionConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: str | None = None
-    # Read-only mappings (``MappingProxyType``) once validated: the model is frozen,
-    # and a mutable dict inside it would let a caller bypass the validation.
+    # Read-only mappings (``_ReadOnly``) once validated: the model is frozen, and a
+    # mutable dict inside it would let a caller bypass the validation.
     backend_per_kind: Mapping[KVCacheSpecKind, str] = Field(
-        default_factory=lambda: MappingProxyType({})
+        default_factory=lambda: _ReadOnly("backend_per_kind", "backend_per_kind", {})
     )
     # SerializeAsAny: dump a typed options object with its own fields, not the base's.
     backend_options: Mapping[str, SerializeAsAny[BackendOptions] | Mapping[str, Any]] = Field(
-        default_factory=lambda: MappingProxyType({})
+        default_factory=lambda: _ReadOnly("backend_options", "backend_options", {})
     )
     plugins: frozenset[str] | None = None
     max_num_reqs: int = Field(default=DEFAULT_MAX_NUM_REQS, ge=1)
@@ -253,7 +295,7 @@ class AttentionConfig(BaseModel):
     ) -> Mapping[KVCacheSpecKind, str]:
         for kind, name in value.items():
             _check_name(name, f"backend_per_kind[{kind.value!r}]", info)
-        return MappingProxyType(dict(value))
+        return _ReadOnly("backend_per_kind", "backend_per_kind", value)
 
     @field_validator("backend_options")
     @classmethod
@@ -262,11 +304,15 @@ class AttentionConfig(BaseModel):
     ) -> Mapping[str, BackendOptions | Mapping[str, Any]]:
         for name in value:
             _check_name(name, "backend_options key", info)
-        return MappingProxyType(
+        return _ReadOnly(
+            "backend_options",
+            "backend_options",
             {
-                k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v
+                k: _ReadOnly(f"backend_options[{k!r}]", "backend_options", v)
+                if isinstance(v, Mapping)
+                else v
                 for k, v in value.items()
-            }
+            },
         )
 
     @field_serializer("backend_per_kind", "backend_options")
@@ -277,6 +323,20 @@ class AttentionConfig(BaseModel):
             # pyright narrows Any to Mapping[Unknown, Unknown]; the items are any values.
             plain[key] = dict(item) if isinstance(item, Mapping) else item  # pyright: ignore[reportUnknownArgumentType]
         return plain
+
+    @override
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; with ``update``, a new config validated as the constructor validates
+        (pydantic's own ``model_copy`` stores updated values unchecked), e.g.
+        ``config.model_copy(update={"backend_per_kind": {"sliding_window": "reference"}})``.
+
+        Raises:
+            pydantic.ValidationError: an updated value is not valid, or names no field.
+        """
+        if not update:
+            return super().model_copy(deep=deep)
+        values = {name: getattr(self, name) for name in self.model_fields_set}
+        return self.model_validate({**values, **update})
 
     def options_for(self, backend: str, options_type: type[OptionsT]) -> OptionsT:
         """The settings given for ``backend`` as ``options_type`` (its defaults if none).

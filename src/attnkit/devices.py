@@ -15,10 +15,30 @@ import torch
 
 from .errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
 
-__all__ = ["SUPPORTED_DEVICE_TYPES", "check_device_available", "device_problem", "parse_device"]
+__all__ = [
+    "CUDA_CAPABILITIES",
+    "SUPPORTED_DEVICE_TYPES",
+    "check_device_available",
+    "device_problem",
+    "parse_device",
+]
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 """Device types attnkit runs on."""
+
+CUDA_CAPABILITIES: tuple[tuple[int, int], ...] = (
+    (3, 0), (3, 2), (3, 5), (3, 7),
+    (5, 0), (5, 2), (5, 3),
+    (6, 0), (6, 1), (6, 2),
+    (7, 0), (7, 2), (7, 5),
+    (8, 0), (8, 6), (8, 7), (8, 9),
+    (9, 0),
+    (10, 0), (10, 1), (10, 3),
+    (11, 0),
+    (12, 0), (12, 1),
+)  # fmt: skip
+"""The compute capabilities of NVIDIA's CUDA GPUs (Kepler to Blackwell), in order: what
+``attnkit plan --capability`` accepts for a device it plans for without having one."""
 
 
 def parse_device(value: object, *, argument: str = "device") -> torch.device:

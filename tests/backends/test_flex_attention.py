@@ -327,6 +327,6 @@ def test_demo_with_flex_first_passes_its_dense_checks() -> None:
     result = run_demo(out=out, prefer="flex", decode_steps=2)
     text = out.getvalue()
     assert result.passed, text
-    assert "full_attention    group 0 (block_size 32) -> flex_attention" in text
+    assert "full_attention    group 0 (block_size 16, 2 per page) -> flex_attention" in text
     assert "sliding_window" in text
     assert "-> reference" in text  # the Mamba2 layers

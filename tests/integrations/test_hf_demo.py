@@ -71,6 +71,32 @@ def test_the_example_generates_and_checks(capsys: pytest.CaptureFixture[str]) ->
     assert out.rstrip().endswith("-> ok")
 
 
+def test_the_example_checks_the_device_before_downloading(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tf = pytest.importorskip("transformers")
+    path = ROOT / "examples" / "transformers_generate.py"
+    spec = importlib.util.spec_from_file_location("transformers_generate_example", path)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def no_download(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_pretrained was called before the device check")
+
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained", no_download)
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", no_download)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(SystemExit) as raised:
+        example.main(["--model", "Qwen/Qwen2.5-0.5B", "--device", f"cuda:{count}"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: argument --device: 'cuda:{count}' is not available here ({count} CUDA "
+        "device(s) visible); --device cpu runs anywhere"
+    )
+
+
 class _Tokenizer:
     """Stands in for a downloaded tokenizer: bytes -> ids, ids -> text."""
 
@@ -81,12 +107,14 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def test_the_readme_example_generates(
+def test_the_documented_example_generates(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The Python block of docs/integrations.md, "Use attnkit with a transformers
+    model", as written (tests/test_docs.py leaves it to this test)."""
     tf = pytest.importorskip("transformers")
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Use attnkit with a transformers model") :]
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    section = text[text.index("## Use attnkit with a transformers model") :]
     block = re.search(r"```python\n(.*?)```", section, flags=re.S)
     assert block is not None
     config = tf.Qwen2Config(
@@ -105,7 +133,7 @@ def test_the_readme_example_generates(
     # No download: the checkpoint and tokenizer are a tiny random Qwen2 and a byte map.
     monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained", tiny)
     monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", lambda name: _Tokenizer())
-    exec(compile(block.group(1), "README.md", "exec"), {})
+    exec(compile(block.group(1), "docs/integrations.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     for rid in ("r0", "r1"):
         generated = next(line for line in lines if line.startswith(f"{rid} ")).split()[1:]

@@ -4,12 +4,14 @@ status 2 naming the option; every subcommand's options and their checks."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from typing_extensions import override
 
 from ..config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ..devices import CUDA_CAPABILITIES
 from ..errors import InvalidArgumentError
 from ..planner import parse_memory_size
 from ..spec import KV_CACHE_DTYPES
@@ -23,36 +25,19 @@ text or --json. CONFIG is a Hugging Face config.json or a directory holding one;
 without it, --example NAME plans an example layout (default hybrid).
 
 The text report: a table of layers (name, kind, state type, window, chunk, group,
-backend); each group with its backend, every skipped candidate and why, its block
-size (scaled to the unified page where the runtime scales it) and blocks per request;
-then capacity: bytes per block, KV bytes per token, windowed groups' per-request cap,
-state bytes per request, blocks per request, and with --gpu-memory or --num-blocks
-the blocks, tokens and concurrent requests of --max-model-len tokens that fit, and
-the CUDA-graph support with the group that limits it. With --tensor-parallel N or
---context-parallel N (the budget is then each rank's), a per-rank section follows:
-how each group splits (query, K/V and state heads per rank; which caches shard their
-tokens over the context-parallel ranks), the groups each rank builds, and each rank's
-bytes per token and per request, blocks, requests and longest request that fit.
+backend), with a note for each group that falls back to the pure-torch reference
+backend and why the others refused; each group with its backend, every skipped
+candidate and why, its block size, the blocks a unified page holds (where more than
+one) and blocks per request; then capacity: bytes per block, KV bytes per token,
+windowed groups' per-request cap, state bytes per request, blocks per request, and
+with --gpu-memory or --num-blocks the blocks, tokens and concurrent requests of
+--max-model-len tokens that fit, and the CUDA-graph support with the group that
+limits it. With --tensor-parallel N or --context-parallel N (the budget is then each
+rank's), a per-rank section follows: how each group splits, the groups each rank
+builds, and each rank's bytes, blocks, requests and longest request that fit.
 
---json writes one object with these keys, in this order: model_type, source, device,
-capability, dtype, max_model_len, max_num_batched_tokens, layers (each: name, kind,
-mamba_type, sliding_window, attention_chunk_size, group, backend), groups (each:
-group, kind, spec, layers, block_size, declared_block_size, page_size_bytes,
-bytes_per_token, blocks_per_request, per_request_cap_bytes, backend, chosen_by,
-layout, buffer_set, cudagraph_support, skipped [{backend, reasons}], error),
-page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
-state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
-num_blocks, usable_blocks, tokens_that_fit, max_concurrency, cudagraph_support,
-cudagraph_limited_by, unserved_groups, tensor_parallel, context_parallel, per_rank
-(tensor_parallel, context_parallel, world_size, context_tokens, splits [{group,
-query_heads, kv_heads, kv_replicas, state_shapes, page_size_bytes, context, detail}],
-groups [{group, kind, spec, model_groups, num_layers, block_size, page_size_bytes,
-bytes_per_token, blocks_per_request, per_request_cap_bytes, context_sharded, layout}],
-page_size_bytes, buffers, bytes_per_block, kv_bytes_per_token,
-state_bytes_per_request, blocks_per_request, bytes_per_request, memory_bytes,
-num_blocks, usable_blocks, tokens_that_fit, max_concurrency, max_context_tokens).
-Absent values are null (no budget: no num_blocks, tokens_that_fit or
-max_concurrency). docs/models.md and docs/parallel.md have the details."""
+--json writes the same plan as one object; docs/models.md lists its keys
+(attnkit.planner.PLAN_JSON_KEYS) and what each holds."""
 
 
 def _parse_capability(text: str) -> tuple[int, int]:
@@ -61,7 +46,13 @@ def _parse_capability(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"must look like 9.0 (MAJOR.MINOR, digits only), got {text!r}"
         )
-    return int(major), int(minor)
+    capability = int(major), int(minor)
+    if capability not in CUDA_CAPABILITIES:
+        known = ", ".join(f"{a}.{b}" for a, b in CUDA_CAPABILITIES)
+        raise argparse.ArgumentTypeError(
+            f"must be the compute capability of a CUDA GPU ({known}), got {text!r}"
+        )
+    return capability
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -110,7 +101,8 @@ def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
 def _build() -> tuple[_Parser, dict[str, _Parser]]:
     parser = _Parser(
         prog="attnkit",
-        description="The ``attnkit`` command.",  # the first line of attnkit.cli's doc
+        description="attnkit: list the attention backends, plan a model's KV cache and "
+        "backends, or run the demo (COMMAND --help for each command's options).",
         epilog="exit status: 0 done; 1 plan found a layer with no backend (without "
         "--report-only) or demo failed its check; 2 bad options or settings (one line on "
         "stderr; --debug raises the error with its traceback instead)",
@@ -178,8 +170,8 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--block-size",
         type=int_range(1),
         default=16,
-        help="tokens per block as declared (CONFIG only; default 16); the runtime may "
-        "scale attention groups' blocks to the unified page, and the plan shows that",
+        help="tokens per block as declared (CONFIG only; default 16): the kernels' block; "
+        "a unified page may hold several, and the plan shows how many",
     )
     plan.add_argument(
         "--max-model-len",
@@ -322,8 +314,44 @@ def build_parser() -> argparse.ArgumentParser:
     return _build()[0]
 
 
+def _join_dashed_values(
+    argv: Sequence[str], parsers: Sequence[argparse.ArgumentParser]
+) -> list[str]:
+    """``--gpu-memory -80GiB`` as ``--gpu-memory=-80GiB``.
+
+    argparse takes a value that starts with ``-`` (other than a plain negative number)
+    for an option and reports "expected one argument"; joined to its option, the value
+    reaches the option's own check, which says what is wrong with it. A token that is
+    an option of the command stays an option.
+    """
+    actions = [a for p in parsers for a in p._actions]  # argparse has no public list
+    options = {o for a in actions for o in a.option_strings}
+    takes_value = {o for a in actions if a.nargs is None for o in a.option_strings}
+    joined: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            joined.extend(argv[i:])
+            break
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            token in takes_value
+            and value is not None
+            and value.startswith("-")
+            and value.partition("=")[0] not in options
+        ):
+            joined.append(f"{token}={value}")
+            i += 2
+        else:
+            joined.append(token)
+            i += 1
+    return joined
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser, commands = _build()
+    argv = _join_dashed_values(sys.argv[1:] if argv is None else argv, [parser, *commands.values()])
     args, extra = parser.parse_known_args(argv)
     if extra:
         # Report unknown options from the subcommand, with the options it does take.

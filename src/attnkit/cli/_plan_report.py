@@ -8,8 +8,12 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ..kinds import rules_for
+from ..kv_cache import KVCacheGroup
 from ..planner import GroupSplit, ModelPlan, RankPlan, format_bytes
 from ..spec import AttentionSpec, KVCacheSpec
+
+_ORACLE = "reference"
+"""The built-in pure-torch backend: every kind, correct everywhere, never fast."""
 
 
 def layer_list(names: Sequence[str]) -> str:
@@ -74,6 +78,21 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     out.writelines(line + "\n" for line in _table(rows))
+    for g in plan.groups:
+        # Falling back to the oracle is correct but slow: say so under the table, with
+        # the reasons of each candidate tried first that serves the kind.
+        group = g.group
+        other_kind = f"kind={group.kind.value} not supported"
+        refused = [
+            r for r in g.rejected if not any(why.startswith(other_kind) for why in r.reasons)
+        ]
+        if g.backend_name == _ORACLE and refused:
+            out.write(
+                f"note: group {group.group_id} ({len(group.layer_names)} layer(s), "
+                f"{group.kind.value}) runs on {_ORACLE}, the pure-torch oracle (correct, "
+                f"not fast), because the faster backends for {group.kind.value} refused:\n"
+            )
+            out.writelines(f"  {rejection}\n" for rejection in refused)
     out.write(f"\ngroups (unified page {plan.page_size_bytes} B):\n")
     for g in plan.groups:
         group = g.group
@@ -91,20 +110,16 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         if not group.has_cache:
             out.write(f"  group {group.group_id}: no cache\n")
             continue
-        spec, declared = group.spec, group.original_spec
-        scaled = (
-            f" (declared {declared.block_size}, scaled to the unified page)"
-            if spec.block_size != declared.block_size
-            else ""
-        )
+        spec = group.spec
         size = (
-            f"block size {spec.block_size}{scaled}, "
+            f"{_block_size(group)}, "
             if isinstance(spec, AttentionSpec)
             else f"state {spec.page_size_bytes} B per layer, "
         )
+        per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
         out.write(
             f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
-            f"{g.layout}, at most {g.blocks_per_request} block(s) per request\n"
+            f"{g.layout}, at most {per_request} per request\n"
         )
     out.write(
         f"\ncapacity (max_model_len {plan.max_model_len}, max_num_batched_tokens "
@@ -165,6 +180,23 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         _write_per_rank(out, plan)
 
 
+def _block_size(group: KVCacheGroup) -> str:
+    """``block size 16``, or ``block size 16, 66 per page of 1056 tokens`` when a page
+    of the pool holds several of the group's kernel blocks."""
+    size = f"block size {group.spec.block_size}"
+    if group.blocks_per_page == 1:
+        return size
+    return f"{size}, {group.blocks_per_page} per page of {group.page_tokens} tokens"
+
+
+def _per_request(pages: int, kernel_blocks: int, group: KVCacheGroup) -> str:
+    """``289 block(s)``, or ``16384 kernel block(s) in 249 page(s)`` for a group whose
+    page holds several kernel blocks (the pool's blocks are pages)."""
+    if group.blocks_per_page == 1:
+        return f"{pages} block(s)"
+    return f"{kernel_blocks} kernel block(s) in {pages} page(s)"
+
+
 def _bound(spec: KVCacheSpec) -> str:
     """``window 4096`` / ``chunk 8192``: what bounds a windowed group's cache."""
     return rules_for(spec).bound_label(spec) or "no bound"
@@ -202,23 +234,18 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
             continue
         spec = group.spec
         if isinstance(spec, AttentionSpec):
-            declared = group.original_spec.block_size
-            scaled = (
-                f" (declared {declared}, scaled to the rank's page)"
-                if spec.block_size != declared
-                else ""
-            )
             heads = (
                 f"latent {spec.head_size}"
                 if rules_for(spec).latent
                 else f"{spec.num_kv_heads} K/V head(s)"
             )
-            size = f"block size {spec.block_size}{scaled}, {heads}, "
+            size = f"{_block_size(group)}, {heads}, "
         else:
             size = f"state {spec.page_size_bytes} B per layer, "
+        per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
         out.write(
             f"  {g.describe()}: {size}{len(group.layer_names)} layer(s), at most "
-            f"{g.blocks_per_request} block(s) per request\n"
+            f"{per_request} per request\n"
         )
     sets = ", ".join(f"{name} {count}" for name, count in sorted(rank.buffers.items()))
     lines = [

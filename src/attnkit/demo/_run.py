@@ -195,9 +195,11 @@ def run_demo(
         width = max(17, *map(len, kinds))
         for row, kind in zip(rows, kinds, strict=True):
             group = runtime.groups[row.group_id]
+            per_page = f", {group.blocks_per_page} per page" if group.blocks_per_page > 1 else ""
             out.write(
                 f"  {row.layer:<10} {kind:<{width}} group {row.group_id} "
-                f"(block_size {group.spec.block_size}) -> {row.backend} ({row.source})\n"
+                f"(block_size {group.spec.block_size}{per_page}) -> {row.backend} "
+                f"({row.source})\n"
             )
     for which, runtime in runtimes.items():
         label = f" ({which} runtime)" if len(runtimes) > 1 else ""

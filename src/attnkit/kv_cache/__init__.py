@@ -1,12 +1,13 @@
 """Paged KV cache: grouping, page-size unification, the block pool, block tables,
 slot mapping and allocation.
 
-Letters: NB = blocks in the pool, P = the unified page size in bytes, BS = a group's
-block size.
+Letters: NB = pages in the pool, P = the unified page size in bytes, BS = a group's
+(kernel) block size, k = a group's kernel blocks per page.
 
 The package: ``_groups`` (grouping and page-size unification), ``_pool`` (the block
-pool), ``_manager`` (the block manager and its per-request tables), ``_buffers`` (the
-layer buffers, the budget and the cache tensors).
+pool of pages and the per-group slabs of kernel blocks), ``_manager`` (the block
+manager and its per-request tables), ``_buffers`` (the layer buffers, the budget and
+the cache tensors).
 
 Grouping
     Layers with equal specs share a ``KVCacheGroup`` (one block table per request per
@@ -14,44 +15,59 @@ Grouping
     group, since their specs differ.
 
 Page-size unification (one pool serves every group)
-    Every block id names one page of ``P`` bytes in every group. ``P`` is chosen so
-    that each attention group's page is exactly ``P`` after scaling its block size by
-    an integer, and each Mamba group's (fixed) state fits in ``P``:
+    The pool's unit is a page of ``P`` bytes, one page id in every group. ``P`` is
+    chosen so that each attention group's page is a whole number of its blocks and
+    each Mamba group's (fixed) state fits in ``P``:
 
     * ``L`` = least common multiple of the attention groups' page sizes;
     * ``M`` = the largest Mamba page (0 without Mamba groups);
     * ``P`` = the smallest multiple of ``L`` that is >= ``M`` (``P = M`` without
       attention groups);
-    * an attention group's ``block_size`` is multiplied by ``P / page``; a Mamba
-      group's page is padded to ``P``.
+    * an attention group keeps its declared ``block_size`` (the kernels' block, what
+      backends, builders and metadata see) and a page holds ``k = P / page`` of its
+      kernel blocks (``KVCacheGroup.blocks_per_page``); a Mamba group's page is
+      padded to ``P`` (``k = 1``).
 
-    Encoder-only groups keep no cache and take no part. Scaling changes the block
-    size the backends are asked to serve, so selection happens after unification and
-    a backend that cannot serve the scaled size says so.
+    Kernel block ``j`` of page ``p`` is kernel block ``p * k + j``: its bytes are the
+    ``j``-th ``P / k`` bytes of the page, so a layer's cache tensor is the page bytes
+    viewed at kernel-block granularity (``[NB * k, 2, BS, Hkv, D]`` interleaved,
+    ``[NB * k, BS, D]`` MLA, planes of ``NB * k * BS`` rows). Encoder-only groups keep
+    no cache and take no part.
+
+Two-level allocation
+    A group with ``k == 1`` takes pages from the pool as its blocks. A group with
+    ``k > 1`` takes kernel blocks from its ``PageSlab``: the pages it holds; the slab
+    takes a page from the pool when none of its pages has a free kernel block and
+    gives a page back when all its kernel blocks are free, so a page belongs to one
+    group at a time. A step is checked in pages before anything changes (the manager's
+    ``_check_pages``).
 
 Memory: two sets of aliased layer buffers
-    A block id is owned by exactly one group at a time (one pool serves every group),
+    A page is owned by exactly one group at a time (one pool serves every group),
     so groups can share memory: layer ``j`` of every group views the ``j``-th byte
     buffer of ``NB * P`` bytes of its group's *buffer set*:
 
     * page-major set (``"interleaved"`` layout: attention, MLA and state groups): a
-      buffer is ``[NB, P]``; block ``b`` is bytes ``[b*P, (b+1)*P)``, laid out as the
-      group's page (K and V of the block, an MLA latent page, a request's states);
+      buffer is ``[NB, P]``; page ``b`` is bytes ``[b*P, (b+1)*P)``, laid out as the
+      group's page (its ``k`` kernel blocks of K and V back to back, MLA latents, a
+      request's states);
     * planes set (``"planes"`` layout): a buffer's first half is the K plane and its
-      second half the V plane, each ``[NB * BS, Hkv, D]`` token-major; block ``c``'s
-      K rows are bytes ``[c*P/2, (c+1)*P/2)`` of the first half and its V rows the same
-      range of the second half (a block's rows fill exactly half a page).
+      second half the V plane, each ``[NB * k * BS, Hkv, D]`` token-major (row =
+      slot); page ``c``'s K rows are bytes ``[c*P/2, (c+1)*P/2)`` of the first half and
+      its V rows the same range of the second half (a page's rows fill exactly half a
+      page).
 
-    The two sets cannot alias each other: in one buffer, page-major block ``b``
-    (bytes ``[b*P, (b+1)*P)``) is the K rows of plane blocks ``2b`` and ``2b+1``, so two
-    groups owning different blocks would write the same bytes. Within a set every group
-    puts block ``c`` at the same bytes, so ownership keeps them apart. The memory is
+    The two sets cannot alias each other: in one buffer, page-major page ``b``
+    (bytes ``[b*P, (b+1)*P)``) is the K rows of plane pages ``2b`` and ``2b+1``, so two
+    groups owning different pages would write the same bytes. Within a set every group
+    puts page ``c`` at the same bytes, so ownership keeps them apart. The memory is
     ``NB * P * (max layers per page-major group + max layers per planes group)``; a
     model with one set costs what it always did.
 
 Block ownership
-    Block 0 is the null block: never handed out, used to pad block tables and to stand
-    for blocks a sliding-window or chunked-local group has released.
+    Page 0 is the null page: never handed out, so kernel blocks ``0 .. k-1`` are null
+    in every group; kernel block 0 pads block tables and stands for blocks a
+    sliding-window or chunked-local group has released.
 """
 
 from ..errors import OutOfBlocksError
@@ -65,7 +81,7 @@ from ._buffers import (
 )
 from ._groups import KVCacheGroup, group_layers, unified_groups, unify_page_sizes
 from ._manager import KVCacheManager
-from ._pool import NULL_BLOCK, BlockPool
+from ._pool import NULL_BLOCK, BlockPool, PageSlab
 
 __all__ = [
     "NULL_BLOCK",
@@ -74,6 +90,7 @@ __all__ = [
     "KVCacheGroup",
     "KVCacheManager",
     "OutOfBlocksError",
+    "PageSlab",
     "allocate_kv_cache_tensors",
     "buffer_set_of",
     "buffers_per_set",

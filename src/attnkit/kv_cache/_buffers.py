@@ -132,24 +132,29 @@ def allocate_kv_cache_tensors(
     """Per-layer cache tensors, aliased within each buffer set as the package docstring says.
 
     Every tensor is a view of a layer buffer (nothing is copied, ever): writing
-    through it writes the buffer.
+    through it writes the buffer. A group whose page holds ``k = blocks_per_page``
+    kernel blocks sees the same bytes at kernel-block granularity: page-major tensors
+    start with ``num_blocks * k`` (kernel block ``p * k + j`` is the ``j``-th ``P / k``
+    bytes of page ``p``), and planes with ``num_blocks * k * block_size`` rows.
 
     Args:
         groups: unified groups.
-        shapes: group id -> the shapes its backend declares (``get_kv_cache_shapes``);
-            page-major shapes start with ``num_blocks``; a planes group declares two
-            shapes (K plane, V plane) starting with ``num_blocks * block_size``.
-        num_blocks, page_size_bytes: the pool's geometry.
+        shapes: group id -> the shapes its backend declares (``get_kv_cache_shapes``
+            for ``num_blocks * blocks_per_page`` kernel blocks); page-major shapes start
+            with that count; a planes group declares two shapes (K plane, V plane)
+            starting with ``num_blocks * blocks_per_page * block_size``.
+        num_blocks, page_size_bytes: the pool's geometry (pages).
         device: where the buffers live.
         fill: a value to fill every tensor with (tests use NaN to catch reads of
-            unwritten slots); ``None`` leaves memory uninitialised. Block 0, the null
-            block, is always zeroed.
+            unwritten slots); ``None`` leaves memory uninitialised. Page 0, the null
+            page (every kernel block of it), is always zeroed.
         layouts: group id -> its backend's ``kv_cache_layout`` (absent:
             ``"interleaved"``); it picks the group's buffer set.
 
     Raises:
-        ValueError: if a page-major group's tensors do not fit one page per block, or a
-            planes group's are not two planes whose block rows fill half a page each.
+        ValueError: if a page-major group's tensors do not fit one kernel block's share
+            of a page per kernel block, or a planes group's are not two planes whose
+            kernel block rows fill half of that share each.
     """
     counts = buffers_per_set(groups, layouts)
     buffers = [
@@ -178,37 +183,59 @@ def allocate_kv_cache_tensors(
                         plane.fill_(fill)
                 caches[layer] = planes
             continue
+        if not group_shapes:  # no cache (encoder-only layers)
+            for layer in group.layer_names:
+                caches[layer] = ()
+            continue
+        per_page = group.blocks_per_page
+        kernel_blocks = num_blocks * per_page
+        block_bytes = page_size_bytes // per_page
         offsets: list[int] = []
         offset = 0
         for shape, dtype in zip(group_shapes, dtypes, strict=True):
-            if not shape or shape[0] != num_blocks:
+            if not shape or shape[0] != kernel_blocks:
+                expected = (
+                    f"num_blocks={num_blocks}"
+                    if per_page == 1
+                    else f"num_blocks * blocks_per_page = {num_blocks} * {per_page} = "
+                    f"{kernel_blocks} (kernel blocks)"
+                )
                 raise InvalidArgumentError(
                     f"group {group.group_id} ({group.kind.value}): cache shape {shape} must "
-                    f"start with num_blocks={num_blocks}"
+                    f"start with {expected}"
                 )
             offset = _round_up(offset, _ALIGN)
             offsets.append(offset)
             offset += math.prod(shape[1:]) * dtype.itemsize
-        if offset > page_size_bytes:
+        if offset > block_bytes:
+            where = (
+                f"pages are {page_size_bytes} bytes"
+                if per_page == 1
+                else f"kernel blocks are {block_bytes} bytes ({per_page} per page of "
+                f"{page_size_bytes} bytes)"
+            )
             raise InvalidArgumentError(
-                f"group {group.group_id} ({group.kind.value}) needs {offset} bytes per block "
-                f"but pages are {page_size_bytes} bytes"
+                f"group {group.group_id} ({group.kind.value}) needs {offset} bytes per "
+                f"{'block' if per_page == 1 else 'kernel block'} but {where}"
             )
         for j, layer in enumerate(group.layer_names):
+            # The same bytes as the page-major [num_blocks, P] buffer, one row per
+            # kernel block (P is a multiple of the group's block bytes).
+            rows = buffers[j].view(kernel_blocks, block_bytes)
             tensors: list[torch.Tensor] = []
             for shape, dtype, start in zip(group_shapes, dtypes, offsets, strict=True):
                 nbytes = math.prod(shape[1:]) * dtype.itemsize
-                view = buffers[j][:, start : start + nbytes].view(dtype).view(shape)
+                view = rows[:, start : start + nbytes].view(dtype).view(shape)
                 if fill is not None:
                     view.fill_(fill)
                 tensors.append(view)
             caches[layer] = tuple(tensors)
-    # The null block pads block tables and stands for released window blocks; kernels
+    # The null page pads block tables and stands for released window blocks; kernels
     # that load whole tiles may touch it, so it must hold finite zeros (after any fill).
     for buffer in buffers:
         buffer[NULL_BLOCK].zero_()
     half_page, half = page_size_bytes // 2, num_blocks * page_size_bytes // 2
-    for buffer in plane_buffers:  # the null block's K rows and V rows
+    for buffer in plane_buffers:  # the null page's K rows and V rows
         buffer[NULL_BLOCK * half_page : (NULL_BLOCK + 1) * half_page].zero_()
         buffer[half + NULL_BLOCK * half_page : half + (NULL_BLOCK + 1) * half_page].zero_()
     return caches
@@ -221,26 +248,34 @@ def _check_planes(
     num_blocks: int,
     page_size_bytes: int,
 ) -> None:
-    """A planes group declares a K and a V plane, token-major, whose block rows fill
-    exactly half a page: then block ``c``'s rows sit at the same bytes in every planes
-    group, and block ownership keeps the groups apart."""
+    """A planes group declares a K and a V plane, token-major, whose page rows
+    (``blocks_per_page`` kernel blocks) fill exactly half a page: then page ``c``'s rows
+    sit at the same bytes in every planes group, and page ownership keeps the groups
+    apart."""
     where = f"group {group.group_id} ({group.kind.value}, planes layout)"
     if len(group_shapes) != 2:
         raise InvalidArgumentError(
             f"{where}: needs two cache tensors (the K and V planes), got {len(group_shapes)}"
         )
-    block_size = group.spec.block_size
+    block_size = group.page_tokens
     rows = num_blocks * block_size
+    per_page = group.blocks_per_page
     for shape, dtype in zip(group_shapes, dtypes, strict=True):
         if not shape or shape[0] != rows:
+            counted = (
+                f"num_blocks * block_size = {num_blocks} * {block_size}"
+                if per_page == 1
+                else f"num_blocks * blocks_per_page * block_size = {num_blocks} * "
+                f"{per_page} * {group.spec.block_size}"
+            )
             raise InvalidArgumentError(
-                f"{where}: plane shape {shape} must start with "
-                f"num_blocks * block_size = {num_blocks} * {block_size} = {rows}"
+                f"{where}: plane shape {shape} must start with {counted} = {rows}"
             )
         block_bytes = block_size * math.prod(shape[1:]) * dtype.itemsize
         if 2 * block_bytes != page_size_bytes:
+            what = "a block's rows" if per_page == 1 else "a page's rows"
             raise InvalidArgumentError(
-                f"{where}: a block's rows of plane {shape} take {block_bytes} bytes but must "
+                f"{where}: {what} of plane {shape} take {block_bytes} bytes but must "
                 f"fill half a page ({page_size_bytes} / 2 = {page_size_bytes / 2:g} bytes)"
             )
 

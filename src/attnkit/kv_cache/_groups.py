@@ -1,6 +1,7 @@
 """Grouping and page-size unification: layers with equal specs share a ``KVCacheGroup``,
-and every group's page is brought to the one unified page ``P`` (``attnkit.kv_cache``'s
-docstring states the rule)."""
+and every group's page is brought to the one unified page ``P``: an attention group's
+page holds ``blocks_per_page`` kernel blocks of its declared block size, a state page
+is padded (``attnkit.kv_cache``'s docstring states the rule)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,29 @@ class KVCacheGroup:
 
     Attributes:
         group_id: index of the group.
-        spec: the spec the backends see (block size possibly scaled by unification).
+        spec: the spec the layers declared, which the backends see: its ``block_size``
+            is the kernel block size (the tokens of one block table entry).
         layer_names: the group's layers, in model order.
-        original_spec: the spec the layers declared.
+        blocks_per_page: kernel blocks in one page of the pool (``P /
+            spec.page_size_bytes`` for an attention group once pages are unified; 1 for
+            state groups, groups without cache and before unification). Kernel block
+            ``j`` of page ``p`` is kernel block ``p * blocks_per_page + j``.
     """
 
     group_id: int
     spec: KVCacheSpec
     layer_names: tuple[str, ...]
-    original_spec: KVCacheSpec
+    blocks_per_page: int = 1
 
     @property
     def kind(self) -> KVCacheSpecKind:
         return self.spec.kind
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens one page holds in an attention group: ``blocks_per_page *
+        block_size`` (for a state group, its spec's ``block_size``)."""
+        return self.blocks_per_page * self.spec.block_size
 
     @property
     def has_cache(self) -> bool:
@@ -57,7 +68,7 @@ def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
             )
         by_spec.setdefault(spec, []).append(name)
     return [
-        KVCacheGroup(group_id=i, spec=spec, layer_names=tuple(names), original_spec=spec)
+        KVCacheGroup(group_id=i, spec=spec, layer_names=tuple(names))
         for i, (spec, names) in enumerate(by_spec.items())
     ]
 
@@ -66,8 +77,9 @@ def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup]
     """Apply the unification rule of the package docstring.
 
     Returns:
-        The groups with scaled specs, and the unified page size ``P`` in bytes
-        (0 when no group keeps a cache).
+        The groups, each attention group with its ``blocks_per_page`` (its spec, and so
+        its kernel block size, unchanged), and the unified page size ``P`` in bytes (0
+        when no group keeps a cache).
     """
     cached = [g for g in groups if g.has_cache]
     attention_pages = [g.spec.page_size_bytes for g in cached if isinstance(g.spec, AttentionSpec)]
@@ -81,20 +93,20 @@ def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup]
     unified: list[KVCacheGroup] = []
     for group in groups:
         spec = group.spec
+        per_page = 1
         if group.has_cache and isinstance(spec, AttentionSpec):
-            factor = page // spec.page_size_bytes
-            spec = dataclasses.replace(spec, block_size=spec.block_size * factor)
-        unified.append(dataclasses.replace(group, spec=spec))
+            per_page = page // spec.page_size_bytes
+        unified.append(dataclasses.replace(group, blocks_per_page=per_page))
     return unified, page
 
 
 def unified_groups(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[list[KVCacheGroup], int]:
-    """``group_layers`` then ``unify_page_sizes``: the groups (block sizes scaled) and the
-    unified page size ``P``.
+    """``group_layers`` then ``unify_page_sizes``: the groups (with their kernel blocks
+    per page) and the unified page size ``P``.
 
     The one code path from layer specs to the groups the cache is built for:
     ``AttentionRuntime`` and ``attnkit.planner.plan_model`` both call it, so the block
-    size a plan shows is the one the runtime runs.
+    size and blocks per page a plan shows are the ones the runtime runs.
 
     Raises:
         InvalidArgumentError: as ``group_layers``.

@@ -1,19 +1,26 @@
 """The block manager: every request's block table in every group, persistent numpy
-tables grown and released by the groups' kind rules, over one ``BlockPool``."""
+tables grown and released by the groups' kind rules, over one ``BlockPool`` of pages
+(and a ``PageSlab`` of kernel blocks per group whose page holds several)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, OutOfBlocksError, UnknownRequestError
+from .._validation import is_positive_int
+from ..errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
 from ..kinds import Ints, KindRules, StepLens, rules_for, spans
 from ._groups import KVCacheGroup
-from ._pool import NULL_BLOCK, BlockPool, Ints32
+from ._pool import NULL_BLOCK, BlockPool, Ints32, PageSlab
 
 RECENTLY_FREED = 4096
 """How many freed request ids the manager remembers, to tell "already freed" apart
@@ -25,7 +32,8 @@ class _Tables:
 
     Row ``r`` is the request that holds row ``r``; ``num_blocks[r]`` logical blocks
     exist (entries past it are 0), entries before ``first_live[r]`` were released (0,
-    the null block). Grown by doubling, never rebuilt.
+    the null block). Entries are kernel block ids (the group's block size). Grown by
+    doubling, never rebuilt.
     """
 
     def __init__(self, rows: int, width: int) -> None:
@@ -52,7 +60,7 @@ class _Tables:
             setattr(self, name, new)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _StepPlan:
     """What one group does in a step, computed before anything changes."""
 
@@ -61,6 +69,10 @@ class _StepPlan:
     release_from: Ints  # first_live before the step
     release_to: Ints  # first_live after the step
     width: int  # the largest table length among the step's requests after it
+    new: int  # new kernel blocks in all
+    released: int  # entries released in all
+    # A slab group's released entries, found for the check (None: found when released).
+    release_at: tuple[Ints, Ints, Ints32] | None = None  # (rows, columns, blocks)
 
 
 class KVCacheManager:
@@ -77,6 +89,12 @@ class KVCacheManager:
     Tables are persistent numpy arrays, one row per live request (rows of finished
     requests are reused): a step does only its new work, vectorised over requests,
     and releases cost O(blocks released).
+
+    Tables hold kernel block ids. A group whose page holds one kernel block
+    (``blocks_per_page == 1``: state groups, models without unification) takes its
+    blocks from the pool directly, as pages; a group with several takes them from its
+    ``PageSlab`` (``slabs[group_id]``), which takes pages from the pool as it needs
+    them and gives a page back once all its kernel blocks are free.
     """
 
     def __init__(
@@ -95,6 +113,33 @@ class KVCacheManager:
             raise ValueError(
                 f"rules must have one entry per group ({len(self.groups)}), got {len(self._rules)}"
             )
+        for group, group_rules in zip(self.groups, self._rules, strict=True):
+            per_page: object = group.blocks_per_page
+            if not is_positive_int(per_page):
+                raise InvalidArgumentError(
+                    f"group {group.group_id} ({group.kind.value}): blocks_per_page must be "
+                    f"a positive int, got {per_page!r}"
+                )
+            if group.blocks_per_page > 1 and (
+                not group_rules.has_cache or group_rules.writes == "none"
+            ):
+                raise InvalidArgumentError(
+                    f"group {group.group_id} ({group.kind.value}): blocks_per_page must be 1 "
+                    f"for a group whose block is a whole page (a state, or no cache), got "
+                    f"{group.blocks_per_page}"
+                )
+        self.slabs: tuple[PageSlab | None, ...] = tuple(
+            PageSlab(self.pool, g.blocks_per_page) if g.blocks_per_page > 1 else None
+            for g in self.groups
+        )
+        """Per group: its ``PageSlab``, or ``None`` when its kernel blocks are pages."""
+        self._paged = any(slab is not None for slab in self.slabs)
+        self._take: list[Callable[[int], list[int] | Ints32]] = [
+            self.pool.take if slab is None else slab.take for slab in self.slabs
+        ]
+        self._give_back: list[Callable[[Ints32 | list[int]], None]] = [
+            self.pool.give_back if slab is None else slab.give_back for slab in self.slabs
+        ]
         self._rows: dict[str, int] = {}
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
@@ -174,17 +219,34 @@ class KVCacheManager:
         """Group ``group_id``'s persistent table (rows as ``row_of`` gives them); read only."""
         return self._tables[group_id].table
 
-    def owned_blocks(self) -> dict[str, set[int]]:
-        """Request -> every non-null block it holds in any group (for checks)."""
+    def owned_blocks(self) -> dict[str, set[tuple[int, int]]]:
+        """Request -> every ``(group id, kernel block)`` it holds (non-null; for checks).
+
+        Kernel block ids are per group: group ``g``'s block ``b`` lies in page ``b //
+        groups[g].blocks_per_page``.
+        """
         return {
             rid: {
-                b
+                (t, b)
                 for t in range(len(self.groups))
                 for b in self.block_table(t, rid)
                 if b != NULL_BLOCK
             }
             for rid in self._rows
         }
+
+    def owned_pages(self) -> dict[int, set[int]]:
+        """Group id -> the pages it holds: its slab's, or the pages in its tables (for
+        checks; a page belongs to one group at a time)."""
+        pages: dict[int, set[int]] = {}
+        for group, slab in zip(self.groups, self.slabs, strict=True):
+            if slab is not None:
+                pages[group.group_id] = set(np.flatnonzero(slab.owned).tolist())
+                continue
+            tables = self._tables[group.group_id]
+            used = tables.table[np.arange(tables.table.shape[1]) < tables.num_blocks[:, None]]
+            pages[group.group_id] = set(used[used != NULL_BLOCK].tolist())
+        return pages
 
     def lookup_rows(self, req_ids: Sequence[str]) -> Ints:
         """Rows of ``req_ids``, -1 for ids not live."""
@@ -241,7 +303,7 @@ class KVCacheManager:
         new = rows < 0
         any_new = bool(new.any())
         old_rows = np.where(new, 0, rows) if any_new else rows
-        for group, rules in zip(self.groups, self._rules, strict=True):
+        for group, rules, slab in zip(self.groups, self._rules, self.slabs, strict=True):
             tables = self._tables[group.group_id]
             have = tables.num_blocks[old_rows]
             if any_new:
@@ -249,6 +311,8 @@ class KVCacheManager:
             after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
             grow = after_grow - have
             width = int(after_grow.max()) if after_grow.size else 0
+            released = 0
+            release_at: tuple[Ints, Ints, Ints32] | None = None
             if rules.releases:
                 before = tables.first_live[old_rows]
                 if any_new:
@@ -256,19 +320,28 @@ class KVCacheManager:
                 after = np.maximum(
                     np.minimum(rules.first_live_block(group.spec, lens), have), before
                 )
-                total_released += int((after - before).sum())
+                released = int((after - before).sum())
+                total_released += released
+                if slab is not None and released:
+                    release_at = _released_entries(tables, rows, before, after)
             else:
                 before = after = _NO_INTS
-            total_new += int(grow.sum())
-            plans.append(_StepPlan(group, grow, before, after, width))
-        held = sum(self._blocks_held(self.row_of(r)) for r in finished)
-        if total_new > self.pool.num_free_blocks + total_released + held:
-            raise OutOfBlocksError(
-                f"the step needs {total_new} new block(s) but only "
-                f"{self.pool.num_free_blocks} are free (+{total_released} released by windows, "
-                f"+{held} held by finished requests) of {self.pool.num_blocks - 1}; "
-                f"nothing was allocated or freed"
+            new_blocks = int(grow.sum())
+            total_new += new_blocks
+            plans.append(
+                _StepPlan(group, grow, before, after, width, new_blocks, released, release_at)
             )
+        if self._paged:
+            self._check_pages(plans, [self.row_of(r) for r in finished])
+        else:  # every kernel block is a page: count blocks
+            held = sum(self._blocks_held(self.row_of(r)) for r in finished)
+            if total_new > self.pool.num_free_blocks + total_released + held:
+                raise OutOfBlocksError(
+                    f"the step needs {total_new} new block(s) but only "
+                    f"{self.pool.num_free_blocks} are free (+{total_released} released by "
+                    f"windows, +{held} held by finished requests) of "
+                    f"{self.pool.num_blocks - 1}; nothing was allocated or freed"
+                )
         # Checked: from here on nothing fails. Finished requests go, new ones get rows.
         for req_id in finished:
             self.free_request(req_id)
@@ -277,12 +350,12 @@ class KVCacheManager:
         # Releases first, for every request: a request earlier in the batch may need
         # the blocks a later one releases.
         for plan in plans:
-            if plan.release_to.size:
-                self._release(
-                    self._tables[plan.group.group_id], rows, plan.release_from, plan.release_to
-                )
+            if plan.release_at is not None:
+                self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
+            elif plan.release_to.size:
+                self._release(plan.group.group_id, rows, plan.release_from, plan.release_to)
         for plan in plans:
-            self._grow(self._tables[plan.group.group_id], rows, plan.grow, plan.width)
+            self._grow(plan.group.group_id, rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
         return rows
@@ -310,26 +383,93 @@ class KVCacheManager:
         self._encoder_len[rows[new_idx]] = lens.encoder[new_idx]
         self._num_tokens[rows[new_idx]] = 0
 
-    def _release(self, tables: _Tables, rows: Ints, before: Ints, after: Ints) -> None:
+    def _check_pages(self, plans: Sequence[_StepPlan], finished_rows: Sequence[int]) -> None:
+        """Raise ``OutOfBlocksError`` unless the step fits (nothing changes either way),
+        for a manager with slabs (without, ``allocate_rows`` counts blocks).
+
+        Counted in pages: a group whose kernel blocks are pages needs one per new block;
+        a slab group needs ``ceil(max(0, new - free) / blocks_per_page)``, ``free`` being
+        the free kernel blocks in its pages once its releases and finished requests gave
+        theirs back. The step fits when the pages needed are at most the free ones plus
+        the pages its releases and finished requests give back to the pool.
+        """
+        needed = back = 0
+        slab_lines: list[str] = []
+        for plan, slab in zip(plans, self.slabs, strict=True):
+            gid = plan.group.group_id
+            if slab is None:
+                needed += plan.new
+                back += plan.released + sum(self._held(gid, row).size for row in finished_rows)
+                continue
+            freed = [self._held(gid, row) for row in finished_rows]
+            if plan.release_at is not None:
+                freed.append(plan.release_at[2])
+            if freed:
+                free_after, emptied = slab.preview_give_back(np.concatenate(freed))
+            else:  # nothing given back (a decode step, the common case)
+                free_after, emptied = slab.num_free_blocks, 0
+            pages = slab.pages_for(plan.new, free_after)
+            needed += pages
+            back += emptied
+            if pages:
+                slab_lines.append(
+                    f"group {gid} ({plan.group.kind.value}): {plan.new} kernel block(s) of "
+                    f"{plan.group.spec.block_size} tokens, {free_after} free in its "
+                    f"{slab.num_pages} page(s) of {slab.blocks_per_page} -> {pages} page(s)"
+                )
+        free = self.pool.num_free_blocks
+        if needed <= free + back:
+            return
+        whole = [
+            f"group {p.group.group_id} ({p.group.kind.value}): {p.new} page(s)"
+            for p, slab in zip(plans, self.slabs, strict=True)
+            if slab is None and p.new
+        ]
+        raise OutOfBlocksError(
+            f"the step needs {needed} new page(s) but only {free} are free (+{back} given "
+            f"back by window releases and finished requests) of {self.pool.num_blocks - 1}; "
+            f"{'; '.join(slab_lines + whole)}; nothing was allocated or freed"
+        )
+
+    def _held(self, group_id: int, row: int) -> Ints32:
+        """The non-null kernel blocks row ``row`` holds in group ``group_id``."""
+        tables = self._tables[group_id]
+        used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
+        held: Ints32 = used[used != NULL_BLOCK]
+        return held
+
+    def _release(self, group_id: int, rows: Ints, before: Ints, after: Ints) -> None:
         moved = np.flatnonzero(after > before)
         if moved.size == 0:
             return
+        tables = self._tables[group_id]
         rows, before, after = rows[moved], before[moved], after[moved]
         owners, cols = spans(after - before, before, rows)
         dead = tables.table[owners, cols]
         tables.table[owners, cols] = NULL_BLOCK
-        self.pool.give_back(dead[dead != NULL_BLOCK])
+        self._give_back[group_id](dead[dead != NULL_BLOCK])
         tables.first_live[rows] = after
 
-    def _grow(self, tables: _Tables, rows: Ints, grow: Ints, width: int) -> None:
+    def _release_entries(
+        self, group_id: int, rows: Ints, after: Ints, at: tuple[Ints, Ints, Ints32]
+    ) -> None:
+        """``_release`` with the entries the check found (``_released_entries``)."""
+        tables = self._tables[group_id]
+        owners, cols, dead = at
+        tables.table[owners, cols] = NULL_BLOCK
+        self._give_back[group_id](dead)
+        tables.first_live[rows] = np.maximum(tables.first_live[rows], after)
+
+    def _grow(self, group_id: int, rows: Ints, grow: Ints, width: int) -> None:
         growing = np.flatnonzero(grow)
         if growing.size == 0:
             return
+        tables = self._tables[group_id]
         rows, grow = rows[growing], grow[growing]
         have = tables.num_blocks[rows]
         tables.grow(0, width)
         owners, cols = spans(grow, have, rows)
-        tables.table[owners, cols] = self.pool.take(owners.size)
+        tables.table[owners, cols] = self._take[group_id](owners.size)
         tables.num_blocks[rows] = have + grow
 
     def _blocks_held(self, row: int) -> int:
@@ -342,9 +482,9 @@ class KVCacheManager:
     def free_request(self, req_id: str) -> None:
         """Release every block of ``req_id`` and forget it."""
         row = self.row_of(req_id)
-        for tables in self._tables:
+        for tables, give_back in zip(self._tables, self._give_back, strict=True):
             used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
-            self.pool.give_back(used[used != NULL_BLOCK])
+            give_back(used[used != NULL_BLOCK])
             tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
             tables.num_blocks[row] = 0
             tables.first_live[row] = 0
@@ -357,6 +497,18 @@ class KVCacheManager:
         recent[req_id] = None
         if len(recent) > RECENTLY_FREED:
             del recent[next(iter(recent))]
+
+
+def _released_entries(
+    tables: _Tables, rows: Ints, before: Ints, after: Ints
+) -> tuple[Ints, Ints, Ints32]:
+    """The entries a release nulls: their rows, columns and non-null blocks (the rows
+    of ``rows`` are -1 for new requests, which release nothing)."""
+    moved = np.flatnonzero(after > before)
+    owners, cols = spans(after[moved] - before[moved], before[moved], rows[moved])
+    dead = tables.table[owners, cols]
+    live = dead != NULL_BLOCK
+    return owners[live], cols[live], dead[live]
 
 
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)

@@ -3,7 +3,8 @@
 ``plan_model`` answers, for a model (a ``ModelLayout`` from ``layout_from_hf_config``,
 or layer specs) on a device, without allocating anything: which backend serves each
 layer and why the others were skipped, the groups and the unified page size (the
-block sizes the runtime will run), the bytes a token and a request cost, and how many
+block sizes the runtime's kernels will run, and how many blocks a page holds), the bytes
+a token and a request cost, and how many
 blocks, tokens and requests of ``max_model_len`` tokens fit in a memory budget::
 
     layout = attnkit.layout_from_hf_config("path/to/model")
@@ -20,10 +21,11 @@ for the pool. The arithmetic (docs/models.md, "Capacity planning"):
   in use, so a block costs ``bytes_per_block = P * buffers`` and the pool holds
   ``num_blocks = memory // bytes_per_block`` blocks, block 0 (the null block) included;
 * a request of up to ``max_model_len`` tokens holds at most
-  ``blocks_per_request = sum over cached groups of spec.max_memory_usage_bytes(...) /
-  page`` blocks: ``ceil(max_model_len / block_size)`` for full attention, the window
-  (or chunk) plus one step of ``max_num_batched_tokens`` tokens for windowed
-  (chunked) layers, one block for a state layer;
+  ``blocks_per_request = sum over cached groups of ceil(kernel blocks /
+  blocks_per_page)`` pages, its kernel blocks being ``spec.max_memory_usage_bytes(...) /
+  spec.page_size_bytes``: ``ceil(max_model_len / block_size)`` for full attention, the
+  window (or chunk) plus one step of ``max_num_batched_tokens`` tokens for windowed
+  (chunked) layers, one block (a page) for a state layer;
 * ``max_concurrency = (num_blocks - 1) // blocks_per_request``;
   ``tokens_that_fit = (num_blocks - 1) * max_model_len // blocks_per_request`` (the
   context tokens the pool holds at that per-request cost; for a model of full

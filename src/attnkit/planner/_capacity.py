@@ -17,7 +17,9 @@ __all__ = [  # what the plan types, the per-rank plan and plan_model use
     "_PoolCapacity",
     "_group_costs",
     "_max_context",
+    "_pages",
     "_rank_blocks",
+    "_rank_kernel_blocks",
 ]
 
 
@@ -79,27 +81,34 @@ class _PoolCapacity:
         return usable * self.max_model_len // self.blocks_per_request
 
 
-def _group_costs(group: KVCacheGroup, config: AttentionConfig) -> tuple[int, int, int | None]:
-    """``(blocks_per_request, bytes_per_token, per_request_cap_bytes)`` of a group."""
+def _group_costs(group: KVCacheGroup, config: AttentionConfig) -> tuple[int, int, int, int | None]:
+    """``(blocks_per_request, kernel_blocks_per_request, bytes_per_token,
+    per_request_cap_bytes)`` of a group: pages (the pool's blocks) and kernel blocks."""
     if not group.has_cache:
-        return 0, 0, None
-    spec = group.spec  # unified: an attention group's page is exactly P
-    blocks = (
+        return 0, 0, 0, None
+    spec = group.spec  # the declared spec: kernel blocks; a page holds blocks_per_page
+    kernel = (
         spec.max_memory_usage_bytes(config.max_model_len, config.max_num_batched_tokens)
         // spec.page_size_bytes
     )
+    pages = _pages(kernel, group.blocks_per_page)
     layers = len(group.layer_names)
     if isinstance(spec, AttentionSpec):
         per_token = layers * spec.page_size_bytes // spec.block_size
         bounded = rules_for(spec).bound(spec) is not None
-        cap = blocks * spec.page_size_bytes * layers if bounded else None
-        return blocks, per_token, cap
-    return blocks, 0, None
+        cap = kernel * spec.page_size_bytes * layers if bounded else None
+        return pages, kernel, per_token, cap
+    return pages, kernel, 0, None
 
 
-def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -> int:
-    """The most blocks one request of ``max_model_len`` tokens holds in a group of
-    ``spec`` (a unified, cached spec) on the busiest of ``cp`` context-parallel ranks.
+def _pages(kernel_blocks: int, blocks_per_page: int) -> int:
+    """Pages that hold ``kernel_blocks`` of a group (a request alone in its pages)."""
+    return -(-kernel_blocks // blocks_per_page)
+
+
+def _rank_kernel_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -> int:
+    """The most kernel blocks one request of ``max_model_len`` tokens holds in a group
+    of ``spec`` (a cached spec) on the busiest of ``cp`` context-parallel ranks.
 
     Sharded kinds hold ``ceil(tokens / cp)`` slots on rank 0; replicated ones what the
     spec says for the whole request.
@@ -110,29 +119,35 @@ def _rank_blocks(spec: KVCacheSpec, max_model_len: int, batched: int, cp: int) -
     return spec.max_memory_usage_bytes(max_model_len, batched) // spec.page_size_bytes
 
 
+def _rank_blocks(group: KVCacheGroup, max_model_len: int, batched: int, cp: int) -> int:
+    """``_rank_kernel_blocks`` in pages (the pool's blocks)."""
+    kernel = _rank_kernel_blocks(group.spec, max_model_len, batched, cp)
+    return _pages(kernel, group.blocks_per_page)
+
+
 def _max_context(groups: Sequence[KVCacheGroup], batched: int, cp: int, usable: int) -> int | None:
-    """The longest request ``usable`` blocks hold on each rank (binary search over the
-    length: every group's blocks grow monotonically with it); ``None`` when every
+    """The longest request ``usable`` pages hold on each rank (binary search over the
+    length: every group's pages grow monotonically with it); ``None`` when every
     length fits (no cached group grows without bound, and the bounded ones fit)."""
-    cached = [g.spec for g in groups if g.has_cache]
-    growing = [s.block_size for s in cached if rules_for(s).grows_without_bound]
+    cached = [g for g in groups if g.has_cache]
+    growing = [g.page_tokens for g in cached if rules_for(g.spec).grows_without_bound]
 
     def blocks(length: int) -> int:
-        return sum(_rank_blocks(s, length, batched, cp) for s in cached)
+        return sum(_rank_blocks(g, length, batched, cp) for g in cached)
 
     if blocks(1) > usable:
         return 0
     if growing:
-        # At ``high`` tokens the growing group of the smallest blocks alone holds at
+        # At ``high`` tokens the growing group of the smallest pages alone holds at
         # least usable + 1 of them.
         high = cp * min(growing) * (usable + 1)
     else:
         # Windows and chunks stop growing once a request passes window (chunk) + one
-        # step + one block; states never grow.
+        # step + one page; states never grow.
         spans = [
-            bound + batched + s.block_size
-            for s in cached
-            if (bound := rules_for(s).bound(s)) is not None
+            bound + batched + g.page_tokens
+            for g in cached
+            if (bound := rules_for(g.spec).bound(g.spec)) is not None
         ]
         high = 1 + max(spans, default=0)
         if blocks(high) <= usable:

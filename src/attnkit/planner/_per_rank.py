@@ -15,7 +15,7 @@ from ..kv_cache import KVCacheGroup, buffers_per_set, num_blocks_for_budget, uni
 from ..params import AttentionLayerParams, LayerParams
 from ..spec import AttentionSpec, KVCacheSpec, MambaSpec
 from ..state_types import state_type_of
-from ._capacity import _max_context, _rank_blocks
+from ._capacity import _max_context, _pages, _rank_kernel_blocks
 from ._types import ContextPlacement, GroupSplit, RankGroupPlan, RankPlan
 
 __all__ = ["_rank_plan"]  # plan_model's
@@ -39,7 +39,7 @@ def _split_group(
     group: KVCacheGroup, params: Mapping[str, LayerParams | None], tp: int
 ) -> GroupSplit:
     """How ``tp`` tensor-parallel ranks split a model group (context placement by kind)."""
-    spec, where = group.original_spec, _where(group)
+    spec, where = group.spec, _where(group)
     rules = rules_for(spec)
     context: ContextPlacement = (
         "none" if not group.has_cache else "sharded" if rules.context_sharded else "replicated"
@@ -74,6 +74,23 @@ def _split_group(
     )
 
 
+def _splitting_sizes(
+    groups: Sequence[KVCacheGroup], params: Mapping[str, LayerParams | None]
+) -> list[int]:
+    """The tensor-parallel sizes that split every group, up to the most query heads of
+    a layer (a rank holds at least one; 64 for a model of state layers only)."""
+    heads = [p.num_heads for p in params.values() if isinstance(p, AttentionLayerParams)]
+    sizes: list[int] = []
+    for tp in range(1, max(heads, default=64) + 1):
+        try:
+            for g in groups:
+                _split_group(g, params, tp)
+        except InvalidArgumentError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
 def _rank_plan(
     specs: Mapping[str, KVCacheSpec],
     params: Mapping[str, LayerParams | None],
@@ -89,7 +106,16 @@ def _rank_plan(
     """The per-rank plan: split every model group, then group, unify and size the
     rank's cache with the runtime's own rules (``unified_groups``, ``buffers_per_set``,
     ``num_blocks_for_budget``), ``memory_bytes`` / ``num_blocks`` being the rank's."""
-    splits = tuple(_split_group(g, params, tp) for g in groups)
+    try:
+        splits = tuple(_split_group(g, params, tp) for g in groups)
+    except InvalidArgumentError as exc:
+        sizes = _splitting_sizes(groups, params)
+        if not sizes:
+            raise  # no size splits it (a state of a layout attnkit does not know)
+        shown = ", ".join(map(str, sizes))
+        raise InvalidArgumentError(
+            f"{exc} (tensor_parallel sizes that split every layer of this model: {shown})"
+        ) from None
     model_group = {name: g.group_id for g in groups for name in g.layer_names}
     rank_specs = {name: splits[model_group[name]].spec for name in specs}
     rank_groups, page = unified_groups(rank_specs)
@@ -103,21 +129,24 @@ def _rank_plan(
     planned: list[RankGroupPlan] = []
     for g in rank_groups:
         spec, layers = g.spec, len(g.layer_names)
-        blocks = per_token = 0
+        kernel = per_token = 0
         cap: int | None = None
         if g.has_cache:
-            blocks = _rank_blocks(spec, config.max_model_len, config.max_num_batched_tokens, cp)
+            kernel = _rank_kernel_blocks(
+                spec, config.max_model_len, config.max_num_batched_tokens, cp
+            )
             if isinstance(spec, AttentionSpec):
                 per_token = layers * spec.page_size_bytes // spec.block_size
                 if rules_for(spec).bound(spec) is not None:
-                    cap = blocks * spec.page_size_bytes * layers
+                    cap = kernel * spec.page_size_bytes * layers
         planned.append(
             RankGroupPlan(
                 group=g,
                 model_groups=owners[g.group_id],
                 layout=rank_layouts[g.group_id],
                 context_sharded=g.has_cache and rules_for(spec).context_sharded,
-                blocks_per_request=blocks,
+                blocks_per_request=_pages(kernel, g.blocks_per_page),
+                kernel_blocks_per_request=kernel,
                 bytes_per_token=per_token,
                 per_request_cap_bytes=cap,
             )

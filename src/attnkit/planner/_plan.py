@@ -161,9 +161,9 @@ def plan_model(
             if selection is not None
             else None
         )
-        blocks, per_token, cap = _group_costs(group, config)
+        blocks, kernel, per_token, cap = _group_costs(group, config)
         planned.append(
-            GroupPlan(group, selection, rejected, error, layout, blocks, per_token, cap, cg)
+            GroupPlan(group, selection, rejected, error, layout, blocks, kernel, per_token, cap, cg)
         )
     layouts: dict[int, KVCacheLayout] = {g.group.group_id: g.layout for g in planned}
     buffers = buffers_per_set(groups, layouts)

@@ -41,6 +41,8 @@ def parse_memory_size(text: str, *, argument: str = "memory") -> int:
         )
     units = ", ".join(_UNITS)
     expected = f"a size such as 80GiB, 500MB or 4096 (bytes); units: {units}"
+    if text.strip().startswith("-"):
+        raise InvalidArgumentError(f"{argument} must be positive, got {text!r}")
     match = _SIZE.fullmatch(text.strip())
     if match is None or match.group(2) not in {*_UNITS, ""}:
         raise InvalidArgumentError(f"{argument} must be {expected}; got {text!r}")

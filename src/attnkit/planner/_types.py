@@ -53,13 +53,17 @@ class GroupPlan:
         rejected: every candidate skipped, with its reasons.
         error: why no backend serves (the ``NoBackendError`` message), else ``None``.
         layout: the cache layout of the chosen backend (``"interleaved"`` without one).
-        blocks_per_request: the most blocks one request of ``max_model_len`` tokens
-            holds in this group (0 for a group without cache).
+        blocks_per_request: the most pages (the pool's blocks) one request of
+            ``max_model_len`` tokens holds in this group, alone in its pages:
+            ``ceil(kernel_blocks_per_request / blocks_per_page)`` (0 for a group without
+            cache).
+        kernel_blocks_per_request: the most kernel blocks (of the group's block size)
+            such a request holds in the group.
         bytes_per_token: cache bytes a token adds to this group's layers (0 for state
             and encoder-only groups; cross-attention counts encoder tokens).
         per_request_cap_bytes: for windowed and chunked-local groups, the most bytes a
-            request's tokens keep in the group's layers: ``blocks_per_request`` pages
-            per layer; ``None`` for groups that grow with the request.
+            request's tokens keep in the group's layers: ``kernel_blocks_per_request``
+            kernel blocks per layer; ``None`` for groups that grow with the request.
         cudagraph_support: the builder's CUDA-graph support, ``None`` without a backend.
     """
 
@@ -69,6 +73,7 @@ class GroupPlan:
     error: str | None
     layout: KVCacheLayout
     blocks_per_request: int
+    kernel_blocks_per_request: int
     bytes_per_token: int
     per_request_cap_bytes: int | None
     cudagraph_support: AttentionCGSupport | None
@@ -103,7 +108,7 @@ class GroupSplit:
         group_id: the model's group (an index of ``ModelPlan.groups``).
         spec: what each rank's layers of the group declare: K/V heads or state shapes
             divided by tensor parallelism, the declared block size (each rank unifies
-            its own page, see ``RankPlan.groups``).
+            its own page, so its kernel blocks per page, see ``RankPlan.groups``).
         query_heads: query heads per rank of the group's first attention layer
             (``None`` for state groups, or when no layer's params give a head count).
         kv_heads: K/V heads per rank (1 for an MLA latent); ``None`` for state groups.
@@ -131,18 +136,20 @@ class RankGroupPlan:
     """A KV-cache group of one rank: what the runtime of each rank would build.
 
     Each rank groups and unifies its own specs (``GroupSplit.spec``) with the runtime's
-    rule, so its page, block sizes and even its groups may differ from the model's: two
+    rule, so its page, kernel blocks per page and even its groups may differ from the
+    model's: two
     groups whose specs become equal once split (2 and 4 K/V heads at
     ``tensor_parallel=4``) are one group on a rank.
 
     Attributes:
-        group: the rank's group (its spec unified to the rank's page).
+        group: the rank's group (its kernel blocks per page from the rank's page).
         model_groups: the model's groups whose layers it holds.
         layout: the cache layout of the backend chosen for the model group.
         context_sharded: context parallelism shards its tokens.
-        blocks_per_request: the most blocks a request of ``max_model_len`` tokens holds
+        blocks_per_request: the most pages a request of ``max_model_len`` tokens holds
             in this group on the busiest rank (rank 0 for a sharded group:
-            ``ceil(max_model_len / context_parallel)`` tokens).
+            ``ceil(max_model_len / context_parallel)`` tokens), alone in its pages.
+        kernel_blocks_per_request: the same in kernel blocks.
         bytes_per_token: cache bytes a token adds to this group's layers on a rank
             that holds it.
         per_request_cap_bytes: as ``GroupPlan.per_request_cap_bytes``, per rank.
@@ -153,6 +160,7 @@ class RankGroupPlan:
     layout: KVCacheLayout
     context_sharded: bool
     blocks_per_request: int
+    kernel_blocks_per_request: int
     bytes_per_token: int
     per_request_cap_bytes: int | None
 
@@ -274,9 +282,15 @@ class RankPlan(_PoolCapacity):
                     "model_groups": list(g.model_groups),
                     "num_layers": len(g.group.layer_names),
                     "block_size": g.group.spec.block_size,
-                    "page_size_bytes": g.group.spec.page_size_bytes if g.group.has_cache else 0,
+                    "blocks_per_page": g.group.blocks_per_page,
+                    "page_size_bytes": (
+                        g.group.spec.page_size_bytes * g.group.blocks_per_page
+                        if g.group.has_cache
+                        else 0
+                    ),
                     "bytes_per_token": g.bytes_per_token,
                     "blocks_per_request": g.blocks_per_request,
+                    "kernel_blocks_per_request": g.kernel_blocks_per_request,
                     "per_request_cap_bytes": g.per_request_cap_bytes,
                     "context_sharded": g.context_sharded,
                     "layout": g.layout,
@@ -421,10 +435,13 @@ class ModelPlan(_PoolCapacity):
                     "spec": type(spec).__name__,
                     "layers": list(g.group.layer_names),
                     "block_size": spec.block_size,
-                    "declared_block_size": g.group.original_spec.block_size,
-                    "page_size_bytes": spec.page_size_bytes if g.group.has_cache else 0,
+                    "blocks_per_page": g.group.blocks_per_page,
+                    "page_size_bytes": (
+                        spec.page_size_bytes * g.group.blocks_per_page if g.group.has_cache else 0
+                    ),
                     "bytes_per_token": g.bytes_per_token,
                     "blocks_per_request": g.blocks_per_request,
+                    "kernel_blocks_per_request": g.kernel_blocks_per_request,
                     "per_request_cap_bytes": g.per_request_cap_bytes,
                     "backend": g.backend_name,
                     "chosen_by": g.selection.source if g.selection is not None else None,

@@ -29,6 +29,9 @@ class GroupMemory:
     Attributes:
         group_id, kind, backend: as in the routing table.
         layout: the cache layout its backend declares (``AttentionBackend.kv_cache_layout``).
+        block_size: its kernel block size (the tokens of one block table entry; a state
+            group's spec value), ``None`` for a group that keeps no cache.
+        blocks_per_page: kernel blocks in one page of the pool (1 for state groups).
         buffer_set: the set of layer buffers its layers view (``"page_major"`` or
             ``"planes"``); ``None`` for a group that keeps no cache (encoder-only).
         num_layers: its layers.
@@ -41,6 +44,8 @@ class GroupMemory:
     kind: KVCacheSpecKind
     backend: str
     layout: KVCacheLayout
+    block_size: int | None
+    blocks_per_page: int
     buffer_set: BufferSetName | None
     num_layers: int
     bytes: int
@@ -55,7 +60,7 @@ class MemoryReport:
     groups use both sets pays for both.
 
     Attributes:
-        num_blocks, page_size_bytes: the pool's geometry (null block included).
+        num_blocks, page_size_bytes: the pool's geometry in pages (null page included).
         groups: one row per group, in group order.
         buffers: buffer set -> its layer buffers (sets in use only).
         set_bytes: buffer set -> its bytes, ``buffers * num_blocks * page``.
@@ -83,8 +88,13 @@ class MemoryReport:
             f"in {len(self.buffers)} set(s)"
         ]
         for g in self.groups:
+            blocks = (
+                f"block size {g.block_size}, {g.blocks_per_page} per page, "
+                if g.blocks_per_page > 1
+                else ""
+            )
             where = (
-                f"buffer set {g.buffer_set}, {g.bytes} B in {g.num_layers} view(s)"
+                f"{blocks}buffer set {g.buffer_set}, {g.bytes} B in {g.num_layers} view(s)"
                 if g.buffer_set is not None
                 else "no cache"
             )

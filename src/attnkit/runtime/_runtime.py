@@ -164,9 +164,12 @@ class AttentionRuntime(StepHost, LayerCalls):
         self.num_blocks = num_blocks_for_budget(
             groups, self.page_size_bytes, memory_budget_bytes, self.layouts
         )
+        # Backends see kernel blocks: a page of the pool holds blocks_per_page of them.
         shapes: dict[int, tuple[tuple[int, ...], ...]] = {
             e.group.group_id: (
-                e.selection.backend.get_kv_cache_shapes(self.num_blocks, e.group.spec)
+                e.selection.backend.get_kv_cache_shapes(
+                    self.num_blocks * e.group.blocks_per_page, e.group.spec
+                )
                 if e.group.has_cache
                 else ()
             )
@@ -270,6 +273,8 @@ class AttentionRuntime(StepHost, LayerCalls):
                 kind=e.group.kind,
                 backend=e.selection.backend_name,
                 layout=self.layouts[e.group.group_id],
+                block_size=e.group.spec.block_size if e.group.has_cache else None,
+                blocks_per_page=e.group.blocks_per_page,
                 buffer_set=(
                     buffer_set_of(self.layouts[e.group.group_id]) if e.group.has_cache else None
                 ),
