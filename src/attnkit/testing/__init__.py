@@ -96,8 +96,9 @@ SHRINK_RUNS = 40
 HEAD_SIZES = (16, 80, 96, 64, 128, 32, 256, 8)
 """Head sizes the kit draws from, in order: the first four a backend allows."""
 BLOCK_SIZES = (16, 48, 24, 528, 64, 32, 128, 8, 256)
-"""Block sizes the kit draws from, in order: the first four a backend allows (528 is a
-unified page of a hybrid model's attention groups)."""
+"""Block sizes the kit draws from, in order: the first four a backend allows (528 is
+the attention block of a hybrid model whose blocks are scaled to its state page, as
+engines that unify pages that way, vLLM among them, run it)."""
 KIT_SCALE = 0.15
 """The non-default softmax scale (``AttentionLayerParams.scale``) combinations take."""
 _PER_DIMENSION = 4

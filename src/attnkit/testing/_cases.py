@@ -261,7 +261,8 @@ class _Side:
         group_spec = entry.group.spec
         rules = rules_for(group_spec)
         layout = self.runtime.backend_for(self.layers[0]).kv_cache_layout
-        num_blocks = self.runtime.num_blocks
+        # The cache tensors count kernel blocks: a page of the pool may hold several.
+        num_blocks = self.runtime.num_blocks * entry.group.blocks_per_page
         self.geometry = CacheGeometry(
             num_blocks=num_blocks,
             block_size=group_spec.block_size,

@@ -9,11 +9,11 @@ it was: the inputs (query, key, value or the state inputs), the step's
 slot. ``Guard`` copies what it checks before the call (the kit's tensors are small) and
 compares bit for bit afterwards, NaN included.
 
-Letters: NB blocks, BS block size, Hkv KV heads, D head size. Cache tensors by layout:
-interleaved ``[NB, 2, BS, Hkv, D]``, planes ``[NB * BS, Hkv, D]`` (K and V), latent
-``[NB, BS, D]``, states ``[NB, *shape]``. A tensor of another shape (a backend's own
-``get_kv_cache_shapes``) is checked per block when it starts with ``NB``, per slot when
-it starts with ``NB * BS``, and not at all otherwise.
+Letters: NB kernel blocks, BS block size, Hkv KV heads, D head size. Cache tensors by
+layout: interleaved ``[NB, 2, BS, Hkv, D]``, planes ``[NB * BS, Hkv, D]`` (K and V),
+latent ``[NB, BS, D]``, states ``[NB, *shape]``. A tensor of another shape (a backend's
+own ``get_kv_cache_shapes``) is checked per block when it starts with ``NB``, per slot
+when it starts with ``NB * BS``, and not at all otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class CacheGeometry:
     """How one layer's cache tensors map to slots and blocks.
 
     Attributes:
-        num_blocks: NB, the pool's blocks (block 0, the null block, included).
+        num_blocks: NB, the layer's kernel blocks (the pool's pages times the blocks a
+            page holds; block 0, the null block, included).
         block_size: BS, the group's block size.
         layout: the backend's ``kv_cache_layout``.
         latent: one latent per token (MLA): ``[NB, BS, D]``.
