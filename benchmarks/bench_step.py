@@ -36,6 +36,15 @@ step. Attention keeps blocks of 16 tokens inside pages of 1056 (two-level alloca
 kernel blocks from the group's pages, a page from the pool every 66 blocks); the
 figures are the runtime's own cost of that, next to the 32-layer model above.
 
+Prefix-caching section (target: ratio <= 1.05): ``begin_step`` with prefix caching on
+and a 0% hit rate against caching off, on the 32-layer model pinned to ``reference``, at
+256 decodes and on the mixed step. Both runtimes hold the same requests; with caching on
+every request was started from a ``match_prefix`` of its own random prompt (nothing to
+hit), so its prompt blocks are named as they fill: the decodes' window releases make
+named blocks free (cached, evictable), and the mixed step's prefill names the 32 blocks
+of each group its chunk fills. Each repetition times one step of each runtime back to
+back, alternating which goes first; the figures are medians.
+
 Allocator section: allocate+free cycles of ``n`` blocks (n = 1, 16, 256; a decode
 step of 256 requests with block size 16 takes about 16 blocks per group) on a pool of
 65536 blocks, half of them held. Four variants, timed back to back in each
@@ -83,6 +92,8 @@ BLOCK = 16
 WINDOW = 1024
 TARGETS = {"ratio_256": 2.0, "ratio_1024": 2.0, "slope_us_per_req": 2.0, "ctx_4k_over_1k": 1.1}
 """Upper bounds (a figure meets its target when it is <= the bound)."""
+PREFIX_TARGET = 1.05
+"""Upper bound on ``begin_step`` with prefix caching on (0% hits) over caching off."""
 ALLOC_TARGET_FAST_OVER_PREVIOUS = 3.0
 """Lower bound on the fast path's cycles/s over the previous pool's, at every ``n``."""
 ALLOC_SIZES = (1, 16, 256)
@@ -299,6 +310,77 @@ def measure(
     return {"begin_step_us": got, "baseline_us": base, "ratio": got / base}
 
 
+class PrefixCase:
+    """One runtime with prefix caching on, every request started from the match of a
+    random prompt of its own (nothing hits), and one with it off, same requests."""
+
+    def __init__(
+        self, num_decodes: int, contexts: np.ndarray, *, prefill: int, reps: int, seed: int
+    ) -> None:
+        specs = model_specs()
+        num_reqs = num_decodes + (1 if prefill else 0)
+        steps = reps + 8
+        max_ctx = int(contexts.max()) + steps + prefill * steps + BLOCK
+        num_blocks = 2 * num_reqs * (-(-max_ctx // BLOCK) + WINDOW // BLOCK + 2) + 16
+        page = next(iter(specs.values())).page_size_bytes
+        rng = np.random.default_rng(seed)
+        lens = [int(n) for n in contexts[:num_decodes]]
+        if prefill:
+            lens.append(prefill * steps)  # a long prompt, one chunk per step
+        prompts = [rng.integers(0, 50_000, size=n) for n in lens]
+        self.runtimes: dict[str, AttentionRuntime] = {}
+        self.schedules: dict[str, list[ScheduledRequest]] = {}
+        for mode in ("off", "on"):
+            config = AttentionConfig(
+                backend="reference",
+                max_num_reqs=num_reqs,
+                max_num_batched_tokens=sum(lens[:num_decodes]) + prefill + 1,
+                max_model_len=max_ctx,
+                prefix_caching={"enabled": mode == "on"},
+            )
+            runtime = AttentionRuntime(
+                specs, config, device="cpu", memory_budget_bytes=num_blocks * page * 24
+            )
+            ids = [f"r{i}" for i in range(num_reqs)]
+            first: list[ScheduledRequest] = []
+            for rid, prompt, n in zip(ids, prompts, lens, strict=True):
+                match = runtime.match_prefix(prompt) if mode == "on" else None
+                first.append(ScheduledRequest(rid, prefill if n == prefill * steps else n, prefix=match))
+            runtime.begin_step(first)  # untimed: every context, the prefill's first chunk
+            schedule = [ScheduledRequest(r, 1) for r in ids[:num_decodes]]
+            if prefill:
+                schedule.append(ScheduledRequest(ids[-1], prefill))
+            for _ in range(3):  # warm-up
+                runtime.begin_step(schedule)
+            self.runtimes[mode], self.schedules[mode] = runtime, schedule
+
+    def step(self, mode: str) -> object:
+        return self.runtimes[mode].begin_step(self.schedules[mode])
+
+
+def measure_prefix(
+    num_decodes: int, contexts: np.ndarray, *, prefill: int = 0, reps: int
+) -> dict[str, float]:
+    """Median ``begin_step`` microseconds with prefix caching on (0% hits) and off,
+    timed back to back per repetition, alternating which goes first."""
+    case = PrefixCase(num_decodes, contexts, prefill=prefill, reps=reps, seed=num_decodes)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(reps):
+        for mode in ("on", "off") if rep % 2 else ("off", "on"):
+            start = time.perf_counter()
+            case.step(mode)
+            times[mode].append(time.perf_counter() - start)
+    on, off = (statistics.median(times[m]) * 1e6 for m in ("on", "off"))
+    stats = case.runtimes["on"].prefix_cache_stats()
+    return {
+        "on_us": on,
+        "off_us": off,
+        "ratio": on / off,
+        "hits": float(stats.hits),
+        "cached_blocks": float(stats.cached_blocks),
+    }
+
+
 def context_ratio(num_decodes: int, rng: np.random.Generator, reps: int) -> float:
     """``begin_step`` with ~3.8k-token contexts over ~1.1k, the two timed back to back."""
     short = Case(num_decodes, rng.integers(1024, 1200, size=num_decodes), prefill=0, reps=reps)
@@ -469,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     hybrid["mixed_63_plus_512"] = measure_hybrid(
         63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps
     )
+    prefix = {
+        "decode_256": measure_prefix(256, rng.integers(1024, 4096, size=256), reps=reps),
+        "mixed_63_plus_512": measure_prefix(
+            63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps
+        ),
+    }
     d64, d1024 = results["decode_64"], results["decode_1024"]
     summary = {
         "slope_us_per_req": (d1024["begin_step_us"] - d64["begin_step_us"]) / 960,
@@ -496,6 +584,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, row in hybrid.items():
         print(f"  {name:20s} {row['begin_step_us']:10.1f}us")
+    print(f"prefix caching on at 0% hits over off (target <= {PREFIX_TARGET:g}):")
+    for name, row in prefix.items():
+        ok = row["ratio"] <= PREFIX_TARGET
+        print(
+            f"  {name:20s} {row['on_us']:10.1f}us {row['off_us']:8.1f}us {row['ratio']:6.3f}x "
+            f"({'meets' if ok else 'MISSES'}; {row['hits']:.0f} hits, "
+            f"{row['cached_blocks']:.0f} cached blocks)"
+        )
     for key, value in summary.items():
         target = TARGETS.get(key)
         if target is None:
@@ -523,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cases": results,
                 "default_selection": default,
                 "hybrid": hybrid,
+                "prefix_caching": {"rows": prefix, "target_ratio": PREFIX_TARGET},
                 "summary": summary,
                 "targets": TARGETS,
                 "allocator": {

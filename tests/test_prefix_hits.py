@@ -600,7 +600,8 @@ def test_counters() -> None:
     assert stats.hit_rate == 0.5
     assert stats.token_hit_rate == pytest.approx(16 / 27)
     assert str(stats) == (
-        "prefix cache: 1/2 lookups hit (50.0%), 16/27 tokens served (59.3%), 3 evictions"
+        "prefix cache: 1/2 lookups hit (50.0%), 16/27 tokens served (59.3%), 3 evictions, "
+        "0 cached blocks (0 free)"
     )
     with pytest.raises(InvalidArgumentError, match="hit_tokens <= num_tokens"):
         counters.record_query(3, 4)

@@ -62,6 +62,9 @@ PUBLIC_API = [
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
+    "PrefixCacheStats",
+    "PrefixCachingConfig",
+    "PrefixMatch",
     "Rejection",
     "RoutingRow",
     "ScheduledRequest",
@@ -71,6 +74,7 @@ PUBLIC_API = [
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StalePrefixError",
     "StaleStepError",
     "StateInputs",
     "StateLayer",
@@ -158,7 +162,7 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
 
 def test_every_error_is_an_attnkit_error() -> None:
     errors = [getattr(attnkit, n) for n in PUBLIC_API if n.endswith("Error")]
-    assert len(errors) == 18
+    assert len(errors) == 19
     assert all(issubclass(e, attnkit.AttnkitError) for e in errors)
     # Each also derives from the builtin it resembles, so existing clauses catch it.
     builtins = (ValueError, TypeError, KeyError, RuntimeError, ImportError)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .builder import AttentionCGSupport
 from .capabilities import AttentionFeature
-from .config import AttentionConfig, BackendOptions, parse_backend_per_kind
+from .config import AttentionConfig, BackendOptions, PrefixCachingConfig, parse_backend_per_kind
 from .errors import (
     ArgumentTypeError,
     AttnkitError,
@@ -38,6 +38,7 @@ from .errors import (
     OutOfBlocksError,
     PluginError,
     Rejection,
+    StalePrefixError,
     StaleStepError,
     UnknownBackendError,
     UnknownLayerError,
@@ -56,11 +57,13 @@ from .params import (
     ShortConvLayerParams,
     StateLayerParams,
 )
+from .prefix_cache import PrefixCacheStats
 from .registry import BackendRegistry, default_registry, register_backend
 from .runtime import (
     AttentionRuntime,
     GroupMemory,
     MemoryReport,
+    PrefixMatch,
     RoutingRow,
     ScheduledRequest,
     StateLayer,
@@ -146,6 +149,9 @@ __all__ = [
     "NoBackendError",
     "OutOfBlocksError",
     "PluginError",
+    "PrefixCacheStats",
+    "PrefixCachingConfig",
+    "PrefixMatch",
     "Rejection",
     "RoutingRow",
     "ScheduledRequest",
@@ -155,6 +161,7 @@ __all__ = [
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StalePrefixError",
     "StaleStepError",
     "StateInputs",
     "StateLayer",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, cast
 
 from pydantic import (
     BaseModel,
@@ -45,7 +45,13 @@ from typing_extensions import Self, override
 from .errors import ArgumentTypeError
 from .spec import KVCacheSpecKind
 
-__all__ = ["AttentionConfig", "BackendOptions", "parse_backend_per_kind"]
+__all__ = [
+    "AttentionConfig",
+    "BackendOptions",
+    "PrefixCachingConfig",
+    "PrefixHashName",
+    "parse_backend_per_kind",
+]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _VALID_KINDS = ", ".join(k.value for k in KVCacheSpecKind)
@@ -183,6 +189,40 @@ class BackendOptions(BaseModel):
 
 OptionsT = TypeVar("OptionsT", bound=BackendOptions)
 
+PrefixHashName = Literal["sha256", "xxh3_128"]
+"""The hashes a prefix-cache block name can be made with (``attnkit.prefix_cache``'s
+``HashName``; a test keeps the two equal)."""
+
+
+class PrefixCachingConfig(BaseModel):
+    """Prefix caching: requests that share a prompt prefix share its KV-cache blocks
+    (docs/prefix-caching.md).
+
+    Attributes:
+        enabled: cache full blocks by content and let ``match_prefix`` hit them. Off by
+            default in the runtime: with it off nothing is hashed or counted.
+        hash: the hash block names are made with: ``"sha256"`` (the default,
+            cryptographic) or ``"xxh3_128"`` (faster, for trusted prompts only; needs
+            ``pip install 'attnkit[xxhash]'``).
+        model_revision: the model and weights the cache was computed with, in every
+            group's namespace (a weight update without a new runtime calls
+            ``reset_prefix_cache()`` instead).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(default=False, strict=True)
+    hash: PrefixHashName = "sha256"
+    model_revision: str = Field(default="", strict=True)
+
+    def describe(self) -> str:
+        """``on (sha256, revision 'r1')`` or ``off``."""
+        if not self.enabled:
+            return "off"
+        revision = f", revision {self.model_revision!r}" if self.model_revision else ""
+        return f"on ({self.hash}{revision})"
+
+
 DEFAULT_MAX_NUM_REQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -206,6 +246,8 @@ class AttentionConfig(BaseModel):
         max_num_reqs, max_num_batched_tokens, max_model_len: the engine's limits per
             step and per request; builders size their fixed-address (CUDA-graph)
             buffers from them.
+        prefix_caching: a ``PrefixCachingConfig`` (or a mapping of its fields, e.g.
+            ``{"enabled": True}``); off by default.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -224,6 +266,7 @@ class AttentionConfig(BaseModel):
     max_num_reqs: int = Field(default=DEFAULT_MAX_NUM_REQS, ge=1)
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
+    prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -241,6 +284,7 @@ class AttentionConfig(BaseModel):
             max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+            prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
@@ -272,6 +316,11 @@ class AttentionConfig(BaseModel):
                 for k, v in items
             }
         return value
+
+    @field_validator("prefix_caching", mode="before")
+    @classmethod
+    def _default_prefix_caching(cls, value: Any) -> Any:
+        return PrefixCachingConfig() if value is None else value
 
     @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
     @classmethod
@@ -372,4 +421,6 @@ class AttentionConfig(BaseModel):
         text = f"backend={self.backend} backend_per_kind={{{per_kind}}} plugins={self.plugins}"
         if self.backend_options:
             text += f" backend_options={sorted(self.backend_options)}"
+        if self.prefix_caching.enabled:
+            text += f" prefix_caching={self.prefix_caching.describe()}"
         return text

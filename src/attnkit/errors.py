@@ -37,6 +37,7 @@ __all__ = [
     "OutOfBlocksError",
     "PluginError",
     "Rejection",
+    "StalePrefixError",
     "StaleStepError",
     "UnknownBackendError",
     "UnknownLayerError",
@@ -143,6 +144,12 @@ class ContextParallelMismatchError(AttnkitError, RuntimeError):
 class StaleStepError(AttnkitError, RuntimeError):
     """Step metadata used when it no longer describes the cache: before the first
     ``begin_step``, or after requests of the step were freed."""
+
+
+class StalePrefixError(AttnkitError, RuntimeError):
+    """A prefix match (``match_prefix``) scheduled after blocks it hits were evicted or
+    the prefix cache was reset, or on another runtime. Nothing was changed: match the
+    prompt again."""
 
 
 class DeviceUnavailableError(AttnkitError, RuntimeError):

@@ -5,7 +5,9 @@ Letters: NB = pages in the pool, P = the unified page size in bytes, BS = a grou
 (kernel) block size, k = a group's kernel blocks per page.
 
 The package: ``_groups`` (grouping and page-size unification), ``_pool`` (the block
-pool of pages and the per-group slabs of kernel blocks), ``_manager`` (the block
+pool of pages and the per-group slabs of kernel blocks), ``_cached`` (the pool and the
+slabs with prefix caching on: ref-counted blocks that keep their names), ``_prefix``
+(the prefix cache: lookups, hits, when blocks get names), ``_manager`` (the block
 manager and its per-request tables), ``_buffers`` (the layer buffers, the budget and
 the cache tensors).
 
@@ -68,6 +70,13 @@ Block ownership
     Page 0 is the null page: never handed out, so kernel blocks ``0 .. k-1`` are null
     in every group; kernel block 0 pads block tables and stands for blocks a
     sliding-window or chunked-local group has released.
+
+Prefix caching (off by default; ``_cached`` and ``_prefix``)
+    Kernel blocks are ref-counted; a full block a request computed is named by its
+    content and, once free, stays in its group's map until evicted, so a later
+    request's table can point at it. A page stays with its group while a block in it
+    is live or named; free pages are used before cached ones are evicted. The step
+    check counts the hits, releases and frees first, so it stays exact.
 """
 
 from ..errors import OutOfBlocksError
@@ -79,18 +88,25 @@ from ._buffers import (
     cache_buffer,
     num_blocks_for_budget,
 )
+from ._cached import EVICTED_MEMORY, CachedPool, CachedSlab
 from ._groups import KVCacheGroup, group_layers, unified_groups, unify_page_sizes
 from ._manager import KVCacheManager
 from ._pool import NULL_BLOCK, BlockPool, PageSlab
+from ._prefix import PrefixCache, PrefixMatch
 
 __all__ = [
+    "EVICTED_MEMORY",
     "NULL_BLOCK",
     "BlockPool",
     "BufferSetName",
+    "CachedPool",
+    "CachedSlab",
     "KVCacheGroup",
     "KVCacheManager",
     "OutOfBlocksError",
     "PageSlab",
+    "PrefixCache",
+    "PrefixMatch",
     "allocate_kv_cache_tensors",
     "buffer_set_of",
     "buffers_per_set",

@@ -1,6 +1,8 @@
 """The block manager: every request's block table in every group, persistent numpy
 tables grown and released by the groups' kind rules, over one ``BlockPool`` of pages
-(and a ``PageSlab`` of kernel blocks per group whose page holds several)."""
+(and a ``PageSlab`` of kernel blocks per group whose page holds several). With prefix
+caching on, the pool is a ``CachedPool``, every cacheable group's blocks come from a
+``CachedSlab`` and ``prefix`` (a ``PrefixCache``) looks prompts up and names blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import is_positive_int
+from ..config import PrefixCachingConfig
 from ..errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -19,8 +22,11 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..kinds import Ints, KindRules, StepLens, rules_for, spans
+from ..prefix_cache import Tokens, get_hasher, group_namespace
+from ._cached import CachedPool, CachedSlab, GroupNeed, check_step
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, BlockPool, Ints32, PageSlab
+from ._prefix import PrefixCache, PrefixHitTables, PrefixMatch
 
 RECENTLY_FREED = 4096
 """How many freed request ids the manager remembers, to tell "already freed" apart
@@ -95,6 +101,12 @@ class KVCacheManager:
     blocks from the pool directly, as pages; a group with several takes them from its
     ``PageSlab`` (``slabs[group_id]``), which takes pages from the pool as it needs
     them and gives a page back once all its kernel blocks are free.
+
+    With ``prefix_caching`` enabled, every group whose kind can hit takes its kernel
+    blocks from a ``CachedSlab`` (``cached_slabs[group_id]``), whatever its blocks per
+    page: ref-counted blocks that keep their names once free (``_cached``'s docstring),
+    and ``prefix`` is the ``PrefixCache``. Other groups keep their ``PageSlab`` or take
+    pages directly, from a pool that also reclaims idle cached pages.
     """
 
     def __init__(
@@ -103,11 +115,16 @@ class KVCacheManager:
         num_blocks: int,
         *,
         rules: Sequence[KindRules[Any]] | None = None,
+        prefix_caching: PrefixCachingConfig | None = None,
+        namespaces: Sequence[bytes] | None = None,
     ) -> None:
         """``rules``: one per group, replacing its kind's (a context-parallel rank's
-        sharded rules); default ``rules_for`` each group's spec."""
+        sharded rules); default ``rules_for`` each group's spec. ``prefix_caching``: on
+        when given and enabled; ``namespaces``: each group's (``group_namespace``),
+        by default made from its spec alone."""
         self.groups = tuple(groups)
-        self.pool = BlockPool(num_blocks)
+        caching = prefix_caching is not None and prefix_caching.enabled
+        self.pool = CachedPool(num_blocks) if caching else BlockPool(num_blocks)
         self._rules = list(rules) if rules is not None else [rules_for(g.spec) for g in self.groups]
         if len(self._rules) != len(self.groups):
             raise ValueError(
@@ -128,18 +145,30 @@ class KVCacheManager:
                     f"for a group whose block is a whole page (a state, or no cache), got "
                     f"{group.blocks_per_page}"
                 )
+        cached: list[CachedSlab | None] = [None] * len(self.groups)
+        self.prefix: PrefixCache | None = None
+        """The prefix cache (``None``: prefix caching is off)."""
+        if caching:
+            assert prefix_caching is not None
+            assert isinstance(self.pool, CachedPool)
+            cached = self._cached_slabs(self.pool, prefix_caching, namespaces)
+        self.cached_slabs: tuple[CachedSlab | None, ...] = tuple(cached)
+        """Per group: its ``CachedSlab`` when prefix caching is on and its kind can hit."""
         self.slabs: tuple[PageSlab | None, ...] = tuple(
-            PageSlab(self.pool, g.blocks_per_page) if g.blocks_per_page > 1 else None
-            for g in self.groups
+            PageSlab(self.pool, g.blocks_per_page) if g.blocks_per_page > 1 and c is None else None
+            for g, c in zip(self.groups, cached, strict=True)
         )
-        """Per group: its ``PageSlab``, or ``None`` when its kernel blocks are pages."""
+        """Per group: its ``PageSlab``, or ``None`` when its kernel blocks are pages (or
+        come from its ``CachedSlab``)."""
         self._paged = any(slab is not None for slab in self.slabs)
-        self._take: list[Callable[[int], list[int] | Ints32]] = [
-            self.pool.take if slab is None else slab.take for slab in self.slabs
-        ]
-        self._give_back: list[Callable[[Ints32 | list[int]], None]] = [
-            self.pool.give_back if slab is None else slab.give_back for slab in self.slabs
-        ]
+        self._take: list[Callable[[int], list[int] | Ints32]] = []
+        self._give_back: list[Callable[[Ints32 | list[int]], None]] = []
+        for slab, c in zip(self.slabs, cached, strict=True):
+            source: BlockPool | PageSlab | CachedSlab = (
+                c if c is not None else slab if slab is not None else self.pool
+            )
+            self._take.append(source.take)
+            self._give_back.append(source.give_back)
         self._rows: dict[str, int] = {}
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
@@ -153,6 +182,62 @@ class KVCacheManager:
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
         self._tables = [_Tables(capacity, 16) for _ in self.groups]
+        self._idle: dict[int, CachedSlab] | None = None
+        """With prefix caching on and every cached group's block a page (no slab of
+        several blocks per page), the pool's idle pages: steps take the plain path."""
+        self._cached_pool = self.pool if isinstance(self.pool, CachedPool) else CachedPool(2)
+        if caching:
+            assert prefix_caching is not None
+            if not self._paged and all(c is None or c.blocks_per_page == 1 for c in cached):
+                self._idle = self._cached_pool.idle
+            self.prefix = PrefixCache(
+                self.groups,
+                self._rules,
+                self.cached_slabs,
+                get_hasher(prefix_caching.hash),
+                self.table_array,
+                self._row_tokens,
+            )
+
+    def _row_tokens(self, row: int) -> int:
+        return int(self._num_tokens[row])
+
+    def _cached_slabs(
+        self,
+        pool: CachedPool,
+        config: PrefixCachingConfig,
+        namespaces: Sequence[bytes] | None,
+    ) -> list[CachedSlab | None]:
+        """A ``CachedSlab`` for every group whose kind can hit."""
+        if namespaces is not None and len(namespaces) != len(self.groups):
+            raise InvalidArgumentError(
+                f"namespaces must have one entry per group ({len(self.groups)}), got "
+                f"{len(namespaces)}"
+            )
+        slabs: list[CachedSlab | None] = []
+        for i, (group, group_rules) in enumerate(zip(self.groups, self._rules, strict=True)):
+            if group_rules.context_shard is not None:
+                raise InvalidArgumentError(
+                    f"group {group.group_id} ({group.kind.value}) is a context-parallel shard: "
+                    f"prefix caching does not run with decode context parallelism (a rank's "
+                    f"blocks hold every n-th token, so no prefix ever hits)"
+                )
+            if (
+                not group_rules.has_cache
+                or group_rules.prefix_never_hits(group.spec) is not None
+                or group_rules.prefix_layout(group.spec) is None
+            ):
+                slabs.append(None)
+                continue
+            namespace = (
+                namespaces[i]
+                if namespaces is not None
+                else group_namespace(
+                    group.spec, revision=config.model_revision, hash_name=config.hash
+                )
+            )
+            slabs.append(CachedSlab(pool, group.blocks_per_page, namespace))
+        return slabs
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._rows
@@ -239,7 +324,10 @@ class KVCacheManager:
         """Group id -> the pages it holds: its slab's, or the pages in its tables (for
         checks; a page belongs to one group at a time)."""
         pages: dict[int, set[int]] = {}
-        for group, slab in zip(self.groups, self.slabs, strict=True):
+        for group, slab, cached in zip(self.groups, self.slabs, self.cached_slabs, strict=True):
+            if cached is not None:
+                pages[group.group_id] = set(np.flatnonzero(cached.owned).tolist())
+                continue
             if slab is not None:
                 pages[group.group_id] = set(np.flatnonzero(slab.owned).tolist())
                 continue
@@ -254,30 +342,52 @@ class KVCacheManager:
             map(self._rows.get, req_ids, itertools.repeat(-1)), dtype=np.int64, count=len(req_ids)
         )
 
-    def step_lens(self, rows: Ints, num_new: Ints, encoder_lens: Ints) -> StepLens:
-        """The step's lengths for ``rows`` (-1: a new request)."""
+    def step_lens(
+        self, rows: Ints, num_new: Ints, encoder_lens: Ints, start: Ints | None = None
+    ) -> StepLens:
+        """The step's lengths for ``rows`` (-1: a new request, which starts with
+        ``start`` computed tokens: its prefix hit; default 0)."""
         live = rows >= 0
         if live.all():
             return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
         safe = np.where(live, rows, 0)
-        computed = np.where(live, self._num_tokens[safe], 0)
+        computed = np.where(live, self._num_tokens[safe], 0 if start is None else start)
         encoder = np.where(live, self._encoder_len[safe], encoder_lens)
         return StepLens(computed, num_new, encoder)
 
     def allocate_step(
         self,
         scheduled: Sequence[tuple[str, int, int]],
+        *,
+        prefixes: Sequence[PrefixMatch | None] | None = None,
     ) -> None:
         """Make room for one step: ``(req_id, num_new_tokens, encoder_len)`` per request.
 
-        New request ids are added. Blocks that fall out of a window are released
-        first. All or nothing: on ``OutOfBlocksError`` no table and no block changed.
+        New request ids are added; ``prefixes`` (one per request, prefix caching on)
+        gives a new request the match it starts from (``num_new_tokens`` then counts
+        from its hit). Blocks that fall out of a window are released first. All or
+        nothing: on ``OutOfBlocksError`` (or ``StalePrefixError``) no table and no block
+        changed.
         """
         ids = [r for r, _, _ in scheduled]
         num_new = np.fromiter((n for _, n, _ in scheduled), dtype=np.int64, count=len(ids))
         enc = np.fromiter((e for _, _, e in scheduled), dtype=np.int64, count=len(ids))
         rows = self.lookup_rows(ids)
-        self.allocate_rows(ids, rows, self.step_lens(rows, num_new, enc))
+        start = None
+        if prefixes is not None:
+            if len(prefixes) != len(ids):
+                raise InvalidArgumentError(
+                    f"prefixes must have one entry per scheduled request ({len(ids)}), got "
+                    f"{len(prefixes)}"
+                )
+            start = np.array(
+                [
+                    0 if p is None or r >= 0 else p.num_tokens
+                    for p, r in zip(prefixes, rows.tolist(), strict=True)
+                ],
+                dtype=np.int64,
+            )
+        self.allocate_rows(ids, rows, self.step_lens(rows, num_new, enc, start), prefixes=prefixes)
 
     def allocate_rows(
         self,
@@ -286,6 +396,7 @@ class KVCacheManager:
         lens: StepLens,
         *,
         finished: Sequence[str] = (),
+        prefixes: Sequence[PrefixMatch | None] | None = None,
     ) -> Ints:
         """``allocate_step`` for callers that have the rows and lengths already.
 
@@ -293,11 +404,26 @@ class KVCacheManager:
         is updated in place and returned). ``finished`` requests are freed first, but
         only once the step is known to fit (their blocks count as free): a rejected
         step changes nothing, finished requests included. An id both finished and
-        scheduled must be given as new (-1) in ``rows``.
+        scheduled must be given as new (-1) in ``rows``. ``prefixes``: as in
+        ``allocate_step`` (``lens.computed`` of a new request is its match's hit).
 
         Raises:
             OutOfBlocksError: the pool cannot hold the step (nothing changed).
+            StalePrefixError: a match whose blocks were evicted since (nothing changed).
         """
+        prefix = self.prefix
+        if prefix is not None:
+            if prefix.pending:
+                prefix.commit()  # the last step is done: its blocks get their names
+            if prefixes is not None or self._idle is None or self._cached_pool.shared:
+                return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
+            # Else every cached block is a page with one holder at most: the step is
+            # checked and made as without caching, free idle pages counted as free.
+        elif prefixes is not None and any(p is not None for p in prefixes):
+            raise InvalidArgumentError(
+                "a request brings a prefix match but prefix caching is off "
+                "(AttentionConfig(prefix_caching={'enabled': True}))"
+            )
         plans: list[_StepPlan] = []
         total_new = total_released = 0
         new = rows < 0
@@ -335,12 +461,16 @@ class KVCacheManager:
             self._check_pages(plans, [self.row_of(r) for r in finished])
         else:  # every kernel block is a page: count blocks
             held = sum(self._blocks_held(self.row_of(r)) for r in finished)
-            if total_new > self.pool.num_free_blocks + total_released + held:
+            free = self.pool.num_free_blocks
+            if self._idle:  # prefix caching: cached pages no request holds are evictable
+                free += len(self._idle)
+            if total_new > free + total_released + held:
                 raise OutOfBlocksError(
                     f"the step needs {total_new} new block(s) but only "
-                    f"{self.pool.num_free_blocks} are free (+{total_released} released by "
-                    f"windows, +{held} held by finished requests) of "
-                    f"{self.pool.num_blocks - 1}; nothing was allocated or freed"
+                    f"{self.pool.num_free_blocks} are free"
+                    + (f" and {len(self._idle)} hold only cached blocks" if self._idle else "")
+                    + f" (+{total_released} released by windows, +{held} held by finished "
+                    f"requests) of {self.pool.num_blocks - 1}; nothing was allocated or freed"
                 )
         # Checked: from here on nothing fails. Finished requests go, new ones get rows.
         for req_id in finished:
@@ -358,7 +488,121 @@ class KVCacheManager:
             self._grow(plan.group.group_id, rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
+        if prefix is not None:
+            prefix.note_step(rows, lens)
         return rows
+
+    def _allocate_cached(
+        self,
+        req_ids: Sequence[str],
+        rows: Ints,
+        lens: StepLens,
+        finished: Sequence[str],
+        prefixes: Sequence[PrefixMatch | None] | None,
+    ) -> Ints:
+        """``allocate_rows`` with prefix caching on: new requests may start from their
+        hits (tables pointing at cached blocks, one more holder each), and the step is
+        checked with ``_check_cached``."""
+        prefix = self.prefix
+        assert prefix is not None
+        if prefix.unflushed:  # the check reads which free blocks hold names
+            prefix.flush()
+        hits: list[PrefixHitTables] = (
+            prefix.resolve(req_ids, prefixes, lens) if prefixes is not None else []
+        )
+        new = rows < 0
+        any_new = bool(new.any())
+        old_rows = np.where(new, 0, rows) if any_new else rows
+        plans: list[_StepPlan] = []
+        for gid, (group, rules) in enumerate(zip(self.groups, self._rules, strict=True)):
+            tables = self._tables[gid]
+            have = tables.num_blocks[old_rows]
+            if any_new:
+                have[new] = 0
+            before = tables.first_live[old_rows] if rules.releases else _NO_INTS
+            if any_new and rules.releases:
+                before[new] = 0
+            for hit in hits:
+                installed = hit.tables[gid]
+                if installed is not None:
+                    have[hit.index] = installed[0].size
+                    if rules.releases:
+                        before[hit.index] = installed[1]
+            after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
+            grow = after_grow - have
+            width = int(after_grow.max()) if after_grow.size else 0
+            released = 0
+            release_at: tuple[Ints, Ints, Ints32] | None = None
+            after = _NO_INTS
+            if rules.releases:
+                after = np.maximum(
+                    np.minimum(rules.first_live_block(group.spec, lens), have), before
+                )
+                released = int((after - before).sum())
+                if released:
+                    # Hit rows release nothing in their first step (resolve trims them).
+                    release_at = _released_entries(tables, rows, before, after)
+                    released = int(release_at[2].size)
+            plans.append(
+                _StepPlan(group, grow, before, after, width, int(grow.sum()), released, release_at)
+            )
+        finished_rows = [self.row_of(r) for r in finished]
+        self._check_cached(plans, finished_rows, hits)
+        # Checked: from here on nothing fails.
+        for req_id in finished:
+            self.free_request(req_id)
+        if any_new:
+            self._assign_rows(req_ids, rows, lens)
+        # Hits first (their blocks leave the evictable sets), then releases, then growth.
+        touched: list[list[Ints32]] = [[] for _ in self.groups]
+        for hit in hits:
+            row = int(rows[hit.index])
+            for gid, installed in enumerate(hit.tables):
+                if installed is None:
+                    continue
+                entries, live = installed
+                tables = self._tables[gid]
+                tables.grow(0, entries.size)
+                tables.table[row, : entries.size] = entries
+                tables.num_blocks[row] = entries.size
+                tables.first_live[row] = live
+                touched[gid].append(entries[entries != NULL_BLOCK])
+            prefix.track(row, hit.match)
+        for gid, parts in enumerate(touched):
+            slab = self.cached_slabs[gid]
+            if parts and slab is not None:
+                slab.touch(np.concatenate(parts))
+        for plan in plans:
+            if plan.release_at is not None:
+                self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
+        for plan in plans:
+            self._grow(plan.group.group_id, rows, plan.grow, plan.width)
+        self._num_tokens[rows] = lens.total
+        self._step_widths = [plan.width for plan in plans]
+        prefix.note_step(rows, lens)
+        return rows
+
+    def _check_cached(
+        self,
+        plans: Sequence[_StepPlan],
+        finished_rows: Sequence[int],
+        hits: Sequence[PrefixHitTables],
+    ) -> None:
+        """``_check_pages`` with prefix caching on (``_cached.check_step``)."""
+        needs: list[GroupNeed] = []
+        for plan, slab, cached in zip(plans, self.slabs, self.cached_slabs, strict=True):
+            gid = plan.group.group_id
+            freed = [self._held(gid, row) for row in finished_rows]
+            if plan.release_at is not None:
+                freed.append(plan.release_at[2])
+            touched = [
+                t[0][t[0] != NULL_BLOCK] for hit in hits if (t := hit.tables[gid]) is not None
+            ]
+            label = f"group {gid} ({plan.group.kind.value})"
+            needs.append(GroupNeed(label, plan.new, freed, touched, cached, slab))
+        pool = self.pool
+        assert isinstance(pool, CachedPool)
+        check_step(pool, needs)
 
     def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
         new_idx = np.flatnonzero(rows < 0)
@@ -373,6 +617,7 @@ class KVCacheManager:
             for tables in self._tables:
                 tables.grow(size, 0)
             self._free_rows[:0] = range(size - 1, capacity - 1, -1)
+
         self.rows_version += 1
         for i in (int(k) for k in new_idx):
             row = self._free_rows.pop()
@@ -479,12 +724,31 @@ class KVCacheManager:
             held += int(np.count_nonzero(used))
         return held
 
-    def free_request(self, req_id: str) -> None:
-        """Release every block of ``req_id`` and forget it."""
+    def free_request(self, req_id: str, token_ids: Tokens | None = None) -> None:
+        """Release every block of ``req_id`` and forget it.
+
+        With prefix caching on, its blocks are given back tail first (the chain's tail
+        is evicted first), and ``token_ids`` (its tokens, prompt first) names the full
+        blocks of its generated tokens before they are freed.
+
+        Raises:
+            UnknownRequestError: ``req_id`` is not live.
+            ArgumentTypeError, InvalidArgumentError: ``token_ids`` are not the request's
+                tokens (nothing changed).
+        """
         row = self.row_of(req_id)
-        for tables, give_back in zip(self._tables, self._give_back, strict=True):
+        prefix = self.prefix
+        if prefix is not None:
+            tokens = None if token_ids is None else prefix.check_tokens(row, req_id, token_ids)
+            if prefix.pending:
+                prefix.commit()  # the last step is done: its blocks get their names
+            prefix.forget(row, int(self._num_tokens[row]), tokens)
+        for gid, (tables, give_back) in enumerate(zip(self._tables, self._give_back, strict=True)):
             used = tables.table[row, tables.first_live[row] : tables.num_blocks[row]]
-            give_back(used[used != NULL_BLOCK])
+            if prefix is not None and self.cached_slabs[gid] is not None:
+                give_back(used[used != NULL_BLOCK][::-1])
+            else:
+                give_back(used[used != NULL_BLOCK])
             tables.table[row, : tables.num_blocks[row]] = NULL_BLOCK
             tables.num_blocks[row] = 0
             tables.first_live[row] = 0

@@ -23,6 +23,9 @@ class PrefixCacheStats:
         hits: lookups that hit at least one token.
         hit_tokens: tokens served from the cache.
         evictions: cached blocks evicted.
+        cached_blocks: blocks that hold a name now, in use or free (a cache's snapshot;
+            the counters alone leave it 0).
+        cached_free_blocks: of them, the ones no request holds (evictable).
     """
 
     queries: int = 0
@@ -30,6 +33,8 @@ class PrefixCacheStats:
     hits: int = 0
     hit_tokens: int = 0
     evictions: int = 0
+    cached_blocks: int = 0
+    cached_free_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -46,7 +51,8 @@ class PrefixCacheStats:
         return (
             f"prefix cache: {self.hits}/{self.queries} lookups hit ({self.hit_rate:.1%}), "
             f"{self.hit_tokens}/{self.query_tokens} tokens served "
-            f"({self.token_hit_rate:.1%}), {self.evictions} evictions"
+            f"({self.token_hit_rate:.1%}), {self.evictions} evictions, "
+            f"{self.cached_blocks} cached blocks ({self.cached_free_blocks} free)"
         )
 
 

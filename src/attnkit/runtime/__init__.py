@@ -15,15 +15,24 @@ allocates the paged cache. Each step::
 ``begin_step`` builds ``CommonAttentionMetadata`` and each group's backend metadata
 exactly once; every ``forward`` of the step reuses it.
 
+With prefix caching on (``AttentionConfig(prefix_caching={"enabled": True})``), a new
+request's prompt is looked up first and the request starts from its hit::
+
+    match = runtime.match_prefix(prompt)           # pure lookup: match.explain()
+    runtime.begin_step([ScheduledRequest("c", len(prompt) - match.num_tokens, prefix=match)])
+    ...
+    runtime.free(["c"], token_ids={"c": prompt + generated})  # caches generated blocks
+
 The package's modules: ``_requests`` (``ScheduledRequest``, ``StepBatch``), ``_runtime``
 (``AttentionRuntime``'s construction and introspection, ``StateLayer``), ``_step`` (the
 per-step host path), ``_forward`` (the layer calls), ``_boundary`` (the input boundary
-those calls pass), ``_base`` (the state its parts share), ``_checks`` (construction
-checks), ``_reports`` (routing and memory reports).
+those calls pass), ``_prefix`` (the prefix-caching calls), ``_base`` (the state its parts
+share), ``_checks`` (construction checks), ``_reports`` (routing and memory reports).
 """
 
 from __future__ import annotations
 
+from ..kv_cache import PrefixMatch
 from ._checks import default_layer_params as default_layer_params
 from ._checks import group_features as group_features
 from ._checks import group_num_heads as group_num_heads
@@ -35,6 +44,7 @@ __all__ = [
     "AttentionRuntime",
     "GroupMemory",
     "MemoryReport",
+    "PrefixMatch",
     "RoutingRow",
     "ScheduledRequest",
     "StateLayer",

@@ -38,6 +38,12 @@ class GroupMemory:
         bytes: what its layers' views span, ``num_layers * num_blocks * page``; shared
             with the other groups of its set (the set's bytes count once in
             ``MemoryReport.total_bytes``).
+        cached_blocks: with prefix caching on, its kernel blocks that hold a cached
+            prefix block (in use or not); ``None`` for a group that caches nothing or
+            with caching off.
+        cached_free_blocks: of them, the ones no request holds: memory the cache keeps
+            until a step needs it (evictable).
+        cached_bytes: the bytes the named blocks hold, over the group's layers.
     """
 
     group_id: int
@@ -49,6 +55,9 @@ class GroupMemory:
     buffer_set: BufferSetName | None
     num_layers: int
     bytes: int
+    cached_blocks: int | None = None
+    cached_free_blocks: int | None = None
+    cached_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +107,11 @@ class MemoryReport:
                 if g.buffer_set is not None
                 else "no cache"
             )
+            if g.cached_blocks is not None:
+                where += (
+                    f", prefix cache: {g.cached_blocks} named block(s) ({g.cached_bytes} B), "
+                    f"{g.cached_free_blocks} free"
+                )
             lines.append(
                 f"  group {g.group_id} ({g.kind.value}, backend {g.backend}, "
                 f"{g.num_layers} layer(s)): layout {g.layout}, {where}"

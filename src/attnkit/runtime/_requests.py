@@ -7,6 +7,7 @@ import dataclasses
 
 from .._validation import is_nonnegative_int, is_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..kv_cache import PrefixMatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,11 +19,17 @@ class ScheduledRequest:
         num_new_tokens: tokens scheduled this step (a prompt chunk, or 1 to decode).
         encoder_len: for models with cross-attention layers, the request's encoder
             tokens (given on its first step).
+        prefix: on a request's first step, the ``PrefixMatch`` of its prompt
+            (``runtime.match_prefix``, prefix caching on): the request starts with
+            ``prefix.num_tokens`` computed tokens read from the cached blocks, and
+            ``num_new_tokens`` counts from there. Read on the first step only (a
+            request that holds cache has started; a later step's prefix is ignored).
     """
 
     req_id: str
     num_new_tokens: int
     encoder_len: int = 0
+    prefix: PrefixMatch | None = None
 
     def __post_init__(self) -> None:
         # Checked here, where the engine makes it, so begin_step need not re-check
@@ -42,6 +49,11 @@ class ScheduledRequest:
         if not is_nonnegative_int(self.encoder_len):
             raise InvalidArgumentError(
                 f"request {self.req_id!r}: encoder_len must be an int >= 0, got {self.encoder_len!r}"
+            )
+        if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
+            raise ArgumentTypeError(
+                f"request {self.req_id!r}: prefix must be a PrefixMatch (from "
+                f"runtime.match_prefix) or None, got {type(self.prefix).__name__}"
             )
 
 

@@ -47,6 +47,7 @@ from ._checks import (
     group_num_heads,
 )
 from ._forward import LayerCalls
+from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._step import StepHost
 
@@ -56,7 +57,7 @@ InputsT = TypeVar("InputsT", bound=StateInputs)
 _LOG = logging.getLogger("attnkit.runtime")
 
 
-class AttentionRuntime(StepHost, LayerCalls):
+class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
     """Drives attention for a model through attnkit's groups, backends and cache.
 
     Args:
@@ -76,6 +77,11 @@ class AttentionRuntime(StepHost, LayerCalls):
             by backends with the ``context_parallel`` feature, and each such layer's
             ``forward`` merges the ranks' partial results (one all-gather). Every rank
             must make the same calls with the same inputs. ``None``: one device.
+
+    With ``config.prefix_caching`` enabled, requests that share a prompt prefix share
+    its cached blocks: ``match_prefix`` looks a prompt up, ``ScheduledRequest(...,
+    prefix=match)`` starts a request from its hit, ``free(..., token_ids=...)`` caches
+    its generated blocks too (docs/prefix-caching.md, "The runtime").
 
     Backends are selected first, then the pool is sized for the buffer sets their
     cache layouts need (``kv_cache``, "Memory"), then the cache is allocated; the
@@ -136,6 +142,12 @@ class AttentionRuntime(StepHost, LayerCalls):
             and context_parallel.world_size > 1
             and rules_for(g.spec).context_sharded
         )
+        if self._sharded and config.prefix_caching.enabled:
+            raise InvalidArgumentError(
+                "config.prefix_caching: prefix caching does not run with decode context "
+                "parallelism (a rank's blocks hold every n-th token, so no prefix ever "
+                "hits); turn one of them off"
+            )
         for group in groups:
             layer_params_of_group = [self.layer_params[n] for n in group.layer_names]
             features = group_features(layer_params_of_group)
@@ -216,8 +228,23 @@ class AttentionRuntime(StepHost, LayerCalls):
                 self._rules_of[gid] = ShardedRules(
                     self._rules_of[gid], context_parallel.rank, context_parallel.world_size
                 )
+        caching = config.prefix_caching
         self.manager = KVCacheManager(
-            groups, self.num_blocks, rules=[self._rules_of[g.group_id] for g in groups]
+            groups,
+            self.num_blocks,
+            rules=[self._rules_of[g.group_id] for g in groups],
+            prefix_caching=caching if caching.enabled else None,
+            namespaces=(
+                group_namespaces(
+                    groups,
+                    self.layer_params,
+                    self.layouts,
+                    revision=caching.model_revision,
+                    hash_name=caching.hash,
+                )
+                if caching.enabled
+                else None
+            ),
         )
         thresholds = {
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
@@ -257,7 +284,9 @@ class AttentionRuntime(StepHost, LayerCalls):
         return sorted(rows, key=lambda r: order[r.layer])
 
     def memory_report(self) -> MemoryReport:
-        """Each group's layout, buffer set and bytes, and what a second set costs."""
+        """Each group's layout, buffer set and bytes, and what a second set costs; with
+        prefix caching on, the blocks each group's cache keeps named (and how many of
+        them no request holds)."""
         page, blocks = self.page_size_bytes, self.num_blocks
         buffers = buffers_per_set(self.groups, self.layouts)
         set_bytes: dict[BufferSetName, int] = {
@@ -280,6 +309,7 @@ class AttentionRuntime(StepHost, LayerCalls):
                 ),
                 num_layers=len(e.group.layer_names),
                 bytes=len(e.group.layer_names) * blocks * page if e.group.has_cache else 0,
+                **self._cached_memory(e.group),
             )
             for e in self._groups
         )
@@ -293,6 +323,25 @@ class AttentionRuntime(StepHost, LayerCalls):
             extra_bytes=extra,
             num_blocks_one_set=one_set,
         )
+
+    def _cached_memory(self, group: KVCacheGroup) -> dict[str, int]:
+        """A group's ``GroupMemory`` prefix-cache fields (none when it caches nothing;
+        the manager is not made yet when the runtime logs its first report)."""
+        manager: KVCacheManager | None = getattr(self, "manager", None)
+        if manager is None or manager.prefix is None:
+            return {}
+        if manager.prefix.unflushed:
+            manager.prefix.flush()
+        slab = manager.cached_slabs[group.group_id]
+        if slab is None:
+            return {}
+        named = len(slab.name_of)
+        block_bytes = self.page_size_bytes // group.blocks_per_page
+        return {
+            "cached_blocks": named,
+            "cached_free_blocks": slab.num_cached_free(),
+            "cached_bytes": named * block_bytes * len(group.layer_names),
+        }
 
     def backend_for(self, layer_name: str) -> type[AttentionBackend]:
         return self._groups[self._group_id(layer_name)].selection.backend

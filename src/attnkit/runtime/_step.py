@@ -6,7 +6,7 @@ docs/runtime.md)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -19,9 +19,10 @@ from ..errors import (
     InvalidArgumentError,
 )
 from ..kinds import Ints, StepLens, StepTokens, spans
-from ..kv_cache import KVCacheGroup
+from ..kv_cache import KVCacheGroup, PrefixMatch
 from ..metadata import CommonAttentionMetadata, host_to_device
 from ..parallel import ContextParallelMismatchError, step_fingerprint
+from ..prefix_cache import Tokens
 from ._base import RuntimeBase
 from ._requests import ScheduledRequest, StepBatch
 
@@ -49,8 +50,11 @@ class StepHost(RuntimeBase):
                 than ``config.max_num_batched_tokens``, or a request longer than
                 ``config.max_model_len``.
             InvalidArgumentError: an encoder-only request split over steps, a new
-                cross-attention request without encoder tokens.
+                cross-attention request without encoder tokens, a ``prefix`` with
+                prefix caching off.
             OutOfBlocksError: the cache cannot hold the step.
+            StalePrefixError: a new request's ``prefix`` hits blocks evicted since its
+                ``match_prefix`` (or a match of another runtime): match it again.
         """
         finished = self._check_ids("finished", finished)
         _check_types(scheduled)
@@ -96,7 +100,9 @@ class StepHost(RuntimeBase):
             for i, req_id in enumerate(ids):
                 if req_id in gone:
                     rows[i] = -1
-        lens = self.manager.step_lens(rows, counts, encoder)
+        # New requests may start from a prefix hit (the steady state has none).
+        prefixes, starts = (None, None) if cached else self._new_prefixes(scheduled, rows)
+        lens = self.manager.step_lens(rows, counts, encoder, starts)
         longest = int(lens.total.max()) if count else 0
         if longest > limits.max_model_len:
             index = int(lens.total.argmax())
@@ -119,7 +125,10 @@ class StepHost(RuntimeBase):
                 ids = [ids[i] for i in order.tolist()]
                 rows = rows[order]
                 lens = StepLens(lens.computed[order], lens.query[order], lens.encoder[order])
-        rows = self.manager.allocate_rows(ids, rows, lens, finished=finished)
+                if prefixes is not None:
+                    moved: list[int] = order.tolist()
+                    prefixes = [prefixes[i] for i in moved]
+        rows = self.manager.allocate_rows(ids, rows, lens, finished=finished, prefixes=prefixes)
         if self.manager.rows_version == version:  # no request gained or lost a row
             self._last_ids, self._last_rows = given_ids, given_rows
             self._last_rows_version = version
@@ -136,6 +145,8 @@ class StepHost(RuntimeBase):
                 f"{exc}); the step's blocks are allocated, call begin_step() again"
             )
             self._step_rows_version = self.manager.rows_version
+            if self.manager.prefix is not None:
+                self.manager.prefix.discard()  # no layer runs: nothing the step fills is named
             raise
         query_lens = tuple(lens.query.tolist())
         self._stale = None
@@ -153,6 +164,31 @@ class StepHost(RuntimeBase):
             encoder_order=encoder_order,
         )
         return self._step
+
+    def _new_prefixes(
+        self, scheduled: Sequence[ScheduledRequest], rows: Ints
+    ) -> tuple[list[PrefixMatch | None] | None, Ints | None]:
+        """The matches new requests (rows -1) bring and the computed tokens they start
+        with, or ``(None, None)`` when none brings one."""
+        new = np.flatnonzero(rows < 0)
+        if not new.size:
+            return None, None
+        indices: list[int] = new.tolist()
+        found = [(i, p) for i in indices if (p := scheduled[i].prefix) is not None]
+        if not found:
+            return None, None
+        if self.manager.prefix is None:
+            raise InvalidArgumentError(
+                f"request {scheduled[found[0][0]].req_id!r} brings a prefix match but prefix "
+                f"caching is off: build the runtime with "
+                f"AttentionConfig(prefix_caching={{'enabled': True}})"
+            )
+        prefixes: list[PrefixMatch | None] = [None] * rows.size
+        starts = np.zeros(rows.size, dtype=np.int64)
+        for i, match in found:
+            prefixes[i] = match
+            starts[i] = match.num_tokens
+        return prefixes, starts
 
     def _common_metadata(
         self, group: KVCacheGroup, rows: Ints, lens: StepLens, shared: _SharedStep
@@ -227,23 +263,34 @@ class StepHost(RuntimeBase):
             )
         self._cp_step += 1
 
-    def free(self, req_ids: Iterable[str]) -> None:
+    def free(
+        self, req_ids: Iterable[str], *, token_ids: Mapping[str, Tokens] | None = None
+    ) -> None:
         """Release finished requests now (``begin_step(finished=...)`` does the same).
 
         All or nothing: every id is checked before any is freed. Freeing a request of
         the current step makes the step's metadata stale: ``forward`` then raises
         ``StaleStepError`` instead of writing into blocks that are back in the pool.
 
+        With prefix caching on, ``token_ids`` gives a request's tokens (its prompt, then
+        the tokens it generated) so the full blocks of its generated tokens are cached
+        too (only the tokens the cache holds count: a last sampled token never computed
+        is ignored); ignored with caching off.
+
         Raises:
-            ArgumentTypeError: ``req_ids`` is a bare string or holds a non-string.
+            ArgumentTypeError: ``req_ids`` is a bare string or holds a non-string;
+                ``token_ids`` is not a mapping of token ids.
             UnknownRequestError: an id is not live (the message says whether it was
                 already freed or never scheduled).
             DuplicateRequestError: an id given twice.
+            InvalidArgumentError: ``token_ids`` names a request ``req_ids`` does not
+                free, or a request's tokens do not start with its prompt.
         """
         ids = self._check_ids("req_ids", req_ids)
+        tokens = self._check_free_tokens(token_ids, ids)
         step = self._step
         for req_id in ids:
-            self.manager.free_request(req_id)
+            self.manager.free_request(req_id, tokens.get(req_id))
         if step is not None and self._stale is None:
             hit = set(ids).intersection(step.order)
             if hit:
@@ -254,6 +301,32 @@ class StepHost(RuntimeBase):
                 )
             else:  # unrelated requests: the step's metadata still holds
                 self._step_rows_version = self.manager.rows_version
+
+    def _check_free_tokens(
+        self, token_ids: Mapping[str, Tokens] | None, ids: Sequence[str]
+    ) -> dict[str, Tokens]:
+        """``token_ids`` checked for every request before any is freed (``{}`` when
+        none is given, or with caching off)."""
+        if token_ids is None:
+            return {}
+        given: object = token_ids  # untyped callers reach here too
+        if not isinstance(given, Mapping):
+            raise ArgumentTypeError(
+                f"token_ids must be a mapping of request id -> token ids, got "
+                f"{type(given).__name__}"
+            )
+        extra = sorted(set(token_ids) - set(ids), key=str)
+        if extra:
+            raise InvalidArgumentError(
+                f"token_ids names request(s) {extra} that req_ids does not free"
+            )
+        prefix = self.manager.prefix
+        if prefix is None:
+            return {}
+        return {
+            rid: prefix.check_tokens(self.manager.row_of(rid), rid, tokens)
+            for rid, tokens in token_ids.items()
+        }
 
     def _check_ids(self, argument: str, req_ids: Iterable[str]) -> list[str]:
         """``req_ids`` as a list of live, distinct ids, or an error naming ``argument``."""

@@ -1,0 +1,580 @@
+"""The prefix cache of a block manager: lookups (``PrefixMatch``), the hits a new
+request starts from, and when a request's blocks get their names.
+
+- A lookup (``PrefixCache.match``) names the prompt's full blocks once per distinct
+  token layout, asks each group which of them it holds and combines the groups
+  (``attnkit.prefix_cache.find_prefix_hit``). It changes nothing but the counters.
+- A new request scheduled with its match starts with ``match.num_tokens`` computed
+  tokens: its tables point at the hit blocks (one more holder each). The blocks are
+  found again by name when the step is checked (``resolve``): one evicted since the
+  match is a ``StalePrefixError``, and nothing changes.
+- A request started with a match is **tracked**: the prompt blocks its steps fill are
+  named once the step is done, i.e. at the manager's next ``commit`` (the runtime's next
+  ``match_prefix``, ``begin_step`` or ``free``); ``discard`` drops them (a step whose
+  model call failed). Blocks of generated tokens are named when the request is freed
+  with its tokens: nothing is hashed on the decode path.
+- Naming is lazy where it can be: a commit moves the request's watermark (its named
+  tokens); the blocks of a group that keeps them (full attention, MLA, sinks) enter its
+  map (``flush``) when something reads the map: a lookup, the request's free, a report,
+  a step that shares blocks. A group that releases blocks (a window, a chunk) gets them
+  at the commit, before a later step can free them. So a prefill step does no work per
+  block for the groups that keep their blocks.
+- A request whose step was discarded, or that was live at a ``reset``, is never named
+  again (its later blocks were computed over bytes no name describes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import override
+
+from ..errors import InvalidArgumentError, StalePrefixError
+from ..kinds import Ints, KindRules, StepLens
+from ..prefix_cache import (
+    GroupHit,
+    GroupLookup,
+    Hasher,
+    MultimodalInput,
+    PrefixCacheCounters,
+    PrefixCacheStats,
+    PrefixHit,
+    PrefixMiss,
+    TokenLayout,
+    Tokens,
+    as_token_array,
+    block_names,
+    check_mm_inputs,
+    find_prefix_hit,
+    miss_causes,
+    prefix_granularity,
+    prefix_root,
+)
+from ._cached import CachedSlab
+from ._groups import KVCacheGroup
+from ._pool import NULL_BLOCK, Ints32
+
+__all__ = ["PrefixCache", "PrefixMatch"]
+
+
+class PrefixMatch:
+    """What ``match_prefix`` found for a prompt: the hit, each group's own hit and why
+    the hit is not longer, and the prompt's block names (made once, reused when the
+    request runs). Schedule the request with it (``ScheduledRequest(..., prefix=match)``)
+    to start from the hit; several requests may start from one match (parallel
+    sampling shares its blocks).
+
+    Attributes:
+        num_tokens: the hit: the tokens the request starts with as computed (a multiple
+            of every attention group's block size, at most ``num_prompt_tokens - 1``).
+        num_prompt_tokens: the prompt's length.
+        hit: the full result (``PrefixHit``: ``groups``, ``limiting``, ``reason``,
+            ``minimum``, ``explain()``).
+        cache_salt, adapter_id: as given to the lookup.
+    """
+
+    __slots__ = (
+        "_cached",
+        "_hit_blocks",
+        "_hit_names",
+        "_names",
+        "_owner",
+        "_root",
+        "_salt_free",
+        "adapter_id",
+        "cache_salt",
+        "hit",
+        "mm_inputs",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        *,
+        owner: PrefixCache,
+        hit: PrefixHit,
+        tokens: npt.NDArray[np.uint32],
+        root: bytes,
+        mm_inputs: tuple[MultimodalInput, ...],
+        names: dict[TokenLayout, tuple[bytes, ...]],
+        salt_free: dict[TokenLayout, bytes | None],
+        cached: tuple[npt.NDArray[np.bool_] | None, ...],
+        hit_blocks: tuple[Ints | None, ...],
+        hit_names: tuple[tuple[bytes, ...], ...],
+        cache_salt: str | None,
+        adapter_id: str | int | None,
+    ) -> None:
+        self._owner = owner
+        self.hit = hit
+        self.tokens = tokens
+        """The prompt's token ids (read only)."""
+        self._root = root
+        self.mm_inputs = mm_inputs
+        """The prompt's multimodal inputs, sorted."""
+        self._names = names
+        self._salt_free = salt_free
+        self._cached = cached
+        self._hit_blocks = hit_blocks
+        self._hit_names = hit_names
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hit.length
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.hit.num_tokens
+
+    @property
+    def group_hits(self) -> tuple[GroupHit, ...]:
+        """Each group's own hit (in group order)."""
+        return self.hit.groups
+
+    @property
+    def limiting_group(self) -> int | None:
+        """The id of the group that set the hit, or ``None`` (the model as a whole, or
+        nothing, limited it)."""
+        return self.hit.limiting
+
+    @property
+    def reason(self) -> PrefixMiss | None:
+        """Why the hit is shorter than asked (``None``: it is not)."""
+        return self.hit.reason
+
+    def block_names(self, group_id: int) -> tuple[bytes, ...]:
+        """The names of the prompt's full blocks in group ``group_id``'s layout (empty
+        for a group that caches nothing).
+
+        Raises:
+            InvalidArgumentError: an unknown group id.
+        """
+        layout = self._layout(group_id)
+        return () if layout is None else self._names[layout]
+
+    def cached_blocks(self, group_id: int) -> npt.NDArray[np.bool_] | None:
+        """Which of ``block_names(group_id)`` the group held at the lookup (``None`` for
+        a group that caches nothing)."""
+        self._layout(group_id)
+        cached = self._cached[group_id]
+        if cached is None:
+            return None
+        held: npt.NDArray[np.bool_] = np.array(cached)
+        return held
+
+    def _layout(self, group_id: int) -> TokenLayout | None:
+        layouts = self._owner.layouts
+        given: object = group_id  # untyped callers reach here too
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < len(layouts):
+            raise InvalidArgumentError(
+                f"group_id must be a group id in 0..{len(layouts) - 1}, got {group_id!r}"
+            )
+        return layouts[group_id]
+
+    def explain(self) -> str:
+        """One line: the hit and, when it is short, which group limited it and why."""
+        return self.hit.explain()
+
+    @override
+    def __str__(self) -> str:
+        return self.explain()
+
+    @override
+    def __repr__(self) -> str:
+        return (
+            f"PrefixMatch(num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens})"
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class PrefixHitTables:
+    """A new request's start from its match, per group: the table entries (kernel block
+    ids, null where a window or chunk needs nothing) and the first live entry."""
+
+    index: int  # in the step's batch
+    match: PrefixMatch
+    tables: list[tuple[Ints32, int] | None]  # per group; None: nothing to install
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Tracked:
+    """A request started from a match: ``named`` tokens are committed (their full
+    blocks are named), of which each group's map holds the first ``flushed[g]``
+    blocks."""
+
+    row: int
+    match: PrefixMatch
+    named: int
+    flushed: list[int]
+    tainted: bool = False
+
+
+class PrefixCache:
+    """The block manager's prefix cache (module docstring).
+
+    Args:
+        groups, rules: the manager's groups and their rules.
+        slabs: per group its ``CachedSlab``, ``None`` for a group that caches nothing
+            (state layers until they have checkpoints, kinds that never hit).
+        hasher: the hash of block names.
+        table_array: group id -> the manager's persistent table.
+        num_tokens: row -> the tokens the manager holds for it.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        rules: Sequence[KindRules[Any]],
+        slabs: Sequence[CachedSlab | None],
+        hasher: Hasher,
+        table_array: Callable[[int], Ints32],
+        num_tokens: Callable[[int], int],
+    ) -> None:
+        self.groups = tuple(groups)
+        self.rules = tuple(rules)
+        self.slabs = tuple(slabs)
+        self.hasher = hasher
+        self._table_array = table_array
+        self._num_tokens = num_tokens
+        self.layouts: tuple[TokenLayout | None, ...] = tuple(
+            None if slab is None else r.prefix_layout(g.spec)
+            for g, r, slab in zip(self.groups, self.rules, self.slabs, strict=True)
+        )
+        self._distinct: tuple[TokenLayout, ...] = tuple(
+            dict.fromkeys(lay for lay in self.layouts if lay is not None)
+        )
+        self.granularity = prefix_granularity(g.spec for g in self.groups)
+        self.counters = PrefixCacheCounters()
+        self._cached_groups = [
+            (gid, slab, lay)
+            for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True))
+            if slab is not None and lay is not None
+        ]
+        self._eager = [gid for gid, _, _ in self._cached_groups if self.rules[gid].releases]
+        """The cached groups that release blocks: named at the commit."""
+        self._lazy = len(self._eager) < len(self._cached_groups)
+        self._tracked: dict[int, _Tracked] = {}
+        self._in_prompt: dict[int, _Tracked] = {}
+        """Tracked rows whose prompt is not all computed yet."""
+        self.pending: list[tuple[_Tracked, int]] = []
+        """The last step's filled prompt tokens per request, named at ``commit``."""
+        self.unflushed: dict[int, _Tracked] = {}
+        """Rows with named blocks their groups' maps do not hold yet."""
+        self._step_rows: Ints = np.zeros(0, dtype=np.int64)
+        for slab in self.slabs:
+            if slab is not None:
+                slab._on_evict = self.counters.record_evictions
+
+    # ------------------------------------------------------------------ lookups
+
+    def match(
+        self,
+        prompt_token_ids: Tokens,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | int | None = None,
+        mm_inputs: Iterable[MultimodalInput | tuple[int, int, str | bytes]] = (),
+    ) -> PrefixMatch:
+        """Look ``prompt_token_ids`` up (the last step's blocks are committed first).
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: token ids that are not ``uint32``
+                values, an empty prompt, a bad salt, adapter id or multimodal input
+                (the message names the argument).
+        """
+        if self.pending:
+            self.commit()
+        if self.unflushed:
+            self.flush()
+        tokens = as_token_array(prompt_token_ids, "prompt_token_ids")
+        n = int(tokens.size)
+        if n == 0:
+            raise InvalidArgumentError("prompt_token_ids must hold at least one token, got none")
+        mm = tuple(check_mm_inputs(mm_inputs, n))
+        hasher = self.hasher
+        root = prefix_root(hasher, cache_salt=cache_salt, adapter_id=adapter_id)
+        names = {
+            lay: tuple(block_names(tokens, lay, hasher, root, mm_inputs=mm))
+            for lay in self._distinct
+        }
+        salt_free: dict[TokenLayout, bytes | None] = {}
+        free_root = prefix_root(hasher, adapter_id=adapter_id) if cache_salt is not None else None
+        for layout, got in names.items():
+            if free_root is None:
+                salt_free[layout] = got[0] if got else None
+            else:
+                first = block_names(tokens, layout, hasher, free_root, mm_inputs=mm, max_blocks=1)
+                salt_free[layout] = first[0] if first else None
+        lookups: list[GroupLookup] = []
+        cached: list[npt.NDArray[np.bool_] | None] = []
+        for group, slab, lay in zip(self.groups, self.slabs, self.layouts, strict=True):
+            if slab is None or lay is None:
+                # Kinds that never hit ignore it; a state group has no checkpoint.
+                lookups.append(GroupLookup(group.spec, np.zeros(0, dtype=np.bool_)))
+                cached.append(None)
+                continue
+            of = names[lay]
+            held = np.fromiter(map(slab.block_of.__contains__, of), dtype=np.bool_, count=len(of))
+            cause = miss_causes(
+                of,
+                evicted=slab.evicted,
+                salt_free_first=salt_free[lay],
+                cached_salt_free_firsts=slab.first_salt_free,
+            )
+            lookups.append(GroupLookup(group.spec, held, miss_cause=cause))
+            cached.append(held)
+        hit = find_prefix_hit(lookups, n, granularity=self.granularity)
+        self.counters.record(hit)
+        hit_blocks: list[Ints | None] = []
+        hit_names: list[tuple[bytes, ...]] = []
+        for group, rules, lay in zip(self.groups, self.rules, self.layouts, strict=True):
+            if lay is None or hit.length == 0:
+                hit_blocks.append(None)
+                hit_names.append(())
+                continue
+            index = rules.prefix_blocks(group.spec, hit.length)
+            hit_blocks.append(index)
+            read: list[int] = index.tolist()
+            hit_names.append(tuple(names[lay][i] for i in read))
+        return PrefixMatch(
+            owner=self,
+            hit=hit,
+            tokens=tokens,
+            root=root,
+            mm_inputs=mm,
+            names=names,
+            salt_free=salt_free,
+            cached=tuple(cached),
+            hit_blocks=tuple(hit_blocks),
+            hit_names=tuple(hit_names),
+            cache_salt=cache_salt,
+            adapter_id=adapter_id,
+        )
+
+    def resolve(
+        self, req_ids: Sequence[str], prefixes: Sequence[PrefixMatch | None], lens: StepLens
+    ) -> list[PrefixHitTables]:
+        """The hit tables of the step's new requests that bring a match, found by name
+        now (nothing changes).
+
+        Raises:
+            StalePrefixError: a match of another cache, or one whose blocks were evicted
+                (or the cache reset) since it was made.
+        """
+        hits: list[PrefixHitTables] = []
+        for i, match in enumerate(prefixes):
+            if match is None:
+                continue
+            if match._owner is not self:
+                raise StalePrefixError(
+                    f"request {req_ids[i]!r}: its prefix was matched by another runtime's "
+                    f"prefix cache; match the prompt with this runtime's match_prefix"
+                )
+            length = match.num_tokens
+            tables: list[tuple[Ints32, int] | None] = []
+            for gid, (group, rules, slab, lay) in enumerate(
+                zip(self.groups, self.rules, self.slabs, self.layouts, strict=True)
+            ):
+                if length == 0 or slab is None or lay is None:
+                    # A hit > 0 means every group with a cache serves it (each is cached).
+                    tables.append(None)
+                    continue
+                index = match._hit_blocks[gid]
+                assert index is not None
+                blocks: list[int] = []
+                for b, name in zip(index.tolist(), match._hit_names[gid], strict=True):
+                    block = slab.block_of.get(name)
+                    if block is None:
+                        start, end = lay.tokens_of(b)
+                        raise StalePrefixError(
+                            f"request {req_ids[i]!r}: block {b} (tokens {start}..{end - 1}) "
+                            f"of group {gid} ({group.kind.value}) that its prefix match hits "
+                            f"was evicted since match_prefix (or the prefix cache was reset); "
+                            f"nothing was changed: match the prompt again"
+                        )
+                    blocks.append(block)
+                width = lay.full_blocks(length)
+                entries = np.zeros(width, dtype=np.int32)
+                entries[index] = blocks
+                one = StepLens(
+                    np.array([length], dtype=np.int64),
+                    lens.query[i : i + 1],
+                    np.zeros(1, dtype=np.int64),
+                )
+                live = int(index[0]) if index.size else width
+                if rules.releases:  # entries no query of the step sees start released
+                    first = int(rules.first_live_block(group.spec, one)[0])
+                    if first > live:
+                        entries[live:first] = NULL_BLOCK
+                        live = first
+                tables.append((entries, min(live, width)))
+            hits.append(PrefixHitTables(i, match, tables))
+        return hits
+
+    # ------------------------------------------------------------------ requests
+
+    def track(self, row: int, match: PrefixMatch) -> None:
+        """Row ``row`` starts from ``match``: its prompt blocks get names as they fill
+        (its hit's blocks have theirs)."""
+        flushed = [0] * len(self.groups)
+        for gid, _, lay in self._cached_groups:
+            flushed[gid] = lay.full_blocks(match.num_tokens) if match.num_tokens else 0
+        tracked = _Tracked(row, match, match.num_tokens, flushed)
+        self._tracked[row] = tracked
+        self._in_prompt[row] = tracked
+
+    def note_step(self, rows: Ints, lens: StepLens) -> None:
+        """After a step's allocation: the prompt tokens each tracked request has filled,
+        to be named at the next ``commit``."""
+        self._step_rows = rows
+        if not self._in_prompt:
+            return
+        done: list[int] = []
+        for row, tracked in self._in_prompt.items():
+            n = tracked.match.num_prompt_tokens
+            filled = min(self._num_tokens(row), n)
+            if filled > tracked.named:
+                self.pending.append((tracked, filled))
+            if filled >= n:
+                done.append(row)
+        for row in done:
+            del self._in_prompt[row]
+
+    def commit(self) -> None:
+        """The last step is done: the prompt blocks it filled are named (lazily: see
+        the module docstring)."""
+        for tracked, filled in self.pending:
+            if not tracked.tainted and self._tracked.get(tracked.row) is tracked:
+                tracked.named = filled
+                for gid in self._eager:
+                    self._flush(tracked, gid)
+                if self._lazy:
+                    self.unflushed[tracked.row] = tracked
+        self.pending.clear()
+
+    def flush(self) -> None:
+        """Put every named block into its group's map."""
+        for tracked in list(self.unflushed.values()):
+            self._flush(tracked, None)
+
+    def _flush(self, tracked: _Tracked, only: int | None) -> None:
+        """Put ``tracked``'s named blocks into their maps (``only``: one group's)."""
+        names_of = tracked.match._names
+        for gid, slab, lay in self._cached_groups:
+            if only is not None and gid != only:
+                continue
+            start = tracked.flushed[gid]
+            end = lay.full_blocks(tracked.named)
+            if end <= start:
+                continue
+            blocks: list[int] = self._table_array(gid)[tracked.row, start:end].tolist()
+            names = list(names_of[lay][start:end])
+            if NULL_BLOCK in blocks:
+                pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
+                blocks, names = [b for b, _ in pairs], [m for _, m in pairs]
+            salt_free = tracked.match._salt_free[lay] if start == 0 else None
+            if blocks:
+                slab.register(blocks, names, salt_free)
+            tracked.flushed[gid] = end
+        if only is None:
+            self.unflushed.pop(tracked.row, None)
+
+    def discard(self) -> None:
+        """The last step's model call failed: its blocks are not named, and its tracked
+        requests are never named again."""
+        self.pending.clear()
+        for row in self._step_rows.tolist():
+            self._taint(row)
+
+    def _taint(self, row: int) -> None:
+        tracked = self._tracked.get(row)
+        if tracked is None:
+            return
+        tracked.tainted = True
+        self._in_prompt.pop(row, None)
+
+    def check_tokens(self, row: int, req_id: str, token_ids: Tokens) -> npt.NDArray[np.uint32]:
+        """``token_ids`` given for a request at its free: its tokens, prompt first.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: not token ids, or not starting with
+                the prompt its match was made from (the message names ``token_ids``).
+        """
+        where = f"token_ids[{req_id!r}]"
+        tokens = as_token_array(token_ids, where)
+        tracked = self._tracked.get(row)
+        if tracked is None:
+            return tokens
+        prompt = tracked.match.tokens
+        if tokens.size < prompt.size or not np.array_equal(tokens[: prompt.size], prompt):
+            raise InvalidArgumentError(
+                f"{where} must be the request's tokens, starting with the {prompt.size}-token "
+                f"prompt its prefix match was made from; got {tokens.size} token(s) that do "
+                f"not start with it"
+            )
+        return tokens
+
+    def forget(self, row: int, num_tokens: int, tokens: npt.NDArray[np.uint32] | None) -> None:
+        """Row ``row`` is being freed (its blocks are still in its tables): name the full
+        blocks of its generated tokens first, when ``tokens`` (checked) are given."""
+        tracked = self._tracked.get(row)
+        if tracked is None:
+            return
+        if row in self.unflushed:
+            self._flush(tracked, None)
+        del self._tracked[row]
+        self._in_prompt.pop(row, None)
+        if tokens is None or tracked.tainted:
+            return
+        match = tracked.match
+        known = min(num_tokens, int(tokens.size))
+        made: dict[TokenLayout, tuple[int, list[bytes]]] = {}
+        for gid, slab, lay in self._cached_groups:
+            first, end = lay.full_blocks(match.num_prompt_tokens), lay.full_blocks(known)
+            if end <= first:
+                continue
+            if lay not in made:
+                start = lay.tokens_of(first)[0]
+                prompt_names = match._names[lay]
+                parent = prompt_names[first - 1] if first else match._root
+                made[lay] = (
+                    first,
+                    block_names(
+                        tokens[start:known],
+                        lay,
+                        self.hasher,
+                        parent,
+                        first_block=first,
+                        mm_inputs=match.mm_inputs,
+                    ),
+                )
+            blocks: list[int] = self._table_array(gid)[row, first:end].tolist()
+            names = made[lay][1]
+            pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
+            if pairs:
+                slab.register([b for b, _ in pairs], [m for _, m in pairs], None)
+
+    def reset(self) -> int:
+        """Drop every name (weights changed); live requests are never named again.
+        Returns the names dropped."""
+        self.pending.clear()
+        self.unflushed.clear()
+        for row in list(self._tracked):
+            self._taint(row)
+        return sum(slab.reset() for slab in self.slabs if slab is not None)
+
+    def stats(self) -> PrefixCacheStats:
+        """The counters, with the named blocks now (in use or free) and the free ones."""
+        if self.unflushed:
+            self.flush()
+        slabs = [s for s in self.slabs if s is not None]
+        return dataclasses.replace(
+            self.counters.stats(),
+            cached_blocks=sum(len(s.name_of) for s in slabs),
+            cached_free_blocks=sum(s.num_cached_free() for s in slabs),
+        )

@@ -1,0 +1,121 @@
+"""``AttentionRuntime``'s prefix-caching part: ``match_prefix``, ``discard_step``,
+``reset_prefix_cache``, ``prefix_cache_stats``, and each group's namespace
+(docs/prefix-caching.md, "The runtime")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from ..capabilities import KVCacheLayout
+from ..errors import InvalidArgumentError
+from ..kv_cache import KVCacheGroup, PrefixMatch
+from ..params import AttentionLayerParams, LayerParams
+from ..prefix_cache import (
+    HashName,
+    MultimodalInput,
+    PrefixCacheStats,
+    Tokens,
+    group_namespace,
+)
+from ._base import RuntimeBase
+
+_OFF = (
+    "prefix caching is off: build the runtime with "
+    "AttentionConfig(prefix_caching={'enabled': True})"
+)
+
+
+class PrefixCalls(RuntimeBase):
+    """``AttentionRuntime``'s prefix-caching calls."""
+
+    def match_prefix(
+        self,
+        prompt_token_ids: Tokens,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | int | None = None,
+        mm_inputs: Iterable[MultimodalInput | tuple[int, int, str | bytes]] = (),
+    ) -> PrefixMatch:
+        """Look a new request's prompt up in the prefix cache: how many of its tokens
+        can start as computed (``match.num_tokens``), each group's own hit, and why the
+        hit is not longer (``match.explain()``). Nothing changes but the counters (and
+        the last step's blocks get their names first). Schedule the request with
+        ``ScheduledRequest(req_id, len(prompt) - match.num_tokens, prefix=match)`` (or
+        a first chunk of that).
+
+        Args:
+            prompt_token_ids: the prompt (a list of ints or an integer array).
+            cache_salt: requests share blocks only with the same salt (a tenant's).
+            adapter_id: the LoRA adapter (or other weight variant) the request runs.
+            mm_inputs: ``(start, end, mm_hash)`` per multimodal input: the prompt
+                positions its placeholder tokens fill and the hash of its content.
+
+        Raises:
+            InvalidArgumentError: prefix caching is off, or an argument out of range
+                (an empty prompt, a token id outside uint32, a bad multimodal range).
+            ArgumentTypeError: an argument of the wrong type.
+        """
+        prefix = self.manager.prefix
+        if prefix is None:
+            raise InvalidArgumentError(f"match_prefix: {_OFF}")
+        return prefix.match(
+            prompt_token_ids, cache_salt=cache_salt, adapter_id=adapter_id, mm_inputs=mm_inputs
+        )
+
+    def discard_step(self) -> None:
+        """The model call of the last ``begin_step`` failed (or never ran): none of the
+        blocks it would have filled gets a name, and its requests' blocks are never
+        named again (their cache holds whatever the failed call wrote: free or preempt
+        them). Call it before the next ``match_prefix``, ``begin_step`` or ``free``,
+        which name the last step's blocks. A no-op with prefix caching off."""
+        prefix = self.manager.prefix
+        if prefix is not None:
+            prefix.discard()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (the weights changed, e.g. in an RL loop): no
+        later lookup hits anything cached before, blocks in use stay in use, and the
+        requests live now are never named again. Counters are kept. Returns the blocks
+        that lost their name (0 with prefix caching off)."""
+        prefix = self.manager.prefix
+        return 0 if prefix is None else prefix.reset()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups, their prompt tokens, hits, tokens served and evictions so far, with
+        the blocks cached now (all zero with prefix caching off)."""
+        prefix = self.manager.prefix
+        return PrefixCacheStats() if prefix is None else prefix.stats()
+
+
+def group_namespaces(
+    groups: Sequence[KVCacheGroup],
+    layer_params: Mapping[str, LayerParams | None],
+    layouts: Mapping[int, KVCacheLayout],
+    *,
+    revision: str,
+    hash_name: HashName,
+) -> list[bytes]:
+    """Each group's namespace: its spec, layout, the revision, the hash, and its layers'
+    K/V scales and sink K/V (whatever changes the bytes a block holds)."""
+    out: list[bytes] = []
+    for group in groups:
+        params = [layer_params[name] for name in group.layer_names]
+        attention = [p for p in params if isinstance(p, AttentionLayerParams)]
+        sinks = [p for p in attention if p.sink_key is not None and p.sink_value is not None]
+        sink_keys: list[torch.Tensor] = [p.sink_key for p in sinks if p.sink_key is not None]
+        sink_values: list[torch.Tensor] = [p.sink_value for p in sinks if p.sink_value is not None]
+        out.append(
+            group_namespace(
+                group.spec,
+                revision=revision,
+                layout=layouts[group.group_id],
+                hash_name=hash_name,
+                k_scales=[p.k_scale for p in attention],
+                v_scales=[p.v_scale for p in attention],
+                sink_keys=sink_keys,
+                sink_values=sink_values,
+            )
+        )
+    return out
