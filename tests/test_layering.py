@@ -55,7 +55,10 @@ LAYERS: dict[str, int] = {
     # the runtime; its own modules stack inside the package, and nothing imports it.
     "attnkit.testing.tolerances": 11,
     "attnkit.testing.strategies": 11,
+    "attnkit.testing._guards": 11,
+    "attnkit.testing._pairwise": 11,
     "attnkit.testing._cases": 12,
+    "attnkit.testing._report": 12,
     "attnkit.testing": 13,
     "attnkit.testing.pytest_plugin": 14,
     "attnkit.cli": 12,

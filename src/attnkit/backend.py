@@ -115,6 +115,10 @@ class AttentionBackend(ABC):
     """Import name -> pip requirement of optional packages the backend needs."""
     description: ClassVar[str] = ""
     """One line for ``attnkit backends``."""
+    deterministic: ClassVar[bool] = False
+    """The same step on the same inputs and cache gives the same output and cache, bit
+    for bit, run after run on one device. ``True`` is a promise the conformance kit
+    checks (it runs every call twice and compares the bits); ``False`` promises nothing."""
     options_type: ClassVar[type[BackendOptions] | None] = None
     """The backend's own settings (a ``BackendOptions`` model), given by users as
     ``AttentionConfig(backend_options={name: {...}})``; ``None``: it has none."""
@@ -370,6 +374,9 @@ class AttentionBackend(ABC):
         description: object = getattr(cls, "description", None)
         if not isinstance(description, str):
             problems.append(f"description must be a str, got {description!r}")
+        deterministic: object = getattr(cls, "deterministic", None)
+        if not isinstance(deterministic, bool):
+            problems.append(f"deterministic must be a bool, got {deterministic!r}")
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):
             problems.append(f"options_type must be None or a BackendOptions subclass, got {options!r}")

@@ -1254,9 +1254,16 @@ def test_conformance_kit_passes_for_both_mla_kinds() -> None:
     assert {
         "kind=mla_attention",
         "kind=sliding_window_mla",
-        "block_size=64",
-        "dtype=float16",
-        "dtype=bfloat16",
+        "long_context dtype=float16 (mla_attention)",
+        "long_context dtype=bfloat16 (sliding_window_mla)",
         "cudagraph=ALWAYS (mla_attention)",
         "cudagraph=ALWAYS (sliding_window_mla)",
     } <= passed
+    # Sizes and dtypes are varied on both kinds, not only the first.
+    choices = [r.choice for r in report.results if r.status == "passed" and r.choice is not None]
+    for kind in ("mla_attention", "sliding_window_mla"):
+        mine = [c for c in choices if c.kind.value == kind]
+        assert {64, 80, 96} <= {c.head_size for c in mine}, kind
+        assert {64, 128} <= {c.block_size for c in mine}, kind
+        assert {torch.float16, torch.bfloat16} <= {c.dtype for c in mine}, kind
+        assert any(c.scale is not None for c in mine), kind

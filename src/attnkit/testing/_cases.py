@@ -2,10 +2,15 @@
 
 Both run the same case through their own ``AttentionRuntime`` (caches filled with NaN,
 block pools shuffled by the case's seed, so blocks are neither contiguous nor in
-order), with identical inputs per request and step; outputs are compared per request
-with the dtype's tolerance. ``run_case`` returns ``None`` when they agree and the
-first disagreement, as text, otherwise. Anything the backend under test raises is a
-failure; anything ``reference`` raises is a problem of the kit (``KitError``).
+order) of ``case.layers`` layers in one KV-cache group (two in the fixed ragged case:
+they share the step's metadata, so a layer that corrupts it fails the next one), with
+identical inputs per layer, request and step; outputs are compared per layer and
+request with the dtype's tolerance. After every ``forward`` of the backend under test,
+its inputs, the step's metadata and every cache slot outside the step's writes must be
+unchanged (``_guards``); with ``twice=True`` each call also runs a second time on a
+copy of the cache as it was, and must give the same bits. ``run_case`` returns ``None`` when all holds and the first
+problem, as text, otherwise. Anything the backend under test raises is a failure;
+anything ``reference`` raises is a problem of the kit (``KitError``).
 """
 
 from __future__ import annotations
@@ -31,15 +36,20 @@ from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
 from ..spec import KVCacheSpec, KVCacheSpecKind, MambaSpec
 from ..state_inputs import StateInputs
 from ..state_types import StateType, state_type_of
+from ._guards import CacheGeometry, Guard, compare_runs, write_slots
 from .strategies import Case, LayerChoice, Step
 from .tolerances import Tolerance, tolerance_for
 
 __all__ = ["KitError", "check_cudagraph", "config_for", "make_layer", "run_case", "tolerance_of"]
 
-LAYER = "layer"
 REFERENCE = "reference"
 SOFT_CAP = 1.5
 """Small enough that the cap changes scores of the kit's inputs by several percent."""
+
+
+def _layers(case: Case) -> tuple[str, ...]:
+    """The case's layers, all of its kind: one KV-cache group, whose metadata all read."""
+    return tuple(f"layer{i}" for i in range(case.layers))
 
 
 class KitError(Exception):
@@ -47,14 +57,38 @@ class KitError(Exception):
     the backend under test."""
 
 
-def config_for(kind: KVCacheSpecKind, backend: str) -> AttentionConfig:
-    """Small engine limits (they size CUDA-graph buffers and bound the interpreter's grids)."""
+def config_for(
+    kind: KVCacheSpecKind,
+    backend: str,
+    *,
+    max_model_len: int = 160,
+    max_num_batched_tokens: int = 256,
+) -> AttentionConfig:
+    """Small engine limits (they size CUDA-graph buffers and bound the interpreter's
+    grids); cases with longer requests or larger steps raise them (``_limits``)."""
     return AttentionConfig(
         backend_per_kind={kind: backend},
         max_num_reqs=8,
-        max_num_batched_tokens=256,
-        max_model_len=160,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
     )
+
+
+def _limits(case: Case) -> dict[str, int]:
+    """``config_for`` limits that hold ``case``: its longest request, its largest step."""
+    totals: dict[str, int] = {}
+    largest = longest = 0
+    for step in case.steps:
+        for rid in step.finished:
+            totals.pop(rid, None)
+        for rid, n, _ in step.scheduled:
+            totals[rid] = totals.get(rid, 0) + n
+            longest = max(longest, totals[rid])
+        largest = max(largest, sum(n for _, n, _ in step.scheduled))
+    return {
+        "max_model_len": max(160, longest),
+        "max_num_batched_tokens": max(256, largest),
+    }
 
 
 def tolerance_of(choice: LayerChoice) -> Tolerance:
@@ -106,6 +140,7 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
         )
     params = AttentionLayerParams(
         num_heads=hq,
+        scale=choice.scale,
         mla_projection=projection,
         logits_soft_cap=SOFT_CAP if AttentionFeature.LOGITS_SOFT_CAP in features else None,
         alibi_slopes=(
@@ -194,11 +229,11 @@ def _budget(spec: KVCacheSpec, case: Case) -> int:
     live = max(len(s.scheduled) + len(s.finished) for s in case.steps)
     longest = sum(n + enc for s in case.steps for _, n, enc in s.scheduled)
     per_request = -(-(longest + rules_for(spec).shift(spec)) // spec.block_size) + 2
-    return spec.page_size_bytes * (live * per_request + 8)
+    return spec.page_size_bytes * (live * per_request + 8) * case.layers
 
 
 class _Side:
-    """One runtime of a case (the backend under test or reference)."""
+    """One runtime of a case (the backend under test or reference), ``case.layers`` layers."""
 
     def __init__(
         self,
@@ -209,18 +244,35 @@ class _Side:
         registry: BackendRegistry,
         device: torch.device,
     ) -> None:
+        self.layers = _layers(case)
         self.runtime = AttentionRuntime(
-            {LAYER: spec},
-            config_for(case.choice.kind, backend),
+            dict.fromkeys(self.layers, spec),
+            config_for(case.choice.kind, backend, **_limits(case)),
             device=device,
             memory_budget_bytes=_budget(spec, case),
-            layer_params={LAYER: params},
+            layer_params=dict.fromkeys(self.layers, params),
             registry=registry,
             cache_fill=float("nan"),
         )
         self.params = params
         # Blocks handed out in a shuffled order: tables are neither contiguous nor sorted.
         random.Random(case.seed).shuffle(self.runtime.manager.pool._free)
+        entry = self.runtime._groups[0]
+        group_spec = entry.group.spec
+        rules = rules_for(group_spec)
+        layout = self.runtime.backend_for(self.layers[0]).kv_cache_layout
+        # The cache tensors count kernel blocks: a page of the pool may hold several.
+        num_blocks = self.runtime.num_blocks * entry.group.blocks_per_page
+        self.geometry = CacheGeometry(
+            num_blocks=num_blocks,
+            block_size=group_spec.block_size,
+            layout=layout,
+            latent=rules.latent,
+            state=case.choice.kind is KVCacheSpecKind.MAMBA,
+            default_shapes=rules.cache_shapes(group_spec, num_blocks, layout)
+            if rules.has_cache
+            else (),
+        )
 
     def begin(self, step: Step) -> StepBatch:
         return self.runtime.begin_step(
@@ -228,24 +280,93 @@ class _Side:
             finished=step.finished,
         )
 
-    def forward(
-        self, case: Case, batch: StepBatch, inputs: dict[str, _Inputs]
-    ) -> dict[str, torch.Tensor]:
-        """The step's output per request (rows of ``batch.order``)."""
+    def _call(self, case: Case, layer: str, batch: StepBatch, inputs: _Joined) -> torch.Tensor:
         choice = case.choice
-        order = batch.order
-        keys = list(inputs[order[0]].tensors)
-        joined = {k: torch.cat([inputs[r].tensors[k] for r in order]) for k in keys}
         if choice.kind is KVCacheSpecKind.MAMBA:
-            out = self.runtime.forward_state(LAYER, _as_state_inputs(choice, joined))
-        elif rules_for_kind(choice.kind).writes == "encoder":  # keys from the encoder
-            enc = [e for r in batch.encoder_order if (e := inputs[r].encoder) is not None]
-            key = torch.cat([e[0] for e in enc]) if enc else None
-            value = torch.cat([e[1] for e in enc]) if enc else None
-            out = self.runtime.forward(LAYER, joined["q"], key, value)
-        else:
-            out = self.runtime.forward(LAYER, joined["q"], joined["k"], joined["v"])
-        return {rid: out[rows] for rid, rows in batch.token_slices().items()}
+            return self.runtime.forward_state(layer, _as_state_inputs(choice, inputs.tensors))
+        if rules_for_kind(choice.kind).writes == "encoder":  # keys from the encoder
+            return self.runtime.forward(layer, inputs.tensors["q"], inputs.key, inputs.value)
+        t = inputs.tensors
+        return self.runtime.forward(layer, t["q"], t["k"], t["v"])
+
+    def forward(
+        self,
+        case: Case,
+        batch: StepBatch,
+        inputs: dict[str, dict[str, _Inputs]],
+        *,
+        guard: bool = False,
+        twice: bool = False,
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], str | None]:
+        """Each layer's output per request (rows of ``batch.order``), and the first
+        problem the guards found (``guard``: inputs, metadata and cache slots outside
+        the step's writes unchanged; ``twice``: a second run gives the same bits)."""
+        outputs: dict[str, dict[str, torch.Tensor]] = {}
+        for index, layer in enumerate(self.layers):
+            joined = _join(case, batch, inputs[layer])
+            caches = self.runtime.kv_caches.get(layer, ())
+            checks = None
+            if guard or twice:
+                common = self.runtime._groups[0].common
+                assert common is not None  # begin_step built it
+                checks = Guard(
+                    inputs=joined.named(), common=common, caches=caches, geometry=self.geometry
+                )
+            out = self._call(case, layer, batch, joined)
+            problem = checks.problems() if checks is not None and guard else None
+            if problem is None and checks is not None and twice:
+                first, after = out.clone(), [c.clone() for c in caches]
+                checks.restore_cache()
+                again = self._call(case, layer, batch, joined)
+                problem = compare_runs(first, again, after, caches)
+            if problem is not None:
+                return outputs, f"layer {index}: {problem}"
+            outputs[layer] = {rid: out[rows] for rid, rows in batch.token_slices().items()}
+        return outputs, None
+
+    def write(self, case: Case, batch: StepBatch, inputs: dict[str, dict[str, _Inputs]]) -> bool:
+        """Write the step's keys and values into every layer's cache, as a ``forward``
+        would, without attending (``Step.written``); ``False`` when the cache is not in
+        the kind's own shapes (then nothing was written)."""
+        common = self.runtime._groups[0].common
+        assert common is not None  # begin_step built it
+        slots = common.slot_mapping[: batch.num_tokens]
+        done = True
+        for layer in self.layers:
+            t = _join(case, batch, inputs[layer]).tensors
+            caches = self.runtime.kv_caches.get(layer, ())
+            done = write_slots(caches, self.geometry, slots, t["k"], t["v"]) and done
+        return done
+
+
+@dataclasses.dataclass
+class _Joined:
+    """One layer's inputs of one step, in batch order (``batch.order``)."""
+
+    tensors: dict[str, torch.Tensor]
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The tensors as the caller passes them, named as in the layer call."""
+        names = {"q": "query", "k": "key", "v": "value"}
+        found = {names.get(k, f"inputs.{k}"): t for k, t in self.tensors.items()}
+        if self.key is not None and self.value is not None:  # cross attention
+            found["key"], found["value"] = self.key, self.value
+        return found
+
+
+def _join(case: Case, batch: StepBatch, inputs: dict[str, _Inputs]) -> _Joined:
+    order = batch.order
+    keys = list(inputs[order[0]].tensors)
+    joined = {k: torch.cat([inputs[r].tensors[k] for r in order]) for k in keys}
+    if case.choice.kind is not KVCacheSpecKind.MAMBA and rules_for_kind(case.choice.kind).writes == "encoder":
+        enc = [e for r in batch.encoder_order if (e := inputs[r].encoder) is not None]
+        key = torch.cat([e[0] for e in enc]) if enc else None
+        value = torch.cat([e[1] for e in enc]) if enc else None
+        tensors = {"q": joined["q"]}
+        return _Joined(tensors, key, value)
+    return _Joined(joined)
 
 
 def _compare(where: str, got: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> str | None:
@@ -268,11 +389,15 @@ def _compare(where: str, got: torch.Tensor, expected: torch.Tensor, tol: Toleran
 
 def _step_inputs(
     case: Case, step: Step, gen: torch.Generator, device: torch.device, params: LayerParams
-) -> dict[str, _Inputs]:
-    # Drawn in the schedule's order, so both sides get the same tensors whatever
-    # order their runtimes lay the batch out in.
+) -> dict[str, dict[str, _Inputs]]:
+    """Each layer's inputs per request, drawn in the schedule's order, so both sides
+    get the same tensors whatever order their runtimes lay the batch out in."""
     return {
-        rid: _request_inputs(case, params, n, enc, gen, device) for rid, n, enc in step.scheduled
+        layer: {
+            rid: _request_inputs(case, params, n, enc, gen, device)
+            for rid, n, enc in step.scheduled
+        }
+        for layer in _layers(case)
     }
 
 
@@ -292,10 +417,16 @@ def _sides(
 
 
 def run_case(
-    case: Case, backend: str, registry: BackendRegistry, device: torch.device
+    case: Case,
+    backend: str,
+    registry: BackendRegistry,
+    device: torch.device,
+    *,
+    twice: bool = False,
 ) -> str | None:
-    """``None`` when ``backend`` agrees with reference on every step of ``case``; else
-    the first disagreement (or what ``backend`` raised)."""
+    """``None`` when ``backend`` agrees with reference on every step and layer of
+    ``case`` and its guards hold; else the first problem (or what ``backend`` raised).
+    ``twice``: run every call of the backend twice and compare the bits."""
     sides = _sides(case, backend, registry, device)
     if isinstance(sides, str):
         return sides
@@ -308,20 +439,41 @@ def run_case(
             cached.pop(rid, None)
         inputs = _step_inputs(case, step, gen, device, ref.params)
         try:
-            expected = ref.forward(case, ref.begin(step), inputs)
+            ref_batch = ref.begin(step)
+            if step.written and ref.write(case, ref_batch, inputs):
+                expected = None
+            else:
+                expected, _ = ref.forward(case, ref_batch, inputs)
         except Exception as exc:
             raise KitError(f"step {i}: reference failed: {type(exc).__name__}: {exc}") from exc
         try:
-            got = test.forward(case, test.begin(step), inputs)
+            batch = test.begin(step)
+            if expected is None:
+                if not test.write(case, batch, inputs):
+                    raise KitError(
+                        f"step {i}: the kit writes this step's context itself, which needs "
+                        f"the kind's own cache shapes {list(test.geometry.default_shapes)}"
+                    )
+                got: dict[str, dict[str, torch.Tensor]] = {}
+                problem = None
+            else:
+                got, problem = test.forward(case, batch, inputs, guard=True, twice=twice)
+        except KitError:
+            raise
         except Exception as exc:
             return f"step {i}: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            return f"step {i}, {problem}"
         for rid, n, _ in step.scheduled:
             before = cached.get(rid, 0)
             cached[rid] = before + n
-            where = f"step {i}, request {rid} ({_role(before, n)})"
-            problem = _compare(where, got[rid], expected[rid], tol)
-            if problem is not None:
-                return problem
+            if expected is None:
+                continue
+            for index, layer in enumerate(test.layers):
+                where = f"step {i}, layer {index}, request {rid} ({_role(before, n)})"
+                problem = _compare(where, got[layer][rid], expected[layer][rid], tol)
+                if problem is not None:
+                    return problem
     return None
 
 
@@ -390,7 +542,7 @@ def check_cudagraph(
     # MLA specs have one latent "head" by definition.
     heads = 1 if rules.latent else 2
     case = Case(
-        choice, heads, 1 if choice.kind is KVCacheSpecKind.MAMBA else 2, window, steps, seed
+        choice, heads, 1 if choice.kind is KVCacheSpecKind.MAMBA else 2, window, steps, seed, 2
     )
     sides = _sides(case, backend, registry, device)
     if isinstance(sides, str):
@@ -404,7 +556,8 @@ def check_cudagraph(
     moved: list[str] = []
     for i, step in enumerate(steps):
         inputs = _step_inputs(case, step, gen, device, ref.params)
-        expected = ref.forward(case, ref.begin(step), inputs)
+        expected, _ = ref.forward(case, ref.begin(step), inputs)
+        replay = " (replaying the first capture's metadata)" if i == len(steps) - 1 else ""
         try:
             batch = test.begin(step)
             if i >= capture_from:
@@ -431,16 +584,18 @@ def check_cudagraph(
                     )
                 # A captured graph reads the first capture's addresses on every replay.
                 entry.metadata = captured
-            got = test.forward(case, batch, inputs)
+            got, problem = test.forward(case, batch, inputs, guard=True)
         except Exception as exc:
             return case, f"step {i}: {type(exc).__name__}: {exc}", moved
+        if problem is not None:
+            problem = f"step {i}, {problem}{replay}"
         for rid, _, _ in step.scheduled:
-            where = f"step {i}, request {rid}" + (
-                " (replaying the first capture's metadata)" if i == len(steps) - 1 else ""
-            )
-            problem = _compare(where, got[rid], expected[rid], tol)
-            if problem is not None:
-                if moved:
-                    problem += f"; tensors reallocated between capture builds: {', '.join(moved)}"
-                return case, f"claims {level.name}: {problem}", moved
+            for index, layer in enumerate(test.layers):
+                if problem is None:
+                    where = f"step {i}, layer {index}, request {rid}{replay}"
+                    problem = _compare(where, got[layer][rid], expected[layer][rid], tol)
+        if problem is not None:
+            if moved:
+                problem += f"; tensors reallocated between capture builds: {', '.join(moved)}"
+            return case, f"claims {level.name}: {problem}", moved
     return case, None, moved

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from .._validation import dtype_name
 from ..capabilities import AttentionFeature
+from ..errors import InvalidArgumentError
 from ..kinds import boundary_lengths, rules_for_kind
 from ..spec import KVCacheDType, KVCacheSpecKind, MambaType
 
@@ -37,9 +38,13 @@ __all__ = [
     "Step",
     "boundary_lengths",
     "cases",
+    "long_context_case",
     "ragged_case",
     "schedules",
 ]
+
+LONG_CONTEXT = 3000
+"""Tokens of context the long-context case's requests reach (``long_context_case``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,8 @@ class LayerChoice:
             (state layers use ``block_size`` only; their states are float32).
         features: the optional features the layer parameters ask for.
         mamba_type: the state type (``kind`` mamba only).
+        scale: the layer's softmax scale (``AttentionLayerParams.scale``); ``None``:
+            the default, ``head_size ** -0.5``.
     """
 
     kind: KVCacheSpecKind
@@ -61,6 +68,7 @@ class LayerChoice:
     kv_cache_dtype: KVCacheDType = "auto"
     features: frozenset[AttentionFeature] = frozenset()
     mamba_type: MambaType | None = None
+    scale: float | None = None
 
     def describe(self) -> str:
         if self.kind is KVCacheSpecKind.MAMBA:
@@ -73,6 +81,8 @@ class LayerChoice:
             f"kv_cache_dtype={self.kv_cache_dtype}",
         ]
         parts += [f"feature={f.value}" for f in sorted(self.features, key=lambda f: f.value)]
+        if self.scale is not None:
+            parts.append(f"scale={self.scale:g}")
         return " ".join(parts)
 
 
@@ -84,17 +94,22 @@ class Step:
         scheduled: ``(request id, new tokens, encoder tokens)`` in the engine's order
             (encoder tokens: cross-attention requests in their first step, else 0).
         finished: requests freed before the step.
+        written: the kit writes the step's keys and values into both caches itself
+            and runs no layer (how the long-context case builds its context cheaply;
+            needs the kind's default cache shapes).
     """
 
     scheduled: tuple[tuple[str, int, int], ...]
     finished: tuple[str, ...] = ()
+    written: bool = False
 
     def describe(self) -> str:
         reqs = ", ".join(
             f"{rid}+{n}" + (f" (encoder {enc})" if enc else "") for rid, n, enc in self.scheduled
         )
         done = f"; finished {', '.join(self.finished)}" if self.finished else ""
-        return f"[{reqs}{done}]"
+        written = " written by the kit" if self.written else ""
+        return f"[{reqs}{done}]{written}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +124,8 @@ class Case:
             (``KindRules.extent``).
         steps: the schedule.
         seed: seeds the tensors and the shuffle of the block pool.
+        layers: layers of the kind, one KV-cache group: each layer reads the step's
+            metadata after the one before it has run (the ragged case has two).
     """
 
     choice: LayerChoice
@@ -117,6 +134,7 @@ class Case:
     window: int | None
     steps: tuple[Step, ...]
     seed: int
+    layers: int = 1
 
     @property
     def num_heads(self) -> int:
@@ -128,6 +146,8 @@ class Case:
         shape = f"num_kv_heads={self.num_kv_heads} num_heads={self.num_heads}"
         if window is not None:
             shape += f" {window}={self.window}"
+        if self.layers != 1:
+            shape += f" layers={self.layers}"
         steps = " ".join(s.describe() for s in self.steps)
         return f"{self.choice.describe()} {shape} seed={self.seed} steps: {steps}"
 
@@ -244,10 +264,13 @@ def cases(
 
 def ragged_case(choice: LayerChoice, *, seed: int = 0) -> Case:
     """A fixed case that exercises every path in four steps: a prefill crossing a
-    block edge, continued as a chunk, left idle a step and then decoded; a short
-    prefill that decodes and finishes; requests joining later; 2 KV heads with 2
-    query heads each, the
-    window or chunk one past a block. The kit runs it before the generated cases (the
+    block edge, continued as a chunk (past the second block edge for a kind with a
+    window or chunk, which then starts past the first block), left idle a step and
+    then decoded; a short
+    prefill that decodes and finishes; requests joining later, one of them scheduled
+    before a decode (a backend without ``reorder_batch_threshold`` gets the batch in
+    this order); 2 KV heads with 2 query heads each, the window or chunk one past a
+    block; two layers in the group. The kit runs it before the generated cases (the
     first cases hypothesis generates are its simplest ones)."""
     bs = choice.block_size
     kind = choice.kind
@@ -261,10 +284,13 @@ def ragged_case(choice: LayerChoice, *, seed: int = 0) -> Case:
         )
     else:
         enc = rules.writes == "encoder"
+        # With a window or chunk, r0 passes 2 blocks: its window starts past a block.
+        chunk = max(4, bs - 1) if rules.extent in ("window", "chunk") else 4
         steps = (
             Step((("r0", bs + 3, bs + 2 if enc else 0), ("r1", 5, 3 if enc else 0))),
-            Step((("r1", 1, 0), ("r0", 4, 0), ("r2", 2, 1 if enc else 0))),
-            Step((("r2", 1, 0), ("r3", 3, 2 if enc else 0)), finished=("r1",)),
+            Step((("r1", 1, 0), ("r0", chunk, 0), ("r2", 2, 1 if enc else 0))),
+            # A prefill before a decode.
+            Step((("r3", 3, 2 if enc else 0), ("r2", 1, 0)), finished=("r1",)),
             Step((("r3", 1, 0), ("r0", 1, 0))),
         )
     state = kind is KVCacheSpecKind.MAMBA
@@ -273,6 +299,35 @@ def ragged_case(choice: LayerChoice, *, seed: int = 0) -> Case:
         num_kv_heads=1 if rules.latent else 2,
         gqa=1 if state else 2,
         window=bs + 1 if rules.extent is not None else None,
+        steps=steps,
+        seed=seed,
+        layers=2,
+    )
+
+
+def long_context_case(choice: LayerChoice, *, context: int = LONG_CONTEXT, seed: int = 0) -> Case:
+    """Two requests with ``context`` and ``context - 600`` tokens of context (written by
+    the kit, ``Step.written``), then a decode and a chunk of 16 tokens over them, then
+    two decodes: long enough that a kernel accumulating in 16 bits, or overflowing,
+    leaves the tolerance. A kind with a window or chunk gets
+    one longer than the context (the case is about the length, not the mask); kinds
+    without a cache of the step's tokens, or with sink tokens, have none (``InvalidArgumentError``)."""
+    rules = rules_for_kind(choice.kind)
+    if not rules.has_cache or rules.writes != "step" or rules.extent == "sink_len":
+        raise InvalidArgumentError(
+            f"long_context_case: kind {choice.kind.value} has no context the kit can write "
+            f"itself (it needs a cache of the step's own tokens, and no sink tokens)"
+        )
+    steps = (
+        Step((("r0", context, 0), ("r1", context - 600, 0)), written=True),
+        Step((("r0", 1, 0), ("r1", 16, 0))),
+        Step((("r1", 1, 0), ("r0", 1, 0))),
+    )
+    return Case(
+        choice=choice,
+        num_kv_heads=1,
+        gqa=2,
+        window=2 * context if rules.extent is not None else None,
         steps=steps,
         seed=seed,
     )

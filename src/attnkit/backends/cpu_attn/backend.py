@@ -354,6 +354,8 @@ class CpuAttentionBackend(AttentionBackend):
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES
+    # Measured: every call of every combination the kit makes, run twice, bit for bit.
+    deterministic = True
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
     # Every attention kind with K and V planes: the engines take every kind's Mask
     # (causal or bidirectional, window, chunk, sink tokens), and the write plan what each

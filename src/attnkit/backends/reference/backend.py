@@ -38,6 +38,8 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
     description = "pure torch, every kind, CPU and CUDA, float32 accumulation (the oracle)"
+    # Measured on CPU: every call of every combination the kit makes, run twice, bit for bit.
+    deterministic = True
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
         {"auto", "float32", "float16", "bfloat16", "fp8_e4m3"}
