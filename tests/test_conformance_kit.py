@@ -122,6 +122,7 @@ def test_cpu_attn_passes() -> None:
         "kind=encoder_only_attention",
         "feature=logits_soft_cap",
         "feature=alibi",
+        "feature=attention_sinks",
     } <= passed
 
 

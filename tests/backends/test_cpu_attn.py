@@ -70,6 +70,23 @@ def test_soft_cap_and_alibi_match_reference() -> None:
     compare_with_reference(NAME, spec, params, RAGGED)
 
 
+@pytest.mark.parametrize("kind", ["full", "window", "cross", "encoder"])
+def test_per_head_sinks_match_reference(kind: str) -> None:
+    """gpt-oss's sink logits, on both engines (RAGGED has decodes and long runs)."""
+    spec = spec_of(kind)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)) * 2
+    steps = {"cross": CROSS, "encoder": ENCODER}.get(kind, RAGGED)
+    compare_with_reference(NAME, spec, params_of(spec, sinks=sinks), steps)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_sizes_match_reference(head_size: int, dtype: torch.dtype) -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=HKV, head_size=head_size, dtype=dtype)
+    assert select_backend(spec, AttentionConfig(), device="cpu").backend_name == NAME
+    compare_with_reference(NAME, spec, params_of(spec), RAGGED[:1] + RAGGED[3:4])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_match_reference(dtype: torch.dtype) -> None:
     spec = spec_of("full", dtype)
@@ -167,8 +184,7 @@ def test_on_cuda_its_reasons_say_it_is_cpu_only() -> None:
 
 def test_undeclared_features_are_refused_at_construction() -> None:
     spec = spec_of("full")
-    with pytest.raises(ValueError, match="attention_sinks"):
-        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))
+    CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))  # declared
     with pytest.raises(ValueError, match="return_lse"):
         CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
     sink = spec_of("sink")

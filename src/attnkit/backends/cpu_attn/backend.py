@@ -11,9 +11,11 @@ engines against a plain read of the same bytes and SDPA.
 Queries ``[T, Hq, D]``, key/value ``[T, Hkv, D]``, the planes ``[NB * BS, Hkv, D]``
 (``attnkit.backends._planes``), output ``[T, Hq, D]``.
 
-What the engines do not serve here, and so is not declared: per-head sink logits
-(``attention_sinks``) and ``return_lse``, fp8 caches, MLA (one latent per token: no
-planes layout) and state layers; those layers go to ``reference`` on CPU.
+Head sizes: 16 and every multiple of 16 from 32 to 256 (tested at each). Per-head sink
+logits (``attention_sinks``, gpt-oss) join both engines' softmax denominators. What the
+engines do not serve here, and so is not declared: ``return_lse``, fp8 caches, MLA (one
+latent per token: no planes layout) and state layers; those layers go to ``reference``
+on CPU.
 """
 
 from __future__ import annotations
@@ -58,11 +60,14 @@ __all__ = [
 ]
 
 _NAME = "cpu_attn"
-_FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
-# The head and block sizes the engines are tested and measured at. The kernels
-# themselves take any head size (float32 rows of a size not a multiple of 16 go through
-# a float32 buffer) and any block size; declaring more needs tests at those sizes.
-_HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
+_FEATURES = frozenset(
+    {AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI, AttentionFeature.ATTENTION_SINKS}
+)
+# The head and block sizes the engines are tested at (tests/kernels/test_cpu_*.py: every
+# one of them against a float64 oracle). The kernels themselves take any head size
+# (float32 rows of a size not a multiple of 16 go through a float32 buffer) and any block
+# size; declaring more needs tests at those sizes.
+_HEAD_SIZES: SizeRule = (16, *range(32, 257, 16))
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
 NATIVE_MAX_QUERY = 4
 """Requests with at most this many queries (decodes, short speculative runs) go to the
@@ -255,6 +260,11 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             if params.alibi_slopes is not None
             else None
         )
+        self._sinks = (
+            params.sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if params.sinks is not None
+            else None
+        )
 
     @override
     def forward(
@@ -313,6 +323,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 output=output,
                 soft_cap=self._soft_cap,
                 alibi_slopes=self._slopes,
+                sinks=self._sinks,
             )
         if len(m.prefill_requests):
             paged_prefill(
@@ -334,6 +345,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 alibi_slopes=self._slopes,
                 key=key if m.read_step_kv else None,
                 value=value if m.read_step_kv else None,
+                sinks=self._sinks,
             )
         return output
 
@@ -346,7 +358,7 @@ class CpuAttentionBackend(AttentionBackend):
         "CPU engines over K/V planes: a native paged-decode C kernel for decodes (and runs "
         f"of up to {NATIVE_MAX_QUERY} queries), blocked matrix products for prefills; full, "
         "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
-        "ALiBi; CPU only"
+        "ALiBi, per-head sinks; head sizes 16 and 32..256 in steps of 16; CPU only"
     )
     supported_devices = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})

@@ -43,7 +43,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _COMPILE_TIMEOUT_S = 120.0
 _STDERR_LINES = 8
 
@@ -65,6 +65,7 @@ _LEAD: list[_ArgType] = [
 ]  # fmt: skip
 _TAIL: list[_ArgType] = [
     _f32, _f32, _ptr,  # scale, soft_cap, alibi
+    _ptr, _ptr, _i64, _i64,  # sinks, lse, lse_st, lse_sh
     _ptr, _i64, _i64,  # output, o_st, o_sh
     _i32,  # num_threads
     _ptr,  # err (int64[3])

@@ -350,6 +350,9 @@ typedef struct {
     int64_t kv_chunk; /* kv heads per task */
     float scale, cap;
     const float *alibi;
+    const float *sinks; /* [Hq] sink logits, or NULL */
+    float *lse;         /* log-sum-exp out, [row * lse_st + h * lse_sh], or NULL */
+    int64_t lse_st, lse_sh;
     int direct; /* fp32 with D % 16 == 0: K is read in place */
 } params;
 
@@ -442,10 +445,13 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     const int64_t start = P->ks[item], end = P->ke[item];
     const size_t es = P->esize;
 
-    if (end <= start) { /* no visible key: zeros */
+    if (end <= start) { /* no visible key: zeros (a sink's weight has no value) */
         for (int64_t h = 0; h < H; ++h) {
             char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
             memset(o, 0, (size_t)D * es);
+            if (P->lse)
+                P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] =
+                    P->sinks ? P->sinks[h0 + h] : -INFINITY;
         }
         return;
     }
@@ -521,7 +527,16 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
 
     for (int64_t h = 0; h < H; ++h) {
         char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
-        store_row(o, S->acc + h * Dp, P->dtype, D, 1.0f / S->l[h]);
+        float m = S->m[h], l = S->l[h], keep = 1.0f;
+        if (P->sinks) { /* the sink logit joins the denominator only */
+            const float sink = P->sinks[h0 + h];
+            const float mn = sink > m ? sink : m;
+            keep = m == -INFINITY ? 0.0f : expf(m - mn);
+            l = l * keep + expf(sink - mn);
+            m = mn;
+        }
+        store_row(o, S->acc + h * Dp, P->dtype, D, l > 0.0f ? keep / l : 0.0f);
+        if (P->lse) P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
     }
 }
 
@@ -535,13 +550,16 @@ ATTNKIT_API int attnkit_has_openmp(void) {
 #endif
 }
 
-ATTNKIT_API int attnkit_abi_version(void) { return 2; }
+ATTNKIT_API int attnkit_abi_version(void) { return 3; }
 
 /*
  * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
  * item, err[1] the offending value and err[2] a position (the block_table column for
- * ATTNKIT_ERR_BLOCK).  Strides are in elements.  soft_cap <= 0 means none; alibi may be
- * NULL.  Nothing is written when an error is returned.
+ * ATTNKIT_ERR_BLOCK).  Strides are in elements.  soft_cap <= 0 means none; alibi and
+ * sinks (float32 [Hq]: one logit per head added to every softmax denominator) may be NULL;
+ * lse (float32, element strides lse_st, lse_sh) receives each written row's natural-log
+ * sum of exp (-inf where nothing is visible), or is NULL.  Nothing is written when an
+ * error is returned.
  */
 ATTNKIT_API int attnkit_paged_decode(
     int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
@@ -550,8 +568,8 @@ ATTNKIT_API int attnkit_paged_decode(
     const int64_t *rows, const int32_t *requests, const int32_t *key_start,
     const int32_t *key_end, const int32_t *query_pos, int64_t N, int64_t T, int64_t Hq,
     int64_t Hkv, int64_t D, int64_t block_size, float scale, float soft_cap,
-    const float *alibi, void *output, int64_t o_st, int64_t o_sh, int num_threads,
-    int64_t *err) {
+    const float *alibi, const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh,
+    void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
     err[0] = err[1] = err[2] = -1;
     if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
         block_size <= 0 || N < 0 || B < 0 || W < 0 || R < 0 || T < 0)
@@ -613,6 +631,10 @@ ATTNKIT_API int attnkit_paged_decode(
     P.scale = scale;
     P.cap = soft_cap > 0.0f ? soft_cap : 0.0f;
     P.alibi = alibi;
+    P.sinks = sinks;
+    P.lse = lse;
+    P.lse_st = lse_st;
+    P.lse_sh = lse_sh;
 
     const int64_t tasks = N * chunks;
     int failed = 0;
@@ -667,7 +689,8 @@ ATTNKIT_API int attnkit_paged_decode_requests(
     const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *requests,
     int64_t n, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int causal,
     int64_t window, int64_t chunk, float scale, float soft_cap, const float *alibi,
-    void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
+    const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh, void *output, int64_t o_st,
+    int64_t o_sh, int num_threads, int64_t *err) {
     err[0] = err[1] = err[2] = -1;
     if (requests == NULL) n = B;
     if (n < 0 || B < 0 || T < 0) return ATTNKIT_ERR_ARGS;
@@ -711,7 +734,7 @@ ATTNKIT_API int attnkit_paged_decode_requests(
     const int code = attnkit_paged_decode(
         dtype, query, q_st, q_sh, k_plane, k_sr, k_sh, v_plane, v_sr, v_sh, block_table, bt_sb,
         B, W, R, rows, req, ks, ke, qp, items, T, Hq, Hkv, D, block_size, scale, soft_cap, alibi,
-        output, o_st, o_sh, num_threads, err);
+        sinks, lse, lse_st, lse_sh, output, o_st, o_sh, num_threads, err);
     if (code != ATTNKIT_OK && err[0] >= 0 && err[0] < items) err[0] = req[err[0]];
     free(rows);
     free(ints);
