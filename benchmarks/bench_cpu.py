@@ -325,15 +325,14 @@ def _load_vllm() -> _Vllm | str:
 
 
 def _attnkit_isa() -> str:
-    """The instruction sets attnkit's native library was built for (its compiler's
-    predefined macros under the flags it was built with)."""
+    """What attnkit's native library runs here: the prefill's instruction-set copy
+    (chosen at run time) and how the decode kernel was built."""
     from attnkit.kernels.attention.cpu_native import load_paged_decode
 
     lib = load_paged_decode()
-    isa = getattr(lib, "isa", None)
-    if callable(isa):
-        return str(isa())
-    return f"native library {lib.path.name} (-march=native), torch matmuls for prefill"
+    isa = getattr(lib, "prefill_isa", None)
+    prefill = f"prefill {isa}" if isinstance(isa, str) else "prefill: torch matmuls"
+    return f"native library {lib.path.name}: {prefill}; decode -march=native"
 
 
 class _GridCase:

@@ -614,3 +614,79 @@ def test_base_arguments_are_valid() -> None:
     args, kwargs = _base()
     paged_prefill(**args, **kwargs)
     assert torch.isfinite(kwargs["output"][1:6]).all()
+
+
+# --------------------------------------------------------------------------- engines
+
+
+ISA_CASES = [
+    pytest.param(Case([Req(30, 30, True), Req(12, 40), Req(70, 70)], d=128), id="causal"),
+    pytest.param(
+        Case([Req(30, 70)], window=9, d=80, dtype=torch.bfloat16, sinks=True, with_lse=True),
+        id="window-sinks-lse",
+    ),
+    pytest.param(
+        Case([Req(25, 9), Req(6, 20), Req(3, 0)], causal=False, d=48, dtype=torch.float16),
+        id="cross",
+    ),
+    pytest.param(
+        Case([Req(40, 90)], chunk=12, soft_cap=2.0, alibi=True, d=64, dtype=torch.bfloat16),
+        id="chunk-cap-alibi",
+    ),
+]
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "generic"])
+@pytest.mark.parametrize("case", ISA_CASES)
+def test_every_instruction_set_copy(isa: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each copy of the native compute this CPU runs, chosen with ATTNKIT_CPU_ISA."""
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", isa)
+    if prefill_isa() != isa:
+        pytest.skip(f"this CPU does not run the {isa} copy (it runs {prefill_isa()})")
+    for threads in (1, 2):
+        case.threads = threads
+        run_case(case)
+
+
+@pytest.mark.parametrize("case", ISA_CASES)
+def test_torch_engine(case: Case) -> None:
+    """The second implementation (blocked torch products) on the same cases."""
+    case.kwargs = {**case.kwargs, "engine": "torch"}
+    run_case(case)
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"engine: expected 'native' or 'torch', got 'gpu'"):
+        run_case(Case([Req(3, 3)], kwargs={"engine": "gpu"}))
+
+
+def test_the_chosen_copy_is_the_best_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.delenv("ATTNKIT_CPU_ISA", raising=False)
+    flags = _cpu_flags()
+    want = "generic"
+    if {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        want = "avx512"
+        if "avx512_bf16" in flags:
+            want = "avx512bf16"
+    assert prefill_isa() == want
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", "generic")
+    assert prefill_isa() == "generic"
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", "no-such-isa")  # not a cap: the best one
+    assert prefill_isa() == want
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

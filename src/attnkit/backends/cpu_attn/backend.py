@@ -3,10 +3,12 @@ engines of ``attnkit.kernels.attention``; the first choice on CPU.
 
 A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, short speculative
 runs) go to the native paged kernel (``cpu_decode``), which reads K and V in place
-through the block table; longer runs go to blocked matrix products over keys gathered
-once (``cpu_prefill``). Nothing is compiled per shape: the native library is built once
-per machine with the system C compiler. ``benchmarks/bench_cpu.py`` measures both
-engines against a plain read of the same bytes and SDPA.
+through the block table; longer runs go to the native blocked prefill (``cpu_prefill``),
+which packs their keys once per chunk for many query rows. Nothing is compiled per
+shape: the native library is built once per machine with the system C compiler, its
+prefill compute once per instruction set and picked at run time.
+``benchmarks/bench_cpu.py`` measures both engines against a plain read of the same
+bytes, SDPA and, where installed, vLLM's CPU attention.
 
 Queries ``[T, Hq, D]``, key/value ``[T, Hkv, D]``, the planes ``[NB * BS, Hkv, D]``
 (``attnkit.backends._planes``), output ``[T, Hq, D]``.
@@ -356,7 +358,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = _NAME
     description = (
         "CPU engines over K/V planes: a native paged-decode C kernel for decodes (and runs "
-        f"of up to {NATIVE_MAX_QUERY} queries), blocked matrix products for prefills; full, "
+        f"of up to {NATIVE_MAX_QUERY} queries), a native blocked prefill for the rest; full, "
         "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
         "ALiBi, per-head sinks; head sizes 16 and 32..256 in steps of 16; CPU only"
     )

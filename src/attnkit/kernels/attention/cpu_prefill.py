@@ -1,6 +1,15 @@
 """CPU prefill engine: paged attention for runs of query tokens as blocked matrix products.
 
-One request at a time, the keys and values its queries can see are taken once: straight
+:func:`paged_prefill` checks its arguments here, then runs the native blocked kernel
+(``paged_prefill.c``, the default ``engine="native"``): tasks of (request, K/V head,
+about 256 rows of query tokens x grouped heads), each packing its keys once per chunk of
+256 (K transposed, V row-major, from the planes through the block table or from the
+step's own key / value rows) and walking them in tiles of 32 with an online softmax, in
+register-blocked micro-kernels of the instruction set the CPU reports (AVX512-BF16:
+bf16 scores as native bf16 dot products; AVX-512; AVX2; the compiler's baseline).
+
+``engine="torch"`` keeps the first implementation, described below, as a second one to
+compare with. One request at a time, the keys and values its queries can see are taken once: straight
 from the step's own ``key`` / ``value`` rows for a fresh prompt (``seq == qlen``; strided
 views, no copy in float32), else gathered from the paged K/V planes with one
 ``index_select`` over the slots the block table gives for the positions some query of the
@@ -43,7 +52,7 @@ Threads: torch's own (``torch.get_num_threads()``); the caller sets them.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -324,6 +333,7 @@ def paged_prefill(
     key_chunk: int | None = None,
     sinks: Tensor | None = None,
     lse: Tensor | None = None,
+    engine: Literal["native", "torch"] = "native",
 ) -> None:
     """Attention of runs of query tokens over the paged K/V planes; writes ``output``.
 
@@ -341,8 +351,13 @@ def paged_prefill(
     ``causal``. ``sinks`` (float32 ``[Hq]``): one logit per head that joins every
     softmax denominator and carries no value. ``lse`` (float32 ``[T, Hq]``, any strides):
     receives the served rows' natural-log sum of exp (``-inf`` where no key and no sink
-    is visible). ``query_block`` (default from :data:`QUERY_ROWS`) and ``key_chunk``
-    (default :data:`KEY_CHUNK`) are tuning knobs.
+    is visible). ``query_block`` (tokens per block; default: the native kernel's
+    choice, or from :data:`QUERY_ROWS`) and ``key_chunk`` (default :data:`KEY_CHUNK`;
+    the torch engine's only) are tuning knobs.
+
+    ``engine``: ``"native"`` (default) runs ``paged_prefill.c`` (built by
+    :mod:`.cpu_native`; :class:`RuntimeError` where it cannot be built), ``"torch"`` the
+    blocked torch products below (kept as a second implementation to compare with).
     """
     # ---- tensors
     q = _check_cpu_tensor("query", query, 3, "a torch.Tensor [T, Hq, D]")
@@ -455,7 +470,10 @@ def paged_prefill(
     qlens = _check_index_array("query_lens", query_lens, n)
     seqs = _check_index_array("seq_lens", seq_lens, n)
 
+    if engine not in ("native", "torch"):
+        raise ValueError(f"engine: expected 'native' or 'torch', got {engine!r}")
     bt: npt.NDArray[np.int64] | None = None
+    btt: Tensor | None = None
     if block_table is not None:
         btt = _check_cpu_tensor(
             "block_table", block_table, 2, "an int32 torch.Tensor [B, W]", torch.int32
@@ -557,6 +575,19 @@ def paged_prefill(
                 f"{int(blocks[j])} at [{row}, {int(cols[j])}] (request {i})"
             )
         slots.append(torch.as_tensor(blocks * bs + pos % bs))
+
+    if engine == "native":
+        from attnkit.kernels.attention.cpu_prefill_native import native_prefill
+
+        check_last_dim_contiguous("output", out)
+        native_prefill(
+            q, kp, vp, btt if bt is not None else None, kk, vv,
+            [(start, qlen, seq, row, from_key) for (start, qlen, seq, _, row, from_key) in plans],
+            block_size=bs, causal=causal, window=window, chunk=chunk, scale=scale_f,
+            soft_cap=cap, alibi_slopes=slopes, sinks=sink_t, lse=lse_t, output=out,
+            query_block=q_block_arg,
+        )  # fmt: skip
+        return
 
     slopes32 = slopes.contiguous() if slopes is not None else None
     sinks32 = sink_t.contiguous() if sink_t is not None else None
