@@ -187,6 +187,7 @@ typedef struct {
     uint32_t *kt; /* [KC / KT][units][KT]: the chunk's K tiles, transposed */
     float *vt;    /* [KC][Dp] */
     float *s;     /* [bq * G][KT] */
+    uint32_t *pw; /* [bq * G][KT / 2]: the weights as bf16 pairs (bf16 pairs only) */
     float *o;     /* [rows][Dp] */
     float *m, *l; /* [rows] */
     float *corr;  /* [bq * G] */
@@ -198,8 +199,8 @@ typedef struct {
 static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
     const int64_t rows = P->sb * P->G, brows = P->bq * P->G, Dp = P->Dp, U = Dp;
     const int64_t nblk = (P->sb + P->bq - 1) / P->bq;
-    size_t bytes = (size_t)(rows * U + KC * U + KC * Dp + brows * KT + rows * Dp + 2 * rows +
-                            brows) * 4 +
+    size_t bytes = (size_t)(rows * U + KC * U + KC * Dp + brows * KT + brows * KT / 2 +
+                            rows * Dp + 2 * rows + brows) * 4 +
                    (size_t)(2 * P->sb) * 8 + (size_t)nblk * sizeof(pblock) + 16 * 64;
     void *mem = NULL;
     if (posix_memalign(&mem, 64, bytes) != 0) return 0;
@@ -214,6 +215,7 @@ static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
     TAKE(S->kt, uint32_t, KC * U);
     TAKE(S->vt, float, KC * Dp);
     TAKE(S->s, float, brows * KT);
+    TAKE(S->pw, uint32_t, brows * KT / 2);
     TAKE(S->o, float, rows * Dp);
     TAKE(S->m, float, rows);
     TAKE(S->l, float, rows);
@@ -298,6 +300,14 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
                 const float f = elem_f32(k, d, P->dtype);
                 memcpy(kt + d * KT, &f, sizeof f);
             }
+        }
+        if (T->pairs) { /* V as pairs of keys: x even fills the low halves, x odd the high */
+            uint16_t *v2 = (uint16_t *)(void *)S->vt + (x / 2) * Dp * 2 + (x % 2);
+            const uint16_t *vs = (const uint16_t *)(const void *)v;
+            for (int64_t d = 0; d < D; ++d) v2[2 * d] = vs[d];
+            if (x % 2 == 0 && c0 + x + 1 == c1) /* no partner key: a zero weight's value */
+                for (int64_t d = 0; d < D; ++d) v2[2 * d + 1] = 0;
+            continue;
         }
         float *vr = S->vt + x * Dp;
         if (P->dtype == DT_F32) memcpy(vr, v, (size_t)D * 4);
@@ -425,7 +435,7 @@ PF_TARGET_END
 
 PF_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define SFX avx512
-#define QK_ROWS 8
+#define QK_ROWS 12
 #define PV_ROWS 6
 #define BF16DOT 0
 #define PKEEP(x) __asm__("" : "+v"(x))
@@ -439,7 +449,7 @@ PF_TARGET_END
 
 PF_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #define SFX avx512bf16
-#define QK_ROWS 8
+#define QK_ROWS 12
 #define PV_ROWS 6
 #define BF16DOT 1
 #define PKEEP(x) __asm__("" : "+v"(x))

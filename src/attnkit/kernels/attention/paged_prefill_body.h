@@ -17,7 +17,10 @@
  * softmax and the output accumulate in float32.  With BF16DOT and bf16 inputs, K is
  * packed as pairs of bf16 (dims 2i, 2i+1 of a key in one 32-bit lane) and the scores
  * are exact-product float32 sums of bf16 pairs (vdpbf16ps): the query and key values
- * are the inputs as given, never rounded again.
+ * are the inputs as given, never rounded again.  V is then packed as pairs of keys (one
+ * column of keys 2i, 2i + 1 per 32-bit lane) and the weights are rounded to bf16 (round
+ * to nearest even, vcvtne2ps2bf16) for the value products; the sum of the weights, the
+ * running max and the accumulator stay float32.
  */
 
 #define PF_CAT_(a, b) a##_##b
@@ -157,6 +160,59 @@ static void PF(scores)(int pairs, const uint32_t *q, int64_t U, const uint32_t *
 }
 
 /* o[rows][Dp] = o * corr + p [rows][KT] . v [n][Dp]. */
+#if BF16DOT
+/* o[r][0 .. 16 CW) = o[r] * corr[r] + sum_i (p, v) pairs over np key pairs: pw [RB][KT / 2]
+ * bf16 weight pairs, v2 [np][vs] bf16 value pairs (keys 2i, 2i + 1 of one column). */
+INLINE void PF(pv_pairs)(const int RB, const int CW, const uint32_t *restrict pw,
+                         const float *restrict corr, const uint32_t *restrict v2, int64_t vs,
+                         int64_t np, float *restrict o, int64_t os) {
+    v16f a[PV_ROWS][4];
+    for (int r = 0; r < RB; ++r) {
+        const v16f c = PF(splat)(corr[r]);
+        for (int w = 0; w < CW; ++w) a[r][w] = PF(ld)(o + r * os + 16 * w) * c;
+    }
+    for (int64_t i = 0; i < np; ++i) {
+        v16f vv[4];
+        for (int w = 0; w < CW; ++w) {
+            vv[w] = PF(ld)((const float *)v2 + i * vs + 16 * w);
+            PKEEP(vv[w]);
+        }
+        for (int r = 0; r < RB; ++r) {
+            const __m512i b = _mm512_set1_epi32((int)pw[r * (KT / 2) + i]);
+            for (int w = 0; w < CW; ++w)
+                a[r][w] = (v16f)_mm512_dpbf16_ps((__m512)a[r][w], (__m512bh)(__m512i)vv[w],
+                                                 (__m512bh)b);
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int w = 0; w < CW; ++w) PF(st)(o + r * os + 16 * w, a[r][w]);
+}
+
+/* values() with bf16 pairs: pw [rows][KT / 2], v2 [n / 2 rounded up][Dp]. */
+static void PF(values_pairs)(const uint32_t *pw, const float *corr, const uint32_t *v2,
+                             int64_t n, int64_t rows, float *o, int64_t Dp) {
+    const int64_t np = (n + 1) / 2;
+    for (int64_t d = 0; d < Dp; d += 64) {
+        const int64_t left = (Dp - d) / 16;
+        const int cw = left >= 4 ? 4 : (int)left;
+        int64_t r = 0;
+#define PF_PV2(RB)                                                                            \
+    do {                                                                                      \
+        const uint32_t *p_ = pw + r * (KT / 2), *v_ = v2 + d;                                 \
+        const float *c_ = corr + r;                                                           \
+        float *o_ = o + r * Dp + d;                                                           \
+        if (cw == 4) PF(pv_pairs)(RB, 4, p_, c_, v_, Dp, np, o_, Dp);                         \
+        else if (cw == 3) PF(pv_pairs)(RB, 3, p_, c_, v_, Dp, np, o_, Dp);                    \
+        else if (cw == 2) PF(pv_pairs)(RB, 2, p_, c_, v_, Dp, np, o_, Dp);                    \
+        else PF(pv_pairs)(RB, 1, p_, c_, v_, Dp, np, o_, Dp);                                 \
+    } while (0)
+        for (; r + PV_ROWS <= rows; r += PV_ROWS) PF_PV2(PV_ROWS);
+        for (; r < rows; ++r) PF_PV2(1);
+#undef PF_PV2
+    }
+}
+#endif
+
 static void PF(values)(const float *p, const float *corr, const float *v, int64_t n,
                        int64_t rows, float *o, int64_t Dp) {
     for (int64_t d = 0; d < Dp; d += 64) {
@@ -183,8 +239,8 @@ static void PF(values)(const float *p, const float *corr, const float *v, int64_
  * and mask, then the online softmax: s becomes the weights, corr the factor on each
  * row's accumulator, m and l the running max and sum.
  */
-static void PF(softmax)(const ptask *T, const pblock *b, float *s_all, float *m, float *l,
-                        float *corr, int64_t a, int64_t n, int masked) {
+static void PF(softmax)(const ptask *T, const pblock *b, float *s_all, uint32_t *pw, float *m,
+                        float *l, float *corr, int64_t a, int64_t n, int masked) {
     const int64_t G = T->G;
     const v16i iota0 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16i iota1 = iota0 + 16;
@@ -224,12 +280,23 @@ static void PF(softmax)(const ptask *T, const pblock *b, float *s_all, float *m,
             corr[r] = 1.0f;
             PF(st)(s, PF(splat)(0.0f));
             PF(st)(s + 16, PF(splat)(0.0f));
+            if (pw) memset(pw + r * (KT / 2), 0, (KT / 2) * sizeof(uint32_t));
             continue;
         }
         const float c = mnew == mold ? 1.0f : mold == -INFINITY ? 0.0f : expf(mold - mnew);
         const v16f p0 = PF(vexp)(s0 - PF(splat)(mnew)), p1 = PF(vexp)(s1 - PF(splat)(mnew));
-        PF(st)(s, p0);
-        PF(st)(s + 16, p1);
+#if BF16DOT
+        if (T->pairs) { /* the weights as bf16 pairs, keys in order */
+            const __m512bh pb = _mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
+            memcpy(pw + r * (KT / 2), &pb, sizeof pb);
+        } else
+#else
+        (void)pw;
+#endif
+        {
+            PF(st)(s, p0);
+            PF(st)(s + 16, p1);
+        }
         l[r] = l[r] * c + PF(hsum)(p0 + p1);
         m[r] = mnew;
         corr[r] = c;
@@ -262,7 +329,15 @@ static void PF(run)(const pparams *P, ptask *T, scratch_pf *S) {
                 const int masked = n < KT || !(a >= b->lo_max && a + n <= b->hi_min);
                 const int64_t tile = (a - c0) / KT;
                 PF(scores)(T->pairs, S->q + r0 * U, U, S->kt + tile * U * KT, b->rows, S->s);
-                PF(softmax)(T, b, S->s, S->m + r0, S->l + r0, S->corr, a, n, masked);
+#if BF16DOT
+                if (T->pairs) {
+                    PF(softmax)(T, b, S->s, S->pw, S->m + r0, S->l + r0, S->corr, a, n, masked);
+                    PF(values_pairs)(S->pw, S->corr, (const uint32_t *)(void *)S->vt + (a - c0) / 2 * Dp,
+                                     n, b->rows, S->o + r0 * Dp, Dp);
+                    continue;
+                }
+#endif
+                PF(softmax)(T, b, S->s, NULL, S->m + r0, S->l + r0, S->corr, a, n, masked);
                 PF(values)(S->s, S->corr, S->vt + (a - c0) * Dp, n, b->rows, S->o + r0 * Dp, Dp);
             }
         }
