@@ -332,7 +332,11 @@ def _attnkit_isa() -> str:
     lib = load_paged_decode()
     isa = getattr(lib, "prefill_isa", None)
     prefill = f"prefill {isa}" if isinstance(isa, str) else "prefill: torch matmuls"
-    return f"native library {lib.path.name}: {prefill}; decode -march=native"
+    decode_isa = getattr(lib, "decode_isa", None)
+    decode = "decode -march=native"
+    if callable(decode_isa):
+        decode = f"decode fp32 {decode_isa(0, D)}, bf16 {decode_isa(1, D)}"
+    return f"native library {lib.path.name} (-march=native build): {prefill}; {decode}"
 
 
 class _GridCase:

@@ -610,3 +610,38 @@ def test_requests_entry_errors_name_the_argument_and_request() -> None:
             torch.tensor([20, 5], dtype=torch.int32), None, block_size=16, causal=True,
             window=None, chunk=None, scale=0.25, output=out,
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------- instruction-set copies
+
+
+@pytest.mark.parametrize(
+    ("isa", "want"),
+    [
+        # the 16-lane copies (float32 D % 16, bf16 D % 32 with AVX512-BF16), and run_task
+        ("avx512bf16", {(0, 128): "avx512bf16", (1, 128): "avx512bf16", (1, 80): "vector8"}),
+        ("avx512", {(0, 128): "avx512", (1, 128): "vector8", (2, 128): "vector8"}),
+        ("avx2", {(0, 128): "vector8", (1, 128): "vector8"}),
+    ],
+)
+def test_every_instruction_set_copy(
+    isa: str, want: dict[tuple[int, int], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode copy this CPU runs (ATTNKIT_CPU_ISA caps the choice), on head sizes
+    that take it and that do not, with every score option, sinks and the lse."""
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", isa)
+    if prefill_isa() != isa:
+        pytest.skip(f"this CPU does not run the {isa} copy (it runs {prefill_isa()})")
+    lib = _native.load_paged_decode()
+    for (code, d), name in want.items():
+        assert lib.decode_isa(code, d) == name, (code, d)
+    for dtype in (torch.float32, torch.bfloat16):
+        for d in (128, 80, 32, 256):
+            for threads in (1, 2):
+                run_case(dtype, 8, 2, d, 16, RAGGED_16, threads=threads)
+            run_case(dtype, 6, 3, d, 32, RAGGED_32, sinks=True, with_lse=True, cap=2.0,
+                     alibi=True, strided=True)  # fmt: skip
+        run_case(dtype, 8, 8, 64, 16, RAGGED_16, sinks=True, with_lse=True)  # G = 1
+        run_case(dtype, 16, 2, 64, 16, RAGGED_16)  # G = 8

@@ -40,7 +40,7 @@ _LOG = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _SOURCES = (_SOURCE, _SOURCE.with_name("paged_prefill.c"))
 # Hashed into the cache key with the sources: included by paged_prefill.c, not compiled.
-_HEADERS = (_SOURCE.with_name("paged_prefill_body.h"),)
+_HEADERS = (_SOURCE.with_name("paged_prefill_body.h"), _SOURCE.with_name("paged_decode_body.h"))
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared")
 # Tried in order: the first set the compiler accepts is kept. -march=native tunes for
 # this CPU (hence the CPU flags in the cache key); -fopenmp enables the threaded path.
@@ -112,12 +112,19 @@ class NativeLibrary:
     paged_prefill: Callable[..., int]
     has_openmp: bool
     _prefill_isa: Callable[[], bytes]
+    _decode_isa: Callable[[int, int], bytes]
 
     @property
     def prefill_isa(self) -> str:
         """The instruction set whose copy of the prefill compute runs (chosen at each
         call from the CPU; ``ATTNKIT_CPU_ISA`` caps it)."""
         return self._prefill_isa().decode()
+
+    def decode_isa(self, dtype_code: int, head_size: int) -> str:
+        """The instruction set of the decode's copy for a dtype code (0 float32, 1 bf16,
+        2 fp16) and head size: ``avx512bf16``, ``avx512``, or ``vector8`` (8-lane
+        vectors as the build flags lower them)."""
+        return self._decode_isa(dtype_code, head_size).decode()
 
 
 class _BuildError(Exception):
@@ -230,6 +237,9 @@ def _load(path: Path) -> NativeLibrary:
     isa = lib.attnkit_prefill_isa
     isa.argtypes = []
     isa.restype = ctypes.c_char_p
+    decode_isa = lib.attnkit_decode_isa
+    decode_isa.argtypes = [ctypes.c_int, ctypes.c_int64]
+    decode_isa.restype = ctypes.c_char_p
     return NativeLibrary(
         path=path,
         paged_decode=fn,
@@ -237,6 +247,7 @@ def _load(path: Path) -> NativeLibrary:
         paged_prefill=prefill,
         has_openmp=bool(has_openmp()),
         _prefill_isa=isa,
+        _decode_isa=decode_isa,
     )
 
 

@@ -434,6 +434,33 @@ static void scores_tile(const params *P, const float *restrict q, const float *r
     }
 }
 
+/* Rows of a work item that sees no key: zeros (a sink's weight has no value). */
+static void empty_rows(const params *P, int64_t row, int64_t h0, int64_t H) {
+    for (int64_t h = 0; h < H; ++h) {
+        char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * P->esize;
+        memset(o, 0, (size_t)P->D * P->esize);
+        if (P->lse)
+            P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] = P->sinks ? P->sinks[h0 + h] : -INFINITY;
+    }
+}
+
+/* The accumulators divided by their sums (a sink logit joins the sum only), written. */
+static void finish_rows(const params *P, int64_t row, int64_t h0, int64_t H, const scratch *S) {
+    for (int64_t h = 0; h < H; ++h) {
+        char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * P->esize;
+        float m = S->m[h], l = S->l[h], keep = 1.0f;
+        if (P->sinks) {
+            const float sink = P->sinks[h0 + h];
+            const float mn = sink > m ? sink : m;
+            keep = m == -INFINITY ? 0.0f : expf(m - mn);
+            l = l * keep + expf(sink - mn);
+            m = mn;
+        }
+        store_row(o, S->acc + h * P->Dp, P->dtype, P->D, l > 0.0f ? keep / l : 0.0f);
+        if (P->lse) P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
+    }
+}
+
 /*
  * One work item, kv heads [kv0, kv0 + C): the query heads [kv0 * G, (kv0 + C) * G).
  * Keys are walked tile by tile; every tile is read once for all the task's heads.
@@ -445,14 +472,8 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     const int64_t start = P->ks[item], end = P->ke[item];
     const size_t es = P->esize;
 
-    if (end <= start) { /* no visible key: zeros (a sink's weight has no value) */
-        for (int64_t h = 0; h < H; ++h) {
-            char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
-            memset(o, 0, (size_t)D * es);
-            if (P->lse)
-                P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] =
-                    P->sinks ? P->sinks[h0 + h] : -INFINITY;
-        }
+    if (end <= start) { /* no visible key */
+        empty_rows(P, row, h0, H);
         return;
     }
 
@@ -525,19 +546,74 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
         pos += n;
     }
 
-    for (int64_t h = 0; h < H; ++h) {
-        char *o = P->o + (size_t)(row * P->o_st + (h0 + h) * P->o_sh) * es;
-        float m = S->m[h], l = S->l[h], keep = 1.0f;
-        if (P->sinks) { /* the sink logit joins the denominator only */
-            const float sink = P->sinks[h0 + h];
-            const float mn = sink > m ? sink : m;
-            keep = m == -INFINITY ? 0.0f : expf(m - mn);
-            l = l * keep + expf(sink - mn);
-            m = mn;
-        }
-        store_row(o, S->acc + h * Dp, P->dtype, D, l > 0.0f ? keep / l : 0.0f);
-        if (P->lse) P->lse[row * P->lse_st + (h0 + h) * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
-    }
+    finish_rows(P, row, h0, H, S);
+}
+
+/* ---- the 16-lane copies, chosen at run time ---------------------------------------- */
+
+typedef void (*task_fn)(const params *, int64_t, int64_t, int64_t, scratch *);
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define FD_X86 1
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+#include <immintrin.h>
+#define FD_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define FD_TARGET_BEGIN(t) FD_PRAGMA(clang attribute push(__attribute__((target(t))), apply_to = function))
+#define FD_TARGET_END FD_PRAGMA(clang attribute pop)
+#else
+#define FD_TARGET_BEGIN(t) FD_PRAGMA(GCC push_options) FD_PRAGMA(GCC target(t))
+#define FD_TARGET_END FD_PRAGMA(GCC pop_options)
+#endif
+
+FD_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#define SFX avx512
+#define BF16DOT 0
+#include "paged_decode_body.h"
+#undef SFX
+#undef BF16DOT
+FD_TARGET_END
+
+FD_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#define SFX avx512bf16
+#define BF16DOT 1
+#include "paged_decode_body.h"
+#undef SFX
+#undef BF16DOT
+FD_TARGET_END
+#else
+#define FD_X86 0
+#endif
+
+/* The instruction set paged_prefill.c picked (the CPU's best, ATTNKIT_CPU_ISA's cap). */
+const char *attnkit_prefill_isa(void);
+
+/* The 16-lane copy for this call, or run_task (8 lanes, every dtype and head size). */
+static task_fn pick_task(int dtype, int64_t D) {
+#if FD_X86
+    const char *isa = attnkit_prefill_isa();
+    const int bf16 = !strcmp(isa, "avx512bf16"), avx512 = bf16 || !strcmp(isa, "avx512");
+    if (dtype == DT_F32 && D % 16 == 0 && avx512) return bf16 ? task_avx512bf16 : task_avx512;
+    if (dtype == DT_BF16 && D % 32 == 0 && bf16) return task_avx512bf16;
+#else
+    (void)dtype;
+    (void)D;
+#endif
+    return run_task;
+}
+
+/* The instruction set the decode's copy for (dtype, D) uses: "avx512bf16", "avx512" or
+ * "vector8" (run_task: 8-lane vectors as the build flags lower them). */
+ATTNKIT_API const char *attnkit_decode_isa(int dtype, int64_t D) {
+    task_fn f = pick_task(dtype, D);
+#if FD_X86
+    if (f == task_avx512bf16) return "avx512bf16";
+    if (f == task_avx512) return "avx512";
+#endif
+    (void)f;
+    return "vector8";
 }
 
 /* ---- entry points ------------------------------------------------------------------ */
@@ -638,11 +714,12 @@ ATTNKIT_API int attnkit_paged_decode(
 
     const int64_t tasks = N * chunks;
     int failed = 0;
+    const task_fn task = pick_task(dtype, D);
 #define RUN_TASK(t)                                                                       \
     do {                                                                                  \
         const int64_t kv0_ = ((t) % chunks) * P.kv_chunk;                                 \
         const int64_t c_ = Hkv - kv0_ < P.kv_chunk ? Hkv - kv0_ : P.kv_chunk;             \
-        run_task(&P, (t) / chunks, kv0_, c_, &S);                                         \
+        task(&P, (t) / chunks, kv0_, c_, &S);                                             \
     } while (0)
     if (num_threads <= 1 || tasks == 1) {
         scratch S;
