@@ -194,10 +194,28 @@ static void FD(task)(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     for (int64_t pos = start; pos < end;) {
         int64_t n;
         const int64_t prow = tile_at(P, table, pos, end, &n);
-        for (int64_t c = 0; c < C; ++c) {
-            const char *kt = P->k + (size_t)(prow * P->k_sr + (kv0 + c) * P->k_sh) * es;
-            FD(scores)(G, bf16, S->q + c * G * Dp, Dp, kt, (int64_t)(P->k_sr * es), n, D,
-                       S->s + c * G * TILE);
+        /* The next tile's rows (another block) are prefetched into L2 while this one is
+         * computed, a quarter of them per group of 4 keys. */
+        int64_t n2 = 0, prow2 = 0;
+        if (pos + n < end) prow2 = tile_at(P, table, pos + n, end, &n2);
+        const size_t span = (size_t)(C * P->k_sh) * es;
+        /* K in memory order: 4 keys (rows) at a time, all the task's kv heads of them */
+        const int64_t kst = (int64_t)(P->k_sr * es);
+        for (int64_t j0 = 0; j0 < n; j0 += 4) {
+            const int64_t jn = n - j0 < 4 ? n - j0 : 4;
+            for (int64_t j = j0 * n2 / n; j < (j0 + jn) * n2 / n; ++j) {
+                const char *kr = P->k + (size_t)((prow2 + j) * P->k_sr + kv0 * P->k_sh) * es;
+                const char *vr = P->v + (size_t)((prow2 + j) * P->v_sr + kv0 * P->v_sh) * es;
+                for (size_t b = 0; b < span; b += 64) {
+                    _mm_prefetch(kr + b, _MM_HINT_T1);
+                    _mm_prefetch(vr + b, _MM_HINT_T1);
+                }
+            }
+            for (int64_t c = 0; c < C; ++c) {
+                const char *kt = P->k + (size_t)((prow + j0) * P->k_sr + (kv0 + c) * P->k_sh) * es;
+                FD(scores)(G, bf16, S->q + c * G * Dp, Dp, kt, kst, jn, D,
+                           S->s + c * G * TILE + j0);
+            }
         }
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
         for (int64_t h = 0; h < H; ++h) {
