@@ -28,6 +28,7 @@ from planes_schedules import (
 
 from attnkit import (
     AttentionConfig,
+    AttentionFeature,
     AttentionLayerParams,
     BackendNotSupportedError,
     FullAttentionSpec,
@@ -204,3 +205,30 @@ def test_planes_layout_and_bad_cache_argument() -> None:
         impl.forward(q, kv, kv, [torch.zeros(4, 2, 16, HKV, D)], md, torch.empty_like(q))
     with pytest.raises(TypeError, match="attn_metadata must be CpuAttentionMetadata"):
         impl.forward(q, kv, kv, [], object(), torch.empty_like(q))  # type: ignore[arg-type]  # the wrong metadata on purpose
+
+
+def test_context_parallel_calls_are_checked() -> None:
+    """A sharded step must go through forward_partial, a plain one through forward, and
+    forward_partial's lse must be [T, Hq] float32 (tests/test_context_parallel.py runs
+    the ranks against one device)."""
+    import dataclasses
+
+    spec = spec_of("full")
+    rt = make_runtime(NAME, spec, params_of(spec))
+    rt.begin_step([ScheduledRequest("a", 3)])
+    impl = CpuAttentionImpl(spec, params_of(spec))
+    md = rt.metadata_for("layer")
+    assert isinstance(md, CpuAttentionMetadata)
+    assert md.shard is None
+    q, kv = torch.randn(3, 4, D), torch.randn(3, HKV, D)
+    cache = [torch.zeros(64, HKV, D), torch.zeros(64, HKV, D)]
+    lse = torch.empty(3, 4)
+    with pytest.raises(ValueError, match=r"no context_shard .* call forward$"):
+        impl.forward_partial(q, kv, kv, cache, md, torch.empty_like(q), lse)
+    items = tuple(torch.zeros(3, dtype=torch.int64 if i == 0 else torch.int32) for i in range(5))
+    sharded = dataclasses.replace(md, shard=(0, 2), shard_items=items)
+    with pytest.raises(ValueError, match=r"sharded by context \(context_shard=\(0, 2\)\)"):
+        impl.forward(q, kv, kv, cache, sharded, torch.empty_like(q))
+    with pytest.raises(ValueError, match=r"lse must be a float32 cpu tensor \[3, 4\]"):
+        impl.forward_partial(q, kv, kv, cache, sharded, torch.empty_like(q), torch.empty(3, 2))
+    assert AttentionFeature.CONTEXT_PARALLEL in CpuAttentionBackend.supported_features

@@ -35,6 +35,7 @@ def oracle(
     slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     lse: dict[int, torch.Tensor] | None = None,
+    key_map: tuple[int, int] = (1, 0),
 ) -> dict[int, torch.Tensor]:
     """Row -> [Hq, D] float64: gather the visible keys by the table, masked softmax (a
     sink logit per head joins the denominator); ``lse`` receives row -> [Hq] log-sum-exp."""
@@ -58,7 +59,7 @@ def oracle(
             if cap is not None:
                 sc = cap * torch.tanh(sc / cap)
             if slopes is not None:
-                sc = sc + float(slopes[h]) * (pos - qp).double()
+                sc = sc + float(slopes[h]) * (pos * key_map[0] + key_map[1] - qp).double()
             sc = torch.where(visible, sc, -math.inf)
             if sinks is not None:  # one more logit, with no value
                 sc = torch.cat([sc, sinks[h : h + 1].double()])
@@ -118,6 +119,7 @@ def run_case(
     strided: bool = False,
     sinks: bool = False,
     with_lse: bool = False,
+    key_map: tuple[int, int] = (1, 0),
 ) -> None:
     q, k, v, table = make_case(dtype=dtype, hq=hq, hkv=hkv, d=d, bs=bs, ranges=ranges, width=width)
     n = len(ranges)
@@ -125,7 +127,7 @@ def run_case(
     requests = list(range(n))
     starts = [r[0] for r in ranges]
     ends = [r[1] for r in ranges]
-    qpos = [max(e - 1, 0) for e in ends]
+    qpos = [max(e - 1, 0) * key_map[0] + key_map[1] for e in ends]
     slopes = torch.rand(hq, generator=torch.Generator().manual_seed(3)) if alibi else None
     if strided:  # views of bigger tensors: head and token strides that are not compact
         qbig = torch.zeros(q.shape[0], hq + 3, d + 5, dtype=dtype)
@@ -160,10 +162,27 @@ def run_case(
         sinks=sink_t,
         lse=lse_t,
         num_threads=threads,
+        key_stride=key_map[0],
+        key_offset=key_map[1],
     )
     want_lse: dict[int, torch.Tensor] = {}
     want = oracle(
-        q, k, v, table, rows, requests, starts, ends, qpos, bs, scale, cap, slopes, sink_t, want_lse
+        q,
+        k,
+        v,
+        table,
+        rows,
+        requests,
+        starts,
+        ends,
+        qpos,
+        bs,
+        scale,
+        cap,
+        slopes,
+        sink_t,
+        want_lse,
+        key_map,
     )
     tol = TOL[dtype]
     if with_lse:
@@ -242,6 +261,15 @@ def test_sinks_and_lse(d: int, dtype: torch.dtype, threads: int) -> None:
     run_case(dtype, 8, 2, d, 16, RAGGED_16, sinks=True, threads=threads)
     run_case(dtype, 6, 3, d, 32, RAGGED_32, sinks=True, with_lse=True, cap=2.0, alibi=True,
              threads=threads, strided=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("key_map", [(2, 1), (3, 0), (4, 3)])
+def test_alibi_at_a_shard_s_key_positions(dtype: torch.dtype, key_map: tuple[int, int]) -> None:
+    """A context-parallel shard: logical key p is global position p * world + rank."""
+    for d in (128, 40):
+        run_case(dtype, 8, 2, d, 16, RAGGED_16, alibi=True, sinks=True, with_lse=True,
+                 key_map=key_map, threads=2)  # fmt: skip
 
 
 def test_the_oracle_catches_a_dropped_sink() -> None:

@@ -247,6 +247,8 @@ def paged_attention_rows(
     sinks: Tensor | None = None,
     lse: Tensor | None = None,
     num_threads: int | None = None,
+    key_stride: int = 1,
+    key_offset: int = 0,
 ) -> None:
     """Attend query rows to contiguous key ranges of paged K/V planes, writing ``output``.
 
@@ -273,6 +275,9 @@ def paged_attention_rows(
         lse: float32 ``[T, Hq]`` (any strides): each written row's natural-log sum of
             exp over its visible keys (and the sink), ``-inf`` where none is visible.
         num_threads: OpenMP threads (default :func:`torch.get_num_threads`).
+        key_stride, key_offset: ALiBi's position of logical key ``p`` is ``p *
+            key_stride + key_offset`` (a context-parallel shard: ``world_size`` and
+            ``rank``, with ``query_pos`` the global positions); 1 and 0 otherwise.
 
     Scores accumulate in float32 whatever the dtype. Raises :class:`RuntimeError` when
     the native library cannot be built here (:func:`native_problem` says why).
@@ -292,6 +297,8 @@ def paged_attention_rows(
     ks = _index_vector("key_start", key_start, torch.int32, n)
     ke = _index_vector("key_end", key_end, torch.int32, n)
     qp = _index_vector("query_pos", query_pos, torch.int32, n)
+    stride = check_int_arg("key_stride", key_stride, 1, _INT32_MAX)
+    offset = check_int_arg("key_offset", key_offset, 0, _INT32_MAX)
 
     lib = load_paged_decode()
     if n == 0:
@@ -300,7 +307,7 @@ def paged_attention_rows(
     code = lib.paged_decode(
         *_lead_args(c),
         r.data_ptr(), req.data_ptr(), ks.data_ptr(), ke.data_ptr(), qp.data_ptr(),
-        n, T, Hq, Hkv, D, bs,
+        n, T, Hq, Hkv, D, bs, stride, offset,
         *_tail_args(c),
         ctypes.addressof(err),
     )  # fmt: skip

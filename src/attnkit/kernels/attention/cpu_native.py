@@ -49,7 +49,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _COMPILE_TIMEOUT_S = 120.0
 _STDERR_LINES = 8
 
@@ -81,6 +81,7 @@ _PAGED_DECODE_ARGTYPES: list[_ArgType] = [
     *_LEAD,
     _ptr, _ptr, _ptr, _ptr, _ptr,  # rows, requests, key_start, key_end, query_pos
     _i64, _i64, _i64, _i64, _i64, _i64,  # N, T, Hq, Hkv, D, block_size
+    _i64, _i64,  # pos_mul, pos_add
     *_TAIL,
 ]  # fmt: skip
 # attnkit_paged_prefill

@@ -348,6 +348,7 @@ typedef struct {
     const int32_t *req, *ks, *ke, *qp;
     int64_t Hq, Hkv, G, D, Dp, bs;
     int64_t kv_chunk; /* kv heads per task */
+    int64_t pm, pa; /* ALiBi's key position of logical position p: p * pm + pa */
     float scale, cap;
     const float *alibi;
     const float *sinks; /* [Hq] sink logits, or NULL */
@@ -508,7 +509,8 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
                 for (int64_t j = 0; j < n; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
             if (P->alibi) {
                 const float slope = P->alibi[h0 + h];
-                for (int64_t j = 0; j < n; ++j) s[j] += slope * ((float)(pos + j) - qpos);
+                for (int64_t j = 0; j < n; ++j)
+                    s[j] += slope * ((float)((pos + j) * P->pm + P->pa) - qpos);
             }
             for (int64_t j = n; j < TILE; ++j) s[j] = -INFINITY;
             v8f s0 = ld8(s), s1 = ld8(s + 8);
@@ -626,12 +628,13 @@ ATTNKIT_API int attnkit_has_openmp(void) {
 #endif
 }
 
-ATTNKIT_API int attnkit_abi_version(void) { return 4; }
+ATTNKIT_API int attnkit_abi_version(void) { return 5; }
 
 /*
  * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
  * item, err[1] the offending value and err[2] a position (the block_table column for
- * ATTNKIT_ERR_BLOCK).  Strides are in elements.  soft_cap <= 0 means none; alibi and
+ * ATTNKIT_ERR_BLOCK).  Strides are in elements.  ALiBi sees logical key position p at
+ * p * pos_mul + pos_add (a context-parallel shard: p * world_size + rank; else 1, 0).  soft_cap <= 0 means none; alibi and
  * sinks (float32 [Hq]: one logit per head added to every softmax denominator) may be NULL;
  * lse (float32, element strides lse_st, lse_sh) receives each written row's natural-log
  * sum of exp (-inf where nothing is visible), or is NULL.  Nothing is written when an
@@ -643,7 +646,8 @@ ATTNKIT_API int attnkit_paged_decode(
     const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
     const int64_t *rows, const int32_t *requests, const int32_t *key_start,
     const int32_t *key_end, const int32_t *query_pos, int64_t N, int64_t T, int64_t Hq,
-    int64_t Hkv, int64_t D, int64_t block_size, float scale, float soft_cap,
+    int64_t Hkv, int64_t D, int64_t block_size, int64_t pos_mul, int64_t pos_add, float scale,
+    float soft_cap,
     const float *alibi, const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh,
     void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
     err[0] = err[1] = err[2] = -1;
@@ -689,6 +693,7 @@ ATTNKIT_API int attnkit_paged_decode(
     P.o_st = o_st; P.o_sh = o_sh;
     P.bt = block_table; P.bt_sb = bt_sb;
     P.rows = rows; P.req = requests; P.ks = key_start; P.ke = key_end; P.qp = query_pos;
+    P.pm = pos_mul; P.pa = pos_add;
     P.Hq = Hq; P.Hkv = Hkv; P.G = Hq / Hkv; P.D = D; P.bs = block_size;
     P.Dp = (D + 15) / 16 * 16;
     P.direct = dtype == DT_F32 && D % 16 == 0;
@@ -810,7 +815,7 @@ ATTNKIT_API int attnkit_paged_decode_requests(
     }
     const int code = attnkit_paged_decode(
         dtype, query, q_st, q_sh, k_plane, k_sr, k_sh, v_plane, v_sr, v_sh, block_table, bt_sb,
-        B, W, R, rows, req, ks, ke, qp, items, T, Hq, Hkv, D, block_size, scale, soft_cap, alibi,
+        B, W, R, rows, req, ks, ke, qp, items, T, Hq, Hkv, D, block_size, 1, 0, scale, soft_cap, alibi,
         sinks, lse, lse_st, lse_sh, output, o_st, o_sh, num_threads, err);
     if (code != ATTNKIT_OK && err[0] >= 0 && err[0] < items) err[0] = req[err[0]];
     free(rows);

@@ -228,7 +228,9 @@ static void FD(task)(const params *P, int64_t item, int64_t kv0, int64_t C, scra
                 x = _mm512_maskz_loadu_ps(live, s);
             }
             if (P->alibi) {
-                const __m512 rel = _mm512_add_ps(iota, _mm512_set1_ps((float)pos - qpos));
+                const __m512 rel = _mm512_add_ps(
+                    _mm512_mul_ps(iota, _mm512_set1_ps((float)P->pm)),
+                    _mm512_set1_ps((float)(pos * P->pm + P->pa) - qpos));
                 x = _mm512_fmadd_ps(_mm512_set1_ps(P->alibi[h0 + h]), rel, x);
             }
             x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
