@@ -278,12 +278,24 @@ static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
         }
 }
 
-/* Keys [c0, c1) of the task: K transposed into tiles of KT columns, V row-major. */
+/*
+ * Whether the value micro-kernel reads the tile of keys [a, a + n) in place: float32
+ * rows of a whole number of vectors, consecutive (the step's own rows, or one block).
+ */
+INLINE int tile_direct(const pparams *P, const ptask *T, int64_t a, int64_t n) {
+    return P->dtype == DT_F32 && P->D % 16 == 0 &&
+           (P->dense[T->i] || a / P->bs == (a + n - 1) / P->bs);
+}
+
+/* Keys [c0, c1) of the task: K transposed into tiles of KT columns, V row-major (but for
+ * the tiles read in place). */
 static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t c0, int64_t c1) {
     const int64_t D = P->D, Dp = P->Dp, U = T->units;
     for (int64_t x = 0; x < c1 - c0; ++x) {
         const char *k = key_row(P, T, c0 + x, 0);
         const char *v = key_row(P, T, c0 + x, 1);
+        const int64_t a = c0 + x / KT * KT, n = c1 - a < KT ? c1 - a : KT;
+        const int direct = tile_direct(P, T, a, n);
         uint32_t *kt = S->kt + (x / KT) * U * KT + x % KT;
         if (T->pairs) {
             uint32_t w[256];
@@ -310,6 +322,7 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
             continue;
         }
         float *vr = S->vt + x * Dp;
+        if (direct) continue;
         if (P->dtype == DT_F32) memcpy(vr, v, (size_t)D * 4);
         else if (P->dtype == DT_BF16)
             for (int64_t d = 0; d < D; ++d) vr[d] = elem_f32(v, d, DT_BF16);

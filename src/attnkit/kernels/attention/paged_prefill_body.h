@@ -213,7 +213,8 @@ static void PF(values_pairs)(const uint32_t *pw, const float *corr, const uint32
 }
 #endif
 
-static void PF(values)(const float *p, const float *corr, const float *v, int64_t n,
+/* o[rows][Dp] = o * corr + p [rows][KT] . v [n rows, vs floats apart]. */
+static void PF(values)(const float *p, const float *corr, const float *v, int64_t vs, int64_t n,
                        int64_t rows, float *o, int64_t Dp) {
     for (int64_t d = 0; d < Dp; d += 64) {
         const int64_t left = (Dp - d) / 16;
@@ -223,10 +224,10 @@ static void PF(values)(const float *p, const float *corr, const float *v, int64_
     do {                                                                                      \
         const float *p_ = p + r * KT, *c_ = corr + r, *v_ = v + d;                            \
         float *o_ = o + r * Dp + d;                                                           \
-        if (cw == 4) PF(pv_kernel)(RB, 4, p_, c_, v_, Dp, n, o_, Dp);                         \
-        else if (cw == 3) PF(pv_kernel)(RB, 3, p_, c_, v_, Dp, n, o_, Dp);                    \
-        else if (cw == 2) PF(pv_kernel)(RB, 2, p_, c_, v_, Dp, n, o_, Dp);                    \
-        else PF(pv_kernel)(RB, 1, p_, c_, v_, Dp, n, o_, Dp);                                 \
+        if (cw == 4) PF(pv_kernel)(RB, 4, p_, c_, v_, vs, n, o_, Dp);                         \
+        else if (cw == 3) PF(pv_kernel)(RB, 3, p_, c_, v_, vs, n, o_, Dp);                    \
+        else if (cw == 2) PF(pv_kernel)(RB, 2, p_, c_, v_, vs, n, o_, Dp);                    \
+        else PF(pv_kernel)(RB, 1, p_, c_, v_, vs, n, o_, Dp);                                 \
     } while (0)
         for (; r + PV_ROWS <= rows; r += PV_ROWS) PF_PV(PV_ROWS);
         for (; r < rows; ++r) PF_PV(1);
@@ -328,17 +329,26 @@ static void PF(run)(const pparams *P, ptask *T, scratch_pf *S) {
                 /* every row sees every key of the tile: no mask to apply */
                 const int masked = n < KT || !(a >= b->lo_max && a + n <= b->hi_min);
                 const int64_t tile = (a - c0) / KT;
+                /* the value products stop at the block's last visible key */
+                const int64_t nv = b->k_hi - a < n ? b->k_hi - a : n;
                 PF(scores)(T->pairs, S->q + r0 * U, U, S->kt + tile * U * KT, b->rows, S->s);
 #if BF16DOT
                 if (T->pairs) {
                     PF(softmax)(T, b, S->s, S->pw, S->m + r0, S->l + r0, S->corr, a, n, masked);
                     PF(values_pairs)(S->pw, S->corr, (const uint32_t *)(void *)S->vt + (a - c0) / 2 * Dp,
-                                     n, b->rows, S->o + r0 * Dp, Dp);
+                                     nv, b->rows, S->o + r0 * Dp, Dp);
                     continue;
                 }
 #endif
                 PF(softmax)(T, b, S->s, NULL, S->m + r0, S->l + r0, S->corr, a, n, masked);
-                PF(values)(S->s, S->corr, S->vt + (a - c0) * Dp, n, b->rows, S->o + r0 * Dp, Dp);
+                if (tile_direct(P, T, a, n)) {
+                    const int dense = P->dense[T->i];
+                    PF(values)(S->s, S->corr, (const float *)(const void *)key_row(P, T, a, 1),
+                               dense ? P->vd_sr : P->v_sr, nv, b->rows, S->o + r0 * Dp, Dp);
+                } else {
+                    PF(values)(S->s, S->corr, S->vt + (a - c0) * Dp, Dp, nv, b->rows,
+                               S->o + r0 * Dp, Dp);
+                }
             }
         }
     }
