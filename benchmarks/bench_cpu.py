@@ -784,7 +784,14 @@ def _run_vs_vllm(vllm: _Vllm, args: argparse.Namespace) -> dict[str, Any]:
     rounds = max(args.grid_rounds, 1)
     print(f"attnkit against {vllm.library}; attnkit: {_attnkit_isa()}")
     print(f"  paired rounds: {rounds}, medians; threads {threads}")
-    return _vs_vllm(vllm, threads, rounds, args.quick)
+    out = _vs_vllm(vllm, threads, rounds, args.quick)
+    for row in out["scaling"]:
+        ok = "meets" if row["attnkit"] >= TARGET_THREAD_SCALING else "MISSES"
+        print(
+            f"  decode {row['dtype']} bs {row['block_size']:3d}: 2 threads / 1 thread: attnkit "
+            f"{row['attnkit']:.2f}x ({ok} >= {TARGET_THREAD_SCALING}), vllm {row['vllm']:.2f}x"
+        )
+    return out
 
 
 def _main_vllm(args: argparse.Namespace) -> int:
