@@ -37,8 +37,9 @@ INLINE v16f PF(ld)(const float *p) {
 
 INLINE void PF(st)(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
-/* exp for 16 lanes, x <= 0 (scores minus their running max); see vexp16 in
- * paged_prefill.c for the method.  Below -87: exactly 0 (-inf included). */
+/* exp for 16 lanes, x <= 0 (scores minus their running max), by the method of vexp in
+ * paged_decode.c (x = n ln2 + r, a degree-6 polynomial of r, 2^n in the exponent bits).
+ * Below -87: exactly 0 (-inf included); NaN stays NaN. */
 INLINE v16f PF(vexp)(v16f x) {
     const v16f lo = PF(splat)(-87.0f);
     v16i tiny = x < lo;
