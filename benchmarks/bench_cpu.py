@@ -39,19 +39,10 @@ demo (``attnkit demo``: default model, CPU, float32) before and after: every att
 kind forced to ``reference``, then the default selection (``cpu_attn``), each run
 twice in the process (the second run finds its kernels compiled), tokens/s.
 
-Side by side with vLLM (when ``vllm._custom_ops`` is importable; ``--vllm no`` skips
-it, ``--vllm only`` runs nothing else): vLLM's own CPU attention ops
-(``cpu_attention_with_kv_cache`` over its cache, filled by its
-``cpu_attn_reshape_and_cache``, with the ISA and scheduler metadata its CPU backend would
-pick) against the engine ``cpu_attn`` runs for the same step (the native paged kernel for
-decode, ``paged_prefill`` for prefill, both over the planes, no K/V write timed), on the
-same cache contents (shuffled pools, block 0 NaN), for decode 32 x 2k and prefill 4 x 512
-causal (Hq 32 / Hkv 8, D 128), float32 and bfloat16, block sizes 16 / 32 / 128, at each
-``--grid-threads`` count. Every round calls each path once in the same order (decode also
-the plain read of the same bytes); reported are medians over ``--grid-rounds`` rounds
-(at least 15 by default) and the median per-round ratio, with each output's max error
-against a float64 oracle. vLLM is never a dependency of attnkit: install it in an
-environment of its own (docs/kernels.md says how) and run this file there.
+Side by side with vLLM when ``vllm._custom_ops`` imports (``--vllm no`` skips it, ``only``
+runs nothing else): vLLM's CPU attention ops against the engine ``cpu_attn`` runs, on the
+same cache contents, in paired rounds, both checked against a float64 oracle
+(docs/kernels.md, "Against vLLM's CPU attention"; vLLM is never an attnkit dependency).
 
     python benchmarks/bench_cpu.py --out bench-results [--quick]
     python benchmarks/bench_cpu.py --vllm only --grid-threads 1,2   # the vLLM table
@@ -560,22 +551,15 @@ def _vs_vllm(v: _Vllm, threads: list[int], rounds: int, quick: bool) -> dict[str
 
 
 def _scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Decode's speed-up from 1 to 2 threads, per dtype and block size (median times of
-    the same run)."""
+    """Decode's speed-up from 1 to 2 threads per dtype and block size (one run's medians)."""
     out = []
     by_key = {(r["case"], r["dtype"], r["block_size"], r["threads"]): r for r in rows}
     for (case, dname, bs, n), row in by_key.items():
         one = by_key.get((case, dname, bs, 1))
         if case != "decode" or n != 2 or one is None:
             continue
-        out.append(
-            {
-                "dtype": dname,
-                "block_size": bs,
-                "attnkit": one["attnkit_s"] / row["attnkit_s"],
-                "vllm": one["vllm_s"] / row["vllm_s"],
-            }
-        )
+        speedups = {k: one[f"{k}_s"] / row[f"{k}_s"] for k in ("attnkit", "vllm")}
+        out.append({"dtype": dname, "block_size": bs, **speedups})
     return out
 
 
