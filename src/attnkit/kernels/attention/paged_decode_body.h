@@ -1,12 +1,13 @@
 /*
- * The paged decode's 16-lane compute, included by paged_decode.c once per AVX-512
- * instruction set (never compiled alone), each copy in its own target region, with:
+ * The paged decode's 16-lane compute, included by paged_decode.c in an AVX512-BF16
+ * target region (never compiled alone), with:
  *   SFX      the name suffix of this copy's functions;
  *   BF16DOT  1 where the set has native bf16 dot products (AVX512-BF16).
  *
- * It serves float32 caches with D % 16 == 0 and, with BF16DOT, bf16 caches with
- * D % 32 == 0, reading K and V in place (the same tiles, order and online softmax as
- * run_task in paged_decode.c, 16 lanes wide): scores of up to 4 query heads x 4 keys
+ * It can serve float32 caches with D % 16 == 0 and, with BF16DOT, bf16 caches with
+ * D % 32 == 0 (paged_decode.c's pick_task gives it bf16 only), reading K and V in place
+ * with run_task's online softmax, 16 lanes wide, in tiles of up to FTILE keys of one
+ * block, the next tile's rows prefetched meanwhile: scores of up to 4 query heads x 4 keys
  * at a time as 16 vector accumulators reduced together (one transpose-and-add tree
  * for all 16 sums); bf16 scores as vdpbf16ps over the query and key values as given
  * (exact products, float32 sums), bf16 values widened to float32 once per load.
@@ -75,7 +76,7 @@ INLINE __m512 FD(ld16)(const char *p, int bf16) {
 }
 
 /*
- * s[h * TILE + j] = q[h] . k[j] for HB heads x KB keys (HB * KB <= 16): q rows of Dp
+ * s[h * FTILE + j] = q[h] . k[j] for HB heads x KB keys (HB * KB <= 16): q rows of Dp
  * floats (float32; or bf16 pairs when bf16), k rows at byte stride ks.
  */
 INLINE void FD(score_block)(const int HB, const int KB, const int bf16, const float *q,
@@ -109,7 +110,7 @@ INLINE void FD(score_block)(const int HB, const int KB, const int bf16, const fl
     float r[16];
     _mm512_storeu_ps(r, FD(reduce16)(a));
     for (int h = 0; h < HB; ++h)
-        for (int j = 0; j < KB; ++j) s[h * TILE + j] = r[h * KB + j];
+        for (int j = 0; j < KB; ++j) s[h * FTILE + j] = r[h * KB + j];
 }
 
 /* The G heads' scores against the n keys of one kv head's tile. */
@@ -119,20 +120,20 @@ static void FD(scores)(int64_t G, int bf16, const float *q, int64_t Dp, const ch
     for (; h + 4 <= G; h += 4) {
         int64_t j = 0;
         for (; j + 4 <= n; j += 4)
-            FD(score_block)(4, 4, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * TILE + j);
+            FD(score_block)(4, 4, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * FTILE + j);
         for (; j < n; ++j)
-            FD(score_block)(4, 1, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * TILE + j);
+            FD(score_block)(4, 1, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * FTILE + j);
     }
     for (; h < G; ++h) {
         int64_t j = 0;
         for (; j + 4 <= n; j += 4)
-            FD(score_block)(1, 4, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * TILE + j);
+            FD(score_block)(1, 4, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * FTILE + j);
         for (; j < n; ++j)
-            FD(score_block)(1, 1, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * TILE + j);
+            FD(score_block)(1, 1, bf16, q + h * Dp, Dp, k + j * ks, ks, D, s + h * FTILE + j);
     }
 }
 
-/* acc[h] = acc[h] * corr[h] + sum_j p[h * TILE + j] v[j] for HB heads, 64 columns at a
+/* acc[h] = acc[h] * corr[h] + sum_j p[h * FTILE + j] v[j] for HB heads, 64 columns at a
  * time (HB x 4 accumulators), v rows at byte stride vs. */
 INLINE void FD(vacc_heads)(const int HB, const int bf16, const float *p, const float *corr,
                            const char *v, int64_t vs, int64_t n, float *acc, int64_t Dp,
@@ -149,7 +150,7 @@ INLINE void FD(vacc_heads)(const int HB, const int bf16, const float *p, const f
             __m512 vv[4];
             for (int w = 0; w < cw; ++w) vv[w] = FD(ld16)(v + j * vs + (d + 16 * w) * es, bf16);
             for (int h = 0; h < HB; ++h) {
-                const __m512 b = _mm512_set1_ps(p[h * TILE + j]);
+                const __m512 b = _mm512_set1_ps(p[h * FTILE + j]);
                 for (int w = 0; w < cw; ++w) a[h][w] = _mm512_fmadd_ps(b, vv[w], a[h][w]);
             }
         }
@@ -161,8 +162,8 @@ INLINE void FD(vacc_heads)(const int HB, const int bf16, const float *p, const f
 static void FD(vacc)(int64_t G, int bf16, const float *p, const float *corr, const char *v,
                      int64_t vs, int64_t n, float *acc, int64_t Dp, int64_t D) {
     int64_t h = 0;
-    for (; h + 4 <= G; h += 4) FD(vacc_heads)(4, bf16, p + h * TILE, corr + h, v, vs, n, acc + h * Dp, Dp, D);
-    for (; h < G; ++h) FD(vacc_heads)(1, bf16, p + h * TILE, corr + h, v, vs, n, acc + h * Dp, Dp, D);
+    for (; h + 4 <= G; h += 4) FD(vacc_heads)(4, bf16, p + h * FTILE, corr + h, v, vs, n, acc + h * Dp, Dp, D);
+    for (; h < G; ++h) FD(vacc_heads)(1, bf16, p + h * FTILE, corr + h, v, vs, n, acc + h * Dp, Dp, D);
 }
 
 /* run_task's work (paged_decode.c) for the caches this copy serves. */
@@ -193,11 +194,11 @@ static void FD(task)(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t pos = start; pos < end;) {
         int64_t n;
-        const int64_t prow = tile_at(P, table, pos, end, &n);
+        const int64_t prow = tile_at_max(P, table, pos, end, &n, FTILE);
         /* The next tile's rows (another block) are prefetched into L2 while this one is
          * computed, a quarter of them per group of 4 keys. */
         int64_t n2 = 0, prow2 = 0;
-        if (pos + n < end) prow2 = tile_at(P, table, pos + n, end, &n2);
+        if (pos + n < end) prow2 = tile_at_max(P, table, pos + n, end, &n2, FTILE);
         const size_t span = (size_t)(C * P->k_sh) * es;
         /* K in memory order: 4 keys (rows) at a time, all the task's kv heads of them */
         const int64_t kst = (int64_t)(P->k_sr * es);
@@ -214,44 +215,55 @@ static void FD(task)(const params *P, int64_t item, int64_t kv0, int64_t C, scra
             for (int64_t c = 0; c < C; ++c) {
                 const char *kt = P->k + (size_t)((prow + j0) * P->k_sr + (kv0 + c) * P->k_sh) * es;
                 FD(scores)(G, bf16, S->q + c * G * Dp, Dp, kt, kst, jn, D,
-                           S->s + c * G * TILE + j0);
+                           S->s + c * G * FTILE + j0);
             }
         }
-        const __mmask16 live = (__mmask16)((1u << n) - 1u);
         for (int64_t h = 0; h < H; ++h) {
-            float *s = S->s + h * TILE;
-            __m512 x = _mm512_maskz_loadu_ps(live, s);
-            x = _mm512_mul_ps(x, _mm512_set1_ps(sscale));
-            if (has_cap) {
-                _mm512_storeu_ps(s, x);
-                for (int64_t j = 0; j < n; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
-                x = _mm512_maskz_loadu_ps(live, s);
+            float *s = S->s + h * FTILE;
+            __m512 x[FTILE / 16];
+            const int nvec = (int)((n + 15) / 16);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int w = 0; w < nvec; ++w) {
+                const int64_t left = n - 16 * w;
+                const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                x[w] = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + 16 * w), _mm512_set1_ps(sscale));
+                if (has_cap) {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, x[w]);
+                    for (int j = 0; j < 16; ++j) tmp[j] = P->cap * tanhf(tmp[j] * inv_cap);
+                    x[w] = _mm512_loadu_ps(tmp);
+                }
+                if (P->alibi) {
+                    const __m512 rel = _mm512_add_ps(
+                        _mm512_mul_ps(iota, _mm512_set1_ps((float)P->pm)),
+                        _mm512_set1_ps((float)((pos + 16 * w) * P->pm + P->pa) - qpos));
+                    x[w] = _mm512_fmadd_ps(_mm512_set1_ps(P->alibi[h0 + h]), rel, x[w]);
+                }
+                x[w] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x[w]);
+                mx = _mm512_max_ps(mx, x[w]);
             }
-            if (P->alibi) {
-                const __m512 rel = _mm512_add_ps(
-                    _mm512_mul_ps(iota, _mm512_set1_ps((float)P->pm)),
-                    _mm512_set1_ps((float)(pos * P->pm + P->pa) - qpos));
-                x = _mm512_fmadd_ps(_mm512_set1_ps(P->alibi[h0 + h]), rel, x);
-            }
-            x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
-            const float mt = _mm512_reduce_max_ps(x);
+            const float mt = _mm512_reduce_max_ps(mx);
             const float mold = S->m[h];
             const float mnew = mt > mold ? mt : mold;
             if (mnew == -INFINITY) {
                 S->corr[h] = 1.0f;
-                _mm512_storeu_ps(s, _mm512_setzero_ps());
+                for (int w = 0; w < nvec; ++w) _mm512_storeu_ps(s + 16 * w, _mm512_setzero_ps());
                 continue;
             }
             const float corr = mnew == mold ? 1.0f : expf(mold - mnew);
-            const __m512 p = FD(vexp)(_mm512_sub_ps(x, _mm512_set1_ps(mnew)));
-            _mm512_storeu_ps(s, p);
-            S->l[h] = S->l[h] * corr + _mm512_reduce_add_ps(p);
+            __m512 sum = _mm512_setzero_ps();
+            for (int w = 0; w < nvec; ++w) {
+                const __m512 p = FD(vexp)(_mm512_sub_ps(x[w], _mm512_set1_ps(mnew)));
+                _mm512_storeu_ps(s + 16 * w, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            S->l[h] = S->l[h] * corr + _mm512_reduce_add_ps(sum);
             S->m[h] = mnew;
             S->corr[h] = corr;
         }
         for (int64_t c = 0; c < C; ++c) {
             const char *vt = P->v + (size_t)(prow * P->v_sr + (kv0 + c) * P->v_sh) * es;
-            FD(vacc)(G, bf16, S->s + c * G * TILE, S->corr + c * G, vt, (int64_t)(P->v_sr * es), n,
+            FD(vacc)(G, bf16, S->s + c * G * FTILE, S->corr + c * G, vt, (int64_t)(P->v_sr * es), n,
                      S->acc + c * G * Dp, Dp, D);
         }
         pos += n;
