@@ -39,7 +39,13 @@ demo (``attnkit demo``: default model, CPU, float32) before and after: every att
 kind forced to ``reference``, then the default selection (``cpu_attn``), each run
 twice in the process (the second run finds its kernels compiled), tokens/s.
 
+Side by side with vLLM when ``vllm._custom_ops`` imports (``--vllm no`` skips it, ``only``
+runs nothing else): vLLM's CPU attention ops against the engine ``cpu_attn`` runs, on the
+same cache contents, in paired rounds, both checked against a float64 oracle
+(docs/kernels.md, "Against vLLM's CPU attention"; vLLM is never an attnkit dependency).
+
     python benchmarks/bench_cpu.py --out bench-results [--quick]
+    python benchmarks/bench_cpu.py --vllm only --grid-threads 1,2   # the vLLM table
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +73,12 @@ TARGET_DECODE_FRACTION = 0.60
 TARGET_PREFILL_RATIO = 1.0
 
 
-def _cache_tensor(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised float32 tensor in a buffer allocated like the runtime's caches."""
+def _cache_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised tensor in a buffer allocated like the runtime's caches."""
     from attnkit.kv_cache import cache_buffer
 
-    return cache_buffer(math.prod(shape) * 4, "cpu").view(torch.float32).view(shape)
+    nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    return cache_buffer(nbytes, "cpu").view(dtype).view(shape)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -260,6 +268,317 @@ def _plain_read(step: _Step) -> Callable[[], object]:
     return lambda: (contiguous_k.sum(), contiguous_v.sum())
 
 
+# ------------------------------------------------------------------ vLLM side by side
+
+GRID_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GRID_BLOCK_SIZES = (16, 32, 128)
+GRID_MIN_ROUNDS = 15
+TARGET_PREFILL_OVER_VLLM = 0.80
+TARGET_DECODE_OVER_VLLM = 0.85
+TARGET_BF16_DECODE_FRACTION = 0.60
+TARGET_THREAD_SCALING = 1.8
+
+
+@dataclass(frozen=True)
+class _Vllm:
+    """vLLM's CPU attention ops, loaded the way its CPU platform loads them."""
+
+    ops: Any
+    isa_for: Callable[[torch.dtype, int, int], str]
+    library: str
+
+
+def _load_vllm() -> _Vllm | str:
+    """vLLM's CPU attention ops, or why they cannot be used (vLLM is not installed:
+    the comparison is an optional benchmark environment, see docs/kernels.md)."""
+    try:
+        import vllm._custom_ops as ops
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception as exc:  # any import failure means: no baseline here
+        return f"{type(exc).__name__}: {exc}"
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return "vllm is importable but its CPU attention ops are not registered"
+    # Which build its platform loads on this CPU (vllm/platforms/cpu.py import_kernels).
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        library = "vllm._C (AVX-512 with AVX512-BF16)"
+    elif torch.cpu._is_avx512_supported():
+        library = "vllm._C_AVX512 (AVX-512)"
+    else:
+        library = "vllm._C_AVX2 (AVX2)"
+    version = getattr(sys.modules.get("vllm"), "__version__", "?")
+
+    def isa_for(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+        return str(_get_attn_isa(dtype, block_size, head_size, "auto"))
+
+    return _Vllm(ops=ops, isa_for=isa_for, library=f"vllm {version}: {library}")
+
+
+def _attnkit_isa() -> str:
+    """What attnkit's native library runs here: the prefill's instruction-set copy
+    (chosen at run time) and how the decode kernel was built."""
+    from attnkit.kernels.attention.cpu_native import load_paged_decode
+
+    lib = load_paged_decode()
+    isa = getattr(lib, "prefill_isa", None)
+    prefill = f"prefill {isa}" if isinstance(isa, str) else "prefill: torch matmuls"
+    decode_isa = getattr(lib, "decode_isa", None)
+    decode = "decode -march=native"
+    if callable(decode_isa):
+        decode = f"decode fp32 {decode_isa(0, D)}, bf16 {decode_isa(1, D)}"
+    return f"native library {lib.path.name} (-march=native build): {prefill}; {decode}"
+
+
+class _GridCase:
+    """One step's paged cache in both layouts (the same values): attnkit's planes
+    ``[NB * bs, Hkv, D]`` and vLLM's ``[NB, Hkv, 2 * bs, D]`` (K then V per block and
+    head), over a shuffled pool whose block 0 (never in a table) holds NaN."""
+
+    def __init__(
+        self, dtype: torch.dtype, bs: int, query_lens: list[int], seq_lens: list[int], seed: int
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.dtype, self.bs = dtype, bs
+        self.query_lens, self.seq_lens = query_lens, seq_lens
+        blocks = [-(-s // bs) for s in seq_lens]
+        nb = sum(blocks) + 1
+        order = rng.permutation(np.arange(1, nb))
+        table = np.zeros((len(blocks), max(blocks)), dtype=np.int32)
+        start = 0
+        for r, n in enumerate(blocks):
+            table[r, :n] = order[start : start + n]
+            start += n
+        self.table = torch.from_numpy(table)
+        self.nb = nb
+        esize = torch.finfo(dtype).bits // 8
+        shape = (nb * bs, HKV, D)
+        self.k_plane = _cache_tensor(shape, dtype)
+        self.v_plane = _cache_tensor(shape, dtype)
+        self.k_plane.copy_(torch.randn(shape, generator=gen))
+        self.v_plane.copy_(torch.randn(shape, generator=gen))
+        self.k_plane[:bs] = float("nan")
+        self.v_plane[:bs] = float("nan")
+        self.kv_vllm = _cache_tensor((nb, HKV, 2 * bs, D), dtype)
+        self.key_cache, self.value_cache = self.kv_vllm.chunk(2, dim=2)
+        self.vllm_written: str | None = None
+        t = sum(query_lens)
+        self.q = torch.randn(t, HQ, D, generator=gen).to(dtype)
+        self.qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+        self.seq = torch.tensor(seq_lens, dtype=torch.int32)
+        self.scale = D**-0.5
+        self.kv_bytes = sum(seq_lens) * HKV * D * esize * 2
+
+    def slots(self, r: int) -> torch.Tensor:
+        pos = torch.arange(self.seq_lens[r])
+        return self.table[r, pos // self.bs].long() * self.bs + pos % self.bs
+
+    def oracle(self) -> torch.Tensor:
+        """float64 causal attention per request over its gathered context."""
+        rows = []
+        g = HQ // HKV
+        for r, (q_len, seq) in enumerate(zip(self.query_lens, self.seq_lens, strict=True)):
+            k = self.k_plane[self.slots(r)].double().repeat_interleave(g, dim=1)
+            v = self.v_plane[self.slots(r)].double().repeat_interleave(g, dim=1)
+            start = int(self.qsl[r])
+            q = self.q[start : start + q_len].double()
+            s = torch.einsum("thd,shd->hts", q, k) * self.scale
+            qpos = torch.arange(seq - q_len, seq)[:, None]
+            s = s.masked_fill(torch.arange(seq)[None, :] > qpos, float("-inf"))
+            rows.append(torch.einsum("hts,shd->thd", s.softmax(-1), v))
+        return torch.cat(rows)
+
+    def attnkit(self) -> tuple[Callable[[], object], torch.Tensor]:
+        """The engine cpu_attn runs for this step, over the planes (no K/V write)."""
+        from attnkit.backends.cpu_attn import NATIVE_MAX_QUERY
+        from attnkit.kernels.attention.cpu_decode import paged_attention_requests
+        from attnkit.kernels.attention.cpu_prefill import paged_prefill
+
+        out = torch.empty_like(self.q)
+        if max(self.query_lens) <= NATIVE_MAX_QUERY:
+
+            def call() -> object:
+                paged_attention_requests(
+                    self.q, self.k_plane, self.v_plane, self.table, self.qsl, self.seq, None,
+                    block_size=self.bs, causal=True, window=None, chunk=None,
+                    scale=self.scale, output=out,
+                )  # fmt: skip
+                return out
+
+            return call, out
+        n = len(self.query_lens)
+        requests = np.arange(n, dtype=np.int64)
+        starts = self.qsl[:-1].numpy().astype(np.int64)
+        qlens = np.asarray(self.query_lens, dtype=np.int64)
+        seqs = np.asarray(self.seq_lens, dtype=np.int64)
+
+        def prefill() -> object:
+            paged_prefill(
+                self.q, self.k_plane, self.v_plane, self.table, requests, starts, qlens, seqs,
+                block_size=self.bs, causal=True, window=None, chunk=None, scale=self.scale,
+                output=out,
+            )  # fmt: skip
+            return out
+
+        return prefill, out
+
+    def vllm(self, v: _Vllm) -> tuple[Callable[[], object], torch.Tensor, str]:
+        """vLLM's op over its cache layout, with the ISA and scheduler its backend uses
+        (the scheduler metadata is built once, as its metadata builder does per step)."""
+        isa = v.isa_for(self.dtype, self.bs, D)
+        if self.vllm_written != isa:
+            # vLLM's blocks have an ISA-specific inner layout: its own write op fills
+            # them, every slot from the planes (block 0's NaN included).
+            slots = torch.arange(self.nb * self.bs, dtype=torch.int64)
+            v.ops.cpu_attn_reshape_and_cache(
+                self.k_plane, self.v_plane, self.key_cache, self.value_cache, slots, isa
+            )
+            self.vllm_written = isa
+        sched = v.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(self.query_lens), num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+            seq_lens=self.seq, dtype=self.dtype, query_start_loc=self.qsl, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=True,
+        )  # fmt: skip
+        out = torch.empty_like(self.q)
+
+        def call() -> object:
+            v.ops.cpu_attention_with_kv_cache(
+                query=self.q, key_cache=self.key_cache, value_cache=self.value_cache,
+                output=out, query_start_loc=self.qsl, seq_lens=self.seq, scale=self.scale,
+                causal=True, alibi_slopes=None, sliding_window=-1, block_table=self.table,
+                softcap=0.0, scheduler_metadata=sched, s_aux=None,
+            )  # fmt: skip
+            return out
+
+        return call, out, isa
+
+    def plain_read(self) -> Callable[[], object]:
+        """``sum`` over contiguous copies of exactly the K and V blocks the step reads."""
+        blocks = torch.unique(self.table[self.table > 0]).long()
+        k = self.k_plane.view(-1, self.bs, HKV, D)
+        v = self.v_plane.view(-1, self.bs, HKV, D)
+        ck = _cache_tensor(tuple(k[blocks].shape), self.dtype)
+        cv = _cache_tensor(tuple(v[blocks].shape), self.dtype)
+        torch.index_select(k, 0, blocks, out=ck)
+        torch.index_select(v, 0, blocks, out=cv)
+        # Summed as float32 words whatever the dtype (the same bytes): torch's bfloat16
+        # sum with a float32 accumulator reads at about 1 GB/s here, no floor at all.
+        fk, fv = ck.view(torch.float32), cv.view(torch.float32)
+        return lambda: (fk.sum(), fv.sum())
+
+
+def _rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Every function once per round, in the same order, after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def _vs_vllm(v: _Vllm, threads: list[int], rounds: int, quick: bool) -> dict[str, Any]:
+    """attnkit's CPU engines against vLLM's CPU attention on the same cache contents."""
+    decode_b, decode_ctx = (8, 1024) if quick else (32, 2048)
+    prefill_b, prefill_len = (2, 256) if quick else (4, 512)
+    shapes = {
+        "decode": ([1] * decode_b, [decode_ctx] * decode_b),
+        "prefill": ([prefill_len] * prefill_b, [prefill_len] * prefill_b),
+    }
+    before = torch.get_num_threads()
+    rows: list[dict[str, Any]] = []
+    for case_name, (qlens, seqs) in shapes.items():
+        for dname, dtype in GRID_DTYPES.items():
+            for bs in GRID_BLOCK_SIZES:
+                case = _GridCase(dtype, bs, qlens, seqs, seed=bs)
+                want = case.oracle()
+                ours, ours_out = case.attnkit()
+                read = case.plain_read() if case_name == "decode" else None
+                for n in threads:
+                    torch.set_num_threads(n)
+                    # vLLM's scheduler metadata is made for the current thread count.
+                    theirs, theirs_out, isa = case.vllm(v)
+                    fns: dict[str, Callable[[], object]] = {"attnkit": ours, "vllm": theirs}
+                    if read is not None:
+                        fns["plain_read"] = read
+                    times = _rounds(fns, rounds)
+                    row: dict[str, Any] = {
+                        "case": case_name, "dtype": dname, "block_size": bs, "threads": n,
+                        "vllm_isa": isa, "rounds": rounds,
+                        "attnkit_err": float((ours_out.double() - want).abs().max()),
+                        "vllm_err": float((theirs_out.double() - want).abs().max()),
+                    }  # fmt: skip
+                    for name, ts in times.items():
+                        row[f"{name}_s"] = statistics.median(ts)
+                    row["attnkit_over_vllm"] = statistics.median(
+                        a / b for a, b in zip(times["attnkit"], times["vllm"], strict=True)
+                    )
+                    if "plain_read" in times:
+                        row["attnkit_fraction_of_read"] = statistics.median(
+                            r / a
+                            for a, r in zip(times["attnkit"], times["plain_read"], strict=True)
+                        )
+                        row["vllm_fraction_of_read"] = statistics.median(
+                            r / b for b, r in zip(times["vllm"], times["plain_read"], strict=True)
+                        )
+                        row["attnkit_gbps"] = case.kv_bytes / 1e9 / row["attnkit_s"]
+                        row["vllm_gbps"] = case.kv_bytes / 1e9 / row["vllm_s"]
+                        row["plain_read_gbps"] = case.kv_bytes / 1e9 / row["plain_read_s"]
+                    rows.append(row)
+                    print(_grid_line(row), flush=True)
+                del case, ours, read
+    torch.set_num_threads(before)
+    return {
+        "shapes": {
+            "decode": f"{decode_b} x {decode_ctx} context, Hq {HQ} / Hkv {HKV}, D {D}",
+            "prefill": f"{prefill_b} x {prefill_len} tokens causal, Hq {HQ} / Hkv {HKV}, D {D}",
+        },
+        "vllm": v.library,
+        "attnkit": _attnkit_isa(),
+        "rows": rows,
+        "scaling": _scaling(rows),
+        "targets": {
+            "prefill_over_vllm": TARGET_PREFILL_OVER_VLLM,
+            "decode_over_vllm": TARGET_DECODE_OVER_VLLM,
+            "bf16_decode_fraction_of_read": TARGET_BF16_DECODE_FRACTION,
+            "decode_two_thread_speedup": TARGET_THREAD_SCALING,
+        },
+    }
+
+
+def _scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode's speed-up from 1 to 2 threads per dtype and block size (one run's medians)."""
+    out = []
+    by_key = {(r["case"], r["dtype"], r["block_size"], r["threads"]): r for r in rows}
+    for (case, dname, bs, n), row in by_key.items():
+        one = by_key.get((case, dname, bs, 1))
+        if case != "decode" or n != 2 or one is None:
+            continue
+        speedups = {k: one[f"{k}_s"] / row[f"{k}_s"] for k in ("attnkit", "vllm")}
+        out.append({"dtype": dname, "block_size": bs, **speedups})
+    return out
+
+
+def _grid_line(r: dict[str, Any]) -> str:
+    target = TARGET_DECODE_OVER_VLLM if r["case"] == "decode" else TARGET_PREFILL_OVER_VLLM
+    mark = "meets" if r["attnkit_over_vllm"] <= target else "MISSES"
+    line = (
+        f"  {r['case']:7s} {r['dtype']} bs {r['block_size']:3d} {r['threads']}T: attnkit "
+        f"{r['attnkit_s'] * 1e3:7.2f} ms, vllm ({r['vllm_isa']}) {r['vllm_s'] * 1e3:7.2f} ms, "
+        f"attnkit/vllm {r['attnkit_over_vllm']:.2f} ({mark} <= {target})"
+    )
+    if "attnkit_fraction_of_read" in r:
+        line += (
+            f"; of plain read: attnkit {r['attnkit_fraction_of_read']:.0%}, vllm "
+            f"{r['vllm_fraction_of_read']:.0%} ({r['plain_read_gbps']:.1f} GB/s)"
+        )
+    return line + f"; max |err| vs float64 {r['attnkit_err']:.1e} / {r['vllm_err']:.1e}"
+
+
 def _demo(backend_per_kind: str | None) -> dict[str, float]:
     from attnkit.demo import run_demo
 
@@ -291,7 +610,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip flex_attention (compiled FlexAttention)",
     )
+    parser.add_argument(
+        "--vllm",
+        choices=("auto", "only", "no"),
+        default="auto",
+        help="vLLM's CPU attention side by side (when vllm is importable): auto (after "
+        "the rest), only (nothing else), no",
+    )
+    parser.add_argument(
+        "--grid-threads",
+        default="1,2",
+        help="thread counts of the vLLM comparison, comma-separated (default 1,2)",
+    )
+    parser.add_argument(
+        "--grid-rounds",
+        type=int,
+        default=GRID_MIN_ROUNDS,
+        help=f"paired rounds per case of the vLLM comparison (default {GRID_MIN_ROUNDS})",
+    )
     args = parser.parse_args(argv)
+    if args.vllm == "only":
+        return _main_vllm(args)
     torch.set_num_threads(args.threads)
     BS = args.block_size
     from attnkit.backends.cpu_attn import CpuAttentionBackend
@@ -411,8 +750,42 @@ def main(argv: list[str] | None = None) -> int:
             )
     for row in results["compiles"]:
         print(f"compiled {row['key']}: {row['seconds']:.1f} s (first call)")
+    if args.vllm == "auto":
+        vllm = _load_vllm()
+        if isinstance(vllm, str):
+            print(f"vLLM's CPU attention not importable, its comparison skipped ({vllm})")
+        else:
+            results["vs_vllm"] = _run_vs_vllm(vllm, args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_cpu.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_vs_vllm(vllm: _Vllm, args: argparse.Namespace) -> dict[str, Any]:
+    threads = [int(x) for x in str(args.grid_threads).split(",") if x.strip()]
+    rounds = max(args.grid_rounds, 1)
+    print(f"attnkit against {vllm.library}; attnkit: {_attnkit_isa()}")
+    print(f"  paired rounds: {rounds}, medians; threads {threads}")
+    out = _vs_vllm(vllm, threads, rounds, args.quick)
+    for row in out["scaling"]:
+        ok = "meets" if row["attnkit"] >= TARGET_THREAD_SCALING else "MISSES"
+        print(
+            f"  decode {row['dtype']} bs {row['block_size']:3d}: 2 threads / 1 thread: attnkit "
+            f"{row['attnkit']:.2f}x ({ok} >= {TARGET_THREAD_SCALING}), vllm {row['vllm']:.2f}x"
+        )
+    return out
+
+
+def _main_vllm(args: argparse.Namespace) -> int:
+    vllm = _load_vllm()
+    if isinstance(vllm, str):
+        print(f"vLLM's CPU attention is not importable here ({vllm})")
+        return 1
+    results = {"vs_vllm": _run_vs_vllm(vllm, args)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_cpu_vllm.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
     return 0

@@ -152,8 +152,8 @@ def test_cpu_attn_passes() -> None:
     } <= passed
     values = passed_values(report)
     for kind in ("full_attention", "sliding_window", "sink_full_attention"):
-        for value in ("feature=logits_soft_cap", "feature=alibi", "block_size=48",
-                      "block_size=528", "scale=0.15"):
+        for value in ("feature=logits_soft_cap", "feature=alibi", "feature=attention_sinks",
+                      "block_size=48", "block_size=528", "scale=0.15"):
             assert (kind, value) in values, (kind, value)
 
 

@@ -182,7 +182,8 @@ def run_ranks(world: int, body: Callable[[int, ContextParallel], Any]) -> list[A
 
 
 @pytest.mark.parametrize(
-    ("world", "full_backend"), [(2, "reference"), (3, "reference"), (4, "reference")]
+    ("world", "full_backend"),
+    [(2, "reference"), (3, "reference"), (4, "reference"), (2, "cpu_attn"), (3, "cpu_attn")],
 )
 def test_ranks_reproduce_the_single_device_runtime(world: int, full_backend: str) -> None:
     """Every rank's merged output equals one device's (the reference backend there).

@@ -94,6 +94,7 @@ def params_of(
     num_heads: int = 4,
     logits_soft_cap: float | None = None,
     alibi_slopes: tuple[float, ...] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionLayerParams:
     sink_key = sink_value = None
     if isinstance(spec, SinkFullAttentionSpec):
@@ -107,6 +108,7 @@ def params_of(
         alibi_slopes=alibi_slopes,
         sink_key=sink_key,
         sink_value=sink_value,
+        sinks=sinks,
     )
 
 
@@ -148,9 +150,13 @@ def run_steps(
         live |= {rid for rid, _, _ in step}
         inputs = {
             rid: (
-                torch.randn(n, params.num_heads, D, generator=gen).to(spec.dtype),
-                torch.randn(max(n, enc), HKV, D, generator=gen).to(spec.dtype),
-                torch.randn(max(n, enc), HKV, D, generator=gen).to(spec.dtype),
+                torch.randn(n, params.num_heads, spec.head_size, generator=gen).to(spec.dtype),
+                torch.randn(max(n, enc), spec.num_kv_heads, spec.head_size, generator=gen).to(
+                    spec.dtype
+                ),
+                torch.randn(max(n, enc), spec.num_kv_heads, spec.head_size, generator=gen).to(
+                    spec.dtype
+                ),
                 enc,
             )
             for rid, n, enc in step

@@ -28,6 +28,7 @@ from planes_schedules import (
 
 from attnkit import (
     AttentionConfig,
+    AttentionFeature,
     AttentionLayerParams,
     BackendNotSupportedError,
     FullAttentionSpec,
@@ -68,6 +69,23 @@ def test_soft_cap_and_alibi_match_reference() -> None:
     slopes = tuple(2.0 ** (-(i + 1) / 2) for i in range(4))
     params = params_of(spec, logits_soft_cap=1.5, alibi_slopes=slopes)
     compare_with_reference(NAME, spec, params, RAGGED)
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "cross", "encoder"])
+def test_per_head_sinks_match_reference(kind: str) -> None:
+    """gpt-oss's sink logits, on both engines (RAGGED has decodes and long runs)."""
+    spec = spec_of(kind)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)) * 2
+    steps = {"cross": CROSS, "encoder": ENCODER}.get(kind, RAGGED)
+    compare_with_reference(NAME, spec, params_of(spec, sinks=sinks), steps)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_sizes_match_reference(head_size: int, dtype: torch.dtype) -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=HKV, head_size=head_size, dtype=dtype)
+    assert select_backend(spec, AttentionConfig(), device="cpu").backend_name == NAME
+    compare_with_reference(NAME, spec, params_of(spec), RAGGED[:1] + RAGGED[3:4])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -167,8 +185,7 @@ def test_on_cuda_its_reasons_say_it_is_cpu_only() -> None:
 
 def test_undeclared_features_are_refused_at_construction() -> None:
     spec = spec_of("full")
-    with pytest.raises(ValueError, match="attention_sinks"):
-        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))
+    CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))  # declared
     with pytest.raises(ValueError, match="return_lse"):
         CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
     sink = spec_of("sink")
@@ -188,3 +205,30 @@ def test_planes_layout_and_bad_cache_argument() -> None:
         impl.forward(q, kv, kv, [torch.zeros(4, 2, 16, HKV, D)], md, torch.empty_like(q))
     with pytest.raises(TypeError, match="attn_metadata must be CpuAttentionMetadata"):
         impl.forward(q, kv, kv, [], object(), torch.empty_like(q))  # type: ignore[arg-type]  # the wrong metadata on purpose
+
+
+def test_context_parallel_calls_are_checked() -> None:
+    """A sharded step must go through forward_partial, a plain one through forward, and
+    forward_partial's lse must be [T, Hq] float32 (tests/test_context_parallel.py runs
+    the ranks against one device)."""
+    import dataclasses
+
+    spec = spec_of("full")
+    rt = make_runtime(NAME, spec, params_of(spec))
+    rt.begin_step([ScheduledRequest("a", 3)])
+    impl = CpuAttentionImpl(spec, params_of(spec))
+    md = rt.metadata_for("layer")
+    assert isinstance(md, CpuAttentionMetadata)
+    assert md.shard is None
+    q, kv = torch.randn(3, 4, D), torch.randn(3, HKV, D)
+    cache = [torch.zeros(64, HKV, D), torch.zeros(64, HKV, D)]
+    lse = torch.empty(3, 4)
+    with pytest.raises(ValueError, match=r"no context_shard .* call forward$"):
+        impl.forward_partial(q, kv, kv, cache, md, torch.empty_like(q), lse)
+    items = tuple(torch.zeros(3, dtype=torch.int64 if i == 0 else torch.int32) for i in range(5))
+    sharded = dataclasses.replace(md, shard=(0, 2), shard_items=items)
+    with pytest.raises(ValueError, match=r"sharded by context \(context_shard=\(0, 2\)\)"):
+        impl.forward(q, kv, kv, cache, sharded, torch.empty_like(q))
+    with pytest.raises(ValueError, match=r"lse must be a float32 cpu tensor \[3, 4\]"):
+        impl.forward_partial(q, kv, kv, cache, sharded, torch.empty_like(q), torch.empty(3, 2))
+    assert AttentionFeature.CONTEXT_PARALLEL in CpuAttentionBackend.supported_features

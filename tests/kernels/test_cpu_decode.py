@@ -33,8 +33,12 @@ def oracle(
     scale: float,
     cap: float | None = None,
     slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    lse: dict[int, torch.Tensor] | None = None,
+    key_map: tuple[int, int] = (1, 0),
 ) -> dict[int, torch.Tensor]:
-    """Row -> [Hq, D] float64: gather the visible keys by the table, masked softmax."""
+    """Row -> [Hq, D] float64: gather the visible keys by the table, masked softmax (a
+    sink logit per head joins the denominator); ``lse`` receives row -> [Hq] log-sum-exp."""
     _, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -47,19 +51,25 @@ def oracle(
         vv = v[phys].double()
         visible = (pos >= s0) & (pos < e0)
         res = torch.zeros(hq, d, dtype=torch.float64)
+        row_lse = torch.full((hq,), -math.inf, dtype=torch.float64)
         for h in range(hq):
-            if not bool(visible.any()):
-                break
             kh = torch.where(visible[:, None], kk[:, h // g], 0.0)
             vh = torch.where(visible[:, None], vv[:, h // g], 0.0)
             sc = scale * (kh @ q[row, h].double())
             if cap is not None:
                 sc = cap * torch.tanh(sc / cap)
             if slopes is not None:
-                sc = sc + float(slopes[h]) * (pos - qp).double()
+                sc = sc + float(slopes[h]) * (pos * key_map[0] + key_map[1] - qp).double()
             sc = torch.where(visible, sc, -math.inf)
-            res[h] = torch.softmax(sc, 0) @ vh
+            if sinks is not None:  # one more logit, with no value
+                sc = torch.cat([sc, sinks[h : h + 1].double()])
+                vh = torch.cat([vh, torch.zeros(1, d, dtype=torch.float64)])
+            row_lse[h] = torch.logsumexp(sc, 0)
+            if bool(torch.isfinite(row_lse[h])):
+                res[h] = torch.softmax(sc, 0) @ vh
         out[row] = res
+        if lse is not None:
+            lse[row] = row_lse
     return out
 
 
@@ -107,6 +117,9 @@ def run_case(
     alibi: bool = False,
     threads: int = 1,
     strided: bool = False,
+    sinks: bool = False,
+    with_lse: bool = False,
+    key_map: tuple[int, int] = (1, 0),
 ) -> None:
     q, k, v, table = make_case(dtype=dtype, hq=hq, hkv=hkv, d=d, bs=bs, ranges=ranges, width=width)
     n = len(ranges)
@@ -114,7 +127,7 @@ def run_case(
     requests = list(range(n))
     starts = [r[0] for r in ranges]
     ends = [r[1] for r in ranges]
-    qpos = [max(e - 1, 0) for e in ends]
+    qpos = [max(e - 1, 0) * key_map[0] + key_map[1] for e in ends]
     slopes = torch.rand(hq, generator=torch.Generator().manual_seed(3)) if alibi else None
     if strided:  # views of bigger tensors: head and token strides that are not compact
         qbig = torch.zeros(q.shape[0], hq + 3, d + 5, dtype=dtype)
@@ -126,6 +139,11 @@ def run_case(
         out = torch.full_like(q, 7.0)
     before = out.clone()
     scale = d**-0.5
+    sink_t = torch.randn(hq, generator=torch.Generator().manual_seed(6)) * 3 if sinks else None
+    # A strided view (every other column of a bigger tensor), pre-filled to show which
+    # entries are written.
+    lse_big = torch.full((q.shape[0], 2 * hq), 9.0)
+    lse_t = lse_big[:, ::2] if with_lse else None
     paged_attention_rows(
         q,
         k,
@@ -141,10 +159,41 @@ def run_case(
         output=out,
         soft_cap=cap,
         alibi_slopes=slopes,
+        sinks=sink_t,
+        lse=lse_t,
         num_threads=threads,
+        key_stride=key_map[0],
+        key_offset=key_map[1],
     )
-    want = oracle(q, k, v, table, rows, requests, starts, ends, qpos, bs, scale, cap, slopes)
+    want_lse: dict[int, torch.Tensor] = {}
+    want = oracle(
+        q,
+        k,
+        v,
+        table,
+        rows,
+        requests,
+        starts,
+        ends,
+        qpos,
+        bs,
+        scale,
+        cap,
+        slopes,
+        sink_t,
+        want_lse,
+        key_map,
+    )
     tol = TOL[dtype]
+    if with_lse:
+        assert (lse_big[:, 1::2] == 9.0).all()  # the other columns are untouched
+        for row in range(q.shape[0]):
+            if row in want_lse:
+                torch.testing.assert_close(
+                    lse_big[row, ::2].double(), want_lse[row], atol=1e-4, rtol=1e-5
+                )
+            else:
+                assert (lse_big[row] == 9.0).all()
     for row in range(q.shape[0]):
         if row in want:
             got = out[row].double()
@@ -189,6 +238,52 @@ def test_soft_cap_and_alibi(dtype: torch.dtype, d: int) -> None:
 def test_strided_query_output_and_threads(dtype: torch.dtype, threads: int) -> None:
     run_case(dtype, 8, 2, 64, 16, RAGGED_16, strided=True, threads=threads)
     run_case(dtype, 6, 3, 40, 32, RAGGED_32, strided=True, threads=threads)
+
+
+# Every head size the CPU default declares beyond the classic ones: multiples of 16.
+HEAD_SIZES = list(range(32, 257, 16))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", HEAD_SIZES)
+def test_every_head_size(d: int, dtype: torch.dtype, threads: int) -> None:
+    run_case(dtype, 8, 2, d, 16, RAGGED_16, threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 80, 40])
+def test_sinks_and_lse(d: int, dtype: torch.dtype, threads: int) -> None:
+    # RAGGED_16 has an empty range: zeros, and the lse is the sink logit (or -inf).
+    run_case(dtype, 8, 2, d, 16, RAGGED_16, sinks=True, with_lse=True, threads=threads)
+    run_case(dtype, 8, 2, d, 16, RAGGED_16, with_lse=True, threads=threads)
+    run_case(dtype, 8, 2, d, 16, RAGGED_16, sinks=True, threads=threads)
+    run_case(dtype, 6, 3, d, 32, RAGGED_32, sinks=True, with_lse=True, cap=2.0, alibi=True,
+             threads=threads, strided=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("key_map", [(2, 1), (3, 0), (4, 3)])
+def test_alibi_at_a_shard_s_key_positions(dtype: torch.dtype, key_map: tuple[int, int]) -> None:
+    """A context-parallel shard: logical key p is global position p * world + rank."""
+    for d in (128, 40):
+        run_case(dtype, 8, 2, d, 16, RAGGED_16, alibi=True, sinks=True, with_lse=True,
+                 key_map=key_map, threads=2)  # fmt: skip
+
+
+def test_the_oracle_catches_a_dropped_sink() -> None:
+    """The sink test is not vacuous: without the sink the outputs differ from the oracle's."""
+    q, k, v, table = make_case(
+        dtype=torch.float32, hq=4, hkv=2, d=32, bs=16, ranges=[(0, 20)], width=2
+    )
+    out = torch.zeros_like(q)
+    args = _index_args([0], [0], [0], [20], [19])
+    paged_attention_rows(q, k, v, table, *args, block_size=16, scale=0.2, output=out)
+    sinks = torch.full((4,), 2.0)
+    want = oracle(q, k, v, table, [0], [0], [0], [20], [19], 16, 0.2, sinks=sinks)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(out[0].double(), want[0], atol=1e-4, rtol=1e-4)
 
 
 def test_threads_split_heads_of_few_items() -> None:
@@ -306,6 +401,13 @@ def test_good_arguments_pass() -> None:
             r"output: expected a torch.float32 tensor \[3, 4, 16\]",
         ),
         ({"num_threads": 0}, r"num_threads: expected an int >= 1"),
+        ({"sinks": torch.zeros(3)}, r"sinks: expected a float32 tensor \[4\]"),
+        ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, r"sinks: expected a float32"),
+        (
+            {"lse": torch.zeros(3, 4, dtype=torch.float64)},
+            r"lse: expected a float32 tensor \[3, 4\]",
+        ),
+        ({"lse": torch.zeros(2, 4)}, r"lse: expected a float32 tensor \[3, 4\]"),
     ],
 )
 def test_metadata_errors(overrides: dict[str, object], match: str) -> None:
@@ -536,3 +638,38 @@ def test_requests_entry_errors_name_the_argument_and_request() -> None:
             torch.tensor([20, 5], dtype=torch.int32), None, block_size=16, causal=True,
             window=None, chunk=None, scale=0.25, output=out,
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------- instruction-set copies
+
+
+@pytest.mark.parametrize(
+    ("isa", "want"),
+    [
+        # the 16-lane copy (bf16 with D % 32 and AVX512-BF16), else run_task
+        ("avx512bf16", {(0, 128): "vector8", (1, 128): "avx512bf16", (1, 80): "vector8"}),
+        ("avx512", {(0, 128): "vector8", (1, 128): "vector8", (2, 128): "vector8"}),
+        ("avx2", {(0, 128): "vector8", (1, 128): "vector8"}),
+    ],
+)
+def test_every_instruction_set_copy(
+    isa: str, want: dict[tuple[int, int], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode copy this CPU runs (ATTNKIT_CPU_ISA caps the choice), on head sizes
+    that take it and that do not, with every score option, sinks and the lse."""
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", isa)
+    if prefill_isa() != isa:
+        pytest.skip(f"this CPU does not run the {isa} copy (it runs {prefill_isa()})")
+    lib = _native.load_paged_decode()
+    for (code, d), name in want.items():
+        assert lib.decode_isa(code, d) == name, (code, d)
+    for dtype in (torch.float32, torch.bfloat16):
+        for d in (128, 80, 32, 256):
+            for threads in (1, 2):
+                run_case(dtype, 8, 2, d, 16, RAGGED_16, threads=threads)
+            run_case(dtype, 6, 3, d, 32, RAGGED_32, sinks=True, with_lse=True, cap=2.0,
+                     alibi=True, strided=True)  # fmt: skip
+        run_case(dtype, 8, 8, 64, 16, RAGGED_16, sinks=True, with_lse=True)  # G = 1
+        run_case(dtype, 16, 2, 64, 16, RAGGED_16)  # G = 8

@@ -56,7 +56,11 @@ def oracle(
     scale: float,
     soft_cap: float | None,
     slopes: Tensor | None,
+    sinks: Tensor | None = None,
+    lse: Tensor | None = None,
 ) -> Tensor:
+    """``[L, Hq, D]``; ``lse`` (``[L, Hq]`` float64) receives the log-sum-exp, a sink
+    logit per head (``sinks``) included."""
     length, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -65,6 +69,8 @@ def oracle(
         qp = seq - length + t
         keys = [p for p in range(seq) if visible(qp, p, seq, causal, window, chunk)]
         if not keys:
+            if lse is not None:
+                lse[t] = -math.inf if sinks is None else sinks.double()
             continue
         for h in range(hq):
             kh = k[keys, h // group]  # [n, D]
@@ -74,6 +80,11 @@ def oracle(
                 s = soft_cap * torch.tanh(s / soft_cap)
             if slopes is not None:
                 s = s + float(slopes[h]) * (torch.tensor(keys, dtype=torch.float64) - qp)
+            if sinks is not None:  # one more logit, with no value
+                s = torch.cat([s, sinks[h : h + 1].double()])
+                vh = torch.cat([vh, torch.zeros(1, d, dtype=torch.float64)])
+            if lse is not None:
+                lse[t, h] = torch.logsumexp(s, 0)
             w = torch.softmax(s, 0)
             out[t, h] = w @ vh
     return out
@@ -104,6 +115,9 @@ class Case:
     soft_cap: float | None = None
     alibi: bool = False
     dtype: torch.dtype = torch.float32
+    sinks: bool = False
+    with_lse: bool = False
+    threads: int | None = None
     kwargs: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
@@ -164,6 +178,7 @@ def build(c: Case, seed: int = 0) -> dict[str, Any]:
             k_plane[blk * bs + p % bs] = kr[p]
             v_plane[blk * bs + p % bs] = vr[p]
     slopes = torch.rand(c.hq, generator=gen, dtype=torch.float32) if c.alibi else None
+    sinks = torch.randn(c.hq, generator=gen, dtype=torch.float32) * 3 if c.sinks else None
     cast = {name: t.to(c.dtype) for name, t in [("q", q), ("key", key), ("value", value)]}
     return {
         "query": cast["q"],
@@ -179,6 +194,7 @@ def build(c: Case, seed: int = 0) -> dict[str, Any]:
         "keys": keys,
         "values": values,
         "slopes": slopes,
+        "sinks": sinks,
     }
 
 
@@ -186,8 +202,30 @@ def run_case(c: Case, seed: int = 0) -> None:
     data = build(c, seed)
     scale = c.d**-0.5
     output = torch.full_like(data["query"], SENTINEL)
+    # A strided lse (every other column of a bigger tensor), pre-filled with the sentinel.
+    lse_big = torch.full((output.shape[0], 2 * c.hq), SENTINEL)
+    lse = lse_big[:, ::2] if c.with_lse else None
     any_key = any(r.from_key for r in c.reqs)
     all_key = all(r.from_key for r in c.reqs)
+    threads = torch.get_num_threads()
+    if c.threads is not None:
+        torch.set_num_threads(c.threads)
+    try:
+        _call_engine(c, data, all_key, any_key, scale, output, lse)
+    finally:
+        torch.set_num_threads(threads)
+    _check(c, data, scale, output, lse_big)
+
+
+def _call_engine(
+    c: Case,
+    data: dict[str, Any],
+    all_key: bool,
+    any_key: bool,
+    scale: float,
+    output: Tensor,
+    lse: Tensor | None,
+) -> None:
     paged_prefill(
         data["query"],
         None if all_key else data["k_plane"],
@@ -207,8 +245,13 @@ def run_case(c: Case, seed: int = 0) -> None:
         alibi_slopes=data["slopes"],
         key=data["key"] if any_key else None,
         value=data["value"] if any_key else None,
+        sinks=data["sinks"],
+        lse=lse,
         **c.kwargs,
     )
+
+
+def _check(c: Case, data: dict[str, Any], scale: float, output: Tensor, lse_big: Tensor) -> None:
     served = torch.zeros(output.shape[0], dtype=torch.bool)
     tol = TOLERANCE[c.dtype]
     q64 = data["query"].double()
@@ -218,6 +261,7 @@ def run_case(c: Case, seed: int = 0) -> None:
         # The oracle reads the same rounded values the engine got.
         k64 = data["keys"][i].to(c.dtype).double()
         v64 = data["values"][i].to(c.dtype).double()
+        want_lse = torch.zeros(r.qlen, c.hq, dtype=torch.float64)
         want = oracle(
             q64[s : s + r.qlen],
             k64,
@@ -229,11 +273,20 @@ def run_case(c: Case, seed: int = 0) -> None:
             scale=scale,
             soft_cap=c.soft_cap,
             slopes=data["slopes"],
+            sinks=data["sinks"],
+            lse=want_lse,
         )
         got = output[s : s + r.qlen].double()
         assert torch.isfinite(got).all(), f"request {i}: non-finite output"
         torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=f"request {i}")
+        if c.with_lse:
+            torch.testing.assert_close(
+                lse_big[s : s + r.qlen, ::2].double(), want_lse, atol=1e-4, rtol=1e-5,
+                msg=f"request {i}: lse",
+            )  # fmt: skip
     assert (output[~served] == SENTINEL).all(), "rows not served were written"
+    assert (lse_big[~served] == SENTINEL).all(), "lse rows not served were written"
+    assert (lse_big[:, 1::2] == SENTINEL).all(), "lse columns outside the view were written"
 
 
 DTYPES = [
@@ -324,6 +377,54 @@ def test_head_layouts(hq: int, hkv: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_odd_head_size(dtype: torch.dtype) -> None:
     run_case(Case([Req(17, 17, True), Req(9, 26)], d=40, dtype=dtype, window=11))
+
+
+# Every head size the CPU default declares beyond the classic ones: multiples of 16.
+HEAD_SIZES = list(range(32, 257, 16))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_SIZES)
+def test_every_head_size(d: int, dtype: torch.dtype, threads: int) -> None:
+    reqs = [Req(19, 19, True), Req(9, 26), Req(21, 21)]
+    run_case(Case(reqs, hq=4, hkv=2, d=d, block_size=16, dtype=dtype, threads=threads))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(Case([Req(30, 30, True), Req(12, 40), Req(9, 9)]), id="causal"),
+        pytest.param(Case([Req(30, 70)], window=9, kwargs={"query_block": 8}), id="window"),
+        pytest.param(Case([Req(30, 70)], chunk=12, kwargs={"key_chunk": 16}), id="online"),
+        pytest.param(Case([Req(25, 9), Req(6, 20), Req(3, 0)], causal=False), id="cross-and-empty"),
+        pytest.param(Case([Req(30, 70)], soft_cap=2.0, alibi=True), id="cap-alibi"),
+    ],
+)
+def test_sinks_and_lse(case: Case, dtype: torch.dtype, threads: int) -> None:
+    for sinks, with_lse in ((True, True), (False, True), (True, False)):
+        c = Case(
+            case.reqs, causal=case.causal, window=case.window, chunk=case.chunk,
+            soft_cap=case.soft_cap, alibi=case.alibi, kwargs=case.kwargs, dtype=dtype,
+            sinks=sinks, with_lse=with_lse, threads=threads, d=32,
+        )  # fmt: skip
+        run_case(c)
+
+
+def test_the_oracle_catches_a_dropped_sink() -> None:
+    """The sink cases are not vacuous: the engine run without its sink misses the
+    oracle's output."""
+    c = Case([Req(12, 40)], sinks=True)
+    data = build(c)
+    data["sinks"] = data["sinks"] + 4.0  # the oracle's sinks, not the engine's
+    output = torch.full_like(data["query"], SENTINEL)
+    lse_big = torch.full((output.shape[0], 2 * c.hq), SENTINEL)
+    c_engine = Case(c.reqs)  # no sinks given to the engine
+    _call_engine(c_engine, {**data, "sinks": None}, False, False, c.d**-0.5, output, None)
+    with pytest.raises(AssertionError):
+        _check(c, data, c.d**-0.5, output, lse_big)
 
 
 @pytest.mark.parametrize(
@@ -513,3 +614,79 @@ def test_base_arguments_are_valid() -> None:
     args, kwargs = _base()
     paged_prefill(**args, **kwargs)
     assert torch.isfinite(kwargs["output"][1:6]).all()
+
+
+# --------------------------------------------------------------------------- engines
+
+
+ISA_CASES = [
+    pytest.param(Case([Req(30, 30, True), Req(12, 40), Req(70, 70)], d=128), id="causal"),
+    pytest.param(
+        Case([Req(30, 70)], window=9, d=80, dtype=torch.bfloat16, sinks=True, with_lse=True),
+        id="window-sinks-lse",
+    ),
+    pytest.param(
+        Case([Req(25, 9), Req(6, 20), Req(3, 0)], causal=False, d=48, dtype=torch.float16),
+        id="cross",
+    ),
+    pytest.param(
+        Case([Req(40, 90)], chunk=12, soft_cap=2.0, alibi=True, d=64, dtype=torch.bfloat16),
+        id="chunk-cap-alibi",
+    ),
+]
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "generic"])
+@pytest.mark.parametrize("case", ISA_CASES)
+def test_every_instruction_set_copy(isa: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each copy of the native compute this CPU runs, chosen with ATTNKIT_CPU_ISA."""
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", isa)
+    if prefill_isa() != isa:
+        pytest.skip(f"this CPU does not run the {isa} copy (it runs {prefill_isa()})")
+    for threads in (1, 2):
+        case.threads = threads
+        run_case(case)
+
+
+@pytest.mark.parametrize("case", ISA_CASES)
+def test_torch_engine(case: Case) -> None:
+    """The second implementation (blocked torch products) on the same cases."""
+    case.kwargs = {**case.kwargs, "engine": "torch"}
+    run_case(case)
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"engine: expected 'native' or 'torch', got 'gpu'"):
+        run_case(Case([Req(3, 3)], kwargs={"engine": "gpu"}))
+
+
+def test_the_chosen_copy_is_the_best_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.delenv("ATTNKIT_CPU_ISA", raising=False)
+    flags = _cpu_flags()
+    want = "generic"
+    if {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        want = "avx512"
+        if "avx512_bf16" in flags:
+            want = "avx512bf16"
+    assert prefill_isa() == want
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", "generic")
+    assert prefill_isa() == "generic"
+    monkeypatch.setenv("ATTNKIT_CPU_ISA", "no-such-isa")  # not a cap: the best one
+    assert prefill_isa() == want
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -3,16 +3,23 @@ engines of ``attnkit.kernels.attention``; the first choice on CPU.
 
 A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, short speculative
 runs) go to the native paged kernel (``cpu_decode``), which reads K and V in place
-through the block table; longer runs go to blocked matrix products over keys gathered
-once (``cpu_prefill``). Nothing is compiled per shape: the native library is built once
-per machine with the system C compiler. ``benchmarks/bench_cpu.py`` measures both
-engines against a plain read of the same bytes and SDPA.
+through the block table; longer runs go to the native blocked prefill (``cpu_prefill``),
+which packs their keys once per chunk for many query rows. Nothing is compiled per
+shape: the native library is built once per machine with the system C compiler, its
+prefill compute once per instruction set and picked at run time.
+``benchmarks/bench_cpu.py`` measures both engines against a plain read of the same
+bytes, SDPA and, where installed, vLLM's CPU attention.
 
 Queries ``[T, Hq, D]``, key/value ``[T, Hkv, D]``, the planes ``[NB * BS, Hkv, D]``
 (``attnkit.backends._planes``), output ``[T, Hq, D]``.
 
-What the engines do not serve here, and so is not declared: per-head sink logits
-(``attention_sinks``) and ``return_lse``, fp8 caches, MLA (one latent per token: no
+Head sizes: 16 and every multiple of 16 from 32 to 256 (tested at each). Per-head sink
+logits (``attention_sinks``, gpt-oss) join both engines' softmax denominators. Decode
+context parallelism (``context_parallel``): ``forward_partial`` attends a rank's shard
+(local key ``j`` at global position ``j * world_size + rank``) with the native kernel,
+one work item per query token, and returns the partial's log-sum-exp; a sink logit
+joins rank 0's softmax only. What the engines do not serve here, and so is not
+declared: ``return_lse`` on ``forward``, fp8 caches, MLA (one latent per token: no
 planes layout) and state layers; those layers go to ``reference`` on CPU.
 """
 
@@ -58,11 +65,17 @@ __all__ = [
 ]
 
 _NAME = "cpu_attn"
-_FEATURES = frozenset({AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI})
-# The head and block sizes the engines are tested and measured at. The kernels
-# themselves take any head size (float32 rows of a size not a multiple of 16 go through
-# a float32 buffer) and any block size; declaring more needs tests at those sizes.
-_HEAD_SIZES: SizeRule = (16, 32, 64, 128, 256)
+_FEATURES = frozenset(
+    {AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI, AttentionFeature.ATTENTION_SINKS}
+)
+# Not a layer parameter (the runtime asks it of sharded groups): declared, never checked
+# against AttentionLayerParams.
+_BACKEND_FEATURES = _FEATURES | {AttentionFeature.CONTEXT_PARALLEL}
+# The head and block sizes the engines are tested at (tests/kernels/test_cpu_*.py: every
+# one of them against a float64 oracle). The kernels themselves take any head size
+# (float32 rows of a size not a multiple of 16 go through a float32 buffer) and any block
+# size; declaring more needs tests at those sizes.
+_HEAD_SIZES: SizeRule = (16, *range(32, 257, 16))
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
 NATIVE_MAX_QUERY = 4
 """Requests with at most this many queries (decodes, short speculative runs) go to the
@@ -100,6 +113,10 @@ class CpuAttentionMetadata:
             step's ``key``/``value`` rows instead of the planes (the same values: every
             token of the step was written); False for cross attention, whose step rows
             are encoder tokens, and when some token was not written.
+        shard: ``(rank, world_size)`` of a context-parallel step, else ``None``.
+        shard_items: with ``shard``, the native kernel's work items (one per query
+            token): rows int64, then requests, key starts, key ends and global query
+            positions int32, over the rank's local keys.
     """
 
     num_actual_tokens: int
@@ -116,6 +133,8 @@ class CpuAttentionMetadata:
     prefill_lens: Ints
     prefill_seq: Ints
     read_step_kv: bool
+    shard: tuple[int, int] | None = None
+    shard_items: tuple[torch.Tensor, ...] | None = None
 
 
 class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata, AttentionSpec]):
@@ -134,6 +153,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         self.kind = spec.kind
         rules = rules_for(spec)
         mask = rules.mask(spec)
+        self.mask = mask
         self.causal = mask.causal
         self.sink_len = mask.sink_len
         # No cache (encoder-only): the engines read the step's own keys/values.
@@ -151,6 +171,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         cm = common_attn_metadata
         who = type(self).__name__
         check_causal(who, self.kind, self.causal, cm)
+        if cm.context_shard is not None:
+            return self._build_sharded(cm)
         if cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len:
             return self._build_short(cm)
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
@@ -167,6 +189,44 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         nothing is planned here (no host array is touched)."""
         # No sink kind here (sink_len == 0), so the lengths are not read.
         return self._metadata(cm, _NO_INTS, _NO_INTS, None, True, _NO_INTS, _NO_INTS)
+
+    def _build_sharded(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        """A context-parallel step: every query token is one work item over the rank's
+        keys, local key ``j`` sitting at global position ``j * world_size + rank``; a
+        query at global position ``P`` sees the local keys ``j <= (P - rank) //
+        world_size`` (full causal attention: the sharded kinds have no window)."""
+        who = type(self).__name__
+        shard = cm.context_shard
+        assert shard is not None
+        rank, world = shard
+        if not self.causal or self.mask.window is not None or self.mask.chunk is not None:
+            raise ValueError(
+                f"{who}: a context-parallel shard needs full causal attention, got "
+                f"{self.kind.value}"
+            )
+        if cm.global_seq_lens_cpu is None:
+            raise ValueError(
+                f"{who}: common_attn_metadata.global_seq_lens_cpu must be given with "
+                f"context_shard={shard}, got None"
+            )
+        qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+        total = cm.global_seq_lens_cpu.numpy().astype(np.int64)
+        n = int(qsl[-1])
+        req = np.repeat(np.arange(len(qlens)), qlens)
+        pos = total[req] - qlens[req] + (np.arange(n) - qsl[:-1][req])
+        ends = np.where(pos >= rank, (pos - rank) // world + 1, 0)
+        ends = np.minimum(ends, seq[req])
+        items = (
+            from_numpy(np.arange(n, dtype=np.int64)),
+            from_numpy(req.astype(np.int32)),
+            from_numpy(np.zeros(n, dtype=np.int32)),
+            from_numpy(ends.astype(np.int32)),
+            from_numpy(pos.astype(np.int32)),
+        )
+        md = self._metadata(cm, seq, qlens, None, False, _NO_INTS, _NO_INTS)
+        return dataclasses.replace(md, shard=(rank, world), shard_items=items)
 
     def _build_split(
         self,
@@ -255,6 +315,11 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             if params.alibi_slopes is not None
             else None
         )
+        self._sinks = (
+            params.sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if params.sinks is not None
+            else None
+        )
 
     @override
     def forward(
@@ -285,6 +350,11 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             has_cache=self._has_cache,
             encoder_keys=self._encoder_keys,
         )
+        if m.shard is not None:
+            raise ValueError(
+                f"{who}: the group is sharded by context (context_shard={m.shard}); its "
+                f"result is partial, call forward_partial"
+            )
         n = m.num_actual_tokens
         k_plane: torch.Tensor | None = None
         v_plane: torch.Tensor | None = None
@@ -313,6 +383,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 output=output,
                 soft_cap=self._soft_cap,
                 alibi_slopes=self._slopes,
+                sinks=self._sinks,
             )
         if len(m.prefill_requests):
             paged_prefill(
@@ -334,7 +405,86 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 alibi_slopes=self._slopes,
                 key=key if m.read_step_kv else None,
                 value=value if m.read_step_kv else None,
+                sinks=self._sinks,
             )
+        return output
+
+    @override
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: CpuAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over one context-parallel shard, with the partial's lse (rows
+        past the step's tokens: zeros and ``-inf``; a sink logit joins rank 0's only)."""
+        from ...kernels.attention.cpu_decode import paged_attention_rows
+
+        m: object = attn_metadata
+        spec = self.kv_cache_spec
+        who = f"{type(self).__name__}.forward_partial ({spec.kind.value})"
+        if not isinstance(m, CpuAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
+            )
+        if m.shard is None or m.shard_items is None:
+            raise ValueError(
+                f"{who}: the metadata has no context_shard (the group is not sharded by "
+                f"context); call forward"
+            )
+        want = (query.shape[0], query.shape[1])
+        given: object = lse  # the caller's object: checked whatever its type
+        if (
+            not isinstance(given, torch.Tensor)
+            or tuple(given.shape) != want
+            or given.dtype != torch.float32
+            or given.device.type != "cpu"
+        ):
+            got = (
+                f"a {given.dtype} tensor {list(given.shape)} on {given.device}"
+                if isinstance(given, torch.Tensor)
+                else type(given).__name__
+            )
+            raise ValueError(
+                f"{who}: lse must be a float32 cpu tensor {list(want)} ([T, Hq] of query), "
+                f"got {got}"
+            )
+        check_planes(
+            who,
+            spec,
+            key,
+            value,
+            kv_cache,
+            has_cache=self._has_cache,
+            encoder_keys=self._encoder_keys,
+        )
+        k_plane, v_plane = kv_cache[0], kv_cache[1]
+        write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
+        n = m.num_actual_tokens
+        output[n:] = 0
+        lse[n:] = float("-inf")
+        rank, world = m.shard
+        assert m.block_table is not None
+        paged_attention_rows(
+            query,
+            k_plane,
+            v_plane,
+            m.block_table,
+            *m.shard_items,
+            block_size=m.block_size,
+            scale=self.scale,
+            output=output,
+            soft_cap=self._soft_cap,
+            alibi_slopes=self._slopes,
+            sinks=self._sinks if rank == 0 else None,
+            lse=lse,
+            key_stride=world,
+            key_offset=rank,
+        )
         return output
 
 
@@ -344,16 +494,16 @@ class CpuAttentionBackend(AttentionBackend):
     name = _NAME
     description = (
         "CPU engines over K/V planes: a native paged-decode C kernel for decodes (and runs "
-        f"of up to {NATIVE_MAX_QUERY} queries), blocked matrix products for prefills; full, "
+        f"of up to {NATIVE_MAX_QUERY} queries), a native blocked prefill for the rest; full, "
         "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
-        "ALiBi; CPU only"
+        "ALiBi, per-head sinks; head sizes 16 and 32..256 in steps of 16; CPU only"
     )
     supported_devices = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
-    supported_features = _FEATURES
+    supported_features = _BACKEND_FEATURES
     # Measured: every call of every combination the kit makes, run twice, bit for bit.
     deterministic = True
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"

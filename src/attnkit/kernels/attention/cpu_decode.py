@@ -86,6 +86,8 @@ class _Common:
     scale: float
     cap: float
     slopes: Tensor | None
+    sinks: Tensor | None
+    lse: Tensor | None
     threads: int
 
 
@@ -103,6 +105,30 @@ def _lead_args(c: _Common) -> tuple[int, ...]:
     )  # fmt: skip
 
 
+def _head_vector(name: str, value: object, hq: int) -> Tensor | None:
+    """An optional float32 ``[Hq]`` CPU tensor (ALiBi slopes, sink logits)."""
+    if value is None:
+        return None
+    t = require_tensor(name, value, f"a float32 tensor [{hq}] on cpu")
+    if t.dim() != 1 or t.shape[0] != hq or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a float32 tensor [{hq}] on cpu, got {describe(t)}")
+    check_last_dim_contiguous(name, t)
+    return t
+
+
+def _tail_args(c: _Common) -> tuple[object, ...]:
+    """The native entry points' trailing arguments, from the scale to the thread count."""
+    lse = c.lse
+    return (
+        c.scale, c.cap, None if c.slopes is None else c.slopes.data_ptr(),
+        None if c.sinks is None else c.sinks.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+        0 if lse is None else lse.stride(0), 0 if lse is None else lse.stride(1),
+        c.out.data_ptr(), c.out.stride(0), c.out.stride(1),
+        c.threads,
+    )  # fmt: skip
+
+
 def _check_common(
     query: object,
     k_plane: object,
@@ -114,6 +140,8 @@ def _check_common(
     soft_cap: object,
     alibi_slopes: object,
     num_threads: object,
+    sinks: object = None,
+    lse: object = None,
 ) -> _Common:
     q = require_tensor("query", query, "a torch.Tensor [T, Hq, D]")
     if q.dim() != 3:
@@ -156,19 +184,18 @@ def _check_common(
         cap = check_finite_float("soft_cap", soft_cap)
         if cap <= 0.0:
             raise ValueError(f"soft_cap: expected a finite float > 0 or None, got {soft_cap!r}")
-    slopes: Tensor | None = None
-    if alibi_slopes is not None:
-        slopes = require_tensor("alibi_slopes", alibi_slopes, f"a float32 tensor [{Hq}] on cpu")
+    slopes = _head_vector("alibi_slopes", alibi_slopes, Hq)
+    sink_t = _head_vector("sinks", sinks, Hq)
+    lse_t: Tensor | None = None
+    if lse is not None:
+        want = f"a float32 tensor [{q.shape[0]}, {Hq}] on cpu (T and Hq of query)"
+        lse_t = require_tensor("lse", lse, want)
         if (
-            slopes.dim() != 1
-            or slopes.shape[0] != Hq
-            or slopes.dtype != torch.float32
-            or slopes.device.type != "cpu"
+            lse_t.shape != (q.shape[0], Hq)
+            or lse_t.dtype != torch.float32
+            or lse_t.device.type != "cpu"
         ):
-            raise ValueError(
-                f"alibi_slopes: expected a float32 tensor [{Hq}] on cpu, got {describe(slopes)}"
-            )
-        check_last_dim_contiguous("alibi_slopes", slopes)
+            raise ValueError(f"lse: expected {want}, got {describe(lse_t)}")
 
     out = require_tensor("output", output, "a torch.Tensor [T, Hq, D]")
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -179,6 +206,8 @@ def _check_common(
     _cpu("output", out, "a tensor [T, Hq, D]")
     check_last_dim_contiguous("output", out)
     check_distinct_output("output", out, {"k_plane": k, "v_plane": v})
+    if lse_t is not None:
+        check_distinct_output("lse", lse_t, {"output": out, "query": q, "k_plane": k, "v_plane": v})
 
     threads = torch.get_num_threads() if num_threads is None else num_threads
     threads = check_int_arg("num_threads", threads, 1, _INT32_MAX)
@@ -193,6 +222,8 @@ def _check_common(
         scale=scale_f,
         cap=cap,
         slopes=slopes,
+        sinks=sink_t,
+        lse=lse_t,
         threads=threads,
     )
 
@@ -213,7 +244,11 @@ def paged_attention_rows(
     output: Tensor,
     soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    lse: Tensor | None = None,
     num_threads: int | None = None,
+    key_stride: int = 1,
+    key_offset: int = 0,
 ) -> None:
     """Attend query rows to contiguous key ranges of paged K/V planes, writing ``output``.
 
@@ -235,16 +270,23 @@ def paged_attention_rows(
             written.
         soft_cap: ``s = soft_cap * tanh(s / soft_cap)`` after scaling (``None``: none).
         alibi_slopes: float32 ``[Hq]``: ``s += slope[h] * (p - query_pos)`` after the cap.
+        sinks: float32 ``[Hq]``: one logit per head that joins every softmax denominator
+            (and carries no value).
+        lse: float32 ``[T, Hq]`` (any strides): each written row's natural-log sum of
+            exp over its visible keys (and the sink), ``-inf`` where none is visible.
         num_threads: OpenMP threads (default :func:`torch.get_num_threads`).
+        key_stride, key_offset: ALiBi's position of logical key ``p`` is ``p *
+            key_stride + key_offset`` (a context-parallel shard: ``world_size`` and
+            ``rank``, with ``query_pos`` the global positions); 1 and 0 otherwise.
 
     Scores accumulate in float32 whatever the dtype. Raises :class:`RuntimeError` when
     the native library cannot be built here (:func:`native_problem` says why).
     """
     c = _check_common(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
-        alibi_slopes, num_threads,
+        alibi_slopes, num_threads, sinks, lse,
     )  # fmt: skip
-    q, k, bt, out = c.query, c.k, c.bt, c.out
+    q, k, bt = c.query, c.k, c.bt
     T, Hq, D = q.shape
     R, Hkv, _ = k.shape
     B, W = bt.shape
@@ -255,13 +297,8 @@ def paged_attention_rows(
     ks = _index_vector("key_start", key_start, torch.int32, n)
     ke = _index_vector("key_end", key_end, torch.int32, n)
     qp = _index_vector("query_pos", query_pos, torch.int32, n)
-
-    r = _index_vector("rows", rows, torch.int64, None)
-    n = r.shape[0]
-    req = _index_vector("requests", requests, torch.int32, n)
-    ks = _index_vector("key_start", key_start, torch.int32, n)
-    ke = _index_vector("key_end", key_end, torch.int32, n)
-    qp = _index_vector("query_pos", query_pos, torch.int32, n)
+    stride = check_int_arg("key_stride", key_stride, 1, _INT32_MAX)
+    offset = check_int_arg("key_offset", key_offset, 0, _INT32_MAX)
 
     lib = load_paged_decode()
     if n == 0:
@@ -270,10 +307,8 @@ def paged_attention_rows(
     code = lib.paged_decode(
         *_lead_args(c),
         r.data_ptr(), req.data_ptr(), ks.data_ptr(), ke.data_ptr(), qp.data_ptr(),
-        n, T, Hq, Hkv, D, bs,
-        c.scale, c.cap, None if c.slopes is None else c.slopes.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        c.threads,
+        n, T, Hq, Hkv, D, bs, stride, offset,
+        *_tail_args(c),
         ctypes.addressof(err),
     )  # fmt: skip
     if code != 0:
@@ -345,6 +380,8 @@ def paged_attention_requests(
     output: Tensor,
     soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    lse: Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
     """:func:`paged_attention_rows` for whole requests, from the batch metadata as is.
@@ -370,9 +407,9 @@ def paged_attention_requests(
     """
     c = _check_common(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
-        alibi_slopes, num_threads,
+        alibi_slopes, num_threads, sinks, lse,
     )  # fmt: skip
-    q, k, bt, out = c.query, c.k, c.bt, c.out
+    q, k, bt = c.query, c.k, c.bt
     T, Hq, D = q.shape
     R, Hkv, _ = k.shape
     B, W = bt.shape
@@ -401,9 +438,7 @@ def paged_attention_requests(
         qsl.data_ptr(), seq.data_ptr(), None if served is None else served.data_ptr(), n,
         T, Hq, Hkv, D, c.block_size,
         int(causal_b), w, ch,
-        c.scale, c.cap, None if c.slopes is None else c.slopes.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        c.threads,
+        *_tail_args(c),
         ctypes.addressof(err),
     )  # fmt: skip
     if code != 0:

@@ -1,12 +1,15 @@
-"""Build, cache and load the native CPU kernels (``paged_decode.c``).
+"""Build, cache and load the native CPU kernels (``paged_decode.c``, ``paged_prefill.c``
+with the compute it includes per instruction set, ``paged_prefill_body.h``).
 
-The C source ships with the package and is compiled once per machine with the system C
+The C sources ship with the package and are compiled once per machine with the system C
 compiler (``$CC``, else ``cc``, ``gcc``, ``clang`` on ``PATH``) into a shared library
 cached under ``$ATTNKIT_CACHE_DIR/cpu-kernels/`` (default ``~/.cache/attnkit/
 cpu-kernels/``). The file name carries a hash of everything the binary depends on: the
 source bytes, the compiler (path and ``--version``), the flags, ``platform.machine()`` and
 the CPU feature flags of ``/proc/cpuinfo`` (``-march=native`` code must not be reused on
-a CPU with fewer features). The library is written to a temporary file and moved in
+a CPU with fewer features). The prefill's compute is built once per instruction set in
+the same library and chosen at run time from what the CPU reports
+(:attr:`NativeLibrary.prefill_isa`). The library is written to a temporary file and moved in
 place with :func:`os.replace`, so processes compiling at once never load a partial file.
 
 :func:`native_problem` says why the kernels cannot be used (no compiler, the compiler
@@ -35,6 +38,9 @@ __all__ = ["NativeLibrary", "load_paged_decode", "native_problem"]
 _LOG = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
+_SOURCES = (_SOURCE, _SOURCE.with_name("paged_prefill.c"))
+# Hashed into the cache key with the sources: included by paged_prefill.c, not compiled.
+_HEADERS = (_SOURCE.with_name("paged_prefill_body.h"), _SOURCE.with_name("paged_decode_body.h"))
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared")
 # Tried in order: the first set the compiler accepts is kept. -march=native tunes for
 # this CPU (hence the CPU flags in the cache key); -fopenmp enables the threaded path.
@@ -43,7 +49,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-_ABI_VERSION = 2
+_ABI_VERSION = 5
 _COMPILE_TIMEOUT_S = 120.0
 _STDERR_LINES = 8
 
@@ -65,6 +71,7 @@ _LEAD: list[_ArgType] = [
 ]  # fmt: skip
 _TAIL: list[_ArgType] = [
     _f32, _f32, _ptr,  # scale, soft_cap, alibi
+    _ptr, _ptr, _i64, _i64,  # sinks, lse, lse_st, lse_sh
     _ptr, _i64, _i64,  # output, o_st, o_sh
     _i32,  # num_threads
     _ptr,  # err (int64[3])
@@ -74,6 +81,16 @@ _PAGED_DECODE_ARGTYPES: list[_ArgType] = [
     *_LEAD,
     _ptr, _ptr, _ptr, _ptr, _ptr,  # rows, requests, key_start, key_end, query_pos
     _i64, _i64, _i64, _i64, _i64, _i64,  # N, T, Hq, Hkv, D, block_size
+    _i64, _i64,  # pos_mul, pos_add
+    *_TAIL,
+]  # fmt: skip
+# attnkit_paged_prefill
+_PAGED_PREFILL_ARGTYPES: list[_ArgType] = [
+    *_LEAD,
+    _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, kd_sr, kd_sh, value, vd_sr, vd_sh
+    _ptr, _ptr, _ptr, _ptr, _ptr, _i64,  # requests, query_start, query_len, seq_len, dense, n
+    _i64, _i64, _i64, _i64, _i64,  # T, Hq, Hkv, D, block_size
+    _i32, _i64, _i64, _i64,  # causal, window, chunk, query_block
     *_TAIL,
 ]  # fmt: skip
 # attnkit_paged_decode_requests
@@ -93,7 +110,22 @@ class NativeLibrary:
     path: Path
     paged_decode: Callable[..., int]
     paged_decode_requests: Callable[..., int]
+    paged_prefill: Callable[..., int]
     has_openmp: bool
+    _prefill_isa: Callable[[], bytes]
+    _decode_isa: Callable[[int, int], bytes]
+
+    @property
+    def prefill_isa(self) -> str:
+        """The instruction set whose copy of the prefill compute runs (chosen at each
+        call from the CPU; ``ATTNKIT_CPU_ISA`` caps it)."""
+        return self._prefill_isa().decode()
+
+    def decode_isa(self, dtype_code: int, head_size: int) -> str:
+        """The instruction set of the decode's copy for a dtype code (0 float32, 1 bf16,
+        2 fp16) and head size: ``avx512bf16``, ``avx512``, or ``vector8`` (8-lane
+        vectors as the build flags lower them)."""
+        return self._decode_isa(dtype_code, head_size).decode()
 
 
 class _BuildError(Exception):
@@ -148,7 +180,7 @@ def _first_lines(text: str) -> str:
     return shown if shown else "(no output)"
 
 
-def _compile(compiler: str, source: Path, target: Path) -> tuple[str, ...]:
+def _compile(compiler: str, sources: tuple[Path, ...], target: Path) -> tuple[str, ...]:
     """Compile to ``target`` (atomically) with the first flag set that works."""
     target.parent.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
@@ -160,7 +192,7 @@ def _compile(compiler: str, source: Path, target: Path) -> tuple[str, ...]:
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            cmd = [compiler, *flags, str(source), "-o", str(tmp), "-lm"]
+            cmd = [compiler, *flags, *(str(s) for s in sources), "-o", str(tmp), "-lm"]
             try:
                 done = subprocess.run(
                     cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
@@ -178,7 +210,9 @@ def _compile(compiler: str, source: Path, target: Path) -> tuple[str, ...]:
             if tmp.exists():
                 tmp.unlink()
     raise _BuildError(
-        f"C compiler {compiler!r} failed to build {source.name} (" + "; ".join(errors[:1]) + ")"
+        f"C compiler {compiler!r} failed to build {', '.join(s.name for s in sources)} ("
+        + "; ".join(errors[:1])
+        + ")"
     )
 
 
@@ -198,24 +232,36 @@ def _load(path: Path) -> NativeLibrary:
     by_request = lib.attnkit_paged_decode_requests
     by_request.argtypes = _PAGED_DECODE_REQUESTS_ARGTYPES
     by_request.restype = ctypes.c_int
+    prefill = lib.attnkit_paged_prefill
+    prefill.argtypes = _PAGED_PREFILL_ARGTYPES
+    prefill.restype = ctypes.c_int
+    isa = lib.attnkit_prefill_isa
+    isa.argtypes = []
+    isa.restype = ctypes.c_char_p
+    decode_isa = lib.attnkit_decode_isa
+    decode_isa.argtypes = [ctypes.c_int, ctypes.c_int64]
+    decode_isa.restype = ctypes.c_char_p
     return NativeLibrary(
         path=path,
         paged_decode=fn,
         paged_decode_requests=by_request,
+        paged_prefill=prefill,
         has_openmp=bool(has_openmp()),
+        _prefill_isa=isa,
+        _decode_isa=decode_isa,
     )
 
 
 def _build() -> NativeLibrary:
-    if not _SOURCE.is_file():
-        raise _BuildError(f"the kernel source {_SOURCE} is missing from the installation")
+    for src in (*_SOURCES, *_HEADERS):
+        if not src.is_file():
+            raise _BuildError(f"the kernel source {src} is missing from the installation")
     compiler = _find_compiler()
     if compiler is None:
         raise _BuildError("no C compiler found (set CC, or install cc, gcc or clang)")
-    source = _SOURCE.read_bytes()
     key = hashlib.sha256()
     for part in (
-        source,
+        *(src.read_bytes() for src in (*_SOURCES, *_HEADERS)),
         compiler.encode(),
         _compiler_version(compiler).encode(),
         repr((_BASE_FLAGS, _FLAG_SETS, _ABI_VERSION)).encode(),
@@ -232,16 +278,16 @@ def _build() -> NativeLibrary:
             _LOG.warning("attnkit: reloading cached %s failed (%s); rebuilding", target, exc)
     start = time.perf_counter()
     try:
-        flags = _compile(compiler, _SOURCE, target)
+        flags = _compile(compiler, _SOURCES, target)
     except OSError as exc:  # an unwritable cache directory: build in a private one
         _LOG.warning(
             "attnkit: cannot write %s (%s); building in a temporary directory", target, exc
         )
         target = Path(tempfile.mkdtemp(prefix="attnkit-cpu-kernels-")) / target.name
-        flags = _compile(compiler, _SOURCE, target)
+        flags = _compile(compiler, _SOURCES, target)
     _LOG.info(
         "attnkit: compiled %s with %s %s in %.2f s -> %s",
-        _SOURCE.name,
+        ", ".join(s.name for s in _SOURCES),
         compiler,
         " ".join(flags),
         time.perf_counter() - start,

@@ -1,6 +1,15 @@
 """CPU prefill engine: paged attention for runs of query tokens as blocked matrix products.
 
-One request at a time, the keys and values its queries can see are taken once: straight
+:func:`paged_prefill` checks its arguments here, then runs the native blocked kernel
+(``paged_prefill.c``, the default ``engine="native"``): tasks of (request, K/V head,
+about 256 rows of query tokens x grouped heads), each packing its keys once per chunk of
+256 (K transposed, V row-major, from the planes through the block table or from the
+step's own key / value rows) and walking them in tiles of 32 with an online softmax, in
+register-blocked micro-kernels of the instruction set the CPU reports (AVX512-BF16:
+bf16 scores as native bf16 dot products; AVX-512; AVX2; the compiler's baseline).
+
+``engine="torch"`` keeps the first implementation, described below, as a second one to
+compare with. One request at a time, the keys and values its queries can see are taken once: straight
 from the step's own ``key`` / ``value`` rows for a fresh prompt (``seq == qlen``; strided
 views, no copy in float32), else gathered from the paged K/V planes with one
 ``index_select`` over the slots the block table gives for the positions some query of the
@@ -28,7 +37,11 @@ The scale is folded into the query rows (``scale / soft_cap`` with a soft-cap, s
 cap is one ``tanh`` and one multiply). The ALiBi bias ``slope * (p - qp)`` is applied as
 ``slope * (p - qp_first)`` with ``qp_first`` the block's first query position: the two
 differ by a per-row constant, which softmax ignores, and the bias stays small near the
-diagonal where the weight is.
+diagonal where the weight is. With a sink logit or the log-sum-exp asked for, the row
+constant matters, and each row gets its own ``slope * (p - qp)``.
+
+Sinks (one logit per head in every denominator, no value) and the log-sum-exp take the
+online softmax's running maximum and sum, folded in once after the last key.
 
 Buffers (query block, scores, output block) are allocated once per call and reused for
 every block: a fresh 4 MiB score tensor per block costs more than the softmax over it
@@ -39,7 +52,7 @@ Threads: torch's own (``torch.get_num_threads()``); the caller sets them.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -171,8 +184,10 @@ def _scores(
     chunk: int | None,
     soft_cap: float | None,
     slopes: Tensor | None,
+    exact: bool,
 ) -> Tensor:
-    """Scores ``[Hkv, nb * G, c_hi - c_lo]`` of the block's rows against keys ``[c_lo, c_hi)``."""
+    """Scores ``[Hkv, nb * G, c_hi - c_lo]`` of the block's rows against keys ``[c_lo, c_hi)``
+    (the ALiBi bias relative to the block's first query unless ``exact``)."""
     hkv, rows, _ = q2.shape
     n = c_hi - c_lo
     s = buf.s[: hkv * rows * n].view(hkv, rows, n)
@@ -182,7 +197,10 @@ def _scores(
     s4 = s.view(hkv, nb, g, n)
     if slopes is not None:
         rel = torch.arange(c_lo - qf, c_hi - qf, dtype=torch.float32)
-        s4.add_(slopes.view(hkv, 1, g, 1) * rel.view(1, 1, 1, n))
+        bias = slopes.view(hkv, 1, g, 1) * rel.view(1, 1, 1, n)
+        if exact:  # each row's own position (a sink or the lse sees the row constant)
+            bias = bias - slopes.view(hkv, 1, g, 1) * torch.arange(nb).view(1, nb, 1, 1)
+        s4.add_(bias)
     if causal:
         ql = qf + nb - 1
         # Diagonal: a key after the block's first query is hidden from some row.
@@ -216,11 +234,17 @@ def _attend_request(
     slopes: Tensor | None,
     query_block: int,
     key_chunk: int,
+    sinks: Tensor | None = None,
+    lse_rows: Tensor | None = None,
 ) -> None:
     """One request: ``q_rows`` ``[L, Hq, D]`` against ``k`` / ``v`` ``[Hkv, n, D]`` (float32),
-    whose column 0 is key position ``k_base``; writes ``out_rows`` ``[L, Hq, D]``."""
+    whose column 0 is key position ``k_base``; writes ``out_rows`` ``[L, Hq, D]`` (and
+    ``lse_rows`` ``[L, Hq]`` when given). ``sinks``: float32 ``[Hq]`` logits that join
+    every denominator."""
     length, _, d = q_rows.shape
     hkv = k.shape[0]
+    # The plain softmax unless a sink or the lse needs the running max and sum.
+    plain = sinks is None and lse_rows is None
     for t0 in range(0, length, query_block):
         t1 = min(length, t0 + query_block)
         nb = t1 - t0
@@ -239,14 +263,16 @@ def _attend_request(
         out4 = out_rows[t0:t1].view(nb, hkv, g, d)
         if hi <= lo:  # no key at all (bidirectional over an empty sequence)
             out4.zero_()
+            if lse_rows is not None:
+                lse_rows[t0:t1] = _NEG_INF if sinks is None else sinks
             continue
         q4 = buf.q[: hkv * rows * d].view(hkv, nb, g, d)
         q4.copy_(q_rows[t0:t1].view(nb, hkv, g, d).permute(1, 0, 2, 3))
         q4.mul_(q_scale)
         q2 = q4.view(hkv, rows, d)
         o = buf.o[: hkv * rows * d].view(hkv, rows, d)
-        args = (nb, g, causal, window, chunk, soft_cap, slopes)
-        if hi - lo <= key_chunk:
+        args = (nb, g, causal, window, chunk, soft_cap, slopes, not plain)
+        if plain and hi - lo <= key_chunk:
             s = _scores(buf, q2, k, k_base, lo, hi, qf, *args)
             torch.softmax(s, -1, out=s)
             torch.bmm(s, v[:, lo - k_base : hi - k_base], out=o)
@@ -269,7 +295,17 @@ def _attend_request(
                 den.mul_(rescale).add_(torch.sum(s, -1, keepdim=True, out=row_sum))
                 o.mul_(rescale).baddbmm_(s, v[:, c_lo - k_base : c_hi - k_base])
                 m.copy_(m_new)
+            if sinks is not None:  # one more logit per row, with no value
+                sink = sinks.view(hkv, 1, g).expand(hkv, nb, g).reshape(hkv, rows, 1)
+                m_new = torch.maximum(m, sink)
+                keep = torch.where(m == _NEG_INF, 0.0, (m - m_new).exp())
+                den.mul_(keep).add_((sink - m_new).exp())
+                o.mul_(keep)
+                m.copy_(m_new)
             o.mul_(torch.where(den > 0, den.reciprocal(), 0.0))
+            if lse_rows is not None:
+                lse = torch.where(den > 0, m + den.log(), _NEG_INF)  # [Hkv, rows, 1]
+                lse_rows[t0:t1] = lse.view(hkv, nb, g).permute(1, 0, 2).reshape(nb, hkv * g)
         out4.copy_(o.view(hkv, nb, g, d).permute(1, 0, 2, 3))
 
 
@@ -295,6 +331,9 @@ def paged_prefill(
     value: Tensor | None = None,
     query_block: int | None = None,
     key_chunk: int | None = None,
+    sinks: Tensor | None = None,
+    lse: Tensor | None = None,
+    engine: Literal["native", "torch"] = "native",
 ) -> None:
     """Attention of runs of query tokens over the paged K/V planes; writes ``output``.
 
@@ -309,8 +348,16 @@ def paged_prefill(
 
     ``causal=False`` is bidirectional: every key ``p < seq`` is visible, and ``qlen`` may
     exceed ``seq`` (cross attention). ``window`` / ``chunk`` (at most one) need
-    ``causal``. ``query_block`` (default from :data:`QUERY_ROWS`) and ``key_chunk``
-    (default :data:`KEY_CHUNK`) are tuning knobs.
+    ``causal``. ``sinks`` (float32 ``[Hq]``): one logit per head that joins every
+    softmax denominator and carries no value. ``lse`` (float32 ``[T, Hq]``, any strides):
+    receives the served rows' natural-log sum of exp (``-inf`` where no key and no sink
+    is visible). ``query_block`` (tokens per block; default: the native kernel's
+    choice, or from :data:`QUERY_ROWS`) and ``key_chunk`` (default :data:`KEY_CHUNK`;
+    the torch engine's only) are tuning knobs.
+
+    ``engine``: ``"native"`` (default) runs ``paged_prefill.c`` (built by
+    :mod:`.cpu_native`; :class:`RuntimeError` where it cannot be built), ``"torch"`` the
+    blocked torch products below (kept as a second implementation to compare with).
     """
     # ---- tensors
     q = _check_cpu_tensor("query", query, 3, "a torch.Tensor [T, Hq, D]")
@@ -380,6 +427,18 @@ def paged_prefill(
                 f"alibi_slopes: expected a float32 tensor [{hq}], got {describe(slopes)}"
             )
 
+    sink_t: Tensor | None = None
+    if sinks is not None:
+        sink_t = _check_cpu_tensor("sinks", sinks, 1, f"a float32 tensor [{hq}]", torch.float32)
+        if sink_t.shape[0] != hq:
+            raise ValueError(f"sinks: expected a float32 tensor [{hq}], got {describe(sink_t)}")
+    lse_t: Tensor | None = None
+    if lse is not None:
+        want_lse = f"a float32 tensor [{total}, {hq}] (T and Hq of query)"
+        lse_t = _check_cpu_tensor("lse", lse, 2, want_lse, torch.float32)
+        if lse_t.shape != (total, hq):
+            raise ValueError(f"lse: expected {want_lse}, got {describe(lse_t)}")
+
     # ---- numbers
     bs = check_int_arg("block_size", block_size, 1)
     causal = check_bool("causal", causal)
@@ -411,7 +470,10 @@ def paged_prefill(
     qlens = _check_index_array("query_lens", query_lens, n)
     seqs = _check_index_array("seq_lens", seq_lens, n)
 
+    if engine not in ("native", "torch"):
+        raise ValueError(f"engine: expected 'native' or 'torch', got {engine!r}")
     bt: npt.NDArray[np.int64] | None = None
+    btt: Tensor | None = None
     if block_table is not None:
         btt = _check_cpu_tensor(
             "block_table", block_table, 2, "an int32 torch.Tensor [B, W]", torch.int32
@@ -473,6 +535,10 @@ def paged_prefill(
     check_distinct_output(
         "output", out, {"query": q, "key": kk, "value": vv, "k_plane": kp, "v_plane": vp}
     )
+    if lse_t is not None:
+        check_distinct_output(
+            "lse", lse_t, {"output": out, "query": q, "k_plane": kp, "v_plane": vp}
+        )
     if n == 0:
         return
 
@@ -483,7 +549,7 @@ def paged_prefill(
     # raises before anything is written.
     slots: list[Tensor | None] = []
     max_keys = 0
-    online = False
+    online = sink_t is not None or lse_t is not None  # they need the running max and sum
     for i, (_start, qlen, seq, lo, row, from_key) in enumerate(plans):
         qb = min(q_block, qlen)
         if causal:
@@ -510,7 +576,21 @@ def paged_prefill(
             )
         slots.append(torch.as_tensor(blocks * bs + pos % bs))
 
+    if engine == "native":
+        from attnkit.kernels.attention.cpu_prefill_native import native_prefill
+
+        check_last_dim_contiguous("output", out)
+        native_prefill(
+            q, kp, vp, btt if bt is not None else None, kk, vv,
+            [(start, qlen, seq, row, from_key) for (start, qlen, seq, _, row, from_key) in plans],
+            block_size=bs, causal=causal, window=window, chunk=chunk, scale=scale_f,
+            soft_cap=cap, alibi_slopes=slopes, sinks=sink_t, lse=lse_t, output=out,
+            query_block=q_block_arg,
+        )  # fmt: skip
+        return
+
     slopes32 = slopes.contiguous() if slopes is not None else None
+    sinks32 = sink_t.contiguous() if sink_t is not None else None
     q_scale = scale_f / cap if cap is not None else scale_f
     buf = _Buffers(hkv, min(q_block, max(qlens)) * g, d, max_keys, online)
     for (start, qlen, seq, lo, _row, from_key), idx in zip(plans, slots, strict=True):
@@ -551,4 +631,6 @@ def paged_prefill(
             slopes=slopes32,
             query_block=q_block,
             key_chunk=k_chunk,
+            sinks=sinks32,
+            lse_rows=lse_t[start : start + qlen] if lse_t is not None else None,
         )
