@@ -39,8 +39,11 @@ _LOG = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _SOURCES = (_SOURCE, _SOURCE.with_name("paged_prefill.c"))
-# Hashed into the cache key with the sources: included by paged_prefill.c, not compiled.
-_HEADERS = (_SOURCE.with_name("paged_prefill_body.h"), _SOURCE.with_name("paged_decode_body.h"))
+# Hashed into the cache key with the sources: headers they include, not compiled alone.
+_HEADERS = tuple(
+    _SOURCE.with_name(name)
+    for name in ("paged_prefill_body.h", "paged_decode_body.h", "half_float.h")
+)
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared")
 # Tried in order: the first set the compiler accepts is kept. -march=native tunes for
 # this CPU (hence the CPU flags in the cache key); -fopenmp enables the threaded path.

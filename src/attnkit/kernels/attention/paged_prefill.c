@@ -70,69 +70,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define SHUF16(x, ...) __builtin_shuffle((x), (v16i){__VA_ARGS__})
 #endif
 
-/* ---- element conversions (as paged_decode.c) ------------------------------------- */
+/* ---- element conversions ---------------------------------------------------------- */
 
-INLINE float bf16_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x0040u);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
-
-#if defined(__FLT16_MAX__) && !defined(ATTNKIT_SOFT_F16)
-INLINE float f16_f32(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, sizeof x);
-    return (float)x;
-}
-INLINE uint16_t f32_f16(float f) {
-    _Float16 x = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &x, sizeof h);
-    return h;
-}
-#else
-INLINE float f16_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1fu) bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0) bits = sign | ((exp + 112u) << 23) | (man << 13);
-    else if (man == 0) bits = sign;
-    else {
-        float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-INLINE uint16_t f32_f16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    uint32_t abs = bits & 0x7fffffffu;
-    if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
-    if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-    if (abs < 0x38800000u) {
-        if (abs < 0x33000000u) return sign;
-        uint32_t e = abs >> 23, man = (abs & 0x7fffffu) | 0x800000u, shift = 126u - e;
-        uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-        if (rem > half || (rem == half && (q & 1u))) q += 1u;
-        return (uint16_t)(sign | q);
-    }
-    uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);
-    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
-#endif
+#include "half_float.h"
 
 INLINE float elem_f32(const char *p, int64_t i, int dtype) {
     if (dtype == DT_F32) {
@@ -142,7 +82,7 @@ INLINE float elem_f32(const char *p, int64_t i, int dtype) {
     }
     uint16_t h;
     memcpy(&h, p + 2 * i, sizeof h);
-    return dtype == DT_BF16 ? bf16_f32(h) : f16_f32(h);
+    return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
 /* ---- parameters, tasks, scratch ---------------------------------------------------- */
@@ -354,7 +294,7 @@ static void finish_task(const pparams *P, const ptask *T, scratch_pf *S) {
         } else {
             uint16_t *o = (uint16_t *)dst;
             for (int64_t d = 0; d < D; ++d)
-                o[d] = P->dtype == DT_BF16 ? f32_bf16(acc[d] * mul) : f32_f16(acc[d] * mul);
+                o[d] = P->dtype == DT_BF16 ? f32_to_bf16(acc[d] * mul) : f32_to_f16(acc[d] * mul);
         }
         if (P->lse) P->lse[row * P->lse_st + head * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
     }
