@@ -7,6 +7,7 @@ a hit that does not restore the state) are caught."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ from attnkit import (
     StalePrefixError,
 )
 from attnkit.kv_cache import CheckpointStore, _prefix
+from attnkit.planner import PrefixPlan, plan_model
+from attnkit.planner import _plan as planner_plan
+from attnkit.prefix_cache import prefix_granularity
 from attnkit.runtime import AttentionRuntime
 from attnkit.testing.tolerances import tolerance_for
 from test_prefix_runtime import Driver, make_runtime, manager_state, model, off_outputs, tokens
@@ -235,3 +239,78 @@ def test_the_config_is_checked() -> None:
     assert make_runtime(m).checkpoint_interval is None  # "none": no checkpoints
     config = AttentionConfig(prefix_caching={"enabled": True, "state_checkpoints": "step_end"})
     assert "state checkpoints step_end" in config.describe()
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def plan_says_what_the_runtime_does(layout: tuple[str, ...], policy: str) -> None:
+    """``plan_model``'s minimum cacheable prefix is what a runtime built with the same
+    config serves: a prompt one token past the minimum hits exactly the minimum once a
+    request computed it (in a chunk ending there); with no minimum, nothing hits."""
+    m = model(layout)
+    config = AttentionConfig(prefix_caching={"enabled": True, "state_checkpoints": policy})
+    prefix = plan_model(m.specs, config, device="cpu").prefix
+    assert prefix is not None
+    runtime = make_runtime(m, state_checkpoints=policy)
+    d = Driver(m, runtime)
+    length = prefix.minimum or 32
+    d.tokens["a"] = tokens(length + 1, seed=10)
+    d.step([("a", length)], {"a": runtime.match_prefix(d.tokens["a"])})
+    d.step([("a", 1)], {})
+    served = runtime.match_prefix(d.tokens["a"]).num_tokens
+    assert served == (prefix.minimum or 0)
+    if prefix.minimum is not None and prefix.minimum > 1:
+        shorter = runtime.match_prefix(d.tokens["a"][: prefix.minimum])
+        assert shorter.num_tokens == 0  # below the minimum nothing hits
+        assert "minimum cacheable prefix" in shorter.explain()
+    else:
+        assert prefix.why_none is not None
+
+
+PLAN_CASES = [
+    (("full", "window"), "none"),
+    (HYBRID, "none"),
+    (HYBRID, "step_end"),
+    (("gdn", "mamba"), "step_end"),
+]
+
+
+@pytest.mark.parametrize(("layout", "policy"), PLAN_CASES)
+def test_the_plan_states_the_minimum_cacheable_prefix(layout: tuple[str, ...], policy: str) -> None:
+    plan_says_what_the_runtime_does(layout, policy)
+
+
+def test_a_plan_that_forgets_the_policy_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: a plan that claims the attention groups' minimum whatever
+    the state layers keep."""
+    real = planner_plan._prefix_plan
+
+    def forgetful(specs: Any, config: AttentionConfig, block: int) -> PrefixPlan:
+        honest = real(specs, config, block)
+        return dataclasses.replace(honest, minimum=prefix_granularity(specs).minimum, why_none=None)
+
+    monkeypatch.setattr(planner_plan, "_prefix_plan", forgetful)
+    with pytest.raises(AssertionError):
+        plan_says_what_the_runtime_does(HYBRID, "none")
+
+
+def test_the_plan_report_names_the_policy() -> None:
+    m = model(HYBRID)
+    off = plan_model(m.specs, AttentionConfig(), device="cpu")
+    assert off.prefix is not None
+    assert off.prefix.minimum is None
+    assert "state_checkpoints is 'none'" in (off.prefix.why_none or "")
+    assert off.prefix.minimum_with_checkpoints == 16
+    on = plan_model(
+        m.specs,
+        AttentionConfig(
+            prefix_caching={"state_checkpoints": "step_end", "checkpoint_interval": 32}
+        ),
+        device="cpu",
+        num_blocks=64,
+    )
+    assert on.prefix is not None
+    assert (on.prefix.minimum, on.prefix.checkpoint_interval) == (32, 32)
+    assert on.prefix.checkpoint_bytes == on.bytes_per_block  # one state group: one block
+    assert on.to_json()["prefix_cache"] == dataclasses.asdict(on.prefix)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..kinds import Ints, KindRules, StepLens, rules_for, spans
-from ..prefix_cache import Tokens, get_hasher, group_namespace
+from ..prefix_cache import Tokens, checkpoint_interval_for, get_hasher, group_namespace
 from ._cached import CachedPool, CachedSlab, GroupNeed, PageKeeper, check_step
 from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
@@ -268,27 +267,9 @@ class KVCacheManager:
         ]
         if config.state_checkpoints == "none" or not state:
             return stores, None
-        sizes = {
-            f"group {g.group_id} ({g.kind.value})": g.spec.block_size
-            for g, c in zip(self.groups, self.cached_slabs, strict=True)
-            if c is not None
-        }
-        interval = config.checkpoint_interval
-        if interval is None:
-            interval = (
-                math.lcm(*sizes.values())
-                if sizes
-                else math.lcm(*(g.spec.block_size for g in state))
-            )
-        bad = {label: size for label, size in sizes.items() if interval % size}
-        if bad:
-            listed = ", ".join(f"{label}: {size}" for label, size in bad.items())
-            raise InvalidArgumentError(
-                f"prefix_caching.checkpoint_interval must be a multiple of every attention "
-                f"group's kernel block size (a hit ends on a block boundary of each), got "
-                f"{interval}; not a multiple of {listed} (least common multiple "
-                f"{math.lcm(*sizes.values())})"
-            )
+        interval = checkpoint_interval_for(
+            (g.spec for g in self.groups), config.checkpoint_interval
+        )
         for group in state:
             namespace = (
                 namespaces[group.group_id]
