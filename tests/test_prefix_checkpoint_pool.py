@@ -128,7 +128,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     def prompt(self, data: st.DataObject) -> list[int]:
         doc = data.draw(st.sampled_from(DOCS))
         shared = data.draw(st.integers(0, len(doc)))
-        own = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=10))
+        own = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=40))
         return doc[:shared] + own
 
     def brute_hit(self, tokens: list[int], attention: int) -> int:
@@ -165,7 +165,6 @@ class CheckpointMachine(RuleBasedStateMachine):
             return None
         pool = self.mgr.pool
         assert isinstance(pool, CachedPool)
-        need = 0
         held = {
             b
             for rid in self.reqs
@@ -174,25 +173,50 @@ class CheckpointMachine(RuleBasedStateMachine):
             for b in self.mgr.block_table(g.group_id, rid)
         }
         taken = 0
+        need = self.need_of(chunks)
+        if match is not None:
+            taken = self.taken_by(match, held)
+        return need <= len(pool._free) + len(pool.idle) - taken
+
+    def need_of(self, chunks: list[tuple[str, int]]) -> int:
+        """The pages ``chunks`` take (every block a page): one per new attention block,
+        one state page per new request and state group."""
+        need = 0
         for rid, n in chunks:
             req = self.reqs[rid]
             new = rid not in self.mgr
-            for g in groups:
+            for g in self.mgr.groups:
                 if g.kind.value == "mamba":
                     need += 1 if new else 0
                     continue
                 bs = g.spec.block_size
                 need += -(-(req.computed + n) // bs) - -(-req.computed // bs)
-        if match is not None and match.num_tokens:
-            for g in groups:
-                if g.kind.value == "mamba":
-                    taken += 1  # its checkpoint, pinned
-                else:
-                    names = match.block_names(g.group_id)[: match.num_tokens // g.spec.block_size]
-                    slab = self.mgr.cached_slabs[g.group_id]
-                    assert slab is not None
-                    taken += sum(1 for m in names if slab.block_of[m] not in held)
-        return need <= len(pool._free) + len(pool.idle) - taken
+        return need
+
+    def taken_by(self, match: PrefixMatch, held: set[int] | None = None) -> int:
+        """The idle pages a hit takes out of the evictable ones: its attention blocks
+        no live request holds, and a checkpoint per state group (pinned)."""
+        if not match.num_tokens:
+            return 0
+        groups = self.mgr.groups
+        if held is None:
+            held = {
+                b
+                for rid in self.reqs
+                if rid in self.mgr
+                for g in groups
+                for b in self.mgr.block_table(g.group_id, rid)
+            }
+        taken = 0
+        for g in groups:
+            if g.kind.value == "mamba":
+                taken += 1
+            else:
+                names = match.block_names(g.group_id)[: match.num_tokens // g.spec.block_size]
+                slab = self.mgr.cached_slabs[g.group_id]
+                assert slab is not None
+                taken += sum(1 for m in names if slab.block_of[m] not in held)
+        return taken
 
     def snapshot(self) -> State:
         pool = self.mgr.pool
@@ -241,6 +265,20 @@ class CheckpointMachine(RuleBasedStateMachine):
             left = len(tokens) - match.num_tokens
             to = match.checkpoint_junction if data.draw(st.booleans()) else 0
             n = to - match.num_tokens if to > match.num_tokens else data.draw(st.integers(1, left))
+            kinds = [g.kind.value for g in self.mgr.groups]
+            if (
+                match.num_tokens
+                and kinds.count("full_attention") == 1
+                and "sliding_window" not in kinds
+                and data.draw(st.booleans())
+            ):  # a chunk that needs every page the step can have, or one more
+                pool = self.mgr.pool
+                assert isinstance(pool, CachedPool)
+                room = len(pool._free) + len(pool.idle) - self.taken_by(match)
+                room -= self.need_of(chunks)  # the running requests' chunks
+                blocks = room - kinds.count("mamba") + data.draw(st.integers(0, 1))
+                if 0 < 4 * blocks <= left:
+                    n = 4 * blocks
             chunks.append((new, n))
             matches.append(match)
         before = self.counts()
@@ -399,7 +437,6 @@ BROKEN: dict[str, tuple[object, str, Any]] = {
     "no checkpoint taken": (_prefix.PrefixCache, "_take_checkpoints", _never_taken),
     "a hit that does not restore the state": (_prefix.PrefixCache, "restore", _no_restore),
     "a hit whose checkpoint can be evicted": (CheckpointStore, "pin", _unpinned),
-    "a check that counts pinned checkpoints as free": (_manager, "check_step", _forgets_the_pins),
 }
 
 
@@ -421,3 +458,39 @@ def test_the_machine_catches(broken: str, monkeypatch: pytest.MonkeyPatch) -> No
                 print_blob=False,
             ),
         )
+
+
+def exact_fit_scenario() -> None:
+    """A hit on a checkpoint whose step needs every page the pool can give: one more
+    page is refused (nothing changes), exactly as many fit."""
+    config = PrefixCachingConfig(enabled=True, state_checkpoints="step_end")
+    mgr = KVCacheManager(group_layers({"a": full(), "s": MAMBA}), 12, prefix_caching=config)
+    assert mgr.prefix is not None
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    mgr.allocate_step([("a", 8, 0)], prefixes=[mgr.prefix.match(prompt)])
+    mgr.free_request("a")  # commits: a checkpoint at 8; blocks 0, 1 named; all idle
+    pool = mgr.pool
+    assert isinstance(pool, CachedPool)
+    assert (len(pool._free), len(pool.idle)) == (11 - 3, 3)
+    long = [*prompt[:8], *range(40)]  # hits 8: 2 idle blocks and the checkpoint taken
+    match = mgr.prefix.match(long)
+    assert match.num_tokens == 8
+    # Free and idle pages: 8 + 3 = 11, less the 3 the hit takes: 8 = 1 state + 7 blocks.
+    before = (tuple(pool._free), tuple(pool.idle))
+    with pytest.raises(OutOfBlocksError):
+        mgr.allocate_step([("b", 32, 0)], prefixes=[match])  # 8 new blocks
+    assert (tuple(pool._free), tuple(pool.idle)) == before
+    mgr.allocate_step([("b", 28, 0)], prefixes=[match])  # 7 new blocks
+    assert (len(pool._free), len(pool.idle)) == (0, 1)  # the checkpoint, kept
+
+
+def test_a_hit_step_fits_exactly() -> None:
+    exact_fit_scenario()
+
+
+def test_a_check_that_counts_the_pinned_checkpoint_as_free_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_manager, "check_step", _forgets_the_pins)
+    with pytest.raises(AssertionError):
+        exact_fit_scenario()
