@@ -544,7 +544,8 @@ def check_step(pool: CachedPool, needs: Sequence[GroupNeed], *, pinned: int = 0)
     raise OutOfBlocksError(
         f"the step needs {needed} new page(s) but only {pool.num_free_blocks} are free "
         f"and {len(pool.idle)} hold only cached blocks (evictable), {available} in all "
-        f"once the step's hits (state checkpoints they restore from: {pinned}), window "
-        f"releases and finished requests count, of "
+        f"once the step's hits"
+        + (f" (state checkpoints they restore from: {pinned})" if pinned else "")
+        + f", window releases and finished requests count, of "
         f"{pool.num_blocks - 1}; {'; '.join(lines)}; nothing was allocated or freed"
     )
