@@ -50,6 +50,7 @@ __all__ = [
     "BackendOptions",
     "PrefixCachingConfig",
     "PrefixHashName",
+    "StateCheckpointPolicy",
     "parse_backend_per_kind",
 ]
 
@@ -193,6 +194,9 @@ PrefixHashName = Literal["sha256", "xxh3_128"]
 """The hashes a prefix-cache block name can be made with (``attnkit.prefix_cache``'s
 ``HashName``; a test keeps the two equal)."""
 
+StateCheckpointPolicy = Literal["none", "step_end", "every_block"]
+"""When a state layer's state is kept for later hits (``PrefixCachingConfig``)."""
+
 
 class PrefixCachingConfig(BaseModel):
     """Prefix caching: requests that share a prompt prefix share its KV-cache blocks
@@ -207,6 +211,17 @@ class PrefixCachingConfig(BaseModel):
         model_revision: the model and weights the cache was computed with, in every
             group's namespace (a weight update without a new runtime calls
             ``reset_prefix_cache()`` instead).
+        state_checkpoints: when state layers (Mamba, Gated DeltaNet, linear attention,
+            short conv) keep a copy of a request's state for later hits: ``"none"``
+            (state layers never hit, so neither does a model that has them),
+            ``"step_end"`` (a step that ends a prompt's tokens on a checkpoint boundary
+            copies the state; ``Engine`` ends prefill chunks on boundaries) or
+            ``"every_block"`` (refused: one varlen forward gives no state after a
+            step's interior positions; docs/prefix-caching.md says why).
+        checkpoint_interval: the tokens between checkpoint boundaries; a multiple of
+            every attention group's kernel block size (checked when the runtime is
+            built). ``None``: the least common multiple of those block sizes (the
+            model's minimum cacheable prefix).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -214,13 +229,38 @@ class PrefixCachingConfig(BaseModel):
     enabled: bool = Field(default=False, strict=True)
     hash: PrefixHashName = "sha256"
     model_revision: str = Field(default="", strict=True)
+    state_checkpoints: StateCheckpointPolicy = "none"
+    checkpoint_interval: int | None = Field(default=None, strict=True)
+
+    @field_validator("checkpoint_interval")
+    @classmethod
+    def _positive_interval(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"checkpoint_interval must be an int >= 1 or None, got {value!r}")
+        return value
+
+    @field_validator("state_checkpoints")
+    @classmethod
+    def _supported_policy(cls, value: StateCheckpointPolicy) -> StateCheckpointPolicy:
+        if value == "every_block":
+            raise ValueError(
+                "state_checkpoints='every_block' is not supported: a state layer's varlen "
+                "forward gives each request's state after its step's last token only, not "
+                "after the boundaries inside the step; use 'step_end' (Engine ends prefill "
+                "chunks on checkpoint boundaries, so every chunk leaves one)"
+            )
+        return value
 
     def describe(self) -> str:
         """``on (sha256, revision 'r1')`` or ``off``."""
         if not self.enabled:
             return "off"
         revision = f", revision {self.model_revision!r}" if self.model_revision else ""
-        return f"on ({self.hash}{revision})"
+        states = ""
+        if self.state_checkpoints != "none":
+            every = f" every {self.checkpoint_interval}" if self.checkpoint_interval else ""
+            states = f", state checkpoints {self.state_checkpoints}{every}"
+        return f"on ({self.hash}{revision}{states})"
 
 
 DEFAULT_MAX_NUM_REQS = 256

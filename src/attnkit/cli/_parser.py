@@ -219,6 +219,21 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "their tokens (token t on rank t mod N), bounded caches replicate; the report adds "
         "each rank's memory and the longest request it holds",
     )
+    plan.add_argument(
+        "--state-checkpoints",
+        choices=("none", "step_end"),
+        default="none",
+        help="the prefix cache's state checkpoint policy for state layers (the report "
+        "gives the minimum cacheable prefix under it)",
+    )
+    plan.add_argument(
+        "--checkpoint-interval",
+        type=int_range(1),
+        default=None,
+        metavar="N",
+        help="tokens between state checkpoints (default: the lcm of the attention "
+        "groups' block sizes)",
+    )
     plan.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     plan.add_argument(
         "--capability", type=_parse_capability, default=None, help="CUDA capability, e.g. 9.0"

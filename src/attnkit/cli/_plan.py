@@ -69,6 +69,10 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: Streams) -
             "backend_per_kind": args.backend_per_kind or {},
             "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prefix_caching": {
+                "state_checkpoints": args.state_checkpoints,
+                "checkpoint_interval": args.checkpoint_interval,
+            },
         },
         context={"registry": registry},
     )

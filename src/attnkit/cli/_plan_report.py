@@ -174,10 +174,40 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             else "unknown (a group has no backend)",
         )
     )
+    if plan.prefix is not None:
+        lines.append(("prefix cache", _prefix_line(plan)))
     width = max(len("concurrent requests:"), *(len(label) + 1 for label, _ in lines))
     out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
     if plan.per_rank.world_size > 1:
         _write_per_rank(out, plan)
+
+
+def _prefix_line(plan: ModelPlan) -> str:
+    """The minimum cacheable prefix under the plan's state checkpoint policy, and what
+    a state checkpoint costs."""
+    prefix = plan.prefix
+    assert prefix is not None
+    if prefix.minimum is None:
+        text = f"no prefix is cacheable: {prefix.why_none}"
+    else:
+        text = f"minimum cacheable prefix {prefix.minimum} tokens"
+    if not prefix.state_groups:
+        return text
+    cost = (
+        f"each checkpoint takes {prefix.state_groups} block(s) = "
+        f"{_bytes(prefix.checkpoint_bytes)} of the pool (evictable)"
+    )
+    if prefix.checkpoint_interval is None:
+        return (
+            f"{text}; with --state-checkpoints step_end: minimum "
+            f"{prefix.minimum_with_checkpoints} tokens, {cost}"
+        )
+    most = plan.max_model_len // prefix.checkpoint_interval
+    return (
+        f"{text} (state checkpoints {prefix.state_checkpoints} every "
+        f"{prefix.checkpoint_interval} tokens: {cost}; a prompt leaves one at each "
+        f"prefill chunk end on a boundary, at most {most} in {plan.max_model_len} tokens)"
+    )
 
 
 def _block_size(group: KVCacheGroup) -> str:

@@ -31,7 +31,11 @@ Prefix caching (docs/prefix-caching.md): when the runtime was built with it on
 it is admitted (``runtime.match_prefix`` over its known tokens) and starts from the hit:
 its cached tokens are not computed again (the last prompt token always is, for its
 logits). ``Engine(..., prefix_caching=False)`` turns that off; ``Engine.prefix_stats()``
-reports the hit rate, the prefill tokens saved and why hits fell short.
+reports the hit rate, the prefill tokens saved and why hits fell short. When the
+runtime's state layers keep checkpoints (``runtime.checkpoint_interval``), a prefill
+chunk that would cross a checkpoint boundary ends on the last one it crosses, and a
+request's first chunk ends where its match says only checkpoints are missing
+(``PrefixMatch.checkpoint_junction``), so the state after a shared prefix is kept.
 
 The model is anything with ``prepare_step()`` (the runtime to run the step on) and
 ``__call__(batch, token_ids, positions) -> logits [T, V]`` (``StepModel``);
@@ -568,13 +572,15 @@ class Engine:
         ``lookup``: the runtime whose prefix cache an admission is looked up in (its
         first chunk starts after the hit)."""
         budget = self.max_tokens_per_step
+        interval = lookup.checkpoint_interval if lookup is not None else None
         plan: dict[_Live, int] = {}
         for live in self._running:
             if budget == 0 or len(plan) == self.max_requests_per_step:
                 break
             # One that holds no blocks (a failed step, a rebuilt runtime) starts again.
             hit = 0 if live.started else self._look_up(live, lookup)
-            n = min(len(live.tokens) - max(live.num_computed, hit), budget)
+            start = max(live.num_computed, hit)
+            n = _aligned(live, start, min(len(live.tokens) - start, budget), interval)
             plan[live] = n
             budget -= n
         admitted: list[_Live] = []
@@ -583,7 +589,8 @@ class Engine:
                 break
             if live.request.arrival_step > index or live in held:
                 continue
-            n = min(len(live.tokens) - self._look_up(live, lookup), budget)
+            start = self._look_up(live, lookup)
+            n = _aligned(live, start, min(len(live.tokens) - start, budget), interval)
             plan[live] = n
             admitted.append(live)
             budget -= n
@@ -766,6 +773,22 @@ class _PrefixTally:
             kind = type(reason).__name__
             self.misses[kind] = self.misses.get(kind, 0) + 1
             self.last_miss = match.explain()
+
+
+def _aligned(live: _Live, start: int, n: int, interval: int | None) -> int:
+    """A chunk of ``n`` tokens from ``start``, shortened so that it ends on a state
+    checkpoint boundary when it crosses one (``interval``; ``None``: no checkpoints):
+    at the match's junction (the request's first chunk: only checkpoints are missing
+    there, so the next request with the prefix hits), else on the last boundary it
+    crosses. Decodes (one token) are left alone."""
+    if interval is None or n <= 1:
+        return n
+    end = start + n
+    junction = live.match.checkpoint_junction if live.match is not None else 0
+    if start < junction < end:
+        return junction - start
+    boundary = end // interval * interval
+    return boundary - start if start < boundary < end else n
 
 
 def _limit(name: str, value: int | None, bound: int, bound_name: str) -> int:

@@ -89,6 +89,7 @@ from ._buffers import (
     num_blocks_for_budget,
 )
 from ._cached import EVICTED_MEMORY, CachedPool, CachedSlab
+from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup, group_layers, unified_groups, unify_page_sizes
 from ._manager import KVCacheManager
 from ._pool import NULL_BLOCK, BlockPool, PageSlab
@@ -101,6 +102,7 @@ __all__ = [
     "BufferSetName",
     "CachedPool",
     "CachedSlab",
+    "CheckpointStore",
     "KVCacheGroup",
     "KVCacheManager",
     "OutOfBlocksError",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -37,7 +38,15 @@ from typing_extensions import override
 from ..errors import OutOfBlocksError
 from ._pool import BlockPool, Ints32, PageSlab
 
-__all__ = ["EVICTED_MEMORY", "CachedPool", "CachedSlab", "GroupNeed", "Preview", "check_step"]
+__all__ = [
+    "EVICTED_MEMORY",
+    "CachedPool",
+    "CachedSlab",
+    "GroupNeed",
+    "PageKeeper",
+    "Preview",
+    "check_step",
+]
 
 EVICTED_MEMORY = 4096
 """How many evicted names each cached group remembers, so a lookup can say a block was
@@ -46,18 +55,26 @@ evicted rather than never computed."""
 Ints = npt.NDArray[np.int64]
 
 
+class PageKeeper(Protocol):
+    """What keeps an idle page (a ``CachedSlab``, or a state group's
+    ``CheckpointStore``): it gives the page up when the pool reclaims it."""
+
+    def drop_page(self, page: int) -> None: ...
+
+
 class CachedPool(BlockPool):
     """The pool of pages when prefix caching is on: ``take`` hands out free pages first,
     then reclaims idle pages (their group's blocks all free, some named), least
     recently idle first, evicting their names.
 
     Attributes:
-        idle: page -> the ``CachedSlab`` keeping it, least recently idle first.
+        idle: page -> the ``CachedSlab`` (or ``CheckpointStore``) keeping it, least
+            recently idle first.
     """
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self.idle: dict[int, CachedSlab] = {}
+        self.idle: dict[int, PageKeeper] = {}
         self.shared = 0
         """The slabs' ``shared`` summed: 0 when no block has two holders."""
 
@@ -471,7 +488,7 @@ class GroupNeed:
     slab: PageSlab | None
 
 
-def check_step(pool: CachedPool, needs: Sequence[GroupNeed]) -> None:
+def check_step(pool: CachedPool, needs: Sequence[GroupNeed], *, pinned: int = 0) -> None:
     """Raise ``OutOfBlocksError`` unless a step fits, with prefix caching on; nothing
     changes either way.
 
@@ -481,10 +498,11 @@ def check_step(pool: CachedPool, needs: Sequence[GroupNeed]) -> None:
     order: a group fills its pinned pages first); a group with a ``PageSlab`` as
     without caching; any other one page per block. The step fits when the pages needed
     are at most the free pages plus the idle ones (any group's cached pages, evictable),
-    both counted after those changes.
+    both counted after those changes; ``pinned``: idle checkpoint pages the step's hits
+    restore from (kept from eviction while the step is allocated).
     """
     needed = 0
-    available = pool.num_available
+    available = pool.num_available - pinned
     lines: list[str] = []
     for need in needs:
         cached, slab = need.cached, need.slab
@@ -526,6 +544,8 @@ def check_step(pool: CachedPool, needs: Sequence[GroupNeed]) -> None:
     raise OutOfBlocksError(
         f"the step needs {needed} new page(s) but only {pool.num_free_blocks} are free "
         f"and {len(pool.idle)} hold only cached blocks (evictable), {available} in all "
-        f"once the step's hits, window releases and finished requests count, of "
+        f"once the step's hits"
+        + (f" (state checkpoints they restore from: {pinned})" if pinned else "")
+        + f", window releases and finished requests count, of "
         f"{pool.num_blocks - 1}; {'; '.join(lines)}; nothing was allocated or freed"
     )

@@ -22,8 +22,9 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..kinds import Ints, KindRules, StepLens, rules_for, spans
-from ..prefix_cache import Tokens, get_hasher, group_namespace
-from ._cached import CachedPool, CachedSlab, GroupNeed, check_step
+from ..prefix_cache import Tokens, checkpoint_interval_for, get_hasher, group_namespace
+from ._cached import CachedPool, CachedSlab, GroupNeed, PageKeeper, check_step
+from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, BlockPool, Ints32, PageSlab
 from ._prefix import PrefixCache, PrefixHitTables, PrefixMatch
@@ -154,6 +155,14 @@ class KVCacheManager:
             cached = self._cached_slabs(self.pool, prefix_caching, namespaces)
         self.cached_slabs: tuple[CachedSlab | None, ...] = tuple(cached)
         """Per group: its ``CachedSlab`` when prefix caching is on and its kind can hit."""
+        stores: list[CheckpointStore | None] = [None] * len(self.groups)
+        interval: int | None = None
+        if caching:
+            assert prefix_caching is not None
+            assert isinstance(self.pool, CachedPool)
+            stores, interval = self._checkpoint_stores(self.pool, prefix_caching, namespaces)
+        self.checkpoint_stores: tuple[CheckpointStore | None, ...] = tuple(stores)
+        """Per group: its ``CheckpointStore`` (a state group with checkpoints on)."""
         self.slabs: tuple[PageSlab | None, ...] = tuple(
             PageSlab(self.pool, g.blocks_per_page) if g.blocks_per_page > 1 and c is None else None
             for g, c in zip(self.groups, cached, strict=True)
@@ -182,7 +191,7 @@ class KVCacheManager:
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
         self._tables = [_Tables(capacity, 16) for _ in self.groups]
-        self._idle: dict[int, CachedSlab] | None = None
+        self._idle: dict[int, PageKeeper] | None = None
         """With prefix caching on and every cached group's block a page (no slab of
         several blocks per page), the pool's idle pages: steps take the plain path."""
         self._cached_pool = self.pool if isinstance(self.pool, CachedPool) else CachedPool(2)
@@ -197,6 +206,8 @@ class KVCacheManager:
                 get_hasher(prefix_caching.hash),
                 self.table_array,
                 self._row_tokens,
+                stores,
+                interval,
             )
 
     def _row_tokens(self, row: int) -> int:
@@ -238,6 +249,37 @@ class KVCacheManager:
             )
             slabs.append(CachedSlab(pool, group.blocks_per_page, namespace))
         return slabs
+
+    def _checkpoint_stores(
+        self,
+        pool: CachedPool,
+        config: PrefixCachingConfig,
+        namespaces: Sequence[bytes] | None,
+    ) -> tuple[list[CheckpointStore | None], int | None]:
+        """A ``CheckpointStore`` per state group when ``config.state_checkpoints`` is
+        on, and the checkpoint interval (checked against the attention groups' kernel
+        block sizes; default their least common multiple)."""
+        stores: list[CheckpointStore | None] = [None] * len(self.groups)
+        state = [
+            g
+            for g, r in zip(self.groups, self._rules, strict=True)
+            if r.has_cache and r.prefix_unit == "length"
+        ]
+        if config.state_checkpoints == "none" or not state:
+            return stores, None
+        interval = checkpoint_interval_for(
+            (g.spec for g in self.groups), config.checkpoint_interval
+        )
+        for group in state:
+            namespace = (
+                namespaces[group.group_id]
+                if namespaces is not None
+                else group_namespace(
+                    group.spec, revision=config.model_revision, hash_name=config.hash
+                )
+            )
+            stores[group.group_id] = CheckpointStore(pool, namespace)
+        return stores, interval
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._rows
@@ -548,6 +590,11 @@ class KVCacheManager:
             )
         finished_rows = [self.row_of(r) for r in finished]
         self._check_cached(plans, finished_rows, hits)
+        for hit in hits:  # checked: their checkpoints are kept from eviction
+            for gid, page in hit.restores:
+                store = self.checkpoint_stores[gid]
+                assert store is not None
+                store.pin((page,))
         # Checked: from here on nothing fails.
         for req_id in finished:
             self.free_request(req_id)
@@ -577,6 +624,8 @@ class KVCacheManager:
                 self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
         for plan in plans:
             self._grow(plan.group.group_id, rows, plan.grow, plan.width)
+        if prefix.checkpoint_layout is not None:
+            prefix.restore(hits, rows)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
         prefix.note_step(rows, lens)
@@ -602,7 +651,8 @@ class KVCacheManager:
             needs.append(GroupNeed(label, plan.new, freed, touched, cached, slab))
         pool = self.pool
         assert isinstance(pool, CachedPool)
-        check_step(pool, needs)
+        pinned = {(gid, page) for hit in hits for gid, page in hit.restores}
+        check_step(pool, needs, pinned=len(pinned))
 
     def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
         new_idx = np.flatnonzero(rows < 0)

@@ -21,6 +21,12 @@ request starts from, and when a request's blocks get their names.
   block for the groups that keep their blocks.
 - A request whose step was discarded, or that was live at a ``reset``, is never named
   again (its later blocks were computed over bytes no name describes).
+- State groups (with ``state_checkpoints="step_end"``) keep ``CheckpointStore`` pages:
+  a tracked request whose step ends its known prompt tokens on a checkpoint boundary
+  ``L`` gets its state copied into a page named by the prompt's block name at ``L`` in
+  the checkpoint layout (blocks of ``checkpoint_interval`` tokens), at the commit
+  (before any later step runs); a hit restores it into the new request's own state
+  page right after the step's allocation (``restore``).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from ..prefix_cache import (
     prefix_root,
 )
 from ._cached import CachedSlab
+from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, Ints32
 
@@ -87,6 +94,7 @@ class PrefixMatch:
         "_salt_free",
         "adapter_id",
         "cache_salt",
+        "checkpoint_junction",
         "hit",
         "mm_inputs",
         "tokens",
@@ -107,6 +115,7 @@ class PrefixMatch:
         hit_names: tuple[tuple[bytes, ...], ...],
         cache_salt: str | None,
         adapter_id: str | int | None,
+        checkpoint_junction: int | None = None,
     ) -> None:
         self._owner = owner
         self.hit = hit
@@ -122,6 +131,14 @@ class PrefixMatch:
         self._hit_names = hit_names
         self.cache_salt = cache_salt
         self.adapter_id = adapter_id
+        self.checkpoint_junction = (
+            hit.length if checkpoint_junction is None else checkpoint_junction
+        )
+        """With state checkpoints on: the longest prefix the model would serve if every
+        state group had a checkpoint at each boundary (else ``num_tokens``). Above
+        ``num_tokens``, only state checkpoints are missing: a step of this request that
+        ends there takes them, so the next request with this prefix hits (``Engine``
+        ends the request's first chunk there)."""
 
     @property
     def num_tokens(self) -> int:
@@ -199,6 +216,8 @@ class PrefixHitTables:
     index: int  # in the step's batch
     match: PrefixMatch
     tables: list[tuple[Ints32, int] | None]  # per group; None: nothing to install
+    restores: list[tuple[int, int]] = dataclasses.field(default_factory=list[tuple[int, int]])
+    """(state group id, checkpoint page) to copy into the request's state page."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -224,6 +243,8 @@ class PrefixCache:
         hasher: the hash of block names.
         table_array: group id -> the manager's persistent table.
         num_tokens: row -> the tokens the manager holds for it.
+        stores: per group its ``CheckpointStore`` (state groups with checkpoints on),
+            else ``None``; ``checkpoint_interval``: their boundaries' spacing.
     """
 
     def __init__(
@@ -234,6 +255,8 @@ class PrefixCache:
         hasher: Hasher,
         table_array: Callable[[int], Ints32],
         num_tokens: Callable[[int], int],
+        stores: Sequence[CheckpointStore | None] | None = None,
+        checkpoint_interval: int | None = None,
     ) -> None:
         self.groups = tuple(groups)
         self.rules = tuple(rules)
@@ -245,10 +268,29 @@ class PrefixCache:
             None if slab is None else r.prefix_layout(g.spec)
             for g, r, slab in zip(self.groups, self.rules, self.slabs, strict=True)
         )
-        self._distinct: tuple[TokenLayout, ...] = tuple(
-            dict.fromkeys(lay for lay in self.layouts if lay is not None)
+        self.stores: tuple[CheckpointStore | None, ...] = (
+            tuple(stores) if stores is not None else (None,) * len(self.groups)
         )
-        self.granularity = prefix_granularity(g.spec for g in self.groups)
+        self._stores = [(gid, st) for gid, st in enumerate(self.stores) if st is not None]
+        self.checkpoint_interval = checkpoint_interval if self._stores else None
+        self.checkpoint_layout: TokenLayout | None = (
+            TokenLayout(checkpoint_interval)
+            if self._stores and checkpoint_interval is not None
+            else None
+        )
+        """The layout checkpoints are named in (``None``: no checkpoints)."""
+        self._distinct: tuple[TokenLayout, ...] = tuple(
+            dict.fromkeys(lay for lay in (*self.layouts, self.checkpoint_layout) if lay is not None)
+        )
+        self.granularity = prefix_granularity(
+            (g.spec for g in self.groups), checkpoint_interval=self.checkpoint_interval
+        )
+        self.copy_states: Callable[[int, list[int], list[int]], None] | None = None
+        """``copy_states(group_id, sources, destinations)`` copies state pages (every
+        state tensor of every layer of the group); set by the runtime (a manager
+        without tensors leaves it ``None``)."""
+        self.pending_checkpoints: list[tuple[_Tracked, int]] = []
+        """The last step's checkpoint boundaries per request, taken at ``commit``."""
         self.counters = PrefixCacheCounters()
         self._cached_groups = [
             (gid, slab, lay)
@@ -269,6 +311,8 @@ class PrefixCache:
         for slab in self.slabs:
             if slab is not None:
                 slab._on_evict = self.counters.record_evictions
+        for _, store in self._stores:
+            store._on_evict = self.counters.record_evictions
 
     # ------------------------------------------------------------------ lookups
 
@@ -312,7 +356,13 @@ class PrefixCache:
                 salt_free[layout] = first[0] if first else None
         lookups: list[GroupLookup] = []
         cached: list[npt.NDArray[np.bool_] | None] = []
-        for group, slab, lay in zip(self.groups, self.slabs, self.layouts, strict=True):
+        for group, slab, lay, store in zip(
+            self.groups, self.slabs, self.layouts, self.stores, strict=True
+        ):
+            if store is not None:
+                lookups.append(GroupLookup(group.spec, self._checkpoints_held(store, names, n)))
+                cached.append(None)
+                continue
             if slab is None or lay is None:
                 # Kinds that never hit ignore it; a state group has no checkpoint.
                 lookups.append(GroupLookup(group.spec, np.zeros(0, dtype=np.bool_)))
@@ -330,6 +380,14 @@ class PrefixCache:
             cached.append(held)
         hit = find_prefix_hit(lookups, n, granularity=self.granularity)
         self.counters.record(hit)
+        junction = None
+        if self._stores and hit.length < hit.candidate:
+            every = self._checkpoints_held(None, names, n)
+            optimistic = [
+                GroupLookup(g.spec, every) if st is not None else look
+                for g, st, look in zip(self.groups, self.stores, lookups, strict=True)
+            ]
+            junction = find_prefix_hit(optimistic, n, granularity=self.granularity).length
         hit_blocks: list[Ints | None] = []
         hit_names: list[tuple[bytes, ...]] = []
         for group, rules, lay in zip(self.groups, self.rules, self.layouts, strict=True):
@@ -354,7 +412,37 @@ class PrefixCache:
             hit_names=tuple(hit_names),
             cache_salt=cache_salt,
             adapter_id=adapter_id,
+            checkpoint_junction=junction,
         )
+
+    def _checkpoints_held(
+        self,
+        store: CheckpointStore | None,
+        names: dict[TokenLayout, tuple[bytes, ...]],
+        n: int,
+    ) -> npt.NDArray[np.bool_]:
+        """By length, for a prompt of ``n`` tokens: whether ``store`` (``None``: any
+        store) holds a checkpoint after that many tokens."""
+        held = np.zeros(n, dtype=np.bool_)
+        layout, interval = self.checkpoint_layout, self.checkpoint_interval
+        if layout is None or interval is None:
+            return held
+        of = names[layout]
+        if store is None:
+            ends = np.arange(1, len(of) + 1, dtype=np.int64) * interval
+        else:
+            ends = (np.flatnonzero([name in store.block_of for name in of]) + 1) * interval
+        held[ends[ends < n]] = True
+        return held
+
+    def checkpoint_name(self, match: PrefixMatch, length: int) -> bytes:
+        """The name of the checkpoint after ``length`` tokens of ``match``'s prompt (a
+        boundary within it)."""
+        layout, interval = self.checkpoint_layout, self.checkpoint_interval
+        assert layout is not None
+        assert interval is not None
+        assert length % interval == 0
+        return match._names[layout][length // interval - 1]
 
     def resolve(
         self, req_ids: Sequence[str], prefixes: Sequence[PrefixMatch | None], lens: StepLens
@@ -376,6 +464,18 @@ class PrefixCache:
                     f"prefix cache; match the prompt with this runtime's match_prefix"
                 )
             length = match.num_tokens
+            restores: list[tuple[int, int]] = []
+            if length:
+                for gid, store in self._stores:
+                    page = store.block_of.get(self.checkpoint_name(match, length))
+                    if page is None:
+                        raise StalePrefixError(
+                            f"request {req_ids[i]!r}: the state checkpoint at token {length} "
+                            f"of group {gid} ({self.groups[gid].kind.value}) that its prefix "
+                            f"match hits was evicted since match_prefix (or the prefix cache "
+                            f"was reset); nothing was changed: match the prompt again"
+                        )
+                    restores.append((gid, page))
             tables: list[tuple[Ints32, int] | None] = []
             for gid, (group, rules, slab, lay) in enumerate(
                 zip(self.groups, self.rules, self.slabs, self.layouts, strict=True)
@@ -413,8 +513,24 @@ class PrefixCache:
                         entries[live:first] = NULL_BLOCK
                         live = first
                 tables.append((entries, min(live, width)))
-            hits.append(PrefixHitTables(i, match, tables))
+            hits.append(PrefixHitTables(i, match, tables, restores))
         return hits
+
+    def restore(self, hits: Sequence[PrefixHitTables], rows: Ints) -> None:
+        """After a step's allocation: copy each hit's checkpoints into its request's
+        state pages (``pin``-ned by the caller before the allocation), then unpin."""
+        copies: dict[int, tuple[list[int], list[int]]] = {}
+        for hit in hits:
+            row = int(rows[hit.index])
+            for gid, page in hit.restores:
+                src, dst = copies.setdefault(gid, ([], []))
+                src.append(page)
+                dst.append(int(self._table_array(gid)[row, 0]))
+        if self.copy_states is not None:
+            for gid, (src, dst) in copies.items():
+                self.copy_states(gid, src, dst)
+        for _, store in self._stores:
+            store.unpin()
 
     # ------------------------------------------------------------------ requests
 
@@ -435,11 +551,15 @@ class PrefixCache:
         if not self._in_prompt:
             return
         done: list[int] = []
+        interval = self.checkpoint_interval
         for row, tracked in self._in_prompt.items():
             n = tracked.match.num_prompt_tokens
-            filled = min(self._num_tokens(row), n)
+            held = self._num_tokens(row)
+            filled = min(held, n)
             if filled > tracked.named:
                 self.pending.append((tracked, filled))
+                if interval is not None and held == filled and filled % interval == 0:
+                    self.pending_checkpoints.append((tracked, filled))
             if filled >= n:
                 done.append(row)
         for row in done:
@@ -447,7 +567,9 @@ class PrefixCache:
 
     def commit(self) -> None:
         """The last step is done: the prompt blocks it filled are named (lazily: see
-        the module docstring)."""
+        the module docstring); the state checkpoints it reached are taken."""
+        if self.pending_checkpoints:
+            self._take_checkpoints()
         for tracked, filled in self.pending:
             if not tracked.tainted and self._tracked.get(tracked.row) is tracked:
                 tracked.named = filled
@@ -456,6 +578,33 @@ class PrefixCache:
                 if self._lazy:
                     self.unflushed[tracked.row] = tracked
         self.pending.clear()
+
+    def _take_checkpoints(self) -> None:
+        """Copy the state of each request whose last step ended on a boundary into a
+        new checkpoint page per state group (all of them or none: a hit needs every
+        state group's), unless the pool has no free or idle page left."""
+        copies: dict[int, tuple[list[int], list[int]]] = {}
+        for tracked, length in self.pending_checkpoints:
+            if tracked.tainted or self._tracked.get(tracked.row) is not tracked:
+                continue
+            name = self.checkpoint_name(tracked.match, length)
+            missing = [(gid, st) for gid, st in self._stores if name not in st.block_of]
+            if not missing:
+                continue
+            if missing[0][1].pool.num_available < len(missing):
+                for _, store in missing:
+                    store.skipped += 1
+                continue
+            for gid, store in missing:
+                page = store.take(name)
+                assert page is not None
+                src, dst = copies.setdefault(gid, ([], []))
+                src.append(int(self._table_array(gid)[tracked.row, 0]))
+                dst.append(page)
+        self.pending_checkpoints.clear()
+        if self.copy_states is not None:
+            for gid, (src, dst) in copies.items():
+                self.copy_states(gid, src, dst)
 
     def flush(self) -> None:
         """Put every named block into its group's map."""
@@ -488,6 +637,7 @@ class PrefixCache:
         """The last step's model call failed: its blocks are not named, and its tracked
         requests are never named again."""
         self.pending.clear()
+        self.pending_checkpoints.clear()
         for row in self._step_rows.tolist():
             self._taint(row)
 
@@ -563,10 +713,12 @@ class PrefixCache:
         """Drop every name (weights changed); live requests are never named again.
         Returns the names dropped."""
         self.pending.clear()
+        self.pending_checkpoints.clear()
         self.unflushed.clear()
         for row in list(self._tracked):
             self._taint(row)
-        return sum(slab.reset() for slab in self.slabs if slab is not None)
+        dropped = sum(store.reset() for _, store in self._stores)
+        return dropped + sum(slab.reset() for slab in self.slabs if slab is not None)
 
     def stats(self) -> PrefixCacheStats:
         """The counters, with the named blocks now (in use or free) and the free ones."""
@@ -577,4 +729,5 @@ class PrefixCache:
             self.counters.stats(),
             cached_blocks=sum(len(s.name_of) for s in slabs),
             cached_free_blocks=sum(s.num_cached_free() for s in slabs),
+            checkpoints=sum(len(st.name_of) for _, st in self._stores),
         )

@@ -54,6 +54,7 @@ from ._types import (
     GroupSplit,
     LayerPlan,
     ModelPlan,
+    PrefixPlan,
     RankGroupPlan,
     RankPlan,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "GroupSplit",
     "LayerPlan",
     "ModelPlan",
+    "PrefixPlan",
     "RankGroupPlan",
     "RankPlan",
     "format_bytes",

@@ -16,13 +16,14 @@ from ..kinds import rules_for
 from ..kv_cache import buffers_per_set, num_blocks_for_budget, unified_groups
 from ..models import LayerInfo, ModelLayout
 from ..params import LayerParams
+from ..prefix_cache import checkpoint_interval_for, prefix_granularity
 from ..registry import BackendRegistry
 from ..runtime import default_layer_params, group_features, group_num_heads
 from ..selector import Selection, select_backend
 from ..spec import KVCacheSpec, MambaSpec
 from ._capacity import _group_costs
 from ._per_rank import _rank_plan
-from ._types import GroupPlan, LayerPlan, ModelPlan
+from ._types import GroupPlan, LayerPlan, ModelPlan, PrefixPlan
 
 
 def _layer_params(info: LayerInfo) -> LayerParams | None:
@@ -210,6 +211,7 @@ def plan_model(
         if rules_for(s).counts_kv_per_token
     )
     state = sum(s.page_size_bytes for s in specs.values() if isinstance(s, MambaSpec))
+    prefix = _prefix_plan([g.spec for g in groups], config, page * sum(buffers.values()))
     return ModelPlan(
         model_type=model.model_type if isinstance(model, ModelLayout) else None,
         dtype=model.dtype if isinstance(model, ModelLayout) else None,
@@ -226,4 +228,42 @@ def plan_model(
         memory_bytes=memory_bytes,
         num_blocks=num_blocks,
         per_rank=per_rank,
+        prefix=prefix,
+    )
+
+
+def _prefix_plan(specs: Sequence[KVCacheSpec], config: AttentionConfig, block: int) -> PrefixPlan:
+    """The minimum cacheable prefix under the config's state checkpoint policy (and
+    with checkpoints on, for a model with state groups), and a checkpoint's cost."""
+    caching = config.prefix_caching
+    state = sum(
+        1
+        for s in specs
+        if rules_for(s).prefix_layout(s) is None and rules_for(s).prefix_never_hits(s) is None
+    )
+    natural = checkpoint_interval_for(specs) if state else None
+    with_checkpoints = (
+        prefix_granularity(specs, checkpoint_interval=natural).minimum if state else None
+    )
+    interval: int | None = None
+    if state and caching.state_checkpoints != "none":
+        interval = checkpoint_interval_for(specs, caching.checkpoint_interval)
+    granularity = prefix_granularity(specs, checkpoint_interval=interval)
+    minimum = granularity.minimum
+    why = str(granularity.never) if granularity.never is not None else None
+    if state and interval is None and minimum is not None:
+        minimum = None
+        why = (
+            "state layers keep no checkpoints (prefix_caching.state_checkpoints is "
+            "'none'), and every hit needs one in each state group"
+        )
+    return PrefixPlan(
+        enabled=caching.enabled,
+        state_checkpoints=caching.state_checkpoints,
+        state_groups=state,
+        checkpoint_interval=interval,
+        minimum=minimum,
+        why_none=why,
+        minimum_with_checkpoints=with_checkpoints,
+        checkpoint_bytes=state * block,
     )

@@ -21,6 +21,40 @@ from ._capacity import _HoldsBlocks, _PoolCapacity
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixPlan:
+    """What prefix caching can serve on a model under the config's prefix-caching
+    section (docs/prefix-caching.md).
+
+    Attributes:
+        enabled: whether the config turns prefix caching on.
+        state_checkpoints: the state checkpoint policy.
+        state_groups: groups of state layers (a hit needs a checkpoint in each).
+        checkpoint_interval: the checkpoints' spacing under the policy (``None``: no
+            state groups, or ``"none"``).
+        minimum: the model's minimum cacheable prefix under the policy, in tokens
+            (``None``: no prefix can hit, ``why_none`` says why).
+        why_none: why no prefix can hit, else ``None``.
+        minimum_with_checkpoints: on a model with state groups, the minimum with
+            ``"step_end"`` checkpoints at the default interval (what turning them on
+            would give).
+        checkpoint_bytes: what one checkpoint boundary takes from the pool: a block
+            per state group (0 without state groups).
+    """
+
+    enabled: bool
+    state_checkpoints: str
+    state_groups: int
+    checkpoint_interval: int | None
+    minimum: int | None
+    why_none: str | None
+    minimum_with_checkpoints: int | None
+    checkpoint_bytes: int
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerPlan:
     """One layer of a plan (a row of the layer table).
 
@@ -343,6 +377,7 @@ PLAN_JSON_KEYS: tuple[str, ...] = (
     "tensor_parallel",
     "context_parallel",
     "per_rank",
+    "prefix_cache",
 )
 """The top-level keys of ``ModelPlan.to_json()``, in the order it writes them."""
 
@@ -373,6 +408,8 @@ class ModelPlan(_PoolCapacity):
         per_rank: what each rank holds and fits with ``tensor_parallel`` and
             ``context_parallel`` (the same figures when both are 1). The figures above
             are the whole model's on one device with the same budget.
+        prefix: the model's minimum cacheable prefix and state checkpoint cost
+            (``PrefixPlan``).
     """
 
     model_type: str | None
@@ -390,6 +427,7 @@ class ModelPlan(_PoolCapacity):
     memory_bytes: int | None
     num_blocks: int | None
     per_rank: RankPlan
+    prefix: PrefixPlan | None = None
 
     @property
     def tensor_parallel(self) -> int:
@@ -497,6 +535,7 @@ class ModelPlan(_PoolCapacity):
             "tensor_parallel": self.tensor_parallel,
             "context_parallel": self.context_parallel,
             "per_rank": self.per_rank.to_json(),
+            "prefix_cache": self.prefix.to_json() if self.prefix is not None else None,
         }
         assert tuple(data) == PLAN_JSON_KEYS
         return data

@@ -37,6 +37,7 @@ __all__ = [
     "GroupLookup",
     "PrefixGranularity",
     "PrefixHit",
+    "checkpoint_interval_for",
     "find_prefix_hit",
     "miss_causes",
     "prefix_granularity",
@@ -129,6 +130,42 @@ def prefix_granularity(
             ),
         )
     return PrefixGranularity(minimum, tuple(layouts))
+
+
+def checkpoint_interval_for(specs: Iterable[KVCacheSpec], interval: int | None = None) -> int:
+    """The state checkpoint interval of a model: ``interval`` checked, or by default the
+    least common multiple of its cacheable attention groups' block sizes (its minimum
+    cacheable prefix without state layers: a hit ends on a block boundary of each
+    attention group, so no shorter spacing could serve more hits); with no attention
+    group, of its state groups' ``block_size``.
+
+    Raises:
+        InvalidArgumentError: ``interval`` is not a multiple of every cacheable
+            attention group's block size (the message names
+            ``prefix_caching.checkpoint_interval`` and the groups).
+    """
+    sizes: dict[str, int] = {}
+    state: list[int] = []
+    for i, spec in enumerate(specs):
+        rules = rules_for(spec)
+        if rules.prefix_never_hits(spec) is not None:
+            continue
+        if rules.prefix_layout(spec) is None:
+            state.append(spec.block_size)
+        else:
+            sizes[f"group {i} ({spec.kind.value})"] = spec.block_size
+    if interval is None:
+        return math.lcm(*sizes.values()) if sizes else math.lcm(*state) if state else 1
+    bad = {label: size for label, size in sizes.items() if interval % size}
+    if bad:
+        listed = ", ".join(f"{label}: {size}" for label, size in bad.items())
+        raise InvalidArgumentError(
+            f"prefix_caching.checkpoint_interval must be a multiple of every attention "
+            f"group's kernel block size (a hit ends on a block boundary of each), got "
+            f"{interval}; not a multiple of {listed} (least common multiple "
+            f"{math.lcm(*sizes.values())})"
+        )
+    return interval
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,8 @@ class PrefixCacheStats:
         cached_blocks: blocks that hold a name now, in use or free (a cache's snapshot;
             the counters alone leave it 0).
         cached_free_blocks: of them, the ones no request holds (evictable).
+        checkpoints: state checkpoints kept now (pages of state groups, evictable;
+            docs/prefix-caching.md, "State checkpoints").
     """
 
     queries: int = 0
@@ -35,6 +37,7 @@ class PrefixCacheStats:
     evictions: int = 0
     cached_blocks: int = 0
     cached_free_blocks: int = 0
+    checkpoints: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -53,6 +56,7 @@ class PrefixCacheStats:
             f"{self.hit_tokens}/{self.query_tokens} tokens served "
             f"({self.token_hit_rate:.1%}), {self.evictions} evictions, "
             f"{self.cached_blocks} cached blocks ({self.cached_free_blocks} free)"
+            + (f", {self.checkpoints} state checkpoints" if self.checkpoints else "")
         )
 
 

@@ -64,6 +64,15 @@ class PrefixCalls(RuntimeBase):
             prompt_token_ids, cache_salt=cache_salt, adapter_id=adapter_id, mm_inputs=mm_inputs
         )
 
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """The tokens between state checkpoint boundaries, or ``None`` when no state
+        layer keeps checkpoints (prefix caching off, ``state_checkpoints="none"``, or
+        no state layers). A step whose end lands on a boundary within a prompt leaves
+        a checkpoint, so an engine ends prefill chunks on boundaries."""
+        prefix = self.manager.prefix
+        return None if prefix is None else prefix.checkpoint_interval
+
     def discard_step(self) -> None:
         """The model call of the last ``begin_step`` failed (or never ran): none of the
         blocks it would have filled gets a name, and its requests' blocks are never

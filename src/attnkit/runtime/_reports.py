@@ -44,6 +44,9 @@ class GroupMemory:
         cached_free_blocks: of them, the ones no request holds: memory the cache keeps
             until a step needs it (evictable).
         cached_bytes: the bytes the named blocks hold, over the group's layers.
+
+        For a state group with state checkpoints on, the three count its checkpoints
+        (one page each, none held by a request).
     """
 
     group_id: int
@@ -107,7 +110,12 @@ class MemoryReport:
                 if g.buffer_set is not None
                 else "no cache"
             )
-            if g.cached_blocks is not None:
+            if g.cached_blocks is not None and g.kind.value == "mamba":
+                where += (
+                    f", state checkpoints: {g.cached_blocks} page(s) ({g.cached_bytes} B), "
+                    f"{g.cached_free_blocks} free"
+                )
+            elif g.cached_blocks is not None:
                 where += (
                     f", prefix cache: {g.cached_blocks} named block(s) ({g.cached_bytes} B), "
                     f"{g.cached_free_blocks} free"

@@ -246,6 +246,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
                 else None
             ),
         )
+        if self.manager.prefix is not None:
+            self.manager.prefix.copy_states = self._copy_states
         thresholds = {
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
         }
@@ -324,6 +326,15 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             num_blocks_one_set=one_set,
         )
 
+    def _copy_states(self, group_id: int, sources: list[int], destinations: list[int]) -> None:
+        """Copy state pages ``sources`` to ``destinations`` in every state tensor of
+        every layer of group ``group_id`` (state checkpoints: taken and restored)."""
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(destinations, dtype=torch.long, device=self.device)
+        for name in self._groups[group_id].group.layer_names:
+            for tensor in self.kv_caches[name]:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
     def _cached_memory(self, group: KVCacheGroup) -> dict[str, int]:
         """A group's ``GroupMemory`` prefix-cache fields (none when it caches nothing;
         the manager is not made yet when the runtime logs its first report)."""
@@ -332,6 +343,13 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             return {}
         if manager.prefix.unflushed:
             manager.prefix.flush()
+        store = manager.checkpoint_stores[group.group_id]
+        if store is not None:  # a state group's checkpoints: one page each
+            return {
+                "cached_blocks": len(store.name_of),
+                "cached_free_blocks": store.num_free(),
+                "cached_bytes": len(store.name_of) * self.page_size_bytes * len(group.layer_names),
+            }
         slab = manager.cached_slabs[group.group_id]
         if slab is None:
             return {}
