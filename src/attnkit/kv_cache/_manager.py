@@ -324,6 +324,8 @@ class KVCacheManager:
         """Group id -> the pages it holds: its slab's, or the pages in its tables (for
         checks; a page belongs to one group at a time)."""
         pages: dict[int, set[int]] = {}
+        if self.prefix is not None and self.prefix.needs_flush:
+            self.prefix.flush()  # deferred names: a free block named for a while is free
         for group, slab, cached in zip(self.groups, self.slabs, self.cached_slabs, strict=True):
             if cached is not None:
                 pages[group.group_id] = set(np.flatnonzero(cached.owned).tolist())
@@ -505,7 +507,7 @@ class KVCacheManager:
         checked with ``_check_cached``."""
         prefix = self.prefix
         assert prefix is not None
-        if prefix.unflushed:  # the check reads which free blocks hold names
+        if prefix.needs_flush:  # the check reads which free blocks hold names
             prefix.flush()
         hits: list[PrefixHitTables] = (
             prefix.resolve(req_ids, prefixes, lens) if prefixes is not None else []

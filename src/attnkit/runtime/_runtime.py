@@ -330,7 +330,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         manager: KVCacheManager | None = getattr(self, "manager", None)
         if manager is None or manager.prefix is None:
             return {}
-        if manager.prefix.unflushed:
+        if manager.prefix.needs_flush:
             manager.prefix.flush()
         slab = manager.cached_slabs[group.group_id]
         if slab is None:
