@@ -484,10 +484,11 @@ class KVCacheManager:
         for plan in plans:
             if plan.release_at is not None:
                 self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
-            elif plan.release_to.size:
+            elif plan.released:  # (a step that releases nothing changes no table)
                 self._release(plan.group.group_id, rows, plan.release_from, plan.release_to)
         for plan in plans:
-            self._grow(plan.group.group_id, rows, plan.grow, plan.width)
+            if plan.new:  # (most decode steps grow few groups' tables, often none)
+                self._grow(plan.group.group_id, rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
         if prefix is not None:

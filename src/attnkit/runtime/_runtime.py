@@ -260,6 +260,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_ids = []
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._last_rows_version = -1
+        self._contiguous_rows = None  # the last step's rows (and their contiguity)
+        self._last_contiguous = False
 
     # ------------------------------------------------------------------ introspection
 
