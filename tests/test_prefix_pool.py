@@ -327,6 +327,54 @@ def test_a_sliding_window_hit_needs_only_the_last_window() -> None:
     assert mgr.block_table(0, "b")[:6] == mgr.block_table(0, "a")[:6]
 
 
+def deferred_twins_scenario() -> None:
+    """Two requests compute the same prompt in the same steps; their window group's
+    names are deferred at each commit and the window frees blocks before they are made.
+    Once made (a report reads the maps), the first request's blocks hold the names and
+    are cached when free; the second's, duplicates, are unnamed and back in the pool."""
+    mgr = manager({"w": window(5)}, 32)
+    p = prefix(mgr)
+    prompt = list(range(40, 56))  # 16 tokens: 4 full blocks of 4
+    ma, mb = p.match(prompt), p.match(prompt)
+    assert ma.num_tokens == mb.num_tokens == 0
+    mgr.allocate_step([("a", 8, 0), ("b", 8, 0)], prefixes=[ma, mb])
+    first = {rid: mgr.block_table(0, rid)[:4] for rid in ("a", "b")}
+    mgr.allocate_step([("a", 8, 0), ("b", 8, 0)])
+    first = {rid: first[rid] + mgr.block_table(0, rid)[2:4] for rid in first}
+    for _ in range(6):  # decodes: nothing reads the maps, the window frees blocks 0..3
+        mgr.allocate_step([("a", 1, 0), ("b", 1, 0)])
+    slab = cached(mgr, 0)
+    pool = mgr.pool
+    assert isinstance(pool, CachedPool)
+    a_blocks, b_blocks = first["a"][:4], first["b"][:4]
+    assert mgr.block_table(0, "a")[:4] == [NULL_BLOCK] * 4  # all four released
+    p.stats()  # reads the maps: the deferred names are made
+    names = block_names(prompt, TokenLayout(4), HASHER, prefix_root(HASHER))
+    assert slab.block_of == dict(zip(names, a_blocks, strict=True))
+    assert set(np.flatnonzero(slab.named).tolist()) == set(a_blocks)
+    assert set(pool.idle) == set(a_blocks)
+    for block in b_blocks:
+        assert not pool.is_allocated(block), f"duplicate block {block} not back in the pool"
+    live = {b for rid in ("a", "b") for b in mgr.block_table(0, rid) if b != NULL_BLOCK}
+    assert pool.num_free_blocks == 31 - len(live) - len(a_blocks)
+    assert p.match(prompt).num_tokens == 12  # the window's last blocks before 12: cached
+
+
+def test_deferred_window_names_are_made_as_if_at_once() -> None:
+    deferred_twins_scenario()
+
+
+@pytest.mark.parametrize(
+    "broken", ["a duplicate kept idle at the settle", "deferred names not marked"]
+)
+def test_a_broken_deferral_is_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    owner, name, replacement = BROKEN_DEFERRAL[broken]
+    monkeypatch.setattr(owner, name, replacement)
+    # KeyError: the settle finds a free block outside the idle pages it must be in.
+    with pytest.raises((AssertionError, KeyError)):
+        deferred_twins_scenario()
+
+
 def test_pages_of_several_blocks_go_back_only_once_every_block_is_free_and_unnamed() -> None:
     mgr = manager({"a": full(), "b": full(heads=2)}, 6, per_page=[2, 1])
     p = prefix(mgr)
@@ -594,6 +642,14 @@ class PrefixMachine(RuleBasedStateMachine):
         puts every name in its map); the step check's page counts are not predicted."""
         self.commit(flush=False)
         self.make_step(data, arrive=False, exact=False)
+
+    @rule(data=st.data(), count=st.integers(2, 4))
+    def lazy_steps(self, data: st.DataObject, count: int) -> None:
+        """A few steps in a row with nothing read in between: the names a window's
+        group defers stay deferred across them (the releases of later steps free
+        blocks named only for a while)."""
+        for _ in range(count):
+            self.lazy_step(data)
 
     def make_step(self, data: st.DataObject, *, arrive: bool, exact: bool) -> None:
         live = sorted(self.reqs)
@@ -963,8 +1019,15 @@ class PrefixMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ invariants
 
+    def settled(self) -> None:
+        """Make the names a step deferred (the maps an observer reads: a lookup, a
+        report and a reclaim settle them first)."""
+        for gid in self.cached_groups():
+            cached(self.mgr, gid).settle()
+
     @invariant()
     def names_describe_their_blocks(self) -> None:
+        self.settled()
         for gid in self.cached_groups():
             slab = cached(self.mgr, gid)
             assert {b: n for n, b in slab.block_of.items()} == slab.name_of
@@ -979,6 +1042,7 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_are_the_tables_holders(self) -> None:
+        self.settled()
         holders = self.holders()
         for rid, req in self.reqs.items():
             assert self.mgr.num_tokens(rid) == req.computed
@@ -995,6 +1059,7 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_are_free_pinned_or_idle_and_nothing_leaks(self) -> None:
+        self.settled()
         holders = self.holders()
         owner, idle, free = self.page_states(holders)
         pool = self.mgr.pool
@@ -1057,6 +1122,23 @@ def _idle_before_free(self: CachedPool, n: int) -> list[int]:
 
 _match = _prefix.PrefixCache.match
 _preview = _cached.CachedSlab.preview
+_register = _cached.CachedSlab.register
+
+
+def _settle_keeps_duplicates_idle(self: CachedSlab) -> None:
+    """A settle that leaves a duplicate's free block among the idle (cached) pages."""
+    deferred, self._deferred = self._deferred, []
+    self.pool.deferred.pop(self, None)
+    for ids, names, salt_free in deferred:
+        self.named[ids] = False
+        _register(self, ids.tolist(), names, salt_free, ids)
+
+
+def _defer_marks_nothing(self: CachedSlab, ids: Any, names: Any, salt_free: Any) -> None:
+    """A deferral that does not mark its blocks named: a release before the settle
+    gives them back to the pool, and the settle names free blocks."""
+    self._deferred.append((ids, names, salt_free))
+    self.pool.deferred[self] = None
 
 
 def _hit_past_the_block(self: _prefix.PrefixCache, *args: Any, **kwargs: Any) -> PrefixMatch:
@@ -1079,6 +1161,14 @@ BROKEN: dict[str, tuple[object, str, Callable[..., Any]]] = {
     "a hit that forgets a ref": (_cached.CachedSlab, "touch", _forget_a_ref),
     "a partial block named": (_prefix.PrefixCache, "note_step", _named_when_partial),
     "cached pages evicted before free ones": (_cached.CachedPool, "take", _idle_before_free),
+}
+BROKEN_DEFERRAL: dict[str, tuple[object, str, Callable[..., Any]]] = {
+    "a duplicate kept idle at the settle": (
+        _cached.CachedSlab,
+        "settle",
+        _settle_keeps_duplicates_idle,
+    ),
+    "deferred names not marked": (_cached.CachedSlab, "defer", _defer_marks_nothing),
 }
 
 

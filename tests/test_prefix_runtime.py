@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import pydantic
 import pytest
 import torch
@@ -29,10 +27,11 @@ from attnkit import (
     StalePrefixError,
 )
 from attnkit.demo import PRIORITIES, DemoModel
-from attnkit.kv_cache import CachedPool, CachedSlab, _prefix
+from attnkit.kv_cache import CachedPool, CachedSlab
 from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime
 from attnkit.testing.tolerances import tolerance_for
+from prefix_variants import misplace_hits
 
 BS = 16  # the demo model's attention block size (the CPU and Triton kernels take 16)
 
@@ -147,24 +146,9 @@ def test_hits_change_no_output(prefer: str, layout: tuple[str, ...]) -> None:
     hit_scenario(prefer, layout)
 
 
-def _misplaced(self: _prefix.PrefixCache, *args: Any, **kwargs: Any) -> list[Any]:
-    """A hit whose table reads its last cached block in place of its first."""
-    hits = _resolve(self, *args, **kwargs)
-    for hit in hits:
-        for installed in hit.tables:
-            if installed is not None:
-                entries = installed[0]
-                live = np.flatnonzero(entries)
-                entries[live[0]] = entries[live[-1]]
-    return hits
-
-
-_resolve = _prefix.PrefixCache.resolve
-
-
 def test_a_hit_that_reads_the_wrong_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The broken variant: the outputs check must see it."""
-    monkeypatch.setattr(_prefix.PrefixCache, "resolve", _misplaced)
+    misplace_hits(monkeypatch)
     with pytest.raises(AssertionError):
         hit_scenario("reference", ("full", "window", "full"))
 

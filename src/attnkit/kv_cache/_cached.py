@@ -54,6 +54,10 @@ evicted rather than never computed."""
 
 Ints = npt.NDArray[np.int64]
 
+_FEW = 8
+"""Up to this many blocks, a Python loop over a memoryview costs less than one numpy
+call; past it, numpy."""
+
 
 class PageKeeper(Protocol):
     """What keeps an idle page (a ``CachedSlab``, or a state group's
@@ -77,6 +81,8 @@ class CachedPool(BlockPool):
         self.idle: dict[int, PageKeeper] = {}
         self.shared = 0
         """The slabs' ``shared`` summed: 0 when no block has two holders."""
+        self.deferred: dict[CachedSlab, None] = {}
+        """The slabs holding deferred names (``CachedSlab.defer``)."""
 
     @property
     def num_available(self) -> int:
@@ -90,6 +96,10 @@ class CachedPool(BlockPool):
         free = len(self._free)
         if n <= free:
             return super().take(n)
+        if self.deferred:  # a reclaim evicts names: the deferred ones are made first
+            for slab in list(self.deferred):
+                slab.settle()
+            return self.take(n)
         pages = super().take(free)
         idle = self.idle
         reclaimed = list(itertools.islice(idle, n - free))
@@ -162,6 +172,8 @@ class CachedSlab:
         self.evicted: dict[bytes, None] = {}
         self.evictions = 0
         self._on_evict = on_evict
+        self._deferred: list[tuple[Ints32, Sequence[bytes], bytes | None]] = []
+        """Names ``defer`` put off, in order; their blocks' ``named`` entries are set."""
         self.first_salt_free: dict[bytes, int] = {}
         """The salt-free names of the named first blocks, counted (a lookup tells "cached
         under another salt" from "never computed")."""
@@ -195,12 +207,19 @@ class CachedSlab:
     # ------------------------------------------------------------------ names
 
     def register(
-        self, blocks: Sequence[int], names: Sequence[bytes], salt_free_first: bytes | None
+        self,
+        blocks: Sequence[int],
+        names: Sequence[bytes],
+        salt_free_first: bytes | None,
+        ids: Ints32 | None = None,
     ) -> None:
         """Name live ``blocks`` (a request's newly computed full blocks, in order). A
         name already held by another block is kept there (this block stays unnamed and
         goes back to the pool once freed). ``salt_free_first``: the salt-free name of
-        the chain's first block, when ``blocks[0]`` is it."""
+        the chain's first block, when ``blocks[0]`` is it. ``ids``: ``blocks`` as an
+        array, when the caller has one."""
+        if self._deferred:  # a name goes to the first block that holds it: in order
+            self.settle()
         block_of = self.block_of
         if not block_of.keys().isdisjoint(names):
             keep = [(b, n) for b, n in zip(blocks, names, strict=True) if n not in block_of]
@@ -208,12 +227,15 @@ class CachedSlab:
                 return
             if salt_free_first is not None and keep[0][0] != blocks[0]:
                 salt_free_first = None
-            blocks, names = [b for b, _ in keep], [n for _, n in keep]
+            blocks, names, ids = [b for b, _ in keep], [n for _, n in keep], None
         block_of.update(zip(names, blocks, strict=True))
         self.name_of.update(zip(blocks, names, strict=True))
-        named = self._named_mv
-        for block in blocks:
-            named[block] = True
+        if ids is not None and len(blocks) > _FEW:
+            self.named[ids] = True
+        else:
+            named = self._named_mv
+            for block in blocks:
+                named[block] = True
         evicted = self.evicted
         if evicted and not evicted.keys().isdisjoint(names):
             for name in names:
@@ -222,6 +244,38 @@ class CachedSlab:
             first = blocks[0]
             self._salt_free_of[first] = salt_free_first
             self.first_salt_free[salt_free_first] = self.first_salt_free.get(salt_free_first, 0) + 1
+
+    def defer(self, ids: Ints32, names: Sequence[bytes], salt_free_first: bytes | None) -> None:
+        """``register(ids.tolist(), names, salt_free_first)``, put off until something
+        reads the maps (``settle``): only the blocks' ``named`` entries are set now, so a
+        release makes them idle (cached). One block per page only. A name another block
+        already holds (found at ``settle``) leaves its block unnamed then, and a free one
+        goes back to the pool from the idle pages: a reclaim, a lookup, a register and
+        the reports settle first."""
+        assert self.blocks_per_page == 1, "deferred names need one block per page"
+        if ids.size > _FEW:
+            self.named[ids] = True
+        else:
+            named = self._named_mv
+            for block in ids.tolist():
+                named[block] = True
+        self._deferred.append((ids, names, salt_free_first))
+        self.pool.deferred[self] = None
+
+    def settle(self) -> None:
+        """Make the deferred names (``defer``), in order."""
+        deferred, self._deferred = self._deferred, []
+        self.pool.deferred.pop(self, None)
+        refs, named, idle = self._refs_mv, self._named_mv, self.pool.idle
+        for ids, names, salt_free in deferred:
+            self.named[ids] = False
+            blocks: list[int] = ids.tolist()
+            self.register(blocks, names, salt_free, ids)
+            back = [b for b in blocks if not named[b] and not refs[b]]
+            for block in back:  # free and named only for a while: back to the pool
+                del idle[block]
+            if back:
+                self.pool.give_back(back)
 
     def _unname(self, block: int, *, evicted: bool) -> None:
         name = self.name_of.pop(block)
@@ -257,6 +311,8 @@ class CachedSlab:
     def reset(self) -> int:
         """Drop every name (blocks in use stay in use, unnamed); pages left with no live
         block go back to the pool. Returns the names dropped."""
+        if self._deferred:
+            self.settle()
         dropped = len(self.name_of)
         for block in list(self.name_of):
             self._unname(block, evicted=False)
@@ -354,14 +410,15 @@ class CachedSlab:
             # page: the common case (a decode step's window releases, a free).
             given: list[int] = blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
             holders = self._refs_mv
-            for block in given:
-                holders[block] = 0
-            if not self.name_of:
+            if not self.name_of and not self._deferred:
+                for block in given:
+                    holders[block] = 0
                 self.pool.give_back(given)
                 return
             named, idle = self._named_mv, self.pool.idle
             back: list[int] = []
             for block in given:
+                holders[block] = 0
                 if named[block]:
                     idle[block] = self
                 else:

@@ -366,6 +366,8 @@ class KVCacheManager:
         """Group id -> the pages it holds: its slab's, or the pages in its tables (for
         checks; a page belongs to one group at a time)."""
         pages: dict[int, set[int]] = {}
+        if self.prefix is not None and self.prefix.needs_flush:
+            self.prefix.flush()  # deferred names: a free block named for a while is free
         for group, slab, cached in zip(self.groups, self.slabs, self.cached_slabs, strict=True):
             if cached is not None:
                 pages[group.group_id] = set(np.flatnonzero(cached.owned).tolist())
@@ -524,10 +526,11 @@ class KVCacheManager:
         for plan in plans:
             if plan.release_at is not None:
                 self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
-            elif plan.release_to.size:
+            elif plan.released:  # (a step that releases nothing changes no table)
                 self._release(plan.group.group_id, rows, plan.release_from, plan.release_to)
         for plan in plans:
-            self._grow(plan.group.group_id, rows, plan.grow, plan.width)
+            if plan.new:  # (most decode steps grow few groups' tables, often none)
+                self._grow(plan.group.group_id, rows, plan.grow, plan.width)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
         if prefix is not None:
@@ -547,7 +550,7 @@ class KVCacheManager:
         checked with ``_check_cached``."""
         prefix = self.prefix
         assert prefix is not None
-        if prefix.unflushed:  # the check reads which free blocks hold names
+        if prefix.needs_flush:  # the check reads which free blocks hold names
             prefix.flush()
         hits: list[PrefixHitTables] = (
             prefix.resolve(req_ids, prefixes, lens) if prefixes is not None else []

@@ -16,9 +16,11 @@ request starts from, and when a request's blocks get their names.
 - Naming is lazy where it can be: a commit moves the request's watermark (its named
   tokens); the blocks of a group that keeps them (full attention, MLA, sinks) enter its
   map (``flush``) when something reads the map: a lookup, the request's free, a report,
-  a step that shares blocks. A group that releases blocks (a window, a chunk) gets them
-  at the commit, before a later step can free them. So a prefill step does no work per
-  block for the groups that keep their blocks.
+  a step that shares blocks. A group that releases blocks (a window, a chunk) must know
+  at the commit, before a later step can free them: its slab marks the blocks named
+  then and, with a block per page, defers the names (``CachedSlab.defer``) until
+  something reads its map (the same readers, a register, a reclaim of idle pages). So a
+  prefill step does no dict work per block in any group.
 - A request whose step was discarded, or that was live at a ``reset``, is never named
   again (its later blocks were computed over bytes no name describes).
 - State groups (with ``state_checkpoints="step_end"``) keep ``CheckpointStore`` pages:
@@ -230,6 +232,7 @@ class _Tracked:
     match: PrefixMatch
     named: int
     flushed: list[int]
+    names: list[tuple[bytes, ...]]  # per group: its layout's prompt block names
     tainted: bool = False
 
 
@@ -300,6 +303,11 @@ class PrefixCache:
         self._eager = [gid for gid, _, _ in self._cached_groups if self.rules[gid].releases]
         """The cached groups that release blocks: named at the commit."""
         self._lazy = len(self._eager) < len(self._cached_groups)
+        self._deferrable = [s is not None and s.blocks_per_page == 1 for s in self.slabs]
+        """Per group: whether its slab can defer names (``CachedSlab.defer``)."""
+        pools = [s.pool for s in self.slabs if s is not None]
+        self._deferred: dict[CachedSlab, None] = pools[0].deferred if pools else {}
+        """The slabs with deferred names (their pool's, shared)."""
         self._tracked: dict[int, _Tracked] = {}
         self._in_prompt: dict[int, _Tracked] = {}
         """Tracked rows whose prompt is not all computed yet."""
@@ -333,7 +341,7 @@ class PrefixCache:
         """
         if self.pending:
             self.commit()
-        if self.unflushed:
+        if self.unflushed or self._deferred:
             self.flush()
         tokens = as_token_array(prompt_token_ids, "prompt_token_ids")
         n = int(tokens.size)
@@ -538,9 +546,11 @@ class PrefixCache:
         """Row ``row`` starts from ``match``: its prompt blocks get names as they fill
         (its hit's blocks have theirs)."""
         flushed = [0] * len(self.groups)
+        names: list[tuple[bytes, ...]] = [()] * len(self.groups)
         for gid, _, lay in self._cached_groups:
             flushed[gid] = lay.full_blocks(match.num_tokens) if match.num_tokens else 0
-        tracked = _Tracked(row, match, match.num_tokens, flushed)
+            names[gid] = match._names[lay]
+        tracked = _Tracked(row, match, match.num_tokens, flushed, names)
         self._tracked[row] = tracked
         self._in_prompt[row] = tracked
 
@@ -574,7 +584,10 @@ class PrefixCache:
             if not tracked.tainted and self._tracked.get(tracked.row) is tracked:
                 tracked.named = filled
                 for gid in self._eager:
-                    self._flush(tracked, gid)
+                    if self._deferrable[gid]:
+                        self._defer(tracked, gid)
+                    else:
+                        self._flush(tracked, gid)
                 if self._lazy:
                     self.unflushed[tracked.row] = tracked
         self.pending.clear()
@@ -606,28 +619,56 @@ class PrefixCache:
             for gid, (src, dst) in copies.items():
                 self.copy_states(gid, src, dst)
 
+    @property
+    def needs_flush(self) -> bool:
+        """Whether named blocks wait for their maps (``flush`` puts them in)."""
+        return bool(self.unflushed or self._deferred)
+
     def flush(self) -> None:
         """Put every named block into its group's map."""
         for tracked in list(self.unflushed.values()):
             self._flush(tracked, None)
+        for slab in list(self._deferred):
+            slab.settle()
+
+    def _defer(self, tracked: _Tracked, gid: int) -> None:
+        """``_flush(tracked, gid)`` for a group whose slab defers names: the blocks are
+        marked named now (a release makes them cached), the maps get them later."""
+        start = tracked.flushed[gid]
+        lay = self.layouts[gid]
+        assert lay is not None
+        end = (tracked.named + lay.shift) // lay.block_size  # lay.full_blocks, inlined
+        if end <= start:
+            return
+        entries: Ints32 = self._table_array(gid)[tracked.row, start:end]
+        if not entries.all():  # a null entry (released before it was named): rare
+            self._flush(tracked, gid)
+            return
+        slab = self.slabs[gid]
+        assert slab is not None
+        salt_free = tracked.match._salt_free[lay] if start == 0 else None
+        slab.defer(np.array(entries), tracked.names[gid][start:end], salt_free)
+        tracked.flushed[gid] = end
 
     def _flush(self, tracked: _Tracked, only: int | None) -> None:
         """Put ``tracked``'s named blocks into their maps (``only``: one group's)."""
-        names_of = tracked.match._names
         for gid, slab, lay in self._cached_groups:
             if only is not None and gid != only:
                 continue
             start = tracked.flushed[gid]
-            end = lay.full_blocks(tracked.named)
+            end = (tracked.named + lay.shift) // lay.block_size  # lay.full_blocks, inlined
             if end <= start:
                 continue
-            blocks: list[int] = self._table_array(gid)[tracked.row, start:end].tolist()
-            names = list(names_of[lay][start:end])
+            entries = self._table_array(gid)[tracked.row, start:end]
+            blocks: list[int] = entries.tolist()
+            names: Sequence[bytes] = tracked.names[gid][start:end]
             if NULL_BLOCK in blocks:
                 pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
                 blocks, names = [b for b, _ in pairs], [m for _, m in pairs]
             salt_free = tracked.match._salt_free[lay] if start == 0 else None
-            if blocks:
+            if len(blocks) == end - start:  # no null entry: the table's row, as it is
+                slab.register(blocks, names, salt_free, entries)
+            elif blocks:
                 slab.register(blocks, names, salt_free)
             tracked.flushed[gid] = end
         if only is None:
@@ -715,6 +756,7 @@ class PrefixCache:
         self.pending.clear()
         self.pending_checkpoints.clear()
         self.unflushed.clear()
+        self.flush()  # the deferred names, made to be dropped with the others
         for row in list(self._tracked):
             self._taint(row)
         dropped = sum(store.reset() for _, store in self._stores)
@@ -722,7 +764,7 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         """The counters, with the named blocks now (in use or free) and the free ones."""
-        if self.unflushed:
+        if self.unflushed or self._deferred:
             self.flush()
         slabs = [s for s in self.slabs if s is not None]
         return dataclasses.replace(

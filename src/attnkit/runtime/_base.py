@@ -69,6 +69,8 @@ class RuntimeBase:
     _last_ids: list[str]
     _last_rows: Ints
     _last_rows_version: int
+    _contiguous_rows: Ints | None
+    _last_contiguous: bool
 
     def _group_id(self, layer_name: str) -> int:
         try:

@@ -262,6 +262,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_ids = []
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._last_rows_version = -1
+        self._contiguous_rows = None  # the last step's rows (and their contiguity)
+        self._last_contiguous = False
 
     # ------------------------------------------------------------------ introspection
 
@@ -341,7 +343,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         manager: KVCacheManager | None = getattr(self, "manager", None)
         if manager is None or manager.prefix is None:
             return {}
-        if manager.prefix.unflushed:
+        if manager.prefix.needs_flush:
             manager.prefix.flush()
         store = manager.checkpoint_stores[group.group_id]
         if store is not None:  # a state group's checkpoints: one page each

@@ -56,7 +56,8 @@ class StepHost(RuntimeBase):
             StalePrefixError: a new request's ``prefix`` hits blocks evicted since its
                 ``match_prefix`` (or a match of another runtime): match it again.
         """
-        finished = self._check_ids("finished", finished)
+        # No request finished (the common step): nothing to check.
+        finished = [] if finished == () else self._check_ids("finished", finished)
         _check_types(scheduled)
         ids: list[str] = list(map(_REQ_ID, scheduled))
         if self.context_parallel is not None:
@@ -132,7 +133,10 @@ class StepHost(RuntimeBase):
         if self.manager.rows_version == version:  # no request gained or lost a row
             self._last_ids, self._last_rows = given_ids, given_rows
             self._last_rows_version = version
-        shared = _SharedStep(lens, rows, self._to_device)
+        # The steady state's rows are the last step's array: its contiguity is known.
+        contiguous = self._last_contiguous if rows is self._contiguous_rows else None
+        shared = _SharedStep(lens, rows, self._to_device, contiguous)
+        self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         try:
             for entry in self._groups:
                 entry.common = self._common_metadata(entry.group, rows, lens, shared)
@@ -361,11 +365,17 @@ class _SharedStep(StepTokens):
     """What every group's metadata shares in a step: offsets, token positions, lengths."""
 
     def __init__(
-        self, lens: StepLens, rows: Ints, to_device: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        lens: StepLens,
+        rows: Ints,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+        contiguous: bool | None = None,
     ) -> None:
         n = rows.size
-        self.rows_contiguous = bool(
-            n and rows[-1] - rows[0] == n - 1 and (rows[1:] == rows[:-1] + 1).all()
+        self.rows_contiguous = (
+            bool(n and rows[-1] - rows[0] == n - 1 and (rows[1:] == rows[:-1] + 1).all())
+            if contiguous is None
+            else contiguous
         )
         qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lens.query, out=qsl[1:])
