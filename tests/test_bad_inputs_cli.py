@@ -122,7 +122,7 @@ CASES = [
             # "llama" is taken as the CONFIG argument; the abbreviation is refused.
             error="unrecognized arguments: --mod (plan takes --backend, "
             "--backend-per-kind, --block-size, --capability, --context-parallel, --debug, "
-            "--device, --dtype, --example, --gpu-memory, --json, --kv-cache-dtype, "
+            "--determinism, --device, --dtype, --example, --gpu-memory, --json, --kv-cache-dtype, "
             "--max-model-len, --max-num-batched-tokens, --model, --num-blocks, --report-only, "
             "--state-dtype, --strict, --tensor-parallel)",
         ),

@@ -69,6 +69,7 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: Streams) -
             "backend_per_kind": args.backend_per_kind or {},
             "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "determinism": getattr(args, "determinism", "none"),
         },
         context={"registry": registry},
     )
