@@ -13,6 +13,7 @@ import torch
 
 from attnkit import (
     AttentionConfig,
+    ChunkedLocalAttentionSpec,
     Determinism,
     FullAttentionSpec,
     NoBackendError,
@@ -96,9 +97,8 @@ def test_declarations_are_checked() -> None:
             FULL: Determinism.BATCH_INVARIANT
         }
 
-    assert "determinism[full_attention]=batch_invariant needs deterministic = True" in (
-        Claims.declaration_problems()
-    )
+    assert Claims.declaration_problems() == []
+    assert Claims.determinism_for(FULL) is Determinism.NONE  # deterministic=False voids it
 
     class NotAMapping(CpuAttentionBackend):
         name = "not_a_mapping"
@@ -121,6 +121,24 @@ def test_selection_refuses_a_backend_below_the_level_with_the_reason() -> None:
         "determinism=prefill_decode not kept for kind=full_attention (declared: batch_invariant)"
         in str(caught.value)
     )
+
+
+def test_the_priority_list_skips_weaker_backends_and_says_so() -> None:
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, attention_chunk_size=64
+    )
+    # cpu_attn keeps chunking_invariant on chunked-local layers, reference batch_invariant.
+    chosen = select_backend(chunked, AttentionConfig(determinism="chunking_invariant"), device="cpu")
+    assert chosen.backend_name == "cpu_attn"
+    chosen = select_backend(spec(), AttentionConfig(determinism="prefix_hit_invariant"), device="cpu")
+    assert chosen.backend_name == "cpu_attn"
+    # Nothing keeps prefix-hit invariance on chunked-local layers: no silent fallback.
+    with pytest.raises(NoBackendError) as caught:
+        select_backend(chunked, AttentionConfig(determinism="prefix_hit_invariant"), device="cpu")
+    text = str(caught.value)
+    assert "determinism=prefix_hit_invariant not kept for kind=chunked_local_attention " in text
+    assert "(declared: chunking_invariant)" in text
+    assert "(declared: batch_invariant)" in text
 
 
 def test_a_level_no_backend_keeps_for_the_kind_is_refused_with_every_reason() -> None:

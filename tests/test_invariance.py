@@ -10,9 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
 from attnkit import Determinism, FullAttentionSpec
 from attnkit.backend_api import AttentionBackend, bind_each
+from attnkit.backends.cpu_attn import CpuAttentionBackend
+from attnkit.backends.cpu_attn.backend import CpuAttentionImpl, CpuAttentionMetadataBuilder
 from attnkit.backends.triton_attn import TritonAttentionBackend
 from attnkit.backends.triton_attn.backend import (
     TritonAttentionImpl,
@@ -55,6 +58,48 @@ def test_reference_is_batch_invariant() -> None:
     kinds = ("full_attention", "sliding_window", "chunked_local_attention")
     assert_passes(report, [f.format(k) for f in ALL_LEVELS[:2] for k in kinds])
     assert report.result("prefill_decode (full_attention)").status == "skipped"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attn_keeps_every_level_it_declares(dtype: torch.dtype) -> None:
+    """Full and sliding-window layers up to prefix-hit invariance, chunked-local up to
+    chunking invariance, with threads (the machine's default) and both engines."""
+    report = check_invariance(builtin("cpu_attn"), dtype=dtype)
+    assert_passes(
+        report,
+        [f.format(k) for f in ALL_LEVELS for k in ("full_attention", "sliding_window")]
+        + [f.format("chunked_local_attention") for f in ALL_LEVELS[:4]],
+    )
+
+
+def test_cpu_attn_below_prefill_decode_is_not_prefill_decode_invariant() -> None:
+    """The control for the level above: at batch_invariant, prefills run on the blocked
+    engine, whose rows round differently from the decode kernel's: the check says so."""
+    report = check_invariance(builtin("cpu_attn"), level="batch_invariant", kinds=["full_attention"])
+    assert report.ok
+
+    class NoRowsNative(CpuAttentionMetadataBuilder):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.rows_native = False  # every request on its query length's engine
+
+    class SaysMore(CpuAttentionBackend):
+        name = "cpu_says_more"
+        builders = bind_each((FullAttentionSpec,), NoRowsNative, CpuAttentionImpl)
+    report = check_invariance(SaysMore, kinds=["full_attention"])
+    assert report.result("batch_invariant (full_attention)").status == "passed"
+    failed = report.result("prefill_decode (full_attention)")
+    assert failed.status == "failed", report.describe()
+    assert "values differ" in failed.detail
+
+
+@needs_interpreter
+def test_triton_attn_is_batch_invariant_under_the_interpreter() -> None:
+    report = check_invariance(builtin("triton_attn"), kinds=["full_attention", "sliding_window"])
+    assert_passes(
+        report,
+        [f.format(k) for f in ALL_LEVELS[:2] for k in ("full_attention", "sliding_window")],
+    )
 
 
 @needs_interpreter
@@ -105,3 +150,31 @@ def test_the_report_names_the_check() -> None:
     assert report.describe().startswith("invariance of backend 'reference' on cpu")
     with pytest.raises(InvalidArgumentError, match="trials must be an int >= 1, got 0"):
         check_invariance(builtin("reference"), trials=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("level", "splits", "block_q"), [("none", 2, 1), ("batch_invariant", 0, 32)]
+)
+def test_triton_attn_plans_no_batch_dependent_path_when_invariant(
+    level: str, splits: int, block_q: int
+) -> None:
+    """A lone long decode on a GPU-sized device (132 SMs): the heuristic splits it, the
+    tile holds one query; batch-invariant: one pass, fixed 32-query tiles, whatever
+    the batch."""
+    from attnkit import AttentionConfig, AttentionRuntime, ScheduledRequest
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    runtime = AttentionRuntime(
+        {"layers.0": spec},
+        AttentionConfig(backend="triton_attn", determinism=level),
+        device="cpu",
+        memory_budget_bytes=spec.page_size_bytes * 64,
+    )
+    builder = runtime._groups[0].builder
+    assert isinstance(builder, TritonAttentionMetadataBuilder)
+    builder.num_sms = 132
+    runtime.begin_step([ScheduledRequest("a", 600)])
+    runtime.begin_step([ScheduledRequest("a", 1)])
+    plan = runtime.metadata_for("layers.0").plan
+    assert (plan.num_splits, plan.block_q) == (splits, block_q)

@@ -125,8 +125,9 @@ class AttentionBackend(ABC):
     determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {}
     """Per kind served, the strongest ``Determinism`` level kept when a config asks for
     it (its builders may take a slower, invariant path then; docs/determinism.md).
-    A kind not listed has ``RUN_TO_RUN`` when ``deterministic`` else ``NONE``; a level
-    above ``NONE`` needs ``deterministic = True``. Read it with ``determinism_for``.
+    A kind not listed has ``RUN_TO_RUN`` when ``deterministic``; with ``deterministic =
+    False`` every kind has ``NONE`` (a subclass that sets it promises nothing). Read it
+    with ``determinism_for``.
     ``attnkit.testing.check_invariance`` checks a declared level bit for bit."""
     options_type: ClassVar[type[BackendOptions] | None] = None
     """The backend's own settings (a ``BackendOptions`` model), given by users as
@@ -151,12 +152,14 @@ class AttentionBackend(ABC):
 
     @classmethod
     def determinism_for(cls, kind: KVCacheSpecKind) -> Determinism:
-        """The level declared for ``kind`` (``determinism``, else ``RUN_TO_RUN`` when
-        ``deterministic``, else ``NONE``)."""
+        """The level declared for ``kind``: ``NONE`` unless ``deterministic``, then its
+        entry in ``determinism``, else ``RUN_TO_RUN``."""
+        if not cls.deterministic:
+            return Determinism.NONE
         level = cls.determinism.get(kind)
         if level is not None:
             return level
-        return Determinism.RUN_TO_RUN if cls.deterministic else Determinism.NONE
+        return Determinism.RUN_TO_RUN
 
     @classmethod
     def not_supported_reasons(cls, request: BackendRequest) -> list[str]:
@@ -410,12 +413,6 @@ class AttentionBackend(ABC):
             problems.append(
                 f"determinism must be a mapping of KVCacheSpecKind -> Determinism, got {levels!r}"
             )
-        else:
-            for kind, level in cast("Mapping[KVCacheSpecKind, Determinism]", levels).items():
-                if level > Determinism.NONE and deterministic is not True:
-                    problems.append(
-                        f"determinism[{kind.value}]={level.label} needs deterministic = True"
-                    )
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):
             problems.append(f"options_type must be None or a BackendOptions subclass, got {options!r}")

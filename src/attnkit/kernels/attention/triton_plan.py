@@ -217,6 +217,7 @@ def plan_paged_attention(
     tile_offsets_out: torch.Tensor | None = None,
     context_shard: tuple[int, int] | None = None,
     global_seq_lens: torch.Tensor | None = None,
+    block_q: int | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's batch metadata once and lay out its launches.
 
@@ -250,6 +251,10 @@ def plan_paged_attention(
             kernels then return the shard's partial attention, to be merged by lse.
         global_seq_lens: int32 ``[B]`` on ``device``: every request's whole length
             (where its queries sit); required with ``context_shard``.
+        block_q: query tokens per tile, a power of two ``<= BLOCK_Q_MAX``; None: the
+            smallest power of two holding ``max_query_len`` (capped). A batch-invariant
+            caller fixes it, so that no request's tiles depend on the batch's longest
+            query run.
 
     Raises:
         ValueError (TypeError too for wrong Python types): naming the argument.
@@ -294,7 +299,12 @@ def plan_paged_attention(
                 f"num_splits={num_splits} (split-KV is a decode path), got {max_query_len}"
             )
 
-    block_q = _block_q(max_query_len)
+    if block_q is None:
+        block_q = _block_q(max_query_len)
+    else:
+        block_q = check_int_arg("block_q", block_q, 1, BLOCK_Q_MAX)
+        if block_q & (block_q - 1):
+            raise ValueError(f"block_q: expected a power of two <= {BLOCK_Q_MAX}, got {block_q}")
     bound = _tile_bound(num_tokens, num_reqs, max_query_len, block_q)
     if tile_offsets_out is not None:
         out_buf = require_tensor(
