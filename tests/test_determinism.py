@@ -4,6 +4,8 @@ less than the config asks for."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -23,8 +25,9 @@ from attnkit import (
 from attnkit.backend_api import AttentionBackend
 from attnkit.backends.cpu_attn import CpuAttentionBackend
 from attnkit.backends.reference import ReferenceBackend
+from attnkit.cli import main
 from attnkit.errors import ArgumentTypeError, BackendNotSupportedError, InvalidArgumentError
-from attnkit.registry import default_registry
+from attnkit.registry import BUILTIN_BACKENDS, BackendRegistry, default_registry
 from attnkit.spec import KVCacheSpecKind
 
 FULL = KVCacheSpecKind.FULL_ATTENTION
@@ -154,3 +157,32 @@ def test_a_level_no_backend_keeps_for_the_kind_is_refused_with_every_reason() ->
     for name in ("cpu_attn", "reference"):
         assert f"`{name}` is not supported because:" in text
     assert "determinism=batch_invariant not kept for kind=sink_full_attention" in text
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _cli(argv: list[str]) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    assert main(argv, registry=reg, out=out, err=err) == 0, err.getvalue()
+    return out.getvalue()
+
+
+def test_backends_lists_each_backends_levels_per_kind() -> None:
+    text = _cli(["backends"])
+    assert (
+        "    determinism: prefix_hit_invariant (full_attention, sliding_window); "
+        "chunking_invariant (chunked_local_attention); run_to_run (cross_attention, "
+        "encoder_only_attention, sink_full_attention)\n"
+    ) in text
+    rows = {r["name"]: r for r in json.loads(_cli(["backends", "--json"]))["backends"]}
+    assert rows["reference"]["determinism"]["full_attention"] == "batch_invariant"
+    assert rows["flex_attention"]["determinism"]["full_attention"] == "none"
+
+
+def test_plan_plans_under_a_level_and_shows_each_groups_level() -> None:
+    text = _cli(["plan", "--example", "llama4", "--determinism", "chunking_invariant"])
+    assert "determinism=chunking_invariant)" in text.splitlines()[0]
+    assert "  -> cpu_attn (chosen by priority; determinism: chunking_invariant)\n" in text
+    assert "  -> cpu_attn (chosen by priority; determinism: prefix_hit_invariant)\n" in text

@@ -411,7 +411,7 @@ class Engine:
         fixed = Determinism.BATCH_INVARIANT <= self.determinism < Determinism.CHUNKING_INVARIANT
         # A fixed chunk fits beside a decode of every other request the step may hold.
         budget, width = self.max_tokens_per_step, self.max_requests_per_step
-        self.chunk_tokens: int | None = max(budget // 2, budget - width + 1) if fixed else None
+        self.chunk_tokens: int | None = max(1, budget // 2, budget - width + 1) if fixed else None
         self._prefix = _PrefixTally()
         self.step_index = 0
         self._live: dict[str, _Live] = {}
