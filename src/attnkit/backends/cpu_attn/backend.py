@@ -523,8 +523,9 @@ class CpuAttentionBackend(AttentionBackend):
     # kernel (its key tiles sit at fixed positions), so a row is the same bits as a
     # decode, in any chunk, or after a prefix hit (the cache holds the model dtype's
     # values exactly). Checked bit for bit (tests/test_invariance.py). Chunked-local
-    # stops at chunking_invariant: its prefix hits read other tokens' keys today (the
-    # check's prefix-hit entry fails on reference too). Kinds not listed: run_to_run.
+    # stops at chunking_invariant: a request starting from a prefix hit reads wrong keys
+    # today (the check's prefix-hit entry fails on reference too: the runtime, not the
+    # engines). Kinds not listed: run_to_run.
     determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {
         KVCacheSpecKind.FULL_ATTENTION: Determinism.PREFIX_HIT_INVARIANT,
         KVCacheSpecKind.SLIDING_WINDOW: Determinism.PREFIX_HIT_INVARIANT,
