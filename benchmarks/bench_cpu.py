@@ -39,6 +39,13 @@ demo (``attnkit demo``: default model, CPU, float32) before and after: every att
 kind forced to ``reference``, then the default selection (``cpu_attn``), each run
 twice in the process (the second run finds its kernels compiled), tokens/s.
 
+Determinism (docs/determinism.md; ``--determinism only`` runs nothing else): each CPU
+backend at each ``Determinism`` level it declares for full attention against the same
+backend with the level off (``none``), in paired alternating rounds, on the decode step
+(32 x 2k), a mixed step (24 decodes of 2k context and 4 prompt chunks of 128 new tokens
+after 512 cached) and the prefill step (4 x 512). Target on the CPU engines:
+batch-invariant at most 1.10x the default.
+
 Side by side with vLLM when ``vllm._custom_ops`` imports (``--vllm no`` skips it, ``only``
 runs nothing else): vLLM's CPU attention ops against the engine ``cpu_attn`` runs, on the
 same cache contents, in paired rounds, both checked against a float64 oracle
@@ -159,7 +166,7 @@ class _Step:
         return sum(self.seq_lens) * HKV * D * 4 * 2
 
 
-def _backend_layer(name: str) -> tuple[Any, Any]:
+def _backend_layer(name: str, config: AttentionConfig | None = None) -> tuple[Any, Any]:
     from attnkit.backends.cpu_attn import CpuAttentionBackend
     from attnkit.backends.flex_attention import FlexAttentionBackend
     from attnkit.backends.reference import ReferenceBackend
@@ -171,14 +178,16 @@ def _backend_layer(name: str) -> tuple[Any, Any]:
     }
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     binding = backends[name].get_binding(spec)
-    builder = binding.create(spec, ["layer"], AttentionConfig(), torch.device("cpu"))
+    builder = binding.create(spec, ["layer"], config or AttentionConfig(), torch.device("cpu"))
     impl = binding.create_impl(spec, AttentionLayerParams(num_heads=HQ))
     return builder, impl
 
 
-def _paged(name: str, step: _Step, reps: int) -> tuple[dict[str, float], Callable[[], object]]:
+def _paged(
+    name: str, step: _Step, reps: int, config: AttentionConfig | None = None
+) -> tuple[dict[str, float], Callable[[], object]]:
     """Build and first-call figures, the output's error, and the forward call itself."""
-    builder, impl = _backend_layer(name)
+    builder, impl = _backend_layer(name, config)
     cache: list[torch.Tensor] = (
         [step.interleaved] if name == "reference" else [step.k_plane, step.v_plane]
     )
@@ -217,6 +226,90 @@ def _paired(
         base_times.append(time.perf_counter() - started)
     ratios = [b / a for a, b in zip(times, base_times, strict=True)]
     return statistics.median(times), statistics.median(base_times), statistics.median(ratios)
+
+
+TARGET_BATCH_INVARIANT_COST = 1.10
+DETERMINISM_BACKENDS = ("cpu_attn", "reference")
+
+
+def _determinism_steps(quick: bool) -> dict[str, _Step]:
+    ctx = 1024 if quick else 2048
+    decodes = 16 if quick else 32
+    return {
+        f"decode {decodes} x {ctx // 1024}k": _Step([1] * decodes, [ctx - 1] * decodes),
+        "mixed (24 decodes x 2k + 4 chunks of 128 after 512)": _Step(
+            [1] * 24 + [128] * 4, [ctx - 1] * 24 + [512] * 4, seed=2
+        ),
+        f"prefill {2 if quick else 4} x {256 if quick else 512}": _Step(
+            [256 if quick else 512] * (2 if quick else 4), [0] * (2 if quick else 4), seed=1
+        ),
+    }
+
+
+def _alternating(
+    fn: Callable[[], object], baseline: Callable[[], object], rounds: int
+) -> tuple[float, float, float]:
+    """``fn`` and ``baseline`` one call each per round, the first of the two alternating
+    from round to round (so a drift in the machine's load favours neither): their median
+    times and the median per-round ratio ``fn / baseline``."""
+    fn()
+    baseline()
+    times: list[float] = []
+    base_times: list[float] = []
+    for i in range(rounds):
+        for call, into in ((fn, times), (baseline, base_times))[:: 1 if i % 2 == 0 else -1]:
+            started = time.perf_counter()
+            call()
+            into.append(time.perf_counter() - started)
+    ratios = [a / b for a, b in zip(times, base_times, strict=True)]
+    return statistics.median(times), statistics.median(base_times), statistics.median(ratios)
+
+
+def _determinism_costs(reps: int, quick: bool) -> dict[str, Any]:
+    """Each backend's forward at each level it declares for full attention, paired with
+    the same backend at ``none``: the median per-round time ratio (level / none)."""
+    from attnkit import Determinism
+    from attnkit.backends.cpu_attn import CpuAttentionBackend
+    from attnkit.backends.reference import ReferenceBackend
+    from attnkit.spec import KVCacheSpecKind
+
+    classes = {"cpu_attn": CpuAttentionBackend, "reference": ReferenceBackend}
+    rows: list[dict[str, Any]] = []
+    for case, step in _determinism_steps(quick).items():
+        for name in DETERMINISM_BACKENDS:
+            top = classes[name].determinism_for(KVCacheSpecKind.FULL_ATTENTION)
+            _, off = _paged(name, step, 1)
+            rounds = 3 * reps if name == "cpu_attn" else max(1, reps // 2)
+            for level in Determinism:
+                if level == Determinism.NONE or level > top:
+                    continue
+                stats, on = _paged(name, step, 1, AttentionConfig(determinism=level))
+                on_s, off_s, cost = _alternating(on, off, rounds)
+                rows.append(
+                    {
+                        "case": case,
+                        "backend": name,
+                        "level": level.label,
+                        "level_s": on_s,
+                        "none_s": off_s,
+                        "cost": cost,
+                        "rounds": rounds,
+                        "max_err": stats["max_err"],
+                    }
+                )
+                print(
+                    f"  {case:52s} {name:9s} {level.label:21s} {on_s * 1e3:9.2f} ms vs "
+                    f"{off_s * 1e3:9.2f} ms off: {cost:.2f}x"
+                )
+    worst = max(
+        (r["cost"] for r in rows if r["backend"] == "cpu_attn" and r["level"] == "batch_invariant"),
+        default=float("nan"),
+    )
+    return {
+        "rows": rows,
+        "cpu_attn_batch_invariant_worst_cost": worst,
+        "target_batch_invariant_cost": TARGET_BATCH_INVARIANT_COST,
+    }
 
 
 def _dense_reference(step: _Step) -> torch.Tensor:
@@ -628,9 +721,20 @@ def main(argv: list[str] | None = None) -> int:
         default=GRID_MIN_ROUNDS,
         help=f"paired rounds per case of the vLLM comparison (default {GRID_MIN_ROUNDS})",
     )
+    parser.add_argument(
+        "--determinism",
+        choices=("auto", "only", "no"),
+        default="auto",
+        help="each CPU backend's cost at each determinism level it declares: auto (after "
+        "the rest), only (nothing else), no",
+    )
     args = parser.parse_args(argv)
     if args.vllm == "only":
         return _main_vllm(args)
+    if args.determinism == "only":
+        torch.set_num_threads(args.threads)
+        BS = args.block_size
+        return _main_determinism(args)
     torch.set_num_threads(args.threads)
     BS = args.block_size
     from attnkit.backends.cpu_attn import CpuAttentionBackend
@@ -750,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     for row in results["compiles"]:
         print(f"compiled {row['key']}: {row['seconds']:.1f} s (first call)")
+    if args.determinism == "auto":
+        print(f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))")
+        results["determinism"] = _determinism_costs(reps, args.quick)
     if args.vllm == "auto":
         vllm = _load_vllm()
         if isinstance(vllm, str):
@@ -758,6 +865,23 @@ def main(argv: list[str] | None = None) -> int:
             results["vs_vllm"] = _run_vs_vllm(vllm, args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_cpu.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def _main_determinism(args: argparse.Namespace) -> int:
+    reps = args.reps or (3 if args.quick else 5)
+    print(f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))")
+    results = {"threads": torch.get_num_threads(), "determinism": _determinism_costs(reps, args.quick)}
+    worst = results["determinism"]["cpu_attn_batch_invariant_worst_cost"]
+    ok = worst <= TARGET_BATCH_INVARIANT_COST
+    print(
+        f"cpu_attn batch_invariant: at most {worst:.2f}x the default "
+        f"({'meets' if ok else 'MISSES'} <= {TARGET_BATCH_INVARIANT_COST:.2f}x)"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_cpu_determinism.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
     return 0

@@ -6,6 +6,8 @@ device's peak. Prefill (causal, 1k-16k, head 64/128, bf16): TFLOP/s. Each case r
 side by side, in the same process, with ``scaled_dot_product_attention`` on contiguous
 tensors (flash backend where it accepts the case) and FlexAttention (contiguous,
 compiled), plus the flash_attn backend's cases when flash-attn is installed.
+Determinism (docs/determinism.md): triton_attn at ``batch_invariant`` against the same
+launch at ``none``, decode 32 x 2k and prefill 4 x 512, alternating rounds.
 
 Targets (H100/H200): decode at context >= 4k reaches 75% of peak bandwidth; prefill
 at 8k is at least 1.0x SDPA's flash backend. Times come from CUDA events (median of
@@ -99,8 +101,10 @@ def _runtime_pieces(
     dtype: torch.dtype,
     fp8: bool,
     device: torch.device,
+    determinism: str = "none",
 ) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
-    """The triton_attn builder and impl on a paged cache holding ``context`` tokens per request."""
+    """The triton_attn builder and impl on a paged cache holding ``context`` tokens per
+    request, under ``AttentionConfig(determinism=...)``."""
     from attnkit import AttentionConfig, AttentionLayerParams, FullAttentionSpec
     from attnkit.backend_api import CommonAttentionMetadata
     from attnkit.backends.triton_attn import TritonAttentionBackend
@@ -112,7 +116,9 @@ def _runtime_pieces(
         dtype=dtype,
         kv_cache_dtype="fp8_e4m3" if fp8 else "auto",
     )
-    config = AttentionConfig.model_validate({}, context={"known_backends": []})
+    config = AttentionConfig.model_validate(
+        {"determinism": determinism}, context={"known_backends": []}
+    )
     binding = TritonAttentionBackend.get_binding(spec)
     builder = binding.create(spec, ["bench"], config, device)
     params = (
@@ -595,6 +601,52 @@ def prefill_cases(smoke: bool) -> list[tuple[int, int]]:
     return [(1024, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)]
 
 
+def determinism_results(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """triton_attn at batch_invariant (its declared level: one-pass kernel, fixed
+    32-query tiles) against the same launch at none, decode 32 x 2k and prefill 4 x 512,
+    bf16: three rounds alternating which runs first, the median cost ratio in the note.
+    (The mixed step of bench_cpu.py needs ragged batches, which these pieces do not
+    build.)"""
+    heads, kv_heads, head = (4, 2, 32) if args.smoke else (32, 8, 128)
+    cases = [("decode", 32, 2048, 1), ("prefill", 4, 512, 512)]
+    if args.smoke:
+        cases = [("decode", 2, 64, 1), ("prefill", 1, 32, 32)]
+    results: list[Result] = []
+    for kind, num_reqs, context, q_len in cases:
+        fns = {
+            level: _runtime_pieces(
+                num_reqs=num_reqs,
+                context=context,
+                q_len=q_len,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_size=head,
+                block_size=16,
+                dtype=torch.bfloat16,
+                fp8=False,
+                device=device,
+                determinism=level,
+            )[0]
+            for level in ("none", "batch_invariant")
+        }
+        times: dict[str, list[float]] = {"none": [], "batch_invariant": []}
+        for i in range(3):
+            for level in ("none", "batch_invariant")[:: 1 if i % 2 == 0 else -1]:
+                times[level].append(time_ms(fns[level], device, args.warmup, args.iters))
+        cost = statistics.median(
+            b / a for a, b in zip(times["none"], times["batch_invariant"], strict=True)
+        )
+        case = f"{kind} B={num_reqs} ctx={context} q={q_len} bf16"
+        for level in ("none", "batch_invariant"):
+            note = f"determinism={level}"
+            if level != "none":
+                note += f"; {cost:.2f}x none"
+            results.append(
+                Result("determinism", "triton_attn", case, statistics.median(times[level]), note=note)
+            )
+    return results
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     heads, kv_heads = (4, 2) if args.smoke else (32, 8)
@@ -712,6 +764,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(
                     Result("prefill", made[1], case, ms_f, tflops=flops / (ms_f * 1e-3) / 1e12)
                 )
+    results.extend(determinism_results(args, device))
     results.extend(state_results(args, device))
     results.extend(mla_results(args, device, peak))
     results.extend(mla_prefill_results(args, device))

@@ -122,9 +122,9 @@ CASES = [
             # "llama" is taken as the CONFIG argument; the abbreviation is refused.
             error="unrecognized arguments: --mod (plan takes --backend, "
             "--backend-per-kind, --block-size, --capability, --checkpoint-interval, "
-            "--context-parallel, --debug, --device, --dtype, --example, --gpu-memory, --json, "
-            "--kv-cache-dtype, --max-model-len, --max-num-batched-tokens, --model, "
-            "--num-blocks, --report-only, --state-checkpoints, --state-dtype, --strict, "
+            "--context-parallel, --debug, --determinism, --device, --dtype, --example, "
+            "--gpu-memory, --json, --kv-cache-dtype, --max-model-len, --max-num-batched-tokens, "
+            "--model, --num-blocks, --report-only, --state-checkpoints, --state-dtype, --strict, "
             "--tensor-parallel)",
         ),
         id="plan-abbreviated-model",

@@ -168,7 +168,7 @@ def test_plan_routes_groups_and_explains() -> None:
     assert (status, err) == (0, "")
     assert (
         "layers.3, layers.7: full_attention (FullAttentionSpec)\n"
-        "  -> toy_generic (chosen by priority)\n"
+        "  -> toy_generic (chosen by priority; determinism: none)\n"
         # Alphabetical fallback order: toy_fast_cuda is tried first.
         "     skipped toy_fast_cuda: device=cpu not supported (supported: cuda)\n"
         "  group 1: block size 16, 2 layer(s), layout interleaved, "
@@ -192,10 +192,10 @@ def test_plan_shows_the_block_size_the_runtime_runs() -> None:
     assert (status, err) == (0, "")
     assert "groups (unified page 2162688 B):\n" in text
     assert (
-        "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority)\n"
+        "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority; determinism: none)\n"
         in text
     )
-    assert "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority)\n" in text
+    assert "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority; determinism: none)\n" in text
     # ceil(32768 / 16) = 2048 kernel blocks, ceil(2048 / 33) = 63 pages.
     assert (
         "  group 0: block size 16, 33 per page of 528 tokens, 1 layer(s), layout interleaved, "
@@ -226,7 +226,7 @@ def test_plan_per_kind_override_and_explicit_failure() -> None:
     assert status == 0
     assert (
         "layers.0, layers.2, layers.4: sliding_window (SlidingWindowSpec)\n"
-        "  -> toy_generic (chosen by backend_per_kind)"
+        "  -> toy_generic (chosen by backend_per_kind; determinism: none)"
     ) in text
     status, text = run(
         ["plan", "--model", "gemma2", "--report-only",
@@ -270,7 +270,7 @@ def test_plan_for_a_gpu_this_machine_lacks() -> None:
         registry(),
     )
     assert status == 0
-    assert "  -> toy_fast_cuda (chosen by backend_per_kind)" in text
+    assert "  -> toy_fast_cuda (chosen by backend_per_kind; determinism: none)" in text
     assert CUDA_PROBLEM is not None  # the skipif above
     assert CUDA_PROBLEM not in text
     assert err == (

@@ -368,7 +368,7 @@ def test_cli_text_report_for_llama() -> None:
     assert (
         "model.layers.0.self_attn, model.layers.1.self_attn, ..., model.layers.31.self_attn "
         "(32 layers): full_attention (FullAttentionSpec)\n"
-        "  -> reference (chosen by priority)\n"
+        "  -> reference (chosen by priority; determinism: batch_invariant)\n"
         "  group 0: block size 16, 32 layer(s), layout interleaved, "
         "at most 8192 block(s) per request\n"
     ) in text

@@ -427,3 +427,37 @@ def test_the_xxh3_hash_names_its_extra_when_missing(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(importlib, "import_module", no_xxhash)
     with pytest.raises(MissingDependencyError, match=r"attnkit\[xxhash\]"):
         make_runtime(model(("full",)), hash="xxh3_128")
+
+
+def _chunked_rows(prompt: int, *, on: bool) -> tuple[int, dict[int, torch.Tensor]]:
+    """One chunked-local layer (block 16, chunk 32) on ``reference``: with caching on, a
+    fresh runtime's match and the rows computed from it; off: every row computed."""
+    from attnkit import AttentionLayerParams, ChunkedLocalAttentionSpec
+
+    spec = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
+        attention_chunk_size=32,
+    )
+    config = AttentionConfig(backend="reference", prefix_caching={"enabled": on}, max_model_len=256)
+    rt = AttentionRuntime(
+        {"l": spec}, config, device="cpu", memory_budget_bytes=spec.page_size_bytes * 64,
+        layer_params={"l": AttentionLayerParams(num_heads=4)}, cache_fill=float("nan"),
+    )
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(prompt, h, 32, generator=gen) for h in (4, 2, 2))
+    match = rt.match_prefix(list(range(prompt))) if on else None
+    start = match.num_tokens if match is not None else 0
+    rt.begin_step([ScheduledRequest("x", prompt - start, prefix=match)])
+    out = rt.forward("l", q[start:], k[start:], v[start:])
+    return start, {start + i: out[i] for i in range(prompt - start)}
+
+
+def test_a_chunked_local_layer_hits_at_a_chunk_boundary_without_cached_blocks() -> None:
+    """Queries from a chunk boundary on read nothing before it: a fresh cache serves the
+    boundary (no block needed), and the rows from there equal the ones computed with
+    every token."""
+    start, got = _chunked_rows(55, on=True)
+    assert start == 32
+    _, want = _chunked_rows(55, on=False)
+    for pos, row in got.items():
+        torch.testing.assert_close(row, want[pos], rtol=1e-5, atol=1e-5)

@@ -30,6 +30,7 @@ PUBLIC_API = [
     "ContextParallel",
     "ContextParallelMismatchError",
     "CrossAttentionSpec",
+    "Determinism",
     "DeviceUnavailableError",
     "DuplicateBackendError",
     "DuplicateRequestError",
@@ -108,6 +109,7 @@ BACKEND_API = [
     "BuilderConstructor",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "Determinism",
     "ImplConstructor",
     "KVCacheLayout",
     "LayerImpl",
@@ -156,7 +158,13 @@ def test_engine_surface_has_what_an_engine_uses_and_no_plumbing() -> None:
     } <= engine
     # Author-side machinery lives in attnkit.backend_api only.
     assert not engine & {"bind_builder", "AttentionImpl", "AttentionMetadataBuilder", "BuilderBinding"}
-    shared = {"AttentionCGSupport", "AttentionFeature", "BackendOptions", "register_backend"}
+    shared = {
+        "AttentionCGSupport",
+        "AttentionFeature",
+        "BackendOptions",
+        "Determinism",
+        "register_backend",
+    }
     assert engine & set(BACKEND_API) == shared
 
 

@@ -21,7 +21,7 @@ declarations, the metadata types) is in ``attnkit.backend_api``.
 from __future__ import annotations
 
 from .builder import AttentionCGSupport
-from .capabilities import AttentionFeature
+from .capabilities import AttentionFeature, Determinism
 from .config import AttentionConfig, BackendOptions, PrefixCachingConfig, parse_backend_per_kind
 from .errors import (
     ArgumentTypeError,
@@ -117,6 +117,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelMismatchError",
     "CrossAttentionSpec",
+    "Determinism",
     "DeviceUnavailableError",
     "DuplicateBackendError",
     "DuplicateRequestError",

@@ -33,6 +33,7 @@ from .binding import Binding, BuilderBinding
 from .capabilities import (
     KV_CACHE_LAYOUTS,
     AttentionFeature,
+    Determinism,
     KVCacheLayout,
     MultipleOf,
     SizeRange,
@@ -118,7 +119,16 @@ class AttentionBackend(ABC):
     deterministic: ClassVar[bool] = False
     """The same step on the same inputs and cache gives the same output and cache, bit
     for bit, run after run on one device. ``True`` is a promise the conformance kit
-    checks (it runs every call twice and compares the bits); ``False`` promises nothing."""
+    checks (it runs every call twice and compares the bits); ``False`` promises nothing.
+    ``True`` is the level ``Determinism.RUN_TO_RUN`` for every kind not in
+    ``determinism``."""
+    determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {}
+    """Per kind served, the strongest ``Determinism`` level kept when a config asks for
+    it (its builders may take a slower, invariant path then; docs/determinism.md).
+    A kind not listed has ``RUN_TO_RUN`` when ``deterministic``; with ``deterministic =
+    False`` every kind has ``NONE`` (a subclass that sets it promises nothing). Read it
+    with ``determinism_for``.
+    ``attnkit.testing.check_invariance`` checks a declared level bit for bit."""
     options_type: ClassVar[type[BackendOptions] | None] = None
     """The backend's own settings (a ``BackendOptions`` model), given by users as
     ``AttentionConfig(backend_options={name: {...}})``; ``None``: it has none."""
@@ -141,6 +151,17 @@ class AttentionBackend(ABC):
         return frozenset(b.kind for b in getattr(cls, "builders", ()))
 
     @classmethod
+    def determinism_for(cls, kind: KVCacheSpecKind) -> Determinism:
+        """The level declared for ``kind``: ``NONE`` unless ``deterministic``, then its
+        entry in ``determinism``, else ``RUN_TO_RUN``."""
+        if not cls.deterministic:
+            return Determinism.NONE
+        level = cls.determinism.get(kind)
+        if level is not None:
+            return level
+        return Determinism.RUN_TO_RUN
+
+    @classmethod
     def not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         """Every reason this backend cannot serve ``request``; empty if it can."""
         spec = request.spec
@@ -157,6 +178,13 @@ class AttentionBackend(ABC):
             bound = ", ".join(b.spec_type.__name__ for b in cls.builders)
             reasons.append(f"no builder is bound to {type(spec).__name__} (bound: {bound})")
         reasons.extend(cls._layout_reasons(spec))
+        wanted = request.config.determinism if request.config is not None else Determinism.NONE
+        declared = cls.determinism_for(spec.kind)
+        if wanted > declared:
+            reasons.append(
+                f"determinism={wanted.label} not kept for kind={spec.kind.value} "
+                f"(declared: {declared.label})"
+            )
         if isinstance(spec, AttentionSpec):
             reasons.extend(cls._attention_reasons(spec, request))
         elif isinstance(spec, MambaSpec) and spec.mamba_type not in cls.supported_mamba_types:
@@ -377,6 +405,14 @@ class AttentionBackend(ABC):
         deterministic: object = getattr(cls, "deterministic", None)
         if not isinstance(deterministic, bool):
             problems.append(f"deterministic must be a bool, got {deterministic!r}")
+        levels: object = getattr(cls, "determinism", None)
+        if not isinstance(levels, Mapping) or not all(
+            isinstance(k, KVCacheSpecKind) and isinstance(v, Determinism)
+            for k, v in cast("Mapping[object, object]", levels).items()
+        ):
+            problems.append(
+                f"determinism must be a mapping of KVCacheSpecKind -> Determinism, got {levels!r}"
+            )
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):
             problems.append(f"options_type must be None or a BackendOptions subclass, got {options!r}")

@@ -33,6 +33,7 @@ from .binding import (
 from .builder import AttentionCGSupport, AttentionMetadataBuilder
 from .capabilities import (
     AttentionFeature,
+    Determinism,
     KVCacheLayout,
     MultipleOf,
     SizeRange,
@@ -64,6 +65,7 @@ __all__ = [
     "BuilderConstructor",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "Determinism",
     "ImplConstructor",
     "KVCacheLayout",
     "LayerImpl",

@@ -3,7 +3,9 @@
 ``AttentionFeature`` names optional score modifications a layer may need;
 ``MultipleOf`` / ``SizeRange`` / ``SizeRule`` describe the head and block sizes a
 backend accepts (``supported_block_sizes = (16, 32, MultipleOf(64))``);
-``KVCacheLayout`` names how a backend wants its attention caches laid out. The
+``KVCacheLayout`` names how a backend wants its attention caches laid out;
+``Determinism`` the ordered levels of bitwise reproducibility a backend guarantees
+per kind and a config asks for (docs/determinism.md). The
 backend ABC (``attnkit.backend``) reads these; the layer parameters
 (``attnkit.params``) derive the features a layer needs; the kind rules
 (``attnkit.kinds``) give each layout's shapes.
@@ -18,11 +20,12 @@ from typing import Literal, get_args
 from typing_extensions import override
 
 from ._validation import is_positive_int
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "KV_CACHE_LAYOUTS",
     "AttentionFeature",
+    "Determinism",
     "KVCacheLayout",
     "MultipleOf",
     "SizeRange",
@@ -30,6 +33,69 @@ __all__ = [
     "format_sizes",
     "size_allowed",
 ]
+
+
+class Determinism(enum.IntEnum):
+    """How far a backend's output rows are reproducible bit for bit; each level includes
+    every level below it (docs/determinism.md).
+
+    A backend declares the strongest level it keeps, per kind
+    (``AttentionBackend.determinism_for``), in the mode the config asks for
+    (``AttentionConfig(determinism=...)``: a builder may then pick a slower, invariant
+    path); selection refuses a backend whose level is below the config's, with the
+    reason. ``attnkit.testing.check_invariance`` checks a declared level bit for bit.
+    Levels compare as ordered (``Determinism.BATCH_INVARIANT >= Determinism.RUN_TO_RUN``);
+    ``Determinism.parse("batch_invariant")`` reads a name.
+    """
+
+    NONE = 0
+    """Nothing promised."""
+    RUN_TO_RUN = 1
+    """The same step (the same requests, in the same order, with the same inputs and
+    cache) gives the same bits, run after run, on one device and build."""
+    BATCH_INVARIANT = 2
+    """A request's rows do not depend on the other requests of its step: alone, or
+    among any others in any order, the same bits."""
+    PREFILL_DECODE = 3
+    """Also: a token's row computed as a decode (one query) equals its row computed as
+    part of a prefill of the whole sequence."""
+    CHUNKING_INVARIANT = 4
+    """Also: a request's rows do not depend on how its prompt is cut into chunks over
+    steps (any chunk sizes)."""
+    PREFIX_HIT_INVARIANT = 5
+    """Also: the rows after a prefix-cache hit equal those of a request that computed
+    the prefix itself (the cached keys and values read back exactly as written)."""
+
+    @property
+    def label(self) -> str:
+        """The level's name as configs and reports write it: ``"batch_invariant"``."""
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: object, *, argument: str = "determinism") -> Determinism:
+        """A level from a ``Determinism`` or its name (``"batch_invariant"``, any case,
+        ``-`` for ``_``).
+
+        Raises:
+            InvalidArgumentError: an unknown name (the message lists the levels).
+            ArgumentTypeError: neither a ``Determinism`` nor a str (a bare int or bool
+                is refused: say the level's name).
+        """
+        if isinstance(value, Determinism):
+            return value
+        levels = ", ".join(level.label for level in cls)
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            for level in cls:
+                if level.label == key:
+                    return level
+            raise InvalidArgumentError(
+                f"{argument} must be one of {levels}; got {value!r}"
+            )
+        raise ArgumentTypeError(
+            f"{argument} must be a Determinism or one of {levels}; got {value!r} "
+            f"({type(value).__name__})"
+        )
 
 
 class AttentionFeature(str, enum.Enum):

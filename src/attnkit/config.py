@@ -42,6 +42,7 @@ from pydantic import (
 )
 from typing_extensions import Self, override
 
+from .capabilities import Determinism
 from .errors import ArgumentTypeError
 from .spec import KVCacheSpecKind
 
@@ -288,6 +289,10 @@ class AttentionConfig(BaseModel):
             buffers from them.
         prefix_caching: a ``PrefixCachingConfig`` (or a mapping of its fields, e.g.
             ``{"enabled": True}``); off by default.
+        determinism: the reproducibility level every layer's backend must keep (a
+            ``Determinism`` or its name, e.g. ``"batch_invariant"``; default ``none``).
+            Selection refuses a backend declaring less for the kind, with the reason,
+            and builders take their invariant paths (docs/determinism.md).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -307,6 +312,7 @@ class AttentionConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
     prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
+    determinism: Determinism = Determinism.NONE
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -325,6 +331,7 @@ class AttentionConfig(BaseModel):
             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len: int = DEFAULT_MAX_MODEL_LEN,
             prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
+            determinism: Determinism | str = Determinism.NONE,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
@@ -361,6 +368,18 @@ class AttentionConfig(BaseModel):
     @classmethod
     def _default_prefix_caching(cls, value: Any) -> Any:
         return PrefixCachingConfig() if value is None else value
+
+    @field_validator("determinism", mode="before")
+    @classmethod
+    def _parse_determinism(cls, value: Any) -> Determinism:
+        try:
+            return Determinism.parse(value)
+        except ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None  # pydantic reports ValueErrors only
+
+    @field_serializer("determinism")
+    def _determinism_name(self, value: Determinism) -> str:
+        return value.label
 
     @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
     @classmethod
@@ -463,4 +482,6 @@ class AttentionConfig(BaseModel):
             text += f" backend_options={sorted(self.backend_options)}"
         if self.prefix_caching.enabled:
             text += f" prefix_caching={self.prefix_caching.describe()}"
+        if self.determinism:
+            text += f" determinism={self.determinism.label}"
         return text

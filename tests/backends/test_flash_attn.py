@@ -1270,6 +1270,49 @@ def test_fa2_max_seqlen_q_avoids_the_gqa_decode_reshape_only_when_needed() -> No
     assert builders[2].build(0, batch([3, 0], [5, 9], [[1], [2]])).max_seqlen_q == 3
 
 
+def test_batch_invariant_flash_attn_2_never_takes_the_gqa_decode_path() -> None:
+    """At batch_invariant every step gets max_seqlen_q >= 2, so a decode row runs the
+    one varlen kernel (never the reshaped GQA decode path, flash-attn 2's only split-KV
+    path) whether its step is all decodes or holds a prefill."""
+    invariant = config(2).model_copy(update={"determinism": "batch_invariant"})
+    builder = FlashAttentionMetadataBuilder(full_spec(), ["l"], invariant, CPU)
+    decodes = batch([1, 1], [5, 9], [[1], [2]])
+    mixed = batch([1, 6], [5, 9], [[1], [2]])
+    assert builder.build(0, decodes).max_seqlen_q == 2
+    assert builder.build(0, mixed).max_seqlen_q == 6
+    assert builder.build(0, batch([1, 0, 1], [5, 3, 9], [[1], [2], [3]])).max_seqlen_q == 2
+    # The arguments each call passes: the same kernel path for both steps' decode rows.
+    assert FlashAttentionMetadataBuilder(full_spec(), ["l"], config(2), CPU).build(
+        0, decodes
+    ).max_seqlen_q == 1
+
+
+def test_batch_invariance_is_refused_on_flash_attn_4_with_the_reason(
+    simulate: Callable[..., None],
+) -> None:
+    simulate(installed={2, 4})
+    registry = registry_with_flash_attn()
+    spec = full_spec(block_size=16, dtype=torch.bfloat16)
+    for version, chosen in ((2, True), (4, False)):
+        cfg = AttentionConfig.model_validate(
+            {
+                "backend": "flash_attn",
+                "backend_options": {"flash_attn": {"version": version}},
+                "determinism": "batch_invariant",
+            },
+            context={"registry": registry},
+        )
+        if chosen:
+            block = full_spec(block_size=256, dtype=torch.bfloat16)
+            selection = select_backend(
+                block, cfg, device="cuda", capability=(9, 0), registry=registry
+            )
+            assert selection.backend is FlashAttentionBackend
+            continue
+        with pytest.raises(BackendNotSupportedError, match="kept with flash-attn 2 only"):
+            select_backend(spec, cfg, device="cuda", capability=(10, 0), registry=registry)
+
+
 def test_zero_page_tails_clears_only_the_unused_rows_of_last_pages() -> None:
     from attnkit.backends.flash_attn.backend import _zero_page_tails
 

@@ -186,6 +186,25 @@ def test_ragged_group8_steps_through_a_tile() -> None:
     batch.check(output, lse)
 
 
+def test_a_fixed_query_tile_gives_each_request_the_same_bits_in_any_batch() -> None:
+    """block_q fixed (a batch-invariant caller): a decode row and a prefill's rows are
+    the same bits alone and beside a longer query run, which would otherwise change the
+    tile (next_power_of_2 of the batch's longest run)."""
+    both = Batch([1, 9], [40, 30], hq=4, hkv=2, d=16, seed=5)
+    out_both, _ = _run(both, both.plan(exact=True, block_q=BLOCK_Q_MAX))
+    for index, (q, s) in enumerate(((1, 40), (9, 30))):
+        alone = Batch([q], [s], hq=4, hkv=2, d=16, seed=5)
+        # The same cache and queries as the request's part of the pair.
+        alone.kv_cache = both.kv_cache
+        alone.block_table = both.block_table[index : index + 1].contiguous()
+        rows = slice(sum((1, 9)[:index]), sum((1, 9)[: index + 1]))
+        alone.query = both.query[rows].contiguous()
+        plan = alone.plan(exact=True, block_q=BLOCK_Q_MAX)
+        assert plan.block_q == BLOCK_Q_MAX
+        out_alone, _ = _run(alone, plan)
+        assert torch.equal(out_alone[: rows.stop - rows.start], out_both[rows])
+
+
 def test_split_kv_on_a_ragged_decode_batch() -> None:
     batch = Batch([1, 1, 3, 0, 2], [300, 17, 90, 4, 250], dtype=torch.float16)
     plan = batch.plan(num_splits=3)
@@ -284,6 +303,8 @@ def test_bad_layer_tensor_errors_clearly(layer: dict[str, Any], match: str) -> N
             id="window-noncausal",
         ),
         pytest.param({"num_splits": 257}, r"^num_splits: expected an int <= 256", id="splits"),
+        pytest.param({"block_q": 64}, r"^block_q: expected an int <= 32", id="block-q-big"),
+        pytest.param({"block_q": 12}, r"^block_q: expected a power of two <= 32", id="block-q-odd"),
         pytest.param(
             {"query_start_loc_cpu": torch.tensor([0, 2], dtype=torch.int32)},
             r"^query_start_loc_cpu: expected an int32 CPU tensor \[3\]",

@@ -398,6 +398,55 @@ def test_split_count_does_not_change_the_result() -> None:
         torch.testing.assert_close(other, results[0], atol=2e-6, rtol=2e-6)
 
 
+def _first_alone(batch: Batch) -> Batch:
+    """The batch's first request alone: the same cache, blocks and query rows."""
+    n = batch.q_lens[0]
+    return Batch(
+        query=batch.query[:n].clone(),
+        kv_cache=batch.kv_cache,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+        seq_lens=batch.seq_lens[:1].clone(),
+        block_table=batch.block_table[:1].clone(),
+        q_lens=[n],
+        lens=batch.lens[:1],
+        scale=batch.scale,
+    )
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_a_fixed_split_size_gives_a_request_the_same_bits_in_any_batch(q_len: int) -> None:
+    """split_tokens (keys per split) with the same num_splits bound every call: the
+    first request alone and beside longer ones, the same bits, and right."""
+    batch = make_batch(
+        [q_len, 1, 2], [150, 700, 333], hq=4, hkv=2, d=32, bs=16, dtype=torch.float32, seed=7
+    )
+    alone = _first_alone(batch)
+    fixed = {"num_splits": 8, "split_tokens": 96}
+    together, lse = run_split_kv(batch, **fixed)
+    check_against_oracle(batch, together, lse)
+    by_itself, _ = run_split_kv(alone, **fixed)
+    assert torch.equal(by_itself[:q_len], together[:q_len])
+
+
+def test_a_split_count_from_the_batch_changes_a_requests_bits() -> None:
+    """The negative control: the split count of each call (here one more than the
+    batch's requests, as a heuristic filling a device would pick) moves the first
+    request's split boundaries, and its bits."""
+    batch = make_batch([1, 1, 2], [150, 700, 333], hq=4, hkv=2, d=32, bs=16, dtype=torch.float32, seed=7)
+    alone = _first_alone(batch)
+    together, _ = run_split_kv(batch, num_splits=4)
+    by_itself, _ = run_split_kv(alone, num_splits=2)
+    assert not torch.equal(by_itself[:1], together[:1])
+
+
+def test_split_tokens_is_checked() -> None:
+    batch = make_batch([1], [150], hq=4, hkv=2, d=32, bs=16, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"^split_tokens: expected a multiple of block_size=16"):
+        run_split_kv(batch, num_splits=4, split_tokens=40)
+    with pytest.raises(ValueError, match=r"^num_splits: 2 splits of split_tokens=32 keys cover 64"):
+        run_split_kv(batch, num_splits=2, split_tokens=32)
+
+
 # ----------------------------------------------------------- views, padding, workspace
 
 

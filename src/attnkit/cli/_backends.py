@@ -10,8 +10,9 @@ from functools import partial
 
 import torch
 
+from ..capabilities import Determinism
 from ..devices import device_problem, parse_device
-from ..errors import PluginError
+from ..errors import ArgumentTypeError, InvalidArgumentError, PluginError
 from ..registry import BackendRegistry, call_backend_code
 from ..selector import DEFAULT_PRIORITY
 from ._common import Streams
@@ -29,6 +30,19 @@ class BackendRow:
     available: bool
     reasons: list[str]
     description: str
+    determinism: dict[str, str] = dataclasses.field(default_factory=dict[str, str])
+    """Kind -> the ``Determinism`` level declared for it (``determinism_for``)."""
+
+
+def determinism_line(levels: dict[str, str]) -> str:
+    """``"prefix_hit_invariant (full_attention, sliding_window); run_to_run (cross_attention)"``:
+    each declared level, strongest first, with its kinds."""
+    order = {level.label: level for level in Determinism}
+    by_level: dict[str, list[str]] = {}
+    for kind, level in sorted(levels.items()):
+        by_level.setdefault(level, []).append(kind)
+    ranked = sorted(by_level, key=lambda name: -order[name])
+    return "; ".join(f"{level} ({', '.join(by_level[level])})" for level in ranked)
 
 
 def backend_rows(registry: BackendRegistry, device: torch.device) -> list[BackendRow]:
@@ -54,10 +68,16 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
         # reason on its row (the PluginError's message), not an error of the listing.
         reasons: list[str] = []
         kinds: list[str] = []
+        levels: dict[str, str] = {}
         try:
             declared = call_backend_code(entry, "supported_kinds()", backend.supported_kinds)
             kinds = sorted(k.value for k in declared)
-        except PluginError as exc:
+            for kind in declared:
+                level = call_backend_code(
+                    entry, "determinism_for()", partial(backend.determinism_for, kind)
+                )
+                levels[kind.value] = Determinism.parse(level).label
+        except (PluginError, ArgumentTypeError, InvalidArgumentError) as exc:
             reasons.append(str(exc))
         for what, hook in (
             ("environment_reasons()", backend.environment_reasons),
@@ -78,6 +98,7 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 available=not reasons,
                 reasons=reasons,
                 description=backend.description,
+                determinism=levels,
             )
         )
     return rows
@@ -132,6 +153,8 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
         )
         if row.description:
             out.write(f"    {row.description}\n")
+        if row.determinism:
+            out.write(f"    determinism: {determinism_line(row.determinism)}\n")
         for reason in row.reasons:
             out.write(f"    - {reason}\n")
     return 0

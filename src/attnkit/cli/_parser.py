@@ -245,6 +245,13 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         help="kind=backend pairs, e.g. sliding_window=triton_attn,full_attention=reference",
     )
     plan.add_argument(
+        "--determinism",
+        default="none",
+        help="the determinism level every layer's backend must keep: none, run_to_run, "
+        "batch_invariant, prefill_decode, chunking_invariant, prefix_hit_invariant "
+        "(docs/determinism.md)",
+    )
+    plan.add_argument(
         "--json", action="store_true", help="print the plan as JSON (keys: see above)"
     )
     exits = plan.add_mutually_exclusive_group()

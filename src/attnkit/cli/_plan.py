@@ -73,6 +73,7 @@ def cmd_plan(args: argparse.Namespace, registry: BackendRegistry, io: Streams) -
                 "state_checkpoints": args.state_checkpoints,
                 "checkpoint_interval": args.checkpoint_interval,
             },
+            "determinism": getattr(args, "determinism", "none"),
         },
         context={"registry": registry},
     )

@@ -104,7 +104,11 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
                 "  NO BACKEND\n" + "".join(f"    {line}\n" for line in (g.error or "").splitlines())
             )
         else:
-            out.write(f"  -> {g.selection.backend_name} (chosen by {g.selection.source})\n")
+            level = g.selection.backend.determinism_for(group.kind).label
+            out.write(
+                f"  -> {g.selection.backend_name} (chosen by {g.selection.source}; "
+                f"determinism: {level})\n"
+            )
             for rejection in g.rejected:
                 out.write(f"     skipped {rejection}\n")
         if not group.has_cache:

@@ -57,6 +57,7 @@ from typing import Protocol
 import torch
 
 from .._validation import is_int, is_nonnegative_int, is_positive_int
+from ..capabilities import Determinism
 from ..errors import (
     ArgumentTypeError,
     DuplicateRequestError,
@@ -348,9 +349,22 @@ class Engine:
             and skip its cached tokens (default); it takes effect when the runtime was
             built with prefix caching on. ``False``: never look up (every token is
             computed; the runtime still caches what it computes).
+        determinism: the ``Determinism`` level the engine keeps for each request's
+            attention rows (a level or its name; docs/determinism.md). The runtime must
+            have been built with at least it (``AttentionConfig(determinism=...)``, so
+            its backends keep it). Below ``chunking_invariant`` a request's prompt is
+            cut at fixed positions (multiples of ``chunk_tokens``), never by what the
+            step's other requests leave of the budget: a chunk that does not fit waits
+            for a later step. Below ``prefix_hit_invariant`` requests are not looked up
+            in the prefix cache (a hit would move the chunk boundaries). End-to-end
+            bitwise outputs also need the model's own kernels batch-invariant (matrix
+            products with one tiling and no split-K, norms reduced per row), which this
+            engine cannot see; and a preempted request recomputes its tokens as a
+            prefill, the same bits only from ``prefill_decode`` up.
 
     Raises:
-        InvalidArgumentError: a limit out of range (the message names it).
+        InvalidArgumentError: a limit out of range, or a ``determinism`` above the
+            runtime's (the message names it).
     """
 
     def __init__(
@@ -361,6 +375,7 @@ class Engine:
         max_requests_per_step: int | None = None,
         keep_logits: bool = False,
         prefix_caching: bool = True,
+        determinism: Determinism | str = Determinism.NONE,
     ) -> None:
         given: object = model
         if not callable(given) or not callable(getattr(given, "prepare_step", None)):
@@ -389,6 +404,18 @@ class Engine:
         if not isinstance(flag, bool):
             raise ArgumentTypeError(f"prefix_caching must be a bool, got {type(flag).__name__}")
         self.prefix_caching = prefix_caching
+        self.determinism = Determinism.parse(determinism)
+        if self.determinism > config.determinism:
+            raise InvalidArgumentError(
+                f"determinism={self.determinism.label} needs a runtime built with at least "
+                f"that level (AttentionConfig(determinism={self.determinism.label!r})), "
+                f"got a runtime at {config.determinism.label}"
+            )
+        # Below chunking invariance a request's chunks must not follow the others'.
+        fixed = Determinism.BATCH_INVARIANT <= self.determinism < Determinism.CHUNKING_INVARIANT
+        # A fixed chunk fits beside a decode of every other request the step may hold.
+        budget, width = self.max_tokens_per_step, self.max_requests_per_step
+        self.chunk_tokens: int | None = max(1, budget // 2, budget - width + 1) if fixed else None
         self._prefix = _PrefixTally()
         self.step_index = 0
         self._live: dict[str, _Live] = {}
@@ -537,7 +564,13 @@ class Engine:
         return self._finish_step(index, runtime, batch, plan, admitted, preempted, logits, cached)
 
     def _looks_up(self, runtime: AttentionRuntime) -> bool:
-        return self.prefix_caching and runtime.manager.prefix is not None
+        return (
+            self.prefix_caching
+            and runtime.manager.prefix is not None
+            and not Determinism.BATCH_INVARIANT
+            <= self.determinism
+            < Determinism.PREFIX_HIT_INVARIANT
+        )
 
     def prefix_stats(self) -> EnginePrefixStats:
         """The hit rate and prefill tokens prefix caching saved so far, and why it is
@@ -547,6 +580,11 @@ class Engine:
         why_off: str | None = None
         if not self.prefix_caching:
             why_off = "turned off: Engine(prefix_caching=False)"
+        elif Determinism.BATCH_INVARIANT <= self.determinism < Determinism.PREFIX_HIT_INVARIANT:
+            why_off = (
+                f"turned off by Engine(determinism={self.determinism.label!r}): a hit would "
+                "move the request's chunk boundaries (prefix_hit_invariant keeps them)"
+            )
         elif not has_cache:
             why_off = (
                 "the runtime's prefix caching is off: build it with "
@@ -580,7 +618,11 @@ class Engine:
             # One that holds no blocks (a failed step, a rebuilt runtime) starts again.
             hit = 0 if live.started else self._look_up(live, lookup)
             start = max(live.num_computed, hit)
-            n = _aligned(live, start, min(len(live.tokens) - start, budget), interval)
+            n = self._take(live, start, budget)
+            if n == 0:
+                continue  # a fixed chunk that does not fit this step
+            if self.chunk_tokens is None:  # fixed chunks keep their positions
+                n = _aligned(live, start, n, interval)
             plan[live] = n
             budget -= n
         admitted: list[_Live] = []
@@ -590,11 +632,25 @@ class Engine:
             if live.request.arrival_step > index or live in held:
                 continue
             start = self._look_up(live, lookup)
-            n = _aligned(live, start, min(len(live.tokens) - start, budget), interval)
+            n = self._take(live, start, budget)
+            if n == 0:
+                continue
+            if self.chunk_tokens is None:
+                n = _aligned(live, start, n, interval)
             plan[live] = n
             admitted.append(live)
             budget -= n
         return plan, admitted
+
+    def _take(self, live: _Live, start: int, budget: int) -> int:
+        """Tokens ``live`` computes this step from ``start``: all that fit ``budget``;
+        with ``chunk_tokens``, the rest of its fixed chunk (ending at the next multiple
+        of ``chunk_tokens``) or nothing when that does not fit."""
+        left = len(live.tokens) - start
+        if self.chunk_tokens is None:
+            return min(left, budget)
+        n = min(left, (start // self.chunk_tokens + 1) * self.chunk_tokens - start)
+        return n if n <= budget else 0
 
     @staticmethod
     def _look_up(live: _Live, lookup: AttentionRuntime | None) -> int:

@@ -488,6 +488,11 @@ class ModelPlan(_PoolCapacity):
                     "cudagraph_support": (
                         g.cudagraph_support.name if g.cudagraph_support is not None else None
                     ),
+                    "determinism": (
+                        g.selection.backend.determinism_for(g.group.kind).label
+                        if g.selection is not None
+                        else None
+                    ),
                     "skipped": [
                         {"backend": r.backend, "reasons": list(r.reasons)} for r in g.rejected
                     ],

@@ -28,6 +28,11 @@ reference (a builder that reallocates its tensors fails, and the report lists th
 tensors that moved). A backend that cannot run here at all is **not checked**
 (``report.ok`` is False). Needs ``hypothesis`` (``pip install 'attnkit[testing]'``).
 
+``check_invariance(MyBackend)`` checks, bit for bit, the ``Determinism`` level the
+backend declares per kind: one request's rows alone, co-batched in random order, as
+decodes against one prefill, under random chunkings and after a prefix-cache hit
+(docs/determinism.md).
+
 Defaults suit CI (``DEFAULT_MAX_EXAMPLES`` per capability); authors should run
 ``max_examples=AUTHOR_MAX_EXAMPLES`` (or more) before a release.
 """
@@ -63,6 +68,7 @@ from ..params import AttentionLayerParams, LayerParams
 from ..registry import BUILTIN_BACKENDS, BackendRegistry
 from ..spec import MODEL_DTYPES, KVCacheDType, KVCacheSpec, KVCacheSpecKind
 from ._cases import KitError, check_cudagraph, config_for, make_layer, run_case, tolerance_of
+from ._invariance import INVARIANCE_KINDS, check_invariance
 from ._pairwise import pairwise
 from ._report import DEFAULT_MAX_EXAMPLES, CapabilityResult, ConformanceReport, Status, Verdict
 from .strategies import Case, LayerChoice, cases, long_context_case, ragged_case
@@ -73,6 +79,7 @@ __all__ = [
     "BLOCK_SIZES",
     "DEFAULT_MAX_EXAMPLES",
     "HEAD_SIZES",
+    "INVARIANCE_KINDS",
     "KIT_SCALE",
     "TOLERANCES",
     "CapabilityResult",
@@ -81,6 +88,7 @@ __all__ = [
     "Tolerance",
     "Verdict",
     "check_backend",
+    "check_invariance",
     "declared_capabilities",
     "layer_of",
     "rerun",

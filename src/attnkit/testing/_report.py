@@ -91,6 +91,9 @@ class ConformanceReport:
     max_examples: int = DEFAULT_MAX_EXAMPLES
     seed: int = 0
     uncovered: tuple[str, ...] = ()
+    check: str = "conformance"
+    """What was checked: ``"conformance"`` (``check_backend``) or ``"invariance"``
+    (``check_invariance``)."""
 
     @property
     def verdict(self) -> Verdict:
@@ -134,7 +137,7 @@ class ConformanceReport:
             if self.verdict == "not checked":
                 summary = f"NOT CHECKED (no capability ran): {summary}"
         lines = [
-            f"conformance of backend {self.backend!r} on {self.device} "
+            f"{self.check} of backend {self.backend!r} on {self.device} "
             f"(max_examples={self.max_examples}, seed={self.seed}): {summary}"
         ]
         lines += [r.describe() for r in self.results]

@@ -12,6 +12,7 @@ from typing_extensions import assert_type
 from attnkit import (
     AttentionConfig,
     AttentionRuntime,
+    Determinism,
     KVCacheSpecKind,
     Mamba2Inputs,
     ShortConvInputs,
@@ -26,6 +27,9 @@ one_backend = AttentionConfig(backend="reference", plugins="my_plugin,other")
 plugin_list = AttentionConfig(plugins=["my_plugin"], max_num_reqs=8, max_model_len=4096)
 options_dict = AttentionConfig(backend_options={"flash_attn": {"version": 2}})
 options_typed = AttentionConfig(backend_options={"flash_attn": FlashAttentionOptions(version=4)})
+level_named = AttentionConfig(determinism="batch_invariant")
+level_typed = AttentionConfig(determinism=Determinism.PREFIX_HIT_INVARIANT)
+assert_type(level_named.determinism, Determinism)
 validated = AttentionConfig.model_validate(
     {"backend_per_kind": {"sliding_window": "triton_attn"}},
     context={"known_backends": ["triton_attn"]},

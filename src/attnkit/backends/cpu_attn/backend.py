@@ -26,7 +26,7 @@ planes layout) and state layers; those layers go to ``reference`` on CPU.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -36,7 +36,7 @@ from typing_extensions import override
 from ...backend import AttentionBackend
 from ...binding import bind_each
 from ...builder import AttentionMetadataBuilder
-from ...capabilities import AttentionFeature, KVCacheLayout, MultipleOf, SizeRule
+from ...capabilities import AttentionFeature, Determinism, KVCacheLayout, MultipleOf, SizeRule
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import Mask, attention_rules, rules_for
@@ -160,6 +160,14 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         self.encoder = not rules.has_cache
         # The cache holds the encoder's tokens (cross attention), written when given.
         self.encoder_keys = rules.writes == "encoder"
+        # From PREFILL_DECODE up every row goes to the native kernel, one work item per
+        # query token whatever its request's query length: a row's keys are walked in
+        # the same tiles whether it is a decode, a chunk or part of a whole prefill.
+        self.rows_native = (
+            config.determinism >= Determinism.PREFILL_DECODE
+            and not self.encoder
+            and not self.sink_len
+        )
 
     @override
     def build(
@@ -173,7 +181,9 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         check_causal(who, self.kind, self.causal, cm)
         if cm.context_shard is not None:
             return self._build_sharded(cm)
-        if cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len:
+        if self.rows_native or (
+            cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len
+        ):
             return self._build_short(cm)
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         qlens = np.diff(qsl)
@@ -184,9 +194,10 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         return self._build_split(cm, qsl, qlens, seq)
 
     def _build_short(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
-        """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps): the
-        native kernel takes the whole step from the runtime's offsets as they are, so
-        nothing is planned here (no host array is touched)."""
+        """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps), or the
+        config's determinism puts every row on the native kernel: it takes the whole
+        step from the runtime's offsets as they are, so nothing is planned here (no host
+        array is touched)."""
         # No sink kind here (sink_len == 0), so the lengths are not read.
         return self._metadata(cm, _NO_INTS, _NO_INTS, None, True, _NO_INTS, _NO_INTS)
 
@@ -506,6 +517,18 @@ class CpuAttentionBackend(AttentionBackend):
     supported_features = _BACKEND_FEATURES
     # Measured: every call of every combination the kit makes, run twice, bit for bit.
     deterministic = True
+    # Each request's rows are work items of their own (the native kernel: one per query
+    # token; the blocked prefill: tasks of one request's tokens), whatever the thread
+    # count and the other requests; from prefill_decode up every row goes to the native
+    # kernel (its key tiles sit at fixed positions), so a row is the same bits as a
+    # decode, in any chunk, or after a prefix hit (the cache holds the model dtype's
+    # values exactly). Checked bit for bit (tests/test_invariance.py). Kinds not
+    # listed: run_to_run.
+    determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {
+        KVCacheSpecKind.FULL_ATTENTION: Determinism.PREFIX_HIT_INVARIANT,
+        KVCacheSpecKind.SLIDING_WINDOW: Determinism.PREFIX_HIT_INVARIANT,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.PREFIX_HIT_INVARIANT,
+    }
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
     # Every attention kind with K and V planes: the engines take every kind's Mask
     # (causal or bidirectional, window, chunk, sink tokens), and the write plan what each

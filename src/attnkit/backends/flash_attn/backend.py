@@ -38,7 +38,7 @@ from typing_extensions import override
 from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
-from ...capabilities import AttentionFeature, SizeRange
+from ...capabilities import AttentionFeature, Determinism, SizeRange
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
 from ...kinds import rules_for
@@ -50,6 +50,7 @@ from ...spec import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    KVCacheSpecKind,
     SlidingWindowSpec,
 )
 from . import _versions
@@ -257,6 +258,8 @@ class FlashAttentionMetadataBuilder(
         self.paged = rules.has_cache
         self.window_size = _versions.window_size(self.version, mask.window)
         self.max_blocks = math.ceil(self.max_model_len / spec.block_size) if self.paged else 0
+        # Batch-invariant: flash-attn 2 never gets max_seqlen_q == 1 (_fa2_max_seqlen_q).
+        self.invariant = config.determinism >= Determinism.BATCH_INVARIANT
 
         def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -339,6 +342,15 @@ class FlashAttentionMetadataBuilder(
         max_seqlen_q = cm.max_query_len
         if self.version == 2:
             max_seqlen_q = _fa2_max_seqlen_q(cm)
+            if self.invariant and max_seqlen_q == 1:
+                # Batch-invariant: never the reshaped GQA decode path. It is also
+                # flash-attn 2's only split-KV path ("Only apply split-k for decoding":
+                # set_params_splitkv picks num_splits from the batch size and the
+                # longest context) and it drops causal, so a decode row would take one
+                # kernel in an all-decode step and another beside a prefill. With
+                # max_seqlen_q >= 2 every step runs the one varlen kernel, num_splits
+                # 1, each request's rows over its own keys.
+                max_seqlen_q = 2
         return FlashAttentionMetadata(
             version=self.version,
             num_reqs=b,
@@ -700,6 +712,17 @@ class FlashAttentionBackend(AttentionBackend):
     supported_block_sizes = None  # flash-attn 2's multiple-of-256 rule is per version
     supported_features = _FEATURES
     options_type = FlashAttentionOptions
+    # The forward kernels use no atomics. Batch-invariant with flash-attn 2 only: at that
+    # level the builder keeps it off its batch-dependent GQA decode path (one kernel,
+    # no split-KV; _fa2_max_seqlen_q), an argument from its source (2.8.3
+    # mha_varlen_fwd) not yet run through check_invariance on a GPU. flash-attn 4 is
+    # refused at batch_invariant (extra_not_supported_reasons): attnkit pins none of
+    # its kernel heuristics.
+    deterministic = True
+    determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {
+        KVCacheSpecKind.FULL_ATTENTION: Determinism.BATCH_INVARIANT,
+        KVCacheSpecKind.SLIDING_WINDOW: Determinism.BATCH_INVARIANT,
+    }
     builders = bind_each(
         (FullAttentionSpec, SlidingWindowSpec, EncoderOnlyAttentionSpec, CrossAttentionSpec),
         FlashAttentionMetadataBuilder,
@@ -748,4 +771,12 @@ class FlashAttentionBackend(AttentionBackend):
             spec=spec,
             features=request.features,
         )
-        return list(choice.reasons)
+        reasons = list(choice.reasons)
+        wanted = request.config.determinism if request.config is not None else Determinism.NONE
+        if choice.version == 4 and wanted >= Determinism.BATCH_INVARIANT:
+            reasons.append(
+                f"determinism={wanted.label} is kept with flash-attn 2 only (attnkit pins "
+                "none of flash-attn 4's kernel choices); set "
+                'backend_options={"flash_attn": {"version": 2}}'
+            )
+        return reasons

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from typing_extensions import override
 
 from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_builder, bind_each
-from ...capabilities import AttentionFeature
+from ...capabilities import AttentionFeature, Determinism
 from ...kinds import rules_for
 from ...spec import (
     ATTENTION_SPEC_CLASSES,
     AttentionSpec,
     KVCacheDType,
+    KVCacheSpecKind,
     MambaSpec,
     MambaType,
 )
@@ -40,6 +42,16 @@ class ReferenceBackend(AttentionBackend):
     description = "pure torch, every kind, CPU and CUDA, float32 accumulation (the oracle)"
     # Measured on CPU: every call of every combination the kit makes, run twice, bit for bit.
     deterministic = True
+    # A loop over requests: each request's rows come from its own tensors only
+    # (tests/test_invariance.py, bit for bit). Not prefill = decode or chunking: the
+    # matrix products' rounding depends on how many query rows a request has in a step.
+    # State kinds: run_to_run (the chunked scan and the recurrent step round
+    # differently; docs/determinism.md).
+    determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {
+        KVCacheSpecKind.FULL_ATTENTION: Determinism.BATCH_INVARIANT,
+        KVCacheSpecKind.SLIDING_WINDOW: Determinism.BATCH_INVARIANT,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.BATCH_INVARIANT,
+    }
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
         {"auto", "float32", "float16", "bfloat16", "fp8_e4m3"}

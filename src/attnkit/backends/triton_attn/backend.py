@@ -32,7 +32,7 @@ from typing_extensions import override
 from ...backend import AttentionBackend, BackendRequest
 from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
-from ...capabilities import AttentionFeature, SizeRange, SizeRule
+from ...capabilities import AttentionFeature, Determinism, SizeRange, SizeRule
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import rules_for
@@ -46,6 +46,7 @@ from ...spec import (
     FullAttentionSpec,
     KVCacheDType,
     KVCacheSpec,
+    KVCacheSpecKind,
     SlidingWindowSpec,
 )
 from .._triton_env import triton_cpu_reasons
@@ -185,11 +186,17 @@ class TritonAttentionMetadataBuilder(
         # No cache (encoder-only): the step's own keys/values, in a scratch cache.
         self.scratch = not rules.has_cache
         self.num_sms: int = num_sms(device)
+        # Batch-invariant and above: the one-pass kernel for every step (no split-KV,
+        # whose split count the heuristic takes from the batch) and query tiles of a
+        # fixed size (not from the batch's longest query run), so a request's programs
+        # and their key walk do not depend on the other requests of the step.
+        self.invariant = config.determinism >= Determinism.BATCH_INVARIANT
         # Imported here (after selection): importing the backend must not import triton.
         # Assigned unannotated, so the attribute keeps the function's own signature.
-        from ...kernels.attention.triton_plan import plan_paged_attention
+        from ...kernels.attention.triton_plan import BLOCK_Q_MAX, plan_paged_attention
 
         self._plan_paged_attention = plan_paged_attention
+        self._invariant_block_q = BLOCK_Q_MAX
         self._graph: GraphBuffers | None = None
 
     @override
@@ -227,7 +234,8 @@ class TritonAttentionMetadataBuilder(
             chunk_size=self.chunk_size,
             num_tokens=cm.num_actual_tokens,
             # Split-KV for causal plain decode when the heuristic fills more SMs with it.
-            num_splits=None,
+            num_splits=0 if self.invariant else None,
+            block_q=self._invariant_block_q if self.invariant else None,
             num_sms=self.num_sms,
             query_start_loc_cpu=cm.query_start_loc_cpu,
             copy_to_device=host_to_device,
@@ -318,6 +326,7 @@ class TritonAttentionMetadataBuilder(
             num_tokens=step.num_tokens,
             num_splits=0,
             tile_offsets_out=step.tile_offsets,
+            block_q=self._invariant_block_q if self.invariant else None,
         )
         return TritonAttentionMetadata(
             query_start_loc=step.query_start_loc,
@@ -573,6 +582,17 @@ class TritonAttentionBackend(AttentionBackend):
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
+    # No atomics: the same launch gives the same bits. At batch_invariant the builder
+    # takes the one-pass kernel with fixed query tiles for every step (split-KV off), so
+    # a request's programs do not depend on its step's other requests; checked bit for
+    # bit under the interpreter (tests/test_invariance.py). Not prefill = decode: a
+    # token's row is computed in query tiles that start where its chunk starts.
+    deterministic = True
+    determinism: ClassVar[Mapping[KVCacheSpecKind, Determinism]] = {
+        KVCacheSpecKind.FULL_ATTENTION: Determinism.BATCH_INVARIANT,
+        KVCacheSpecKind.SLIDING_WINDOW: Determinism.BATCH_INVARIANT,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.BATCH_INVARIANT,
+    }
     builders = bind_each(
         (
             FullAttentionSpec,

@@ -398,6 +398,7 @@ def paged_attention(
         part_out_ptr=part_out,
         part_lse_ptr=part_lse,
         num_splits=plan.num_splits,
+        split_blocks=plan.split_blocks,
         stride_ps=part_out.stride(0),
         stride_pt=part_out.stride(1),
         stride_ph=part_out.stride(2),

@@ -299,6 +299,7 @@ def _split_kv_partial_kernel(
     num_reqs,
     search_iters,
     num_splits,
+    split_blocks,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -436,11 +437,16 @@ def _split_kv_partial_kernel(
             kv_begin = tl.maximum((first_q_pos // chunk) * chunk, 0)
         # This program's split: blocks [split_first, split_end) of the step's block
         # range, cut into num_splits nearly equal runs of consecutive blocks (sizes
-        # differ by at most one; with more splits than blocks some runs are empty).
+        # differ by at most one; with more splits than blocks some runs are empty), or,
+        # with split_blocks > 0, runs of split_blocks blocks each (the last ones empty):
+        # then a row's partition follows its own keys only, never the batch.
         first_block = kv_begin // BLOCK_SIZE
         num_blocks = tl.maximum((kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE - first_block, 0)
         split_first = first_block + (num_blocks * split) // num_splits
         split_end = first_block + (num_blocks * (split + 1)) // num_splits
+        if split_blocks > 0:
+            split_first = first_block + split * split_blocks
+            split_end = tl.minimum(split_first + split_blocks, first_block + num_blocks)
         lo = tl.maximum(split_first * BLOCK_SIZE, kv_begin)
         hi = tl.minimum(split_end * BLOCK_SIZE, kv_end)
 

@@ -97,6 +97,9 @@ class PagedAttentionPlan:
             ``exact_grid``, else a bound that depends on shapes only.
         exact_grid: whether ``num_tiles`` came from the host copy of the offsets.
         num_splits: 0 for the one-pass kernel, ``S >= 1`` for split-KV with ``S`` splits.
+        split_blocks: 0: each request's keys cut into ``num_splits`` nearly equal runs;
+            ``n > 0``: runs of ``n`` blocks each (``split_tokens``), ``num_splits`` a
+            bound only.
         search_iters: binary-search steps over ``tile_offsets``.
         context_shard: ``(rank, size)`` when the cache is a decode context-parallel
             shard (local key ``j`` at position ``j * size + rank``); ``None`` otherwise.
@@ -125,6 +128,7 @@ class PagedAttentionPlan:
     num_splits: int
     search_iters: int
     context_shard: tuple[int, int] | None = None
+    split_blocks: int = 0
     global_seq_lens: torch.Tensor | None = None
     shard_lens: torch.Tensor | None = None
 
@@ -217,6 +221,8 @@ def plan_paged_attention(
     tile_offsets_out: torch.Tensor | None = None,
     context_shard: tuple[int, int] | None = None,
     global_seq_lens: torch.Tensor | None = None,
+    block_q: int | None = None,
+    split_tokens: int | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's batch metadata once and lay out its launches.
 
@@ -250,6 +256,18 @@ def plan_paged_attention(
             kernels then return the shard's partial attention, to be merged by lse.
         global_seq_lens: int32 ``[B]`` on ``device``: every request's whole length
             (where its queries sit); required with ``context_shard``.
+        block_q: query tokens per tile, a power of two ``<= BLOCK_Q_MAX``; None: the
+            smallest power of two holding ``max_query_len`` (capped). A batch-invariant
+            caller fixes it, so that no request's tiles depend on the batch's longest
+            query run.
+        split_tokens: with ``num_splits >= 1``: every split covers this many keys (a
+            multiple of ``block_size``) from a row's first visible block, and
+            ``num_splits`` only bounds them (``num_splits * split_tokens >=
+            max_seq_len``): a fixed split size rather than a fixed number of splits,
+            so a request's partition, hence its bits, do not depend on the batch (give
+            the same ``num_splits`` every step, e.g. from the longest context served:
+            the merge's reduction has that many slots). None: ``num_splits`` nearly
+            equal runs.
 
     Raises:
         ValueError (TypeError too for wrong Python types): naming the argument.
@@ -294,7 +312,30 @@ def plan_paged_attention(
                 f"num_splits={num_splits} (split-KV is a decode path), got {max_query_len}"
             )
 
-    block_q = _block_q(max_query_len)
+    split_blocks = 0
+    if split_tokens is not None:
+        split_tokens = check_int_arg("split_tokens", split_tokens, block_size)
+        if split_tokens % block_size:
+            raise ValueError(
+                f"split_tokens: expected a multiple of block_size={block_size}, got {split_tokens}"
+            )
+        if not num_splits:
+            raise ValueError(
+                f"split_tokens: needs num_splits >= 1 (the bound on splits), got "
+                f"num_splits={num_splits}"
+            )
+        if num_splits * split_tokens < max_seq_len:
+            raise ValueError(
+                f"num_splits: {num_splits} splits of split_tokens={split_tokens} keys cover "
+                f"{num_splits * split_tokens}, less than max_seq_len={max_seq_len}"
+            )
+        split_blocks = split_tokens // block_size
+    if block_q is None:
+        block_q = _block_q(max_query_len)
+    else:
+        block_q = check_int_arg("block_q", block_q, 1, BLOCK_Q_MAX)
+        if block_q & (block_q - 1):
+            raise ValueError(f"block_q: expected a power of two <= {BLOCK_Q_MAX}, got {block_q}")
     bound = _tile_bound(num_tokens, num_reqs, max_query_len, block_q)
     if tile_offsets_out is not None:
         out_buf = require_tensor(
@@ -368,6 +409,7 @@ def plan_paged_attention(
         num_splits=num_splits,
         search_iters=search_iters(num_reqs),
         context_shard=context_shard,
+        split_blocks=split_blocks,
         global_seq_lens=global_seq_lens,
         shard_lens=(torch.cat([seq_lens, global_seq_lens]) if global_seq_lens is not None else None),
     )

@@ -74,6 +74,7 @@ def split_kv_decode(
     output: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: SplitKVWorkspace | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Split-KV attention of a decode batch over the paged ``kv_cache``.
 
@@ -102,6 +103,10 @@ def split_kv_decode(
             included); not computed when not given.
         workspace: optional scratch (:class:`SplitKVWorkspace`,
             :func:`split_kv_workspace`); allocated per call when not given.
+        split_tokens: keys per split (a multiple of the block size); ``num_splits`` is
+            then a bound (``num_splits * split_tokens >= max_seq_len``) and a request's
+            result does not depend on the rest of the batch when ``num_splits`` is the
+            same every call (see :func:`plan_paged_attention`).
 
     Returns:
         ``output`` (allocated when not given). Rows at or past ``query_start_loc[B]``
@@ -125,6 +130,7 @@ def split_kv_decode(
         num_tokens=query.shape[0],
         num_splits=num_splits,
         device=query.device,
+        split_tokens=split_tokens,
     )
     return paged_attention(
         query,
