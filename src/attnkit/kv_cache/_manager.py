@@ -7,6 +7,7 @@ caching on, the pool is a ``CachedPool``, every cacheable group's blocks come fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,12 +173,16 @@ class KVCacheManager:
         self._paged = any(slab is not None for slab in self.slabs)
         self._take: list[Callable[[int], list[int] | Ints32]] = []
         self._give_back: list[Callable[[Ints32 | list[int]], None]] = []
-        for slab, c in zip(self.slabs, cached, strict=True):
+        for gid, (slab, c) in enumerate(zip(self.slabs, cached, strict=True)):
             source: BlockPool | PageSlab | CachedSlab = (
                 c if c is not None else slab if slab is not None else self.pool
             )
+            if c is not None and c.blocks_per_page == 1:
+                c.held = functools.partial(self._held_entries, gid)
+                # Its take is the pool's (a new block's one holder is implicit).
+                source = self.pool
             self._take.append(source.take)
-            self._give_back.append(source.give_back)
+            self._give_back.append((c if c is not None else source).give_back)
         self._rows: dict[str, int] = {}
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
@@ -769,6 +774,16 @@ class KVCacheManager:
         owners, cols = spans(grow, have, rows)
         tables.table[owners, cols] = self._take[group_id](owners.size)
         tables.num_blocks[rows] = have + grow
+
+    def _held_entries(self, group_id: int) -> Ints32:
+        """Every table entry of group ``group_id`` that holds a block (non-null, live
+        columns, one per entry: a block two requests hold appears twice)."""
+        tables = self._tables[group_id]
+        cols = np.arange(tables.table.shape[1])
+        live = (cols >= tables.first_live[:, None]) & (cols < tables.num_blocks[:, None])
+        used = tables.table[live]
+        held: Ints32 = used[used != NULL_BLOCK]
+        return held
 
     def _blocks_held(self, row: int) -> int:
         held = 0
