@@ -1131,6 +1131,8 @@ def _give_back_forgets_sharers(self: CachedSlab, blocks: Any) -> None:
     if self.blocks_per_page == 1 and self.shared:
         self.extra[np.asarray(blocks, dtype=np.int64)] = 0
     _give_back(self, blocks)
+
+
 _preview = _cached.CachedSlab.preview
 _register = _cached.CachedSlab.register
 

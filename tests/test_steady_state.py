@@ -121,7 +121,10 @@ def test_a_look_ahead_one_step_too_far_is_caught(monkeypatch: pytest.MonkeyPatch
         if self._steady_rows is not None:
             self._steady_left += 1
 
-    monkeypatch.setattr(KVCacheManager, "_look_ahead", too_far)
-    with pytest.raises(AssertionError):
+    def every_seed() -> None:
         for seed in range(6):
             drive(seed, caching=False)
+
+    monkeypatch.setattr(KVCacheManager, "_look_ahead", too_far)
+    with pytest.raises(AssertionError):
+        every_seed()

@@ -529,9 +529,9 @@ class CachedSlab:
         named = self.named[uniq]
         k = self.blocks_per_page
         if k == 1:  # given back: live; touched: named, so live or idle
-            idle = self.pool.idle
+            idle_pages = self.pool.idle
             blocks: list[int] = uniq.tolist()
-            was_idle = np.fromiter(map(idle.__contains__, blocks), np.bool_, len(blocks))
+            was_idle = np.fromiter(map(idle_pages.__contains__, blocks), np.bool_, len(blocks))
             before = np.where(was_idle, 0, self._counts[uniq].astype(np.int64) + 1)
         else:
             before = self._counts[uniq].astype(np.int64)

@@ -89,7 +89,8 @@ class _Growth:
 def _growth_key(group: KVCacheGroup, rules: KindRules[Any]) -> tuple[int, int] | None:
     """Groups with the same key need the same logical blocks at every length (the
     default ``blocks_needed``, one block size and shift); ``None``: a kind's own."""
-    if type(rules).blocks_needed is not KindRules.blocks_needed:
+    owner = next(c for c in type(rules).__mro__ if "blocks_needed" in c.__dict__)
+    if owner is not KindRules:
         return None
     return (group.spec.block_size, rules.shift(group.spec))
 
@@ -623,10 +624,13 @@ class KVCacheManager:
     def _is_steady(self, rows: Ints, lens: StepLens) -> bool:
         """Whether ``rows`` and ``lens`` are the look-ahead's: the same rows, each with
         the tokens the cache holds, one more each."""
+        computed: list[int] = lens.computed.tolist()
+        query: list[int] = lens.query.tolist()
+        row_ids: list[int] = rows.tolist()
         return (
-            lens.computed.tolist() == self._steady_computed
-            and lens.query.tolist() == self._steady_ones
-            and rows.tolist() == self._steady_row_ids
+            computed == self._steady_computed
+            and query == self._steady_ones
+            and row_ids == self._steady_row_ids
         )
 
     def _look_ahead(self, rows: Ints, lens: StepLens) -> None:
@@ -651,7 +655,7 @@ class KVCacheManager:
             if rules.releases:  # a release: the first live block moves
                 before = np.tile(tables.first_live[rows], ahead)
                 still &= np.minimum(rules.first_live_block(group.spec, future), have) <= before
-        steady = still.reshape(ahead, n).all(axis=1)
+        steady = np.reshape(still, (ahead, n)).all(axis=1)
         left = ahead if steady.all() else int(np.argmin(steady))
         if left:
             self._steady_rows, self._steady_left = rows, left

@@ -656,8 +656,12 @@ class PrefixCache:
             return
         slab = self.slabs[gid]
         assert slab is not None
-        salt_free = tracked.match._salt_free[self.layouts[gid]] if start == 0 else None
-        slab.defer(entries.copy(), tracked.names[gid][start:end], salt_free)
+        salt_free = None
+        if start == 0:
+            lay = self.layouts[gid]
+            assert lay is not None
+            salt_free = tracked.match._salt_free[lay]
+        slab.defer(np.array(entries), tracked.names[gid][start:end], salt_free)
         flushed[gid] = end
 
     def _flush(self, tracked: _Tracked, only: int | None) -> None:
