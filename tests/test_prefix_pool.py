@@ -1121,6 +1121,18 @@ def _idle_before_free(self: CachedPool, n: int) -> list[int]:
 
 
 _match = _prefix.PrefixCache.match
+_give_back = _cached.CachedSlab.give_back
+
+
+def _give_back_forgets_sharers(self: CachedSlab, blocks: Any) -> None:
+    """A give back that, while blocks are shared, drops the holders beyond the first
+    of the blocks given back (a block one request still holds looks unshared, one
+    both still hold looks held once)."""
+    if self.blocks_per_page == 1 and self.shared:
+        self.extra[np.asarray(blocks, dtype=np.int64)] = 0
+    _give_back(self, blocks)
+
+
 _preview = _cached.CachedSlab.preview
 _register = _cached.CachedSlab.register
 
@@ -1159,6 +1171,11 @@ def _check_ignores_hits(self: CachedSlab, ids: Any, signs: Any) -> _cached.Previ
 BROKEN: dict[str, tuple[object, str, Callable[..., Any]]] = {
     "a hit that is not a whole block": (_prefix.PrefixCache, "match", _hit_past_the_block),
     "a hit that forgets a ref": (_cached.CachedSlab, "touch", _forget_a_ref),
+    "a give back that forgets the sharers": (
+        _cached.CachedSlab,
+        "give_back",
+        _give_back_forgets_sharers,
+    ),
     "a partial block named": (_prefix.PrefixCache, "note_step", _named_when_partial),
     "cached pages evicted before free ones": (_cached.CachedPool, "take", _idle_before_free),
 }

@@ -169,7 +169,8 @@ def slots_of(
     """Cache slot of each token: its request's block ``block_idx`` and the offset in it
     (``table`` ``[B, MB]``, one row per request of the step)."""
     blocks = table[token_req, block_idx].astype(np.int64)
-    if not blocks.all():  # the null block (0) for a live position: a manager bug
+    if np.count_nonzero(blocks) != blocks.size:  # a null block (0) for a live position:
+        # a manager bug
         raise AssertionError("a live position maps to the null block")
     slots: Ints = blocks * block_size + offset
     return slots

@@ -9,6 +9,13 @@ block, reusable by a hit) or not. A page is **pinned** (one of its blocks is liv
 back in the pool. So with one kernel block per page a free unnamed block is a free
 page, and a named free block an idle page.
 
+Ref counts. With several kernel blocks per page the slab keeps every block's count
+(its pages' live blocks are read from them). With one, a block is live exactly while
+it is neither free in the pool nor idle, so the slab keeps only the holders beyond the
+first (``extra``): a block nobody shares has ref count 1 implicitly, and taking or
+freeing an unshared block writes no count (most steps share nothing). ``refs`` gives
+the effective counts either way.
+
 Where a group's new blocks come from, in order (the step check counts exactly this):
 
 1. the free unnamed blocks of its pinned pages;
@@ -54,9 +61,9 @@ evicted rather than never computed."""
 
 Ints = npt.NDArray[np.int64]
 
-_FEW = 8
+_FEW = 32
 """Up to this many blocks, a Python loop over a memoryview costs less than one numpy
-call; past it, numpy."""
+call (a fancy-index write); past it, numpy."""
 
 
 class PageKeeper(Protocol):
@@ -134,7 +141,11 @@ class CachedSlab:
         blocks_per_page: ``k``.
         namespace: the group's namespace (a pool key is ``(namespace, name)``; the slab
             is one namespace, so its maps are keyed by name alone).
-        refs: int32 ``[num_blocks * k]``, read only: each kernel block's holders.
+        refs: int32 ``[num_blocks * k]``, read only: each kernel block's holders (the
+            effective counts; with ``k == 1`` made from the manager's tables and
+            ``extra``, for checks and reports).
+        extra: with ``k == 1``, int32 ``[num_blocks]``, read only: each block's holders
+            beyond the first (0 for a block nobody shares, and for every free block).
         named: bool ``[num_blocks * k]``, read only: the blocks that hold a name.
         block_of: name -> its kernel block; ``name_of``: the reverse.
         evicted: the last ``EVICTED_MEMORY`` names evicted (oldest first).
@@ -152,14 +163,18 @@ class CachedSlab:
         self.blocks_per_page = k = blocks_per_page
         self.namespace = namespace
         size = pool.num_blocks * k
-        self.refs: Ints32 = np.zeros(size, dtype=np.int32)
+        # k > 1: every kernel block's holders; k == 1: the holders beyond the first.
+        self._counts: Ints32 = np.zeros(size, dtype=np.int32)
+        self.extra: Ints32 = self._counts
         self.named: npt.NDArray[np.bool_] = np.zeros(size, dtype=np.bool_)
         # Per-block reads and writes from Python go through memoryviews of the same bytes:
         # a step moves a few blocks per group, where one numpy call costs more than a
         # short Python loop.
-        self._refs_mv: memoryview = self.refs.data
         self._named_mv: memoryview = self.named.data
-        self._refs_by_page: Ints32 = np.reshape(self.refs, (pool.num_blocks, k))
+        self._refs_by_page: Ints32 = np.reshape(self._counts, (pool.num_blocks, k))
+        self.held: Callable[[], Ints32] | None = None
+        """With ``k == 1``: the group's table entries that hold a block (non-null, one
+        per entry), set by the manager; ``refs`` and ``owned`` read it."""
         self._named_by_page: npt.NDArray[np.bool_] = np.reshape(self.named, (pool.num_blocks, k))
         self._owned: npt.NDArray[np.bool_] = np.zeros(pool.num_blocks, dtype=np.bool_)
         self.block_of: dict[bytes, int] = {}
@@ -182,6 +197,18 @@ class CachedSlab:
     # ------------------------------------------------------------------ introspection
 
     @property
+    def refs(self) -> Ints32:
+        """int32 ``[num_blocks * k]``: each kernel block's holders (a copy). With
+        ``k == 1``: 1 + ``extra`` for the blocks the tables hold, ``extra`` elsewhere
+        (0 when the slab is right)."""
+        if self.blocks_per_page > 1:
+            return np.array(self._counts)
+        counts: Ints32 = np.array(self._counts)
+        if self.held is not None:  # the first holder of every block a table holds
+            counts[np.unique(self.held())] += 1
+        return counts
+
+    @property
     def owned(self) -> npt.NDArray[np.bool_]:
         """bool ``[num_blocks]``: the pages the slab holds (pinned or idle)."""
         if self.blocks_per_page == 1:
@@ -202,7 +229,9 @@ class CachedSlab:
 
     def num_cached_free(self) -> int:
         """Named kernel blocks no request holds (evictable)."""
-        return int(np.count_nonzero(self.named & (self.refs == 0)))
+        if self.blocks_per_page == 1:  # a named free block is an idle page
+            return sum(1 for keeper in self.pool.idle.values() if keeper is self)
+        return int(np.count_nonzero(self.named & (self._counts == 0)))
 
     # ------------------------------------------------------------------ names
 
@@ -253,12 +282,7 @@ class CachedSlab:
         goes back to the pool from the idle pages: a reclaim, a lookup, a register and
         the reports settle first."""
         assert self.blocks_per_page == 1, "deferred names need one block per page"
-        if ids.size > _FEW:
-            self.named[ids] = True
-        else:
-            named = self._named_mv
-            for block in ids.tolist():
-                named[block] = True
+        self.named.put(ids, True)  # (cheaper than an indexed write, and than a loop past 8)
         self._deferred.append((ids, names, salt_free_first))
         self.pool.deferred[self] = None
 
@@ -266,12 +290,13 @@ class CachedSlab:
         """Make the deferred names (``defer``), in order."""
         deferred, self._deferred = self._deferred, []
         self.pool.deferred.pop(self, None)
-        refs, named, idle = self._refs_mv, self._named_mv, self.pool.idle
+        named, idle = self._named_mv, self.pool.idle
         for ids, names, salt_free in deferred:
             self.named[ids] = False
             blocks: list[int] = ids.tolist()
             self.register(blocks, names, salt_free, ids)
-            back = [b for b in blocks if not named[b] and not refs[b]]
+            # A free block was named when it was freed: it is idle.
+            back = [b for b in blocks if not named[b] and b in idle]
             for block in back:  # free and named only for a while: back to the pool
                 del idle[block]
             if back:
@@ -337,12 +362,8 @@ class CachedSlab:
         if n <= 0:
             return []
         k = self.blocks_per_page
-        if k == 1:
-            pages = self.pool.take(n)
-            refs = self._refs_mv
-            for page in pages:
-                refs[page] = 1
-            return pages
+        if k == 1:  # a free block has no extra holder: each is live once
+            return self.pool.take(n)
         taken: list[int] = []
         unnamed = self._unnamed
         while unnamed and len(taken) < n:
@@ -362,7 +383,7 @@ class CachedSlab:
             # The rest are free unnamed blocks of now pinned pages (the next on top).
             unnamed.update(dict.fromkeys(blocks[short:][::-1].tolist()))
         ids = np.array(taken, dtype=np.int32)
-        self.refs[ids] = 1
+        self._counts[ids] = 1
         return ids
 
     def touch(self, blocks: Ints32 | Sequence[int]) -> None:
@@ -372,17 +393,24 @@ class CachedSlab:
         if ids.size == 0:
             return
         uniq, counts = np.unique(ids, return_counts=True)
-        before = self.refs[uniq].astype(np.int64)
-        after = before + counts
-        self.refs[uniq] = after
+        k = self.blocks_per_page
+        idle = self.pool.idle
+        if k == 1:  # a named block is live or idle; a live one holds 1 + extra
+            blocks_of: list[int] = uniq.tolist()
+            was_idle = np.fromiter(map(idle.__contains__, blocks_of), np.bool_, len(blocks_of))
+            before = np.where(was_idle, 0, self._counts[uniq].astype(np.int64) + 1)
+            after = before + counts
+            self._counts[uniq] = after - 1
+        else:
+            before = self._counts[uniq].astype(np.int64)
+            after = before + counts
+            self._counts[uniq] = after
         more = int((np.maximum(after - 1, 0) - np.maximum(before - 1, 0)).sum())
         self.shared += more
         self.pool.shared += more
         revived = uniq[before == 0].tolist()
         if not revived:
             return
-        k = self.blocks_per_page
-        idle = self.pool.idle
         if k == 1:
             for block in revived:
                 del idle[block]
@@ -406,19 +434,16 @@ class CachedSlab:
         blocks tail first); blocks left with none are free: named ones stay cached,
         unnamed ones (and pages left with neither) go back."""
         if not self.shared and self.blocks_per_page == 1:
-            # Every live block has one holder (no repeats, all freed), and a block is its
-            # page: the common case (a decode step's window releases, a free).
+            # Every live block has one holder (no repeats, all freed; no count to
+            # change), and a block is its page: the common case (a decode step's window
+            # releases, a free).
             given: list[int] = blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
-            holders = self._refs_mv
             if not self.name_of and not self._deferred:
-                for block in given:
-                    holders[block] = 0
                 self.pool.give_back(given)
                 return
             named, idle = self._named_mv, self.pool.idle
             back: list[int] = []
             for block in given:
-                holders[block] = 0
                 if named[block]:
                     idle[block] = self
                 else:
@@ -429,8 +454,20 @@ class CachedSlab:
         ids = np.asarray(blocks, dtype=np.int64)
         if ids.size == 0:
             return
-        refs = self.refs
-        if not self.shared:  # every live block has one holder: no repeats, all freed
+        refs = self._counts
+        if self.blocks_per_page == 1:  # some block is shared: ``extra`` counts
+            uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+            extra = refs[uniq].astype(np.int64)
+            after = extra + 1 - counts  # holders left
+            refs[uniq] = np.maximum(after - 1, 0)
+            fewer = int((extra - np.maximum(after - 1, 0)).sum())
+            self.shared -= fewer
+            self.pool.shared -= fewer
+            at_zero = ids[(after == 0)[np.reshape(inverse, -1)]]
+            freed = np.array(list(dict.fromkeys(at_zero.tolist())), dtype=np.int64)
+            if freed.size == 0:
+                return
+        elif not self.shared:  # every live block has one holder: no repeats, all freed
             refs[ids] = 0
             freed = ids
         else:
@@ -489,10 +526,16 @@ class CachedSlab:
             return Preview()
         uniq, inverse = np.unique(ids, return_inverse=True)
         net = np.bincount(inverse, weights=signs, minlength=uniq.size).astype(np.int64)
-        before = self.refs[uniq].astype(np.int64)
-        after = before + net
         named = self.named[uniq]
         k = self.blocks_per_page
+        if k == 1:  # given back: live; touched: named, so live or idle
+            idle_pages = self.pool.idle
+            blocks: list[int] = uniq.tolist()
+            was_idle = np.fromiter(map(idle_pages.__contains__, blocks), np.bool_, len(blocks))
+            before = np.where(was_idle, 0, self._counts[uniq].astype(np.int64) + 1)
+        else:
+            before = self._counts[uniq].astype(np.int64)
+        after = before + net
         if k == 1:
             idle = int(np.count_nonzero((after == 0) & named)) - int(
                 np.count_nonzero((before == 0) & named)

@@ -7,6 +7,7 @@ caching on, the pool is a ``CachedPool``, every cacheable group's blocks come fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,13 @@ from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, BlockPool, Ints32, PageSlab
 from ._prefix import PrefixCache, PrefixHitTables, PrefixMatch
+
+STEADY_MAX_REQS = 16
+"""Up to this many requests, a decode step looks ahead for how many more decode steps of
+the same requests change no table (``KVCacheManager.allocate_rows``' steady state); in
+larger batches some request crosses a block boundary at nearly every step."""
+STEADY_LOOKAHEAD = 32
+"""How many decode steps ahead that look goes."""
 
 RECENTLY_FREED = 4096
 """How many freed request ids the manager remembers, to tell "already freed" apart
@@ -65,6 +73,26 @@ class _Tables:
             new = np.zeros(new_rows, dtype=np.int64)
             new[:old_rows] = old
             setattr(self, name, new)
+
+
+@dataclasses.dataclass(slots=True)
+class _Growth:
+    """The table entries one group's growth fills in a step: the rows that grow, their
+    lengths after it, and each new entry's row and column."""
+
+    rows: Ints
+    after: Ints
+    owners: Ints
+    cols: Ints
+
+
+def _growth_key(group: KVCacheGroup, rules: KindRules[Any]) -> tuple[int, int] | None:
+    """Groups with the same key need the same logical blocks at every length (the
+    default ``blocks_needed``, one block size and shift); ``None``: a kind's own."""
+    owner = next(c for c in type(rules).__mro__ if "blocks_needed" in c.__dict__)
+    if owner is not KindRules:
+        return None
+    return (group.spec.block_size, rules.shift(group.spec))
 
 
 @dataclasses.dataclass(slots=True)
@@ -172,12 +200,32 @@ class KVCacheManager:
         self._paged = any(slab is not None for slab in self.slabs)
         self._take: list[Callable[[int], list[int] | Ints32]] = []
         self._give_back: list[Callable[[Ints32 | list[int]], None]] = []
-        for slab, c in zip(self.slabs, cached, strict=True):
+        for gid, (slab, c) in enumerate(zip(self.slabs, cached, strict=True)):
             source: BlockPool | PageSlab | CachedSlab = (
                 c if c is not None else slab if slab is not None else self.pool
             )
+            if c is not None and c.blocks_per_page == 1:
+                c.held = functools.partial(self._held_entries, gid)
+                # Its take is the pool's (a new block's one holder is implicit).
+                source = self.pool
             self._take.append(source.take)
-            self._give_back.append(source.give_back)
+            self._give_back.append((c if c is not None else source).give_back)
+        keys = [_growth_key(g, r) for g, r in zip(self.groups, self._rules, strict=True)]
+        self._growth_twin: list[int | None] = [
+            None if key is None or keys.index(key) == gid else keys.index(key)
+            for gid, key in enumerate(keys)
+        ]
+        """Per group: an earlier group whose tables grow alike (the same logical blocks
+        at every length, so the same ``num_blocks`` for every row, always), whose
+        step figures it reuses; else ``None``."""
+        self._steady_max = STEADY_MAX_REQS
+        self._steady_rows: Ints | None = None
+        """The rows of the steady state (``_look_ahead``), ``None`` outside it."""
+        self._steady_left = 0
+        self._steady_version = -1
+        self._steady_computed: list[int] = []
+        self._steady_ones: list[int] = []
+        self._steady_row_ids: list[int] = []
         self._rows: dict[str, int] = {}
         capacity = 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
@@ -456,6 +504,25 @@ class KVCacheManager:
             StalePrefixError: a match whose blocks were evicted since (nothing changed).
         """
         prefix = self.prefix
+        if (
+            rows is self._steady_rows
+            and self._steady_left
+            and not finished
+            and prefixes is None
+            and self.rows_version == self._steady_version
+            and self._is_steady(rows, lens)
+        ):
+            # The steady state: the same requests decode one token each, and the
+            # look-ahead of the last full step showed that no table changes.
+            if prefix is not None and prefix.pending:
+                prefix.commit()
+            self._steady_left -= 1
+            self._steady_computed = lens.total.tolist()
+            self._num_tokens[rows] = lens.total
+            if prefix is not None:
+                prefix.note_step(rows, lens)
+            return rows
+        self._steady_rows = None
         if prefix is not None:
             if prefix.pending:
                 prefix.commit()  # the last step is done: its blocks get their names
@@ -473,14 +540,23 @@ class KVCacheManager:
         new = rows < 0
         any_new = bool(new.any())
         old_rows = np.where(new, 0, rows) if any_new else rows
-        for group, rules, slab in zip(self.groups, self._rules, self.slabs, strict=True):
+        growth: list[tuple[Ints, Ints, int, int]] = []
+        for group, rules, slab, twin in zip(
+            self.groups, self._rules, self.slabs, self._growth_twin, strict=True
+        ):
             tables = self._tables[group.group_id]
-            have = tables.num_blocks[old_rows]
-            if any_new:
-                have[new] = 0
-            after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
-            grow = after_grow - have
-            width = int(after_grow.max()) if after_grow.size else 0
+            if twin is not None:  # an earlier group grows alike: its figures are this one's
+                have, grow, width, new_blocks = growth[twin]
+                growth.append(growth[twin])
+            else:
+                have = tables.num_blocks[old_rows]
+                if any_new:
+                    have[new] = 0
+                after_grow = np.maximum(rules.blocks_needed(group.spec, lens), have)
+                grow = after_grow - have
+                width = int(after_grow.max()) if after_grow.size else 0
+                new_blocks = int(grow.sum())
+                growth.append((have, grow, width, new_blocks))
             released = 0
             release_at: tuple[Ints, Ints, Ints32] | None = None
             if rules.releases:
@@ -496,7 +572,6 @@ class KVCacheManager:
                     release_at = _released_entries(tables, rows, before, after)
             else:
                 before = after = _NO_INTS
-            new_blocks = int(grow.sum())
             total_new += new_blocks
             plans.append(
                 _StepPlan(group, grow, before, after, width, new_blocks, released, release_at)
@@ -528,14 +603,66 @@ class KVCacheManager:
                 self._release_entries(plan.group.group_id, rows, plan.release_to, plan.release_at)
             elif plan.released:  # (a step that releases nothing changes no table)
                 self._release(plan.group.group_id, rows, plan.release_from, plan.release_to)
-        for plan in plans:
-            if plan.new:  # (most decode steps grow few groups' tables, often none)
-                self._grow(plan.group.group_id, rows, plan.grow, plan.width)
+        grown: list[_Growth | None] = []
+        for plan, twin in zip(plans, self._growth_twin, strict=True):
+            if not plan.new:  # (most decode steps grow few groups' tables, often none)
+                grown.append(None)
+                continue
+            gid = plan.group.group_id
+            made = self._grow(
+                gid, rows, plan.grow, plan.width, grown[twin] if twin is not None else None
+            )
+            grown.append(made)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
+        if 0 < rows.size <= self._steady_max and not any_new and not finished:
+            self._look_ahead(rows, lens)
         if prefix is not None:
             prefix.note_step(rows, lens)
         return rows
+
+    def _is_steady(self, rows: Ints, lens: StepLens) -> bool:
+        """Whether ``rows`` and ``lens`` are the look-ahead's: the same rows, each with
+        the tokens the cache holds, one more each."""
+        computed: list[int] = lens.computed.tolist()
+        query: list[int] = lens.query.tolist()
+        row_ids: list[int] = rows.tolist()
+        return (
+            computed == self._steady_computed
+            and query == self._steady_ones
+            and row_ids == self._steady_row_ids
+        )
+
+    def _look_ahead(self, rows: Ints, lens: StepLens) -> None:
+        """After a step of ``rows``: if it decoded one token each, how many more such
+        steps of the same rows change no table (each kind's rules asked for every one
+        of ``STEADY_LOOKAHEAD`` steps ahead); those steps take the steady path."""
+        n = rows.size
+        ones: list[int] = [1] * n
+        if lens.query.tolist() != ones:
+            return
+        ahead = STEADY_LOOKAHEAD
+        computed = (lens.total[None, :] + np.arange(ahead)[:, None]).ravel()
+        future = StepLens(computed, np.ones_like(computed), np.tile(lens.encoder, ahead))
+        still = np.ones(computed.size, dtype=np.bool_)
+        for gid, (group, rules, twin) in enumerate(
+            zip(self.groups, self._rules, self._growth_twin, strict=True)
+        ):
+            tables = self._tables[gid]
+            have = np.tile(tables.num_blocks[rows], ahead)
+            if twin is None:  # (a twin needs the same blocks)
+                still &= rules.blocks_needed(group.spec, future) <= have
+            if rules.releases:  # a release: the first live block moves
+                before = np.tile(tables.first_live[rows], ahead)
+                still &= np.minimum(rules.first_live_block(group.spec, future), have) <= before
+        steady = np.reshape(still, (ahead, n)).all(axis=1)
+        left = ahead if steady.all() else int(np.argmin(steady))
+        if left:
+            self._steady_rows, self._steady_left = rows, left
+            self._steady_version = self.rows_version
+            self._steady_computed = lens.total.tolist()
+            self._steady_ones = ones
+            self._steady_row_ids = rows.tolist()
 
     def _allocate_cached(
         self,
@@ -758,17 +885,35 @@ class KVCacheManager:
         self._give_back[group_id](dead)
         tables.first_live[rows] = np.maximum(tables.first_live[rows], after)
 
-    def _grow(self, group_id: int, rows: Ints, grow: Ints, width: int) -> None:
-        growing = np.flatnonzero(grow)
-        if growing.size == 0:
-            return
+    def _grow(
+        self, group_id: int, rows: Ints, grow: Ints, width: int, like: _Growth | None = None
+    ) -> _Growth | None:
+        """Grow the tables of ``rows`` by ``grow`` blocks each; ``like``: the entries a
+        group that grows alike (``_growth_twin``) filled this step, reused. Returns the
+        entries filled (``None``: none)."""
         tables = self._tables[group_id]
-        rows, grow = rows[growing], grow[growing]
-        have = tables.num_blocks[rows]
+        if like is None:
+            growing = np.flatnonzero(grow)
+            if growing.size == 0:
+                return None
+            rows, grow = rows[growing], grow[growing]
+            have = tables.num_blocks[rows]
+            owners, cols = spans(grow, have, rows)
+            like = _Growth(rows, have + grow, owners, cols)
         tables.grow(0, width)
-        owners, cols = spans(grow, have, rows)
-        tables.table[owners, cols] = self._take[group_id](owners.size)
-        tables.num_blocks[rows] = have + grow
+        tables.table[like.owners, like.cols] = self._take[group_id](like.owners.size)
+        tables.num_blocks[like.rows] = like.after
+        return like
+
+    def _held_entries(self, group_id: int) -> Ints32:
+        """Every table entry of group ``group_id`` that holds a block (non-null, live
+        columns, one per entry: a block two requests hold appears twice)."""
+        tables = self._tables[group_id]
+        cols = np.arange(tables.table.shape[1])
+        live = (cols >= tables.first_live[:, None]) & (cols < tables.num_blocks[:, None])
+        used = tables.table[live]
+        held: Ints32 = used[used != NULL_BLOCK]
+        return held
 
     def _blocks_held(self, row: int) -> int:
         held = 0

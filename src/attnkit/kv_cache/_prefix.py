@@ -234,6 +234,7 @@ class _Tracked:
     flushed: list[int]
     names: list[tuple[bytes, ...]]  # per group: its layout's prompt block names
     tainted: bool = False
+    prompt: int = 0  # match.num_prompt_tokens
 
 
 class PrefixCache:
@@ -303,6 +304,10 @@ class PrefixCache:
         self._eager = [gid for gid, _, _ in self._cached_groups if self.rules[gid].releases]
         """The cached groups that release blocks: named at the commit."""
         self._lazy = len(self._eager) < len(self._cached_groups)
+        self._block_layout = [
+            (0, 1) if lay is None else (lay.shift, lay.block_size) for lay in self.layouts
+        ]
+        """Per group: its layout's (shift, block size) (``lay.full_blocks``, inlined)."""
         self._deferrable = [s is not None and s.blocks_per_page == 1 for s in self.slabs]
         """Per group: whether its slab can defer names (``CachedSlab.defer``)."""
         pools = [s.pool for s in self.slabs if s is not None]
@@ -550,7 +555,9 @@ class PrefixCache:
         for gid, _, lay in self._cached_groups:
             flushed[gid] = lay.full_blocks(match.num_tokens) if match.num_tokens else 0
             names[gid] = match._names[lay]
-        tracked = _Tracked(row, match, match.num_tokens, flushed, names)
+        tracked = _Tracked(
+            row, match, match.num_tokens, flushed, names, False, match.hit.num_tokens
+        )
         self._tracked[row] = tracked
         self._in_prompt[row] = tracked
 
@@ -558,14 +565,16 @@ class PrefixCache:
         """After a step's allocation: the prompt tokens each tracked request has filled,
         to be named at the next ``commit``."""
         self._step_rows = rows
-        if not self._in_prompt:
+        in_prompt = self._in_prompt
+        if not in_prompt:
             return
         done: list[int] = []
         interval = self.checkpoint_interval
-        for row, tracked in self._in_prompt.items():
-            n = tracked.match.num_prompt_tokens
-            held = self._num_tokens(row)
-            filled = min(held, n)
+        num_tokens = self._num_tokens
+        for row, tracked in in_prompt.items():
+            n = tracked.prompt
+            held = num_tokens(row)
+            filled = held if held < n else n
             if filled > tracked.named:
                 self.pending.append((tracked, filled))
                 if interval is not None and held == filled and filled % interval == 0:
@@ -573,15 +582,16 @@ class PrefixCache:
             if filled >= n:
                 done.append(row)
         for row in done:
-            del self._in_prompt[row]
+            del in_prompt[row]
 
     def commit(self) -> None:
         """The last step is done: the prompt blocks it filled are named (lazily: see
         the module docstring); the state checkpoints it reached are taken."""
         if self.pending_checkpoints:
             self._take_checkpoints()
+        live = self._tracked
         for tracked, filled in self.pending:
-            if not tracked.tainted and self._tracked.get(tracked.row) is tracked:
+            if not tracked.tainted and live.get(tracked.row) is tracked:
                 tracked.named = filled
                 for gid in self._eager:
                     if self._deferrable[gid]:
@@ -634,21 +644,25 @@ class PrefixCache:
     def _defer(self, tracked: _Tracked, gid: int) -> None:
         """``_flush(tracked, gid)`` for a group whose slab defers names: the blocks are
         marked named now (a release makes them cached), the maps get them later."""
-        start = tracked.flushed[gid]
-        lay = self.layouts[gid]
-        assert lay is not None
-        end = (tracked.named + lay.shift) // lay.block_size  # lay.full_blocks, inlined
+        flushed = tracked.flushed
+        start = flushed[gid]
+        shift, size = self._block_layout[gid]
+        end = (tracked.named + shift) // size  # lay.full_blocks, inlined
         if end <= start:
             return
         entries: Ints32 = self._table_array(gid)[tracked.row, start:end]
-        if not entries.all():  # a null entry (released before it was named): rare
-            self._flush(tracked, gid)
+        if np.count_nonzero(entries) != end - start:  # a null entry (released before
+            self._flush(tracked, gid)  # it was named): rare
             return
         slab = self.slabs[gid]
         assert slab is not None
-        salt_free = tracked.match._salt_free[lay] if start == 0 else None
+        salt_free = None
+        if start == 0:
+            lay = self.layouts[gid]
+            assert lay is not None
+            salt_free = tracked.match._salt_free[lay]
         slab.defer(np.array(entries), tracked.names[gid][start:end], salt_free)
-        tracked.flushed[gid] = end
+        flushed[gid] = end
 
     def _flush(self, tracked: _Tracked, only: int | None) -> None:
         """Put ``tracked``'s named blocks into their maps (``only``: one group's)."""

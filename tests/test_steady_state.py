@@ -1,0 +1,130 @@
+"""The block manager's steady state: decode steps of the same requests that change no
+table skip the per-group plan (``KVCacheManager._look_ahead``). On random schedules the
+manager with it must end every step exactly where a manager without it does."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from attnkit import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+from attnkit.config import PrefixCachingConfig
+from attnkit.kv_cache import KVCacheGroup, KVCacheManager, group_layers
+
+F32 = torch.float32
+
+
+def groups() -> list[KVCacheGroup]:
+    specs = {
+        "full": FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=F32),
+        # Same block size as "full": its tables grow alike (a growth twin).
+        "full2": FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=F32),
+        "full8": FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype=F32),
+        "win": SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, sliding_window=5
+        ),
+        "chunk": ChunkedLocalAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, attention_chunk_size=8
+        ),
+        "sink": SinkFullAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, sink_len=3
+        ),
+        "m": MambaSpec(block_size=4, shapes=((2, 2),), dtypes=(F32,)),
+    }
+    return group_layers(specs)
+
+
+def state(mgr: KVCacheManager) -> tuple[object, ...]:
+    """Everything a step can change: tables, lengths, widths, the pool's free list."""
+    ids = sorted(mgr._rows)
+    return (
+        {rid: mgr.row_of(rid) for rid in ids},
+        {(g.group_id, rid): mgr.block_table(g.group_id, rid) for g in mgr.groups for rid in ids},
+        {rid: mgr.num_tokens(rid) for rid in ids},
+        [mgr.step_width(g.group_id) for g in mgr.groups],
+        list(mgr.pool._free),
+        dict(getattr(mgr.pool, "idle", {})),
+    )
+
+
+def drive(seed: int, *, caching: bool, steps: int = 400) -> int:
+    """Run one random schedule on a manager with the steady state and one without;
+    compare them after every step. Returns the steps the steady state took."""
+    config = PrefixCachingConfig(enabled=True) if caching else None
+    fast = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
+    slow = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
+    slow._steady_max = 0
+    rng = random.Random(seed)
+    live: list[str] = []
+    serial = 0
+    rows: dict[int, Any] = {id(fast): None, id(slow): None}  # kept while the batch is
+    taken = 0
+    for _ in range(steps):
+        roll = rng.random()
+        finished: list[str] = []
+        chunk: dict[str, int] = {}
+        if not live or (roll < 0.04 and len(live) < 3):
+            serial += 1
+            live.append(f"r{serial}")
+            chunk[live[-1]] = rng.randrange(1, 20)
+        elif roll < 0.07 and len(live) > 1:
+            finished.append(live.pop(rng.randrange(len(live))))
+        elif roll < 0.10:
+            chunk[rng.choice(live)] = rng.randrange(2, 9)
+        batch = [(rid, chunk.get(rid, 1), 0) for rid in live]
+        changed = bool(finished or chunk) or rng.random() < 0.05
+        for mgr in (fast, slow):
+            ids = [rid for rid, _, _ in batch]
+            kept = rows[id(mgr)]
+            if changed or kept is None:
+                kept = mgr.lookup_rows(ids)
+                for i, rid in enumerate(ids):
+                    if rid in finished:
+                        kept[i] = -1
+            num_new = np.array([n for _, n, _ in batch], dtype=np.int64)
+            lens = mgr.step_lens(kept, num_new, np.zeros_like(num_new))
+            before = mgr._steady_left
+            mgr.allocate_rows(ids, kept, lens, finished=finished)
+            if mgr is fast and mgr._steady_left == before - 1 and before:
+                taken += 1
+            rows[id(mgr)] = None if bool(chunk) or finished else kept
+        assert state(fast) == state(slow)
+    return taken
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_steady_state_ends_every_step_where_the_full_step_does(
+    seed: int, caching: bool
+) -> None:
+    taken = drive(seed, caching=caching)
+    assert taken > 20  # the steady state ran
+
+
+def test_a_look_ahead_one_step_too_far_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: the steady state lasts one step past the last one that changes
+    no table, so that step grows no block where it must."""
+    look_ahead = KVCacheManager._look_ahead
+
+    def too_far(self: KVCacheManager, rows: Any, lens: Any) -> None:
+        look_ahead(self, rows, lens)
+        if self._steady_rows is not None:
+            self._steady_left += 1
+
+    def every_seed() -> None:
+        for seed in range(6):
+            drive(seed, caching=False)
+
+    monkeypatch.setattr(KVCacheManager, "_look_ahead", too_far)
+    with pytest.raises(AssertionError):
+        every_seed()
