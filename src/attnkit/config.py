@@ -288,6 +288,9 @@ class AttentionConfig(BaseModel):
             buffers from them.
         prefix_caching: a ``PrefixCachingConfig`` (or a mapping of its fields, e.g.
             ``{"enabled": True}``); off by default.
+        num_speculative_tokens: the most draft tokens a request may bring to one
+            step (``ScheduledRequest.num_draft_tokens``; docs/speculative.md); state
+            layers keep that many extra states per request for ``accept``. 0: none.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -307,6 +310,7 @@ class AttentionConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
     prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
+    num_speculative_tokens: int = Field(default=0, ge=0)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -325,6 +329,7 @@ class AttentionConfig(BaseModel):
             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len: int = DEFAULT_MAX_MODEL_LEN,
             prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
+            num_speculative_tokens: int = 0,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")

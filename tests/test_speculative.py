@@ -1,0 +1,486 @@
+"""Speculative decoding through the runtime: verify steps of ``1 + k`` tokens, and
+``accept`` taking rejected drafts back.
+
+References, all independent of the code under test:
+- a verify step's outputs against the same tokens decoded one step at a time, and
+  (attention) against a dense float64 softmax over every key the query may see;
+- a rollback followed by new tokens against a second runtime that never saw the
+  rejected drafts: outputs, held tokens, pool usage and state tensors;
+- a hypothesis state machine over accept/reject patterns, two runtimes in lockstep:
+  no leaked block, no block held twice, exact lengths and states.
+Each check has a deliberately broken variant shown to be caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from attnkit import (
+    AttentionConfig,
+    AttentionLayerParams,
+    AttentionRuntime,
+    ChunkedLocalAttentionSpec,
+    EngineLimitError,
+    FullAttentionSpec,
+    InvalidArgumentError,
+    MambaSpec,
+    ScheduledRequest,
+    SlidingWindowSpec,
+    StaleStepError,
+)
+from attnkit.kv_cache import KVCacheManager
+from attnkit.runtime import _spec
+from attnkit.state_types import STATE_TYPES, state_type_of
+
+HQ, HKV, D, BS = 4, 2, 32, 16
+TOL = 2e-5
+
+ATTENTION_SPECS: dict[str, Any] = {
+    "full": FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32),
+    "window": SlidingWindowSpec(
+        block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, sliding_window=19
+    ),
+    "chunked": ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, attention_chunk_size=32
+    ),
+}
+ATTENTION_BACKENDS = ("reference", "cpu_attn", "triton_attn")
+
+
+def _gen(*key: object) -> torch.Generator:
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+class Model:
+    """Layers of one runtime, with inputs that are a function of (request, position,
+    variant): the same token gets the same rows in every runtime; a rejected draft
+    (variant 1) gets other rows than the token accepted there later (variant 0)."""
+
+    def __init__(
+        self,
+        attention: Mapping[str, str] | None = None,
+        state: str | None = None,
+        k: int = 7,
+        caching: bool = False,
+    ) -> None:
+        self.specs: dict[str, Any] = {}
+        self.params: dict[str, Any] = {}
+        per_kind: dict[str, str] = {}
+        for kind, backend in (attention or {"full": "reference"}).items():
+            spec = ATTENTION_SPECS[kind]
+            self.specs[f"attn.{kind}"] = spec
+            self.params[f"attn.{kind}"] = AttentionLayerParams(num_heads=HQ)
+            per_kind[spec.kind.value] = backend
+        self.state = state
+        if state is not None:
+            state_type = state_type_of(state)
+            params = state_type.example(torch.Generator().manual_seed(0), torch.device("cpu"))
+            self.specs["mixer"] = MambaSpec(
+                block_size=BS,
+                shapes=params.state_shapes,
+                dtypes=state_type.state_dtypes(torch.float32),
+                mamba_type=state,
+            )
+            self.params["mixer"] = params
+        self.config = AttentionConfig(
+            backend_per_kind=per_kind,
+            num_speculative_tokens=k,
+            max_num_reqs=8,
+            prefix_caching={"enabled": caching},
+        )
+
+    def runtime(self, budget: int = 2**22) -> AttentionRuntime:
+        return AttentionRuntime(
+            self.specs,
+            self.config,
+            device="cpu",
+            memory_budget_bytes=budget,
+            layer_params=self.params,
+            cache_fill=float("nan"),
+        )
+
+    def rows(self, name: str, rid: str, pos: int, variant: int) -> Any:
+        gen = _gen(name, rid, pos, variant)
+        if name.startswith("attn."):
+            return (torch.randn(HQ, D, generator=gen), *torch.randn(2, HKV, D, generator=gen))
+        state_type = state_type_of(self.state or "mamba2")
+        return state_type.example_inputs(self.params[name], 1, gen, torch.device("cpu"))
+
+    def step(
+        self,
+        rt: AttentionRuntime,
+        scheduled: list[tuple[str, int, int, int]],
+        variant: int | None = None,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """``(rid, first position, tokens, drafts)`` per request; drafts get variant 1
+        (``variant``: every token gets that one). Returns layer -> request -> rows."""
+        batch = rt.begin_step(
+            [ScheduledRequest(rid, n, num_draft_tokens=d) for rid, _, n, d in scheduled]
+        )
+        by_id = {rid: (p, n, d) for rid, p, n, d in scheduled}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        slices = batch.token_slices()
+        for name in self.specs:
+            per_token = []
+            for rid in batch.order:
+                p, n, d = by_id[rid]
+                per_token += [
+                    self.rows(name, rid, p + i, variant if variant is not None else int(i >= n - d))
+                    for i in range(n)
+                ]
+            if name.startswith("attn."):
+                q = torch.stack([r[0] for r in per_token])
+                k = torch.stack([r[1] for r in per_token])
+                v = torch.stack([r[2] for r in per_token])
+                y = rt.forward(name, q, k, v)
+            else:
+                fields = type(per_token[0]).__dataclass_fields__
+                inputs = type(per_token[0])(
+                    **{f: torch.cat([getattr(r, f) for r in per_token]) for f in fields}
+                )
+                y = rt.forward_state(name, inputs)
+            out[name] = {rid: y[s].clone() for rid, s in slices.items()}
+        return out
+
+
+def _oracle(
+    model: Model, name: str, rid: str, pos: int, variants: Mapping[int, int]
+) -> torch.Tensor:
+    """Dense float64 attention of the query at ``pos`` over every key it may see
+    (``variants``: position -> the variant of the token there)."""
+    spec = ATTENTION_SPECS[name.split(".")[1]]
+    lo = 0
+    if isinstance(spec, SlidingWindowSpec):
+        lo = max(0, pos - spec.sliding_window + 1)
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        lo = pos // spec.attention_chunk_size * spec.attention_chunk_size
+    q = model.rows(name, rid, pos, variants.get(pos, 0))[0].double()
+    keys = [model.rows(name, rid, p, variants.get(p, 0)) for p in range(lo, pos + 1)]
+    k = torch.stack([r[1] for r in keys]).double()  # [n, Hkv, D]
+    v = torch.stack([r[2] for r in keys]).double()
+    k = k.repeat_interleave(HQ // HKV, dim=1)
+    v = v.repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q, k) / D**0.5
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= TOL, f"{where}: max error {err:.3g} > {TOL}"
+
+
+# ------------------------------------------------------------- verify = decodes
+
+
+@pytest.mark.parametrize("k", [3, 7])
+@pytest.mark.parametrize("kind", list(ATTENTION_SPECS))
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_verify_step_equals_decodes_and_the_float64_oracle(backend: str, kind: str, k: int) -> None:
+    if backend == "triton_attn":
+        pytest.importorskip("triton")
+    model = Model({kind: backend}, k=k)
+    name = f"attn.{kind}"
+    verify_rt, decode_rt = model.runtime(), model.runtime()
+    prompts = {"a": 37, "b": 16}
+    for rt in (verify_rt, decode_rt):
+        model.step(rt, [(rid, 0, n, 0) for rid, n in prompts.items()])
+    # Every request verifies 1 + k tokens (a uniform batch), all drafts accepted later.
+    got = model.step(verify_rt, [(rid, n, 1 + k, k) for rid, n in prompts.items()])
+    verify_rt.accept({rid: k for rid in prompts})
+    # The same tokens one decode at a time (the drafts' rows are variant 1).
+    for i in range(1 + k):
+        one = model.step(decode_rt, [(rid, n + i, 1, 0) for rid, n in prompts.items()], int(i > 0))
+        for rid, n in prompts.items():
+            where = f"{backend} {kind} k={k} request {rid} position {n + i}"
+            row = got[name][rid][i]
+            _close(row, one[name][rid][0], f"{where} (vs one decode)")
+            variants = {n + j: 1 for j in range(1, 1 + k)}
+            _close(row, _oracle(model, name, rid, n + i, variants), f"{where} (vs float64)")
+
+
+@pytest.mark.parametrize("state", list(STATE_TYPES))
+def test_state_verify_step_equals_decodes(state: str) -> None:
+    k = 4
+    model = Model(state=state, k=k)
+    verify_rt, decode_rt = model.runtime(), model.runtime()
+    # "b" prefills in the verify step (a prefill next to drafting requests).
+    for rt in (verify_rt, decode_rt):
+        model.step(rt, [("a", 0, 21, 0)])
+    got = model.step(verify_rt, [("a", 21, 1 + k, k), ("b", 0, 9, 0)])
+    first = model.step(decode_rt, [("a", 21, 1, 0), ("b", 0, 9, 0)])
+    _close(got["mixer"]["a"][0], first["mixer"]["a"][0], f"{state} root token")
+    _close(got["mixer"]["b"], first["mixer"]["b"], f"{state} prefill beside the drafts")
+    for i in range(1, 1 + k):
+        one = model.step(decode_rt, [("a", 21 + i, 1, 0)], 1)
+        _close(got["mixer"]["a"][i], one["mixer"]["a"][0], f"{state} draft {i}")
+    # Every draft accepted: the state is the one after the last draft.
+    verify_rt.accept({"a": k})
+    for x, y in zip(_state_of(verify_rt, "a"), _state_of(decode_rt, "a"), strict=True):
+        _close(x, y, f"{state} state after all drafts")
+
+
+# ---------------------------------------------------------------- rollback
+
+
+def _state_of(rt: AttentionRuntime, rid: str) -> list[torch.Tensor]:
+    gid = rt._layer_group["mixer"]
+    block = rt.manager.block_table(gid, rid)[0]
+    return [t[block].clone() for t in rt.kv_caches["mixer"]]
+
+
+def check_same(
+    a: AttentionRuntime, b: AttentionRuntime, rids: list[str], state: bool, pool: bool = True
+) -> None:
+    """What a rollback must leave: the same held tokens, blocks, pool usage and states
+    as a runtime that never saw the rejected drafts. (Right after ``accept`` the pool
+    may differ by the window blocks the verify step's first query still saw: releases
+    follow each step's first query, so they catch up at the next step; ``pool=False``.)"""
+    for rid in rids:
+        assert a.manager.num_tokens(rid) == b.manager.num_tokens(rid), f"{rid}: held tokens"
+        for gid in range(len(a.groups)):
+            ta, tb = a.manager.block_table(gid, rid), b.manager.block_table(gid, rid)
+            assert len(ta) == len(tb), f"{rid}: group {gid} holds {len(ta)} blocks, not {len(tb)}"
+        if state:
+            for sa, sb in zip(_state_of(a, rid), _state_of(b, rid), strict=True):
+                _close(sa, sb, f"{rid}: state")
+    if pool:
+        assert a.manager.pool.num_free_blocks == b.manager.pool.num_free_blocks, "free pages"
+
+
+ROLLBACK_MODELS = {
+    "attention": lambda: Model({"full": "cpu_attn", "window": "cpu_attn", "chunked": "reference"}),
+    **{f"hybrid-{s}": (lambda s=s: Model({"full": "cpu_attn"}, state=s)) for s in STATE_TYPES},
+}
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 7])
+@pytest.mark.parametrize("which", list(ROLLBACK_MODELS))
+def test_rollback_then_new_tokens_equals_never_seeing_the_drafts(which: str, accepted: int) -> None:
+    model = ROLLBACK_MODELS[which]()
+    k = 7
+    spec_rt, plain_rt = model.runtime(), model.runtime()
+    for rt in (spec_rt, plain_rt):
+        model.step(rt, [("a", 0, 30, 0), ("b", 0, 12, 0)])
+    # "a" verifies 1 + k tokens, its first `accepted` drafts are right: the plain
+    # runtime gets the same tokens (variant 1 rows) and never the rejected ones.
+    model.step(spec_rt, [("a", 30, 1 + k, k), ("b", 12, 1, 0)])
+    spec_rt.accept({"a": accepted})
+    with pytest.raises(StaleStepError):
+        spec_rt.forward(
+            "attn.full", torch.zeros(1, HQ, D), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D)
+        )
+    model.step(plain_rt, [("a", 30, 1, 0), ("b", 12, 1, 0)])
+    for i in range(1, accepted + 1):  # an accepted draft's rows are variant 1
+        model.step(plain_rt, [("a", 30 + i, 1, 0)], 1)
+    check_same(spec_rt, plain_rt, ["a", "b"], model.state is not None, pool=False)
+    start = 31 + accepted
+    for i in range(3):  # new tokens (variant 0) where rejected drafts were
+        got = model.step(spec_rt, [("a", start + i, 1, 0)])
+        want = model.step(plain_rt, [("a", start + i, 1, 0)])
+        for name in model.specs:
+            _close(got[name]["a"], want[name]["a"], f"{which} {name} token {start + i}")
+    check_same(spec_rt, plain_rt, ["a", "b"], model.state is not None)
+
+
+def test_accept_checks_everything_first_and_changes_nothing_on_refusal() -> None:
+    model = Model(state="mamba2", k=3)
+    rt = model.runtime()
+    model.step(rt, [("a", 0, 20, 0)])
+    with pytest.raises(EngineLimitError, match="num_speculative_tokens=3"):
+        rt.begin_step([ScheduledRequest("a", 5, num_draft_tokens=4)])
+    with pytest.raises(InvalidArgumentError, match="first step"):
+        rt.begin_step([ScheduledRequest("z", 5, num_draft_tokens=2)])
+    with pytest.raises(InvalidArgumentError, match="below num_new_tokens"):
+        ScheduledRequest("a", 3, num_draft_tokens=3)
+    model.step(rt, [("a", 20, 4, 3)])
+    before = (rt.manager.num_tokens("a"), _state_of(rt, "a"))
+    for bad in ({"a": 4}, {"a": -1}, {"zz": 0}, {"a": True}):
+        with pytest.raises(InvalidArgumentError):
+            rt.accept(bad)
+    assert rt.manager.num_tokens("a") == before[0] == 24
+    for x, y in zip(_state_of(rt, "a"), before[1], strict=True):
+        assert torch.equal(x, y)
+    rt.accept({"a": 1})
+    assert rt.manager.num_tokens("a") == 22
+    with pytest.raises(StaleStepError, match="already ran"):
+        rt.accept({"a": 0})
+
+
+def test_draft_states_are_counted_in_the_budget_and_the_report() -> None:
+    with_drafts = Model(state="gdn", k=4).runtime(2**23)
+    without = Model(state="gdn", k=0).runtime(2**23)
+    params = with_drafts.layer_params["mixer"]
+    assert params is not None
+    per_state = sum(
+        torch.Size(s).numel() * 4
+        for s in params.state_shapes  # float32 states
+    )
+    report = with_drafts.memory_report()
+    assert report.draft_state_bytes == per_state * 4 * 8  # k x max_num_reqs
+    assert without.memory_report().draft_state_bytes == 0
+    assert "draft states" in report.describe()
+    assert with_drafts.num_blocks < without.num_blocks
+
+
+# ------------------------------------------------ broken variants are caught
+
+
+@contextmanager
+def _broken(target: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(target, name)
+    setattr(target, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(target, name, original)
+
+
+def _lengths_only(self: KVCacheManager, rows: Any, num_tokens: Any) -> None:
+    """take_back that forgets to give the emptied blocks back."""
+    self._num_tokens[rows] = num_tokens
+
+
+def test_a_rollback_that_keeps_emptied_blocks_is_caught() -> None:
+    with (
+        _broken(KVCacheManager, "take_back", _lengths_only),
+        pytest.raises(AssertionError, match=r"blocks|free pages"),
+    ):
+        test_rollback_then_new_tokens_equals_never_seeing_the_drafts("attention", 0)
+
+
+def test_a_rollback_that_keeps_the_last_state_is_caught() -> None:
+    original = _spec.SpeculativeCalls.accept
+
+    def lengths_only(self: Any, accepted: Mapping[str, int]) -> None:
+        """accept that takes tokens back but leaves the states after every draft."""
+        if self._verify is not None:
+            self._verify.state_blocks = {}
+        original(self, accepted)
+
+    with (
+        _broken(_spec.SpeculativeCalls, "accept", lengths_only),
+        pytest.raises(AssertionError, match="state"),
+    ):
+        test_rollback_then_new_tokens_equals_never_seeing_the_drafts("hybrid-mamba2", 2)
+
+
+def test_a_verify_step_without_per_position_states_is_caught() -> None:
+    original = _spec.SpeculativeCalls._prepare_verify
+
+    def whole_step(self: Any, drafts: Any, rows: Any, lens: Any) -> None:
+        """State layers run the verify step whole: no state kept per draft position."""
+        original(self, drafts, rows, lens)
+        if self._verify is not None:
+            self._verify.sub_steps = {}
+
+    with (
+        _broken(_spec.SpeculativeCalls, "_prepare_verify", whole_step),
+        pytest.raises(AssertionError, match="state"),
+    ):
+        test_rollback_then_new_tokens_equals_never_seeing_the_drafts("hybrid-gdn", 2)
+
+
+# -------------------------------------------------- a state machine in lockstep
+
+
+class AcceptReject(RuleBasedStateMachine):
+    """Two runtimes: ``spec`` verifies drafts and takes rejected ones back; ``plain``
+    only ever decodes the tokens ``spec`` kept. After every step they must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Model({"full": "cpu_attn", "window": "cpu_attn"}, state="gdn", k=4)
+        self.spec = self.model.runtime(2**20)
+        self.plain = self.model.runtime(2**20)
+        self.length: dict[str, int] = {}
+        self.next_id = 0
+
+    @initialize()
+    def start(self) -> None:
+        self._admit(13)
+
+    def _admit(self, n: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        for rt in (self.spec, self.plain):
+            self.model.step(rt, [(rid, 0, n, 0)])
+        self.length[rid] = n
+
+    @rule(n=st.integers(1, 40))
+    def admit(self, n: int) -> None:
+        if len(self.length) < 4:
+            self._admit(n)
+
+    @rule(data=st.data())
+    def verify(self, data: st.DataObject) -> None:
+        rids = sorted(self.length)
+        drafts = {r: data.draw(st.integers(0, 4), label=f"drafts {r}") for r in rids}
+        accepted = {
+            r: data.draw(st.integers(0, d), label=f"accepted {r}") for r, d in drafts.items()
+        }
+        self.model.step(self.spec, [(r, self.length[r], 1 + d, d) for r, d in drafts.items()])
+        self.spec.accept(accepted)
+        # Drafts have variant-1 rows: the plain runtime decodes the kept ones as such.
+        self.model.step(self.plain, [(r, self.length[r], 1, 0) for r in rids])
+        for i in range(1, 1 + max(accepted.values(), default=0)):
+            batch = [(r, self.length[r] + i, 1, 0) for r in rids if accepted[r] >= i]
+            self._plain_drafts(batch)
+        for r in rids:
+            self.length[r] += 1 + accepted[r]
+        # A new token for everyone in both: the same outputs where rejected drafts were.
+        batch = [(r, self.length[r], 1, 0) for r in rids]
+        got, want = self.model.step(self.spec, batch), self.model.step(self.plain, batch)
+        for name, per_request in want.items():
+            for r, rows in per_request.items():
+                _close(got[name][r], rows, f"{name} {r}")
+        for r in rids:
+            self.length[r] += 1
+
+    def _plain_drafts(self, batch: list[tuple[str, int, int, int]]) -> None:
+        """Decode accepted drafts (their variant-1 rows) one step in ``plain``."""
+        self.model.step(self.plain, batch, 1)
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        if len(self.length) > 1:
+            rid = data.draw(st.sampled_from(sorted(self.length)))
+            self.spec.free([rid])
+            self.plain.free([rid])
+            del self.length[rid]
+
+    @invariant()
+    def agree(self) -> None:
+        check_same(self.spec, self.plain, sorted(self.length), True)
+        for rid, n in self.length.items():
+            assert self.spec.manager.num_tokens(rid) == n
+
+    @invariant()
+    def no_leak_no_double_owner(self) -> None:
+        manager = self.spec.manager
+        owned = manager.owned_blocks()
+        seen: set[tuple[int, int]] = set()
+        for blocks in owned.values():
+            assert not blocks & seen, "a block held by two requests"
+            seen |= blocks
+        pages = manager.owned_pages()
+        used = set().union(*pages.values()) if pages else set()
+        assert manager.pool.num_free_blocks + len(used) == manager.pool.num_blocks - 1, "leak"
+
+
+AcceptReject.TestCase.settings = settings(
+    max_examples=12,
+    stateful_step_count=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestAcceptReject = AcceptReject.TestCase
