@@ -142,3 +142,36 @@ def test_drafts_beyond_the_runtime_limit_are_refused() -> None:
     runtime = make_runtime(m, "reference", 2)
     with pytest.raises(InvalidArgumentError, match="num_speculative_tokens=2"):
         Engine(FunctionModel(runtime, lambda b, t, p: t), speculative=PromptLookup(3))
+
+
+# ------------------------------------------------------- transformers families
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"],
+)
+def test_transformers_families_keep_greedy_tokens(family: str, backend: str) -> None:
+    pytest.importorskip("transformers")
+    from test_hf_attach import _model
+
+    from attnkit.integrations.transformers import attach
+
+    pattern = [7, 19, 33, 4, 52]
+    outputs = []
+    for drafter in (None, PromptLookup(K)):
+        attached = attach(
+            _model(family),
+            config=AttentionConfig(backend=backend, num_speculative_tokens=K),
+            num_blocks=40,
+            block_size=4 if backend == "reference" else 16,
+            cache_fill=float("nan"),
+        )
+        e = Engine(attached, max_tokens_per_step=16, speculative=drafter)
+        e.add_request("a", pattern * 3, SamplingParams(max_new_tokens=10))
+        e.add_request("b", [9, 9, 9, 9, 9, 9], SamplingParams(max_new_tokens=8))
+        outputs.append(e.run().outputs)
+        if drafter is not None:
+            assert e.speculative_stats().draft_tokens > 0
+    assert outputs[0] == outputs[1]
