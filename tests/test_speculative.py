@@ -484,3 +484,50 @@ AcceptReject.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestAcceptReject = AcceptReject.TestCase
+
+
+# ----------------------------------------------------------------------- MLA
+
+
+def _mla_runtime(backend: str, k: int) -> AttentionRuntime:
+    from attnkit import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BS, head_size=48, dtype=torch.float32)
+    return AttentionRuntime(
+        {"mla": spec},
+        AttentionConfig(backend_per_kind={"mla_attention": backend}, num_speculative_tokens=k),
+        device="cpu",
+        memory_budget_bytes=2**21,
+        layer_params={"mla": AttentionLayerParams(num_heads=HQ, v_head_size=32)},
+        cache_fill=float("nan"),
+    )
+
+
+def _mla_step(rt: AttentionRuntime, rid: str, first: int, n: int, drafts: int) -> torch.Tensor:
+    rt.begin_step([ScheduledRequest(rid, n, num_draft_tokens=drafts)])
+    rows = [_gen("mla", rid, first + i) for i in range(n)]
+    q = torch.stack([torch.randn(HQ, 48, generator=g) for g in rows])
+    latent = torch.stack([torch.randn(1, 48, generator=g) for g in rows])
+    return rt.forward("mla", q, latent, None).clone()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton_mla"])
+def test_mla_verify_step_equals_decodes(backend: str) -> None:
+    if backend == "triton_mla":
+        pytest.importorskip("triton")
+    k = 5
+    verify, decodes, oracle = (
+        _mla_runtime(backend, k),
+        _mla_runtime(backend, k),
+        _mla_runtime("reference", k),
+    )
+    for rt in (verify, decodes, oracle):
+        _mla_step(rt, "a", 0, 27, 0)
+    got = _mla_step(verify, "a", 27, 1 + k, k)
+    want = _mla_step(oracle, "a", 27, 1 + k, k)
+    for i in range(1 + k):
+        one = _mla_step(decodes, "a", 27 + i, 1, 0)
+        _close(got[i], one[0], f"{backend} mla position {27 + i} (vs one decode)")
+        _close(got[i], want[i], f"{backend} mla position {27 + i} (vs reference)")
+    verify.accept({"a": 2})
+    assert verify.manager.num_tokens("a") == 27 + 3

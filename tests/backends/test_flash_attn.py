@@ -1178,6 +1178,14 @@ FA2_CASES = [
         Case(F.FULL_ATTENTION, ((300, 5, 7), (1, 0, 1), (0, 1, 1)), 256, idle=True),
         id="decode-idle-rows-gqa",
     ),
+    # Speculative verify steps: every request 1 + k queries (k = 4, then 7), uniform.
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((300, 20, 7), (5, 5, 5), (8, 8, 8)), 256), id="verify-uniform"
+    ),
+    pytest.param(
+        Case(F.SLIDING_WINDOW, ((290, 9, 40), (5, 5, 5), (8, 8, 8)), 256, window=30),
+        id="verify-uniform-window",
+    ),
 ]
 FA4_CASES = [
     pytest.param(Case(F.FULL_ATTENTION, ((5, 40, 0), (1, 1, 33), (1, 7, 1)), 16), id="full"),
@@ -1206,6 +1214,9 @@ FA4_CASES = [
     pytest.param(
         Case(F.FULL_ATTENTION, ((20, 5, 7), (1, 0, 1), (0, 1, 1)), 16, idle=True),
         id="decode-idle-rows",
+    ),
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((40, 20, 7), (5, 5, 5), (8, 8, 8)), 16), id="verify-uniform"
     ),
 ]
 
