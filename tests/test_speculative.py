@@ -13,7 +13,9 @@ Each check has a deliberately broken variant shown to be caught.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from typing_extensions import override
 
 from attnkit import (
     AttentionConfig,
@@ -37,9 +40,20 @@ from attnkit import (
     SlidingWindowSpec,
     StaleStepError,
 )
+from attnkit.backend_api import AttentionCGSupport, CommonAttentionMetadata, bind_each
+from attnkit.backends.reference import (
+    ReferenceAttentionBuilder,
+    ReferenceAttentionImpl,
+    ReferenceAttentionMetadata,
+    ReferenceBackend,
+)
 from attnkit.kv_cache import KVCacheManager
+from attnkit.registry import BUILTIN_BACKENDS, BackendRegistry
 from attnkit.runtime import _spec
+from attnkit.spec import KVCacheSpecKind
 from attnkit.state_types import STATE_TYPES, state_type_of
+from attnkit.testing import check_cudagraph
+from attnkit.testing.strategies import LayerChoice
 
 HQ, HKV, D, BS = 4, 2, 32, 16
 TOL = 2e-5
@@ -332,6 +346,29 @@ def test_draft_states_are_counted_in_the_budget_and_the_report() -> None:
     assert with_drafts.num_blocks < without.num_blocks
 
 
+def test_the_plan_counts_the_draft_states_as_the_runtime_does() -> None:
+    from attnkit.planner import plan_model
+
+    model = Model({"full": "reference"}, state="mamba2", k=4)
+    runtime = model.runtime(2**23)
+    plan = plan_model(
+        model.specs, model.config, device="cpu", layer_params=model.params, memory_bytes=2**23
+    )
+    assert plan.draft_state_bytes == runtime.memory_report().draft_state_bytes > 0
+    assert plan.num_blocks == runtime.num_blocks
+    without = plan_model(
+        model.specs,
+        model.config.model_copy(update={"num_speculative_tokens": 0}),
+        device="cpu",
+        layer_params=model.params,
+        memory_bytes=2**23,
+    )
+    assert without.draft_state_bytes == 0
+    assert without.num_blocks is not None
+    assert plan.num_blocks is not None
+    assert without.num_blocks > plan.num_blocks
+
+
 # ------------------------------------------------ broken variants are caught
 
 
@@ -388,6 +425,93 @@ def test_a_verify_step_without_per_position_states_is_caught() -> None:
         pytest.raises(AssertionError, match="state"),
     ):
         test_rollback_then_new_tokens_equals_never_seeing_the_drafts("hybrid-gdn", 2)
+
+
+# ------------------------------------- the kit's uniform-batch (verify) capture
+
+
+class _FixedBuffersBuilder(ReferenceAttentionBuilder):
+    """Claims UNIFORM_BATCH; capture builds copy the step's tensors into buffers kept
+    from the first capture (what a captured graph reads on every replay)."""
+
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    written_per_request: int | None = None
+
+    @override
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> ReferenceAttentionMetadata:
+        meta = super().build_for_cudagraph_capture(common_attn_metadata)
+        kept: dict[str, torch.Tensor] = self.__dict__.setdefault("_kept", {})
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(meta):
+            value = getattr(meta, f.name)
+            if not isinstance(value, torch.Tensor) or not value.numel():
+                continue
+            if f.name == "slot_mapping" and self.written_per_request is not None:
+                value = value.clone()  # a buffer that holds `written_per_request` per request
+                qsl = common_attn_metadata.query_start_loc_cpu.tolist()
+                for lo, hi in itertools.pairwise(qsl):
+                    value[lo + self.written_per_request : hi] = -1
+            if f.name == "block_table":  # as wide as the longest request can need
+                width = -(-self.config.max_model_len // self.kv_cache_spec.block_size)
+                wide = value.new_zeros((value.shape[0], width))
+                wide[:, : value.shape[1]] = value
+                value = wide
+            buffer = kept.get(f.name)
+            if buffer is None or buffer.shape != value.shape:
+                kept[f.name] = buffer = value.clone()
+            else:
+                buffer.copy_(value)
+            fields[f.name] = buffer
+        return dataclasses.replace(meta, **fields)
+
+
+class _OneDraftBuilder(_FixedBuffersBuilder):
+    """Capture buffers sized for one draft per request (2 queries): at 1 + 4 the drafts'
+    keys are never written."""
+
+    written_per_request = 2
+
+
+class CapturesVerifyBatches(ReferenceBackend):
+    name = "captures_verify_batches"
+    builders = bind_each((FullAttentionSpec,), _FixedBuffersBuilder, ReferenceAttentionImpl)
+
+
+class CapturesOneDraft(ReferenceBackend):
+    name = "captures_one_draft"
+    builders = bind_each((FullAttentionSpec,), _OneDraftBuilder, ReferenceAttentionImpl)
+
+
+def _graph_problem(backend: type[ReferenceBackend]) -> str | None:
+    """The kit's UNIFORM_BATCH check on a full-attention layer (``check_cudagraph``, as
+    ``check_backend`` runs it)."""
+    registry = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    registry.register(backend, replace=True)
+    choice = LayerChoice(KVCacheSpecKind.FULL_ATTENTION)
+    _, problem, moved = check_cudagraph(
+        choice, AttentionCGSupport.UNIFORM_BATCH, backend.name, registry, torch.device("cpu"), 0
+    )
+    assert not moved
+    return problem
+
+
+def test_the_kit_checks_uniform_batches_on_verify_shaped_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _graph_problem(CapturesVerifyBatches) is None
+    # Buffers that hold 2 queries per request pass a batch of 2-query requests and
+    # fail the kit's 1 + 4.
+    problem = _graph_problem(CapturesOneDraft)
+    assert problem is not None
+    assert problem.startswith("claims UNIFORM_BATCH")
+    # The kit's former uniform batches (2 queries per request) did not catch it.
+    from attnkit.testing import _cases
+
+    steps = {**_cases._GRAPH_STEPS, AttentionCGSupport.UNIFORM_BATCH: ((2, 2, 2), (2, 2, 2))}
+    monkeypatch.setattr(_cases, "_GRAPH_STEPS", steps)
+    assert _graph_problem(CapturesOneDraft) is None
 
 
 # -------------------------------------------------- a state machine in lockstep

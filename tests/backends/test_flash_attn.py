@@ -1460,6 +1460,23 @@ def test_cudagraph_support_and_capture() -> None:
         builder.build_for_cudagraph_capture(batch([1, 3], [5, 9], [[1], [2]]))
 
 
+def test_uniform_verify_batches_capture_at_fixed_addresses() -> None:
+    """Speculative verify steps (1 + 4 queries per request): two captures of one shape
+    reuse the same buffers, holding the second batch's values."""
+    builder = FlashAttentionMetadataBuilder(full_spec(), ["l"], config(2), CPU)
+    first = builder.build_for_cudagraph_capture(batch([5, 5, 5], [9, 30, 77], [[1], [2], [3]]))
+    addresses = {
+        name: t.data_ptr() for name, t in vars(first).items() if isinstance(t, torch.Tensor)
+    }
+    second = builder.build_for_cudagraph_capture(batch([5, 5, 5], [12, 6, 41], [[4], [5], [6]]))
+    assert second.max_seqlen_q == 5
+    for name, ptr in addresses.items():
+        assert getattr(second, name).data_ptr() == ptr, name
+    assert second.cu_seqlens_q[:4].tolist() == [0, 5, 10, 15]
+    assert second.block_table is not None
+    assert second.block_table[:3, 0].tolist() == [4, 5, 6]
+
+
 # ----------------------------------------------------------------------------------
 # Impl: errors
 # ----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from ._checks import group_num_heads as group_num_heads
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._requests import ScheduledRequest, StepBatch
 from ._runtime import AttentionRuntime, StateLayer
+from ._spec import draft_state_bytes as draft_state_bytes
 
 __all__ = [
     "AttentionRuntime",
