@@ -655,3 +655,84 @@ def test_mla_verify_step_equals_decodes(backend: str) -> None:
         _close(got[i], want[i], f"{backend} mla position {27 + i} (vs reference)")
     verify.accept({"a": 2})
     assert verify.manager.num_tokens("a") == 27 + 3
+
+
+# ------------------------------------------------------------ prefix caching
+
+
+def _token_rows(tok: int, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token's q/k/v rows: a function of its id and position (what a model gives)."""
+    gen = _gen("token", tok, pos)
+    return torch.randn(HQ, D, generator=gen), *torch.randn(2, HKV, D, generator=gen)
+
+
+def _cached_runtime(on: bool) -> AttentionRuntime:
+    return AttentionRuntime(
+        # Full attention only: a window's generated blocks are released, not cached.
+        {"attn.full": ATTENTION_SPECS["full"]},
+        AttentionConfig(num_speculative_tokens=4, prefix_caching={"enabled": on}),
+        device="cpu",
+        memory_budget_bytes=2**21,
+        layer_params={"attn.full": AttentionLayerParams(num_heads=HQ)},
+        cache_fill=float("nan"),
+    )
+
+
+def _run_tokens(
+    rt: AttentionRuntime, rid: str, start: int, toks: list[int], drafts: int = 0, **kw: Any
+) -> dict[str, torch.Tensor]:
+    rt.begin_step([ScheduledRequest(rid, len(toks), num_draft_tokens=drafts, **kw)])
+    rows = [_token_rows(t, start + i) for i, t in enumerate(toks)]
+    q, k, v = (torch.stack([r[j] for r in rows]) for j in range(3))
+    return {"attn.full": rt.forward("attn.full", q, k, v).clone()}
+
+
+def test_rolled_back_drafts_are_never_named_in_the_prefix_cache() -> None:
+    _names_scenario(check_lengths=True)
+
+
+def _keeps_lengths(self: KVCacheManager, rows: Any, num_tokens: Any) -> None:
+    """take_back that gives blocks back but keeps the verify step's lengths."""
+
+
+def test_naming_blocks_that_hold_rejected_drafts_is_caught() -> None:
+    # The lengths check is left out: the hit's outputs alone catch it.
+    with (
+        _broken(KVCacheManager, "take_back", _keeps_lengths),
+        pytest.raises(AssertionError, match="after a hit"),
+    ):
+        _names_scenario(check_lengths=False)
+
+
+def _names_scenario(check_lengths: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 1000, (40,), generator=gen).tolist()
+    truth = prompt + torch.randint(0, 1000, (40,), generator=gen).tolist()
+    rt = _cached_runtime(True)
+    _run_tokens(rt, "a", 0, prompt, prefix=rt.match_prefix(prompt))
+    n = len(prompt)
+    accepted_pattern = [0, 3, 1, 4, 2, 0, 4, 1, 3, 2, 2, 1]
+    for kept in accepted_pattern:
+        if n + 5 > len(truth):
+            break
+        # Root (true), then 4 drafts: the first `kept` true, the rest wrong ids.
+        drafts = truth[n + 1 : n + 1 + kept] + [t + 1 for t in truth[n + 1 + kept : n + 5]]
+        _run_tokens(rt, "a", n, [truth[n], *drafts], drafts=4)
+        rt.accept({"a": kept})
+        n += 1 + kept
+    held = truth[:n]
+    if check_lengths:
+        assert rt.manager.num_tokens("a") == n
+    rt.free(["a"], token_ids={"a": held})
+    # A second request whose prompt is a's tokens: it hits the named blocks, and its
+    # next tokens see the same K/V as a runtime that computes it from scratch.
+    second = [*held, 7, 8, 9]
+    match = rt.match_prefix(second)
+    if check_lengths:
+        assert match.num_tokens == n // BS * BS > len(prompt)  # generated blocks hit too
+    fresh = _cached_runtime(False)
+    _run_tokens(fresh, "b", 0, second[: match.num_tokens])
+    got = _run_tokens(rt, "b", match.num_tokens, second[match.num_tokens :], prefix=match)
+    want = _run_tokens(fresh, "b", match.num_tokens, second[match.num_tokens :])
+    for name in got:
+        _close(got[name], want[name], f"{name} after a hit on blocks a verified")
