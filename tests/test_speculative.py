@@ -86,6 +86,7 @@ class Model:
         state: str | None = None,
         k: int = 7,
         caching: bool = False,
+        state_backend: str | None = None,
     ) -> None:
         self.specs: dict[str, Any] = {}
         self.params: dict[str, Any] = {}
@@ -106,6 +107,8 @@ class Model:
                 mamba_type=state,
             )
             self.params["mixer"] = params
+            if state_backend is not None:
+                per_kind["mamba"] = state_backend
         self.config = AttentionConfig(
             backend_per_kind=per_kind,
             num_speculative_tokens=k,
@@ -222,15 +225,24 @@ def test_verify_step_equals_decodes_and_the_float64_oracle(backend: str, kind: s
             _close(row, _oracle(model, name, rid, n + i, variants), f"{where} (vs float64)")
 
 
-@pytest.mark.parametrize("state", list(STATE_TYPES))
-def test_state_verify_step_equals_decodes(state: str) -> None:
+TRITON_STATE = {"mamba2": "triton_mamba2", "gdn": "triton_gdn"}
+
+
+@pytest.mark.parametrize(
+    ("state", "backend"),
+    [(s, None) for s in STATE_TYPES] + [(s, b) for s, b in TRITON_STATE.items()],
+)
+def test_state_verify_step_equals_decodes(state: str, backend: str | None) -> None:
+    if backend is not None:
+        pytest.importorskip("triton")
     k = 4
-    model = Model(state=state, k=k)
+    model = Model(state=state, k=k, state_backend=backend)
     verify_rt, decode_rt = model.runtime(), model.runtime()
     # "b" prefills in the verify step (a prefill next to drafting requests).
     for rt in (verify_rt, decode_rt):
         model.step(rt, [("a", 0, 21, 0)])
-    got = model.step(verify_rt, [("a", 21, 1 + k, k), ("b", 0, 9, 0)])
+    # "b" first: in the sub-step of first tokens, "a" (a decode there) must come first.
+    got = model.step(verify_rt, [("b", 0, 9, 0), ("a", 21, 1 + k, k)])
     first = model.step(decode_rt, [("a", 21, 1, 0), ("b", 0, 9, 0)])
     _close(got["mixer"]["a"][0], first["mixer"]["a"][0], f"{state} root token")
     _close(got["mixer"]["b"], first["mixer"]["b"], f"{state} prefill beside the drafts")

@@ -204,8 +204,14 @@ class SpeculativeCalls(RuntimeBase):
         for j in range(int(drafts.max()) + 1):
             if j == 0:
                 idx = np.arange(lens.query.size)
-                qlen = head
-                first = qsl[:-1]
+                threshold = entry.builder.reorder_batch_threshold
+                if threshold is not None:
+                    # Decodes first, as the builder asks: a drafting request's first
+                    # token is a decode even where its whole step was not.
+                    prefill = (head > threshold) | (lens.computed == 0)
+                    idx = np.argsort(prefill, kind="stable")
+                qlen = head[idx]
+                first = qsl[idx]
             else:
                 idx = np.flatnonzero(drafts >= j)
                 qlen = np.ones(idx.size, dtype=np.int64)
