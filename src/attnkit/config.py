@@ -293,6 +293,9 @@ class AttentionConfig(BaseModel):
             ``Determinism`` or its name, e.g. ``"batch_invariant"``; default ``none``).
             Selection refuses a backend declaring less for the kind, with the reason,
             and builders take their invariant paths (docs/determinism.md).
+        num_speculative_tokens: the most draft tokens a request may bring to one
+            step (``ScheduledRequest.num_draft_tokens``; docs/speculative.md); state
+            layers keep that many extra states per request for ``accept``. 0: none.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -313,6 +316,7 @@ class AttentionConfig(BaseModel):
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=1)
     prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
     determinism: Determinism = Determinism.NONE
+    num_speculative_tokens: int = Field(default=0, ge=0)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -332,6 +336,7 @@ class AttentionConfig(BaseModel):
             max_model_len: int = DEFAULT_MAX_MODEL_LEN,
             prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
             determinism: Determinism | str = Determinism.NONE,
+            num_speculative_tokens: int = 0,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")

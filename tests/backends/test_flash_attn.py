@@ -1178,6 +1178,14 @@ FA2_CASES = [
         Case(F.FULL_ATTENTION, ((300, 5, 7), (1, 0, 1), (0, 1, 1)), 256, idle=True),
         id="decode-idle-rows-gqa",
     ),
+    # Speculative verify steps: every request 1 + k queries (k = 4, then 7), uniform.
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((300, 20, 7), (5, 5, 5), (8, 8, 8)), 256), id="verify-uniform"
+    ),
+    pytest.param(
+        Case(F.SLIDING_WINDOW, ((290, 9, 40), (5, 5, 5), (8, 8, 8)), 256, window=30),
+        id="verify-uniform-window",
+    ),
 ]
 FA4_CASES = [
     pytest.param(Case(F.FULL_ATTENTION, ((5, 40, 0), (1, 1, 33), (1, 7, 1)), 16), id="full"),
@@ -1206,6 +1214,9 @@ FA4_CASES = [
     pytest.param(
         Case(F.FULL_ATTENTION, ((20, 5, 7), (1, 0, 1), (0, 1, 1)), 16, idle=True),
         id="decode-idle-rows",
+    ),
+    pytest.param(
+        Case(F.FULL_ATTENTION, ((40, 20, 7), (5, 5, 5), (8, 8, 8)), 16), id="verify-uniform"
     ),
 ]
 
@@ -1490,6 +1501,23 @@ def test_cudagraph_support_and_capture() -> None:
     assert md.max_seqlen_k == builder.max_model_len  # a replay may see any context length
     with pytest.raises(RuntimeError, match="UNIFORM_BATCH"):
         builder.build_for_cudagraph_capture(batch([1, 3], [5, 9], [[1], [2]]))
+
+
+def test_uniform_verify_batches_capture_at_fixed_addresses() -> None:
+    """Speculative verify steps (1 + 4 queries per request): two captures of one shape
+    reuse the same buffers, holding the second batch's values."""
+    builder = FlashAttentionMetadataBuilder(full_spec(), ["l"], config(2), CPU)
+    first = builder.build_for_cudagraph_capture(batch([5, 5, 5], [9, 30, 77], [[1], [2], [3]]))
+    addresses = {
+        name: t.data_ptr() for name, t in vars(first).items() if isinstance(t, torch.Tensor)
+    }
+    second = builder.build_for_cudagraph_capture(batch([5, 5, 5], [12, 6, 41], [[4], [5], [6]]))
+    assert second.max_seqlen_q == 5
+    for name, ptr in addresses.items():
+        assert getattr(second, name).data_ptr() == ptr, name
+    assert second.cu_seqlens_q[:4].tolist() == [0, 5, 10, 15]
+    assert second.block_table is not None
+    assert second.block_table[:3, 0].tolist() == [4, 5, 6]
 
 
 # ----------------------------------------------------------------------------------

@@ -37,6 +37,15 @@ chunk that would cross a checkpoint boundary ends on the last one it crosses, an
 request's first chunk ends where its match says only checkpoints are missing
 (``PrefixMatch.checkpoint_junction``), so the state after a shared prefix is kept.
 
+Speculative decoding (docs/speculative.md): ``Engine(..., speculative=PromptLookup(k))``
+drafts up to ``k`` tokens for each greedy decoding request by prompt lookup (the tokens
+that followed the latest earlier occurrence of its last n-gram), runs them with its
+last token as one verify step (``ScheduledRequest(num_draft_tokens=...)``), keeps the
+drafts the model's own greedy picks agree with plus the pick after them, and gives
+the rest back (``runtime.accept``); so the tokens equal greedy decoding without
+drafts. The runtime needs ``AttentionConfig(num_speculative_tokens >= k)``;
+``Engine.speculative_stats()`` reports the acceptance rate and tokens per step.
+
 The model is anything with ``prepare_step()`` (the runtime to run the step on) and
 ``__call__(batch, token_ids, positions) -> logits [T, V]`` (``StepModel``);
 ``FunctionModel`` wraps a runtime and a plain function, and
@@ -74,7 +83,9 @@ __all__ = [
     "Engine",
     "EnginePrefixStats",
     "EngineResult",
+    "EngineSpeculativeStats",
     "FunctionModel",
+    "PromptLookup",
     "Request",
     "RequestLogits",
     "SamplingParams",
@@ -118,6 +129,48 @@ class FunctionModel:
         self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         return self.function(batch, token_ids, positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """Prompt-lookup (n-gram) drafting: a request's drafts are the tokens that followed
+    the latest earlier occurrence of its last ``n`` tokens, for the longest ``n`` from
+    ``max_ngram`` down to ``min_ngram`` that occurs (none: no drafts).
+
+    Attributes:
+        num_draft_tokens: the most drafts per request and step (``k``).
+        max_ngram, min_ngram: the n-gram lengths tried, longest first.
+    """
+
+    num_draft_tokens: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_draft_tokens", "max_ngram", "min_ngram"):
+            if not is_positive_int(getattr(self, name)):
+                raise InvalidArgumentError(
+                    f"PromptLookup.{name} must be an int >= 1, got {getattr(self, name)!r}"
+                )
+        if self.min_ngram > self.max_ngram:
+            raise InvalidArgumentError(
+                f"PromptLookup.min_ngram={self.min_ngram} must be at most max_ngram="
+                f"{self.max_ngram}"
+            )
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``min(limit, num_draft_tokens)`` drafts to follow ``tokens``."""
+        limit = min(limit, self.num_draft_tokens)
+        if limit <= 0:
+            return []
+        size = len(tokens)
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            tail = list(tokens[size - n :])
+            # The latest earlier occurrence with at least one token after it.
+            for start in range(size - n - 1, -1, -1):
+                if list(tokens[start : start + n]) == tail:
+                    return list(tokens[start + n : start + n + limit])
+        return []
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -245,6 +298,8 @@ class StepStats:
         logits: request id -> its rows of the step's logits (``keep_logits=True``).
         num_cached_tokens: tokens the step's admitted requests started with from the
             prefix cache (not computed: prefill saved).
+        num_draft_tokens, num_accepted_tokens: speculative drafts the step verified,
+            and of them those kept.
     """
 
     step: int
@@ -259,6 +314,8 @@ class StepStats:
     num_free_blocks: int
     logits: Mapping[str, RequestLogits] | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +355,32 @@ class EnginePrefixStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSpeculativeStats:
+    """What drafting did so far (``Engine.speculative_stats()``).
+
+    Attributes:
+        draft_tokens: drafts verified; accepted_tokens: of them, those kept.
+        decode_steps: request-steps that decoded (with drafts or without);
+        decode_tokens: the tokens they generated.
+    """
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafts verified (0 with none)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decoding request generates per step (1 without drafts)."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineResult:
     """What ``Engine.run`` returns.
 
@@ -326,6 +409,7 @@ class _Live:
     num_computed: int = 0
     started: bool = False  # holds blocks in the current runtime
     match: PrefixMatch | None = None  # its lookup, for the admission being tried
+    drafts: list[int] = dataclasses.field(default_factory=list[int])  # this step's
 
     @property
     def req_id(self) -> str:
@@ -361,6 +445,9 @@ class Engine:
             products with one tiling and no split-K, norms reduced per row), which this
             engine cannot see; and a preempted request recomputes its tokens as a
             prefill, the same bits only from ``prefill_decode`` up.
+        speculative: draft tokens for greedy decoding requests (``PromptLookup``), at
+            most the runtime's ``AttentionConfig.num_speculative_tokens`` per step;
+            ``None``: decode one token per step.
 
     Raises:
         InvalidArgumentError: a limit out of range, or a ``determinism`` above the
@@ -376,6 +463,7 @@ class Engine:
         keep_logits: bool = False,
         prefix_caching: bool = True,
         determinism: Determinism | str = Determinism.NONE,
+        speculative: PromptLookup | None = None,
     ) -> None:
         given: object = model
         if not callable(given) or not callable(getattr(given, "prepare_step", None)):
@@ -416,6 +504,20 @@ class Engine:
         # A fixed chunk fits beside a decode of every other request the step may hold.
         budget, width = self.max_tokens_per_step, self.max_requests_per_step
         self.chunk_tokens: int | None = max(1, budget // 2, budget - width + 1) if fixed else None
+        if speculative is not None:
+            if not isinstance(speculative, PromptLookup):
+                raise ArgumentTypeError(
+                    f"speculative must be a PromptLookup or None, got {type(speculative).__name__}"
+                )
+            if speculative.num_draft_tokens > config.num_speculative_tokens:
+                raise InvalidArgumentError(
+                    f"speculative: PromptLookup.num_draft_tokens={speculative.num_draft_tokens} "
+                    f"exceeds the runtime's AttentionConfig.num_speculative_tokens="
+                    f"{config.num_speculative_tokens}"
+                )
+        self.speculative = speculative
+        self._spec = EngineSpeculativeStats()
+        self._rejected = 0  # the last step's rejected drafts
         self._prefix = _PrefixTally()
         self.step_index = 0
         self._live: dict[str, _Live] = {}
@@ -532,7 +634,9 @@ class Engine:
             try:
                 batch = runtime.begin_step(
                     [
-                        ScheduledRequest(live.req_id, n, prefix=live.match)
+                        ScheduledRequest(
+                            live.req_id, n, prefix=live.match, num_draft_tokens=len(live.drafts)
+                        )
                         for live, n in plan.items()
                     ]
                 )
@@ -562,6 +666,10 @@ class Engine:
             self._reset_running(runtime)
             raise
         return self._finish_step(index, runtime, batch, plan, admitted, preempted, logits, cached)
+
+    def speculative_stats(self) -> EngineSpeculativeStats:
+        """Drafts verified and kept so far, and tokens per decoding step."""
+        return self._spec
 
     def _looks_up(self, runtime: AttentionRuntime) -> bool:
         return (
@@ -623,6 +731,8 @@ class Engine:
                 continue  # a fixed chunk that does not fit this step
             if self.chunk_tokens is None:  # fixed chunks keep their positions
                 n = _aligned(live, start, n, interval)
+            live.drafts = self._drafts(live, start, n, budget)
+            n += len(live.drafts)
             plan[live] = n
             budget -= n
         admitted: list[_Live] = []
@@ -637,6 +747,7 @@ class Engine:
                 continue
             if self.chunk_tokens is None:
                 n = _aligned(live, start, n, interval)
+            live.drafts = []
             plan[live] = n
             admitted.append(live)
             budget -= n
@@ -651,6 +762,20 @@ class Engine:
             return min(left, budget)
         n = min(left, (start // self.chunk_tokens + 1) * self.chunk_tokens - start)
         return n if n <= budget else 0
+    def _drafts(self, live: _Live, start: int, n: int, budget: int) -> list[int]:
+        """Drafts for a greedy request decoding its newest token (none otherwise)."""
+        drafter = self.speculative
+        if (
+            drafter is None
+            or not live.started
+            or n != 1
+            or start != len(live.tokens) - 1
+            or live.request.sampling.temperature != 0
+        ):
+            return []
+        # A verify step yields at most drafts + 1 tokens: stay within max_new_tokens.
+        left = live.request.sampling.max_new_tokens - live.num_generated - 1
+        return drafter.propose(live.tokens, min(left, budget - 1))
 
     @staticmethod
     def _look_up(live: _Live, lookup: AttentionRuntime | None) -> int:
@@ -689,6 +814,7 @@ class Engine:
         if victim.started:
             self._free(self._runtime, [victim])
         victim.num_computed, victim.started = 0, False
+        victim.drafts = []
         self._waiting.appendleft(victim)
         preempted.append(victim.req_id)
 
@@ -699,7 +825,10 @@ class Engine:
         for req_id, n in zip(batch.order, batch.query_lens, strict=True):
             live = self._live[req_id]
             start = live.num_computed
-            token_ids.extend(live.tokens[start : start + n])
+            if live.drafts:  # its newest token, then the drafts
+                token_ids.extend([*live.tokens[start:], *live.drafts])
+            else:
+                token_ids.extend(live.tokens[start : start + n])
             positions.extend(range(start, start + n))
         logits = self.model(
             batch,
@@ -740,16 +869,38 @@ class Engine:
         finished: list[str] = []
         kept: dict[str, RequestLogits] = {}
         prefill = decode = 0
+        verified = self._verify(runtime, batch, logits)
         for req_id, rows in batch.token_slices().items():
             live = self._live[req_id]
             n = rows.stop - rows.start
             is_decode = (
-                n == 1 and live.num_generated > 0 and live.num_computed == len(live.tokens) - 1
+                n == 1 + len(live.drafts)
+                and live.num_generated > 0
+                and live.num_computed == len(live.tokens) - 1
             )
             decode += n if is_decode else 0
             prefill += 0 if is_decode else n
             if self.keep_logits:
                 kept[req_id] = RequestLogits(live.num_computed, logits[rows].detach())
+            if req_id in verified:
+                # The root and the accepted drafts are computed; the last pick is new.
+                picks = verified[req_id]
+                live.num_computed += len(picks)
+                live.drafts = []
+                stop = live.request.sampling
+                for token in picks:
+                    live.tokens.append(token)
+                    if live.num_generated >= stop.max_new_tokens or token in stop.stop_token_ids:
+                        finished.append(req_id)
+                        break
+                sampled[req_id] = live.tokens[-1]
+                continue
+            if is_decode:
+                self._spec = dataclasses.replace(
+                    self._spec,
+                    decode_steps=self._spec.decode_steps + 1,
+                    decode_tokens=self._spec.decode_tokens + 1,
+                )
             live.num_computed += n
             if live.num_computed < len(live.tokens):
                 continue  # mid-prompt (or mid-recompute): nothing to sample yet
@@ -778,7 +929,41 @@ class Engine:
             num_free_blocks=runtime.manager.pool.num_free_blocks,
             logits=kept if self.keep_logits else None,
             num_cached_tokens=cached,
+            num_draft_tokens=sum(len(p) - 1 for p in verified.values()) + self._rejected,
+            num_accepted_tokens=sum(len(p) - 1 for p in verified.values()),
         )
+
+    def _verify(
+        self, runtime: AttentionRuntime, batch: StepBatch, logits: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """Greedy verification of the step's drafts: request -> its tokens to append
+        (the accepted drafts, then the model's pick after them); the rejected drafts
+        are given back to the runtime (``accept``)."""
+        verified: dict[str, list[int]] = {}
+        accepted: dict[str, int] = {}
+        self._rejected = 0
+        for req_id, rows in batch.token_slices().items():
+            drafts = self._live[req_id].drafts
+            if not drafts:
+                continue
+            best = torch.argmax(logits[rows].detach().float().cpu(), dim=-1)
+            picks = [int(t) for t in best]
+            a = 0
+            while a < len(drafts) and drafts[a] == picks[a]:
+                a += 1
+            verified[req_id] = [*drafts[:a], picks[a]]
+            accepted[req_id] = a
+            self._rejected += len(drafts) - a
+            self._spec = dataclasses.replace(
+                self._spec,
+                draft_tokens=self._spec.draft_tokens + len(drafts),
+                accepted_tokens=self._spec.accepted_tokens + a,
+                decode_steps=self._spec.decode_steps + 1,
+                decode_tokens=self._spec.decode_tokens + a + 1,
+            )
+        if accepted:
+            runtime.accept(accepted)
+        return verified
 
     def _idle_stats(self, index: int, preempted: list[str]) -> StepStats:
         return StepStats(
@@ -810,6 +995,7 @@ class Engine:
             runtime.free(held)
         for live in self._running:
             live.num_computed, live.started = 0, False
+            live.drafts = []
 
 
 class _PrefixTally:

@@ -922,6 +922,39 @@ class KVCacheManager:
             held += int(np.count_nonzero(used))
         return held
 
+    def take_back(self, rows: Ints, num_tokens: Ints) -> None:
+        """Rejected draft tokens are taken back: each of ``rows`` holds ``num_tokens``
+        tokens now (at most what it held, at least what it held before its last step:
+        the caller checks), and the blocks its kind no longer needs past them are
+        given back (``KindRules.blocks_needed`` at the new length; window and chunk
+        releases were made from the step's first query, so they stay exact).
+
+        The slots of the rejected tokens stay as written, past ``num_tokens``: no
+        kernel reads them and the next tokens overwrite them, and a block is named
+        only once full of held tokens (prefix caching), so none holding a rejected
+        token ever is.
+        """
+        if not rows.size:
+            return
+        lens = StepLens(num_tokens, np.zeros_like(num_tokens), self._encoder_len[rows])
+        for gid, (group, rules) in enumerate(zip(self.groups, self._rules, strict=True)):
+            if not rules.has_cache:
+                continue
+            tables = self._tables[gid]
+            have = tables.num_blocks[rows]
+            keep = np.minimum(rules.blocks_needed(group.spec, lens), have)
+            cut = np.flatnonzero(keep < have)
+            if not cut.size:
+                continue
+            owners, cols = spans(have[cut] - keep[cut], keep[cut], rows[cut])
+            dead = tables.table[owners, cols]
+            tables.table[owners, cols] = NULL_BLOCK
+            tables.num_blocks[rows[cut]] = keep[cut]
+            # Tail first, as a free gives a cached group's blocks back.
+            self._give_back[gid](np.ascontiguousarray(dead[dead != NULL_BLOCK][::-1]))
+        self._num_tokens[rows] = num_tokens
+        self._steady_rows = None  # lengths moved back: the steady look-ahead is void
+
     def free_request(self, req_id: str, token_ids: Tokens | None = None) -> None:
         """Release every block of ``req_id`` and forget it.
 

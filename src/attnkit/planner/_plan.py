@@ -18,7 +18,7 @@ from ..models import LayerInfo, ModelLayout
 from ..params import LayerParams
 from ..prefix_cache import checkpoint_interval_for, prefix_granularity
 from ..registry import BackendRegistry
-from ..runtime import default_layer_params, group_features, group_num_heads
+from ..runtime import default_layer_params, draft_state_bytes, group_features, group_num_heads
 from ..selector import Selection, select_backend
 from ..spec import KVCacheSpec, MambaSpec
 from ._capacity import _group_costs
@@ -180,9 +180,10 @@ def plan_model(
         memory_bytes=memory_bytes,
         num_blocks=num_blocks,
     )
+    drafts = draft_state_bytes(groups, config.num_speculative_tokens, config.max_num_reqs)
     if memory_bytes is not None:
         try:
-            num_blocks = num_blocks_for_budget(groups, page, memory_bytes, layouts)
+            num_blocks = num_blocks_for_budget(groups, page, memory_bytes - drafts, layouts)
         except InvalidArgumentError:
             if per_rank.world_size == 1:
                 raise
@@ -229,6 +230,7 @@ def plan_model(
         num_blocks=num_blocks,
         per_rank=per_rank,
         prefix=prefix,
+        draft_state_bytes=drafts,
     )
 
 

@@ -410,6 +410,10 @@ class ModelPlan(_PoolCapacity):
             are the whole model's on one device with the same budget.
         prefix: the model's minimum cacheable prefix and state checkpoint cost
             (``PrefixPlan``).
+        draft_state_bytes: the state layers' draft buffers for speculative decoding
+            (``config.num_speculative_tokens`` states per request slot,
+            ``max_num_reqs``, and state layer), taken from ``memory_bytes`` before
+            the pool is sized (0 without drafts or state layers).
     """
 
     model_type: str | None
@@ -428,6 +432,7 @@ class ModelPlan(_PoolCapacity):
     num_blocks: int | None
     per_rank: RankPlan
     prefix: PrefixPlan | None = None
+    draft_state_bytes: int = 0
 
     @property
     def tensor_parallel(self) -> int:

@@ -26,7 +26,8 @@ request's prompt is looked up first and the request starts from its hit::
 The package's modules: ``_requests`` (``ScheduledRequest``, ``StepBatch``), ``_runtime``
 (``AttentionRuntime``'s construction and introspection, ``StateLayer``), ``_step`` (the
 per-step host path), ``_forward`` (the layer calls), ``_boundary`` (the input boundary
-those calls pass), ``_prefix`` (the prefix-caching calls), ``_base`` (the state its parts
+those calls pass), ``_prefix`` (the prefix-caching calls), ``_spec`` (speculative
+decoding: ``accept``, the state layers' verify path), ``_base`` (the state its parts
 share), ``_checks`` (construction checks), ``_reports`` (routing and memory reports).
 """
 
@@ -39,6 +40,7 @@ from ._checks import group_num_heads as group_num_heads
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._requests import ScheduledRequest, StepBatch
 from ._runtime import AttentionRuntime, StateLayer
+from ._spec import draft_state_bytes as draft_state_bytes
 
 __all__ = [
     "AttentionRuntime",

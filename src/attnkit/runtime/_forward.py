@@ -13,11 +13,11 @@ from ..errors import ArgumentTypeError
 from ..impl import AttentionImpl
 from ..parallel import merge_partials
 from ..state_inputs import StateInputs
-from ._base import RuntimeBase
 from ._boundary import copy_back
+from ._spec import SpeculativeCalls
 
 
-class LayerCalls(RuntimeBase):
+class LayerCalls(SpeculativeCalls):
     """``AttentionRuntime``'s layer calls: ``forward``, ``forward_state``."""
 
     def forward(
@@ -136,5 +136,10 @@ class LayerCalls(RuntimeBase):
             inputs, output, self._current_step().num_tokens
         )
         entry = self._groups[self._layer_group[layer_name]]
-        result = impl.forward(inputs, self.kv_caches.get(layer_name, ()), entry.metadata, out)
+        caches = self.kv_caches.get(layer_name, ())
+        verify = self._verify
+        if verify is not None and (subs := verify.sub_steps.get(entry.group.group_id)):
+            result = self._forward_verify_state(layer_name, impl, inputs, caches, out, subs)
+        else:
+            result = impl.forward(inputs, caches, entry.metadata, out)
         return result if caller is None else copy_back(result, caller)

@@ -81,6 +81,9 @@ class MemoryReport:
             minus one set of the larger buffer count (0 with one set).
         num_blocks_one_set: blocks the same budget would hold if every group shared
             one set (``num_blocks`` when there is one set).
+        draft_state_bytes: the state layers' draft buffers for speculative decoding
+            (``num_speculative_tokens`` states per request slot and state layer),
+            taken from the budget before the pool is sized; 0 without them.
     """
 
     num_blocks: int
@@ -91,6 +94,7 @@ class MemoryReport:
     total_bytes: int
     extra_bytes: int
     num_blocks_one_set: int
+    draft_state_bytes: int = 0
 
     def describe(self) -> str:
         """The report as text (what the runtime logs at construction)."""
@@ -131,5 +135,10 @@ class MemoryReport:
                 f"  page-major and planes views cannot alias: the second set costs "
                 f"{self.extra_bytes} B; one shared set would hold {self.num_blocks_one_set} "
                 f"blocks in this budget instead of {self.num_blocks}"
+            )
+        if self.draft_state_bytes:
+            lines.append(
+                f"  draft states (speculative decoding): {self.draft_state_bytes} B, "
+                f"outside the pool"
             )
         return "\n".join(lines)

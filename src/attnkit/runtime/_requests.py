@@ -24,12 +24,17 @@ class ScheduledRequest:
             ``prefix.num_tokens`` computed tokens read from the cached blocks, and
             ``num_new_tokens`` counts from there. Read on the first step only (a
             request that holds cache has started; a later step's prefix is ignored).
+        num_draft_tokens: how many of the step's last tokens are speculative drafts
+            (at most ``config.num_speculative_tokens``, fewer than ``num_new_tokens``,
+            0 on a request's first step), which ``runtime.accept`` may take back after
+            verification (docs/speculative.md).
     """
 
     req_id: str
     num_new_tokens: int
     encoder_len: int = 0
     prefix: PrefixMatch | None = None
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Checked here, where the engine makes it, so begin_step need not re-check
@@ -49,6 +54,15 @@ class ScheduledRequest:
         if not is_nonnegative_int(self.encoder_len):
             raise InvalidArgumentError(
                 f"request {self.req_id!r}: encoder_len must be an int >= 0, got {self.encoder_len!r}"
+            )
+        if self.num_draft_tokens != 0 and (
+            not is_nonnegative_int(self.num_draft_tokens)
+            or self.num_draft_tokens >= self.num_new_tokens
+        ):
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: num_draft_tokens must be an int >= 0 and below "
+                f"num_new_tokens={self.num_new_tokens} (the step's first token is never "
+                f"a draft), got {self.num_draft_tokens!r}"
             )
         if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
             raise ArgumentTypeError(

@@ -49,6 +49,7 @@ from ._checks import (
 from ._forward import LayerCalls
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
+from ._spec import draft_state_bytes
 from ._step import StepHost
 
 InputsT = TypeVar("InputsT", bound=StateInputs)
@@ -173,8 +174,19 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         }
         """Group id -> the cache layout its backend declared."""
         self.memory_budget_bytes = memory_budget_bytes
+        # The state layers' draft buffers (speculative decoding) come out of the budget.
+        self.draft_state_bytes = draft_state_bytes(
+            groups, config.num_speculative_tokens, config.max_num_reqs
+        )
+        if self.draft_state_bytes >= memory_budget_bytes:
+            raise InvalidArgumentError(
+                f"memory_budget_bytes={memory_budget_bytes} does not hold the state layers' "
+                f"draft buffers ({self.draft_state_bytes} B for AttentionConfig."
+                f"num_speculative_tokens={config.num_speculative_tokens} x max_num_reqs="
+                f"{config.max_num_reqs}); raise the budget or lower either"
+            )
         self.num_blocks = num_blocks_for_budget(
-            groups, self.page_size_bytes, memory_budget_bytes, self.layouts
+            groups, self.page_size_bytes, memory_budget_bytes - self.draft_state_bytes, self.layouts
         )
         # Backends see kernel blocks: a page of the pool holds blocks_per_page of them.
         shapes: dict[int, tuple[tuple[int, ...], ...]] = {
@@ -221,6 +233,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             fill=cache_fill,
             layouts=self.layouts,
         )
+        self._allocate_draft_states()
+        self._verify = None
         _LOG.info("%s", self.memory_report().describe())
         self._rules_of = {g.group_id: rules_for(g.spec) for g in groups}
         if context_parallel is not None:
@@ -326,6 +340,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             total_bytes=total,
             extra_bytes=extra,
             num_blocks_one_set=one_set,
+            draft_state_bytes=self.draft_state_bytes,
         )
 
     def _copy_states(self, group_id: int, sources: list[int], destinations: list[int]) -> None:

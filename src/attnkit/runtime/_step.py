@@ -23,14 +23,14 @@ from ..kv_cache import KVCacheGroup, PrefixMatch
 from ..metadata import CommonAttentionMetadata, host_to_device
 from ..parallel import ContextParallelMismatchError, step_fingerprint
 from ..prefix_cache import Tokens
-from ._base import RuntimeBase
 from ._requests import ScheduledRequest, StepBatch
+from ._spec import SpeculativeCalls, step_drafts
 
 # torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
 _from_numpy: Callable[[np.ndarray[Any, Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
 
-class StepHost(RuntimeBase):
+class StepHost(SpeculativeCalls):
     """``AttentionRuntime``'s per-step part: ``begin_step``, ``free``."""
 
     def begin_step(
@@ -103,6 +103,9 @@ class StepHost(RuntimeBase):
                     rows[i] = -1
         # New requests may start from a prefix hit (the steady state has none).
         prefixes, starts = (None, None) if cached else self._new_prefixes(scheduled, rows)
+        drafts = (
+            step_drafts(self, scheduled, ids, rows) if self.config.num_speculative_tokens else None
+        )
         lens = self.manager.step_lens(rows, counts, encoder, starts)
         longest = int(lens.total.max()) if count else 0
         if longest > limits.max_model_len:
@@ -129,6 +132,8 @@ class StepHost(RuntimeBase):
                 if prefixes is not None:
                     moved: list[int] = order.tolist()
                     prefixes = [prefixes[i] for i in moved]
+                if drafts is not None:
+                    drafts = drafts[order]
         rows = self.manager.allocate_rows(ids, rows, lens, finished=finished, prefixes=prefixes)
         if self.manager.rows_version == version:  # no request gained or lost a row
             self._last_ids, self._last_rows = given_ids, given_rows
@@ -152,6 +157,8 @@ class StepHost(RuntimeBase):
             if self.manager.prefix is not None:
                 self.manager.prefix.discard()  # no layer runs: nothing the step fills is named
             raise
+        if drafts is not None or self._verify is not None:
+            self._prepare_verify(drafts, rows, lens)
         query_lens = tuple(lens.query.tolist())
         self._stale = None
         self._step_rows_version = self.manager.rows_version

@@ -491,7 +491,8 @@ def _role(cached: int, n: int) -> str:
 _GRAPH_STEPS: dict[AttentionCGSupport, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # Two batches of one shape (requests, tokens), other lengths and blocks.
     AttentionCGSupport.ALWAYS: ((1, 5, 2), (3, 1, 4)),
-    AttentionCGSupport.UNIFORM_BATCH: ((2, 2, 2), (2, 2, 2)),
+    # Uniform batches as speculative verify steps make them: 1 + 4 queries per request.
+    AttentionCGSupport.UNIFORM_BATCH: ((5, 5, 5), (5, 5, 5)),
     AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: ((1, 1, 1), (1, 1, 1)),
 }
 
