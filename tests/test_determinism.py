@@ -130,17 +130,21 @@ def test_the_priority_list_skips_weaker_backends_and_says_so() -> None:
     chunked = ChunkedLocalAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, attention_chunk_size=64
     )
-    # cpu_attn keeps chunking_invariant on chunked-local layers, reference batch_invariant.
-    chosen = select_backend(chunked, AttentionConfig(determinism="chunking_invariant"), device="cpu")
+    # cpu_attn keeps prefix_hit_invariant on chunked-local layers, reference batch_invariant.
+    chosen = select_backend(chunked, AttentionConfig(determinism="prefix_hit_invariant"), device="cpu")
     assert chosen.backend_name == "cpu_attn"
     chosen = select_backend(spec(), AttentionConfig(determinism="prefix_hit_invariant"), device="cpu")
     assert chosen.backend_name == "cpu_attn"
-    # Nothing keeps prefix-hit invariance on chunked-local layers: no silent fallback.
-    with pytest.raises(NoBackendError) as caught:
-        select_backend(chunked, AttentionConfig(determinism="prefix_hit_invariant"), device="cpu")
-    text = str(caught.value)
-    assert "determinism=prefix_hit_invariant not kept for kind=chunked_local_attention " in text
-    assert "(declared: chunking_invariant)" in text
+    # reference first in the list: skipped at a level above its own, with the reason.
+    chosen = select_backend(
+        chunked,
+        AttentionConfig(determinism="chunking_invariant"),
+        device="cpu",
+        priority={"cpu": ["reference", "cpu_attn"]},
+    )
+    assert chosen.backend_name == "cpu_attn"
+    text = chosen.explain()
+    assert "determinism=chunking_invariant not kept for kind=chunked_local_attention " in text
     assert "(declared: batch_invariant)" in text
 
 
@@ -172,9 +176,9 @@ def _cli(argv: list[str]) -> str:
 def test_backends_lists_each_backends_levels_per_kind() -> None:
     text = _cli(["backends"])
     assert (
-        "    determinism: prefix_hit_invariant (full_attention, sliding_window); "
-        "chunking_invariant (chunked_local_attention); run_to_run (cross_attention, "
-        "encoder_only_attention, sink_full_attention)\n"
+        "    determinism: prefix_hit_invariant (chunked_local_attention, full_attention, "
+        "sliding_window); run_to_run (cross_attention, encoder_only_attention, "
+        "sink_full_attention)\n"
     ) in text
     rows = {r["name"]: r for r in json.loads(_cli(["backends", "--json"]))["backends"]}
     assert rows["reference"]["determinism"]["full_attention"] == "batch_invariant"
@@ -184,5 +188,4 @@ def test_backends_lists_each_backends_levels_per_kind() -> None:
 def test_plan_plans_under_a_level_and_shows_each_groups_level() -> None:
     text = _cli(["plan", "--example", "llama4", "--determinism", "chunking_invariant"])
     assert "determinism=chunking_invariant)" in text.splitlines()[0]
-    assert "  -> cpu_attn (chosen by priority; determinism: chunking_invariant)\n" in text
     assert "  -> cpu_attn (chosen by priority; determinism: prefix_hit_invariant)\n" in text

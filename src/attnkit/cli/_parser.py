@@ -223,16 +223,14 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
         "--state-checkpoints",
         choices=("none", "step_end"),
         default="none",
-        help="the prefix cache's state checkpoint policy for state layers (the report "
-        "gives the minimum cacheable prefix under it)",
+        help="state layers' checkpoint policy for the prefix cache",
     )
     plan.add_argument(
         "--checkpoint-interval",
         type=int_range(1),
         default=None,
         metavar="N",
-        help="tokens between state checkpoints (default: the lcm of the attention "
-        "groups' block sizes)",
+        help="tokens between state checkpoints (default: lcm of the block sizes)",
     )
     plan.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     plan.add_argument(
@@ -247,8 +245,8 @@ def _build() -> tuple[_Parser, dict[str, _Parser]]:
     plan.add_argument(
         "--determinism",
         default="none",
-        help="the determinism level every layer's backend must keep: none, run_to_run, "
-        "batch_invariant, prefill_decode, chunking_invariant, prefix_hit_invariant "
+        metavar="LEVEL",
+        help="the level every backend must keep, none .. prefix_hit_invariant "
         "(docs/determinism.md)",
     )
     plan.add_argument(
