@@ -22,6 +22,7 @@ from attnkit import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     InvalidArgumentError,
     KVCacheSpec,
     KVCacheSpecKind,
@@ -63,11 +64,14 @@ class EveryKindBackend(AttentionBackend):
     """Serves every kind on CPU: lets tests address each kind through backend_per_kind."""
 
     name = "toy_every_kind"
+    # The indexer's cache is fp8 by its format: a backend serving it reads fp8.
+    supported_kv_cache_dtypes = frozenset({"auto", "fp8_e4m3"})
     supported_mamba_types = frozenset({"mamba2", "gdn", "linear", "short_conv", "mamba1"})
     supported_devices = frozenset({"cpu"})
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ToyAttentionBuilder, ToyImpl),
         bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),
+        bind_builder(IndexerSpec, ToyAttentionBuilder, ToyImpl),
     )
 
 
@@ -96,6 +100,7 @@ SPECS: dict[KVCacheSpecKind, KVCacheSpec] = {
     KVCacheSpecKind.ENCODER_ONLY_ATTENTION: EncoderOnlyAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.CROSS_ATTENTION: CrossAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.MAMBA: MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,)),
+    KVCacheSpecKind.INDEXER: IndexerSpec(block_size=16, dtype=torch.bfloat16),
 }
 FULL = SPECS[KVCacheSpecKind.FULL_ATTENTION]
 WINDOW = SPECS[KVCacheSpecKind.SLIDING_WINDOW]
