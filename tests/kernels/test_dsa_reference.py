@@ -1,6 +1,7 @@
-"""The DSA torch references against float64 oracles written here, loop by loop: the
-fp8 index rows, the KV write, indexer logits, top-k (ties, short contexts, windows,
--1 padding, shuffled blocks, NaN-filled caches, chunked prefill) and sparse MLA."""
+"""The DSA kernels, the torch references and the Triton kernels (under the interpreter
+on CPU) alike, against float64 oracles written here, loop by loop: the fp8 index rows,
+the KV write, indexer logits, top-k (ties, short contexts, windows, -1 padding,
+shuffled blocks, NaN-filled caches, chunked prefill) and sparse MLA."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+import attnkit.kernels.dsa.reference as reference_ops
 from attnkit.kernels.dsa.contract import index_row_bytes
 from attnkit.kernels.dsa.reference import (
     dequantize_index_rows,
@@ -20,6 +22,19 @@ from attnkit.kernels.dsa.reference import (
 )
 
 D = 128
+OPS = ("write_index_cache", "indexer_logits", "topk_select", "sparse_mla_attention")
+
+
+@pytest.fixture(autouse=True, params=["reference", "triton"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both implementations (the module's op names rebound)."""
+    if request.param == "triton":
+        ops = pytest.importorskip("attnkit.kernels.dsa.triton")
+    else:
+        ops = reference_ops
+    for name in OPS:
+        monkeypatch.setitem(globals(), name, getattr(ops, name))
+    return str(request.param)
 
 
 def oracle_quantize(key: list[float]) -> tuple[list[float], float]:
@@ -163,10 +178,14 @@ def test_topk_matches_the_oracle_with_slots_and_padding(topk: int, window: int |
 
 
 def test_ties_go_to_the_earlier_position() -> None:
-    # Every key equal: every visible score ties, so the earliest positions are kept.
+    # Every key equal: every visible score is the same number (a float dot may round
+    # it by position, so the scores here are the same tensor entry repeated), and the
+    # earliest positions are kept.
     same = torch.ones(10, D)
     batch = Batch([(10, 2)], keys=torch.stack([same]), seed=1)
-    idx, lens = batch.select(batch.logits(), 3)
+    visible = batch.logits()
+    tied = torch.where(torch.isfinite(visible), visible[:, :1], visible)
+    idx, lens = batch.select(tied, 3)
     for t, (b, _p) in enumerate(batch.tokens):
         assert idx[t].tolist() == [batch.slot(b, s) for s in (0, 1, 2)]
         assert int(lens[t]) == 3
@@ -278,6 +297,24 @@ def test_chunked_prefill_equals_one_prefill() -> None:
                           block_size=whole.bs, topk=4)
     assert torch.equal(idx2, idx_whole[7:])
     assert first.logits().shape == (7, 7)
+
+
+def test_write_matches_the_oracle_codec_bit_for_bit() -> None:
+    """Scales from the oracle's power-of-two rule, values torch's e4m3 cast of x / scale."""
+    torch.manual_seed(3)
+    keys = torch.randn(6, 256) * torch.tensor([1e-3, 1.0, 7.0, 300.0, 448.0, 1e4])[:, None]
+    keys[1] = 0.0
+    keys[4, :128] = 448.0  # an exact power of two of 448: scale 1
+    cache = _paged(2, 4, index_row_bytes(256))
+    write_index_cache(keys, cache, torch.arange(6))
+    rows = cache.view(-1, 264)[:6]
+    for t in range(6):
+        for blk in range(2):
+            vals = keys[t, blk * 128 : (blk + 1) * 128].double().tolist()
+            scaled, scale = oracle_quantize(vals)
+            assert float(rows[t, 256 + 4 * blk : 260 + 4 * blk].view(torch.float32)) == scale
+            want = torch.tensor(scaled, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+            assert torch.equal(rows[t, blk * 128 : (blk + 1) * 128], want)
 
 
 def test_write_skips_minus_one_slots() -> None:

@@ -53,8 +53,11 @@ def quantize_index_keys(keys: Tensor) -> Tensor:
     lead = keys.shape[:-1]
     blocks = keys.float().reshape(*lead, dim // SCALE_BLOCK, SCALE_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    exponent = torch.ceil(torch.log2(torch.clamp(amax, min=1e-30) / FP8_MAX))
-    scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+    # ceil(log2(x)) exactly, from x = m * 2**e with m in [0.5, 1): e, less one when x
+    # is a power of two (m == 0.5); a float log2 can round across the integer.
+    mantissa, exponent = torch.frexp(torch.clamp(amax, min=1e-30) / FP8_MAX)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax))
     values = (blocks / scale).to(_FP8).reshape(*lead, dim)
     scales = scale.reshape(*lead, dim // SCALE_BLOCK).contiguous()
     return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
