@@ -482,3 +482,27 @@ def test_one_except_clause_catches_an_unknown_backend() -> None:
     with pytest.raises(KeyError) as info:
         reg.get("missing_backend")
     assert str(info.value) == "unknown backend 'missing_backend'; registered backends: toy_generic"
+
+
+def test_a_sparse_mla_layer_on_cuda_names_the_missing_sparse_kernel_and_reference_serves() -> None:
+    """DeepSeek-V3.2 on a GPU without a sparse-MLA kernel (issues vLLM #30644, #40851):
+    the MLA backend is skipped for the sparse_attention feature it lacks, and the
+    reference path serves the MLA layer and its indexer."""
+    mla = MLAAttentionSpec(block_size=64, head_size=576, dtype=torch.bfloat16)
+    sparse = select_backend(
+        mla, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
+        features={AttentionFeature.SPARSE_ATTENTION}, hypothetical_device=True,
+    )
+    assert sparse.backend_name == "reference"
+    reasons = {r.backend: r.reasons for r in sparse.rejected}
+    assert any("feature sparse_attention not supported" in r for r in reasons["triton_mla"])
+    dense = select_backend(
+        mla, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
+        hypothetical_device=True,
+    )
+    assert dense.backend_name == "triton_mla"  # the same layer without the feature
+    indexer = select_backend(
+        IndexerSpec(block_size=64, dtype=torch.bfloat16), AttentionConfig(), device="cuda",
+        capability=(9, 0), hypothetical_device=True,
+    )
+    assert indexer.backend_name == "reference"
