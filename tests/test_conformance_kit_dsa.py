@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 from typing_extensions import override
 
@@ -123,3 +124,15 @@ def test_a_causal_horizon_one_too_far_is_caught() -> None:
     failures = _failed(check_backend(SeesItsSuccessor, kinds=["indexer"]))
     assert failures, "the kit passed an indexer that sees the next position"
     assert all("selection" in detail for detail in failures.values()), failures
+
+
+def test_triton_mla_passes_the_sparse_cases_under_the_interpreter() -> None:
+    """triton_mla's Triton indexer and sparse MLA (kernels.dsa.triton) against reference."""
+    pytest.importorskip("triton")
+    from attnkit.backends.triton_mla import TritonMLABackend
+
+    report = check_backend(TritonMLABackend, kinds=["indexer"])
+    report.assert_ok()
+    cases = _sparse(report)
+    assert len(cases) == 6, report.describe()
+    assert all(report.result(c).status == "passed" for c in cases), report.describe()

@@ -484,25 +484,46 @@ def test_one_except_clause_catches_an_unknown_backend() -> None:
     assert str(info.value) == "unknown backend 'missing_backend'; registered backends: toy_generic"
 
 
-def test_a_sparse_mla_layer_on_cuda_names_the_missing_sparse_kernel_and_reference_serves() -> None:
-    """DeepSeek-V3.2 on a GPU without a sparse-MLA kernel (issues vLLM #30644, #40851):
-    the MLA backend is skipped for the sparse_attention feature it lacks, and the
-    reference path serves the MLA layer and its indexer."""
+def test_sparse_attention_on_cuda_routes_to_triton_mla_and_says_what_it_lacks() -> None:
+    """DeepSeek-V3.2 on a GPU (issues vLLM #30644, #40851): triton_mla serves the sparse
+    MLA layer and its indexer (on sm_80 too); where it cannot (an fp8 latent cache) the
+    reason names what is missing, and a backend without the feature is told which."""
     mla = MLAAttentionSpec(block_size=64, head_size=576, dtype=torch.bfloat16)
-    sparse = select_backend(
+    sparse = {AttentionFeature.SPARSE_ATTENTION}
+    chosen = select_backend(
         mla, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
-        features={AttentionFeature.SPARSE_ATTENTION}, hypothetical_device=True,
+        features=sparse, hypothetical_device=True,
     )
-    assert sparse.backend_name == "reference"
-    reasons = {r.backend: r.reasons for r in sparse.rejected}
-    assert any("feature sparse_attention not supported" in r for r in reasons["triton_mla"])
-    dense = select_backend(
-        mla, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
-        hypothetical_device=True,
+    assert chosen.backend_name == "triton_mla"
+    # An fp8 latent cache: no sparse kernel reads it (reference keeps latents unquantised),
+    # and the error says so for triton_mla.
+    fp8 = dataclasses.replace(mla, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(
+        NoBackendError, match="sparse_attention with an fp8_e4m3 latent cache is not supported"
+    ):
+        select_backend(
+            fp8, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
+            features=sparse, hypothetical_device=True,
+        )
+    indexer = IndexerSpec(block_size=64, dtype=torch.bfloat16)
+    for capability in ((8, 0), (9, 0)):  # integer-decoded fp8 rows: no fp8 hardware needed
+        served = select_backend(
+            indexer, AttentionConfig(), device="cuda", capability=capability,
+            hypothetical_device=True,
+        )
+        assert served.backend_name == "triton_mla"
+    # Without the feature declared, a sparse layer's reason names it (a plugin MLA backend).
+    assert any(
+        "feature sparse_attention not supported" in r
+        for r in ReferenceLessMLA.not_supported_reasons(
+            BackendRequest(spec=mla, device=torch.device("cpu"), features=frozenset(sparse))
+        )
     )
-    assert dense.backend_name == "triton_mla"  # the same layer without the feature
-    indexer = select_backend(
-        IndexerSpec(block_size=64, dtype=torch.bfloat16), AttentionConfig(), device="cuda",
-        capability=(9, 0), hypothetical_device=True,
-    )
-    assert indexer.backend_name == "reference"
+
+
+class ReferenceLessMLA(AttentionBackend):
+    """An MLA backend that declares no sparse attention."""
+
+    name = "toy_dense_mla"
+    supported_devices = frozenset({"cpu"})
+    builders = (bind_builder(MLAAttentionSpec, ToyAttentionBuilder, ToyImpl),)

@@ -26,6 +26,7 @@ from ..builder import AttentionCGSupport
 from ..capabilities import AttentionFeature
 from ..config import AttentionConfig
 from ..kinds import rules_for, rules_for_kind
+from ..metadata import SparseSelection
 from ..params import (
     AttentionLayerParams,
     LayerParams,
@@ -690,35 +691,51 @@ def run_sparse_case(
     tol = tolerance_of(choice)
     for number, step in enumerate(steps):
         scheduled = [ScheduledRequest(rid, n) for rid, n in step]
-        batch = ref.begin_step(scheduled)
-        test.begin_step(scheduled)
-        t = batch.num_tokens
-        dtype = choice.dtype
-        q = _randn(gen, t, _SPARSE_HEADS, _SPARSE_RANK + _SPARSE_ROPE).to(device, dtype)
-        latent = _randn(gen, t, 1, _SPARSE_RANK + _SPARSE_ROPE).to(device, dtype)
-        qi = _randn(gen, t, _SPARSE_INDEX_HEADS, _index_dim(choice)).to(device, dtype)
-        ki = _randn(gen, t, 1, _index_dim(choice)).to(device, dtype)
-        w = _randn(gen, t, _SPARSE_INDEX_HEADS).to(device)
-        where = f"step {number} ({', '.join(f'{r}: {n}' for r, n in step)})"
-        try:
-            want = ref.select("indexer", qi, ki, w, paired="mla")
-            want_out = ref.forward("mla", q, latent, selection=want)
-        except Exception as exc:
-            raise KitError(f"reference cannot run the case: {exc}") from exc
-        try:
-            got = test.select("indexer", qi, ki, w, paired="mla")
-            got_out = test.forward("mla", q, latent, selection=got)
-        except Exception as exc:
-            return f"{where}: {type(exc).__name__}: {exc}"
-        if not torch.equal(got.lens.cpu(), want.lens.cpu()):
-            return f"{where}: selection lens {_ints(got.lens)}, expected {_ints(want.lens)}"
-        if not torch.equal(got.indices.cpu(), want.indices.cpu()):
-            bad = int((got.indices != want.indices).any(dim=1).nonzero()[0, 0])
-            return (
-                f"{where}: selection of token {bad} is {_ints(got.indices[bad])}, "
-                f"expected {_ints(want.indices[bad])} (topk={topk})"
+        batches = (ref.begin_step(scheduled), test.begin_step(scheduled))
+        dtype, widths = choice.dtype, _SPARSE_RANK + _SPARSE_ROPE
+        # Per request, then laid out in each runtime's batch order (a backend may put
+        # decodes first).
+        parts = {
+            rid: (
+                _randn(gen, n, _SPARSE_HEADS, widths).to(device, dtype),
+                _randn(gen, n, 1, widths).to(device, dtype),
+                _randn(gen, n, _SPARSE_INDEX_HEADS, _index_dim(choice)).to(device, dtype),
+                _randn(gen, n, 1, _index_dim(choice)).to(device, dtype),
+                _randn(gen, n, _SPARSE_INDEX_HEADS).to(device),
             )
-        problem = _compare(f"{where} mla output", got_out, want_out, tol)
-        if problem is not None:
-            return problem
+            for rid, n in step
+        }
+        where = f"step {number} ({', '.join(f'{r}: {n}' for r, n in step)})"
+        results: list[tuple[dict[str, slice], SparseSelection, torch.Tensor]] = []
+        for side, batch in zip((ref, test), batches, strict=True):
+            q, latent, qi, ki, w = (
+                torch.cat([parts[rid][i] for rid in batch.order]) for i in range(5)
+            )
+            try:
+                sel = side.select("indexer", qi, ki, w, paired="mla")
+                out = side.forward("mla", q, latent, selection=sel)
+            except Exception as exc:
+                if side is ref:
+                    raise KitError(f"reference cannot run the case: {exc}") from exc
+                return f"{where}: {type(exc).__name__}: {exc}"
+            results.append((batch.token_slices(), sel, out))
+        (ref_rows, want, want_out), (got_rows, got, got_out) = results
+        for rid, _ in step:
+            mine, theirs = got_rows[rid], ref_rows[rid]
+            here = f"{where} request {rid}"
+            if not torch.equal(got.lens[mine].cpu(), want.lens[theirs].cpu()):
+                return (
+                    f"{here}: selection lens {_ints(got.lens[mine])}, expected "
+                    f"{_ints(want.lens[theirs])}"
+                )
+            if not torch.equal(got.indices[mine].cpu(), want.indices[theirs].cpu()):
+                bad = int((got.indices[mine] != want.indices[theirs]).any(dim=1).nonzero()[0, 0])
+                return (
+                    f"{here}: selection of its token {bad} is "
+                    f"{_ints(got.indices[mine][bad])}, expected "
+                    f"{_ints(want.indices[theirs][bad])} (topk={topk})"
+                )
+            problem = _compare(f"{here} mla output", got_out[mine], want_out[theirs], tol)
+            if problem is not None:
+                return problem
     return None

@@ -497,7 +497,7 @@ def sparse_mla_attention(
         )
     if query.stride(2) != 1:
         raise ValueError(f"query: expected a contiguous last dimension, got strides {query.stride()}")
-    rank = check_int_arg("kv_lora_rank", kv_lora_rank, 1, dim - 1)
+    rank = check_int_arg("kv_lora_rank", kv_lora_rank, 1, dim)
     idx, counts = check_selection(indices, lens, num_tokens=tokens, device=query.device)
     if idx.stride(1) != 1:
         raise ValueError(f"indices: expected contiguous rows, got strides {idx.stride()}")
