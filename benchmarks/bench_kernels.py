@@ -7,7 +7,10 @@ side by side, in the same process, with ``scaled_dot_product_attention`` on cont
 tensors (flash backend where it accepts the case) and FlexAttention (contiguous,
 compiled), plus the flash_attn backend's cases when flash-attn is installed.
 Determinism (docs/determinism.md): triton_attn at ``batch_invariant`` against the same
-launch at ``none``, decode 32 x 2k and prefill 4 x 512, alternating rounds.
+launch at ``none``, decode 32 x 2k and prefill 4 x 512, alternating rounds. DSA
+(DeepSeek-V3.2 sparse attention: 128 heads, top-2048, 32k-128k contexts): the torch
+reference indexer and sparse MLA timed on the GPU, and the bytes each decode token
+reads against dense MLA (``--dsa-bytes-only``: computed from the formats, no GPU).
 
 Targets (H100/H200): decode at context >= 4k reaches 75% of peak bandwidth; prefill
 at 8k is at least 1.0x SDPA's flash backend. Times come from CUDA events (median of
@@ -481,6 +484,113 @@ def mla_results(args: argparse.Namespace, device: torch.device, peak: float | No
     return results
 
 
+# DeepSeek-V3.2 sparse attention (DSA) at its own sizes: 128 MLA heads over a 576-wide
+# bf16 latent, an indexer of 64 heads x 128 over 132-byte fp8 rows, top-2048.
+DSA_HEADS, DSA_RANK, DSA_ROPE = 128, 512, 64
+DSA_INDEX_HEADS, DSA_INDEX_DIM, DSA_TOPK, DSA_BLOCK = 64, 128, 2048, 64
+DSA_ROW_BYTES = DSA_INDEX_DIM + DSA_INDEX_DIM // 128 * 4
+
+
+def dsa_cases(smoke: bool) -> list[tuple[int, int]]:
+    """(requests, context) of the DSA decode cases: 32k to 128k contexts (tiny with --smoke)."""
+    if smoke:
+        return [(2, 96)]
+    return [(1, 32768), (8, 32768), (1, 65536), (1, 131072), (4, 131072)]
+
+
+def dsa_bytes_per_token(context: int, topk: int = DSA_TOPK) -> dict[str, float]:
+    """Bytes one decode token of one layer reads, computed from the formats (not
+    measured): the indexer reads every index row of the context, sparse MLA ``topk``
+    latents (bf16, 576 x 2 B); dense MLA reads every latent."""
+    latent_bytes = (DSA_RANK + DSA_ROPE) * 2
+    indexer = context * DSA_ROW_BYTES
+    sparse = min(topk, context) * latent_bytes
+    dense = context * latent_bytes
+    return {
+        "context": context,
+        "indexer_bytes": indexer,
+        "sparse_mla_bytes": sparse,
+        "dsa_bytes": indexer + sparse,
+        "dense_mla_bytes": dense,
+        "dsa_over_dense": (indexer + sparse) / dense,
+    }
+
+
+def print_dsa_bytes(contexts: list[int]) -> list[dict[str, float]]:
+    rows = [dsa_bytes_per_token(c) for c in contexts]
+    print("DSA decode, bytes read per token per layer (computed from the formats, not measured)")
+    print(f"{'context':>8} {'indexer':>12} {'sparse MLA':>12} {'DSA total':>12} {'dense MLA':>12} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{int(r['context']):>8} {r['indexer_bytes'] / 1e6:>10.2f}MB {r['sparse_mla_bytes'] / 1e6:>10.2f}MB "
+            f"{r['dsa_bytes'] / 1e6:>10.2f}MB {r['dense_mla_bytes'] / 1e6:>10.2f}MB {r['dsa_over_dense']:>6.3f}"
+        )
+    return rows
+
+
+def dsa_results(args: argparse.Namespace, device: torch.device, peak: float | None) -> list[Result]:
+    """DSA decode at V3.2 sizes on the torch reference kernels (``attnkit.kernels.dsa``;
+    there are no Triton DSA kernels yet): the indexer (scores + top-k) and sparse MLA,
+    each timed alone; GB/s of the bytes ``dsa_bytes_per_token`` counts."""
+    from attnkit.kernels.dsa.reference import (
+        indexer_logits,
+        quantize_index_keys,
+        sparse_mla_attention,
+        topk_select,
+    )
+
+    heads, rank, rope = (4, 32, 16) if args.smoke else (DSA_HEADS, DSA_RANK, DSA_ROPE)
+    iheads, topk, block = (4, 16, 16) if args.smoke else (DSA_INDEX_HEADS, DSA_TOPK, DSA_BLOCK)
+    latent = rank + rope
+    results: list[Result] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for num_reqs, context in dsa_cases(args.smoke):
+        per_req = -(-context // block)
+        num_blocks = num_reqs * per_req + 1
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
+        table = perm.view(num_reqs, per_req).to(device)
+        keys = torch.randn(num_blocks * block, DSA_INDEX_DIM, generator=gen)
+        index_cache = quantize_index_keys(keys).view(num_blocks, block, DSA_ROW_BYTES).to(device)
+        latents = torch.randn(num_blocks, block, latent, generator=gen).to(device, torch.bfloat16)
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=device)
+        seq = torch.full((num_reqs,), context, dtype=torch.int32, device=device)
+        qi = torch.randn(num_reqs, iheads, DSA_INDEX_DIM, generator=gen).to(device, torch.bfloat16)
+        w = torch.randn(num_reqs, iheads, generator=gen).to(device)
+        q = torch.randn(num_reqs, heads, latent, generator=gen).to(device, torch.bfloat16)
+        holder: dict[str, Any] = {}
+
+        def indexer(holder: dict[str, Any] = holder, qi: torch.Tensor = qi, w: torch.Tensor = w,
+                    index_cache: torch.Tensor = index_cache, table: torch.Tensor = table,
+                    seq: torch.Tensor = seq, context: int = context,
+                    qsl: torch.Tensor = qsl) -> None:
+            logits = indexer_logits(qi, w, index_cache, query_start_loc=qsl, seq_lens=seq,
+                                    block_table=table, max_seq_len=context)
+            holder["sel"] = topk_select(logits, query_start_loc=qsl, seq_lens=seq,
+                                        block_table=table, block_size=block, topk=topk)
+
+        ms_i = time_ms(indexer, device, args.warmup, args.iters)
+        indices, lens = holder["sel"]
+        out = torch.empty(num_reqs, heads, rank, dtype=torch.bfloat16, device=device)
+
+        def sparse(q: torch.Tensor = q, latents: torch.Tensor = latents, indices: Any = indices,
+                   lens: Any = lens, out: torch.Tensor = out) -> None:
+            sparse_mla_attention(q, latents, indices, lens, kv_lora_rank=rank,
+                                 scale=latent**-0.5, output=out)
+
+        ms_s = time_ms(sparse, device, args.warmup, args.iters)
+        bytes_ = dsa_bytes_per_token(context, topk)
+        case = f"B={num_reqs} ctx={context} H={heads} topk={topk}"
+        for kind, ms, moved in (
+            ("dsa-indexer", ms_i, num_reqs * bytes_["indexer_bytes"]),
+            ("dsa-sparse-mla", ms_s, num_reqs * bytes_["sparse_mla_bytes"]),
+        ):
+            gbps = moved / (ms * 1e-3) / 1e9
+            results.append(Result(kind, "reference (torch)", case, ms, gbps,
+                                  gbps / peak if peak else None,
+                                  note=f"dense MLA reads {bytes_['dense_mla_bytes'] / 1e6:.1f} MB/token"))
+    return results
+
+
 def mla_prefill_results(args: argparse.Namespace, device: torch.device) -> list[Result]:
     """MLA prefill with ``mla_projection`` on ``triton_mla``, each form forced
     (``prefill_form``), at DeepSeek-V3 dims (128 heads, R 512, rope 64, N = V = 128,
@@ -768,6 +878,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results.extend(state_results(args, device))
     results.extend(mla_results(args, device, peak))
     results.extend(mla_prefill_results(args, device))
+    results.extend(dsa_results(args, device, peak))
     flash_rows: list[dict[str, Any]] = []
     if not args.smoke:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -780,6 +891,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": [dataclasses.asdict(r) for r in results],
         "flash_attn": flash_rows,
         "targets": targets(results, peak),
+        "dsa_bytes_per_token": [dsa_bytes_per_token(c) for _, c in dsa_cases(False)],
     }
 
 
@@ -924,6 +1036,11 @@ def main() -> int:
         "--peak-gbps", type=float, default=None, help="override the device's peak bandwidth"
     )
     parser.add_argument(
+        "--dsa-bytes-only",
+        action="store_true",
+        help="print the DSA bytes-per-token table against dense MLA (no GPU needed) and exit",
+    )
+    parser.add_argument(
         "--grid-only",
         action="store_true",
         help="print the attention grid-efficiency table (no GPU needed) and exit",
@@ -934,6 +1051,10 @@ def main() -> int:
     if torch.device(args.device).type == "cpu":
         # Before anything imports triton (the grid plan below does).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.dsa_bytes_only:
+        rows = print_dsa_bytes(sorted({c for _, c in dsa_cases(False)}))
+        (out / "dsa_bytes.json").write_text(json.dumps(rows, indent=2))
+        return 0
     grid = grid_efficiency()
     print_grid_efficiency(grid)
     (out / "grid_efficiency.json").write_text(json.dumps(grid, indent=2))

@@ -264,6 +264,40 @@ def run_mla(p: dict[str, Any]) -> None:
     mla_attention(query, cache, plan, kv_lora_rank=512, scale=0.1, kv_scale=kv_scale)
 
 
+def run_dsa(p: dict[str, Any]) -> None:
+    """DeepSeek-V3.2 sparse attention at its sizes: the index-key write (128 values + one
+    scale per token), indexer logits (64 heads x 128 over fp8 rows), top-2048 selection,
+    and sparse MLA (128 heads, latent 512 + 64) over 2048 selected slots."""
+    from attnkit.kernels.dsa.triton import (
+        indexer_logits,
+        sparse_mla_attention,
+        topk_select,
+        write_index_cache,
+    )
+
+    dtype, bs, op = DT[p["dtype"]], p["block"], p["op"]
+    qsl, seq = _i32([0, 1, 2]), _i32([4 * bs, 4 * bs])
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    cache = torch.zeros(8, bs, 132, dtype=torch.uint8)
+    if op == "write":
+        write_index_cache(torch.zeros(2, 128, dtype=dtype), cache, torch.arange(2))
+    elif op == "logits":
+        q, w = torch.zeros(2, 64, 128, dtype=dtype), torch.zeros(2, 64)
+        indexer_logits(
+            q, w, cache, query_start_loc=qsl, seq_lens=seq, block_table=table, max_seq_len=4 * bs
+        )
+    elif op == "topk":
+        topk_select(
+            torch.zeros(2, 4 * bs), query_start_loc=qsl, seq_lens=seq, block_table=table,
+            block_size=bs, topk=2048,
+        )
+    else:
+        q = torch.zeros(2, 128, 576, dtype=dtype)
+        latents = torch.zeros(8, bs, 576, dtype=dtype)
+        idx, lens = torch.zeros(2, 2048, dtype=torch.int32), _i32([2048, 2048])
+        sparse_mla_attention(q, latents, idx, lens, kv_lora_rank=512, scale=0.1)
+
+
 def _varlen(tokens: int) -> dict[str, Any]:
     return {
         "query_start_loc": _i32([0, tokens]),
@@ -547,6 +581,13 @@ FAMILIES: tuple[Family, ...] = (
         ),
         # The split-KV merge is paged attention's (merge_split_kv).
         extra_modules=("attention.triton",),
+    ),
+    Family(
+        "dsa",
+        "dsa.triton",
+        run_dsa,
+        default=_grid(op=("write", "logits", "topk", "sparse"), dtype=("bf16",), block=(64,)),
+        full=_grid(op=("write", "logits", "topk", "sparse"), dtype=("fp16", "bf16"), block=(64,)),
     ),
     Family(
         "merge_attn_states",

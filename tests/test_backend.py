@@ -353,6 +353,7 @@ def test_layer_params_features() -> None:
         alibi_slopes=(0.5, 0.25, 0.125, 0.0625),
         sinks=torch.zeros(4),
         return_lse=True,
+        index_topk=2048,
     )
     # Every feature a layer's parameters can ask for; context_parallel is asked by the
     # runtime for a sharded group, mla_projection by an MLAProjection (tested with MLA).

@@ -142,6 +142,22 @@ def test_deepseek_v3_mla_latent_576() -> None:
     assert plan.tokens_that_fit == 1222352
 
 
+def test_deepseek_v32_plans_the_indexer_cache_as_its_own_group() -> None:
+    plan = plan_of("deepseek-v3.2-exp", max_model_len=163840)
+    kinds = [g.group.kind.value for g in plan.groups]
+    assert kinds == ["mla_attention", "indexer"]
+    # pages: MLA 16 * 576 * 2 = 18432 = 2**11 * 9, indexer 16 * 132 = 2112 = 2**6 * 3 * 11;
+    # one page holds both: lcm = 2**11 * 9 * 11 = 202752 (11 MLA blocks, 96 indexer blocks)
+    assert plan.page_size_bytes == 202752
+    assert [g.group.blocks_per_page for g in plan.groups] == [11, 96]
+    # 61 * (576 * 2 + 128 + 4): the indexer's 132 bytes counted per token
+    assert plan.kv_bytes_per_token == 78324
+    status, text, err = run(["plan", str(CONFIGS / "deepseek-v3.2-exp.json")])
+    assert (status, err) == (0, "")
+    assert "indexer (IndexerSpec)" in text
+    assert "model.layers.0.self_attn.indexer" in text
+
+
 def test_qwen3_next_hybrid_puts_attention_blocks_in_pages() -> None:
     plan = plan_of("qwen3-next-80b-a3b-instruct", max_model_len=262144)
     gdn, attention = plan.groups

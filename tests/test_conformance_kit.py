@@ -87,8 +87,12 @@ def test_reference_passes_every_capability() -> None:
     assert_passes(report)
     checked = {r.capability for r in report.results if r.status == "passed"}
     assert {
-        f"kind={k.value}" for k in ReferenceBackend.supported_kinds() if k.value != "mamba"
+        f"kind={k.value}"
+        for k in ReferenceBackend.supported_kinds()
+        if k.value not in ("mamba", "indexer")
     } <= checked
+    # The indexer selects rather than attends: its own cases, with its sparse MLA layer.
+    assert "sparse_attention kind=indexer block_size=16 dtype=float32" in checked
     assert {
         "kind=mamba mamba_type=gdn",
         "long_context dtype=float16 (full_attention)",

@@ -68,7 +68,43 @@ def _layout(name: str) -> ModelLayout:
 
 
 def test_every_fixture_config_is_covered() -> None:
-    assert set(EXPECTED_KINDS) == set(FIXTURES) | set(SYNTHETIC)
+    assert set(EXPECTED_KINDS) | SPARSE == set(FIXTURES) | set(SYNTHETIC)
+
+
+SPARSE = {"deepseek-v3.2-exp"}
+"""Configs with DeepSeek sparse attention: the sparse demo (indexer + sparse MLA)."""
+
+
+def test_demo_config_of_a_sparse_model_passes_its_dense_oracle() -> None:
+    """DeepSeek-V3.2: layer pairs (MLA + indexer) through select and sparse forward, every
+    step's selection equal to the oracle's top-k and its output to the masked dense
+    attention."""
+    status, text, err = _run(["demo", "--config", str(CONFIGS / "deepseek-v3.2-exp.json"), "--steps", "2"])
+    assert (status, err) == (0, ""), text
+    assert text.startswith("sparse attention (DSA) demo of deepseek_v32: 2 layer pair(s)")
+    assert "model.layers.0.self_attn.indexer: indexer -> reference" in text
+    steps = [line for line in text.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4
+    assert all(line.endswith("PASS") for line in steps), text
+
+
+def test_a_topk_one_short_fails_the_sparse_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: an indexer that keeps one position too few fails the oracle's check."""
+    import attnkit.backends.reference.indexer as ref_indexer
+
+    real = ref_indexer.topk_select
+
+    def one_short(logits: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs["topk"] -= 1
+        indices, lens = real(logits, **kwargs)
+        pad = torch.full((indices.shape[0], 1), -1, dtype=indices.dtype)
+        return torch.cat([indices, pad], dim=1), lens
+
+    monkeypatch.setattr(ref_indexer, "topk_select", one_short)
+    status, text, err = _run(["demo", "--config", str(CONFIGS / "deepseek-v3.2-exp.json"), "--steps", "1"])
+    assert status != 0
+    assert "FAIL" in text
+    assert "sparse-attention oracle" in err
 
 
 EXPECTED_KINDS: dict[str, tuple[str, ...]] = {

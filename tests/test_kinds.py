@@ -28,6 +28,7 @@ from attnkit import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     InvalidArgumentError,
     KVCacheSpec,
     KVCacheSpecKind,
@@ -63,6 +64,7 @@ DECODER_KINDS = {
     K.SLIDING_WINDOW,
     K.SLIDING_WINDOW_MLA,
     K.CHUNKED_LOCAL_ATTENTION,
+    K.INDEXER,
 }
 PAGED_KINDS = {
     K.FULL_ATTENTION,
@@ -140,6 +142,8 @@ def ref_cache_shapes(spec: KVCacheSpec, num_blocks: int) -> tuple[tuple[int, ...
         return tuple((num_blocks, *shape) for shape in spec.shapes)
     if spec.kind is K.ENCODER_ONLY_ATTENTION:
         return ()
+    if isinstance(spec, IndexerSpec):  # 128 fp8 bytes + one fp32 scale per 128 values
+        return ((num_blocks, spec.block_size, spec.head_size + spec.head_size // 128 * 4),)
     assert isinstance(
         spec,
         FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | CrossAttentionSpec,
@@ -187,6 +191,9 @@ def make_spec(kind: KVCacheSpecKind, block_size: int, param: int) -> KVCacheSpec
         return EncoderOnlyAttentionSpec(num_kv_heads=HEADS, **attn)
     if kind is K.CROSS_ATTENTION:
         return CrossAttentionSpec(num_kv_heads=HEADS, **attn)
+    if kind is K.INDEXER:
+        # param is no extent of the kind; the example keeps half a block per query
+        return IndexerSpec(block_size=block_size, dtype=torch.float16, index_topk=max(1, block_size // 2))
     return MambaSpec(
         block_size=block_size,
         shapes=((param, 3), (2, param, 4)),
@@ -467,6 +474,7 @@ FACTS: dict[KVCacheSpecKind, tuple[bool, bool, bool, bool, str | None]] = {
     K.ENCODER_ONLY_ATTENTION: (False, False, False, False, "encoder"),
     K.CROSS_ATTENTION: (False, False, True, False, "cross"),
     K.MAMBA: (False, False, False, False, None),
+    K.INDEXER: (False, False, True, True, None),
 }
 # kind: (extent, extent_field, bound label of a spec of parameter 7)
 EXTENTS: dict[KVCacheSpecKind, tuple[str | None, str | None, str | None]] = {

@@ -31,6 +31,7 @@ from attnkit import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     GatedDeltaNetLayerParams,
+    IndexerSpec,
     InvalidArgumentError,
     KVCacheSpec,
     LinearAttentionLayerParams,
@@ -83,7 +84,7 @@ def _attn_shape(info: LayerInfo) -> tuple[int, int, torch.dtype]:
 
 def test_every_real_config_is_a_fixture() -> None:
     names = sorted(p.name for p in FIXTURES.glob("*.json"))
-    assert len(names) == 12
+    assert len(names) == 13
     for name in names:
         assert layout_from_hf_config(FIXTURES / name).model_type == _read(name)["model_type"]
 
@@ -184,6 +185,25 @@ def test_deepseek_v3_is_mla_with_a_576_latent_and_yarn_scale() -> None:
     assert (params.num_heads, params.v_head_size) == (128, 512)
     # 61 layers * 576 * 2 bytes (one latent, no separate V) = 70272
     assert layout.kv_bytes_per_token() == 70272
+
+
+def test_deepseek_v32_adds_an_fp8_indexer_cache_beside_every_mla_layer() -> None:
+    layout = layout_from_hf_config(FIXTURES / "deepseek-v3.2-exp.json")
+    names = list(layout.layers)
+    assert names[:4] == [
+        "model.layers.0.self_attn",
+        "model.layers.0.self_attn.indexer",
+        "model.layers.1.self_attn",
+        "model.layers.1.self_attn.indexer",
+    ]
+    assert _spec_classes(layout) == [MLAAttentionSpec, IndexerSpec] * 61
+    indexer = layout.layers["model.layers.7.self_attn.indexer"]
+    assert isinstance(indexer.spec, IndexerSpec)
+    assert (indexer.spec.head_size, indexer.spec.index_topk, indexer.num_heads) == (128, 2048, 64)
+    assert indexer.spec.kv_cache_dtype == "fp8_e4m3"
+    assert indexer.spec.block_size == layout.layers["model.layers.7.self_attn"].spec.block_size
+    # Per token: 61 * (576 * 2 latent bytes + 128 fp8 bytes + 4 scale bytes) = 78324.
+    assert layout.kv_bytes_per_token() == 61 * (1152 + 132) == 78324
 
 
 def test_qwen3_next_gated_deltanet_with_full_attention_every_4th() -> None:
@@ -837,7 +857,7 @@ def test_unknown_model_type_lists_the_supported_ones() -> None:
         layout_from_hf_config({"model_type": "gpt2"})
     for name in ("llama", "jamba", "nemotron_h", "t5"):
         assert name in str(info.value)
-    assert len(SUPPORTED_MODEL_TYPES) == 22
+    assert len(SUPPORTED_MODEL_TYPES) == 23
     with pytest.raises(InvalidArgumentError, match="needs a string 'model_type'"):
         layout_from_hf_config({"hidden_size": 8})
 

@@ -22,6 +22,7 @@ from attnkit import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     InvalidArgumentError,
     KVCacheSpec,
     KVCacheSpecKind,
@@ -63,11 +64,14 @@ class EveryKindBackend(AttentionBackend):
     """Serves every kind on CPU: lets tests address each kind through backend_per_kind."""
 
     name = "toy_every_kind"
+    # The indexer's cache is fp8 by its format: a backend serving it reads fp8.
+    supported_kv_cache_dtypes = frozenset({"auto", "fp8_e4m3"})
     supported_mamba_types = frozenset({"mamba2", "gdn", "linear", "short_conv", "mamba1"})
     supported_devices = frozenset({"cpu"})
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ToyAttentionBuilder, ToyImpl),
         bind_builder(MambaSpec, ToyMambaBuilder, ToyMambaImpl),
+        bind_builder(IndexerSpec, ToyAttentionBuilder, ToyImpl),
     )
 
 
@@ -96,6 +100,7 @@ SPECS: dict[KVCacheSpecKind, KVCacheSpec] = {
     KVCacheSpecKind.ENCODER_ONLY_ATTENTION: EncoderOnlyAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.CROSS_ATTENTION: CrossAttentionSpec(**ATTN),  # type: ignore[arg-type]  # test input built loosely or wrong on purpose
     KVCacheSpecKind.MAMBA: MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,)),
+    KVCacheSpecKind.INDEXER: IndexerSpec(block_size=16, dtype=torch.bfloat16),
 }
 FULL = SPECS[KVCacheSpecKind.FULL_ATTENTION]
 WINDOW = SPECS[KVCacheSpecKind.SLIDING_WINDOW]
@@ -477,3 +482,48 @@ def test_one_except_clause_catches_an_unknown_backend() -> None:
     with pytest.raises(KeyError) as info:
         reg.get("missing_backend")
     assert str(info.value) == "unknown backend 'missing_backend'; registered backends: toy_generic"
+
+
+def test_sparse_attention_on_cuda_routes_to_triton_mla_and_says_what_it_lacks() -> None:
+    """DeepSeek-V3.2 on a GPU (issues vLLM #30644, #40851): triton_mla serves the sparse
+    MLA layer and its indexer (on sm_80 too); where it cannot (an fp8 latent cache) the
+    reason names what is missing, and a backend without the feature is told which."""
+    mla = MLAAttentionSpec(block_size=64, head_size=576, dtype=torch.bfloat16)
+    sparse = {AttentionFeature.SPARSE_ATTENTION}
+    chosen = select_backend(
+        mla, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
+        features=sparse, hypothetical_device=True,
+    )
+    assert chosen.backend_name == "triton_mla"
+    # An fp8 latent cache: no sparse kernel reads it (reference keeps latents unquantised),
+    # and the error says so for triton_mla.
+    fp8 = dataclasses.replace(mla, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(
+        NoBackendError, match="sparse_attention with an fp8_e4m3 latent cache is not supported"
+    ):
+        select_backend(
+            fp8, AttentionConfig(), device="cuda", capability=(9, 0), num_heads=128,
+            features=sparse, hypothetical_device=True,
+        )
+    indexer = IndexerSpec(block_size=64, dtype=torch.bfloat16)
+    for capability in ((8, 0), (9, 0)):  # integer-decoded fp8 rows: no fp8 hardware needed
+        served = select_backend(
+            indexer, AttentionConfig(), device="cuda", capability=capability,
+            hypothetical_device=True,
+        )
+        assert served.backend_name == "triton_mla"
+    # Without the feature declared, a sparse layer's reason names it (a plugin MLA backend).
+    assert any(
+        "feature sparse_attention not supported" in r
+        for r in ReferenceLessMLA.not_supported_reasons(
+            BackendRequest(spec=mla, device=torch.device("cpu"), features=frozenset(sparse))
+        )
+    )
+
+
+class ReferenceLessMLA(AttentionBackend):
+    """An MLA backend that declares no sparse attention."""
+
+    name = "toy_dense_mla"
+    supported_devices = frozenset({"cpu"})
+    builders = (bind_builder(MLAAttentionSpec, ToyAttentionBuilder, ToyImpl),)

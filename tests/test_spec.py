@@ -26,6 +26,7 @@ from attnkit.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
@@ -55,6 +56,7 @@ KIND_OF_CLASS: dict[type[KVCacheSpec], str] = {
     EncoderOnlyAttentionSpec: "encoder_only_attention",
     CrossAttentionSpec: "cross_attention",
     MambaSpec: "mamba",
+    IndexerSpec: "indexer",
 }
 
 # One valid set of keyword arguments per concrete class.
@@ -91,6 +93,7 @@ VALID_KWARGS: dict[type[KVCacheSpec], dict[str, Any]] = {
     EncoderOnlyAttentionSpec: {"block_size": 16, "num_kv_heads": 4, "head_size": 64, "dtype": F32},
     CrossAttentionSpec: {"block_size": 16, "num_kv_heads": 8, "head_size": 64, "dtype": F16},
     MambaSpec: {"block_size": 16, "shapes": ((256, 3), (8, 64, 16)), "dtypes": (BF16, F32)},
+    IndexerSpec: {"block_size": 64, "head_size": 128, "dtype": BF16, "index_topk": 2048},
 }
 
 # page_size_bytes of each VALID_KWARGS spec, written out.
@@ -104,6 +107,7 @@ PAGE_OF_VALID: dict[type[KVCacheSpec], int] = {
     EncoderOnlyAttentionSpec: 2 * 16 * 4 * 64 * 4,  # 32768
     CrossAttentionSpec: 2 * 16 * 8 * 64 * 2,  # 32768
     MambaSpec: 256 * 3 * 2 + 8 * 64 * 16 * 4,  # 1536 + 32768 = 34304
+    IndexerSpec: 64 * (128 + 4),  # 128 fp8 bytes and one fp32 scale per token: 8448
 }
 
 CONCRETE = list(VALID_KWARGS)
@@ -119,7 +123,7 @@ def make(cls: type[KVCacheSpec], **overrides: Any) -> Any:
 
 def test_tables_cover_every_kind() -> None:
     assert set(KIND_OF_CLASS.values()) == {k.value for k in KVCacheSpecKind}
-    assert len(KIND_OF_CLASS) == len(KVCacheSpecKind) == 9
+    assert len(KIND_OF_CLASS) == len(KVCacheSpecKind) == 10
     assert set(VALID_KWARGS) == set(KIND_OF_CLASS) == set(PAGE_OF_VALID)
 
 
@@ -225,8 +229,8 @@ def test_same_fields_different_class_are_not_equal() -> None:
 
 ABSTRACT_MESSAGE = (
     "is abstract; construct one of its concrete subclasses (ChunkedLocalAttentionSpec, "
-    "CrossAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, MLAAttentionSpec, "
-    "MambaSpec, SinkFullAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)"
+    "CrossAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, IndexerSpec, "
+    "MLAAttentionSpec, MambaSpec, SinkFullAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)"
 )
 
 
@@ -910,7 +914,8 @@ _SIGNAL_NAMES = ("use_mla", "sliding_window", "attention_chunk_size", "sink_len"
 def test_expected_kind_table_is_complete() -> None:
     assert len(EXPECTED_KIND) == 4 * 2**4
     assert set(EXPECTED_KIND.values()) - {ERROR} == set(CONSTRUCT)
-    assert set(CONSTRUCT) == {k.value for k in KVCacheSpecKind} - {"mamba"}
+    # An indexer is no attention layer's signal: models declare it beside their MLA layers.
+    assert set(CONSTRUCT) == {k.value for k in KVCacheSpecKind} - {"mamba", "indexer"}
 
 
 def _check_signals(s: Signals) -> None:

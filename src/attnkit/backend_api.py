@@ -41,10 +41,11 @@ from .capabilities import (
     format_sizes,
 )
 from .config import BackendOptions
-from .impl import AttentionImpl, LayerImpl, StateImpl
+from .impl import AttentionImpl, IndexerImpl, LayerImpl, StateImpl
 from .metadata import (
     CommonAttentionMetadata,
     DecodePrefillSplit,
+    SparseSelection,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
@@ -67,11 +68,13 @@ __all__ = [
     "DecodePrefillSplit",
     "Determinism",
     "ImplConstructor",
+    "IndexerImpl",
     "KVCacheLayout",
     "LayerImpl",
     "MultipleOf",
     "SizeRange",
     "SizeRule",
+    "SparseSelection",
     "StateImpl",
     "attention_params_problems",
     "bind_builder",

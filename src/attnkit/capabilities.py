@@ -116,6 +116,10 @@ class AttentionFeature(str, enum.Enum):
     """MLA layers whose impl applies ``W_UK``/``W_UV`` itself (``MLAProjection``): it takes
     the un-absorbed query and returns per-head values, so it may pick the absorbed or the
     up-projected form per step."""
+    SPARSE_ATTENTION = "sparse_attention"
+    """MLA layers of DeepSeek sparse attention (``AttentionLayerParams.index_topk``): the
+    impl attends only to the positions a ``SparseSelection`` names
+    (``AttentionImpl.forward_sparse``)."""
 
     @override
     def __str__(self) -> str:

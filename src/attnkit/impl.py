@@ -32,13 +32,15 @@ from collections.abc import Sequence
 from typing import Generic
 
 import torch
-from typing_extensions import TypeVar
+from typing_extensions import TypeVar, override
 
+from .errors import InvalidArgumentError
+from .metadata import SparseSelection
 from .params import AttentionLayerParams, StateLayerParams
-from .spec import AttentionSpec, KVCacheSpec, MambaSpec
+from .spec import AttentionSpec, IndexerSpec, KVCacheSpec, MambaSpec
 from .state_inputs import StateInputs
 
-__all__ = ["AttentionImpl", "LayerImpl", "StateImpl"]
+__all__ = ["AttentionImpl", "IndexerImpl", "LayerImpl", "StateImpl"]
 
 M_contra = TypeVar("M_contra", contravariant=True)
 """The metadata an impl consumes (only consumed, so contravariant)."""
@@ -127,6 +129,75 @@ class AttentionImpl(LayerImpl[M_contra, SA_co, PA_co]):
         raise NotImplementedError(
             f"{type(self).__name__} does not serve decode context parallelism "
             f"(its backend does not declare the context_parallel feature)"
+        )
+
+    def forward_sparse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+        selection: SparseSelection,
+    ) -> torch.Tensor:
+        """``forward`` of a sparse-attention MLA layer (the ``sparse_attention`` feature,
+        ``layer_params.index_topk`` set): write the step's latents, then attend, per
+        query token ``t``, only to the slots ``selection.indices[t, :selection.lens[t]]``
+        (global slot ids of this layer's cache; ``-1`` entries are not read). Returns
+        ``output``.
+
+        Raises:
+            NotImplementedError: the backend does not declare ``sparse_attention``.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not serve sparse attention "
+            f"(its backend does not declare the sparse_attention feature)"
+        )
+
+
+class IndexerImpl(AttentionImpl[M_contra, IndexerSpec, PA_co]):
+    """Runs one indexer layer (``IndexerSpec``, DeepSeek sparse attention): writes the
+    step's index keys and selects, per query token, the positions its MLA layers read.
+
+    ``layer_params.num_heads`` is the number of indexer heads. The result is a
+    ``SparseSelection``, not an attention output, so ``forward`` is refused.
+    """
+
+    @abstractmethod
+    def select(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        weights: torch.Tensor,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        selection: SparseSelection,
+        paired_block_table: torch.Tensor | None = None,
+    ) -> SparseSelection:
+        """Write ``key`` ``[T, 1, D]`` (the step's index keys) into ``kv_cache`` and fill
+        the first ``T`` rows of ``selection`` from the scores ``sum_j weights[t, j] *
+        relu(query[t, j] . k[s])`` (query ``[T, H, D]``, weights ``[T, H]``).
+
+        The slots are of the paired MLA group: its block table ``paired_block_table``
+        (``[B, MB]``, the step's requests in the same order), or this group's own when
+        ``None`` (the two share block ids). Returns ``selection.rows(T)``.
+        """
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        raise InvalidArgumentError(
+            f"{type(self).__name__}.forward: an indexer layer computes a selection, not an "
+            f"attention output; call select(query, key, weights, kv_cache, attn_metadata, "
+            f"selection)"
         )
 
 

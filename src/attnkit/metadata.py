@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from ._validation import describe_tensor, dtype_name, is_nonnegative_int, is_positive_int
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "SparseSelection",
     "host_to_device",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
@@ -247,6 +249,79 @@ class CommonAttentionMetadata:
             slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
             causal=causal,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSelection:
+    """Which cached tokens each query token attends to: what any indexer produces and
+    any sparse-attention impl consumes (DeepSeek sparse attention), backend-neutral.
+
+    Fixed-shape, so it can live in CUDA-graph buffers: allocate it once for the most
+    tokens a step may have (``SparseSelection.empty``) and let each step fill its first
+    ``T`` rows; rows past the step's tokens are never read.
+
+    Attributes:
+        indices: int32 ``[T_max, topk]``, the **global slot ids** (``block * block_size
+            + offset``) of the paired latent cache, in ascending position order; ``-1``
+            pads a row past its valid entries. No block table is needed to read them.
+        lens: int32 ``[T_max]``, each row's valid entries (``min(topk, visible)``).
+    """
+
+    indices: torch.Tensor
+    lens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, t in (("indices", self.indices), ("lens", self.lens)):
+            if not isinstance(t, torch.Tensor):
+                raise ArgumentTypeError(
+                    f"SparseSelection.{name} must be a torch.Tensor, got {type(t).__name__}"
+                )
+            if t.dtype != torch.int32:
+                raise InvalidArgumentError(
+                    f"SparseSelection.{name} must be int32, got {describe_tensor(t)}"
+                )
+        if self.indices.dim() != 2 or self.indices.shape[1] < 1:
+            raise InvalidArgumentError(
+                "SparseSelection.indices must be [T, topk] with topk >= 1, got "
+                f"{describe_tensor(self.indices)}"
+            )
+        if tuple(self.lens.shape) != (self.indices.shape[0],):
+            raise InvalidArgumentError(
+                f"SparseSelection.lens must be [T] = [{self.indices.shape[0]}] (one count per "
+                f"row of indices), got {describe_tensor(self.lens)}"
+            )
+        if self.lens.device != self.indices.device:
+            raise InvalidArgumentError(
+                f"SparseSelection.lens must be on the device of indices ({self.indices.device}), "
+                f"got {describe_tensor(self.lens)}"
+            )
+
+    @classmethod
+    def empty(cls, max_tokens: int, topk: int, device: torch.device | str = "cpu") -> SparseSelection:
+        """A selection buffer of ``max_tokens`` rows that selects nothing (all ``-1``)."""
+        for name, value in (("max_tokens", max_tokens), ("topk", topk)):
+            if not is_positive_int(value):
+                raise InvalidArgumentError(
+                    f"SparseSelection.empty: {name} must be an int >= 1, got {value!r}"
+                )
+        return cls(
+            torch.full((max_tokens, topk), -1, dtype=torch.int32, device=device),
+            torch.zeros(max_tokens, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def topk(self) -> int:
+        """The selection width (columns of ``indices``)."""
+        return int(self.indices.shape[1])
+
+    def rows(self, num_tokens: int) -> SparseSelection:
+        """The first ``num_tokens`` rows (views, no copy): a step's part of the buffer."""
+        if not is_nonnegative_int(num_tokens) or num_tokens > self.indices.shape[0]:
+            raise InvalidArgumentError(
+                f"SparseSelection.rows: num_tokens must be an int in [0, "
+                f"{self.indices.shape[0]}], got {num_tokens!r}"
+            )
+        return SparseSelection(self.indices[:num_tokens], self.lens[:num_tokens])
 
 
 class DecodePrefillSplit(NamedTuple):

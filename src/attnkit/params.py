@@ -173,6 +173,9 @@ class AttentionLayerParams:
             ``v_head_size`` is set to ``V`` and ``scale`` defaults to
             ``(N + P) ** -0.5``. ``None``: the caller absorbs (query ``[T, H, D]``,
             output ``[T, H, v_head_size]``).
+        index_topk: MLA layers of DeepSeek sparse attention only: each query reads the
+            (at most) ``index_topk`` positions its indexer selected, passed to ``forward``
+            as a ``SparseSelection`` (the ``sparse_attention`` feature); ``None``: dense.
     """
 
     num_heads: int
@@ -187,6 +190,7 @@ class AttentionLayerParams:
     k_scale: float = 1.0
     v_scale: float = 1.0
     mla_projection: MLAProjection | None = dataclasses.field(default=None, compare=False)
+    index_topk: int | None = None
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.num_heads):
@@ -235,6 +239,11 @@ class AttentionLayerParams:
                 f"AttentionLayerParams.sink_key and sink_value must both be [sink_len, Hkv, D], "
                 f"got {list(self.sink_key.shape)} and {list(self.sink_value.shape)}"
             )
+        if self.index_topk is not None and not is_positive_int(self.index_topk):
+            raise InvalidArgumentError(
+                f"AttentionLayerParams.index_topk must be a positive int or None, got "
+                f"{self.index_topk!r}"
+            )
         proj: object = self.mla_projection
         if proj is not None:
             if not isinstance(proj, MLAProjection):
@@ -265,6 +274,7 @@ class AttentionLayerParams:
             AttentionFeature.ATTENTION_SINKS: self.sinks is not None,
             AttentionFeature.RETURN_LSE: self.return_lse,
             AttentionFeature.MLA_PROJECTION: self.mla_projection is not None,
+            AttentionFeature.SPARSE_ATTENTION: self.index_topk is not None,
         }
         return frozenset(f for f, on in wanted.items() if on)
 

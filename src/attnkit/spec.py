@@ -41,6 +41,7 @@ __all__ = [
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
+    "IndexerSpec",
     "KVCacheDType",
     "KVCacheSpec",
     "KVCacheSpecKind",
@@ -71,6 +72,7 @@ class KVCacheSpecKind(str, enum.Enum):
     ENCODER_ONLY_ATTENTION = "encoder_only_attention"
     CROSS_ATTENTION = "cross_attention"
     MAMBA = "mamba"
+    INDEXER = "indexer"
 
     @override
     def __str__(self) -> str:
@@ -381,6 +383,60 @@ class CrossAttentionSpec(AttentionSpec):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexerSpec(AttentionSpec):
+    """DeepSeek sparse attention's index-key cache (DeepSeek-V3.2): one fp8 key of
+    ``head_size`` (the index head dim) per token with one float32 scale per
+    ``scale_block`` values, ``[num_blocks, block_size, head_size + head_size //
+    scale_block * 4]`` uint8 (132 bytes a token at 128).
+
+    It pairs with the model's MLA layers of the same ``block_size``: its selection
+    (``index_topk`` positions per query token) is read by their sparse MLA. ``dtype`` is
+    the model dtype of the index queries and keys; ``kv_cache_dtype`` is the values'
+    format, always ``"fp8_e4m3"``; ``num_kv_heads`` is 1 (one index key per token).
+    """
+
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.INDEXER
+    num_kv_heads: int = 1
+    head_size: int = 128
+    kv_cache_dtype: KVCacheDType = "fp8_e4m3"
+    index_topk: int = 2048
+    scale_block: int = 128
+
+    @override
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        _check_mla_heads(self)
+        _check_positive_int(owner, "index_topk", self.index_topk)
+        _check_positive_int(owner, "scale_block", self.scale_block)
+        if self.head_size % self.scale_block:
+            raise InvalidArgumentError(
+                f"{owner}.head_size must be a multiple of scale_block={self.scale_block} "
+                f"(one scale per block of values), got {self.head_size}"
+            )
+        if self.kv_cache_dtype != "fp8_e4m3":
+            raise InvalidArgumentError(
+                f"{owner}.kv_cache_dtype must be 'fp8_e4m3' (index keys are stored as fp8 "
+                f"with a float32 scale per {self.scale_block} values), got {self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's index row: the fp8 values, then the float32 scales."""
+        return self.head_size + self.head_size // self.scale_block * 4
+
+    @property
+    @override
+    def cache_torch_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    @property
+    @override
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MambaSpec(KVCacheSpec):
     """State-space or linear-attention layer: fixed-size states, one block per request.
 
@@ -469,7 +525,10 @@ _SPEC_CLASS_BY_KIND: dict[KVCacheSpecKind, type[KVCacheSpec]] = {
 }
 # Every kind has exactly one spec class of this module.
 assert set(_SPEC_CLASS_BY_KIND) == set(KVCacheSpecKind), "a KVCacheSpecKind has no spec class"
-assert {c.kind for c in ATTENTION_SPEC_CLASSES} == set(KVCacheSpecKind) - {KVCacheSpecKind.MAMBA}
+assert {c.kind for c in ATTENTION_SPEC_CLASSES} == set(KVCacheSpecKind) - {
+    KVCacheSpecKind.MAMBA,
+    KVCacheSpecKind.INDEXER,  # no attention of its own: it selects what MLA reads
+}
 
 
 def spec_class_for_kind(kind: KVCacheSpecKind) -> type[KVCacheSpec]:

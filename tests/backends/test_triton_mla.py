@@ -782,24 +782,24 @@ def test_build_rejects_a_non_causal_batch() -> None:
         pytest.param(
             {"logits_soft_cap": 30.0},
             "the layer needs logits_soft_cap, which triton_mla does not support "
-            "(supported features: mla_projection)",
+            "(supported features: mla_projection, sparse_attention)",
             id="soft-cap",
         ),
         pytest.param(
             {"alibi_slopes": tuple([0.5] * 8)},
-            "the layer needs alibi, which triton_mla does not support (supported features: mla_projection)",
+            "the layer needs alibi, which triton_mla does not support (supported features: mla_projection, sparse_attention)",
             id="alibi",
         ),
         pytest.param(
             {"sinks": torch.zeros(8)},
             "the layer needs attention_sinks, which triton_mla does not support "
-            "(supported features: mla_projection)",
+            "(supported features: mla_projection, sparse_attention)",
             id="sink-logits",
         ),
         pytest.param(
             {"return_lse": True},
             "the layer needs return_lse, which triton_mla does not support "
-            "(supported features: mla_projection)",
+            "(supported features: mla_projection, sparse_attention)",
             id="return-lse",
         ),
         pytest.param(
@@ -1017,7 +1017,7 @@ def _request(**changes: Any) -> BackendRequest:
 
 def test_declarations_are_valid() -> None:
     assert TritonMLABackend.declaration_problems() == []
-    assert TritonMLABackend.supported_kinds() == {MLA, SWMLA}
+    assert TritonMLABackend.supported_kinds() == {MLA, SWMLA, KVCacheSpecKind.INDEXER}
     assert BUILTIN_BACKENDS["triton_mla"] == "attnkit.backends.triton_mla:TritonMLABackend"
     cuda = DEFAULT_PRIORITY["cuda"]
     assert cuda.index("triton_mla") == cuda.index("triton_attn") + 1 < cuda.index("reference")
@@ -1068,7 +1068,7 @@ def test_supported_requests_have_no_reasons(monkeypatch: pytest.MonkeyPatch) -> 
         ),
         pytest.param(
             {"features": frozenset({AttentionFeature.LOGITS_SOFT_CAP})},
-            "feature logits_soft_cap not supported (supported: mla_projection)",
+            "feature logits_soft_cap not supported (supported: mla_projection, sparse_attention)",
             id="soft-cap",
         ),
     ],

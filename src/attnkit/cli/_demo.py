@@ -40,13 +40,27 @@ def cmd_demo(args: argparse.Namespace, registry: BackendRegistry, io: Streams) -
     )
     if args.hf_family is not None:
         return _demo_hf(args, registry, io, device)
-    from ..demo import TOLERANCE, demo_layout, run_demo
+    from ..demo import TOLERANCE, demo_layout, is_sparse, run_demo, run_sparse_demo
 
     layout: tuple[str, ...] | None = None
     name: str = args.model
     if args.config is not None:
         check_config_path(args.config)
         model = layout_from_hf_config(args.config)
+        if is_sparse(model):  # DeepSeek sparse attention: its own demo (indexer + MLA)
+            sparse = run_sparse_demo(
+                model,
+                device=str(device),
+                dtype=DTYPES[args.dtype],
+                decode_steps=min(args.steps, 4),
+                backend_per_kind=args.backend_per_kind,
+                out=io.out,
+                registry=registry,
+            )
+            if sparse.passed:
+                return 0
+            io.error(f"the runtime's outputs differ from the dense sparse-attention oracle: max|err| {sparse.max_error:.2e}")
+            return EXIT_FAILED
         layout = demo_layout(model)
         name = f"{model.model_type} ({args.config}: {', '.join(layout)})"
     dtype = DTYPES[args.dtype]

@@ -25,5 +25,15 @@ from ._report import DemoResult
 from ._run import PRIORITIES as PRIORITIES
 from ._run import TOLERANCE as TOLERANCE
 from ._run import run_demo
+from ._sparse import is_sparse, run_sparse_demo
 
-__all__ = ["LAYER_KINDS", "MODELS", "DemoModel", "DemoResult", "demo_layout", "run_demo"]
+__all__ = [
+    "LAYER_KINDS",
+    "MODELS",
+    "DemoModel",
+    "DemoResult",
+    "demo_layout",
+    "is_sparse",
+    "run_demo",
+    "run_sparse_demo",
+]

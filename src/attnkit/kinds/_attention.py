@@ -23,6 +23,7 @@ from ..spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheDType,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
@@ -331,6 +332,52 @@ class _CrossRules(_PagedRules[CrossAttentionSpec]):
         return None
 
 
+class _IndexerRules(_AttentionRules[IndexerSpec]):
+    """DeepSeek sparse attention's index keys: one fp8 row (values, then float32 scales)
+    per token, ``[num_blocks, block_size, row_bytes]`` uint8. Causal over the whole
+    context, like the MLA layers it selects for; it grows as they do."""
+
+    no_planes_because = "an index cache holds one quantised row per token, not K and V"
+
+    @override
+    def cache_shapes(
+        self, spec: IndexerSpec, num_blocks: int, layout: KVCacheLayout = "interleaved"
+    ) -> tuple[tuple[int, ...], ...]:
+        self.check_layout(spec, layout)
+        return ((num_blocks, spec.block_size, spec.row_bytes),)
+
+    @override
+    def tensor_split(self, spec: IndexerSpec, tp: int, where: str) -> TensorSplit:
+        # One index key per token, read by every indexer head: nothing to split.
+        return TensorSplit(
+            spec,
+            1,
+            tp,
+            f"index keys ({spec.row_bytes} B per token) read by every indexer head: "
+            f"replicated on every tensor-parallel rank",
+        )
+
+    @override
+    def example_spec(
+        self,
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: KVCacheDType = "auto",
+        extent: int | None = None,
+    ) -> IndexerSpec:
+        # The index key width is a multiple of the scale block; the selection is narrow
+        # enough that short examples have both kept and dropped positions.
+        return IndexerSpec(
+            block_size=block_size,
+            head_size=128 * max(1, head_size // 128),
+            dtype=dtype,
+            index_topk=max(1, block_size // 2),
+        )
+
+
 ATTENTION_RULES: tuple[KindRules[Any], ...] = (
     _FullRules(FullAttentionSpec),
     _SinkRules(SinkFullAttentionSpec),
@@ -340,5 +387,6 @@ ATTENTION_RULES: tuple[KindRules[Any], ...] = (
     _ChunkedLocalRules(ChunkedLocalAttentionSpec),
     _EncoderOnlyRules(EncoderOnlyAttentionSpec),
     _CrossRules(CrossAttentionSpec),
+    _IndexerRules(IndexerSpec),
 )
 """The attention kinds' rules, one per kind (``_registry`` checks them at import)."""

@@ -226,7 +226,11 @@ def allocate_kv_cache_tensors(
             for shape, dtype, start in zip(group_shapes, dtypes, offsets, strict=True):
                 nbytes = math.prod(shape[1:]) * dtype.itemsize
                 view = rows[:, start : start + nbytes].view(dtype).view(shape)
-                if fill is not None:
+                if fill is not None and not dtype.is_floating_point:
+                    # A byte-format cache (the fp8 index rows): every bit set, which is
+                    # NaN in its fp8 values and its float32 scales alike.
+                    view.fill_(-1 if dtype.is_signed else torch.iinfo(dtype).max)
+                elif fill is not None:
                     view.fill_(fill)
                 tensors.append(view)
             caches[layer] = tuple(tensors)

@@ -18,6 +18,7 @@ from ..spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheDType,
     MambaSpec,
     MambaType,
@@ -269,7 +270,9 @@ class _Builder:
             use_rope=use_rope,
         )
 
-    def mla(self, *, num_heads: int, dims: MLADims, scale: float) -> LayerInfo:
+    def mla(
+        self, *, num_heads: int, dims: MLADims, scale: float, index_topk: int | None = None
+    ) -> LayerInfo:
         spec = MLAAttentionSpec(
             block_size=self.block_size,
             head_size=dims.latent_size,
@@ -282,6 +285,24 @@ class _Builder:
             num_heads=num_heads,
             scale=scale,
             mla=dims,
+            index_topk=index_topk,
+        )
+
+    def indexer(self, *, num_heads: int, head_size: int, index_topk: int) -> LayerInfo:
+        """A DeepSeek sparse-attention indexer: ``num_heads`` index heads of
+        ``head_size``, keeping ``index_topk`` positions per query token."""
+        spec = IndexerSpec(
+            block_size=self.block_size,
+            head_size=head_size,
+            dtype=self.dtype,
+            index_topk=index_topk,
+        )
+        return LayerInfo(
+            spec=spec,
+            attn_type=AttentionType.DECODER,
+            num_heads=num_heads,
+            scale=head_size**-0.5,
+            use_rope=True,
         )
 
     def state(self, dims: StateDims) -> LayerInfo:

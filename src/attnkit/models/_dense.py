@@ -201,8 +201,20 @@ def _deepseek(cfg: _Config, b: _Builder) -> _Layers:
             if factor is None:
                 raise rope._missing("factor")
             scale *= _yarn_mscale(factor, mscale_all_dim) ** 2
+    # DeepSeek-V3.2 (sparse attention): each layer's indexer keeps its own cache beside
+    # the latent, and the MLA reads only the index_topk positions it selects.
+    sparse = cfg.has("index_topk")
+    index_topk = cfg.int_("index_topk") if sparse else None
+    index_heads = cfg.int_("index_n_heads") if sparse else 0
+    index_dim = cfg.int_("index_head_dim") if sparse else 0
     for i in range(num_layers):
-        yield _self_attn("model.layers", i), b.mla(num_heads=num_heads, dims=dims, scale=scale)
+        yield _self_attn("model.layers", i), b.mla(
+            num_heads=num_heads, dims=dims, scale=scale, index_topk=index_topk
+        )
+        if index_topk is not None:
+            yield f"{_self_attn('model.layers', i)}.indexer", b.indexer(
+                num_heads=index_heads, head_size=index_dim, index_topk=index_topk
+            )
 
 
 DENSE_FAMILIES: Mapping[str, _Family] = {
@@ -222,5 +234,6 @@ DENSE_FAMILIES: Mapping[str, _Family] = {
     "llama4": _llama4,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "deepseek_v32": _deepseek,
 }
 """``model_type`` -> its reader, for the dense decoders."""

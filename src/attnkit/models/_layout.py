@@ -247,6 +247,8 @@ class LayerInfo:
             NoPE layers and for state layers, ``True`` for other attention layers.
         mla: MLA sizes of an MLA layer, else ``None``.
         state: sizes of a state layer, else ``None``.
+        index_topk: an MLA layer of DeepSeek sparse attention: the positions per query
+            its indexer keeps (``AttentionLayerParams.index_topk``), else ``None``.
     """
 
     spec: KVCacheSpec
@@ -260,6 +262,7 @@ class LayerInfo:
     use_rope: bool = True
     mla: MLADims | None = None
     state: StateDims | None = None
+    index_topk: int | None = None
 
     @property
     def is_attention(self) -> bool:
@@ -307,6 +310,7 @@ class LayerInfo:
             v_head_size=self.mla.kv_lora_rank if self.mla is not None else None,
             k_scale=k_scale,
             v_scale=v_scale,
+            index_topk=self.index_topk,
         )
 
     def state_params(

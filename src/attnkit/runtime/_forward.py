@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentTypeError
-from ..impl import AttentionImpl
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..impl import AttentionImpl, IndexerImpl
+from ..metadata import SparseSelection
 from ..parallel import merge_partials
 from ..state_inputs import StateInputs
 from ._boundary import copy_back
@@ -28,6 +29,7 @@ class LayerCalls(SpeculativeCalls):
         value: torch.Tensor | None = None,
         *,
         output: torch.Tensor | None = None,
+        selection: SparseSelection | None = None,
     ) -> torch.Tensor:
         """Run one attention layer of the current step.
 
@@ -40,6 +42,8 @@ class LayerCalls(SpeculativeCalls):
         and is on the runtime's device. Returns ``output`` ``[T, Hq, Dv]`` (``Dv`` is
         ``layer_params.v_head_size`` or the head size), a new tensor when ``None``.
         State layers take typed inputs: ``forward_state`` or ``state_layer``.
+        A sparse-attention MLA layer (``layer_params.index_topk``) takes the
+        ``selection`` its indexer made (``select``), and only such a layer does.
 
         The call is checked before any backend runs, so a rejected call changes
         nothing. Any strided view is accepted: a tensor whose last dimension is not
@@ -68,11 +72,97 @@ class LayerCalls(SpeculativeCalls):
         )
         entry = self._groups[self._layer_group[layer_name]]
         caches = self.kv_caches.get(layer_name, ())
+        sparse = _sparse_layer(impl)
+        if sparse is not None:
+            if not isinstance(selection, SparseSelection) or selection.indices.shape[0] < out.shape[0]:
+                raise InvalidArgumentError(
+                    f"{layer_name}: a sparse-attention layer (index_topk={sparse}) needs "
+                    f"selection=<the SparseSelection of its indexer, at least {out.shape[0]} "
+                    f"rows>, got {_what(selection)}"
+                )
+            result = impl.forward_sparse(query, key, value, caches, entry.metadata, out, selection)
+            return result if caller is None else copy_back(result, caller)
+        if selection is not None:
+            raise InvalidArgumentError(
+                f"{layer_name}: selection is only for sparse-attention layers "
+                f"(layer_params.index_topk), got one for a dense layer"
+            )
         if entry.group.group_id not in self._sharded:
             result = impl.forward(query, key, value, caches, entry.metadata, out)
         else:
             result = self._forward_sharded(impl, query, key, value, caches, entry.metadata, out)
         return result if caller is None else copy_back(result, caller)
+
+    def select(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        paired: str | None = None,
+        selection: SparseSelection | None = None,
+    ) -> SparseSelection:
+        """Run one indexer layer (``IndexerSpec``) of the current step: write its index
+        keys and return, per query token, the positions its MLA layer reads.
+
+        query ``[T, H, D]`` (``H = layer_params.num_heads`` indexer heads, ``D`` the
+        spec's head size), key ``[T, 1, D]`` the step's index keys, weights ``[T, H]``
+        (any float dtype), ``T`` at least the step's tokens. ``paired`` names the MLA
+        layer the selection is for: its slots are of that layer's cache (its group's
+        block table); ``None`` when the two share block ids. ``selection`` is a buffer of
+        at least ``T`` rows and ``index_topk`` columns to fill (``None``: a new one).
+        Returns the step's rows of it.
+
+        Raises:
+            ArgumentTypeError: ``layer_name`` is not an indexer layer.
+            InvalidArgumentError: a tensor does not fit the layer and the step.
+        """
+        name: object = layer_name
+        impl = self._attention_impls.get(layer_name) if isinstance(name, str) else None
+        if not isinstance(impl, IndexerImpl):
+            self._group_id(layer_name)  # unknown layers: the error lists the layers
+            raise ArgumentTypeError(
+                f"{layer_name} is not an indexer layer (IndexerSpec): select() runs "
+                f"indexers; call forward"
+            )
+        self._check_step_live()
+        num_tokens = self._current_step().num_tokens
+        # The boundary's rules for query and key; the key doubles as the value (an
+        # indexer has none) and the query as the output it never writes.
+        query, checked_key, _, _, _ = self._attention_inputs[layer_name].check(
+            query, key, key, query, num_tokens, self._encoder_tokens
+        )
+        assert checked_key is not None  # checked above
+        rows, heads = query.shape[0], query.shape[1]
+        given: object = weights  # untyped callers may pass anything
+        if (
+            not isinstance(given, torch.Tensor)
+            or tuple(weights.shape) != (rows, heads)
+            or not weights.is_floating_point()
+            or weights.device != query.device
+        ):
+            raise InvalidArgumentError(
+                f"{layer_name}: weights must be a floating tensor [T, H] = [{rows}, {heads}] "
+                f"on {query.device} (one per query token and indexer head), got {_what(weights)}"
+            )
+        topk = impl.kv_cache_spec.index_topk
+        if selection is None:
+            selection = SparseSelection.empty(rows, topk, query.device)
+        elif selection.topk != topk or selection.indices.shape[0] < rows:
+            raise InvalidArgumentError(
+                f"{layer_name}: selection must have index_topk={topk} columns and at least "
+                f"{rows} rows, got indices {list(selection.indices.shape)}"
+            )
+        table = None
+        if paired is not None:
+            paired_entry = self._groups[self._group_id(paired)]
+            if paired_entry.common is None:
+                raise InvalidArgumentError(f"{paired}: paired names a layer with no step metadata")
+            table = paired_entry.common.block_table_tensor
+        entry = self._groups[self._layer_group[layer_name]]
+        caches = self.kv_caches.get(layer_name, ())
+        return impl.select(query, checked_key, weights, caches, entry.metadata, selection, table)
 
     def _forward_sharded(
         self,
@@ -143,3 +233,17 @@ class LayerCalls(SpeculativeCalls):
         else:
             result = impl.forward(inputs, caches, entry.metadata, out)
         return result if caller is None else copy_back(result, caller)
+
+
+def _sparse_layer(impl: AttentionImpl[Any, Any, Any]) -> int | None:
+    """The layer's ``index_topk`` when it is a sparse-attention layer, else ``None``."""
+    topk: int | None = impl.layer_params.index_topk
+    return topk
+
+
+def _what(value: object) -> str:
+    if isinstance(value, SparseSelection):
+        return f"a SparseSelection of {value.indices.shape[0]} rows"
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor {list(value.shape)} on {value.device}"
+    return type(value).__name__

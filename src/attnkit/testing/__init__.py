@@ -67,7 +67,15 @@ from ..kinds import attention_rules, rules_for_kind
 from ..params import AttentionLayerParams, LayerParams
 from ..registry import BUILTIN_BACKENDS, BackendRegistry
 from ..spec import MODEL_DTYPES, KVCacheDType, KVCacheSpec, KVCacheSpecKind
-from ._cases import KitError, check_cudagraph, config_for, make_layer, run_case, tolerance_of
+from ._cases import (
+    KitError,
+    check_cudagraph,
+    config_for,
+    make_layer,
+    run_case,
+    run_sparse_case,
+    tolerance_of,
+)
 from ._invariance import INVARIANCE_KINDS, check_invariance
 from ._pairwise import pairwise
 from ._report import DEFAULT_MAX_EXAMPLES, CapabilityResult, ConformanceReport, Status, Verdict
@@ -117,9 +125,12 @@ _NOT_CHECKED = {
         "the kit does not run a group of context-parallel ranks yet "
         "(tests/test_context_parallel.py does, for the reference backend)"
     ),
+    AttentionFeature.SPARSE_ATTENTION: (
+        "checked by the sparse_attention cases (an indexer and its sparse MLA layer)"
+    ),
 }
 
-Mode = Literal["search", "twice", "long"]
+Mode = Literal["search", "twice", "long", "sparse"]
 
 
 class _ShrinkBudgetSpent(Exception):
@@ -283,7 +294,10 @@ class _Planner:
         dtype = self.dtypes[0] if self.dtypes else torch.float32
         # Every attention kind the rules know, K/V kinds before latent ones.
         order = [r.kind for r in sorted(attention_rules(), key=lambda r: r.latent)]
-        attention = [k for k in order if k in self.wanted]
+        # The indexer selects instead of attending: its own cases below.
+        attention: list[KVCacheSpecKind] = [
+            k for k in order if k in self.wanted and k is not KVCacheSpecKind.INDEXER
+        ]
         for kind in attention:
             base = LayerChoice(
                 kind=kind,
@@ -308,6 +322,7 @@ class _Planner:
                 choice = primary and dataclasses.replace(primary, features=frozenset({feature}))
                 plans.append(_Plan(f"feature={feature.value}", choice, skip=_NOT_CHECKED[feature]))
         plans += self._long_contexts(bases)
+        plans += self._sparse()
         states: list[LayerChoice] = []
         if KVCacheSpecKind.MAMBA in self.wanted:
             for state_type in sorted(self.backend.supported_mamba_types):
@@ -321,6 +336,32 @@ class _Planner:
             plans.append(_Plan(f"kind={kind.value}", None, skip="not among the kinds asked for"))
         plans += self._cudagraphs([*bases.values(), *states])
         return [self._with_reference_check(p) for p in plans]
+
+    def _sparse(self) -> list[_Plan]:
+        """DeepSeek sparse attention: an indexer and its sparse MLA layer, per block size
+        and dtype, where the backend declares the indexer kind or sparse attention."""
+        indexer = KVCacheSpecKind.INDEXER in self.wanted
+        sparse = AttentionFeature.SPARSE_ATTENTION in self.backend.supported_features and (
+            KVCacheSpecKind.MLA_ATTENTION in self.wanted
+        )
+        if not (indexer or sparse):
+            return []
+        kind = KVCacheSpecKind.INDEXER if indexer else KVCacheSpecKind.MLA_ATTENTION
+        features: frozenset[AttentionFeature] = (
+            frozenset({AttentionFeature.SPARSE_ATTENTION}) if not indexer else frozenset()
+        )
+        plans: list[_Plan] = []
+        for block_size in self.blocks[:2]:
+            for dtype in self.dtypes:
+                choice = LayerChoice(
+                    kind=kind, head_size=128, block_size=block_size, dtype=dtype, features=features
+                )
+                name = (
+                    f"sparse_attention kind={kind.value} block_size={block_size} "
+                    f"dtype={dtype_name(dtype)}"
+                )
+                plans.append(_Plan(name, choice, mode="sparse"))
+        return plans
 
     def _combinations(self, bases: dict[KVCacheSpecKind, LayerChoice]) -> list[_Plan]:
         """Every kind's first combination, then pairwise combinations of every value."""
@@ -623,6 +664,11 @@ def _check(
             if problem is None:
                 return CapabilityResult(plan.capability, "passed", "", choice, None, 1, tol)
             return CapabilityResult(plan.capability, "failed", problem, choice, case, 1, tol)
+        if plan.mode == "sparse":
+            problem = run_sparse_case(choice, backend.name, registry, device, seed)
+            if problem is None:
+                return CapabilityResult(plan.capability, "passed", "", choice, None, 1, tol)
+            return CapabilityResult(plan.capability, "failed", problem, choice, None, 1, tol)
         if plan.mode == "long":
             case = long_context_case(choice, seed=seed)
             problem = run_case(case, backend.name, registry, device)

@@ -16,6 +16,7 @@ anything ``reference`` raises is a problem of the kit (``KitError``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..builder import AttentionCGSupport
 from ..capabilities import AttentionFeature
 from ..config import AttentionConfig
 from ..kinds import rules_for, rules_for_kind
+from ..metadata import SparseSelection
 from ..params import (
     AttentionLayerParams,
     LayerParams,
@@ -33,14 +35,22 @@ from ..params import (
 )
 from ..registry import BackendRegistry
 from ..runtime import AttentionRuntime, ScheduledRequest, StepBatch
-from ..spec import KVCacheSpec, KVCacheSpecKind, MambaSpec
+from ..spec import IndexerSpec, KVCacheSpec, KVCacheSpecKind, MambaSpec, MLAAttentionSpec
 from ..state_inputs import StateInputs
 from ..state_types import StateType, state_type_of
 from ._guards import CacheGeometry, Guard, compare_runs, write_slots
 from .strategies import Case, LayerChoice, Step
 from .tolerances import Tolerance, tolerance_for
 
-__all__ = ["KitError", "check_cudagraph", "config_for", "make_layer", "run_case", "tolerance_of"]
+__all__ = [
+    "KitError",
+    "check_cudagraph",
+    "config_for",
+    "make_layer",
+    "run_case",
+    "run_sparse_case",
+    "tolerance_of",
+]
 
 REFERENCE = "reference"
 SOFT_CAP = 1.5
@@ -600,3 +610,133 @@ def check_cudagraph(
                 problem += f"; tensors reallocated between capture builds: {', '.join(moved)}"
             return case, f"claims {level.name}: {problem}", moved
     return case, None, moved
+
+
+# ------------------------------------------------------------------ DeepSeek sparse attention
+
+_SPARSE_LAYERS = ("mla", "indexer")
+_SPARSE_RANK, _SPARSE_ROPE, _SPARSE_HEADS, _SPARSE_INDEX_HEADS = 32, 16, 4, 3
+
+
+def _sparse_runtime(
+    choice: LayerChoice, per_kind: dict[str, str], registry: BackendRegistry, device: torch.device
+) -> tuple[AttentionRuntime, int]:
+    bs, dtype = choice.block_size, choice.dtype
+    topk = max(2, bs // 2)
+    specs: dict[str, KVCacheSpec] = {
+        "mla": MLAAttentionSpec(block_size=bs, head_size=_SPARSE_RANK + _SPARSE_ROPE, dtype=dtype),
+        "indexer": IndexerSpec(
+            block_size=bs, head_size=_index_dim(choice), dtype=dtype, index_topk=topk
+        ),
+    }
+    params: dict[str, LayerParams] = {
+        "mla": AttentionLayerParams(
+            num_heads=_SPARSE_HEADS, v_head_size=_SPARSE_RANK, scale=choice.scale, index_topk=topk
+        ),
+        "indexer": AttentionLayerParams(num_heads=_SPARSE_INDEX_HEADS),
+    }
+    runtime = AttentionRuntime(
+        specs,
+        AttentionConfig(backend_per_kind=per_kind),
+        device=device,
+        # Unified pages are the least common multiple of the two: a few dozen of them.
+        memory_budget_bytes=math.lcm(*(s.page_size_bytes for s in specs.values())) * 48,
+        layer_params=params,
+        registry=registry,
+        cache_fill=float("nan"),
+    )
+    return runtime, topk
+
+
+def _ints(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.flatten().cpu()]
+
+
+def _index_dim(choice: LayerChoice) -> int:
+    """The index key width: the choice's head size rounded down to the scale block."""
+    return 128 * max(1, choice.head_size // 128)
+
+
+def run_sparse_case(
+    choice: LayerChoice, backend: str, registry: BackendRegistry, device: torch.device, seed: int
+) -> str | None:
+    """DeepSeek sparse attention: an indexer layer and its sparse MLA layer, served by
+    the backend under test where it declares them (``indexer`` kind, the
+    ``sparse_attention`` feature) and by reference otherwise, against both on
+    reference: the selections must be equal (global slots, -1 padding, counts) and the
+    MLA outputs within the dtype's tolerance. Two requests, one longer than
+    ``index_topk`` (a prefill in two chunks, then decodes) and one shorter; caches
+    filled with NaN, block pools shuffled."""
+    served = registry.get(backend)
+    per_kind = {
+        "indexer": backend if KVCacheSpecKind.INDEXER in served.supported_kinds() else REFERENCE,
+        "mla_attention": backend
+        if AttentionFeature.SPARSE_ATTENTION in served.supported_features
+        and KVCacheSpecKind.MLA_ATTENTION in served.supported_kinds()
+        else REFERENCE,
+    }
+    try:
+        ref, topk = _sparse_runtime(choice, dict.fromkeys(per_kind, REFERENCE), registry, device)
+    except Exception as exc:
+        raise KitError(f"reference cannot run the case: {exc}") from exc
+    try:
+        test, _ = _sparse_runtime(choice, per_kind, registry, device)
+    except Exception as exc:
+        return f"building the runtime failed: {type(exc).__name__}: {exc}"
+    for side in (ref, test):
+        random.Random(seed).shuffle(side.manager.pool._free)
+    bs = choice.block_size
+    long_len = 3 * topk + bs + 1
+    steps = [[("a", long_len - bs - 1), ("b", 1)], [("a", bs), ("b", 1)], [("a", 1)], [("a", 1), ("b", 1)]]
+    gen = torch.Generator().manual_seed(seed)
+    tol = tolerance_of(choice)
+    for number, step in enumerate(steps):
+        scheduled = [ScheduledRequest(rid, n) for rid, n in step]
+        batches = (ref.begin_step(scheduled), test.begin_step(scheduled))
+        dtype, widths = choice.dtype, _SPARSE_RANK + _SPARSE_ROPE
+        # Per request, then laid out in each runtime's batch order (a backend may put
+        # decodes first).
+        parts = {
+            rid: (
+                _randn(gen, n, _SPARSE_HEADS, widths).to(device, dtype),
+                _randn(gen, n, 1, widths).to(device, dtype),
+                _randn(gen, n, _SPARSE_INDEX_HEADS, _index_dim(choice)).to(device, dtype),
+                _randn(gen, n, 1, _index_dim(choice)).to(device, dtype),
+                _randn(gen, n, _SPARSE_INDEX_HEADS).to(device),
+            )
+            for rid, n in step
+        }
+        where = f"step {number} ({', '.join(f'{r}: {n}' for r, n in step)})"
+        results: list[tuple[dict[str, slice], SparseSelection, torch.Tensor]] = []
+        for side, batch in zip((ref, test), batches, strict=True):
+            q, latent, qi, ki, w = (
+                torch.cat([parts[rid][i] for rid in batch.order]) for i in range(5)
+            )
+            try:
+                sel = side.select("indexer", qi, ki, w, paired="mla")
+                out = side.forward("mla", q, latent, selection=sel)
+            except Exception as exc:
+                if side is ref:
+                    raise KitError(f"reference cannot run the case: {exc}") from exc
+                return f"{where}: {type(exc).__name__}: {exc}"
+            results.append((batch.token_slices(), sel, out))
+        (ref_rows, want, want_out), (got_rows, got, got_out) = results
+        for rid, _ in step:
+            mine, theirs = got_rows[rid], ref_rows[rid]
+            here = f"{where} request {rid}"
+            if not torch.equal(got.lens[mine].cpu(), want.lens[theirs].cpu()):
+                return (
+                    f"{here}: selection lens {_ints(got.lens[mine])}, expected "
+                    f"{_ints(want.lens[theirs])}"
+                )
+            if not torch.equal(got.indices[mine].cpu(), want.indices[theirs].cpu()):
+                bad = int((got.indices[mine] != want.indices[theirs]).any(dim=1).nonzero()[0, 0])
+                return (
+                    f"{here}: selection of its token {bad} is "
+                    f"{_ints(got.indices[mine][bad])}, expected "
+                    f"{_ints(want.indices[theirs][bad])} (topk={topk})"
+                )
+            problem = _compare(f"{here} mla output", got_out[mine], want_out[theirs], tol)
+            if problem is not None:
+                return problem
+    return None

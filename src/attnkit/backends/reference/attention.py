@@ -33,8 +33,9 @@ from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...config import AttentionConfig
 from ...impl import AttentionImpl
 from ...kernels.attention.reference import dense_attention, paged_attention, write_kv_cache
+from ...kernels.dsa.reference import sparse_mla_attention
 from ...kinds import rules_for
-from ...metadata import CommonAttentionMetadata
+from ...metadata import CommonAttentionMetadata, SparseSelection
 from ...params import AttentionLayerParams, mla_projection_problems
 from ...spec import AttentionSpec
 from ._checks import check_tensor, describe
@@ -232,6 +233,12 @@ class ReferenceAttentionImpl(
             raise ValueError(
                 f"{owner}: layer_params.v_head_size must be <= the latent width "
                 f"head_size={spec.head_size}, got {self.v_head_size}"
+            )
+        if params.index_topk is not None and (not self.is_mla or self.projection is not None):
+            raise ValueError(
+                f"{owner}: layer_params.index_topk (sparse attention) is for MLA layers "
+                f"without mla_projection, got a {self.kind.value} layer"
+                + (" with mla_projection" if self.projection is not None else "")
             )
         if not self.is_mla and self.v_head_size != spec.head_size:
             raise ValueError(
@@ -503,6 +510,40 @@ class ReferenceAttentionImpl(
                 output.copy_(full[..., : self.v_head_size])
             return output
         return self._paged(query, cache, md, output)
+
+    @override
+    def forward_sparse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+        selection: SparseSelection,
+    ) -> torch.Tensor:
+        if self.layer_params.index_topk is None:
+            raise ValueError(
+                f"ReferenceAttentionImpl.forward_sparse ({self.kind.value}): the layer is "
+                f"dense (layer_params.index_topk is None); call forward"
+            )
+        cache = self._check_inputs(query, key, value, kv_cache, attn_metadata, output)
+        md, n = attn_metadata, attn_metadata.num_actual_tokens
+        assert cache is not None  # an MLA layer: checked above
+        assert key is not None
+        _write_latents(key[:n, 0], cache, md.slot_mapping[:n])
+        rows = selection.rows(n)
+        sparse_mla_attention(
+            query[:n],
+            cache,
+            rows.indices,
+            rows.lens,
+            kv_lora_rank=self.v_head_size,
+            scale=self.scale,
+            kv_scale=self.k_scale,
+            output=output[:n],
+        )
+        return output
 
     def _projected(
         self,

@@ -14,6 +14,7 @@ from ...kinds import rules_for
 from ...spec import (
     ATTENTION_SPEC_CLASSES,
     AttentionSpec,
+    IndexerSpec,
     KVCacheDType,
     KVCacheSpecKind,
     MambaSpec,
@@ -21,6 +22,7 @@ from ...spec import (
 )
 from ...state_types import STATE_TYPES, state_spec_reasons
 from .attention import ReferenceAttentionBuilder, ReferenceAttentionImpl
+from .indexer import ReferenceIndexerBuilder, ReferenceIndexerImpl
 from .state import ReferenceStateBuilder, ReferenceStateImpl
 
 __all__ = ["ReferenceBackend"]
@@ -65,6 +67,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.ALIBI,
             AttentionFeature.MLA_PROJECTION,
             AttentionFeature.CONTEXT_PARALLEL,
+            AttentionFeature.SPARSE_ATTENTION,
         }
     )
     # Every state type: each declares its reference computation.
@@ -72,6 +75,7 @@ class ReferenceBackend(AttentionBackend):
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),
         bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl),
+        bind_builder(IndexerSpec, ReferenceIndexerBuilder, ReferenceIndexerImpl),
     )
 
     @classmethod
@@ -80,6 +84,8 @@ class ReferenceBackend(AttentionBackend):
         spec = request.spec
         if isinstance(spec, MambaSpec):
             return state_spec_reasons(spec, cls.supported_mamba_types)
+        if isinstance(spec, IndexerSpec):
+            return []  # the index cache is fp8 by its format, whatever the MLA cache's
         if (
             rules_for(spec).latent
             and isinstance(spec, AttentionSpec)

@@ -13,7 +13,9 @@ _HEAD_SIZES: SizeRule = (SizeRange(16, 1024),)
 _BLOCK_SIZES: SizeRule = (16, 32, 64, 128)
 # Soft-cap, ALiBi and sink logits are not part of MLA models, and forward() has no way
 # to hand a log-sum-exp back (return_lse). The projection is served (both forms).
-_FEATURES: frozenset[AttentionFeature] = frozenset({AttentionFeature.MLA_PROJECTION})
+_FEATURES: frozenset[AttentionFeature] = frozenset(
+    {AttentionFeature.MLA_PROJECTION, AttentionFeature.SPARSE_ATTENTION}
+)
 # What the paged-attention kernel (the up-projected prefill) accepts; literals for the
 # same reason as above, checked against the kernel module by the tests.
 _PAGED_MIN_HEAD_DIM, _PAGED_MAX_HEAD_DIM = 16, 256

@@ -1,7 +1,9 @@
 """The ``triton_mla`` backend: multi-head latent attention with attnkit's Triton kernels.
 
-Serves ``mla_attention`` and ``sliding_window_mla`` layers (DeepSeek-V2/V3's MLA,
-arXiv:2405.04434 section 2.1, in its weight-absorbed form) with
+Serves ``mla_attention``, ``sliding_window_mla`` and ``indexer`` layers (the last, with
+the ``sparse_attention`` feature, is DeepSeek-V3.2's sparse attention: ``indexer.py``
+and ``TritonMLAImpl.forward_sparse`` over ``kernels.dsa.triton``); the MLA layers
+(DeepSeek-V2/V3's MLA, arXiv:2405.04434 section 2.1, in its weight-absorbed form) with
 ``kernels.mla.triton``. The cache ``[NB, BS, D]`` holds one latent per token,
 ``D = R + rope``: the first ``R = kv_lora_rank`` channels are the compressed KV (the
 value of every head), the last ``rope`` channels the shared rotary key. The caller
@@ -48,14 +50,16 @@ import torch
 from typing_extensions import override
 
 from ...backend import AttentionBackend, BackendRequest
-from ...binding import bind_each
-from ...spec import KVCacheDType, MLAAttentionSpec, SlidingWindowMLASpec
+from ...binding import bind_builder, bind_each
+from ...capabilities import AttentionFeature
+from ...spec import AttentionSpec, IndexerSpec, KVCacheDType, MLAAttentionSpec, SlidingWindowMLASpec
 from .._triton_env import triton_cpu_reasons
 from .._triton_paged import fp8_e4m3_capability_reasons
 from ._limits import _BLOCK_SIZES, _FEATURES, _HEAD_SIZES
 from .builder import TritonMLAMetadataBuilder
 from .costs import TritonMLAOptions
 from .impl import TritonMLAImpl
+from .indexer import TritonIndexerBuilder, TritonIndexerImpl
 
 __all__ = ["TritonMLABackend"]
 
@@ -76,8 +80,12 @@ class TritonMLABackend(AttentionBackend):
     supported_features = _FEATURES
     options_type = TritonMLAOptions
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
-    builders = bind_each(
-        (MLAAttentionSpec, SlidingWindowMLASpec), TritonMLAMetadataBuilder, TritonMLAImpl
+    builders = (
+        *bind_each(
+            (MLAAttentionSpec, SlidingWindowMLASpec), TritonMLAMetadataBuilder, TritonMLAImpl
+        ),
+        # DeepSeek sparse attention: the indexer, and sparse MLA (forward_sparse).
+        bind_builder(IndexerSpec, TritonIndexerBuilder, TritonIndexerImpl),
     )
 
     @classmethod
@@ -90,5 +98,16 @@ class TritonMLABackend(AttentionBackend):
     @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         """fp8_e4m3 caches need compute capability >= 8.9 on CUDA (see
-        ``fp8_e4m3_capability_reasons``; the rule ``triton_attn`` declares)."""
-        return fp8_e4m3_capability_reasons(request)
+        ``fp8_e4m3_capability_reasons``; the rule ``triton_attn`` declares), except the
+        index cache, which the kernels decode with integer ops. Sparse attention takes a
+        16-bit or float32 latent cache and the absorbed query."""
+        spec = request.spec
+        if isinstance(spec, IndexerSpec):
+            return []
+        reasons = fp8_e4m3_capability_reasons(request)
+        if AttentionFeature.SPARSE_ATTENTION in request.features and isinstance(spec, AttentionSpec):
+            if spec.kv_cache_dtype == "fp8_e4m3":
+                reasons.append("sparse_attention with an fp8_e4m3 latent cache is not supported")
+            if AttentionFeature.MLA_PROJECTION in request.features:
+                reasons.append("sparse_attention with mla_projection is not supported")
+        return reasons

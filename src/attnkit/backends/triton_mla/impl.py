@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from ..._validation import describe_tensor, dtype_name
 from ...impl import AttentionImpl
+from ...metadata import SparseSelection
 from ...params import AttentionLayerParams, attention_params_problems, mla_projection_problems
 from ...spec import AttentionSpec
 from ._limits import _FEATURES, _PAGED_MAX_HEAD_DIM, _PAGED_MIN_HEAD_DIM
@@ -250,6 +251,43 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             self._absorbed(query[:nd], cache, m.decode_plan, kv_scale, output[:nd])
         end = nd + m.prefill.num_tokens
         self._up_projected(query[nd:end], cache, m.prefill, output[nd:end])
+        return output
+
+    @override
+    def forward_sparse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: TritonMLAMetadata,
+        output: torch.Tensor,
+        selection: SparseSelection,
+    ) -> torch.Tensor:
+        """Write the new latents, then attend to the selected slots only
+        (``kernels.dsa.triton.sparse_mla_attention``; a 16-bit or float32 latent cache,
+        the caller's absorbed query)."""
+        cache = self._check_inputs(key, kv_cache, attn_metadata, query.device)
+        assert key is not None  # checked above
+        if self.projection is not None or self.fp8:
+            raise ValueError(
+                f"{type(self).__name__}.forward_sparse: sparse attention takes the absorbed "
+                f"query and a 16-bit or float32 latent cache (no mla_projection, no fp8)"
+            )
+        from ...kernels.dsa.triton import sparse_mla_attention
+
+        m, n = attn_metadata, attn_metadata.num_actual_tokens
+        self._write_mla_latents(key[:n, 0], cache, m.slot_mapping[:n])
+        rows = selection.rows(n)
+        sparse_mla_attention(
+            query[:n],
+            cache,
+            rows.indices,
+            rows.lens,
+            kv_lora_rank=self.kv_lora_rank,
+            scale=self.scale,
+            output=output[:n],
+        )
         return output
 
     @property
