@@ -35,7 +35,7 @@ REGISTERED = "registered backends: " + ANY + "reference, triton_attn" + ANY
 KINDS = (
     "valid kinds: full_attention, sliding_window, chunked_local_attention, "
     "sink_full_attention, mla_attention, sliding_window_mla, encoder_only_attention, "
-    "cross_attention, mamba"
+    "cross_attention, mamba, indexer"
 )
 DEVICES = "--device must be 'cpu', 'cuda' or 'cuda:N', got "
 

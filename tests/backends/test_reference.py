@@ -36,6 +36,7 @@ from attnkit import (
     FullAttentionSpec,
     GatedDeltaNetInputs,
     GatedDeltaNetLayerParams,
+    IndexerSpec,
     KVCacheSpec,
     KVCacheSpecKind,
     Mamba2Inputs,
@@ -581,7 +582,8 @@ def test_attention_matches_dense_oracle(case: AttnCase) -> None:
 
 def test_every_attention_kind_is_covered() -> None:
     covered = {p.values[0].kind for p in ATTENTION_CASES}
-    assert covered == set(KVCacheSpecKind) - {KVCacheSpecKind.MAMBA}
+    # The indexer scores and selects (tests/kernels/test_dsa_reference.py); it attends to nothing.
+    assert covered == set(KVCacheSpecKind) - {KVCacheSpecKind.MAMBA, KVCacheSpecKind.INDEXER}
 
 
 @st.composite
@@ -992,6 +994,8 @@ def spec_for_kind(kind: KVCacheSpecKind) -> KVCacheSpec:
         return MambaSpec(
             block_size=16, shapes=((10, 3), (2, 3, 4)), dtypes=(torch.bfloat16, torch.float32)
         )
+    if kind is KVCacheSpecKind.INDEXER:
+        return IndexerSpec(block_size=16, dtype=torch.bfloat16)
     return make_spec(
         AttnCase(
             kind, window=4, chunk=8, sink_len=4, head_size=64, block_size=16, dtype=torch.bfloat16
@@ -1012,7 +1016,7 @@ def test_serves_every_kind_on_cpu(kind: KVCacheSpecKind) -> None:
     spec = spec_for_kind(kind)
     features = (
         frozenset()
-        if kind is KVCacheSpecKind.MAMBA
+        if kind in (KVCacheSpecKind.MAMBA, KVCacheSpecKind.INDEXER)
         else frozenset(
             {
                 AttentionFeature.LOGITS_SOFT_CAP,
