@@ -100,7 +100,7 @@ def test_a_topk_one_short_fails_the_sparse_demo(monkeypatch: pytest.MonkeyPatch)
         pad = torch.full((indices.shape[0], 1), -1, dtype=indices.dtype)
         return torch.cat([indices, pad], dim=1), lens
 
-    monkeypatch.setattr(ref_indexer, "topk_select", one_short)
+    monkeypatch.setattr(ref_indexer.ReferenceIndexerImpl, "_topk", staticmethod(one_short))
     status, text, err = _run(["demo", "--config", str(CONFIGS / "deepseek-v3.2-exp.json"), "--steps", "1"])
     assert status != 0
     assert "FAIL" in text
