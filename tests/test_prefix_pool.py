@@ -179,6 +179,50 @@ def test_free_named_blocks_stay_cached_and_are_evicted_lru_tail_first() -> None:
     assert "was evicted" in missed.explain()
 
 
+def window_releases_scenario() -> None:
+    """Two requests decode past a window of 4 in lockstep; each release of a named block
+    (the prompt's) makes it idle, least recently released first, whenever the pool is
+    next read; the unnamed ones (decoded tokens) go back free."""
+    mgr = manager({"w": window(4)}, 40)
+    p = prefix(mgr)
+    prompts = {"a": list(range(100, 113)), "b": list(range(200, 213))}  # 3 full blocks
+    mgr.allocate_step([(r, 13, 0) for r in prompts], prefixes=[p.match(t) for t in prompts.values()])
+    tables = {r: mgr.block_table(0, r) for r in prompts}
+    order: list[int] = []
+    for _ in range(13):  # (the prompts' blocks get their names at the first)
+        before = {r: mgr.block_table(0, r) for r in prompts}
+        mgr.allocate_step([(r, 1, 0) for r in prompts])
+        for r in prompts:  # released this step: a then b, each row's in column order
+            after = mgr.block_table(0, r)
+            order += [b for b, c in zip(before[r], after, strict=False) if b and not c]
+    pool = mgr.pool
+    assert isinstance(pool, CachedPool)
+    named = [b for r in prompts for b in tables[r][:3]]
+    assert set(pool.idle) == set(named)
+    assert list(pool.idle) == [b for b in order if b in named]
+    assert pool.num_free_blocks == 39 - len(named) - sum(
+        1 for r in prompts for b in mgr.block_table(0, r) if b
+    )
+    for tokens in prompts.values():
+        assert p.match([*tokens, 0]).num_tokens == 12
+
+
+def test_window_releases_are_cached_in_the_order_released() -> None:
+    window_releases_scenario()
+
+
+@pytest.mark.parametrize(
+    "broken", ["released pages idle newest first", "released named pages freed"]
+)
+def test_a_broken_sort_of_released_pages_is_caught(
+    broken: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, name, replacement = BROKEN_SORT[broken]
+    monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(AssertionError):
+        window_releases_scenario()
+
+
 def test_a_hit_on_a_free_cached_block_counts_against_the_budget() -> None:
     """The hit's blocks leave the evictable pages: a step that needs them as well as
     new pages fails, and changes nothing."""
@@ -348,6 +392,9 @@ def deferred_twins_scenario() -> None:
     assert isinstance(pool, CachedPool)
     a_blocks, b_blocks = first["a"][:4], first["b"][:4]
     assert mgr.block_table(0, "a")[:4] == [NULL_BLOCK] * 4  # all four released
+    # Reading the free pages sorts what the window gave back (named: idle) before the
+    # names are made: the settle must then send the duplicates' idle blocks back.
+    assert pool.num_free_blocks < 31
     p.stats()  # reads the maps: the deferred names are made
     names = block_names(prompt, TokenLayout(4), HASHER, prefix_root(HASHER))
     assert slab.block_of == dict(zip(names, a_blocks, strict=True))
@@ -1167,6 +1214,31 @@ def _check_ignores_hits(self: CachedSlab, ids: Any, signs: Any) -> _cached.Previ
     keep = signs < 0
     return _preview(self, ids[keep], signs[keep])
 
+
+def _sort_newest_first(self: CachedPool) -> None:
+    """A sort of the given-back pages that makes the last released idle first: the
+    least recently used cached blocks are no longer the first evicted."""
+    self._unsorted.reverse()
+    for _, blocks in self._unsorted:
+        blocks.reverse()
+    _sort_given_back(self)
+
+
+def _sort_forgets_names(self: CachedPool) -> None:
+    """A sort of the given-back pages that frees every one, named or not."""
+    for _, blocks in self._unsorted:
+        self._free.extend(blocks)
+        if self._in_use_cache is not None:
+            self._mark(blocks, False)
+    self._unsorted, self._num_unsorted = [], 0
+
+
+_sort_given_back = CachedPool.sort_given_back
+
+BROKEN_SORT: dict[str, tuple[object, str, Callable[..., Any]]] = {
+    "released pages idle newest first": (CachedPool, "sort_given_back", _sort_newest_first),
+    "released named pages freed": (CachedPool, "sort_given_back", _sort_forgets_names),
+}
 
 BROKEN: dict[str, tuple[object, str, Callable[..., Any]]] = {
     "a hit that is not a whole block": (_prefix.PrefixCache, "match", _hit_past_the_block),

@@ -218,9 +218,10 @@ def manager_state(runtime: AttentionRuntime) -> tuple[object, ...]:
     mgr = runtime.manager
     pool = mgr.pool
     assert isinstance(pool, CachedPool)
+    idle = tuple(pool.idle)  # (first: reading the idle pages sorts the given-back ones)
     return (
         tuple(pool._free),
-        tuple(pool.idle),
+        idle,
         len(mgr),
         tuple(
             None if s is None else (s.refs.tobytes(), tuple(s.block_of.items()))

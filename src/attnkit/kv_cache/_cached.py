@@ -85,30 +85,118 @@ class CachedPool(BlockPool):
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self.idle: dict[int, PageKeeper] = {}
+        self._idle: dict[int, PageKeeper] = {}
+        self._unsorted: list[tuple[CachedSlab, list[int]]] = []
+        """Pages given back by ``CachedSlab.give_back``'s common case (one block per
+        page, one holder each), in order, not yet sorted into idle (named) and free
+        ones: ``sort_given_back`` does it before anything reads either."""
+        self._num_unsorted = 0
         self.shared = 0
         """The slabs' ``shared`` summed: 0 when no block has two holders."""
         self.deferred: dict[CachedSlab, None] = {}
         """The slabs holding deferred names (``CachedSlab.defer``)."""
 
+    # A step's window releases give back a few pages per request. Sorting each into idle
+    # or free costs a dict insert per page, paid for the step's sake only if the pages
+    # were needed at once; so they wait, in order, until something reads the free pages
+    # or the idle ones (a take past the free pages, a lookup's pin, a report, a check
+    # that needs the split), and are then sorted as ``give_back`` would have.
+
+    @property
+    def idle(self) -> dict[int, PageKeeper]:
+        """page -> the ``CachedSlab`` (or ``CheckpointStore``) keeping it, least
+        recently idle first."""
+        if self._unsorted:
+            self.sort_given_back()
+        return self._idle
+
+    def give_back_unsorted(self, slab: CachedSlab, blocks: list[int]) -> None:
+        """``slab``'s pages, each with one holder that is gone, back in order: free or
+        idle as ``slab.named`` says when they are sorted (``sort_given_back``)."""
+        self._unsorted.append((slab, blocks))
+        self._num_unsorted += len(blocks)
+
+    def sort_given_back(self) -> None:
+        """Sort the pages ``give_back_unsorted`` holds: named ones idle, the rest free."""
+        unsorted, self._unsorted = self._unsorted, []
+        self._num_unsorted = 0
+        idle, free = self._idle, self._free
+        for slab, blocks in unsorted:
+            named = slab._named_mv
+            back: list[int] = []
+            for block in blocks:
+                if named[block]:
+                    idle[block] = slab
+                else:
+                    back.append(block)
+            if back:
+                free.extend(back)
+                if self._in_use_cache is not None:
+                    self._mark(back, False)
+
+    @property
+    @override
+    def num_free_blocks(self) -> int:
+        if self._unsorted:
+            self.sort_given_back()
+        return len(self._free)
+
+    @property
+    @override
+    def _in_use(self) -> bytearray:
+        if self._unsorted:
+            self.sort_given_back()
+        return super()._in_use
+
+    @override
+    def is_allocated(self, block: int) -> bool:
+        if self._unsorted:
+            self.sort_given_back()
+        return super().is_allocated(block)
+
+    @override
+    def give_back(self, blocks: Ints32 | list[int]) -> None:
+        if self._unsorted:  # (the pages given back before these go first)
+            self.sort_given_back()
+        super().give_back(blocks)
+
+    @override
+    def allocate(self, n: int) -> list[int]:
+        if self._unsorted:
+            self.sort_given_back()
+        return super().allocate(n)
+
     @property
     def num_available(self) -> int:
         """Pages a step can take: free ones and idle ones."""
-        return len(self._free) + len(self.idle)
+        return len(self._free) + len(self._idle) + self._num_unsorted
 
     @override
     def take(self, n: int) -> list[int]:
         """Take ``n`` pages: free ones, then idle ones (the caller has checked that
         ``num_available >= n``)."""
-        free = len(self._free)
-        if n <= free:
-            return super().take(n)
+        free_list = self._free
+        if n <= len(free_list):  # (BlockPool.take on the list itself: nothing to sort)
+            if n == 1:
+                blocks = [free_list.pop()]
+            elif n > 0:
+                blocks = free_list[: -n - 1 : -1]
+                del free_list[-n:]
+            else:
+                return []
+            if self._in_use_cache is not None:
+                self._mark(blocks, True)
+            return blocks
+        if self._unsorted:
+            self.sort_given_back()
+            return self.take(n)
+        free = len(free_list)
         if self.deferred:  # a reclaim evicts names: the deferred ones are made first
             for slab in list(self.deferred):
                 slab.settle()
             return self.take(n)
         pages = super().take(free)
-        idle = self.idle
+        idle = self._idle
         reclaimed = list(itertools.islice(idle, n - free))
         if len(reclaimed) < n - free:
             raise AssertionError(
@@ -441,15 +529,7 @@ class CachedSlab:
             if not self.name_of and not self._deferred:
                 self.pool.give_back(given)
                 return
-            named, idle = self._named_mv, self.pool.idle
-            back: list[int] = []
-            for block in given:
-                if named[block]:
-                    idle[block] = self
-                else:
-                    back.append(block)
-            if back:
-                self.pool.give_back(back)
+            self.pool.give_back_unsorted(self, given)  # (idle or free once read)
             return
         ids = np.asarray(blocks, dtype=np.int64)
         if ids.size == 0:

@@ -580,9 +580,10 @@ class KVCacheManager:
             self._check_pages(plans, [self.row_of(r) for r in finished])
         else:  # every kernel block is a page: count blocks
             held = sum(self._blocks_held(self.row_of(r)) for r in finished)
-            free = self.pool.num_free_blocks
-            if self._idle:  # prefix caching: cached pages no request holds are evictable
-                free += len(self._idle)
+            if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
+                free = self._cached_pool.num_available
+            else:
+                free = self.pool.num_free_blocks
             if total_new > free + total_released + held:
                 raise OutOfBlocksError(
                     f"the step needs {total_new} new block(s) but only "
