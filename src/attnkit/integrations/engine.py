@@ -47,7 +47,9 @@ drafts. The runtime needs ``AttentionConfig(num_speculative_tokens >= k)``;
 ``Engine.speculative_stats()`` reports the acceptance rate and tokens per step.
 
 The model is anything with ``prepare_step()`` (the runtime to run the step on) and
-``__call__(batch, token_ids, positions) -> logits [T, V]`` (``StepModel``);
+``__call__(batch, token_ids, positions, logits_rows) -> logits`` (``StepModel``: the
+logits of the rows the engine samples or verifies from, so the LM head skips the rest
+of a prefill);
 ``FunctionModel`` wraps a runtime and a plain function, and
 ``attnkit.integrations.transformers.attach`` makes a transformers model one. When
 ``prepare_step`` returns another runtime than the last step's (a model moved to another
@@ -102,13 +104,21 @@ class StepModel(Protocol):
         ...
 
     def __call__(
-        self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: StepBatch,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[T, V]`` of the step's tokens.
+        """Logits ``[R, V]`` of the step tokens ``logits_rows`` names (all ``T`` when
+        ``None``).
 
         ``token_ids`` and ``positions`` are int64 ``[T]`` on the CPU, laid out in
         ``batch.order`` (each request's tokens contiguous, ``batch.query_lens`` of
         them); ``positions`` are the tokens' positions in their requests.
+        ``logits_rows``: int64 ``[R]``, increasing: the rows the engine samples or
+        verifies from (a prompt chunk's last token, a decode, a verify step's tokens),
+        so a model can skip the LM head on the rest, which is most of a prefill's.
         """
         ...
 
@@ -126,9 +136,22 @@ class FunctionModel:
         return self.runtime
 
     def __call__(
-        self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: StepBatch,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.function(batch, token_ids, positions)
+        logits = self.function(batch, token_ids, positions)
+        returned: object = logits  # any callable may be the function
+        if logits_rows is None or not isinstance(returned, torch.Tensor) or logits.dim() != 2:
+            return logits  # (the engine checks what came back)
+        if logits.shape[0] != batch.num_tokens:
+            raise InvalidArgumentError(
+                f"the function returned {logits.shape[0]} rows of logits for a step of "
+                f"{batch.num_tokens} tokens"
+            )
+        return logits[logits_rows.to(logits.device)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,6 +511,8 @@ class Engine:
             "AttentionConfig.max_num_reqs",
         )
         self.keep_logits = keep_logits
+        self._logit_row: dict[int, int] | None = None
+        """The last step's step row -> row of the model's logits (``None``: the same)."""
         flag: object = prefix_caching
         if not isinstance(flag, bool):
             raise ArgumentTypeError(f"prefix_caching must be a bool, got {type(flag).__name__}")
@@ -819,21 +844,33 @@ class Engine:
         preempted.append(victim.req_id)
 
     def _forward(self, batch: StepBatch, plan: Mapping[_Live, int]) -> torch.Tensor:
-        """Lay the step's tokens out in batch order, run the model, check the logits."""
+        """Lay the step's tokens out in batch order, run the model for the logits of
+        the rows the step samples or verifies from (every row with ``keep_logits``),
+        check them; returns them as ``[T, V]`` rows in ``self._logit_row`` order."""
         token_ids: list[int] = []
         positions: list[int] = []
+        wanted: list[int] = []
+        row = 0
         for req_id, n in zip(batch.order, batch.query_lens, strict=True):
             live = self._live[req_id]
             start = live.num_computed
-            if live.drafts:  # its newest token, then the drafts
+            if live.drafts:  # its newest token, then the drafts: every row verifies
                 token_ids.extend([*live.tokens[start:], *live.drafts])
+                wanted.extend(range(row, row + n))
             else:
                 token_ids.extend(live.tokens[start : start + n])
+                if start + n >= len(live.tokens):  # its known tokens done: it samples
+                    wanted.append(row + n - 1)
             positions.extend(range(start, start + n))
+            row += n
+        every = self.keep_logits or len(wanted) == batch.num_tokens
+        rows = None if every else torch.tensor(wanted, dtype=torch.int64)
+        self._logit_row = None if every else {r: i for i, r in enumerate(wanted)}
         logits = self.model(
             batch,
             torch.tensor(token_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
+            rows,
         )
         returned: object = logits  # any callable may be the model
         if not isinstance(returned, torch.Tensor):
@@ -845,10 +882,12 @@ class Engine:
             raise InvalidArgumentError(
                 f"the model must return logits [T, V], got shape {list(logits.shape)}"
             )
-        if logits.shape[0] != batch.num_tokens:
+        expected = batch.num_tokens if rows is None else rows.numel()
+        if logits.shape[0] != expected:
             raise InvalidArgumentError(
                 f"the model returned {logits.shape[0]} rows of logits for a step of "
                 f"{batch.num_tokens} tokens"
+                + ("" if rows is None else f" that asked for {expected} (logits_rows)")
             )
         for live in plan:
             live.started = True
@@ -904,7 +943,7 @@ class Engine:
             live.num_computed += n
             if live.num_computed < len(live.tokens):
                 continue  # mid-prompt (or mid-recompute): nothing to sample yet
-            token = _pick(logits[rows.stop - 1], live.request.sampling, live.generator)
+            token = _pick(logits[self._row(rows.stop - 1)], live.request.sampling, live.generator)
             live.tokens.append(token)
             sampled[req_id] = token
             stop = live.request.sampling
@@ -946,7 +985,10 @@ class Engine:
             drafts = self._live[req_id].drafts
             if not drafts:
                 continue
-            best = torch.argmax(logits[rows].detach().float().cpu(), dim=-1)
+            first = self._row(rows.start)
+            best = torch.argmax(
+                logits[first : first + rows.stop - rows.start].detach().float().cpu(), dim=-1
+            )
             picks = [int(t) for t in best]
             a = 0
             while a < len(drafts) and drafts[a] == picks[a]:
@@ -964,6 +1006,10 @@ class Engine:
         if accepted:
             runtime.accept(accepted)
         return verified
+
+    def _row(self, step_row: int) -> int:
+        """The row of the model's logits that holds step row ``step_row``'s."""
+        return step_row if self._logit_row is None else self._logit_row[step_row]
 
     def _idle_stats(self, index: int, preempted: list[str]) -> StepStats:
         return StepStats(

@@ -6,6 +6,7 @@ that serves each attention call (its parameters checked against the runtime), an
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 from collections.abc import Generator, Iterator, Mapping
@@ -95,6 +96,9 @@ class TransformersAttachment:
         self._positions_keyword = (
             positions_keyword(model) if self.model_type == "llama4_text" else None
         )
+        self._keeps_logits = _logits_keyword(model)
+        """The forward's keyword that computes the LM head on chosen rows only
+        (``logits_to_keep``), or ``None``: the logits are cut after it."""
         self.rebuilds = 0
         register(self._tf)
         set_implementation(model, ATTENTION_IMPLEMENTATION)
@@ -260,26 +264,50 @@ class TransformersAttachment:
         return self._runtime
 
     def __call__(
-        self, batch: StepBatch, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: StepBatch,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the model on one step: ``token_ids``/``positions`` ``[T]`` in
-        ``batch.order``; returns the logits ``[T, V]`` (float, on the model's device)."""
+        ``batch.order``; returns the logits ``[T, V]`` (float, on the model's device),
+        or ``[R, V]`` of the rows ``logits_rows`` (int64 ``[R]``) names: the LM head
+        runs on those rows only (transformers' ``logits_to_keep``)."""
         if token_ids.shape != (batch.num_tokens,) or positions.shape != (batch.num_tokens,):
             raise InvalidArgumentError(
                 f"token_ids and positions must be [T] with T={batch.num_tokens} (the step's "
                 f"tokens), got {list(token_ids.shape)} and {list(positions.shape)}"
             )
+        if logits_rows is not None:
+            in_range = logits_rows.numel() == 0 or (
+                int(logits_rows.min()) >= 0 and int(logits_rows.max()) < batch.num_tokens
+            )
+            if logits_rows.dtype != torch.int64 or logits_rows.dim() != 1 or not in_range:
+                raise InvalidArgumentError(
+                    f"logits_rows must be int64 [R] rows of the step's {batch.num_tokens} "
+                    f"tokens, got {logits_rows.dtype} {list(logits_rows.shape)}"
+                    + ("" if in_range else " with a row out of range")
+                )
         self._active = True
         try:
-            logits = self._run_model(token_ids, positions)
+            logits = self._run_model(token_ids, positions, logits_rows)
         finally:
             self._active = False
         return logits[0]
 
-    def _run_model(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_model(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ids = token_ids.to(self._model_device()).view(1, -1)
         pos = positions.to(self._model_device()).view(1, -1)
         kwargs: dict[str, object] = {"input_ids": ids, "position_ids": pos, "use_cache": False}
+        keep = self._keeps_logits
+        if logits_rows is not None and keep is not None:
+            kwargs[keep] = logits_rows.to(ids.device)
         if self._positions_keyword == "cache_position":
             kwargs["cache_position"] = pos[0]
         elif self._positions_keyword is not None:
@@ -292,6 +320,8 @@ class TransformersAttachment:
                 f"{type(self.model).__name__} returned no logits; attach a causal LM "
                 f"(AutoModelForCausalLM)"
             )
+        if logits_rows is not None and keep is None:  # a forward without logits_to_keep
+            logits = logits[:, logits_rows.to(logits.device)]
         return logits
 
     def _model_device(self) -> torch.device:
@@ -492,3 +522,13 @@ def describe_layers(attached: TransformersAttachment) -> list[str]:
             + f" backend={attached.runtime.backend_for(name).name}"
         )
     return lines
+
+
+def _logits_keyword(model: torch.nn.Module) -> str | None:
+    """``"logits_to_keep"`` when ``model.forward`` takes it as a tensor of rows (recent
+    transformers causal LMs do), else ``None``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # (a forward without a signature: cut after)
+        return None
+    return "logits_to_keep" if "logits_to_keep" in parameters else None
