@@ -8,9 +8,10 @@ tensors (flash backend where it accepts the case) and FlexAttention (contiguous,
 compiled), plus the flash_attn backend's cases when flash-attn is installed.
 Determinism (docs/determinism.md): triton_attn at ``batch_invariant`` against the same
 launch at ``none``, decode 32 x 2k and prefill 4 x 512, alternating rounds. DSA
-(DeepSeek-V3.2 sparse attention: 128 heads, top-2048, 32k-128k contexts): the torch
-reference indexer and sparse MLA timed on the GPU, and the bytes each decode token
-reads against dense MLA (``--dsa-bytes-only``: computed from the formats, no GPU).
+(DeepSeek-V3.2 sparse attention: 128 heads, top-2048, 32k-128k contexts): the indexer
+and sparse MLA timed on the GPU, torch references and Triton kernels (the Triton
+selection checked equal to the reference's), and the bytes each decode token reads
+against dense MLA (``--dsa-bytes-only``: computed from the formats, no GPU).
 
 Targets (H100/H200): decode at context >= 4k reaches 75% of peak bandwidth; prefill
 at 8k is at least 1.0x SDPA's flash backend. Times come from CUDA events (median of
@@ -528,22 +529,36 @@ def print_dsa_bytes(contexts: list[int]) -> list[dict[str, float]]:
     return rows
 
 
+def _dsa_kernels(device: torch.device) -> list[tuple[str, Any]]:
+    """The DSA kernel modules to time: the torch references everywhere, the Triton
+    kernels on a GPU (or under ``TRITON_INTERPRET=1``, for a smoke run)."""
+    from attnkit.kernels.dsa import reference
+
+    kernels: list[tuple[str, Any]] = [("reference (torch)", reference)]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda" or interpreted:
+        try:
+            from attnkit.kernels.dsa import triton as triton_dsa
+        except ImportError as exc:  # no triton: the references only
+            print(f"DSA: the Triton kernels are not timed ({exc})")
+        else:
+            kernels.append(("triton", triton_dsa))
+    return kernels
+
+
 def dsa_results(args: argparse.Namespace, device: torch.device, peak: float | None) -> list[Result]:
-    """DSA decode at V3.2 sizes on the torch reference kernels (``attnkit.kernels.dsa``;
-    there are no Triton DSA kernels yet): the indexer (scores + top-k) and sparse MLA,
-    each timed alone; GB/s of the bytes ``dsa_bytes_per_token`` counts."""
-    from attnkit.kernels.dsa.reference import (
-        indexer_logits,
-        quantize_index_keys,
-        sparse_mla_attention,
-        topk_select,
-    )
+    """DSA decode at V3.2 sizes: the indexer (scores + top-k) and sparse MLA, each
+    timed alone, on the torch references and (on a GPU) the Triton kernels
+    (``attnkit.kernels.dsa``); GB/s of the bytes ``dsa_bytes_per_token`` counts. The
+    Triton kernels' selection is checked equal to the reference's before timing."""
+    from attnkit.kernels.dsa.reference import quantize_index_keys
 
     heads, rank, rope = (4, 32, 16) if args.smoke else (DSA_HEADS, DSA_RANK, DSA_ROPE)
     iheads, topk, block = (4, 16, 16) if args.smoke else (DSA_INDEX_HEADS, DSA_TOPK, DSA_BLOCK)
     latent = rank + rope
     results: list[Result] = []
     gen = torch.Generator(device="cpu").manual_seed(0)
+    kernels = _dsa_kernels(device)
     for num_reqs, context in dsa_cases(args.smoke):
         per_req = -(-context // block)
         num_blocks = num_reqs * per_req + 1
@@ -557,37 +572,45 @@ def dsa_results(args: argparse.Namespace, device: torch.device, peak: float | No
         qi = torch.randn(num_reqs, iheads, DSA_INDEX_DIM, generator=gen).to(device, torch.bfloat16)
         w = torch.randn(num_reqs, iheads, generator=gen).to(device)
         q = torch.randn(num_reqs, heads, latent, generator=gen).to(device, torch.bfloat16)
-        holder: dict[str, Any] = {}
-
-        def indexer(holder: dict[str, Any] = holder, qi: torch.Tensor = qi, w: torch.Tensor = w,
-                    index_cache: torch.Tensor = index_cache, table: torch.Tensor = table,
-                    seq: torch.Tensor = seq, context: int = context,
-                    qsl: torch.Tensor = qsl) -> None:
-            logits = indexer_logits(qi, w, index_cache, query_start_loc=qsl, seq_lens=seq,
-                                    block_table=table, max_seq_len=context)
-            holder["sel"] = topk_select(logits, query_start_loc=qsl, seq_lens=seq,
-                                        block_table=table, block_size=block, topk=topk)
-
-        ms_i = time_ms(indexer, device, args.warmup, args.iters)
-        indices, lens = holder["sel"]
-        out = torch.empty(num_reqs, heads, rank, dtype=torch.bfloat16, device=device)
-
-        def sparse(q: torch.Tensor = q, latents: torch.Tensor = latents, indices: Any = indices,
-                   lens: Any = lens, out: torch.Tensor = out) -> None:
-            sparse_mla_attention(q, latents, indices, lens, kv_lora_rank=rank,
-                                 scale=latent**-0.5, output=out)
-
-        ms_s = time_ms(sparse, device, args.warmup, args.iters)
         bytes_ = dsa_bytes_per_token(context, topk)
         case = f"B={num_reqs} ctx={context} H={heads} topk={topk}"
-        for kind, ms, moved in (
-            ("dsa-indexer", ms_i, num_reqs * bytes_["indexer_bytes"]),
-            ("dsa-sparse-mla", ms_s, num_reqs * bytes_["sparse_mla_bytes"]),
-        ):
-            gbps = moved / (ms * 1e-3) / 1e9
-            results.append(Result(kind, "reference (torch)", case, ms, gbps,
-                                  gbps / peak if peak else None,
-                                  note=f"dense MLA reads {bytes_['dense_mla_bytes'] / 1e6:.1f} MB/token"))
+        selections: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, ops in kernels:
+            holder: dict[str, Any] = {}
+
+            def indexer(ops: Any = ops, holder: dict[str, Any] = holder, qi: torch.Tensor = qi,
+                        w: torch.Tensor = w, index_cache: torch.Tensor = index_cache,
+                        qsl: torch.Tensor = qsl, seq: torch.Tensor = seq,
+                        table: torch.Tensor = table, context: int = context) -> None:
+                logits = ops.indexer_logits(qi, w, index_cache, query_start_loc=qsl,
+                                            seq_lens=seq, block_table=table, max_seq_len=context)
+                holder["sel"] = ops.topk_select(logits, query_start_loc=qsl, seq_lens=seq,
+                                                block_table=table, block_size=block, topk=topk)
+
+            ms_i = time_ms(indexer, device, args.warmup, args.iters)
+            indices, lens = holder["sel"]
+            selections[name] = (indices, lens)
+            if name != "reference (torch)":
+                ref_indices, ref_lens = selections["reference (torch)"]
+                if not (torch.equal(indices.cpu(), ref_indices.cpu()) and torch.equal(lens.cpu(), ref_lens.cpu())):
+                    raise AssertionError(f"DSA {case}: the {name} selection differs from the reference's")
+            out = torch.empty(num_reqs, heads, rank, dtype=torch.bfloat16, device=device)
+
+            def sparse(ops: Any = ops, indices: Any = indices, lens: Any = lens,
+                       out: torch.Tensor = out, q: torch.Tensor = q,
+                       latents: torch.Tensor = latents) -> None:
+                ops.sparse_mla_attention(q, latents, indices, lens, kv_lora_rank=rank,
+                                         scale=latent**-0.5, output=out)
+
+            ms_s = time_ms(sparse, device, args.warmup, args.iters)
+            for kind, ms, moved in (
+                ("dsa-indexer", ms_i, num_reqs * bytes_["indexer_bytes"]),
+                ("dsa-sparse-mla", ms_s, num_reqs * bytes_["sparse_mla_bytes"]),
+            ):
+                gbps = moved / (ms * 1e-3) / 1e9
+                results.append(Result(kind, name, case, ms, gbps,
+                                      gbps / peak if peak else None,
+                                      note=f"dense MLA reads {bytes_['dense_mla_bytes'] / 1e6:.1f} MB/token"))
     return results
 
 

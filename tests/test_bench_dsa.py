@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
@@ -43,3 +44,35 @@ def test_the_timed_cases_run_with_smoke_on_cpu() -> None:
     results = bench.dsa_results(args, torch.device("cpu"), None)
     assert {r.kind for r in results} == {"dsa-indexer", "dsa-sparse-mla"}
     assert all(r.ms is not None and r.ms > 0 for r in results)
+
+
+def test_the_smoke_run_times_the_triton_kernels_under_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bench = _bench()
+    args = argparse.Namespace(smoke=True, warmup=0, iters=1)
+    results = bench.dsa_results(args, torch.device("cpu"), None)
+    assert {r.impl for r in results} == {"reference (torch)", "triton"}
+
+
+def test_a_triton_selection_that_differs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: the benchmark times nothing whose selection is not the reference's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnkit.kernels.dsa import triton as triton_dsa
+
+    own = triton_dsa.topk_select
+
+    def one_short(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, lens = own(*args, **kwargs)  # type: ignore[arg-type]  # (passed through)
+        indices = indices.clone()
+        indices[:, 0] = -1
+        return indices, lens
+
+    monkeypatch.setattr(triton_dsa, "topk_select", one_short)
+    bench = _bench()
+    args = argparse.Namespace(smoke=True, warmup=0, iters=1)
+    with pytest.raises(AssertionError, match="selection differs"):
+        bench.dsa_results(args, torch.device("cpu"), None)
