@@ -1,0 +1,141 @@
+"""The runtime's side of offload (docs/offload.md): evicted blocks and checkpoints are
+gathered from the cache tensors into pages and saved to the KV connector; a lookup's
+loads are scattered back once the connector says they are in place.
+
+Ordering. A block is gathered while the pool reclaims it, before ``take`` returns, so
+nothing has written it yet; the gather is a copy on the current stream, so later writes
+(the step's forward) come after it, and the connector reads the gathered copy, which
+its handle keeps alive. A load is awaited (``TransferHandle.wait``) before its bytes
+are scattered into the cache, and a block is named only after that, so nothing reads
+it before; a failed load names nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..offload import KVConnector, TransferHandle
+from ..prefix_cache import PrefixCacheCounters
+from ._pages import PageSharing, canonical_page_id
+
+__all__ = ["Offloader"]
+
+_POLL_EVERY = 64
+"""Saves in flight are polled (and the done ones dropped) every this many saves."""
+
+
+class Offloader:
+    """Moves pages between the cache tensors and a ``KVConnector``.
+
+    Args:
+        connector: the store.
+        kv_caches: the runtime's layer tensors.
+        layers: group id -> its layers (the groups that offload).
+        num_kernel_blocks: group id -> its kernel blocks (a state group: its pages).
+        namespaces, sharing: group id -> its namespace and ``PageSharing``.
+        counters: the prefix cache's counters (saves, loads, failures).
+    """
+
+    def __init__(
+        self,
+        connector: KVConnector,
+        kv_caches: Mapping[str, tuple[torch.Tensor, ...]],
+        layers: Mapping[int, Sequence[str]],
+        num_kernel_blocks: Mapping[int, int],
+        namespaces: Mapping[int, bytes],
+        sharing: Mapping[int, PageSharing],
+        counters: PrefixCacheCounters,
+    ) -> None:
+        self.connector = connector
+        self._namespaces = dict(namespaces)
+        self._sharing = dict(sharing)
+        self._counters = counters
+        self.epoch = 0
+        """Bumped by ``reset_prefix_cache``: pages saved before never load again."""
+        self._rows: dict[int, list[torch.Tensor]] = {}
+        """Group id -> its tensors as byte matrices ``[kernel blocks, bytes per block]``."""
+        self.page_bytes: dict[int, int] = {}
+        for gid, names in layers.items():
+            nb = num_kernel_blocks[gid]
+            mats = [
+                t.view(torch.uint8).reshape(nb, -1) for name in names for t in kv_caches[name]
+            ]
+            self._rows[gid] = mats
+            self.page_bytes[gid] = sum(int(m.shape[1]) for m in mats)
+        self._in_flight: list[TransferHandle] = []
+        self._saves = 0
+        self.device = next(iter(kv_caches.values()))[0].device if kv_caches else None
+
+    def key(self, group_id: int, name: bytes) -> bytes:
+        return canonical_page_id(
+            self._namespaces[group_id], name, self._sharing[group_id], epoch=self.epoch
+        )
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, evicted: list[tuple[int, int, bytes]]) -> None:
+        """Gather and save evicted blocks (``CachedPool.offload_sink``)."""
+        by_group: dict[int, tuple[list[int], list[bytes]]] = {}
+        for gid, block, name in evicted:
+            if gid in self._rows:
+                blocks, names = by_group.setdefault(gid, ([], []))
+                blocks.append(block)
+                names.append(name)
+        for gid, (blocks, names) in by_group.items():
+            pages = self.gather(gid, blocks)
+            for i, name in enumerate(names):
+                self._in_flight.append(self.connector.submit_save(self.key(gid, name), pages[i]))
+            self._counters.record_offload(saved=len(names))
+            self._saves += len(names)
+        if self._saves >= _POLL_EVERY:
+            self._saves = 0
+            self._in_flight = [h for h in self._in_flight if not h.done()]
+
+    def gather(self, group_id: int, blocks: Sequence[int]) -> torch.Tensor:
+        """``[len(blocks), page_bytes]`` uint8: each block's page (a copy)."""
+        mats = self._rows[group_id]
+        index = torch.tensor(blocks, dtype=torch.long, device=mats[0].device)
+        if len(mats) == 1:
+            return mats[0].index_select(0, index)
+        return torch.cat([m.index_select(0, index) for m in mats], dim=1)
+
+    def scatter(self, group_id: int, blocks: Sequence[int], pages: torch.Tensor) -> None:
+        """Write ``pages`` (``[len(blocks), page_bytes]``) into ``blocks``."""
+        index = torch.tensor(blocks, dtype=torch.long, device=pages.device)
+        start = 0
+        for m in self._rows[group_id]:
+            width = int(m.shape[1])
+            m.index_copy_(0, index, pages[:, start : start + width])
+            start += width
+
+    # ------------------------------------------------------------------ loads (OffloadHooks)
+
+    def contains(self, group_id: int, name: bytes) -> bool:
+        return group_id in self._rows and self.connector.contains(self.key(group_id, name))
+
+    def load(self, group_id: int, blocks: Sequence[int], names: Sequence[bytes]) -> list[bool]:
+        """Load ``names`` into ``blocks``, awaited; ``True`` where the bytes are in place."""
+        if not blocks:
+            return []
+        mats = self._rows[group_id]
+        pages = torch.empty(
+            (len(blocks), self.page_bytes[group_id]), dtype=torch.uint8, device=mats[0].device
+        )
+        handles = [
+            self.connector.submit_load(self.key(group_id, name), pages[i])
+            for i, name in enumerate(names)
+        ]
+        ok = [bool(h.wait()) for h in handles]  # never scatter before the copy is done
+        good = [i for i, fine in enumerate(ok) if fine]
+        if good:
+            rows = pages if len(good) == len(ok) else pages[good]
+            self.scatter(group_id, [blocks[i] for i in good], rows)
+        return ok
+
+    def wait_saves(self) -> None:
+        """Block until every save in flight is done."""
+        for handle in self._in_flight:
+            handle.wait()
+        self._in_flight.clear()
