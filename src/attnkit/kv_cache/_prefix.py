@@ -470,8 +470,9 @@ class PrefixCache:
                 continue
             of = names[lay]
             held = np.fromiter(map(slab.block_of.__contains__, of), dtype=np.bool_, count=len(of))
-            also = held.copy()
-            for i in np.flatnonzero(~held).tolist():
+            also: npt.NDArray[np.bool_] = np.array(held)
+            absent: list[int] = np.flatnonzero(~held).tolist()
+            for i in absent:
                 also[i] = hooks.contains(gid, of[i])
             device.append(GroupLookup(group.spec, held))
             either.append(GroupLookup(group.spec, also))
@@ -484,7 +485,8 @@ class PrefixCache:
         keep: list[tuple[CachedSlab | CheckpointStore, int]] = []
         for gid, slab, lay in self._cached_groups:
             of = names[lay]
-            want = [of[i] for i in self.rules[gid].prefix_blocks(self.groups[gid].spec, length)]
+            read: list[int] = self.rules[gid].prefix_blocks(self.groups[gid].spec, length).tolist()
+            want = [of[i] for i in read]
             keep.extend((slab, slab.block_of[m]) for m in want if m in slab.block_of)
             missing = [m for m in want if m not in slab.block_of]
             if missing:

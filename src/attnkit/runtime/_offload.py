@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ..offload import KVConnector, TransferHandle
 from ..prefix_cache import PrefixCacheCounters
-from ._pages import PageSharing, canonical_page_id
+from ._pages import PageSharing, block_matrix, canonical_page_id
 
 __all__ = ["Offloader"]
 
@@ -59,9 +60,17 @@ class Offloader:
         self.page_bytes: dict[int, int] = {}
         for gid, names in layers.items():
             nb = num_kernel_blocks[gid]
-            mats = [
-                t.view(torch.uint8).reshape(nb, -1) for name in names for t in kv_caches[name]
-            ]
+            mats: list[torch.Tensor] = []
+            for name in names:
+                for index, t in enumerate(kv_caches[name]):
+                    matrix = block_matrix(t, nb)
+                    if matrix is None:
+                        raise InvalidArgumentError(
+                            f"kv_connector: layer {name!r} cache tensor {index} (shape "
+                            f"{tuple(t.shape)}, strides {tuple(t.stride())}) is not "
+                            f"{nb} kernel blocks of contiguous bytes; it cannot be offloaded"
+                        )
+                    mats.append(matrix)
             self._rows[gid] = mats
             self.page_bytes[gid] = sum(int(m.shape[1]) for m in mats)
         self._in_flight: list[TransferHandle] = []

@@ -142,7 +142,9 @@ class CacheTensorPages:
             state layer's tensors).
         shape, strides: in elements; ``dtype``: its dtype's name; ``itemsize``: bytes.
         rows_per_block: dim-0 rows of one kernel block.
-        block_bytes: one kernel block's bytes in this tensor.
+        block_bytes: one kernel block's bytes in this tensor (contiguous).
+        block_stride_bytes: from one kernel block's bytes to the next (above
+            ``block_bytes`` where the pool pads a state to its page).
         token_dim: the dim that indexes a token within its block (``None``: a state).
         offset_in_page: where this tensor's share starts in a page's bytes.
     """
@@ -156,12 +158,13 @@ class CacheTensorPages:
     itemsize: int
     rows_per_block: int
     block_bytes: int
+    block_stride_bytes: int
     token_dim: int | None
     offset_in_page: int
 
     def block_byte_range(self, block_id: int) -> tuple[int, int]:
         """Bytes ``[start, end)`` of kernel block ``block_id`` from the tensor's start."""
-        start = block_id * self.block_bytes
+        start = block_id * self.block_stride_bytes
         return start, start + self.block_bytes
 
     def token_byte_offset(self, block_id: int, token: int) -> int:
@@ -175,14 +178,12 @@ class CacheTensorPages:
         """
         if self.token_dim is None:
             raise InvalidArgumentError(
-                f"token_byte_offset: {self.layer!r} tensor {self.index} holds a state, "
-                f"not tokens"
+                f"token_byte_offset: {self.layer!r} tensor {self.index} holds a state, not tokens"
             )
         rows = self.shape[self.token_dim] if self.token_dim else self.rows_per_block
         if not is_nonnegative_int(token) or token >= rows:
             raise InvalidArgumentError(
-                f"token must be an int in 0..{rows - 1} (a token within the block), got "
-                f"{token!r}"
+                f"token must be an int in 0..{rows - 1} (a token within the block), got {token!r}"
             )
         if self.token_dim == 0:  # a plane: row = slot
             return (block_id * self.rows_per_block + token) * self.strides[0] * self.itemsize
@@ -314,9 +315,7 @@ def page_sharing(
     shards = tp.world_size // tp.kv_replicas
     shard = tp.rank // tp.kv_replicas
     if shards == 1:
-        return PageSharing(
-            True, 0, 1, tp.kv_replicas, tp.rank, "every rank holds every K/V head"
-        )
+        return PageSharing(True, 0, 1, tp.kv_replicas, tp.rank, "every rank holds every K/V head")
     return PageSharing(
         tp.kv_replicas > 1,
         shard,
@@ -326,6 +325,28 @@ def page_sharing(
         f"K/V heads split in {shards} shards"
         + (f", each on {tp.kv_replicas} ranks" if tp.kv_replicas > 1 else ": rank-private"),
     )
+
+
+def block_matrix(tensor: torch.Tensor, num_kernel_blocks: int) -> torch.Tensor | None:
+    """``tensor``'s bytes as a ``[num_kernel_blocks, block bytes]`` uint8 view (writes go
+    to the cache), or ``None`` when a block's bytes are not one contiguous run: dim 0
+    must be a whole number ``r`` of rows per block, each row contiguous, and the rows of
+    a block adjacent when ``r > 1`` (a state page padded to the pool's page keeps its
+    own dim-0 stride, which is fine with ``r == 1``)."""
+    shape = tuple(tensor.shape)
+    if not shape or shape[0] % num_kernel_blocks or tensor.numel() == 0:
+        return None
+    rows = shape[0] // num_kernel_blocks
+    row = tensor[0]
+    if not row.is_contiguous():
+        return None
+    row_bytes = row.numel() * tensor.element_size()
+    stride_bytes = tensor.stride(0) * tensor.element_size()
+    if rows > 1 and stride_bytes != row_bytes:
+        return None
+    flat = tensor.view(torch.uint8) if tensor.dim() else tensor
+    base = flat.storage_offset()
+    return flat.as_strided((num_kernel_blocks, rows * row_bytes), (rows * stride_bytes, 1), base)
 
 
 def describe_tensors(
@@ -348,11 +369,12 @@ def describe_tensors(
     for layer in layers:
         for index, tensor in enumerate(kv_caches[layer]):
             shape = tuple(tensor.shape)
-            if not tensor.is_contiguous() or shape[0] % num_kernel_blocks:
+            matrix = block_matrix(tensor, num_kernel_blocks)
+            if matrix is None:
                 raise InvalidArgumentError(
-                    f"layer {layer!r} cache tensor {index} of shape {shape} is not "
-                    f"{num_kernel_blocks} contiguous kernel blocks on dim 0: no page "
-                    f"descriptor for it"
+                    f"layer {layer!r} cache tensor {index} of shape {shape} (strides "
+                    f"{tuple(tensor.stride())}) is not {num_kernel_blocks} kernel blocks of "
+                    f"contiguous bytes on dim 0: no page descriptor for it"
                 )
             rows = shape[0] // num_kernel_blocks
             role: TensorRole
@@ -369,7 +391,7 @@ def describe_tensors(
                 role, token_dim = "other", None
             if token_dim and shape[token_dim] != block_size:
                 token_dim = None  # not the layout assumed: no token offsets (fail closed)
-            nbytes = tensor.element_size() * tensor.numel() // num_kernel_blocks
+            nbytes = int(matrix.shape[1])
             out.append(
                 CacheTensorPages(
                     layer=layer,
@@ -381,6 +403,7 @@ def describe_tensors(
                     itemsize=tensor.element_size(),
                     rows_per_block=rows,
                     block_bytes=nbytes,
+                    block_stride_bytes=int(matrix.stride(0)),
                     token_dim=token_dim,
                     offset_in_page=offset,
                 )

@@ -50,7 +50,7 @@ from ._checks import (
 )
 from ._forward import LayerCalls
 from ._offload import Offloader
-from ._pages import TensorParallelRank, check_tensor_parallel, page_sharing
+from ._pages import PageSharing, TensorParallelRank, check_tensor_parallel, page_sharing
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._spec import draft_state_bytes
@@ -315,7 +315,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         layers: dict[int, tuple[str, ...]] = {}
         blocks: dict[int, int] = {}
         namespaces: dict[int, bytes] = {}
-        sharing = {}
+        sharing: dict[int, PageSharing] = {}
         for group in self.groups:
             gid = group.group_id
             keeper = manager.cached_slabs[gid] or manager.checkpoint_stores[gid]
