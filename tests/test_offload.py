@@ -73,6 +73,31 @@ def test_host_tier_round_trips_bitwise_and_keeps_its_bound_by_lru() -> None:
     assert torch.equal(out, saved)
 
 
+def test_host_tier_batches_reuse_slots_and_keep_every_page_bitwise() -> None:
+    """Batches larger than the bound, slots reused after LRU drops (runs of slots copied
+    at once): every page held loads back as saved, through both load paths."""
+    tier = HostMemoryTier(6 * 32)
+    saved: dict[bytes, torch.Tensor] = {}
+    for batch in range(5):
+        keys = [bytes([batch, i]) for i in range(4 if batch else 8)]
+        pages = torch.stack([page(32, 100 * batch + i) for i in range(len(keys))])
+        assert tier.submit_save_batch(keys, pages).wait()
+        saved.update({k: pages[i].clone() for i, k in enumerate(keys)})
+        pages.zero_()  # the tier copied them
+    held = [k for k in saved if tier.contains(k)]
+    assert len(held) == 6
+    assert held == list(saved)[-6:]  # the least recently saved were dropped
+    out = torch.empty((len(held), 32), dtype=torch.uint8)
+    assert all(h.wait() for h in tier.submit_load_batch(held, out))
+    for i, k in enumerate(held):
+        one = torch.empty(32, dtype=torch.uint8)
+        assert tier.submit_load(k, one).wait()
+        assert torch.equal(out[i], saved[k])
+        assert torch.equal(one, saved[k])
+    with pytest.raises(InvalidArgumentError, match="keys must have one entry per row"):
+        tier.submit_save_batch([b"a"], torch.zeros((2, 32), dtype=torch.uint8))
+
+
 def test_file_tier_round_trips_across_instances_and_fails_a_bad_file(tmp_path: Path) -> None:
     data = page(100, 1)
     assert FileTier(tmp_path).submit_save(b"key", data).wait()
@@ -648,11 +673,15 @@ def test_broken_a_failed_load_taken_as_good_is_caught(monkeypatch: pytest.Monkey
 class StaleTier(HostMemoryTier):
     """Broken: a load returns the bytes of another page of the same size (stale bytes)."""
 
+    submit_load_batch = KVConnector.submit_load_batch  # every load through submit_load
+
     @override
     def submit_load(self, key: bytes, out: torch.Tensor) -> TransferHandle:
         if not self.contains(key):
             return DoneHandle(False)
-        other = [k for k, e in self._entries.items() if k != key and e.data.numel() == out.numel()]
+        other = [
+            k for k, (slots, _) in self._entries.items() if k != key and slots.size == out.numel()
+        ]
         return super().submit_load(other[0] if other else key, out)
 
 

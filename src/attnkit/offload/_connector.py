@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from typing_extensions import override
@@ -44,6 +45,23 @@ class DoneHandle(TransferHandle):
     @override
     def wait(self) -> bool:
         return self.ok
+
+
+class _AllHandle(TransferHandle):
+    """Several transfers as one: done when all are, ``True`` when all succeeded."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: list[TransferHandle]) -> None:
+        self._handles = handles
+
+    @override
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    @override
+    def wait(self) -> bool:
+        return all([h.wait() for h in self._handles])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +105,22 @@ class KVConnector(abc.ABC):
     def submit_save(self, key: bytes, data: torch.Tensor) -> TransferHandle:
         """Start saving ``data`` (1-D ``uint8``) under ``key``."""
 
+    def submit_save_batch(self, keys: Sequence[bytes], pages: torch.Tensor) -> TransferHandle:
+        """Start saving ``pages[i]`` (``pages``: ``[len(keys), page bytes]`` uint8) under
+        ``keys[i]``; as with ``submit_save``, the connector may read ``pages`` until the
+        handle is done (the runtime reuses its staging buffer only then). Default:
+        ``submit_save`` per page; the handle is done when every save is."""
+        return _AllHandle([self.submit_save(key, pages[i]) for i, key in enumerate(keys)])
+
     @abc.abstractmethod
     def submit_load(self, key: bytes, out: torch.Tensor) -> TransferHandle:
         """Start loading ``key`` into ``out`` (1-D ``uint8`` of the page's size); a
         missing key or a size mismatch gives a handle whose ``wait()`` is ``False``."""
+
+    def submit_load_batch(self, keys: Sequence[bytes], out: torch.Tensor) -> list[TransferHandle]:
+        """Start loading ``keys[i]`` into ``out[i]`` (``out``: ``[len(keys), page bytes]``
+        uint8); one handle per key. Default: ``submit_load`` per page."""
+        return [self.submit_load(key, out[i]) for i, key in enumerate(keys)]
 
     def stats(self) -> ConnectorStats:
         """What the connector holds and has moved (default: nothing known)."""

@@ -12,19 +12,21 @@ it before; a failed load names nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..offload import KVConnector, TransferHandle
 from ..prefix_cache import PrefixCacheCounters
-from ._pages import PageSharing, block_matrix, canonical_page_id
+from ._pages import PAGE_FORMAT, PageSharing, block_matrix, canonical_page_id
 
 __all__ = ["Offloader"]
 
 _POLL_EVERY = 64
-"""Saves in flight are polled (and the done ones dropped) every this many saves."""
+"""Save batches in flight are polled (and the done ones dropped) every this many."""
 
 
 class Offloader:
@@ -74,13 +76,36 @@ class Offloader:
             self._rows[gid] = mats
             self.page_bytes[gid] = sum(int(m.shape[1]) for m in mats)
         self._in_flight: list[TransferHandle] = []
+        self._hashers: dict[int, tuple[int, Any, bytes]] = {}
+        self._staged: dict[int, tuple[torch.Tensor | None, TransferHandle | None]] = {}
+        """Group id -> its staging buffer for saves and the handle of its last batch."""
+        self._parts: dict[int, list[torch.Tensor]] = {}
         self._saves = 0
         self.device = next(iter(kv_caches.values()))[0].device if kv_caches else None
 
     def key(self, group_id: int, name: bytes) -> bytes:
-        return canonical_page_id(
-            self._namespaces[group_id], name, self._sharing[group_id], epoch=self.epoch
-        )
+        """``canonical_page_id`` of group ``group_id``'s block ``name`` (the hash of its
+        constant parts made once per group and epoch, then copied)."""
+        made = self._hashers.get(group_id)
+        if made is None or made[0] != self.epoch:
+            made = self._hasher(group_id)
+            self._hashers[group_id] = made
+        _, base, tail = made
+        h = base.copy()
+        h.update(len(name).to_bytes(4, "little") + name + tail)
+        return bytes(h.digest())
+
+    def _hasher(self, group_id: int) -> tuple[int, Any, bytes]:
+        namespace, sharing, epoch = self._namespaces[group_id], self._sharing[group_id], self.epoch
+        base = hashlib.sha256(PAGE_FORMAT)
+        base.update(len(namespace).to_bytes(4, "little") + namespace)
+        tag = sharing.tag()
+        ep = epoch.to_bytes(8, "little") if epoch else b""
+        tail = len(tag).to_bytes(4, "little") + tag + len(ep).to_bytes(4, "little") + ep
+        check = base.copy()  # made once per group: the shortcut agrees with the definition
+        check.update(len(b"x").to_bytes(4, "little") + b"x" + tail)
+        assert check.digest() == canonical_page_id(namespace, b"x", sharing, epoch=epoch)
+        return epoch, base, tail
 
     # ------------------------------------------------------------------ saves
 
@@ -93,14 +118,47 @@ class Offloader:
                 blocks.append(block)
                 names.append(name)
         for gid, (blocks, names) in by_group.items():
-            pages = self.gather(gid, blocks)
-            for i, name in enumerate(names):
-                self._in_flight.append(self.connector.submit_save(self.key(gid, name), pages[i]))
+            pages = self._gather_staged(gid, blocks)
+            keys = [self.key(gid, name) for name in names]
+            handle = self.connector.submit_save_batch(keys, pages)
+            self._staged[gid] = (self._staged[gid][0], handle)
+            self._in_flight.append(handle)
             self._counters.record_offload(saved=len(names))
-            self._saves += len(names)
+            self._saves += 1
         if self._saves >= _POLL_EVERY:
             self._saves = 0
             self._in_flight = [h for h in self._in_flight if not h.done()]
+
+    def _gather_staged(self, group_id: int, blocks: Sequence[int]) -> torch.Tensor:
+        """``gather`` into the group's staging buffer, reused once the connector is done
+        with its last batch (a new one otherwise): no allocation per eviction."""
+        n = len(blocks)
+        staged, handle = self._staged.get(group_id, (None, None))
+        busy = handle is not None and not handle.done()
+        if staged is None or staged.shape[0] < n or busy:
+            # Grown by doubling when too small; a busy one is left to the connector.
+            rows = max(n, 16 if staged is None or busy else 2 * staged.shape[0])
+            staged = torch.empty(
+                (rows, self.page_bytes[group_id]),
+                dtype=torch.uint8,
+                device=self._rows[group_id][0].device,
+            )
+            self._parts[group_id] = [
+                torch.empty((rows, int(m.shape[1])), dtype=torch.uint8, device=m.device)
+                for m in self._rows[group_id]
+            ]
+        self._staged[group_id] = (staged, None)
+        out = staged[:n]
+        index = torch.tensor(blocks, dtype=torch.long, device=staged.device)
+        mats = self._rows[group_id]
+        if len(mats) == 1:
+            torch.index_select(mats[0], 0, index, out=out)
+            return out
+        parts = [part[:n] for part in self._parts[group_id]]
+        for m, part in zip(mats, parts, strict=True):
+            torch.index_select(m, 0, index, out=part)
+        torch.cat(parts, dim=1, out=out)
+        return out
 
     def gather(self, group_id: int, blocks: Sequence[int]) -> torch.Tensor:
         """``[len(blocks), page_bytes]`` uint8: each block's page (a copy)."""
@@ -112,11 +170,13 @@ class Offloader:
 
     def scatter(self, group_id: int, blocks: Sequence[int], pages: torch.Tensor) -> None:
         """Write ``pages`` (``[len(blocks), page_bytes]``) into ``blocks``."""
-        index = torch.tensor(blocks, dtype=torch.long, device=pages.device)
         start = 0
         for m in self._rows[group_id]:
             width = int(m.shape[1])
-            m.index_copy_(0, index, pages[:, start : start + width])
+            # A row copy per block: ``index_copy_`` of wide uint8 rows costs several
+            # times more on CPU.
+            for i, block in enumerate(blocks):
+                m[block].copy_(pages[i, start : start + width])
             start += width
 
     # ------------------------------------------------------------------ loads (OffloadHooks)
@@ -132,10 +192,7 @@ class Offloader:
         pages = torch.empty(
             (len(blocks), self.page_bytes[group_id]), dtype=torch.uint8, device=mats[0].device
         )
-        handles = [
-            self.connector.submit_load(self.key(group_id, name), pages[i])
-            for i, name in enumerate(names)
-        ]
+        handles = self.connector.submit_load_batch([self.key(group_id, n) for n in names], pages)
         ok = [bool(h.wait()) for h in handles]  # never scatter before the copy is done
         good = [i for i, fine in enumerate(ok) if fine]
         if good:
