@@ -37,6 +37,7 @@ from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime
 from attnkit.runtime._offload import Offloader
 from attnkit.testing.tolerances import tolerance_for
+from offload_variants import FaultyTier
 
 BS = 16
 
@@ -519,63 +520,6 @@ def test_a_hit_on_offloaded_blocks_gives_what_a_resident_hit_gives(
 
 
 # ---------------------------------------------------------------- faults
-
-
-class _Deferred(TransferHandle):
-    """A transfer that happens at ``wait()`` (or once polled ``delay`` times)."""
-
-    def __init__(self, run: Any, delay: int) -> None:
-        self._run, self._delay, self._ok = run, delay, None
-
-    def _finish(self) -> bool:
-        if self._ok is None:
-            self._ok = bool(self._run())
-        return self._ok
-
-    @override
-    def done(self) -> bool:
-        self._delay -= 1
-        if self._delay <= 0:
-            self._finish()
-            return True
-        return False
-
-    @override
-    def wait(self) -> bool:
-        return self._finish()
-
-
-class FaultyTier(KVConnector):
-    """A host tier whose saves and loads complete late (at ``wait`` or after polls),
-    whose every ``fail_every``-th load fails, and which writes garbage (0xFF: NaN in
-    float32) into a load's destination until the load is done."""
-
-    def __init__(self, fail_every: int = 0, delay: int = 3) -> None:
-        self.inner = HostMemoryTier(2**26)
-        self.fail_every, self.delay = fail_every, delay
-        self.loads = 0
-        self.pending: dict[bytes, _Deferred] = {}
-
-    @override
-    def contains(self, key: bytes) -> bool:
-        return key in self.pending or self.inner.contains(key)
-
-    @override
-    def submit_save(self, key: bytes, data: torch.Tensor) -> TransferHandle:
-        handle = _Deferred(lambda: self.inner.submit_save(key, data).wait(), self.delay)
-        self.pending[key] = handle
-        return handle
-
-    @override
-    def submit_load(self, key: bytes, out: torch.Tensor) -> TransferHandle:
-        saved = self.pending.pop(key, None)
-        if saved is not None:
-            saved.wait()  # a load waits for the save of its key
-        self.loads += 1
-        out.fill_(0xFF)
-        if self.fail_every and self.loads % self.fail_every == 0:
-            return DoneHandle(False)
-        return _Deferred(lambda: self.inner.submit_load(key, out).wait(), self.delay)
 
 
 def soak(connector: KVConnector, *, prefer: str = "reference", turns: int = 3) -> AttentionRuntime:
