@@ -632,3 +632,33 @@ class StaleTier(HostMemoryTier):
 def test_broken_a_tier_returning_stale_bytes_is_caught() -> None:
     with pytest.raises(AssertionError, match="not close"):
         soak(StaleTier(2**26))
+
+
+def test_a_connector_keeps_the_unified_pages_and_request_pages_name_the_blocks() -> None:
+    """Attaching a connector changes no pool geometry of a hybrid model (no capacity
+    lost), and ``request_pages`` gives each full block's canonical id, the id of its
+    prefix-cache name, ``None`` for the block still filling."""
+    m = DemoModel(layout=("full", "mamba", "window"), block_size=BS, window=10, num_kv_heads=1)
+    specs, params = dict(m.specs), dict(m.params)
+    plain = runtime_for(specs, params=params, state_checkpoints="step_end")
+    offloading = runtime_for(
+        specs, params=params, connector=HostMemoryTier(2**20), state_checkpoints="step_end"
+    )
+    assert offloading.num_blocks == plain.num_blocks
+    assert offloading.page_size_bytes == plain.page_size_bytes
+    assert [g.blocks_per_page for g in offloading.groups] == [
+        g.blocks_per_page for g in plain.groups
+    ]
+    d = Driver(m, offloading)
+    d.tokens["a"] = tokens(40, seed=5)
+    match = offloading.match_prefix(d.tokens["a"])
+    d.step([("a", 40)], {"a": match})
+    offloading.match_prefix([1, 2, 3])  # the step is done: its blocks are named
+    pages = offloading.page_descriptors()
+    full = next(g for g in offloading.groups if g.kind.value == "full_attention")
+    got = offloading.request_pages("a")[full.group_id]
+    names = match.block_names(full.group_id)
+    assert [pid for _, pid in got] == [pages.group(full.group_id).page_id(n) for n in names] + [
+        None
+    ]
+    assert [b for b, _ in got] == offloading.block_table(full.layer_names[0], "a")
