@@ -662,3 +662,52 @@ def test_a_connector_keeps_the_unified_pages_and_request_pages_name_the_blocks()
         None
     ]
     assert [b for b, _ in got] == offloading.block_table(full.layer_names[0], "a")
+
+
+def test_a_lookup_never_evicts_what_an_earlier_lookups_loads_serve() -> None:
+    """Two conversations evicted to the tier, on a pool that holds about one history:
+    the second lookup loads only what fits beside the first's loads, so the first
+    match is not stale when its request is scheduled (without the guard the second
+    lookup evicts the first's loads, and an engine retrying would go round in a
+    circle)."""
+    m = DemoModel(layout=("full",), block_size=BS, num_kv_heads=1)
+    runtime = runtime_for(
+        dict(m.specs), params=dict(m.params), pages=8, connector=HostMemoryTier(2**22)
+    )
+    d = Driver(m, runtime)
+    a, b = tokens(80, seed=1), tokens(80, seed=2)
+    d.turn("a", a)
+    d.turn("b", b)
+    for i in range(3):  # evict both
+        d.turn(f"f{i}", tokens(80, seed=50 + i))
+    first = runtime.match_prefix([*a, 1])
+    second = runtime.match_prefix([*b, 1])
+    assert first.num_tokens == 80, first.explain()
+    assert 0 < second.num_tokens < 80, second.explain()  # what fitted beside a's loads
+    d.tokens["a2"] = [*a, 1]
+    d.step([("a2", 1)], {"a2": first})  # not stale
+    alone = Driver(m, runtime_for(dict(m.specs), params=dict(m.params)))
+    alone.tokens["x"] = d.tokens["a2"]
+    alone.step([("x", 81)], {})
+    tol = tolerance_for(torch.float32)
+    rows, got = d.rows("a2")
+    assert rows == [80]
+    torch.testing.assert_close(got, alone.rows("x")[1][rows], atol=tol.atol, rtol=tol.rtol)
+
+
+def test_broken_without_the_guard_the_first_match_goes_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broken variant: lookups that may evict each other's loads."""
+    from attnkit import StalePrefixError
+    from attnkit.kv_cache import _prefix
+
+    real = _prefix.PrefixCache._reload
+
+    def forgetful(self: _prefix.PrefixCache, *args: Any) -> int:
+        self._fresh.clear()
+        return real(self, *args)
+
+    monkeypatch.setattr(_prefix.PrefixCache, "_reload", forgetful)
+    with pytest.raises((StalePrefixError, AssertionError)):
+        test_a_lookup_never_evicts_what_an_earlier_lookups_loads_serve()

@@ -307,6 +307,8 @@ class PrefixCache:
         self.pending_checkpoints: list[tuple[_Tracked, int]] = []
         """The last step's checkpoint boundaries per request, taken at ``commit``."""
         self.counters = PrefixCacheCounters()
+        self._fresh: list[tuple[CachedSlab | CheckpointStore, int]] = []
+        """Pages lookups loaded since the last step (``_reload`` keeps them)."""
         self.offload: OffloadHooks | None = None
         """With a KV connector: a lookup loads the blocks and checkpoints the device
         lacks and the connector holds before it computes the hit (``_reload``)."""
@@ -482,7 +484,10 @@ class PrefixCache:
             return before
         # What the hit reads: missing names to load, resident pages to keep meanwhile.
         loads: list[tuple[int, CachedSlab | CheckpointStore, list[bytes]]] = []
-        keep: list[tuple[CachedSlab | CheckpointStore, int]] = []
+        # The pages earlier lookups loaded since the last step are kept too: a lookup
+        # never evicts what another request's match, not yet scheduled, hits (the two
+        # would evict each other's loads on every retry).
+        keep: list[tuple[CachedSlab | CheckpointStore, int]] = list(self._fresh)
         for gid, slab, lay in self._cached_groups:
             of = names[lay]
             read: list[int] = self.rules[gid].prefix_blocks(self.groups[gid].spec, length).tolist()
@@ -522,6 +527,7 @@ class PrefixCache:
                     assert page is not None
                     if hooks.load(gid, [page], wanted)[0]:
                         loaded += 1
+                        self._fresh.append((keeper, page))
                     else:
                         failed += 1
                         keeper.discard(page)
@@ -541,6 +547,7 @@ class PrefixCache:
                 failed += len(blocks) - len(good)
                 if good:
                     keeper.register([b for b, _ in good], [m for _, m in good], None)
+                    self._fresh.extend((keeper, b) for b, _ in good)
                 keeper.give_back(blocks)  # named: idle (cached); failed: free
         finally:
             for page, owner in kept:
@@ -707,6 +714,8 @@ class PrefixCache:
         """After a step's allocation: the prompt tokens each tracked request has filled,
         to be named at the next ``commit``."""
         self._step_rows = rows
+        if self._fresh:
+            self._fresh.clear()  # the step's hits hold what they read
         in_prompt = self._in_prompt
         if not in_prompt:
             return
@@ -912,6 +921,7 @@ class PrefixCache:
         self.pending.clear()
         self.pending_checkpoints.clear()
         self.unflushed.clear()
+        self._fresh.clear()
         self.flush()  # the deferred names, made to be dropped with the others
         for row in list(self._tracked):
             self._taint(row)
