@@ -59,6 +59,7 @@ from attnkit import (
     EngineLimitError,
     FullAttentionSpec,
     KVCacheSpec,
+    KVConnector,
     MambaSpec,
     OutOfBlocksError,
     SlidingWindowSpec,
@@ -72,6 +73,7 @@ from attnkit.kv_cache import NULL_BLOCK
 from attnkit.params import LayerParams
 from attnkit.registry import BUILTIN_BACKENDS
 from attnkit.runtime import AttentionRuntime, ScheduledRequest, StepBatch
+from offload_variants import FaultyTier
 
 DEFAULT_STEPS = 200
 SEEDS = (0, 1, 2)
@@ -912,7 +914,7 @@ def check_prefix_cache(runtime: AttentionRuntime) -> None:
 
 
 def prefix_engine(
-    model: DemoModel, *, on: bool, pages: int | None
+    model: DemoModel, *, on: bool, pages: int | None, kv_connector: KVConnector | None = None
 ) -> tuple[Engine, AttentionRuntime]:
     reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
     config = AttentionConfig.model_validate(
@@ -934,6 +936,7 @@ def prefix_engine(
             layer_params=model.params,
             registry=reg,
             cache_fill=float("nan"),
+            kv_connector=kv_connector,
         )
 
     runtime = build(2**22)
@@ -947,12 +950,18 @@ def prefix_engine(
     return Engine(FunctionModel(runtime, call), max_tokens_per_step=48), runtime
 
 
-@pytest.mark.parametrize("seed", SEEDS[:2], ids=[f"seed{s}" for s in SEEDS[:2]])
-def test_soak_engine_with_shared_prefixes(seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "offload"),
+    [(SEEDS[0], False), (SEEDS[1], False), (SEEDS[0], True)],
+    ids=[f"seed{SEEDS[0]}", f"seed{SEEDS[1]}", f"seed{SEEDS[0]}-offload"],
+)
+def test_soak_engine_with_shared_prefixes(seed: int, offload: bool) -> None:
     """Requests built from a few shared prefixes (and repeats, and second turns of
     finished ones) through ``Engine`` with prefix caching on, on a pool small enough to
     evict and preempt: the cache is checked after every step, the tokens equal those
-    of the same requests with caching off on a roomy pool, and every block comes back."""
+    of the same requests with caching off on a roomy pool, and every block comes back.
+    With ``offload``, evicted blocks go to a connector that completes late and fails
+    every third load (docs/offload.md): hits load them back, a failed one recomputes."""
     rng = random.Random(seed)
     model = DemoModel(layout=PREFIX_LAYOUT, block_size=16, window=10, chunk=16, num_kv_heads=1)
     prefixes = [[rng.randrange(64) for _ in range(rng.randrange(16, 70))] for _ in range(3)]
@@ -965,7 +974,8 @@ def test_soak_engine_with_shared_prefixes(seed: int) -> None:
         requests.append(
             EngineRequest(f"r{i}", tuple(prompt), sampling, arrival_step=rng.randrange(0, 60))
         )
-    engine, runtime = prefix_engine(model, on=True, pages=24)
+    connector = FaultyTier(fail_every=3) if offload else None
+    engine, runtime = prefix_engine(model, on=True, pages=24, kv_connector=connector)
     for request in requests:
         engine.submit(request)
     steps = preempted = 0
@@ -987,6 +997,9 @@ def test_soak_engine_with_shared_prefixes(seed: int) -> None:
     assert stats.cached_tokens > 0, stats
     assert cache.evictions > 0, cache  # the pool was small enough to evict
     assert preempted > 0
+    if offload:
+        assert cache.offloaded > 0, cache
+        assert cache.offload_loads > 0, cache
     assert not runtime.manager._rows
     assert all(s is None or int(s.refs.sum()) == 0 for s in runtime.manager.cached_slabs)
 

@@ -45,6 +45,7 @@ from .errors import (
     UnknownRequestError,
 )
 from .models import LayerInfo, ModelLayout, layout_from_hf_config
+from .offload import ConnectorStats, FileTier, HostMemoryTier, KVConnector, TransferHandle
 from .parallel import ContextParallel, ContextParallelMismatchError
 from .params import (
     AttentionLayerParams,
@@ -61,13 +62,19 @@ from .prefix_cache import PrefixCacheStats
 from .registry import BackendRegistry, default_registry, register_backend
 from .runtime import (
     AttentionRuntime,
+    CacheTensorPages,
     GroupMemory,
+    GroupPages,
     MemoryReport,
+    PageDescriptors,
+    PageSharing,
     PrefixMatch,
     RoutingRow,
+    ScaleDescriptor,
     ScheduledRequest,
     StateLayer,
     StepBatch,
+    TensorParallelRank,
 )
 from .selector import Selection, select_backend
 from .spec import (
@@ -114,7 +121,9 @@ __all__ = [
     "BackendNotSupportedError",
     "BackendOptions",
     "BackendRegistry",
+    "CacheTensorPages",
     "ChunkedLocalAttentionSpec",
+    "ConnectorStats",
     "ContextParallel",
     "ContextParallelMismatchError",
     "CrossAttentionSpec",
@@ -124,16 +133,20 @@ __all__ = [
     "DuplicateRequestError",
     "EncoderOnlyAttentionSpec",
     "EngineLimitError",
+    "FileTier",
     "FullAttentionSpec",
     "GatedDeltaNetInputs",
     "GatedDeltaNetLayerParams",
     "GroupMemory",
+    "GroupPages",
+    "HostMemoryTier",
     "IndexerSpec",
     "InvalidArgumentError",
     "InvalidBackendError",
     "KVCacheDType",
     "KVCacheSpec",
     "KVCacheSpecKind",
+    "KVConnector",
     "LayerInfo",
     "LayerParams",
     "LinearAttentionInputs",
@@ -151,12 +164,15 @@ __all__ = [
     "ModelLayout",
     "NoBackendError",
     "OutOfBlocksError",
+    "PageDescriptors",
+    "PageSharing",
     "PluginError",
     "PrefixCacheStats",
     "PrefixCachingConfig",
     "PrefixMatch",
     "Rejection",
     "RoutingRow",
+    "ScaleDescriptor",
     "ScheduledRequest",
     "Selection",
     "ShortConvInputs",
@@ -170,6 +186,8 @@ __all__ = [
     "StateLayer",
     "StateLayerParams",
     "StepBatch",
+    "TensorParallelRank",
+    "TransferHandle",
     "UnknownBackendError",
     "UnknownLayerError",
     "UnknownRequestError",

@@ -116,6 +116,7 @@ class _LatentRules(_AttentionRules[SA]):
     (already token-major: ``view(-1, D)`` is row = slot, without a copy)."""
 
     latent = True
+    tp_replicated = True
     no_planes_because = "an MLA cache holds one latent per token, not separate K and V"
 
     @override
@@ -338,6 +339,7 @@ class _IndexerRules(_AttentionRules[IndexerSpec]):
     context, like the MLA layers it selects for; it grows as they do."""
 
     no_planes_because = "an index cache holds one quantised row per token, not K and V"
+    tp_replicated = True
 
     @override
     def cache_shapes(

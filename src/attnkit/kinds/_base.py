@@ -231,6 +231,10 @@ class KindRules(ABC, Generic[S]):
     latent: bool = False
     """Whether the cache holds one latent per token, read by every head (MLA), instead of
     per-head keys and values."""
+    tp_replicated: bool = False
+    """Whether every tensor-parallel rank holds the same cache bytes for the same tokens
+    (one row per token that every head reads: MLA latents, DSA index keys), so an
+    offloaded page is shared by the ranks (``attnkit.PageSharing``)."""
     context_sharded: bool = False
     """Whether decode context parallelism shards the cache over its ranks (token ``t`` on
     rank ``t mod N``); every other kind is replicated on each rank."""

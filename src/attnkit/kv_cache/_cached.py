@@ -95,6 +95,19 @@ class CachedPool(BlockPool):
         """The slabs' ``shared`` summed: 0 when no block has two holders."""
         self.deferred: dict[CachedSlab, None] = {}
         """The slabs holding deferred names (``CachedSlab.defer``)."""
+        self.offload_log: list[tuple[int, int, bytes]] = []
+        """``(group id, block, name)`` of each block evicted by the current ``take``
+        whose keeper offloads (``offload_gid`` set); handed to ``offload_sink`` before
+        ``take`` returns, while the blocks still hold their bytes."""
+        self.offload_sink: Callable[[list[tuple[int, int, bytes]]], None] | None = None
+        """Copies evicted blocks out (the runtime's connector); ``None``: none."""
+
+    def flush_offload(self) -> None:
+        """Hand the blocks evicted so far to ``offload_sink`` (before anything can write
+        them: the caller has not returned them yet)."""
+        log, self.offload_log = self.offload_log, []
+        if self.offload_sink is not None:
+            self.offload_sink(log)
 
     # A step's window releases give back a few pages per request. Sorting each into idle
     # or free costs a dict insert per page, paid for the step's sake only if the pages
@@ -205,6 +218,8 @@ class CachedPool(BlockPool):
             )
         for page in reclaimed:
             idle.pop(page).drop_page(page)
+        if self.offload_log:
+            self.flush_offload()
         pages.extend(reclaimed)
         return pages
 
@@ -281,6 +296,9 @@ class CachedSlab:
         """The salt-free names of the named first blocks, counted (a lookup tells "cached
         under another salt" from "never computed")."""
         self._salt_free_of: dict[int, bytes] = {}
+        self.offload_gid: int | None = None
+        """The group id its evicted blocks are offloaded under (``None``: not offloaded;
+        ``CachedPool.offload_log``)."""
 
     # ------------------------------------------------------------------ introspection
 
@@ -403,6 +421,8 @@ class CachedSlab:
                 del self.first_salt_free[salt_free]
         if evicted:
             self.evictions += 1
+            if self.offload_gid is not None:
+                self.pool.offload_log.append((self.offload_gid, block, name))
             memory = self.evicted
             memory[name] = None
             if len(memory) > EVICTED_MEMORY:
@@ -462,6 +482,8 @@ class CachedSlab:
             del named_free[block]
             self._unname(block, evicted=True)
             taken.append(block)
+        if self.pool.offload_log:
+            self.pool.flush_offload()
         short = n - len(taken)
         if short:
             pages = self.pool.take(-(-short // k))

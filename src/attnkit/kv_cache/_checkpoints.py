@@ -46,6 +46,8 @@ class CheckpointStore:
         self.skipped = 0
         self._on_evict = on_evict
         self._pinned: set[int] = set()
+        self.offload_gid: int | None = None
+        """The group id evicted checkpoints are offloaded under (``CachedPool.offload_log``)."""
 
     def num_free(self) -> int:
         """Checkpoints no step is restoring from now (every one between steps)."""
@@ -88,12 +90,22 @@ class CheckpointStore:
         name = self.name_of.pop(page)
         del self.block_of[name]
         self.evictions += 1
+        if self.offload_gid is not None:
+            self.pool.offload_log.append((self.offload_gid, page, name))
         memory = self.evicted
         memory[name] = None
         if len(memory) > EVICTED_MEMORY:
             del memory[next(iter(memory))]
         if self._on_evict is not None:
             self._on_evict(1)
+
+    def discard(self, page: int) -> None:
+        """Drop a checkpoint taken for a load that failed (not an eviction): its page
+        goes back to the pool unnamed."""
+        name = self.name_of.pop(page)
+        del self.block_of[name]
+        self.pool.idle.pop(page, None)
+        self.pool.give_back([page])
 
     def reset(self) -> int:
         """Drop every checkpoint (its page goes back to the pool). Returns how many."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -62,12 +62,23 @@ from ..prefix_cache import (
     prefix_granularity,
     prefix_root,
 )
-from ._cached import CachedSlab
+from ._cached import CachedSlab, PageKeeper
 from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, Ints32
 
-__all__ = ["PrefixCache", "PrefixMatch"]
+__all__ = ["OffloadHooks", "PrefixCache", "PrefixMatch"]
+
+
+class OffloadHooks(Protocol):
+    """What a lookup asks of a KV connector (the runtime's, docs/offload.md): whether
+    it holds a group's block by name, and loading blocks into given kernel blocks (or
+    checkpoint pages) of the group, awaited: ``True`` per block whose bytes are in
+    place, ``False`` where the load failed (the block holds nothing usable)."""
+
+    def contains(self, group_id: int, name: bytes) -> bool: ...
+
+    def load(self, group_id: int, blocks: Sequence[int], names: Sequence[bytes]) -> list[bool]: ...
 
 
 class PrefixMatch:
@@ -296,6 +307,11 @@ class PrefixCache:
         self.pending_checkpoints: list[tuple[_Tracked, int]] = []
         """The last step's checkpoint boundaries per request, taken at ``commit``."""
         self.counters = PrefixCacheCounters()
+        self._fresh: list[tuple[CachedSlab | CheckpointStore, int]] = []
+        """Pages lookups loaded since the last step (``_reload`` keeps them)."""
+        self.offload: OffloadHooks | None = None
+        """With a KV connector: a lookup loads the blocks and checkpoints the device
+        lacks and the connector holds before it computes the hit (``_reload``)."""
         self._cached_groups = [
             (gid, slab, lay)
             for gid, (slab, lay) in enumerate(zip(self.slabs, self.layouts, strict=True))
@@ -367,6 +383,7 @@ class PrefixCache:
             else:
                 first = block_names(tokens, layout, hasher, free_root, mm_inputs=mm, max_blocks=1)
                 salt_free[layout] = first[0] if first else None
+        device_hit = self._reload(names, n) if self.offload is not None else None
         lookups: list[GroupLookup] = []
         cached: list[npt.NDArray[np.bool_] | None] = []
         for group, slab, lay, store in zip(
@@ -393,6 +410,8 @@ class PrefixCache:
             cached.append(held)
         hit = find_prefix_hit(lookups, n, granularity=self.granularity)
         self.counters.record(hit)
+        if device_hit is not None and hit.length > device_hit:
+            self.counters.record_offload(hit_tokens=hit.length - device_hit)
         junction = None
         if self._stores and hit.length < hit.candidate:
             every = self._checkpoints_held(None, names, n)
@@ -427,6 +446,136 @@ class PrefixCache:
             adapter_id=adapter_id,
             checkpoint_junction=junction,
         )
+
+    def _reload(self, names: dict[TokenLayout, tuple[bytes, ...]], n: int) -> int:
+        """Load, from the KV connector into free or idle pages, the blocks and
+        checkpoints of the longest hit that the device and the connector hold together,
+        where the device lacks them; the pages of the hit the device holds are kept from
+        eviction meanwhile. A load that fails leaves its page unnamed (free), so the
+        lookup that follows sees only what is in place. Returns the hit the device held
+        before (for the counters)."""
+        hooks = self.offload
+        assert hooks is not None
+        device: list[GroupLookup] = []
+        either: list[GroupLookup] = []
+        for gid, (group, slab, lay, store) in enumerate(
+            zip(self.groups, self.slabs, self.layouts, self.stores, strict=True)
+        ):
+            if store is not None:
+                held = self._checkpoints_held(store, names, n)
+                device.append(GroupLookup(group.spec, held))
+                either.append(GroupLookup(group.spec, held | self._offloaded(gid, names, n)))
+                continue
+            if slab is None or lay is None:
+                device.append(GroupLookup(group.spec, np.zeros(0, dtype=np.bool_)))
+                either.append(device[-1])
+                continue
+            of = names[lay]
+            held = np.fromiter(map(slab.block_of.__contains__, of), dtype=np.bool_, count=len(of))
+            also: npt.NDArray[np.bool_] = np.array(held)
+            absent: list[int] = np.flatnonzero(~held).tolist()
+            for i in absent:
+                also[i] = hooks.contains(gid, of[i])
+            device.append(GroupLookup(group.spec, held))
+            either.append(GroupLookup(group.spec, also))
+        before = find_prefix_hit(device, n, granularity=self.granularity).length
+        length = find_prefix_hit(either, n, granularity=self.granularity).length
+        if length <= before:
+            return before
+        # What the hit reads: missing names to load, resident pages to keep meanwhile.
+        loads: list[tuple[int, CachedSlab | CheckpointStore, list[bytes]]] = []
+        # The pages earlier lookups loaded since the last step are kept too: a lookup
+        # never evicts what another request's match, not yet scheduled, hits (the two
+        # would evict each other's loads on every retry).
+        keep: list[tuple[CachedSlab | CheckpointStore, int]] = list(self._fresh)
+        for gid, slab, lay in self._cached_groups:
+            of = names[lay]
+            read: list[int] = self.rules[gid].prefix_blocks(self.groups[gid].spec, length).tolist()
+            want = [of[i] for i in read]
+            keep.extend((slab, slab.block_of[m]) for m in want if m in slab.block_of)
+            missing = [m for m in want if m not in slab.block_of]
+            if missing:
+                loads.append((gid, slab, missing))
+        if self._stores:
+            name = self._checkpoint_names(names)[length // (self.checkpoint_interval or 1) - 1]
+            for gid, store in self._stores:
+                page = store.block_of.get(name)
+                if page is None:
+                    loads.append((gid, store, [name]))
+                else:
+                    keep.append((store, page))
+        pool = loads[0][1].pool
+        idle = pool.idle
+        kept: list[tuple[int, PageKeeper]] = []
+        kept_free: list[tuple[CachedSlab, int]] = []
+        for keeper, block in keep:
+            k = keeper.blocks_per_page if isinstance(keeper, CachedSlab) else 1
+            page = block // k
+            owner = idle.pop(page, None)
+            if owner is not None:
+                kept.append((page, owner))
+            if isinstance(keeper, CachedSlab) and k > 1 and block in keeper._named_free:
+                del keeper._named_free[block]
+                kept_free.append((keeper, block))
+        loaded = failed = 0
+        try:
+            for gid, keeper, wanted in loads:
+                if isinstance(keeper, CheckpointStore):
+                    if pool.num_available < 1:
+                        continue
+                    page = keeper.take(wanted[0])
+                    assert page is not None
+                    if hooks.load(gid, [page], wanted)[0]:
+                        loaded += 1
+                        self._fresh.append((keeper, page))
+                    else:
+                        failed += 1
+                        keeper.discard(page)
+                    continue
+                k = keeper.blocks_per_page
+                room = pool.num_available * k
+                if k > 1:
+                    room += keeper.num_free_unnamed + keeper.num_free_named
+                wanted = wanted[:room]
+                if not wanted:
+                    continue
+                taken = keeper.take(len(wanted)) if k > 1 else pool.take(len(wanted))
+                blocks: list[int] = taken.tolist() if isinstance(taken, np.ndarray) else taken
+                ok = hooks.load(gid, blocks, wanted)
+                good = [(b, m) for b, m, fine in zip(blocks, wanted, ok, strict=True) if fine]
+                loaded += len(good)
+                failed += len(blocks) - len(good)
+                if good:
+                    keeper.register([b for b, _ in good], [m for _, m in good], None)
+                    self._fresh.extend((keeper, b) for b, _ in good)
+                keeper.give_back(blocks)  # named: idle (cached); failed: free
+        finally:
+            for page, owner in kept:
+                idle[page] = owner
+            for keeper, block in kept_free:
+                keeper._named_free[block] = None
+        self.counters.record_offload(loaded=loaded, failed=failed)
+        return before
+
+    def _checkpoint_names(self, names: dict[TokenLayout, tuple[bytes, ...]]) -> tuple[bytes, ...]:
+        layout = self.checkpoint_layout
+        assert layout is not None
+        return names[layout]
+
+    def _offloaded(
+        self, gid: int, names: dict[TokenLayout, tuple[bytes, ...]], n: int
+    ) -> npt.NDArray[np.bool_]:
+        """By length: whether the connector holds group ``gid``'s checkpoint there."""
+        hooks = self.offload
+        held = np.zeros(n, dtype=np.bool_)
+        interval = self.checkpoint_interval
+        if hooks is None or interval is None:
+            return held
+        for i, name in enumerate(self._checkpoint_names(names)):
+            end = (i + 1) * interval
+            if end < n and hooks.contains(gid, name):
+                held[end] = True
+        return held
 
     def _checkpoints_held(
         self,
@@ -565,6 +714,8 @@ class PrefixCache:
         """After a step's allocation: the prompt tokens each tracked request has filled,
         to be named at the next ``commit``."""
         self._step_rows = rows
+        if self._fresh:
+            self._fresh.clear()  # the step's hits hold what they read
         in_prompt = self._in_prompt
         if not in_prompt:
             return
@@ -770,6 +921,7 @@ class PrefixCache:
         self.pending.clear()
         self.pending_checkpoints.clear()
         self.unflushed.clear()
+        self._fresh.clear()
         self.flush()  # the deferred names, made to be dropped with the others
         for row in list(self._tracked):
             self._taint(row)

@@ -28,6 +28,11 @@ class PrefixCacheStats:
         cached_free_blocks: of them, the ones no request holds (evictable).
         checkpoints: state checkpoints kept now (pages of state groups, evictable;
             docs/prefix-caching.md, "State checkpoints").
+        offloaded: with a KV connector (docs/offload.md), evicted blocks and
+            checkpoints saved to it; ``offload_loads``: pages loaded back from it for
+            a lookup; ``offload_load_failures``: loads that failed (the hit shortened,
+            the tokens are recomputed); ``offload_hit_tokens``: tokens of hits that
+            only the loaded pages served.
     """
 
     queries: int = 0
@@ -38,6 +43,10 @@ class PrefixCacheStats:
     cached_blocks: int = 0
     cached_free_blocks: int = 0
     checkpoints: int = 0
+    offloaded: int = 0
+    offload_loads: int = 0
+    offload_load_failures: int = 0
+    offload_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -57,6 +66,13 @@ class PrefixCacheStats:
             f"({self.token_hit_rate:.1%}), {self.evictions} evictions, "
             f"{self.cached_blocks} cached blocks ({self.cached_free_blocks} free)"
             + (f", {self.checkpoints} state checkpoints" if self.checkpoints else "")
+            + (
+                f", offload: {self.offloaded} saved, {self.offload_loads} loaded "
+                f"({self.offload_load_failures} failed), {self.offload_hit_tokens} tokens "
+                f"served from it"
+                if self.offloaded or self.offload_loads or self.offload_load_failures
+                else ""
+            )
         )
 
 
@@ -99,6 +115,29 @@ class PrefixCacheCounters:
         if count < 0:
             raise InvalidArgumentError(f"record_evictions: count must be >= 0, got {count}")
         self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + count)
+
+    def record_offload(
+        self, *, saved: int = 0, loaded: int = 0, failed: int = 0, hit_tokens: int = 0
+    ) -> None:
+        """Count pages saved to and loaded from a KV connector, failed loads, and the
+        hit tokens the loads served.
+
+        Raises:
+            InvalidArgumentError: a negative count.
+        """
+        if min(saved, loaded, failed, hit_tokens) < 0:
+            raise InvalidArgumentError(
+                f"record_offload: counts must be >= 0, got saved={saved}, loaded={loaded}, "
+                f"failed={failed}, hit_tokens={hit_tokens}"
+            )
+        s = self._stats
+        self._stats = dataclasses.replace(
+            s,
+            offloaded=s.offloaded + saved,
+            offload_loads=s.offload_loads + loaded,
+            offload_load_failures=s.offload_load_failures + failed,
+            offload_hit_tokens=s.offload_hit_tokens + hit_tokens,
+        )
 
     def stats(self) -> PrefixCacheStats:
         """The counters now."""

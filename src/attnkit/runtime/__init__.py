@@ -28,7 +28,9 @@ The package's modules: ``_requests`` (``ScheduledRequest``, ``StepBatch``), ``_r
 per-step host path), ``_forward`` (the layer calls), ``_boundary`` (the input boundary
 those calls pass), ``_prefix`` (the prefix-caching calls), ``_spec`` (speculative
 decoding: ``accept``, the state layers' verify path), ``_base`` (the state its parts
-share), ``_checks`` (construction checks), ``_reports`` (routing and memory reports).
+share), ``_checks`` (construction checks), ``_reports`` (routing and memory reports),
+``_pages`` (page descriptors, canonical page ids), ``_offload`` (pages to and from a
+KV connector).
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from ..kv_cache import PrefixMatch
 from ._checks import default_layer_params as default_layer_params
 from ._checks import group_features as group_features
 from ._checks import group_num_heads as group_num_heads
+from ._pages import (
+    CacheTensorPages,
+    GroupPages,
+    PageDescriptors,
+    PageSharing,
+    ScaleDescriptor,
+    TensorParallelRank,
+)
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._requests import ScheduledRequest, StepBatch
 from ._runtime import AttentionRuntime, StateLayer
@@ -44,11 +54,17 @@ from ._spec import draft_state_bytes as draft_state_bytes
 
 __all__ = [
     "AttentionRuntime",
+    "CacheTensorPages",
     "GroupMemory",
+    "GroupPages",
     "MemoryReport",
+    "PageDescriptors",
+    "PageSharing",
     "PrefixMatch",
     "RoutingRow",
+    "ScaleDescriptor",
     "ScheduledRequest",
     "StateLayer",
     "StepBatch",
+    "TensorParallelRank",
 ]

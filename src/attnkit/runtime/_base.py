@@ -17,6 +17,7 @@ import torch
 
 from ..binding import Binding
 from ..builder import AttentionMetadataBuilder
+from ..capabilities import KVCacheLayout
 from ..config import AttentionConfig
 from ..errors import StaleStepError, UnknownLayerError
 from ..impl import AttentionImpl, StateImpl
@@ -24,8 +25,11 @@ from ..kinds import Ints, KindRules
 from ..kv_cache import KVCacheGroup, KVCacheManager
 from ..metadata import CommonAttentionMetadata
 from ..parallel import ContextParallel
+from ..params import LayerParams
 from ..selector import Selection
 from ._boundary import AttentionInputs, StateLayerInputs
+from ._offload import Offloader
+from ._pages import TensorParallelRank
 from ._requests import StepBatch
 
 
@@ -60,6 +64,12 @@ class RuntimeBase:
     _state_impls: dict[str, StateImpl[Any, Any, Any]]
     _attention_inputs: dict[str, AttentionInputs]
     _state_inputs: dict[str, StateLayerInputs]
+    _offloader: Offloader | None
+    tensor_parallel: TensorParallelRank | None
+    num_blocks: int
+    page_size_bytes: int
+    layouts: dict[int, KVCacheLayout]
+    layer_params: dict[str, LayerParams | None]
     # Per step.
     _cp_step: int
     _step: StepBatch | None

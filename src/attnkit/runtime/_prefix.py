@@ -10,7 +10,7 @@ import torch
 
 from ..capabilities import KVCacheLayout
 from ..errors import InvalidArgumentError
-from ..kv_cache import KVCacheGroup, PrefixMatch
+from ..kv_cache import KVCacheGroup, PrefixMatch, buffer_set_of
 from ..params import AttentionLayerParams, LayerParams
 from ..prefix_cache import (
     HashName,
@@ -20,6 +20,13 @@ from ..prefix_cache import (
     group_namespace,
 )
 from ._base import RuntimeBase
+from ._pages import (
+    GroupPages,
+    PageDescriptors,
+    describe_tensors,
+    page_sharing,
+    scale_descriptors,
+)
 
 _OFF = (
     "prefix caching is off: build the runtime with "
@@ -89,6 +96,8 @@ class PrefixCalls(RuntimeBase):
         requests live now are never named again. Counters are kept. Returns the blocks
         that lost their name (0 with prefix caching off)."""
         prefix = self.manager.prefix
+        if self._offloader is not None:
+            self._offloader.epoch += 1  # pages saved before never load again
         return 0 if prefix is None else prefix.reset()
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -96,6 +105,99 @@ class PrefixCalls(RuntimeBase):
         the blocks cached now (all zero with prefix caching off)."""
         prefix = self.manager.prefix
         return PrefixCacheStats() if prefix is None else prefix.stats()
+
+
+    def page_descriptors(self) -> PageDescriptors:
+        """Where every group's kernel blocks are, byte for byte, and how their canonical
+        page ids are made (docs/offload.md): per group its layout, each layer's cache
+        tensors (shape, strides, dtype, rows per block, token offsets), the scales the
+        bytes are stored under, the namespace and whether the pages are replicated over
+        the tensor-parallel ranks (``tensor_parallel``; rank-private otherwise)."""
+        manager = self.manager
+        groups: list[GroupPages] = []
+        for entry in self._groups:
+            group = entry.group
+            if not group.has_cache:
+                continue
+            gid = group.group_id
+            rules = self._rules_of[gid]
+            nb = self.num_blocks * group.blocks_per_page
+            tensors, page_bytes = describe_tensors(
+                group.layer_names,
+                self.kv_caches,
+                num_kernel_blocks=nb,
+                block_size=group.spec.block_size,
+                layout=self.layouts[gid],
+                state=rules.prefix_unit == "length",
+            )
+            keeper = (
+                None
+                if manager.prefix is None
+                else manager.cached_slabs[gid] or manager.checkpoint_stores[gid]
+            )
+            groups.append(
+                GroupPages(
+                    group_id=gid,
+                    kind=group.kind,
+                    layout=self.layouts[gid],
+                    buffer_set=buffer_set_of(self.layouts[gid]),
+                    block_size=group.spec.block_size,
+                    blocks_per_page=group.blocks_per_page,
+                    num_kernel_blocks=nb,
+                    page_bytes=page_bytes,
+                    layers=group.layer_names,
+                    tensors=tensors,
+                    scales=tuple(
+                        s
+                        for name in group.layer_names
+                        for s in scale_descriptors(name, self.layer_params[name])
+                    ),
+                    namespace=None if keeper is None else keeper.namespace,
+                    sharing=page_sharing(
+                        group.spec, self.tensor_parallel, context_sharded=gid in self._sharded
+                    ),
+                    checkpoints=manager.checkpoint_stores[gid] is not None,
+                )
+            )
+        return PageDescriptors(
+            num_pages=self.num_blocks,
+            page_size_bytes=self.page_size_bytes,
+            groups=tuple(groups),
+            tensor_parallel=self.tensor_parallel,
+        )
+
+    def request_pages(self, req_id: str) -> tuple[tuple[tuple[int, bytes | None], ...], ...]:
+        """``req_id``'s kernel blocks per group (group order; ``()`` for a group with no
+        table), each with its canonical page id while the block holds a name, else
+        ``None`` (a block still filling, or prefix caching off).
+
+        Raises:
+            UnknownRequestError: an unknown request.
+        """
+        manager = self.manager
+        prefix = manager.prefix
+        if prefix is not None and prefix.needs_flush:
+            prefix.flush()
+        descriptors = self.page_descriptors()
+        by_gid = {g.group_id: g for g in descriptors.groups}
+        epoch = 0 if self._offloader is None else self._offloader.epoch
+        out: list[tuple[tuple[int, bytes | None], ...]] = []
+        for entry in self._groups:
+            gid = entry.group.group_id
+            table = manager.block_table(gid, req_id)
+            slab = manager.cached_slabs[gid]
+            pages = by_gid.get(gid)
+            row: list[tuple[int, bytes | None]] = []
+            for block in table:
+                name = None if slab is None else slab.name_of.get(block)
+                pid = (
+                    None
+                    if name is None or pages is None or pages.namespace is None
+                    else pages.page_id(name, epoch=epoch)
+                )
+                row.append((block, pid))
+            out.append(tuple(row))
+        return tuple(out)
 
 
 def group_namespaces(

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from ..capabilities import KVCacheLayout
 from ..kv_cache import BufferSetName
+from ..offload import ConnectorStats
 from ..spec import KVCacheSpecKind
 
 
@@ -84,6 +85,8 @@ class MemoryReport:
         draft_state_bytes: the state layers' draft buffers for speculative decoding
             (``num_speculative_tokens`` states per request slot and state layer),
             taken from the budget before the pool is sized; 0 without them.
+        offload: with a KV connector, what it holds (pages, bytes, its bound) and has
+            moved (docs/offload.md); ``None`` without one.
     """
 
     num_blocks: int
@@ -95,6 +98,7 @@ class MemoryReport:
     extra_bytes: int
     num_blocks_one_set: int
     draft_state_bytes: int = 0
+    offload: ConnectorStats | None = None
 
     def describe(self) -> str:
         """The report as text (what the runtime logs at construction)."""
@@ -140,5 +144,12 @@ class MemoryReport:
             lines.append(
                 f"  draft states (speculative decoding): {self.draft_state_bytes} B, "
                 f"outside the pool"
+            )
+        if self.offload is not None:
+            o = self.offload
+            bound = f" of {o.capacity_bytes} B" if o.capacity_bytes is not None else ""
+            lines.append(
+                f"  offload tier: {o.pages} page(s), {o.bytes} B{bound}; {o.saves} saved, "
+                f"{o.loads} loaded ({o.load_failures} failed), {o.evictions} dropped by its LRU"
             )
         return "\n".join(lines)

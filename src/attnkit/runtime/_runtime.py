@@ -23,6 +23,7 @@ from ..impl import AttentionImpl, StateImpl
 from ..kinds import ShardedRules, rules_for
 from ..kv_cache import (
     BufferSetName,
+    CachedPool,
     KVCacheGroup,
     KVCacheManager,
     allocate_kv_cache_tensors,
@@ -31,6 +32,7 @@ from ..kv_cache import (
     num_blocks_for_budget,
     unified_groups,
 )
+from ..offload import ConnectorStats, KVConnector
 from ..parallel import ContextParallel
 from ..params import LayerParams
 from ..registry import BackendRegistry
@@ -47,6 +49,8 @@ from ._checks import (
     group_num_heads,
 )
 from ._forward import LayerCalls
+from ._offload import Offloader
+from ._pages import PageSharing, TensorParallelRank, check_tensor_parallel, page_sharing
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._spec import draft_state_bytes
@@ -78,6 +82,12 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             by backends with the ``context_parallel`` feature, and each such layer's
             ``forward`` merges the ranks' partial results (one all-gather). Every rank
             must make the same calls with the same inputs. ``None``: one device.
+        kv_connector: where evicted prefix-cache blocks and state checkpoints go
+            (``attnkit.offload``: ``HostMemoryTier``, ``FileTier`` or an external
+            store), and where a lookup loads them back from (docs/offload.md). Needs
+            prefix caching on. ``None``: evicted blocks are gone.
+        tensor_parallel: this process's tensor-parallel rank, for canonical page ids
+            (``page_descriptors``; the connector's keys). ``None``: one device.
 
     With ``config.prefix_caching`` enabled, requests that share a prompt prefix share
     its cached blocks: ``match_prefix`` looks a prompt up, ``ScheduledRequest(...,
@@ -106,8 +116,23 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         priority: Mapping[str, Sequence[str]] | None = None,
         cache_fill: float | None = None,
         context_parallel: ContextParallel | None = None,
+        kv_connector: KVConnector | None = None,
+        tensor_parallel: TensorParallelRank | None = None,
     ) -> None:
         check_constructor_args(layer_specs, config, layer_params, memory_budget_bytes, cache_fill)
+        connector: object = kv_connector
+        if connector is not None and not isinstance(connector, KVConnector):
+            raise ArgumentTypeError(
+                f"kv_connector must be a KVConnector (attnkit.offload) or None, got "
+                f"{type(connector).__name__}"
+            )
+        if kv_connector is not None and not config.prefix_caching.enabled:
+            raise InvalidArgumentError(
+                "kv_connector needs prefix caching (evicted blocks are found again by their "
+                "names): build the runtime with AttentionConfig(prefix_caching={'enabled': "
+                "True}), or pass kv_connector=None"
+            )
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
         cp: object = context_parallel
         if cp is not None and not isinstance(cp, ContextParallel):
             raise ArgumentTypeError(
@@ -262,6 +287,9 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         )
         if self.manager.prefix is not None:
             self.manager.prefix.copy_states = self._copy_states
+        self._offloader = None
+        if kv_connector is not None:
+            self._offloader = self._attach_connector(kv_connector)
         thresholds = {
             t for e in self._groups if (t := e.binding.reorder_batch_threshold) is not None
         }
@@ -278,6 +306,36 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_rows_version = -1
         self._contiguous_rows = None  # the last step's rows (and their contiguity)
         self._last_contiguous = False
+
+    def _attach_connector(self, connector: KVConnector) -> Offloader:
+        """Offload every group that names blocks (or keeps checkpoints) to ``connector``:
+        the pool hands its evicted blocks to the ``Offloader``, lookups load from it."""
+        manager, prefix = self.manager, self.manager.prefix
+        assert prefix is not None
+        layers: dict[int, tuple[str, ...]] = {}
+        blocks: dict[int, int] = {}
+        namespaces: dict[int, bytes] = {}
+        sharing: dict[int, PageSharing] = {}
+        for group in self.groups:
+            gid = group.group_id
+            keeper = manager.cached_slabs[gid] or manager.checkpoint_stores[gid]
+            if keeper is None:
+                continue
+            layers[gid] = group.layer_names
+            blocks[gid] = self.num_blocks * group.blocks_per_page
+            namespaces[gid] = keeper.namespace
+            sharing[gid] = page_sharing(
+                group.spec, self.tensor_parallel, context_sharded=gid in self._sharded
+            )
+            keeper.offload_gid = gid
+        offloader = Offloader(
+            connector, self.kv_caches, layers, blocks, namespaces, sharing, prefix.counters
+        )
+        pool = manager.pool
+        assert isinstance(pool, CachedPool)
+        pool.offload_sink = offloader.save
+        prefix.offload = offloader
+        return offloader
 
     # ------------------------------------------------------------------ introspection
 
@@ -341,7 +399,13 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             extra_bytes=extra,
             num_blocks_one_set=one_set,
             draft_state_bytes=self.draft_state_bytes,
+            offload=self._offload_stats(),
         )
+
+    def _offload_stats(self) -> ConnectorStats | None:
+        """The connector's stats (the runtime logs a report before it is attached)."""
+        offloader: Offloader | None = getattr(self, "_offloader", None)
+        return None if offloader is None else offloader.connector.stats()
 
     def _copy_states(self, group_id: int, sources: list[int], destinations: list[int]) -> None:
         """Copy state pages ``sources`` to ``destinations`` in every state tensor of
