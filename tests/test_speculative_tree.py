@@ -204,7 +204,7 @@ def _chain_masks(parents: Sequence[int]) -> list[int]:
     return [(1 << (i + 1)) - 1 for i in range(len(parents))]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 def test_a_mask_that_sees_siblings_is_caught(backend: str) -> None:
     with (
         _broken(_spec, "tree_ancestors", _chain_masks),
@@ -377,3 +377,78 @@ def test_config_and_selection_say_why_trees_are_refused() -> None:
         "draft trees (AttentionConfig.draft_tree_width=3) not supported (max width 2)",
         "draft trees as deep as num_speculative_tokens=7 not supported (max depth 4)",
     ]
+
+
+# ------------------------------------------------------- the kernels directly
+
+
+@pytest.mark.parametrize("num_splits", [0, 3], ids=["one-pass", "split-kv"])
+def test_triton_kernels_take_the_tree_on_both_paths(num_splits: int) -> None:
+    _triton_tree_check(num_splits, chain=False)
+
+
+def _triton_tree_check(num_splits: int, *, chain: bool) -> None:
+    """Both Triton paths against a float64 softmax under a dense ancestor mask
+    (``chain``: launched without the tree, the broken variant)."""
+    pytest.importorskip("triton")
+    from attnkit.kernels.attention.triton import paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+
+    gen = _gen("kernels", num_splits)
+    trees = [TREE, (-1, -1, 1)]
+    context = [40, 17]  # tokens before the drafts (the root included)
+    seq = [c + len(t) for c, t in zip(context, trees, strict=True)]
+    qlens = [1 + len(t) for t in trees]  # the root and its drafts
+    nb = 16
+    cache = torch.randn(nb, 2, BS, HKV, D, generator=gen)
+    perm = torch.randperm(nb - 1, generator=gen) + 1  # shuffled physical blocks
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    table[0], table[1] = perm[:4], perm[4:8]
+    q = torch.randn(sum(qlens), HQ, D, generator=gen)
+    ancestors = torch.zeros(sum(qlens), dtype=torch.int64)
+    row = 0
+    for t, n in zip(trees, qlens, strict=True):
+        for i, mask in enumerate(_ancestor_mask(t).tolist()):
+            ancestors[row + 1 + i] = sum(1 << j for j, seen in enumerate(mask) if seen)
+        row += n
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+    plan = plan_paged_attention(
+        qsl,
+        torch.tensor(seq, dtype=torch.int32),
+        table,
+        max_query_len=max(qlens),
+        max_seq_len=max(seq),
+        block_size=BS,
+        num_kv_heads=HKV,
+        num_splits=num_splits,
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_attention(
+        q,
+        cache,
+        plan,
+        scale=D**-0.5,
+        output=out,
+        draft_ancestors=None if chain else ancestors,
+        draft_counts=None if chain else torch.tensor([len(t) for t in trees], dtype=torch.int32),
+    )
+    row = 0
+    for b, (t, n) in enumerate(zip(trees, qlens, strict=True)):
+        slots = [int(table[b, p // BS]) * BS + p % BS for p in range(seq[b])]
+        flat = cache.permute(0, 2, 1, 3, 4).reshape(nb * BS, 2, HKV, D)[slots].double()
+        keys = flat[:, 0].repeat_interleave(HQ // HKV, 1)
+        values = flat[:, 1].repeat_interleave(HQ // HKV, 1)
+        first = context[b]
+        visible = torch.ones(n, seq[b], dtype=torch.bool)
+        visible[0, first:] = False  # the root sees the context up to itself
+        visible[1:, first:] = _ancestor_mask(t)
+        scores = torch.einsum("thd,nhd->thn", q[row : row + n].double(), keys) / D**0.5
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        want = torch.einsum("thn,nhd->thd", scores.softmax(-1), values)
+        _close(out[row : row + n], want, f"{plan.num_splits} splits, request {b}")
+        row += n
+
+
+def test_triton_kernels_without_the_tree_are_caught() -> None:
+    with pytest.raises(AssertionError, match="request 0"):
+        _triton_tree_check(0, chain=True)

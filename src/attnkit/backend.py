@@ -468,11 +468,12 @@ class AttentionBackend(ABC):
             isinstance(trees, DraftTreeSupport)
             and is_positive_int(trees.max_width)
             and is_positive_int(trees.max_depth)
-            and trees.kinds <= kinds
+            and isinstance(cast(object, trees.kinds), frozenset)
+            and all(isinstance(k, KVCacheSpecKind) for k in cast("frozenset[object]", trees.kinds))
         ):
             problems.append(
                 f"draft_trees must be None or a DraftTreeSupport with max_width, max_depth "
-                f">= 1 and kinds the backend binds, got {trees!r}"
+                f">= 1 and a frozenset of KVCacheSpecKind, got {trees!r}"
             )
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):

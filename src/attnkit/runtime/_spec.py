@@ -322,11 +322,12 @@ class SpeculativeCalls(RuntimeBase):
                 # Draft j - 1 of a tree starts from its parent's state, kept at draft-
                 # buffer row parent + 1 (the root's at row 0), unless its parent is the
                 # draft just computed (the state page holds that one).
-                load = [
-                    (b, parents[j - 1] + 1)
-                    for b in idx.tolist()
-                    if (parents := trees[b]) is not None and parents[j - 1] != j - 2
-                ]
+                batch: list[int] = idx.tolist()
+                load: list[tuple[int, int]] = []
+                for b in batch:
+                    parents = trees[b]
+                    if parents is not None and parents[j - 1] != j - 2:
+                        load.append((b, parents[j - 1] + 1))
                 if load:
                     where = np.array([b for b, _ in load], dtype=np.int64)
                     slots = np.array([r for _, r in load], dtype=np.int64)

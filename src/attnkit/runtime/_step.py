@@ -136,7 +136,8 @@ class StepHost(SpeculativeCalls):
                 if drafts is not None:
                     drafts = drafts[order]
                 if trees is not None:
-                    trees = [trees[i] for i in order.tolist()]
+                    reordered: list[int] = order.tolist()
+                    trees = [trees[i] for i in reordered]
         rows = self.manager.allocate_rows(ids, rows, lens, finished=finished, prefixes=prefixes)
         if self.manager.rows_version == version:  # no request gained or lost a row
             self._last_ids, self._last_rows = given_ids, given_rows

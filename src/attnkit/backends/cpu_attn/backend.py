@@ -185,7 +185,7 @@ def draft_tree_rows(cm: CommonAttentionMetadata) -> DraftTreeRows | None:
             out_rows.append(row)
             # Runs of consecutive visible drafts; the first joins the context when it
             # starts at draft 0.
-            start, j = 0, 0
+            j = 0
             if not mask & 1:
                 items.append((row, b, 0, first, first + i, g))
             while j <= i:
@@ -197,7 +197,9 @@ def draft_tree_rows(cm: CommonAttentionMetadata) -> DraftTreeRows | None:
                     j += 1
                 start = 0 if lo == 0 else first + lo
                 items.append((row, b, start, first + j, first + i, g))
-    arr = np.array(items, dtype=np.int64).reshape(-1, 6)
+    arr = np.zeros((len(items), 6), dtype=np.int64)
+    for r, item in enumerate(items):
+        arr[r] = item
     return DraftTreeRows(
         queries=from_numpy(np.ascontiguousarray(arr[:, 0])),
         requests=from_numpy(arr[:, 1].astype(np.int32)),
