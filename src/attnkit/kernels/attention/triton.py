@@ -421,7 +421,9 @@ def paged_attention(
         stride_ls=part_lse.stride(0),
         stride_lt=part_lse.stride(1),
         stride_lh=part_lse.stride(2),
-        num_stages=shape.split_num_stages,
+        # The tree mask's registers: one pipeline stage fewer keeps the partial kernel
+        # from spilling (compile report: 128 registers at 8 warps on sm_90 / sm_100).
+        num_stages=shape.split_num_stages if tree is None else min(shape.split_num_stages, 2),
         **{**common, "num_warps": shape.split_num_warps or shape.num_warps},
     )
     merge_split_kv(workspace, output, plan, lse=lse, sinks=sinks)

@@ -184,10 +184,13 @@ def _unified_attention_kernel(
         if DOT_IN_FP32:
             q = q.to(tl.float32)
         # A draft tree: each row's ancestor bitmask, and where the request's drafts start.
-        tree_anc = tl.zeros([BLOCK_M], dtype=tl.int64)
+        tree_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_hi = tl.zeros([BLOCK_M], dtype=tl.int32)
         tree_first = seq_len
         if USE_TREE:
-            tree_anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            tree_lo = (anc & 0xFFFFFFFF).to(tl.int32)
+            tree_hi = (anc >> 32).to(tl.int32)
             tree_first = seq_len - tl.load(draft_counts_ptr + request)
 
         # Key range [kv_begin, kv_end) that at least one row of this step can see: the
@@ -266,7 +269,8 @@ def _unified_attention_kernel(
                 query_ptr.dtype.element_ty,
                 DOT_PRECISION,
                 DOT_IN_FP32,
-                tree_anc,
+                tree_lo,
+                tree_hi,
                 tree_first,
                 USE_TREE,
             )
@@ -438,10 +442,13 @@ def _split_kv_partial_kernel(
         if DOT_IN_FP32:
             q = q.to(tl.float32)
         # A draft tree: each row's ancestor bitmask, and where the request's drafts start.
-        tree_anc = tl.zeros([BLOCK_M], dtype=tl.int64)
+        tree_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_hi = tl.zeros([BLOCK_M], dtype=tl.int32)
         tree_first = seq_len
         if USE_TREE:
-            tree_anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            tree_lo = (anc & 0xFFFFFFFF).to(tl.int32)
+            tree_hi = (anc >> 32).to(tl.int32)
             tree_first = seq_len - tl.load(draft_counts_ptr + request)
 
         # Keys any row of this step can see: [kv_begin, kv_end).
@@ -519,7 +526,8 @@ def _split_kv_partial_kernel(
                 query_ptr.dtype.element_ty,
                 DOT_PRECISION,
                 DOT_IN_FP32,
-                tree_anc,
+                tree_lo,
+                tree_hi,
                 tree_first,
                 USE_TREE,
             )

@@ -80,11 +80,14 @@ def mask_scores(
 
 
 @triton.jit
-def mask_draft_tree(s, anc, k_pos, tree_first):
+def mask_draft_tree(s, anc_lo, anc_hi, k_pos, tree_first):
     """``s`` ``[M, N]`` with the draft keys (positions ``>= tree_first``) a row's
-    ancestor bitmask ``anc`` ``[M]`` (int64) does not name set to ``-inf``."""
-    bit = tl.maximum(k_pos - tree_first, 0).to(tl.int64)
-    named = ((anc[:, None] >> bit[None, :]) & 1) != 0
+    ancestor bitmask does not name set to ``-inf``; the int64 mask comes as its two
+    int32 halves ``anc_lo``, ``anc_hi`` ``[M]`` (32-bit shifts over the tile keep the
+    register footprint of the decode kernels)."""
+    bit = tl.maximum(k_pos - tree_first, 0)
+    word = tl.where(bit[None, :] < 32, anc_lo[:, None], anc_hi[:, None])
+    named = ((word >> (bit[None, :] & 31)) & 1) != 0
     return tl.where((k_pos[None, :] < tree_first) | named, s, float("-inf"))
 
 
@@ -145,7 +148,8 @@ def attend_kv_tile(
     P_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    tree_anc,
+    tree_lo,
+    tree_hi,
     tree_first,
     USE_TREE: tl.constexpr,
 ):
@@ -158,8 +162,9 @@ def attend_kv_tile(
     scores and the result is moved to log2 here). ``slope`` is the ALiBi slope per row
     times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
     the caller may read; ``mask_scores`` adds the per-row visibility, and with
-    ``USE_TREE`` ``mask_draft_tree`` the draft tree's (``tree_anc`` ``[M]`` int64 per
-    row, ``tree_first`` the request's first draft position).
+    ``USE_TREE`` ``mask_draft_tree`` the draft tree's (``tree_lo``, ``tree_hi`` ``[M]``
+    the int32 halves of each row's ancestor bitmask, ``tree_first`` the request's first
+    draft position).
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
@@ -175,6 +180,6 @@ def attend_kv_tile(
         s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
     )
     if USE_TREE:
-        s = mask_draft_tree(s, tree_anc, k_pos, tree_first)
+        s = mask_draft_tree(s, tree_lo, tree_hi, k_pos, tree_first)
     # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
     return online_softmax_update(s, v, m_i, l_i, acc, P_DTYPE, DOT_PRECISION, DOT_IN_FP32)
