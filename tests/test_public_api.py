@@ -111,6 +111,8 @@ BACKEND_API = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "Determinism",
+    "DraftTreeMask",
+    "DraftTreeSupport",
     "ImplConstructor",
     "IndexerImpl",
     "KVCacheLayout",
