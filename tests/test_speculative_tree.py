@@ -20,6 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from attnkit import (
     AttentionConfig,
@@ -452,3 +461,142 @@ def _triton_tree_check(num_splits: int, *, chain: bool) -> None:
 def test_triton_kernels_without_the_tree_are_caught() -> None:
     with pytest.raises(AssertionError, match="request 0"):
         _triton_tree_check(0, chain=True)
+
+
+# -------------------------------------------------- a state machine in lockstep
+
+
+def _width(parents: Sequence[int]) -> int:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max((depth.count(d) for d in set(depth)), default=0)
+
+
+class TreeAcceptReject(RuleBasedStateMachine):
+    """Two runtimes: ``spec`` verifies draft trees and keeps a path of each, ``plain``
+    only ever decodes the root and the kept path. After every step they must agree:
+    held tokens, cached K/V, states, blocks, outputs; no leak, no block held twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Model("cpu_attn", "gdn")
+        self.spec = self.model.runtime()
+        self.plain = self.model.runtime()
+        self.length: dict[str, int] = {}
+        self.next_id = 0
+        self.steps = 0
+
+    @initialize()
+    def start(self) -> None:
+        self._admit(13)
+
+    def _admit(self, n: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        for rt in (self.spec, self.plain):
+            self.model.step(rt, [(rid, [("p", i) for i in range(n)], None, 0)])
+        self.length[rid] = n
+
+    @rule(n=st.integers(1, 40))
+    def admit(self, n: int) -> None:
+        if len(self.length) < 3:
+            self._admit(n)
+
+    @rule(data=st.data())
+    def verify(self, data: st.DataObject) -> None:
+        self.steps += 1
+        rids = sorted(self.length)
+        trees: dict[str, tuple[int, ...]] = {}
+        paths: dict[str, list[int]] = {}
+        for r in rids:
+            k = data.draw(st.integers(0, K), label=f"drafts {r}")
+            parents = tuple(data.draw(st.integers(-1, i - 1), label=f"{r} parent {i}") for i in range(k))
+            if _width(parents) > 3:
+                parents = tuple(range(-1, k - 1))
+            trees[r] = parents
+            leaf = data.draw(st.integers(-1, k - 1), label=f"{r} last kept")
+            path: list[int] = []
+            while leaf >= 0:
+                path.insert(0, leaf)
+                leaf = parents[leaf]
+            paths[r] = path
+        batch = [
+            (r, [("p", self.length[r])] + [("d", self.steps, i) for i in range(len(t))], t or None, len(t))
+            for r, t in trees.items()
+        ]
+        self.model.step(self.spec, batch)
+        self.spec.accept(paths)
+        self.model.step(self.plain, [(r, [("p", self.length[r])], None, 0) for r in rids])
+        for depth in range(max(len(p) for p in paths.values())):
+            self.model.step(
+                self.plain,
+                [(r, [("d", self.steps, p[depth])], None, 0) for r, p in paths.items() if len(p) > depth],
+            )
+        for r in rids:
+            self.length[r] += 1 + len(paths[r])
+        # A new token for everyone in both: the same outputs where rejected drafts were.
+        step = [(r, [("p", self.length[r])], None, 0) for r in rids]
+        got, want = self.model.step(self.spec, step), self.model.step(self.plain, step)
+        for name, per_request in want.items():
+            for r, rows in per_request.items():
+                _close(got[name][r], rows, f"{name} {r}")
+        for r in rids:
+            self.length[r] += 1
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        if len(self.length) > 1:
+            rid = data.draw(st.sampled_from(sorted(self.length)))
+            self.spec.free([rid])
+            self.plain.free([rid])
+            del self.length[rid]
+
+    @invariant()
+    def agree(self) -> None:
+        for rid, n in self.length.items():
+            assert self.spec.manager.num_tokens(rid) == self.plain.manager.num_tokens(rid) == n
+            _close(_kv_at(self.spec, rid, n), _kv_at(self.plain, rid, n), f"{rid}: cached K/V")
+            for x, y in zip(_state_of(self.spec, rid), _state_of(self.plain, rid), strict=True):
+                _close(x, y, f"{rid}: state")
+            for gid in range(len(self.spec.groups)):
+                a = len(self.spec.manager.block_table(gid, rid))
+                assert a == len(self.plain.manager.block_table(gid, rid)), f"{rid}: blocks"
+        assert self.spec.manager.pool.num_free_blocks == self.plain.manager.pool.num_free_blocks
+
+    @invariant()
+    def no_leak_no_double_owner(self) -> None:
+        manager = self.spec.manager
+        seen: set[tuple[int, int]] = set()
+        for blocks in manager.owned_blocks().values():
+            assert not blocks & seen, "a block held by two requests"
+            seen |= blocks
+        pages = manager.owned_pages()
+        used = set().union(*pages.values()) if pages else set()
+        assert manager.pool.num_free_blocks + len(used) == manager.pool.num_blocks - 1, "leak"
+
+
+TreeAcceptReject.TestCase.settings = settings(
+    max_examples=6,
+    stateful_step_count=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestTreeAcceptReject = TreeAcceptReject.TestCase
+
+
+def test_the_state_machine_catches_a_rollback_that_leaves_the_path_in_place() -> None:
+    with (
+        _broken(_spec, "_copy_slots", lambda *args: None),
+        pytest.raises(AssertionError, match=r"cached K/V|output|state"),
+    ):
+        # No shrinking: the first failing run is the proof, and shrinking it is slow.
+        run_state_machine_as_test(
+            TreeAcceptReject,
+            settings=settings(
+                TreeAcceptReject.TestCase.settings,
+                phases=[Phase.generate],
+                derandomize=True,
+                database=None,
+            ),
+        )
