@@ -396,7 +396,14 @@ def test_triton_kernels_take_the_tree_on_both_paths(num_splits: int) -> None:
     _triton_tree_check(num_splits, chain=False)
 
 
-def _triton_tree_check(num_splits: int, *, chain: bool) -> None:
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_splits", [0, 3], ids=["one-pass", "split-kv"])
+def test_triton_kernels_take_the_tree_on_a_gpu(num_splits: int) -> None:
+    _triton_tree_check(num_splits, chain=False, device="cuda")
+
+
+def _triton_tree_check(num_splits: int, *, chain: bool, device: str = "cpu") -> None:
     """Both Triton paths against a float64 softmax under a dense ancestor mask
     (``chain``: launched without the tree, the broken variant)."""
     pytest.importorskip("triton")
@@ -421,26 +428,30 @@ def _triton_tree_check(num_splits: int, *, chain: bool) -> None:
             ancestors[row + 1 + i] = sum(1 << j for j, seen in enumerate(mask) if seen)
         row += n
     qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+    counts = torch.tensor([len(t) for t in trees], dtype=torch.int32)
+    on = torch.device(device)
     plan = plan_paged_attention(
-        qsl,
-        torch.tensor(seq, dtype=torch.int32),
-        table,
+        qsl.to(on),
+        torch.tensor(seq, dtype=torch.int32, device=on),
+        table.to(on),
         max_query_len=max(qlens),
         max_seq_len=max(seq),
         block_size=BS,
         num_kv_heads=HKV,
         num_splits=num_splits,
+        device=on,
     )
-    out = torch.full_like(q, float("nan"))
+    out = torch.full_like(q, float("nan"), device=on)
     paged_attention(
-        q,
-        cache,
+        q.to(on),
+        cache.to(on),
         plan,
         scale=D**-0.5,
         output=out,
-        draft_ancestors=None if chain else ancestors,
-        draft_counts=None if chain else torch.tensor([len(t) for t in trees], dtype=torch.int32),
+        draft_ancestors=None if chain else ancestors.to(on),
+        draft_counts=None if chain else counts.to(on),
     )
+    out = out.cpu()
     row = 0
     for b, (t, n) in enumerate(zip(trees, qlens, strict=True)):
         slots = [int(table[b, p // BS]) * BS + p % BS for p in range(seq[b])]
