@@ -170,16 +170,23 @@ def run_unified(p: dict[str, Any]) -> None:
     if "shard" in p:
         _run_shard(p, query, cache, batch, extra, num_splits=0)
         return
+    if "tree" in p:
+        _run_tree(p, query, cache, batch, extra, num_splits=0)
+        return
     unified_attention(query, cache, **batch, **extra)
 
 
 def run_split_kv(p: dict[str, Any]) -> None:
     from attnkit.kernels.attention.triton_split_kv import split_kv_decode
 
-    query, cache, extra = _attention_tensors(p, 1)
-    batch = _attention_batch(1, 4 * p["block"], p["block"])
+    q_len = 1 + p.get("tree", 0)
+    query, cache, extra = _attention_tensors(p, q_len)
+    batch = _attention_batch(q_len, 4 * p["block"], p["block"])
     if "shard" in p:
         _run_shard(p, query, cache, batch, extra, num_splits=p["splits"])
+        return
+    if "tree" in p:
+        _run_tree(p, query, cache, batch, extra, num_splits=p["splits"])
         return
     split_kv_decode(query, cache, **batch, num_splits=p["splits"], lse=torch.zeros(1, 8), **extra)
 
@@ -216,6 +223,41 @@ def _run_shard(
     )
     lse = torch.zeros(query.shape[0], query.shape[1])
     paged_attention(query, cache, plan, scale=batch["scale"], lse=lse, **extra)
+
+
+def _run_tree(
+    p: dict[str, Any],
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    batch: dict[str, Any],
+    extra: dict[str, Any],
+    *,
+    num_splits: int,
+) -> None:
+    """A verify step of a draft tree of ``p["tree"]`` tokens (the kernels' USE_TREE
+    path), as ``triton_attn`` runs one."""
+    from attnkit.kernels.attention.triton import paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+
+    plan = plan_paged_attention(
+        batch["query_start_loc"],
+        batch["seq_lens"],
+        batch["block_table"],
+        max_query_len=batch["max_query_len"],
+        max_seq_len=batch["max_seq_len"],
+        block_size=p["block"],
+        num_kv_heads=cache.shape[3],
+        num_splits=num_splits,
+    )
+    paged_attention(
+        query,
+        cache,
+        plan,
+        scale=batch["scale"],
+        draft_ancestors=torch.zeros(query.shape[0], dtype=torch.int64),
+        draft_counts=_i32([p["tree"]]),
+        **extra,
+    )
 
 
 def run_merge(p: dict[str, Any]) -> None:
@@ -533,6 +575,8 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=192, q_len=128, dtype="bf16", block=64, kv_heads=8),
             # A decode context-parallel shard (forward_partial): chunked prefill, bf16.
             _attn(head=128, q_len=128, dtype="bf16", shard=2),
+            # A draft tree's verify step (the ancestor mask in the key tile).
+            _attn(head=128, q_len=8, dtype="bf16", tree=7),
         ),
         full=(
             *declared_attention_grid(q_len=(1, 128)),
@@ -555,6 +599,7 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=128, splits=4),
             _attn(head=256, splits=4, kv="fp8"),
             _attn(head=128, splits=4, dtype="bf16", shard=4),
+            _attn(head=128, splits=4, dtype="bf16", tree=7),
         ),
         full=(
             *declared_attention_grid(splits=(4,)),

@@ -122,6 +122,8 @@ BACKEND_API = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "Determinism",
+    "DraftTreeMask",
+    "DraftTreeSupport",
     "ImplConstructor",
     "IndexerImpl",
     "KVCacheLayout",

@@ -426,9 +426,9 @@ def test_a_rollback_that_keeps_the_last_state_is_caught() -> None:
 def test_a_verify_step_without_per_position_states_is_caught() -> None:
     original = _spec.SpeculativeCalls._prepare_verify
 
-    def whole_step(self: Any, drafts: Any, rows: Any, lens: Any) -> None:
+    def whole_step(self: Any, drafts: Any, trees: Any, rows: Any, lens: Any) -> None:
         """State layers run the verify step whole: no state kept per draft position."""
-        original(self, drafts, rows, lens)
+        original(self, drafts, trees, rows, lens)
         if self._verify is not None:
             self._verify.sub_steps = {}
 

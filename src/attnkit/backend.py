@@ -54,7 +54,30 @@ from .spec import (
     MambaType,
 )
 
-__all__ = ["AttentionBackend", "BackendRequest"]
+__all__ = ["AttentionBackend", "BackendRequest", "DraftTreeSupport"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftTreeSupport:
+    """What a backend's attention kernels take of draft trees (docs/speculative.md):
+    each draft token attends to the cached context, its ancestors and itself
+    (``CommonAttentionMetadata.draft_tree``).
+
+    Attributes:
+        kinds: the attention kinds whose layers take tree masks (a kind whose mask is
+            measured in positions, a window or a chunk, would need each draft's depth
+            as its position, so none declares those).
+        max_width: the most draft tokens at one depth of a tree.
+        max_depth: the deepest draft token (the root, the last accepted token, is at
+            depth 0).
+        how: one line on how the kernels apply the mask (for ``attnkit backends``
+            and the docs).
+    """
+
+    kinds: frozenset[KVCacheSpecKind]
+    max_width: int
+    max_depth: int
+    how: str = ""
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackendRequest:
@@ -132,6 +155,10 @@ class AttentionBackend(ABC):
     options_type: ClassVar[type[BackendOptions] | None] = None
     """The backend's own settings (a ``BackendOptions`` model), given by users as
     ``AttentionConfig(backend_options={name: {...}})``; ``None``: it has none."""
+    draft_trees: ClassVar[DraftTreeSupport | None] = None
+    """Draft trees its attention kernels take (``AttentionConfig.draft_tree_width`` >
+    1); ``None``: drafts are chains only. State layers need nothing: the runtime runs a
+    tree's tokens through their decode paths (docs/speculative.md)."""
     kv_cache_layout: ClassVar[KVCacheLayout] = "interleaved"
     """How its attention layers receive their cache (``get_kv_cache_shapes``).
 
@@ -238,6 +265,29 @@ class AttentionBackend(ABC):
             reasons.append(
                 f"num_heads={request.num_heads} is not a multiple of "
                 f"num_kv_heads={spec.num_kv_heads}"
+            )
+        if request.config is not None and request.config.draft_tree_width > 1:
+            reasons.extend(cls._draft_tree_reasons(spec, request.config))
+        return reasons
+
+    @classmethod
+    def _draft_tree_reasons(cls, spec: AttentionSpec, config: AttentionConfig) -> list[str]:
+        """Why the backend cannot take the config's draft trees on ``spec``'s layers."""
+        width, depth = config.draft_tree_width, config.num_speculative_tokens
+        wanted = f"draft trees (AttentionConfig.draft_tree_width={width})"
+        support = cls.draft_trees
+        if support is None:
+            return [f"{wanted} not supported (draft chains only)"]
+        reasons: list[str] = []
+        if spec.kind not in support.kinds:
+            kinds = ", ".join(sorted(k.value for k in support.kinds)) or "none"
+            reasons.append(f"{wanted} not supported on kind={spec.kind.value} (tree kinds: {kinds})")
+        if width > support.max_width:
+            reasons.append(f"{wanted} not supported (max width {support.max_width})")
+        if depth > support.max_depth:
+            reasons.append(
+                f"draft trees as deep as num_speculative_tokens={depth} not supported "
+                f"(max depth {support.max_depth})"
             )
         return reasons
 
@@ -412,6 +462,18 @@ class AttentionBackend(ABC):
         ):
             problems.append(
                 f"determinism must be a mapping of KVCacheSpecKind -> Determinism, got {levels!r}"
+            )
+        trees: object = getattr(cls, "draft_trees", None)
+        if trees is not None and not (
+            isinstance(trees, DraftTreeSupport)
+            and is_positive_int(trees.max_width)
+            and is_positive_int(trees.max_depth)
+            and isinstance(cast(object, trees.kinds), frozenset)
+            and all(isinstance(k, KVCacheSpecKind) for k in cast("frozenset[object]", trees.kinds))
+        ):
+            problems.append(
+                f"draft_trees must be None or a DraftTreeSupport with max_width, max_depth "
+                f">= 1 and a frozenset of KVCacheSpecKind, got {trees!r}"
             )
         options = getattr(cls, "options_type", None)
         if options is not None and not (isinstance(options, type) and issubclass(options, BackendOptions)):

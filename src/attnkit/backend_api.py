@@ -21,7 +21,7 @@ Specs, layer parameters, state inputs and the config come from ``attnkit`` itsel
 
 from __future__ import annotations
 
-from .backend import AttentionBackend, BackendRequest
+from .backend import AttentionBackend, BackendRequest, DraftTreeSupport
 from .binding import (
     Binding,
     BuilderBinding,
@@ -45,6 +45,7 @@ from .impl import AttentionImpl, IndexerImpl, LayerImpl, StateImpl
 from .metadata import (
     CommonAttentionMetadata,
     DecodePrefillSplit,
+    DraftTreeMask,
     SparseSelection,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
@@ -67,6 +68,8 @@ __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "Determinism",
+    "DraftTreeMask",
+    "DraftTreeSupport",
     "ImplConstructor",
     "IndexerImpl",
     "KVCacheLayout",

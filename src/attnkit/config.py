@@ -39,6 +39,7 @@ from pydantic import (
     ValidationInfo,
     field_serializer,
     field_validator,
+    model_validator,
 )
 from typing_extensions import Self, override
 
@@ -267,6 +268,9 @@ class PrefixCachingConfig(BaseModel):
 DEFAULT_MAX_NUM_REQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 32768
+MAX_DRAFT_TREE_TOKENS = 63
+"""The most draft tokens of a request's draft tree: a token's ancestors among them are
+one int64 bitmask (``DraftTreeMask.ancestors``)."""
 
 
 class AttentionConfig(BaseModel):
@@ -296,6 +300,13 @@ class AttentionConfig(BaseModel):
         num_speculative_tokens: the most draft tokens a request may bring to one
             step (``ScheduledRequest.num_draft_tokens``; docs/speculative.md); state
             layers keep that many extra states per request for ``accept``. 0: none.
+        draft_tree_width: the most draft tokens at one depth of a request's draft
+            tree (``ScheduledRequest.draft_parents``; docs/speculative.md, "Draft
+            trees"); a tree's depth is at most ``num_speculative_tokens``. 1 (the
+            default): drafts are chains. Above 1, selection refuses backends that do not
+            declare draft trees for the kind (``AttentionBackend.draft_trees``), and
+            ``num_speculative_tokens`` must be in ``draft_tree_width .. 63`` (a token's
+            ancestors are one int64 bitmask).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -317,6 +328,7 @@ class AttentionConfig(BaseModel):
     prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
     determinism: Determinism = Determinism.NONE
     num_speculative_tokens: int = Field(default=0, ge=0)
+    draft_tree_width: int = Field(default=1, ge=1)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -337,6 +349,7 @@ class AttentionConfig(BaseModel):
             prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
             determinism: Determinism | str = Determinism.NONE,
             num_speculative_tokens: int = 0,
+            draft_tree_width: int = 1,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
@@ -385,6 +398,17 @@ class AttentionConfig(BaseModel):
     @field_serializer("determinism")
     def _determinism_name(self, value: Determinism) -> str:
         return value.label
+
+    @model_validator(mode="after")
+    def _check_draft_tree(self) -> Self:
+        width, k = self.draft_tree_width, self.num_speculative_tokens
+        if width > 1 and not width <= k <= MAX_DRAFT_TREE_TOKENS:
+            raise ValueError(
+                f"draft_tree_width={width} needs num_speculative_tokens in {width}.."
+                f"{MAX_DRAFT_TREE_TOKENS} (a tree of that width, its ancestors one int64 "
+                f"bitmask per token), got num_speculative_tokens={k}"
+            )
+        return self
 
     @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
     @classmethod

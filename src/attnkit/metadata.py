@@ -24,6 +24,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "DraftTreeMask",
     "SparseSelection",
     "host_to_device",
     "reorder_batch_to_split_decodes_and_prefills",
@@ -39,6 +40,33 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftTreeMask:
+    """The draft trees of a verify step, as every attention kernel takes them: each
+    draft token attends to the cached context, its ancestors and itself
+    (docs/speculative.md, "Draft trees").
+
+    A request's last ``num_drafts[b]`` context positions are its draft tokens, in draft
+    order (``ScheduledRequest.draft_parents``); key position ``j`` of request ``b`` is
+    visible to query row ``t`` when the kind's mask allows it and ``j < seq_lens[b] -
+    num_drafts[b]`` or bit ``j - (seq_lens[b] - num_drafts[b])`` of ``ancestors[t]``
+    is set. Rows that are not drafts hold 0 (their causal mask already hides every
+    draft). Fixed-shape: rows past the step's tokens are never read, so a capture
+    buffer of ``max_num_batched_tokens`` rows serves every step.
+
+    Attributes:
+        ancestors: int64 ``[T]`` on the device: per token, the bitmask of its request's
+            draft tokens it may see (its ancestors and itself).
+        num_drafts: int32 ``[B]`` on the device: each request's draft tokens.
+        ancestors_cpu, num_drafts_cpu: the same on the CPU.
+    """
+
+    ancestors: torch.Tensor
+    num_drafts: torch.Tensor
+    ancestors_cpu: torch.Tensor
+    num_drafts_cpu: torch.Tensor
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,6 +106,9 @@ class CommonAttentionMetadata:
             (``AttentionImpl.forward_partial``). ``None``: the whole context.
         global_seq_lens_cpu: int32 ``[B]`` on the CPU: every request's whole length
             (where its queries sit), with ``context_shard`` only.
+        draft_tree: the step's draft trees (``DraftTreeMask``) when some request's
+            drafts are a tree (``ScheduledRequest.draft_parents``); ``None`` when every
+            draft is a chain, which the causal mask already covers.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -99,6 +130,7 @@ class CommonAttentionMetadata:
     num_computed_tokens_cpu: torch.Tensor | None = None
     context_shard: tuple[int, int] | None = None
     global_seq_lens_cpu: torch.Tensor | None = None
+    draft_tree: DraftTreeMask | None = None
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:

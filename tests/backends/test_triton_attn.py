@@ -987,6 +987,8 @@ METADATA_FIELDS = [
     "scratch_block_table",
     "scratch_slot_mapping",
     "scratch_num_blocks",
+    "draft_ancestors",
+    "draft_counts",
 ]
 
 
@@ -1025,6 +1027,7 @@ def test_build_passes_the_batch_through_unchanged(case: Case, causal: bool) -> N
     assert plan.tile_offsets.tolist() == [0, 1, 2]
     assert (meta.scratch_block_table, meta.scratch_slot_mapping) == (None, None)
     assert meta.scratch_num_blocks == 0
+    assert (meta.draft_ancestors, meta.draft_counts) == (None, None)  # no draft tree
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.max_query_len = 1  # type: ignore[misc]  # deliberate misuse under test
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import cast
 
 from .._validation import is_nonnegative_int, is_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -28,6 +30,13 @@ class ScheduledRequest:
             (at most ``config.num_speculative_tokens``, fewer than ``num_new_tokens``,
             0 on a request's first step), which ``runtime.accept`` may take back after
             verification (docs/speculative.md).
+        draft_parents: the drafts as a tree: per draft token (in draft order), the
+            index of its parent among the step's drafts, or -1 for the root (the
+            step's last token before the drafts, the request's last accepted token).
+            Each parent comes before its child, so ``draft_parents[i]`` is in ``-1 ..
+            i - 1``. ``None`` (the default): a chain, draft ``i``'s parent is ``i - 1``.
+            A draft token attends to the cached context, the root, its ancestors and
+            itself; trees need ``AttentionConfig.draft_tree_width`` > 1.
     """
 
     req_id: str
@@ -35,6 +44,7 @@ class ScheduledRequest:
     encoder_len: int = 0
     prefix: PrefixMatch | None = None
     num_draft_tokens: int = 0
+    draft_parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Checked here, where the engine makes it, so begin_step need not re-check
@@ -64,11 +74,41 @@ class ScheduledRequest:
                 f"num_new_tokens={self.num_new_tokens} (the step's first token is never "
                 f"a draft), got {self.num_draft_tokens!r}"
             )
+        if self.draft_parents is not None:
+            object.__setattr__(self, "draft_parents", self._checked_parents())
         if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
             raise ArgumentTypeError(
                 f"request {self.req_id!r}: prefix must be a PrefixMatch (from "
                 f"runtime.match_prefix) or None, got {type(self.prefix).__name__}"
             )
+
+
+    def _checked_parents(self) -> tuple[int, ...]:
+        given: object = self.draft_parents  # untyped callers reach here too
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+            raise ArgumentTypeError(
+                f"request {self.req_id!r}: draft_parents must be a sequence of ints (one "
+                f"parent index per draft token) or None, got {type(given).__name__}"
+            )
+        parents = tuple(cast("Sequence[object]", given))
+        if len(parents) != self.num_draft_tokens:
+            raise InvalidArgumentError(
+                f"request {self.req_id!r}: draft_parents must have one entry per draft "
+                f"token (num_draft_tokens={self.num_draft_tokens}), got {len(parents)}"
+            )
+        for i, p in enumerate(parents):
+            if isinstance(p, bool) or not isinstance(p, int) or not -1 <= p < i:
+                raise InvalidArgumentError(
+                    f"request {self.req_id!r}: draft_parents[{i}] must be an int in -1..{i - 1} "
+                    f"(-1: the root; else an earlier draft token), got {p!r}"
+                )
+        return cast("tuple[int, ...]", parents)
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether the drafts are a tree other than a chain."""
+        parents = self.draft_parents
+        return parents is not None and any(p != i - 1 for i, p in enumerate(parents))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..metadata import CommonAttentionMetadata, host_to_device
 from ..parallel import ContextParallelMismatchError, step_fingerprint
 from ..prefix_cache import Tokens
 from ._requests import ScheduledRequest, StepBatch
-from ._spec import SpeculativeCalls, step_drafts
+from ._spec import SpeculativeCalls, draft_tree_mask, step_drafts
 
 # torch.from_numpy, typed: torch leaves its parameter unannotated (pyright: Unknown).
 _from_numpy: Callable[[np.ndarray[Any, Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
@@ -103,9 +103,10 @@ class StepHost(SpeculativeCalls):
                     rows[i] = -1
         # New requests may start from a prefix hit (the steady state has none).
         prefixes, starts = (None, None) if cached else self._new_prefixes(scheduled, rows)
-        drafts = (
+        found = (
             step_drafts(self, scheduled, ids, rows) if self.config.num_speculative_tokens else None
         )
+        drafts, trees = (None, None) if found is None else found
         lens = self.manager.step_lens(rows, counts, encoder, starts)
         longest = int(lens.total.max()) if count else 0
         if longest > limits.max_model_len:
@@ -134,6 +135,9 @@ class StepHost(SpeculativeCalls):
                     prefixes = [prefixes[i] for i in moved]
                 if drafts is not None:
                     drafts = drafts[order]
+                if trees is not None:
+                    reordered: list[int] = order.tolist()
+                    trees = [trees[i] for i in reordered]
         rows = self.manager.allocate_rows(ids, rows, lens, finished=finished, prefixes=prefixes)
         if self.manager.rows_version == version:  # no request gained or lost a row
             self._last_ids, self._last_rows = given_ids, given_rows
@@ -142,9 +146,15 @@ class StepHost(SpeculativeCalls):
         contiguous = self._last_contiguous if rows is self._contiguous_rows else None
         shared = _SharedStep(lens, rows, self._to_device, contiguous)
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
+        tree = (
+            None
+            if trees is None or drafts is None
+            else draft_tree_mask(trees, drafts, lens.query, self._to_device)
+        )
         try:
             for entry in self._groups:
                 entry.common = self._common_metadata(entry.group, rows, lens, shared)
+                entry.common.draft_tree = tree
                 entry.metadata = entry.builder.build(0, entry.common)
         except BaseException as exc:
             # The cache already holds the step (builders run on its tables): a builder
@@ -158,7 +168,7 @@ class StepHost(SpeculativeCalls):
                 self.manager.prefix.discard()  # no layer runs: nothing the step fills is named
             raise
         if drafts is not None or self._verify is not None:
-            self._prepare_verify(drafts, rows, lens)
+            self._prepare_verify(drafts, trees, rows, lens)
         query_lens = tuple(lens.query.tolist())
         self._stale = None
         self._step_rows_version = self.manager.rows_version

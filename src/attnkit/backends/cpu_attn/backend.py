@@ -33,11 +33,11 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionBackend
+from ...backend import AttentionBackend, DraftTreeSupport
 from ...binding import bind_each
 from ...builder import AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, Determinism, KVCacheLayout, MultipleOf, SizeRule
-from ...config import AttentionConfig
+from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import Mask, attention_rules, rules_for
 from ...metadata import CommonAttentionMetadata
@@ -62,6 +62,8 @@ __all__ = [
     "CpuAttentionImpl",
     "CpuAttentionMetadata",
     "CpuAttentionMetadataBuilder",
+    "DraftTreeRows",
+    "draft_tree_rows",
 ]
 
 _NAME = "cpu_attn"
@@ -135,6 +137,78 @@ class CpuAttentionMetadata:
     read_step_kv: bool
     shard: tuple[int, int] | None = None
     shard_items: tuple[torch.Tensor, ...] | None = None
+    tree: DraftTreeRows | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class DraftTreeRows:
+    """A draft tree step's draft rows, recomputed after the engines ran (the native
+    kernel takes one contiguous key range per work item, and a draft's visible keys are
+    the context and its ancestors, not a range): each row is split into its runs of
+    visible keys, one work item per run with its log-sum-exp, merged per row.
+
+    Attributes:
+        queries: int64 ``[N]``: the query row of each item.
+        requests, key_start, key_end, query_pos: int32 ``[N]``: the items' block-table
+            row, key range and query position (``paged_attention_rows``).
+        group: int64 ``[N]``: each item's index in ``out_rows``.
+        out_rows: int64 ``[G]``: the draft rows written.
+    """
+
+    queries: torch.Tensor
+    requests: torch.Tensor
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    query_pos: torch.Tensor
+    group: torch.Tensor
+    out_rows: torch.Tensor
+
+
+def draft_tree_rows(cm: CommonAttentionMetadata) -> DraftTreeRows | None:
+    """The work items of the step's draft rows under its draft tree (``None``: no tree)."""
+    tree = cm.draft_tree
+    if tree is None:
+        return None
+    ends = cm.query_start_loc_cpu.numpy().astype(np.int64)[1:]
+    seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+    counts = tree.num_drafts_cpu.numpy().astype(np.int64)
+    ancestors = tree.ancestors_cpu.numpy()
+    items: list[tuple[int, int, int, int, int, int]] = []
+    out_rows: list[int] = []
+    for b in np.flatnonzero(counts).tolist():
+        nd = int(counts[b])
+        first = int(seq[b]) - nd
+        for i in range(nd):
+            row = int(ends[b]) - nd + i
+            mask = int(ancestors[row])
+            g = len(out_rows)
+            out_rows.append(row)
+            # Runs of consecutive visible drafts; the first joins the context when it
+            # starts at draft 0.
+            j = 0
+            if not mask & 1:
+                items.append((row, b, 0, first, first + i, g))
+            while j <= i:
+                if not (mask >> j) & 1:
+                    j += 1
+                    continue
+                lo = j
+                while j <= i and (mask >> j) & 1:
+                    j += 1
+                start = 0 if lo == 0 else first + lo
+                items.append((row, b, start, first + j, first + i, g))
+    arr = np.zeros((len(items), 6), dtype=np.int64)
+    for r, item in enumerate(items):
+        arr[r] = item
+    return DraftTreeRows(
+        queries=from_numpy(np.ascontiguousarray(arr[:, 0])),
+        requests=from_numpy(arr[:, 1].astype(np.int32)),
+        key_start=from_numpy(arr[:, 2].astype(np.int32)),
+        key_end=from_numpy(arr[:, 3].astype(np.int32)),
+        query_pos=from_numpy(arr[:, 4].astype(np.int32)),
+        group=from_numpy(np.ascontiguousarray(arr[:, 5])),
+        out_rows=from_numpy(np.array(out_rows, dtype=np.int64)),
+    )
 
 
 class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata, AttentionSpec]):
@@ -177,6 +251,12 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         fast_build: bool = False,
     ) -> CpuAttentionMetadata:
         cm = common_attn_metadata
+        md = self._build(cm)
+        if cm.draft_tree is not None:
+            md = dataclasses.replace(md, tree=draft_tree_rows(cm))
+        return md
+
+    def _build(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
         who = type(self).__name__
         check_causal(who, self.kind, self.causal, cm)
         if cm.context_shard is not None:
@@ -418,7 +498,65 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 value=value if m.read_step_kv else None,
                 sinks=self._sinks,
             )
+        if m.tree is not None:
+            assert k_plane is not None
+            assert v_plane is not None
+            assert m.block_table is not None
+            self._tree_rows(query, k_plane, v_plane, m.block_table, m.block_size, m.tree, output)
         return output
+
+    def _tree_rows(
+        self,
+        query: torch.Tensor,
+        k_plane: torch.Tensor,
+        v_plane: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        tree: DraftTreeRows,
+        output: torch.Tensor,
+    ) -> None:
+        """A draft tree's rows (``DraftTreeRows``): the native kernel per run of visible
+        keys, the runs merged by their log-sum-exps (the sink logit joins once)."""
+        from ...kernels.attention.cpu_decode import paged_attention_rows
+
+        if self._slopes is not None:
+            raise ValueError(
+                f"{type(self).__name__}.forward: ALiBi with draft trees is not served (a "
+                f"draft's distance would be its slot, not its depth)"
+            )
+        n = int(tree.queries.numel())
+        q = query.index_select(0, tree.queries)
+        part = torch.empty_like(q)
+        lse = torch.empty((n, query.shape[1]), dtype=torch.float32)
+        paged_attention_rows(
+            q,
+            k_plane,
+            v_plane,
+            block_table,
+            torch.arange(n, dtype=torch.int64),
+            tree.requests,
+            tree.key_start,
+            tree.key_end,
+            tree.query_pos,
+            block_size=block_size,
+            scale=self.scale,
+            output=part,
+            soft_cap=self._soft_cap,
+            lse=lse,
+        )
+        g = int(tree.out_rows.numel())
+        top = torch.full((g, lse.shape[1]), float("-inf")).scatter_reduce_(
+            0, tree.group[:, None].expand_as(lse), lse, "amax"
+        )
+        if self._sinks is not None:
+            top = torch.maximum(top, self._sinks[None, :])
+        weight = torch.exp(lse - top.index_select(0, tree.group))
+        denom = torch.zeros_like(top).index_add_(0, tree.group, weight)
+        if self._sinks is not None:
+            denom += torch.exp(self._sinks[None, :] - top)
+        acc = torch.zeros((g, *query.shape[1:]), dtype=torch.float32)
+        acc.index_add_(0, tree.group, weight[..., None] * part.float())
+        output.index_copy_(0, tree.out_rows, (acc / denom[..., None]).to(output.dtype))
 
     @override
     def forward_partial(
@@ -529,6 +667,13 @@ class CpuAttentionBackend(AttentionBackend):
         KVCacheSpecKind.SLIDING_WINDOW: Determinism.PREFIX_HIT_INVARIANT,
         KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.PREFIX_HIT_INVARIANT,
     }
+    draft_trees: ClassVar[DraftTreeSupport | None] = DraftTreeSupport(
+        kinds=frozenset({KVCacheSpecKind.FULL_ATTENTION}),
+        max_width=MAX_DRAFT_TREE_TOKENS,
+        max_depth=MAX_DRAFT_TREE_TOKENS,
+        how="draft rows recomputed by the native kernel per run of visible keys, merged "
+        "by their log-sum-exps",
+    )
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
     # Every attention kind with K and V planes: the engines take every kind's Mask
     # (causal or bidirectional, window, chunk, sink tokens), and the write plan what each

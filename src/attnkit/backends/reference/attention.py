@@ -68,6 +68,8 @@ class ReferenceAttentionMetadata:
             requests in their first step, in batch order; ``None`` when there are none.
         context_shard, global_seq_lens: ``CommonAttentionMetadata``'s, for
             ``forward_partial`` (decode context parallelism); ``None`` otherwise.
+        draft_ancestors, draft_counts: the step's draft trees
+            (``CommonAttentionMetadata.draft_tree``), else ``None``.
     """
 
     num_actual_tokens: int
@@ -83,6 +85,8 @@ class ReferenceAttentionMetadata:
     sink_slot_mapping: torch.Tensor | None = None
     context_shard: tuple[int, int] | None = None
     global_seq_lens: torch.Tensor | None = None
+    draft_ancestors: torch.Tensor | None = None
+    draft_counts: torch.Tensor | None = None
 
 
 class ReferenceAttentionBuilder(
@@ -148,6 +152,8 @@ class ReferenceAttentionBuilder(
             sink_slot_mapping=self._sink_slots(cm) if self.sink_len else None,
             context_shard=cm.context_shard,
             global_seq_lens=cm.global_seq_lens_cpu,
+            draft_ancestors=None if cm.draft_tree is None else cm.draft_tree.ancestors,
+            draft_counts=None if cm.draft_tree is None else cm.draft_tree.num_drafts,
         )
 
     def _sink_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -599,6 +605,8 @@ class ReferenceAttentionImpl(
             v_scale=self.v_scale,
             context_shard=md.context_shard,
             global_seq_lens=md.global_seq_lens,
+            draft_ancestors=md.draft_ancestors,
+            draft_counts=md.draft_counts,
             return_lse=True,
         )
         if self._lse_out is not None:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from ...backend import AttentionBackend, BackendRequest
+from ...backend import AttentionBackend, BackendRequest, DraftTreeSupport
 from ...binding import bind_builder, bind_each
 from ...capabilities import AttentionFeature, Determinism
 from ...kinds import rules_for
@@ -72,6 +72,19 @@ class ReferenceBackend(AttentionBackend):
     )
     # Every state type: each declares its reference computation.
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(STATE_TYPES)
+    # Kinds whose mask has no window or chunk (a draft's depth is not its slot).
+    draft_trees: ClassVar[DraftTreeSupport | None] = DraftTreeSupport(
+        kinds=frozenset(
+            {
+                KVCacheSpecKind.FULL_ATTENTION,
+                KVCacheSpecKind.SINK_FULL_ATTENTION,
+                KVCacheSpecKind.MLA_ATTENTION,
+            }
+        ),
+        max_width=63,
+        max_depth=63,
+        how="a dense ancestor mask per request",
+    )
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),
         bind_builder(MambaSpec, ReferenceStateBuilder, ReferenceStateImpl),

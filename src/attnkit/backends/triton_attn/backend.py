@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionBackend, BackendRequest
+from ...backend import AttentionBackend, BackendRequest, DraftTreeSupport
 from ...binding import bind_each
 from ...builder import AttentionCGSupport, AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, Determinism, SizeRange, SizeRule
-from ...config import AttentionConfig
+from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata, host_to_device
@@ -97,6 +97,9 @@ class TritonAttentionMetadata:
             layer of the group launches with it.
         scratch_block_table, scratch_slot_mapping, scratch_num_blocks: encoder-only
             layers: where each token's key/value go in the per-step scratch cache.
+        draft_ancestors, draft_counts: the step's draft trees
+            (``CommonAttentionMetadata.draft_tree``; in CUDA-graph builds, views of the
+            builder's fixed buffers), else ``None``.
 
     In eager builds the tensors are ``CommonAttentionMetadata``'s own (no copies); in
     CUDA-graph builds they are views of the builder's fixed-address buffers, valid
@@ -118,6 +121,8 @@ class TritonAttentionMetadata:
     scratch_block_table: torch.Tensor | None = None
     scratch_slot_mapping: torch.Tensor | None = None
     scratch_num_blocks: int = 0
+    draft_ancestors: torch.Tensor | None = None
+    draft_counts: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +203,7 @@ class TritonAttentionMetadataBuilder(
         self._plan_paged_attention = plan_paged_attention
         self._invariant_block_q = BLOCK_Q_MAX
         self._graph: GraphBuffers | None = None
+        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @override
     def build(
@@ -264,6 +270,8 @@ class TritonAttentionMetadataBuilder(
             scratch_block_table=scratch.block_table,
             scratch_slot_mapping=scratch.slot_mapping,
             scratch_num_blocks=scratch.num_blocks,
+            draft_ancestors=None if cm.draft_tree is None else cm.draft_tree.ancestors,
+            draft_counts=None if cm.draft_tree is None else cm.draft_tree.num_drafts,
         )
 
     def _scratch_layout(self, cm: CommonAttentionMetadata) -> _ScratchLayout:
@@ -310,6 +318,7 @@ class TritonAttentionMetadataBuilder(
                 f"CUDA graph yet (its metadata is not copied into the graph buffers)"
             )
         step = self._graph_buffers().load(type(self).__name__, cm)
+        tree = self._tree_buffers(cm)
         # The tile offsets are computed on the device into a fixed buffer, and the grid
         # is the plan's shape-only bound, so every batch of this shape replays.
         plan = self._plan_paged_attention(
@@ -341,7 +350,30 @@ class TritonAttentionMetadataBuilder(
             chunk_size=self.chunk_size,
             num_splits=0,
             plan=plan,
+            draft_ancestors=tree[0],
+            draft_counts=tree[1],
         )
+
+    def _tree_buffers(
+        self, cm: CommonAttentionMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A capture build's draft tree in fixed buffers (``max_num_batched_tokens`` rows
+        of ancestors, ``max_num_reqs`` counts; rows past the step are zero), or nothing
+        without a tree."""
+        tree = cm.draft_tree
+        if tree is None:
+            return None, None
+        if self._tree is None:
+            self._tree = (
+                torch.zeros(self.config.max_num_batched_tokens, dtype=torch.int64, device=self.device),
+                torch.zeros(self.config.max_num_reqs, dtype=torch.int32, device=self.device),
+            )
+        anc, counts = self._tree
+        anc.zero_()
+        counts.zero_()
+        anc[: tree.ancestors.shape[0]].copy_(tree.ancestors, non_blocking=True)
+        counts[: tree.num_drafts.shape[0]].copy_(tree.num_drafts, non_blocking=True)
+        return anc, counts[: cm.num_reqs]
 
     def _graph_buffers(self) -> GraphBuffers:
         if self._graph is None:
@@ -545,6 +577,8 @@ class TritonAttentionImpl(
             output=output,
             lse=lse,
             workspace=workspace,
+            draft_ancestors=m.draft_ancestors,
+            draft_counts=m.draft_counts,
         )
         return output
 
@@ -593,6 +627,13 @@ class TritonAttentionBackend(AttentionBackend):
         KVCacheSpecKind.SLIDING_WINDOW: Determinism.BATCH_INVARIANT,
         KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.BATCH_INVARIANT,
     }
+    draft_trees: ClassVar[DraftTreeSupport | None] = DraftTreeSupport(
+        kinds=frozenset({KVCacheSpecKind.FULL_ATTENTION}),
+        max_width=MAX_DRAFT_TREE_TOKENS,
+        max_depth=MAX_DRAFT_TREE_TOKENS,
+        how="an int64 ancestor bitmask per query row, applied in the key tile of the "
+        "one-pass and split-KV kernels",
+    )
     builders = bind_each(
         (
             FullAttentionSpec,

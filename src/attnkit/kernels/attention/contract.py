@@ -59,6 +59,13 @@ Masks
     attention) further requires ``j // C == i // C``. Both need ``causal=True`` and at
     most one of them may be given.
 
+Draft trees
+    ``draft_ancestors`` int64 ``[T]`` with ``draft_counts`` int32 ``[B]`` (both or
+    neither, ``causal=True``): request ``b``'s last ``n = draft_counts[b]`` positions
+    are draft tokens, and query row ``t`` sees key ``j >= seq_len - n`` only where bit
+    ``j - (seq_len - n)`` of ``draft_ancestors[t]`` is set (its ancestors and itself);
+    earlier keys follow the causal mask. Rows that are no draft hold 0.
+
 Scores
     ``s = scale * (q . k)``; then, with ``logits_soft_cap=cap``, ``s = cap * tanh(s / cap)``;
     then, with ``alibi_slopes``, ``s += slope[h] * (j - i)`` (``<= 0`` for past keys);
@@ -106,6 +113,7 @@ __all__ = [
     "check_block_table_width",
     "check_cache_layout",
     "check_context_shard",
+    "check_draft_tree",
     "check_head_vector",
     "check_index_layout",
     "check_index_tensor",
@@ -264,6 +272,30 @@ def check_cache_layout(kv_cache: object, query: Tensor) -> Tensor:
         )
     check_num_heads(query.shape[1], kv_cache.shape[3])
     return kv_cache
+
+
+def check_draft_tree(
+    draft_ancestors: object, draft_counts: object, num_tokens: int, num_reqs: int, causal: bool
+) -> tuple[Tensor, Tensor] | None:
+    """A draft tree's masks: ``draft_ancestors`` int64 ``[T']`` (a row per query token
+    at least; the caller's contract, not read back) and ``draft_counts`` int32 ``[B]``,
+    both or neither, with ``causal=True``; ``None`` without a tree."""
+    if draft_ancestors is None and draft_counts is None:
+        return None
+    if draft_ancestors is None or draft_counts is None:
+        missing = "draft_ancestors" if draft_ancestors is None else "draft_counts"
+        raise ValueError(f"{missing}: expected a tensor with the other draft-tree argument, got None")
+    if not causal:
+        raise ValueError("draft_ancestors: expected None with causal=False (drafts are causal)")
+    anc = require_tensor("draft_ancestors", draft_ancestors, "an int64 torch.Tensor [T]")
+    # A capture buffer may be longer than the step; its rows past the queries are unread.
+    if anc.dtype != torch.int64 or anc.dim() != 1 or anc.shape[0] < min(num_tokens, 1):
+        raise ValueError(
+            f"draft_ancestors: expected int64 of shape [T'] (a row per query token, "
+            f"T={num_tokens}), got {describe(anc)}"
+        )
+    counts = check_index_layout("draft_counts", draft_counts, (num_reqs,))
+    return anc, counts
 
 
 def check_index_layout(name: str, t: object, shape: tuple[int, ...]) -> Tensor:

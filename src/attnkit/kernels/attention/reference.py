@@ -22,6 +22,7 @@ from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_fl
 from attnkit.kernels.attention.contract import (
     check_batch_layout,
     check_cache_layout,
+    check_draft_tree,
     check_head_vector,
     check_kv_scale,
     check_logits_soft_cap,
@@ -254,6 +255,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    draft_visible: Tensor | None = ...,
     return_lse: Literal[False] = ...,
 ) -> Tensor: ...
 
@@ -273,6 +275,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    draft_visible: Tensor | None = ...,
     return_lse: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
 
@@ -292,6 +295,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    draft_visible: Tensor | None = ...,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
@@ -310,6 +314,7 @@ def dense_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    draft_visible: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence's queries over its keys and values (no cache).
@@ -329,6 +334,8 @@ def dense_attention(
         logits_soft_cap: ``cap > 0`` for ``cap * tanh(s / cap)``, or None.
         alibi_slopes: float ``[Hq]`` slopes, or None.
         sinks: float ``[Hq]`` sink logits, or None.
+        draft_visible: bool ``[Tq, Tk]``, a draft tree's mask (``_draft_tree_visible``)
+            ANDed into the others, or None.
         return_lse: also return the float32 ``[Tq, Hq]`` log-sum-exp.
 
     Returns:
@@ -403,6 +410,13 @@ def dense_attention(
         sliding_window=sliding_window,
         chunk_size=chunk_size,
     )
+    if draft_visible is not None:
+        if draft_visible.shape != visible.shape or draft_visible.dtype != torch.bool:
+            raise ValueError(
+                f"draft_visible must be bool of shape [Tq, Tk]={list(visible.shape)}, got "
+                f"{_describe(draft_visible)}"
+            )
+        visible &= draft_visible.to(visible.device)
     # Keys no query may see are zeroed, not just given weight 0: their slots may hold
     # anything (a released block reads as the null block, a block's tail was never
     # written), and 0 * NaN would still be NaN. A NaN in a *visible* slot stays and
@@ -446,6 +460,16 @@ def dense_attention(
 
 
 # --------------------------------------------------------------------------- paged
+
+
+def _draft_tree_visible(ancestors: Tensor, num_drafts: int, seq_len: int) -> Tensor:
+    """Bool ``[q_len, seq_len]``: where one request's query rows may look under its draft
+    tree (its last ``num_drafts`` keys only where the row's ancestor bit is set)."""
+    first = seq_len - num_drafts
+    j = torch.arange(seq_len, device=ancestors.device)
+    bit = (j - first).clamp(min=0)
+    seen = (ancestors.to(torch.int64)[:, None] >> bit[None, :]) & 1
+    return (j[None, :] < first) | (seen == 1)
 
 
 def _check_shard(
@@ -570,6 +594,8 @@ def paged_attention(
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
+    draft_ancestors: Tensor | None = ...,
+    draft_counts: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: Literal[False] = ...,
 ) -> Tensor: ...
@@ -594,6 +620,8 @@ def paged_attention(
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
+    draft_ancestors: Tensor | None = ...,
+    draft_counts: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
@@ -618,6 +646,8 @@ def paged_attention(
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
+    draft_ancestors: Tensor | None = ...,
+    draft_counts: Tensor | None = ...,
     output: Tensor | None = ...,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
@@ -641,6 +671,8 @@ def paged_attention(
     v_scale: float = 1.0,
     context_shard: tuple[int, int] | None = None,
     global_seq_lens: Tensor | None = None,
+    draft_ancestors: Tensor | None = None,
+    draft_counts: Tensor | None = None,
     output: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -668,6 +700,9 @@ def paged_attention(
             ``global_seq_lens``.
         global_seq_lens: int ``[B]`` every request's whole length (queries included),
             which places its queries; with ``context_shard`` only.
+        draft_ancestors, draft_counts: a verify step's draft trees (the contract's
+            "Draft trees"): int64 ``[T]`` per query row the drafts it sees, int32 ``[B]``
+            each request's drafts; or None.
         output: optional ``[T, Hq, D]`` tensor of the query dtype to write into (and
             return); padding rows are set to 0.
         return_lse: also return the float32 ``[T, Hq]`` log-sum-exp (``-inf`` on padding).
@@ -703,6 +738,9 @@ def paged_attention(
         sinks=sinks,
     )
     num_tokens, num_q_heads, _ = query.shape
+    tree = check_draft_tree(
+        draft_ancestors, draft_counts, num_tokens, seq_lens.shape[0], causal and shard is None
+    )
     if output is None:
         output = torch.empty_like(query)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
@@ -734,6 +772,9 @@ def paged_attention(
             logits_soft_cap=logits_soft_cap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            draft_visible=None
+            if tree is None
+            else _draft_tree_visible(tree[0][q_start:q_end], int(tree[1][b]), seq_len),
             return_lse=True,
         )
         output[q_start:q_end] = out_b

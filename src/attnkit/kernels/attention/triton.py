@@ -86,6 +86,7 @@ from attnkit.kernels._triton.interpret import INTERPRETED
 from attnkit.kernels.attention.contract import (
     FP8_DTYPE,
     check_cache_layout,
+    check_draft_tree,
     check_head_vector,
     check_kv_scale,
     check_logits_soft_cap,
@@ -212,6 +213,8 @@ def paged_attention(
     output: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: SplitKVWorkspace | None = None,
+    draft_ancestors: torch.Tensor | None = None,
+    draft_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, D]`` over the paged ``kv_cache`` for a planned step.
 
@@ -234,6 +237,9 @@ def paged_attention(
         lse: optional float32 ``[T, Hq]`` to receive the natural-log lse (sink included).
         workspace: split-KV scratch (:func:`split_kv_workspace`); allocated per call when
             the plan uses split-KV and none is given; ignored otherwise.
+        draft_ancestors, draft_counts: a verify step's draft trees (int64 ``[T']`` per
+            query row, int32 ``[B]``; the contract's "Draft trees"), on the plan device;
+            read by the kernels only, so capture buffers replay with new trees.
 
     Returns:
         ``output`` (allocated when not given).
@@ -284,6 +290,12 @@ def paged_attention(
                 f"output: expected dtype {query.dtype} (the query dtype), got {output.dtype}"
             )
         check_device("output", output, device)
+    tree = check_draft_tree(
+        draft_ancestors, draft_counts, num_tokens, plan.num_reqs, plan.causal
+    )
+    if tree is not None:
+        check_device("draft_ancestors", tree[0], device)
+        check_device("draft_counts", tree[1], device)
     if plan.num_splits and workspace is not None:
         workspace = _check_workspace(
             workspace, plan.num_splits, num_tokens, num_q_heads, head_dim, device
@@ -321,6 +333,9 @@ def paged_attention(
         "block_table_ptr": plan.block_table,
         "tile_offsets_ptr": plan.tile_offsets,
         "alibi_slopes_ptr": alibi_slopes if alibi_slopes is not None else plan.seq_lens,
+        "draft_anc_ptr": tree[0] if tree is not None else plan.seq_lens,
+        "draft_counts_ptr": tree[1] if tree is not None else plan.seq_lens,
+        "USE_TREE": tree is not None,
         "k_scale_ptr": k_ptr,
         "v_scale_ptr": v_ptr,
         "scale": scale,
@@ -406,7 +421,9 @@ def paged_attention(
         stride_ls=part_lse.stride(0),
         stride_lt=part_lse.stride(1),
         stride_lh=part_lse.stride(2),
-        num_stages=shape.split_num_stages,
+        # The tree mask's registers: one pipeline stage fewer keeps the partial kernel
+        # from spilling (compile report: 128 registers at 8 warps on sm_90 / sm_100).
+        num_stages=shape.split_num_stages if tree is None else min(shape.split_num_stages, 2),
         **{**common, "num_warps": shape.split_num_warps or shape.num_warps},
     )
     merge_split_kv(workspace, output, plan, lse=lse, sinks=sinks)

@@ -37,6 +37,8 @@ def _unified_attention_kernel(
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
+    draft_anc_ptr,
+    draft_counts_ptr,
     sinks_ptr,
     k_scale_ptr,
     v_scale_ptr,
@@ -87,6 +89,7 @@ def _unified_attention_kernel(
     FP8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    USE_TREE: tl.constexpr = False,
 ):
     # Padded extents exist because tl.arange needs powers of two; every load and store
     # below masks the padding lanes (dims >= HEAD_DIM, heads >= GROUP).
@@ -180,6 +183,15 @@ def _unified_attention_kernel(
         )
         if DOT_IN_FP32:
             q = q.to(tl.float32)
+        # A draft tree: each row's ancestor bitmask, and where the request's drafts start.
+        tree_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_hi = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_first = seq_len
+        if USE_TREE:
+            anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            tree_lo = (anc & 0xFFFFFFFF).to(tl.int32)
+            tree_hi = (anc >> 32).to(tl.int32)
+            tree_first = seq_len - tl.load(draft_counts_ptr + request)
 
         # Key range [kv_begin, kv_end) that at least one row of this step can see: the
         # loop skips tiles no row needs, and every key outside it is loaded as 0. The
@@ -257,6 +269,10 @@ def _unified_attention_kernel(
                 query_ptr.dtype.element_ty,
                 DOT_PRECISION,
                 DOT_IN_FP32,
+                tree_lo,
+                tree_hi,
+                tree_first,
+                USE_TREE,
             )
 
         # l_i == 0 only for rows that see no key and have no sink (padding rows, or an
@@ -288,6 +304,8 @@ def _split_kv_partial_kernel(
     block_table_ptr,
     tile_offsets_ptr,
     alibi_slopes_ptr,
+    draft_anc_ptr,
+    draft_counts_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale,
@@ -338,6 +356,7 @@ def _split_kv_partial_kernel(
     FP8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    USE_TREE: tl.constexpr = False,
 ):
     # Padded extents exist because tl.arange needs powers of two; loads and stores mask
     # the padding lanes (dims >= HEAD_DIM, heads >= GROUP, tokens past the tile).
@@ -422,6 +441,15 @@ def _split_kv_partial_kernel(
         )
         if DOT_IN_FP32:
             q = q.to(tl.float32)
+        # A draft tree: each row's ancestor bitmask, and where the request's drafts start.
+        tree_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_hi = tl.zeros([BLOCK_M], dtype=tl.int32)
+        tree_first = seq_len
+        if USE_TREE:
+            anc = tl.load(draft_anc_ptr + q_token, mask=row_valid, other=0)
+            tree_lo = (anc & 0xFFFFFFFF).to(tl.int32)
+            tree_hi = (anc >> 32).to(tl.int32)
+            tree_first = seq_len - tl.load(draft_counts_ptr + request)
 
         # Keys any row of this step can see: [kv_begin, kv_end).
         first_q_pos = context_len + step_start
@@ -498,6 +526,10 @@ def _split_kv_partial_kernel(
                 query_ptr.dtype.element_ty,
                 DOT_PRECISION,
                 DOT_IN_FP32,
+                tree_lo,
+                tree_hi,
+                tree_first,
+                USE_TREE,
             )
 
         # A row that saw no key in this split (l_i == 0) gets output 0 and lse -inf.

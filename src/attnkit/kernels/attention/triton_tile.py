@@ -3,6 +3,7 @@
 * :func:`load_kv_tile`: the masked K/V tile load (fp8 bit patterns decoded exactly
   under the Triton interpreter, :func:`attnkit.kernels._triton.fp8.e4m3_bits_to_f32`);
 * :func:`mask_scores`: the causal / sliding-window / chunked-local visibility mask;
+* :func:`mask_draft_tree`: a verify step's draft-tree mask (the contract's "Draft trees");
 * :func:`online_softmax_update`: one step of the online softmax and of the ``P @ V``
   accumulation;
 * :func:`attend_kv_tile`: one key tile of either paged-attention kernel (load K/V,
@@ -20,7 +21,14 @@ import triton.language as tl
 
 from attnkit.kernels._triton.fp8 import e4m3_bits_to_f32
 
-__all__ = ["attend_kv_tile", "load_kv_tile", "mask_scores", "online_softmax_update", "tanh"]
+__all__ = [
+    "attend_kv_tile",
+    "load_kv_tile",
+    "mask_draft_tree",
+    "mask_scores",
+    "online_softmax_update",
+    "tanh",
+]
 
 
 @triton.jit
@@ -69,6 +77,18 @@ def mask_scores(
         visible = visible & (k_pos[None, :] // chunk == q_pos[:, None] // chunk)
     # Select, never multiply: a masked score may be NaN (garbage key) or inf.
     return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def mask_draft_tree(s, anc_lo, anc_hi, k_pos, tree_first):
+    """``s`` ``[M, N]`` with the draft keys (positions ``>= tree_first``) a row's
+    ancestor bitmask does not name set to ``-inf``; the int64 mask comes as its two
+    int32 halves ``anc_lo``, ``anc_hi`` ``[M]`` (32-bit shifts over the tile keep the
+    register footprint of the decode kernels)."""
+    bit = tl.maximum(k_pos - tree_first, 0)
+    word = tl.where(bit[None, :] < 32, anc_lo[:, None], anc_hi[:, None])
+    named = ((word >> (bit[None, :] & 31)) & 1) != 0
+    return tl.where((k_pos[None, :] < tree_first) | named, s, float("-inf"))
 
 
 @triton.jit
@@ -128,6 +148,10 @@ def attend_kv_tile(
     P_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    tree_lo,
+    tree_hi,
+    tree_first,
+    USE_TREE: tl.constexpr,
 ):
     """One key tile of the online softmax: load K (``k_ptrs``) and V (``k_ptrs +
     stride_ckv``) under ``kv_mask``, score, modify, mask and fold into ``(m_i, l_i,
@@ -137,7 +161,10 @@ def attend_kv_tile(
     without a soft-cap, in the natural one with it (the cap applies to natural-log
     scores and the result is moved to log2 here). ``slope`` is the ALiBi slope per row
     times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
-    the caller may read; ``mask_scores`` adds the per-row visibility.
+    the caller may read; ``mask_scores`` adds the per-row visibility, and with
+    ``USE_TREE`` ``mask_draft_tree`` the draft tree's (``tree_lo``, ``tree_hi`` ``[M]``
+    the int32 halves of each row's ancestor bitmask, ``tree_first`` the request's first
+    draft position).
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
@@ -152,5 +179,7 @@ def attend_kv_tile(
     s = mask_scores(
         s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
     )
+    if USE_TREE:
+        s = mask_draft_tree(s, tree_lo, tree_hi, k_pos, tree_first)
     # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
     return online_softmax_update(s, v, m_i, l_i, acc, P_DTYPE, DOT_PRECISION, DOT_IN_FP32)
