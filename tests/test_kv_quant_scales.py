@@ -472,3 +472,24 @@ def test_backends_command_shows_the_capability() -> None:
     assert "int8_per_token_head" in triton.split("kv cache dtypes:")[1].split("\n")[0]
     cpu = text[text.index("  cpu_attn ") :].split("\n  flash_attn")[0]
     assert "per_head_quant_scales" not in cpu
+
+
+def test_prefix_caching_names_per_head_scales() -> None:
+    """Per-head scales enter a group's prefix-cache namespace (other scales: other bytes)."""
+    from attnkit.prefix_cache import group_namespace
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=H, head_size=D, dtype=torch.float32, kv_cache_dtype="fp8_e4m3")
+    a = group_namespace(spec, k_scales=[torch.tensor((1.0, 2.0, 3.0, 4.0), dtype=torch.float64)], v_scales=[1.0])
+    b = group_namespace(spec, k_scales=[torch.tensor((1.0, 2.0, 3.0, 5.0), dtype=torch.float64)], v_scales=[1.0])
+    assert a != b
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    runtime = AttentionRuntime(
+        {"l0": spec},
+        AttentionConfig(backend="reference", prefix_caching={"enabled": True}),
+        device="cpu",
+        memory_budget_bytes=1 << 20,
+        layer_params={"l0": AttentionLayerParams(num_heads=H, k_scale=(0.5,) * H, v_scale=(0.25,) * H)},
+        registry=reg,
+    )
+    q, k, v = _inputs(MAGS_FP8, 17, seed=13)
+    _run_runtime(runtime, q, k, v)
