@@ -154,11 +154,25 @@ def _attention_tensors(
     dtype, d, bs = DT[p["dtype"]], p["head"], p["block"]
     hkv = p.get("kv_heads", 2)
     query = torch.zeros(q_len, hq, d, dtype=dtype)
-    cache = torch.zeros(4, 2, bs, hkv, d, dtype=FP8 if p["kv"] == "fp8" else dtype)
-    extra: dict[str, Any] = {}
-    if p["kv"] == "fp8":
-        extra = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    cache, extra = _kv_cache(p["kv"], bs, hkv, d, dtype)
     return query, cache, extra
+
+
+def _kv_cache(
+    kv: str, bs: int, hkv: int, d: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A 4-block cache of case ``kv`` and its scale arguments: ``same`` (the model
+    dtype), ``fp8`` (per-tensor scales), ``fp8_head`` (one scale per K/V head),
+    ``fp8_tok`` / ``int8_tok`` (per-token-head scales beside the cache)."""
+    cache_dtype = {"same": dtype, "int8_tok": torch.int8}.get(kv, FP8)
+    cache = torch.zeros(4, 2, bs, hkv, d, dtype=cache_dtype)
+    if kv == "fp8":
+        return cache, {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    if kv == "fp8_head":
+        return cache, {"k_scale": torch.ones(hkv), "v_scale": torch.ones(hkv)}
+    if kv in ("fp8_tok", "int8_tok"):
+        return cache, {"kv_scales": torch.ones(4, 2, bs, hkv)}
+    return cache, {}
 
 
 def run_unified(p: dict[str, Any]) -> None:
@@ -273,10 +287,7 @@ def run_kv_write(p: dict[str, Any]) -> None:
 
     dtype = DT[p["dtype"]]
     key = torch.zeros(4, 2, p["head"], dtype=dtype)
-    cache = torch.zeros(4, 2, p["block"], 2, p["head"], dtype=FP8 if p["kv"] == "fp8" else dtype)
-    extra: dict[str, Any] = {}
-    if p["kv"] == "fp8":
-        extra = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    cache, extra = _kv_cache(p["kv"], p["block"], 2, p["head"], dtype)
     write_kv_cache(key, key.clone(), cache, torch.arange(4), **extra)
 
 
@@ -503,7 +514,15 @@ def _grid(**axes: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
 
 # Cache dtypes triton_attn may declare -> the report's case names; a new declared cache
 # dtype fails loudly here until the report knows how to build its cache.
-KV_CASE = {"auto": "same", "fp8_e4m3": "fp8"}
+KV_CASE = {
+    "auto": "same",
+    "fp8_e4m3": "fp8",
+    "fp8_e4m3_per_token_head": "fp8_tok",
+    "int8_per_token_head": "int8_tok",
+}
+# Per-head static scales are a layer option on an fp8_e4m3 cache, not a cache dtype:
+# the --full grid adds them beside it.
+KV_EXTRA_CASES = {"fp8": ("fp8_head",)}
 
 
 def representative_sizes(rule: tuple[Any, ...], cap: int = 256) -> tuple[int, ...]:
@@ -538,7 +557,11 @@ def declared_attention_grid(**axes: tuple[Any, ...]) -> tuple[dict[str, Any], ..
     from attnkit.backends.triton_attn import TritonAttentionBackend as backend
 
     dtypes = tuple(name for name, dt in DT.items() if dt in backend.supported_dtypes)
-    kvs = tuple(KV_CASE[k] for k in sorted(backend.supported_kv_cache_dtypes))
+    kvs = tuple(
+        case
+        for k in sorted(backend.supported_kv_cache_dtypes)
+        for case in (KV_CASE[k], *KV_EXTRA_CASES.get(KV_CASE[k], ()))
+    )
     blocks = tuple(b for b in backend.supported_block_sizes if isinstance(b, int))
     heads = representative_sizes(backend.supported_head_sizes)
     return _grid(head=heads, dtype=dtypes, kv=kvs, block=blocks, **axes)
@@ -570,6 +593,10 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=128, q_len=1),
             _attn(head=128, q_len=128, dtype="bf16", block=64),
             _attn(head=128, q_len=128, kv="fp8"),
+            # Per-head static scales, and per-token-head int8 and fp8 caches.
+            _attn(head=128, q_len=128, kv="fp8_head"),
+            _attn(head=128, q_len=128, kv="int8_tok"),
+            _attn(head=128, q_len=1, dtype="bf16", kv="fp8_tok"),
             # triton_mla's up-projected prefill at DeepSeek-V3 widths: keys 128 + 64,
             # one query head per KV head.
             _attn(head=192, q_len=128, dtype="bf16", block=64, kv_heads=8),
@@ -598,6 +625,9 @@ FAMILIES: tuple[Family, ...] = (
         default=(
             _attn(head=128, splits=4),
             _attn(head=256, splits=4, kv="fp8"),
+            _attn(head=128, splits=4, kv="fp8_head"),
+            _attn(head=128, splits=4, dtype="bf16", kv="int8_tok"),
+            _attn(head=128, splits=4, kv="fp8_tok"),
             _attn(head=128, splits=4, dtype="bf16", shard=4),
             _attn(head=128, splits=4, dtype="bf16", tree=7),
         ),
@@ -648,6 +678,9 @@ FAMILIES: tuple[Family, ...] = (
         default=(
             {"dtype": "fp16", "kv": "same", "block": 16, "head": 128},
             {"dtype": "bf16", "kv": "fp8", "block": 16, "head": 128},
+            {"dtype": "bf16", "kv": "fp8_head", "block": 16, "head": 128},
+            {"dtype": "bf16", "kv": "fp8_tok", "block": 16, "head": 128},
+            {"dtype": "fp16", "kv": "int8_tok", "block": 16, "head": 128},
         ),
         full=declared_attention_grid(),
     ),
@@ -788,7 +821,9 @@ def undeclared_reasons(family: str, case: dict[str, Any], cap: int) -> list[str]
     common: dict[str, Any] = {
         "block_size": case.get("block", 16),
         "dtype": DT[case["dtype"]],
-        "kv_cache_dtype": "fp8_e4m3" if case["kv"] == "fp8" else "auto",
+        "kv_cache_dtype": {v: k for k, v in KV_CASE.items()}.get(
+            case["kv"], "fp8_e4m3" if case["kv"] == "fp8_head" else "auto"
+        ),
     }
     spec: AttentionSpec
     backend: type[TritonAttentionBackend] | type[TritonMLABackend]

@@ -354,6 +354,7 @@ def test_layer_params_features() -> None:
         sinks=torch.zeros(4),
         return_lse=True,
         index_topk=2048,
+        k_scale=(1.0, 2.0),
     )
     # Every feature a layer's parameters can ask for; context_parallel is asked by the
     # runtime for a sharded group, mla_projection by an MLAProjection (tested with MLA).
@@ -385,12 +386,12 @@ def test_layer_params_features() -> None:
         ),
         pytest.param(
             {"num_heads": 2, "k_scale": 0.0},
-            r"k_scale must be a finite float > 0, got 0.0",
+            r"k_scale must be a finite float > 0 or a tuple of one per K/V head, got 0.0",
             id="k-scale",
         ),
         pytest.param(
             {"num_heads": 2, "v_scale": float("inf")},
-            r"v_scale must be a finite float > 0, got inf",
+            r"v_scale must be a finite float > 0 or a tuple of one per K/V head, got inf",
             id="v-scale",
         ),
         pytest.param(

@@ -67,7 +67,7 @@ STATELESS: list[Any] = [
     pytest.param(attn(head_size=0), InvalidArgumentError, r"head_size must be a positive int, got 0", id="spec-head-size-0"),
     pytest.param(attn(dtype="float32"), InvalidArgumentError, r"dtype must be a torch.dtype among \(bfloat16, float16, float32\), got 'float32'", id="spec-dtype-str"),
     pytest.param(attn(dtype=torch.int32), InvalidArgumentError, r"dtype must be a torch.dtype among .*got torch.int32", id="spec-dtype-int"),
-    pytest.param(attn(kv_cache_dtype="int4"), InvalidArgumentError, r"kv_cache_dtype must be one of \('auto', .*'fp8_e5m2'\), got 'int4'", id="spec-kv-dtype"),
+    pytest.param(attn(kv_cache_dtype="int4"), InvalidArgumentError, r"kv_cache_dtype must be one of \('auto', .*'int8_per_token_head'\), got 'int4'", id="spec-kv-dtype"),
     pytest.param(lambda: SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=F32, sliding_window=0), InvalidArgumentError, r"sliding_window must be a positive int, got 0", id="spec-window-0"),
     pytest.param(lambda: SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=F32, sliding_window=None), InvalidArgumentError, r"sliding_window must be a positive int, got None", id="spec-window-none"),
     pytest.param(lambda: ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=F32, attention_chunk_size=-1), InvalidArgumentError, r"attention_chunk_size must be a positive int, got -1", id="spec-chunk-negative"),

@@ -686,7 +686,7 @@ def test_non_positive_int_fields_raise(
             "kv_cache_dtype",
             "fp8",
             "FullAttentionSpec.kv_cache_dtype must be one of ('auto', 'float32', 'float16', "
-            "'bfloat16', 'fp8_e4m3', 'fp8_e5m2'), got 'fp8'",
+            "'bfloat16', 'fp8_e4m3', 'fp8_e5m2', 'fp8_e4m3_per_token_head', 'int8_per_token_head'), got 'fp8'",
             id="kv_cache_dtype-fp8",
         ),
         pytest.param(
@@ -694,7 +694,7 @@ def test_non_positive_int_fields_raise(
             "kv_cache_dtype",
             torch.float16,
             "MLAAttentionSpec.kv_cache_dtype must be one of ('auto', 'float32', 'float16', "
-            "'bfloat16', 'fp8_e4m3', 'fp8_e5m2'), got torch.float16",
+            "'bfloat16', 'fp8_e4m3', 'fp8_e5m2', 'fp8_e4m3_per_token_head', 'int8_per_token_head'), got torch.float16",
             id="kv_cache_dtype-torch-dtype",
         ),
         pytest.param(

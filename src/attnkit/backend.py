@@ -261,6 +261,11 @@ class AttentionBackend(ABC):
                 f"block_size={spec.block_size} not supported "
                 f"(supported: {format_sizes(cls.supported_block_sizes)})"
             )
+        if AttentionFeature.PER_HEAD_QUANT_SCALES in request.features and rules_for(spec).latent:
+            reasons.append(
+                f"per_head_quant_scales not supported for {spec.kind.value} layers: an MLA "
+                f"latent is shared by every head and keeps one per-tensor scale"
+            )
         if request.num_heads is not None and request.num_heads % spec.num_kv_heads != 0:
             reasons.append(
                 f"num_heads={request.num_heads} is not a multiple of "

@@ -120,6 +120,10 @@ class AttentionFeature(str, enum.Enum):
     """MLA layers of DeepSeek sparse attention (``AttentionLayerParams.index_topk``): the
     impl attends only to the positions a ``SparseSelection`` names
     (``AttentionImpl.forward_sparse``)."""
+    PER_HEAD_QUANT_SCALES = "per_head_quant_scales"
+    """An fp8 cache quantised with one static scale per K/V head (``k_scale`` /
+    ``v_scale`` tuples of ``AttentionLayerParams``): the KV write divides and the
+    attention multiplies by the head's own scale."""
 
     @override
     def __str__(self) -> str:

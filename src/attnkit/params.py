@@ -43,6 +43,8 @@ __all__ = [
     "attention_params_problems",
     "check_state_shapes",
     "mla_projection_problems",
+    "quant_scale_problems",
+    "rank_layer_params",
 ]
 
 
@@ -149,6 +151,43 @@ class MLAProjection:
         return int(self.w_uv.shape[2])
 
 
+def _check_quant_scale(name: str, value: object) -> None:
+    """A per-tensor scale (a finite number > 0) or a non-empty tuple of them (per head)."""
+    where = f"AttentionLayerParams.{name}"
+    if isinstance(value, tuple):
+        items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]  # narrowed from object
+        if not items:
+            raise InvalidArgumentError(
+                f"{where} must be a finite float > 0 or a tuple of one per K/V head, got ()"
+            )
+        for i, item in enumerate(items):
+            if not _positive_scale(item):
+                raise InvalidArgumentError(
+                    f"{where}[{i}] must be a finite float > 0 (the scale of K/V head {i}), "
+                    f"got {item!r}"
+                )
+        return
+    if not _positive_scale(value):
+        raise InvalidArgumentError(
+            f"{where} must be a finite float > 0 or a tuple of one per K/V head, got {value!r}"
+        )
+
+
+def _positive_scale(value: object) -> bool:
+    return (
+        isinstance(value, float | int)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _per_head(scale: float | tuple[float, ...], num_kv_heads: int) -> tuple[float, ...]:
+    if isinstance(scale, tuple):
+        return tuple(float(s) for s in scale)
+    return (float(scale),) * num_kv_heads
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionLayerParams:
     """What one attention layer needs beyond its cache spec.
@@ -165,8 +204,14 @@ class AttentionLayerParams:
             spec's ``head_size``.
         sink_key, sink_value: ``[sink_len, Hkv, D]`` learned sink tokens of a
             ``sink_full_attention`` layer, written in front of every request's context.
-        k_scale, v_scale: per-tensor scales of an fp8 cache: the cache stores
-            ``key / k_scale`` (and ``value / v_scale``); 1.0 for other caches.
+        k_scale, v_scale: quantisation scales of an fp8 cache: the cache stores
+            ``key / k_scale`` (and ``value / v_scale``); 1.0 for other caches. A float
+            is one scale for the tensor; a tuple of ``num_kv_heads`` floats is one per
+            K/V head (calibrated offline; the ``per_head_quant_scales`` feature, an
+            ``fp8_e4m3`` cache): head ``n`` stores ``key[:, n] / k_scale[n]``.
+            Tensor parallelism slices them with the heads (``rank_layer_params``).
+            A ``*_per_token_head`` cache computes its scales per token when it writes,
+            so these stay 1.0.
         mla_projection: MLA layers only, opt-in: ``W_UK``/``W_UV`` for an impl that
             applies them itself (the ``mla_projection`` feature). The layer then takes
             the un-absorbed query ``[T, H, N + P]`` and returns ``[T, H, V]``;
@@ -187,8 +232,8 @@ class AttentionLayerParams:
     v_head_size: int | None = None
     sink_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     sink_value: torch.Tensor | None = dataclasses.field(default=None, compare=False)
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
     mla_projection: MLAProjection | None = dataclasses.field(default=None, compare=False)
     index_topk: int | None = None
 
@@ -219,11 +264,7 @@ class AttentionLayerParams:
                 f"got {list(self.sinks.shape)}"
             )
         for name in ("k_scale", "v_scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
-                raise InvalidArgumentError(
-                    f"AttentionLayerParams.{name} must be a finite float > 0, got {value!r}"
-                )
+            _check_quant_scale(name, getattr(self, name))
         if self.v_head_size is not None and not is_positive_int(self.v_head_size):
             raise InvalidArgumentError(
                 f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"
@@ -266,6 +307,18 @@ class AttentionLayerParams:
             object.__setattr__(self, "v_head_size", proj.v_head_dim)
 
     @property
+    def per_head_quant_scales(self) -> bool:
+        """Whether ``k_scale`` or ``v_scale`` holds one scale per K/V head."""
+        return isinstance(self.k_scale, tuple) or isinstance(self.v_scale, tuple)
+
+    def head_scales(self, num_kv_heads: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``(k_scale, v_scale)`` as one float per K/V head (a per-tensor scale repeated)."""
+        return (
+            _per_head(self.k_scale, num_kv_heads),
+            _per_head(self.v_scale, num_kv_heads),
+        )
+
+    @property
     def features(self) -> frozenset[AttentionFeature]:
         """The optional features these parameters ask a backend for."""
         wanted = {
@@ -275,6 +328,7 @@ class AttentionLayerParams:
             AttentionFeature.RETURN_LSE: self.return_lse,
             AttentionFeature.MLA_PROJECTION: self.mla_projection is not None,
             AttentionFeature.SPARSE_ATTENTION: self.index_topk is not None,
+            AttentionFeature.PER_HEAD_QUANT_SCALES: self.per_head_quant_scales,
         }
         return frozenset(f for f, on in wanted.items() if on)
 
@@ -311,6 +365,7 @@ def attention_params_problems(
         problems.append(
             f"num_heads={params.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
         )
+    problems.extend(quant_scale_problems(spec, params))
     return problems
 
 
@@ -338,6 +393,87 @@ def mla_projection_problems(spec: AttentionSpec, params: AttentionLayerParams) -
             f"got {proj.w_uk.dtype}"
         )
     return problems
+
+
+def quant_scale_problems(spec: AttentionSpec, params: AttentionLayerParams) -> list[str]:
+    """What keeps ``params``' quantisation scales from fitting ``spec`` (empty: they fit).
+
+    Per-head scales need one per K/V head of the spec and an ``fp8_e4m3`` cache (the
+    only cache that stores ``key / k_scale``); an MLA latent, shared by every head,
+    keeps a per-tensor scale; a ``*_per_token_head`` cache computes its own scales, so
+    the static ones must stay 1.0.
+    """
+    problems: list[str] = []
+    for name in ("k_scale", "v_scale"):
+        value: float | tuple[float, ...] = getattr(params, name)
+        if isinstance(value, tuple):
+            if rules_for(spec).latent:
+                problems.append(
+                    f"{name} has {len(value)} per-head scales, but an MLA latent is shared "
+                    f"by every head and keeps one per-tensor scale"
+                )
+            elif len(value) != spec.num_kv_heads:
+                problems.append(
+                    f"{name} must have one scale per K/V head (num_kv_heads="
+                    f"{spec.num_kv_heads}), got {len(value)}"
+                )
+            elif spec.kv_cache_dtype != "fp8_e4m3":
+                problems.append(
+                    f"{name} holds per-head scales, which need kv_cache_dtype='fp8_e4m3', "
+                    f"got {spec.kv_cache_dtype!r}"
+                )
+        elif spec.dynamic_kv_scales and float(value) != 1.0:
+            problems.append(
+                f"{name}={value!r}: a {spec.kv_cache_dtype!r} cache computes a scale per "
+                f"token and head when it writes, so {name} must be 1.0"
+            )
+    return problems
+
+
+def rank_layer_params(
+    params: AttentionLayerParams, spec: AttentionSpec, *, tensor_parallel: int, rank: int
+) -> AttentionLayerParams:
+    """``params`` as tensor-parallel rank ``rank`` of ``tensor_parallel`` holds them:
+    ``num_heads`` divided, per-head K/V scales sliced with the K/V heads the kind's split
+    gives the rank (``spec`` is the whole layer's). With fewer K/V heads than ranks each
+    head sits on ``tensor_parallel / num_kv_heads`` consecutive ranks, and so does its
+    scale. Context parallelism shards tokens, not heads: every rank keeps the scales.
+
+    Raises:
+        InvalidArgumentError: a size or rank that does not split the layer, or scales
+            that do not fit ``spec`` (``quant_scale_problems``).
+    """
+    if not is_positive_int(tensor_parallel):
+        raise InvalidArgumentError(
+            f"rank_layer_params: tensor_parallel must be a positive int, got {tensor_parallel!r}"
+        )
+    given: object = rank  # untyped callers may pass anything
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < tensor_parallel:
+        raise InvalidArgumentError(
+            f"rank_layer_params: rank must be an int in [0, {tensor_parallel}), got {rank!r}"
+        )
+    problems = quant_scale_problems(spec, params)
+    if problems:
+        raise InvalidArgumentError(f"rank_layer_params: params: {'; '.join(problems)}")
+    if params.num_heads % tensor_parallel:
+        raise InvalidArgumentError(
+            f"rank_layer_params: tensor_parallel={tensor_parallel} does not divide "
+            f"params.num_heads={params.num_heads}"
+        )
+    split = rules_for(spec).tensor_split(spec, tensor_parallel, "rank_layer_params")
+    first = (rank // split.kv_replicas) * split.kv_heads
+
+    def mine(scale: float | tuple[float, ...]) -> float | tuple[float, ...]:
+        if not isinstance(scale, tuple) or split.kv_heads == spec.num_kv_heads:
+            return scale
+        return scale[first : first + split.kv_heads]
+
+    return dataclasses.replace(
+        params,
+        num_heads=params.num_heads // tensor_parallel,
+        k_scale=mine(params.k_scale),
+        v_scale=mine(params.v_scale),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

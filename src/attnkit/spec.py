@@ -33,6 +33,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "ATTENTION_SPEC_CLASSES",
+    "DYNAMIC_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
     "MODEL_DTYPES",
     "AttentionSpec",
@@ -96,8 +97,26 @@ class AttentionType(str, enum.Enum):
         return self.value
 
 
-KVCacheDType = Literal["auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
-"""Storage dtype of a KV cache; ``"auto"`` stores in the model dtype."""
+KVCacheDType = Literal[
+    "auto",
+    "float32",
+    "float16",
+    "bfloat16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_e4m3_per_token_head",
+    "int8_per_token_head",
+]
+"""Storage dtype of a KV cache; ``"auto"`` stores in the model dtype.
+
+The ``*_per_token_head`` dtypes quantise each (token, head) vector with its own float32
+scale, computed when the token is written (``absmax / qmax``) and kept in a second
+cache tensor beside the values (``AttentionSpec.kv_scale_dtype``)."""
+
+DYNAMIC_KV_CACHE_DTYPES: frozenset[KVCacheDType] = frozenset(
+    {"fp8_e4m3_per_token_head", "int8_per_token_head"}
+)
+"""The cache dtypes with a scale per (token, head), written by the KV write."""
 
 MambaType = Literal["mamba1", "mamba2", "gdn", "linear", "short_conv"]
 """The state-space or linear-attention family of a ``MambaSpec`` layer."""
@@ -113,6 +132,8 @@ _KV_CACHE_TORCH_DTYPE: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e4m3_per_token_head": torch.float8_e4m3fn,
+    "int8_per_token_head": torch.int8,
 }
 _STATE_DTYPES: frozenset[torch.dtype] = MODEL_DTYPES
 _MAMBA_TYPES: tuple[MambaType, ...] = get_args(MambaType)
@@ -236,6 +257,13 @@ class AttentionSpec(KVCacheSpec):
         return _KV_CACHE_TORCH_DTYPE[self.kv_cache_dtype]
 
     @property
+    def dynamic_kv_scales(self) -> bool:
+        """Whether the cache keeps a float32 scale per (token, head) of K and of V (the
+        ``*_per_token_head`` dtypes): a second cache tensor ``[num_blocks, 2,
+        block_size, Hkv]`` in the same page."""
+        return self.kv_cache_dtype in DYNAMIC_KV_CACHE_DTYPES
+
+    @property
     def _kv_planes(self) -> int:
         """How many per-token vectors of ``head_size`` a head stores: K and V."""
         return 2
@@ -243,13 +271,18 @@ class AttentionSpec(KVCacheSpec):
     @property
     @override
     def page_size_bytes(self) -> int:
-        return (
+        values = (
             self._kv_planes
             * self.block_size
             * self.num_kv_heads
             * self.head_size
             * self.cache_torch_dtype.itemsize
         )
+        if not self.dynamic_kv_scales:
+            return values
+        # The scales follow the values in the page, 16-byte aligned (the buffers' rule).
+        scales = self._kv_planes * self.block_size * self.num_kv_heads * 4
+        return -(-values // 16) * 16 + scales
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,6 +335,12 @@ def _check_mla_heads(spec: AttentionSpec) -> None:
         raise InvalidArgumentError(
             f"{type(spec).__name__}.num_kv_heads must be 1 (the MLA latent is shared by "
             f"every head), got {spec.num_kv_heads}"
+        )
+    if spec.dynamic_kv_scales:
+        raise InvalidArgumentError(
+            f"{type(spec).__name__}.kv_cache_dtype {spec.kv_cache_dtype!r} is not supported: "
+            f"a latent shared by every head keeps one per-tensor scale (use 'fp8_e4m3' "
+            f"with AttentionLayerParams.k_scale)"
         )
 
 

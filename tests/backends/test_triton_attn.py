@@ -1136,7 +1136,7 @@ def test_subclass_specs_matching_a_binding_are_refused(spec: AttentionSpec) -> N
 
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap"
+SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap, per_head_quant_scales"
 
 
 @pytest.mark.parametrize(
@@ -1195,14 +1195,19 @@ def test_impl_rejects_unusable_layer_params(
 
 
 def test_impl_accepts_every_declared_feature() -> None:
+    spec = dataclasses.replace(SPEC, kv_cache_dtype="fp8_e4m3")
     params = AttentionLayerParams(
-        num_heads=4, logits_soft_cap=30.0, alibi_slopes=(0.5,) * 4, sinks=torch.zeros(4)
+        num_heads=4,
+        logits_soft_cap=30.0,
+        alibi_slopes=(0.5,) * 4,
+        sinks=torch.zeros(4),
+        k_scale=(1.0,) * spec.num_kv_heads,
     )
     # context_parallel is asked by the runtime for a sharded group, not by params.
     assert params.features | {AttentionFeature.CONTEXT_PARALLEL} == (
         TritonAttentionBackend.supported_features
     )
-    impl = TritonAttentionBackend.get_binding(SPEC).create_impl(SPEC, params)
+    impl = TritonAttentionBackend.get_binding(spec).create_impl(spec, params)
     assert isinstance(impl, TritonAttentionImpl)
 
 
@@ -1315,8 +1320,14 @@ def test_declarations_are_valid() -> None:
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
+        AttentionFeature.PER_HEAD_QUANT_SCALES,
     }
-    assert TritonAttentionBackend.supported_kv_cache_dtypes == {"auto", "fp8_e4m3"}
+    assert TritonAttentionBackend.supported_kv_cache_dtypes == {
+        "auto",
+        "fp8_e4m3",
+        "fp8_e4m3_per_token_head",
+        "int8_per_token_head",
+    }
     assert TritonAttentionBackend.supported_block_sizes == (16, 32, 64, 128)
     assert TritonAttentionBackend.supported_devices == {"cpu", "cuda"}
 
@@ -1405,7 +1416,10 @@ ALL_KINDS = (
                 kv_cache_dtype="fp8_e5m2",
             ),
             frozenset(),
-            ["kv_cache_dtype=fp8_e5m2 not supported (supported: auto, fp8_e4m3)"],
+            [
+                "kv_cache_dtype=fp8_e5m2 not supported (supported: auto, fp8_e4m3, "
+                "fp8_e4m3_per_token_head, int8_per_token_head)"
+            ],
             id="fp8-e5m2-kv-cache",
         ),
         pytest.param(
@@ -1417,7 +1431,10 @@ ALL_KINDS = (
                 kv_cache_dtype="float32",
             ),
             frozenset(),
-            ["kv_cache_dtype=float32 not supported (supported: auto, fp8_e4m3)"],
+            [
+                "kv_cache_dtype=float32 not supported (supported: auto, fp8_e4m3, "
+                "fp8_e4m3_per_token_head, int8_per_token_head)"
+            ],
             id="float32-kv-cache",
         ),
         pytest.param(

@@ -1123,9 +1123,9 @@ ATTENTION_ERRORS = [
         id="scale-python-float-zero",
     ),
     pytest.param(
-        _set(kv_cache=_fp8, k_scale=_f32(1), v_scale=_f32(2)),
-        r"v_scale: expected a one-element torch.float32 tensor of shape \[\] or \[1\], "
-        r"got torch.float32 \[2\]",
+        _set(kv_cache=_fp8, k_scale=_f32(1), v_scale=_f32(3)),
+        r"v_scale: expected a torch.float32 tensor of shape \[\] or \[1\] \(per tensor\) "
+        r"or \[Hkv\]=\[2\] \(per K/V head\), got torch.float32 \[3\]",
         id="scale-two-elements",
     ),
     pytest.param(

@@ -815,8 +815,8 @@ ERRORS = [
         id="sinks-device",
     ),
     pytest.param(
-        _set(k_scale=lambda a: torch.ones(2, device=DEVICE)),
-        r"k_scale: expected a one-element torch.float32 tensor of shape \[\] or \[1\]",
+        _set(k_scale=lambda a: torch.ones(3, device=DEVICE)),
+        r"k_scale: expected a torch.float32 tensor of shape \[\] or \[1\] \(per tensor\) or \[Hkv\]",
         id="k-scale-two",
     ),
     pytest.param(

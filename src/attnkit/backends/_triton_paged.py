@@ -45,14 +45,14 @@ def fp8_e4m3_capability_reasons(request: BackendRequest) -> list[str]:
     capability = request.capability
     if (
         isinstance(spec, AttentionSpec)
-        and spec.kv_cache_dtype == "fp8_e4m3"
+        and spec.kv_cache_dtype in ("fp8_e4m3", "fp8_e4m3_per_token_head")
         and request.device.type == "cuda"
         and capability is not None
         and capability < FP8_E4M3_MIN_CAPABILITY
     ):
         major, minor = FP8_E4M3_MIN_CAPABILITY
         return [
-            f"kv_cache_dtype='fp8_e4m3' needs compute capability >= {major}.{minor} "
+            f"kv_cache_dtype={spec.kv_cache_dtype!r} needs compute capability >= {major}.{minor} "
             f"(Triton has no e4m3 type before sm_89), got {capability[0]}.{capability[1]}"
         ]
     return []

@@ -32,6 +32,10 @@ class BackendRow:
     description: str
     determinism: dict[str, str] = dataclasses.field(default_factory=dict[str, str])
     """Kind -> the ``Determinism`` level declared for it (``determinism_for``)."""
+    features: list[str] = dataclasses.field(default_factory=list[str])
+    """The optional features declared (``supported_features``), e.g. ``per_head_quant_scales``."""
+    kv_cache_dtypes: list[str] = dataclasses.field(default_factory=list[str])
+    """The cache dtypes declared (``supported_kv_cache_dtypes``)."""
 
 
 def determinism_line(levels: dict[str, str]) -> str:
@@ -99,6 +103,8 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 reasons=reasons,
                 description=backend.description,
                 determinism=levels,
+                features=sorted(f.value for f in backend.supported_features),
+                kv_cache_dtypes=sorted(backend.supported_kv_cache_dtypes),
             )
         )
     return rows
@@ -155,6 +161,10 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
             out.write(f"    {row.description}\n")
         if row.determinism:
             out.write(f"    determinism: {determinism_line(row.determinism)}\n")
+        if row.features:
+            out.write(f"    features: {', '.join(row.features)}\n")
+        if row.kv_cache_dtypes and row.kv_cache_dtypes != ["auto"]:
+            out.write(f"    kv cache dtypes: {', '.join(row.kv_cache_dtypes)}\n")
         for reason in row.reasons:
             out.write(f"    - {reason}\n")
     return 0

@@ -101,6 +101,16 @@ class _PagedRules(_AttentionRules[SA]):
     layouts: frozenset[KVCacheLayout] = frozenset({"interleaved", "planes"})
 
     @override
+    def check_layout(self, spec: SA, layout: KVCacheLayout) -> None:
+        super().check_layout(spec, layout)
+        if layout == "planes" and spec.dynamic_kv_scales:
+            raise ValueError(
+                f"kind {spec.kind.value} with kv_cache_dtype={spec.kv_cache_dtype} has no "
+                f"'planes' cache layout: its per-token-head scales live in the page beside "
+                f"the values (layouts: interleaved)"
+            )
+
+    @override
     def cache_shapes(
         self, spec: SA, num_blocks: int, layout: KVCacheLayout = "interleaved"
     ) -> tuple[tuple[int, ...], ...]:
@@ -108,7 +118,12 @@ class _PagedRules(_AttentionRules[SA]):
         if layout == "planes":
             plane = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_size)
             return (plane, plane)
-        return ((num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size),)
+        values = (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+        if spec.dynamic_kv_scales:
+            # The float32 scale of each (block, K or V, offset, head) vector, in the same
+            # page after the values (spec.page_size_bytes counts both).
+            return (values, (num_blocks, 2, spec.block_size, spec.num_kv_heads))
+        return (values,)
 
 
 class _LatentRules(_AttentionRules[SA]):

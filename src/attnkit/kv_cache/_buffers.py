@@ -293,5 +293,7 @@ def _tensor_dtypes(spec: KVCacheSpec, count: int) -> tuple[torch.dtype, ...]:
             )
         return spec.dtypes
     if isinstance(spec, AttentionSpec):
+        if spec.dynamic_kv_scales and count == 2:
+            return (spec.cache_torch_dtype, torch.float32)  # the values, their scales
         return (spec.cache_torch_dtype,) * count
     raise TypeError(f"no cache dtype rule for {type(spec).__name__}")

@@ -49,10 +49,12 @@ def _split_group(
         return GroupSplit(group.group_id, state, None, None, None, context, detail)
     assert isinstance(spec, AttentionSpec)  # a spec is an attention or a state spec
     heads: list[int] = []
+    per_head_scales = False
     for name in group.layer_names:
         layer = params.get(name)
         if not isinstance(layer, AttentionLayerParams):
             continue
+        per_head_scales = per_head_scales or layer.per_head_quant_scales
         if layer.num_heads % tp:
             raise InvalidArgumentError(
                 f"plan_model: tensor_parallel={tp} does not divide the {layer.num_heads} "
@@ -63,6 +65,12 @@ def _split_group(
     query = heads[0] if heads else None
     shown = f"query heads {query * tp} -> {query} per rank; " if query is not None else ""
     split = rules.tensor_split(spec, tp, where)
+    # Per-head K/V scales go with their heads (rank_layer_params slices them so).
+    scales = (
+        f"; per-head K/V scales [{spec.num_kv_heads}] -> [{split.kv_heads}] per rank"
+        if per_head_scales
+        else ""
+    )
     return GroupSplit(
         group.group_id,
         split.spec,
@@ -70,7 +78,7 @@ def _split_group(
         split.kv_heads,
         split.kv_replicas,
         context,
-        f"{shown}{split.detail}",
+        f"{shown}{split.detail}{scales}",
     )
 
 

@@ -11,7 +11,7 @@ from .._validation import is_positive_int
 from ..capabilities import AttentionFeature
 from ..config import AttentionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..params import AttentionLayerParams, LayerParams, StateLayerParams
+from ..params import AttentionLayerParams, LayerParams, StateLayerParams, quant_scale_problems
 from ..spec import AttentionSpec, KVCacheSpec, MambaSpec
 from ..state_types import state_type_of
 
@@ -92,6 +92,9 @@ def check_params(name: str, spec: KVCacheSpec, params: LayerParams | None) -> No
                 f"layer_params[{name!r}].num_heads={params.num_heads} is not a multiple of the "
                 f"spec's num_kv_heads={spec.num_kv_heads}"
             )
+        scale_problems = quant_scale_problems(spec, params)
+        if scale_problems:
+            raise InvalidArgumentError(f"layer_params[{name!r}].{scale_problems[0]}")
     elif isinstance(spec, MambaSpec):
         state_type = state_type_of(spec)
         layout = state_type.layout_problem(spec.shapes)

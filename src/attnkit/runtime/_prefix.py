@@ -223,10 +223,15 @@ def group_namespaces(
                 revision=revision,
                 layout=layouts[group.group_id],
                 hash_name=hash_name,
-                k_scales=[p.k_scale for p in attention],
-                v_scales=[p.v_scale for p in attention],
+                k_scales=[_scale_value(p.k_scale) for p in attention],
+                v_scales=[_scale_value(p.v_scale) for p in attention],
                 sink_keys=sink_keys,
                 sink_values=sink_values,
             )
         )
     return out
+
+
+def _scale_value(scale: float | tuple[float, ...]) -> float | torch.Tensor:
+    """A layer's K or V scale as the namespace hashes it (per-head scales as a tensor)."""
+    return torch.tensor(scale, dtype=torch.float64) if isinstance(scale, tuple) else scale

@@ -66,7 +66,7 @@ from ..devices import parse_device
 from ..kinds import attention_rules, rules_for_kind
 from ..params import AttentionLayerParams, LayerParams
 from ..registry import BUILTIN_BACKENDS, BackendRegistry
-from ..spec import MODEL_DTYPES, KVCacheDType, KVCacheSpec, KVCacheSpecKind
+from ..spec import DYNAMIC_KV_CACHE_DTYPES, MODEL_DTYPES, KVCacheDType, KVCacheSpec, KVCacheSpecKind
 from ._cases import (
     KitError,
     check_cudagraph,
@@ -127,6 +127,10 @@ _NOT_CHECKED = {
     ),
     AttentionFeature.SPARSE_ATTENTION: (
         "checked by the sparse_attention cases (an indexer and its sparse MLA layer)"
+    ),
+    AttentionFeature.PER_HEAD_QUANT_SCALES: (
+        "the kit does not draw per-head scales yet (they need an fp8_e4m3 cache; "
+        "tests/test_kv_quant_scales.py checks reference and triton_attn)"
     ),
 }
 
@@ -482,6 +486,11 @@ def _kit_reasons(choice: LayerChoice) -> list[str]:
     """Combinations the kit does not make: the MLA projection is an MLA layer's."""
     if AttentionFeature.MLA_PROJECTION in choice.features and not rules_for_kind(choice.kind).latent:
         return [f"the MLA projection is for MLA kinds, not {choice.kind.value}"]
+    if choice.kv_cache_dtype in DYNAMIC_KV_CACHE_DTYPES and rules_for_kind(choice.kind).latent:
+        return [
+            f"kv_cache_dtype={choice.kv_cache_dtype} is not an MLA cache (a latent keeps one "
+            f"per-tensor scale)"
+        ]
     return []
 
 

@@ -161,8 +161,9 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
         sinks=(
             _randn(gen, hq).to(device) if AttentionFeature.ATTENTION_SINKS in features else None
         ),
-        k_scale=0.5 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
-        v_scale=2.0 if choice.kv_cache_dtype.startswith("fp8") else 1.0,
+        # Static scales: a per-token-head cache computes its own.
+        k_scale=0.5 if choice.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else 1.0,
+        v_scale=2.0 if choice.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else 1.0,
         **extra,
     )
     return spec, params

@@ -48,9 +48,9 @@ def tolerance_for(dtype: torch.dtype, kv_cache_dtype: KVCacheDType = "auto") -> 
     """The tolerance of a layer computing in ``dtype`` over a ``kv_cache_dtype`` cache.
 
     A cache narrower than the model (``float16`` or ``bfloat16`` under ``float32``)
-    takes the cache dtype's row; fp8 caches take ``FP8_CACHE_TOLERANCE``.
+    takes the cache dtype's row; fp8 and int8 caches take ``FP8_CACHE_TOLERANCE``.
     """
-    if kv_cache_dtype.startswith("fp8"):
+    if kv_cache_dtype.startswith("fp8") or kv_cache_dtype == "int8_per_token_head":
         return FP8_CACHE_TOLERANCE
     own = TOLERANCES[dtype]
     if kv_cache_dtype in ("float16", "bfloat16"):

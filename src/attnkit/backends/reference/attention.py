@@ -36,7 +36,7 @@ from ...kernels.attention.reference import dense_attention, paged_attention, wri
 from ...kernels.dsa.reference import sparse_mla_attention
 from ...kinds import rules_for
 from ...metadata import CommonAttentionMetadata, SparseSelection
-from ...params import AttentionLayerParams, mla_projection_problems
+from ...params import AttentionLayerParams, mla_projection_problems, quant_scale_problems
 from ...spec import AttentionSpec
 from ._checks import check_tensor, describe
 
@@ -253,8 +253,17 @@ class ReferenceAttentionImpl(
                 f"got {self.v_head_size}"
             )
         self.scale = params.scale if params.scale is not None else self.query_size**-0.5
-        # fp8 caches store key / k_scale and value / v_scale; 1.0 changes nothing.
-        self.k_scale, self.v_scale = float(params.k_scale), float(params.v_scale)
+        scale_problems = quant_scale_problems(spec, params)
+        if scale_problems:
+            raise ValueError(f"{owner}: layer_params.{scale_problems[0]}")
+        # fp8 caches store key / k_scale and value / v_scale; 1.0 changes nothing. Per-head
+        # scales are float32 [Hkv] tensors (moved to the cache's device when used); a
+        # *_per_token_head cache keeps its scales in kv_cache[1].
+        self.k_scale: float | torch.Tensor = _scale_of(params.k_scale)
+        self.v_scale: float | torch.Tensor = _scale_of(params.v_scale)
+        # An MLA latent keeps one per-tensor scale (per-head ones are refused above).
+        self.latent_scale = 1.0 if isinstance(params.k_scale, tuple) else float(params.k_scale)
+        self.dynamic_scales = spec.dynamic_kv_scales
         self.alibi_slopes = (
             torch.tensor(params.alibi_slopes, dtype=torch.float32)
             if params.alibi_slopes is not None
@@ -390,10 +399,24 @@ class ReferenceAttentionImpl(
                     f"got {len(kv_cache)} tensors"
                 )
             return None
-        if len(kv_cache) != 1:
-            raise ValueError(f"{owner}: kv_cache must hold 1 tensor, got {len(kv_cache)}")
+        want = 2 if self.dynamic_scales else 1
+        if len(kv_cache) != want:
+            raise ValueError(
+                f"{owner}: kv_cache must hold {want} tensor{'s' if want > 1 else ''}, "
+                f"got {len(kv_cache)}"
+            )
         cache = kv_cache[0]
         bs = self.kv_cache_spec.block_size
+        if self.dynamic_scales:
+            check_tensor(
+                owner,
+                "kv_cache[1] (the per-token-head scales)",
+                kv_cache[1],
+                layout="[NB, 2, BS, Hkv]",
+                shape=(cache.shape[0] if cache.dim() == 5 else None, 2, bs, kv_heads),
+                dtype=torch.float32,
+                device=device,
+            )
         shape: tuple[int | None, ...]
         if self.is_mla:
             layout, shape = "[NB, BS, D]", (None, bs, self.head_size)
@@ -474,6 +497,7 @@ class ReferenceAttentionImpl(
             assert value is not None
             return self._encoder_only(query, key, value, md, output)
 
+        scales = kv_cache[1] if self.dynamic_scales else None
         # 1. Write this step's keys/values (or latents, or encoder states).
         if self.is_mla:
             assert key is not None  # checked above
@@ -487,6 +511,7 @@ class ReferenceAttentionImpl(
                     md.slot_mapping[: key.shape[0]],
                     k_scale=self.k_scale,
                     v_scale=self.v_scale,
+                    kv_scales=scales,
                 )
         else:
             assert key is not None  # checked above
@@ -498,9 +523,10 @@ class ReferenceAttentionImpl(
                 md.slot_mapping[:n],
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                kv_scales=scales,
             )
         if md.sink_slot_mapping is not None:
-            self._write_sinks(cache, md.sink_slot_mapping)
+            self._write_sinks(cache, md.sink_slot_mapping, scales)
 
         # 2. Attend over the paged cache.
         if self.is_mla:
@@ -515,7 +541,7 @@ class ReferenceAttentionImpl(
             if full is not output:
                 output.copy_(full[..., : self.v_head_size])
             return output
-        return self._paged(query, cache, md, output)
+        return self._paged(query, cache, md, output, scales)
 
     @override
     def forward_sparse(
@@ -546,7 +572,7 @@ class ReferenceAttentionImpl(
             rows.lens,
             kv_lora_rank=self.v_head_size,
             scale=self.scale,
-            kv_scale=self.k_scale,
+            kv_scale=self.latent_scale,
             output=output[:n],
         )
         return output
@@ -581,6 +607,7 @@ class ReferenceAttentionImpl(
         cache: torch.Tensor,
         md: ReferenceAttentionMetadata,
         output: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
         out, lse = paged_attention(
@@ -603,6 +630,7 @@ class ReferenceAttentionImpl(
             output=output,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            kv_scales=kv_scales,
             context_shard=md.context_shard,
             global_seq_lens=md.global_seq_lens,
             draft_ancestors=md.draft_ancestors,
@@ -613,7 +641,9 @@ class ReferenceAttentionImpl(
             self._lse_out.copy_(lse)
         return out
 
-    def _write_sinks(self, cache: torch.Tensor, sink_slots: torch.Tensor) -> None:
+    def _write_sinks(
+        self, cache: torch.Tensor, sink_slots: torch.Tensor, kv_scales: torch.Tensor | None
+    ) -> None:
         """Write the layer's sink tokens into the sink slots of each new request."""
         sink_key, sink_value = self.layer_params.sink_key, self.layer_params.sink_value
         assert sink_key is not None  # checked in __init__
@@ -629,6 +659,7 @@ class ReferenceAttentionImpl(
             sink_slots,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            kv_scales=kv_scales,
         )
 
     def _encoder_only(
@@ -672,3 +703,10 @@ def _write_latents(latents: torch.Tensor, cache: torch.Tensor, slot_mapping: tor
                 f"[0, {num_blocks * block_size}), got values in [{lo}, {hi}]"
             )
     cache[slots // block_size, slots % block_size] = latents[valid].to(cache.dtype)
+
+
+def _scale_of(scale: float | tuple[float, ...]) -> float | torch.Tensor:
+    """A layer's K or V scale as the kernels take it: a float, or float32 ``[Hkv]``."""
+    if isinstance(scale, tuple):
+        return torch.tensor(scale, dtype=torch.float32)
+    return float(scale)

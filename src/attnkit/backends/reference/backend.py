@@ -56,7 +56,15 @@ class ReferenceBackend(AttentionBackend):
     }
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
-        {"auto", "float32", "float16", "bfloat16", "fp8_e4m3"}
+        {
+            "auto",
+            "float32",
+            "float16",
+            "bfloat16",
+            "fp8_e4m3",
+            "fp8_e4m3_per_token_head",
+            "int8_per_token_head",
+        }
     )
     supported_head_sizes = None
     supported_block_sizes = None
@@ -68,6 +76,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.MLA_PROJECTION,
             AttentionFeature.CONTEXT_PARALLEL,
             AttentionFeature.SPARSE_ATTENTION,
+            AttentionFeature.PER_HEAD_QUANT_SCALES,
         }
     )
     # Every state type: each declares its reference computation.

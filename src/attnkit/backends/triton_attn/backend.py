@@ -389,6 +389,7 @@ _FEATURES = frozenset(
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
+        AttentionFeature.PER_HEAD_QUANT_SCALES,
     }
 )
 
@@ -417,6 +418,8 @@ class TritonAttentionImpl(
             layer_params.scale if layer_params.scale is not None else kv_cache_spec.head_size**-0.5
         )
         self.fp8 = kv_cache_spec.kv_cache_dtype == "fp8_e4m3"
+        # fp8_e4m3_per_token_head / int8_per_token_head: scales in kv_cache[1].
+        self.dynamic_scales = kv_cache_spec.dynamic_kv_scales
         rules = rules_for(kv_cache_spec)
         self._has_cache = rules.has_cache
         self._encoder_keys = rules.writes == "encoder"  # cross attention
@@ -442,12 +445,21 @@ class TritonAttentionImpl(
         if self._constants is None:
             p = self.layer_params
 
-            def scalar(value: float) -> torch.Tensor:
-                return torch.tensor([value], dtype=torch.float32, device=device)
+            def scalar(value: float | tuple[float, ...]) -> torch.Tensor:
+                # [1] per tensor, [Hkv] per K/V head: the kernels take either.
+                values = value if isinstance(value, tuple) else (value,)
+                return torch.tensor(values, dtype=torch.float32, device=device)
 
+            # Per-head scales: both [Hkv] (a per-tensor partner repeated), as the
+            # kernels read both the same way.
+            k_scale, v_scale = (
+                p.head_scales(self.kv_cache_spec.num_kv_heads)
+                if p.per_head_quant_scales
+                else (p.k_scale, p.v_scale)
+            )
             self._constants = _DeviceConstants(
-                k_scale=scalar(p.k_scale) if self.fp8 else None,
-                v_scale=scalar(p.v_scale) if self.fp8 else None,
+                k_scale=scalar(k_scale) if self.fp8 else None,
+                v_scale=scalar(v_scale) if self.fp8 else None,
                 alibi_slopes=(
                     torch.tensor(p.alibi_slopes, dtype=torch.float32, device=device)
                     if p.alibi_slopes is not None
@@ -523,6 +535,7 @@ class TritonAttentionImpl(
         n = m.num_actual_tokens
         consts = self._device_constants(query.device)
         k_scale, v_scale = consts.k_scale, consts.v_scale
+        kv_scales: torch.Tensor | None = None  # per-token-head scales, in kv_cache[1]
         if not self._has_cache:
             if key is None or value is None:
                 raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
@@ -536,23 +549,38 @@ class TritonAttentionImpl(
                 key[:n], value[:n], cache, m.scratch_slot_mapping, k_scale=None, v_scale=None
             )
         else:
-            if len(kv_cache) != 1:
+            want = 2 if self.dynamic_scales else 1
+            if len(kv_cache) != want:
+                what = "one cache tensor" if want == 1 else "two cache tensors (values, scales)"
                 raise ValueError(
-                    f"{type(self).__name__}.forward expects one cache tensor per layer, "
+                    f"{type(self).__name__}.forward expects {what} per layer, "
                     f"got {len(kv_cache)}"
                 )
             cache = kv_cache[0]
+            kv_scales = kv_cache[1] if self.dynamic_scales else None
             if self._encoder_keys:
                 if key is not None and value is not None:  # encoder states, first steps only
                     e = key.shape[0]
                     self._write_kv_cache(
-                        key, value, cache, m.slot_mapping[:e], k_scale=k_scale, v_scale=v_scale
+                        key,
+                        value,
+                        cache,
+                        m.slot_mapping[:e],
+                        k_scale=k_scale,
+                        v_scale=v_scale,
+                        kv_scales=kv_scales,
                     )
             else:
                 if key is None or value is None:
                     raise ValueError(f"{type(self).__name__}.forward needs key and value tensors")
                 self._write_kv_cache(
-                    key[:n], value[:n], cache, m.slot_mapping[:n], k_scale=k_scale, v_scale=v_scale
+                    key[:n],
+                    value[:n],
+                    cache,
+                    m.slot_mapping[:n],
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                    kv_scales=kv_scales,
                 )
         plan = m.plan
         workspace = (
@@ -579,6 +607,7 @@ class TritonAttentionImpl(
             workspace=workspace,
             draft_ancestors=m.draft_ancestors,
             draft_counts=m.draft_counts,
+            kv_scales=kv_scales,
         )
         return output
 
@@ -607,11 +636,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton_attn"
     description = (
         "Triton paged attention: full, sliding-window, chunked-local, encoder-only and cross; "
-        "GQA/MQA, soft-cap, ALiBi, sinks, fp8 KV; split-KV decode"
+        "GQA/MQA, soft-cap, ALiBi, sinks, fp8 KV (per-tensor or per-head scales), "
+        "per-token-head fp8/int8 KV; split-KV decode"
     )
     supported_devices = frozenset({"cpu", "cuda"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto", "fp8_e4m3"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset(
+        {"auto", "fp8_e4m3", "fp8_e4m3_per_token_head", "int8_per_token_head"}
+    )
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES

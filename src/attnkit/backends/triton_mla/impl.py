@@ -163,7 +163,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
             return None
         if self._kv_scale is None or self._kv_scale.device != device:
             self._kv_scale = torch.tensor(
-                [float(self.layer_params.k_scale)], dtype=torch.float32, device=device
+                [_latent_scale(self.layer_params)], dtype=torch.float32, device=device
             )
         return self._kv_scale
 
@@ -391,7 +391,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         heads, width = self.num_heads, self.query_size
         latents = cache[prefill.block_ids]  # [NBt, BS, D]
         if self.fp8:
-            latents = (latents.float() * float(self.layer_params.k_scale)).to(query.dtype)
+            latents = (latents.float() * _latent_scale(self.layer_params)).to(query.dtype)
         blocks, block_size = latents.shape[0], latents.shape[1]
         c = latents[:, :, :rank].reshape(blocks * block_size, rank)
         kv = query.new_empty((blocks, 2, block_size, heads, width))
@@ -409,3 +409,10 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata, AttentionSpec, AttentionLay
         if full is not output:
             output.copy_(full[:, :, :v_dim])
         return output
+
+
+def _latent_scale(params: AttentionLayerParams) -> float:
+    """The latent cache's one per-tensor scale (per-head scales are refused for MLA at
+    construction, by ``attention_params_problems``)."""
+    scale = params.k_scale
+    return 1.0 if isinstance(scale, tuple) else float(scale)

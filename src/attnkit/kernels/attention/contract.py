@@ -85,7 +85,16 @@ Log-sum-exp
 Quantisation scales
     ``k_scale`` / ``v_scale`` multiply the cached keys / values after they are cast to
     float32, and the oracle's ``write_kv_cache`` divides by them before casting to the
-    cache dtype. With the default 1.0 they change nothing.
+    cache dtype. With the default 1.0 they change nothing. A float32 ``[Hkv]`` tensor
+    holds one scale per K/V head: head ``n``'s keys are multiplied by ``k_scale[n]``.
+
+Per-token-head scales
+    ``kv_scales`` float32 ``[NB, 2, BS, Hkv]`` beside the cache holds one scale per
+    cached (K or V, token, head) vector. The write computes it from the vector:
+    ``s = amax(|x|) / QMAX`` (``1.0`` for an all-zero vector; ``QMAX`` 448 for
+    ``float8_e4m3fn``, 127 for ``int8``) and stores ``x / s`` (int8: rounded to nearest,
+    ties to even); a read multiplies the stored vector by ``s``. Static ``k_scale`` /
+    ``v_scale`` are then 1.0.
 """
 
 from __future__ import annotations
@@ -106,6 +115,7 @@ from attnkit.kernels._checks import (
 )
 
 __all__ = [
+    "DYNAMIC_QMAX",
     "FP8_DTYPE",
     "HEAD_VECTOR_DTYPES",
     "check_batch_layout",
@@ -114,10 +124,12 @@ __all__ = [
     "check_cache_layout",
     "check_context_shard",
     "check_draft_tree",
+    "check_head_scale",
     "check_head_vector",
     "check_index_layout",
     "check_index_tensor",
     "check_kv_scale",
+    "check_kv_scales_cache",
     "check_logits_soft_cap",
     "check_mask_options",
     "check_num_heads",
@@ -128,6 +140,9 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 """The quantised cache dtype; such a cache stores ``key / k_scale`` and ``value / v_scale``."""
+
+DYNAMIC_QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+"""Cache dtypes with per-token-head scales and the largest magnitude each stores."""
 
 HEAD_VECTOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 """Dtypes of the per-head ``alibi_slopes`` and ``sinks`` vectors (read as float32)."""
@@ -227,14 +242,28 @@ def check_head_vector(
 
 
 def check_kv_scale(
-    name: str, value: object, device: torch.device | None, *, allow_tensor: bool = True
+    name: str,
+    value: object,
+    device: torch.device | None,
+    *,
+    allow_tensor: bool = True,
+    num_kv_heads: int | None = None,
 ) -> float | Tensor | None:
-    """A per-tensor quantisation scale (``k_scale`` / ``v_scale``): None (1.0), a finite
-    float > 0, or (``allow_tensor``) a one-element float32 tensor of shape ``[]`` or
-    ``[1]`` on ``device``, read by the kernel and never by the host (a CUDA graph
-    replays with new values)."""
+    """A quantisation scale (``k_scale`` / ``v_scale``): None (1.0), a finite float > 0,
+    or (``allow_tensor``) a one-element float32 tensor of shape ``[]`` or ``[1]`` on
+    ``device``, read by the kernel and never by the host (a CUDA graph replays with new
+    values); with ``num_kv_heads``, also a per-head float32 ``[Hkv]`` tensor
+    (:func:`check_head_scale`)."""
     if value is None:
         return None
+    if (
+        isinstance(value, Tensor)
+        and allow_tensor
+        and num_kv_heads is not None
+        and value.dim() == 1
+        and value.numel() != 1
+    ):
+        return check_head_scale(name, value, num_kv_heads, device)
     if isinstance(value, Tensor) and allow_tensor:
         return check_scale_tensor(name, value, device, "query")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -247,6 +276,48 @@ def check_kv_scale(
     if not math.isfinite(value) or not value > 0:
         raise ValueError(f"{name}: expected a float > 0, got {value!r}")
     return float(value)
+
+
+def check_head_scale(name: str, t: Tensor, num_kv_heads: int, device: torch.device | None) -> Tensor:
+    """A per-head quantisation scale: float32 ``[Hkv]`` on ``device`` (any device when
+    None), unit stride. Its values (which no launch reads back) must be finite and > 0."""
+    if t.dtype != torch.float32 or t.dim() != 1 or t.shape[0] != num_kv_heads:
+        raise ValueError(
+            f"{name}: expected a torch.float32 tensor of shape [] or [1] (per tensor) or "
+            f"[Hkv]=[{num_kv_heads}] (per K/V head), got {t.dtype} {list(t.shape)}"
+        )
+    if num_kv_heads > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected unit stride, got strides {tuple(t.stride())}")
+    if device is not None:
+        check_device(name, t, device, "query")
+    return t
+
+
+def check_kv_scales_cache(kv_scales: object, kv_cache: Tensor) -> Tensor | None:
+    """None (no per-token-head scales: the cache dtype must not need them), or the
+    float32 ``[NB, 2, BS, Hkv]`` scales of a ``kv_cache`` of a :data:`DYNAMIC_QMAX`
+    dtype, on its device."""
+    if kv_scales is None:
+        if kv_cache.dtype == torch.int8:
+            raise ValueError(
+                "kv_scales: expected the float32 [NB, 2, BS, Hkv] per-token-head scales of "
+                "an int8 kv_cache, got None"
+            )
+        return None
+    kv_scales = require_tensor("kv_scales", kv_scales, "a float32 torch.Tensor [NB, 2, BS, Hkv]")
+    if kv_cache.dtype not in DYNAMIC_QMAX:
+        raise ValueError(
+            f"kv_scales: expected None for a {kv_cache.dtype} kv_cache (per-token-head "
+            f"scales quantise to {tuple(DYNAMIC_QMAX)}), got {describe(kv_scales)}"
+        )
+    want = tuple(kv_cache.shape[:4])
+    if kv_scales.dtype != torch.float32 or tuple(kv_scales.shape) != want:
+        raise ValueError(
+            f"kv_scales: expected torch.float32 {list(want)} (kv_cache's [NB, 2, BS, Hkv]), "
+            f"got {kv_scales.dtype} {list(kv_scales.shape)}"
+        )
+    check_device("kv_scales", kv_scales, kv_cache.device, "kv_cache")
+    return kv_scales
 
 
 def check_query_layout(query: object) -> Tensor:

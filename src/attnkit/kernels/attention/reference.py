@@ -20,18 +20,27 @@ from torch import Tensor
 
 from attnkit.kernels._checks import KernelTypeError, check_bool, check_finite_float, describe
 from attnkit.kernels.attention.contract import (
+    DYNAMIC_QMAX,
     check_batch_layout,
     check_cache_layout,
     check_draft_tree,
     check_head_vector,
     check_kv_scale,
+    check_kv_scales_cache,
     check_logits_soft_cap,
     check_mask_options,
     check_query_layout,
     check_shard_lens,
 )
 
-__all__ = ["dense_attention", "gather_kv", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "dense_attention",
+    "gather_kv",
+    "gather_kv_scales",
+    "paged_attention",
+    "quantise_per_token_head",
+    "write_kv_cache",
+]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -111,14 +120,55 @@ def _visible_keys(
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+def _scale_arg(name: str, value: object, num_kv_heads: int) -> float | Tensor:
+    """A float > 0, or a float32 per-head ``[Hkv]`` (or one-element) tensor, any device;
+    a tensor's values are read back and must be finite and > 0."""
+    checked = check_kv_scale(name, value, None, num_kv_heads=num_kv_heads)
+    if checked is None:
+        return 1.0
+    if isinstance(checked, Tensor):
+        bad = ~(torch.isfinite(checked) & (checked > 0))
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad.reshape(-1))[0, 0])
+            raise ValueError(
+                f"{name}: expected finite scales > 0, got {float(checked.reshape(-1)[i])!r} "
+                f"at index {i}"
+            )
+        return checked if checked.numel() > 1 else float(checked.reshape(-1)[0])
+    return float(checked)
+
+
+def _per_head(scale: float | Tensor, device: torch.device) -> float | Tensor:
+    """A scale broadcast over ``[T, Hkv, D]``: a float, or ``[1, Hkv, 1]``."""
+    if isinstance(scale, Tensor):
+        return scale.to(device=device, dtype=torch.float32).reshape(1, -1, 1)
+    return scale
+
+
+def quantise_per_token_head(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(stored, scales)`` of ``x`` ``[T, Hkv, D]`` in ``dtype`` (a key of
+    :data:`~attnkit.kernels.attention.contract.DYNAMIC_QMAX`) with one float32 scale per
+    (token, head): ``s = amax(|x|) / QMAX`` (1.0 for an all-zero vector), stored
+    ``x / s`` (int8: rounded half to even, clamped to +-127)."""
+    qmax = DYNAMIC_QMAX[dtype]
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scaled = (xf / scales[..., None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        scaled = torch.round(scaled)
+    return scaled.to(dtype), scales
+
+
 def write_kv_cache(
     key: Tensor,
     value: Tensor,
     kv_cache: Tensor,
     slot_mapping: Tensor,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | Tensor = 1.0,
+    v_scale: float | Tensor = 1.0,
+    kv_scales: Tensor | None = None,
 ) -> None:
     """Write new tokens' keys and values into the paged cache, in place.
 
@@ -128,19 +178,35 @@ def write_kv_cache(
         kv_cache: ``[NB, 2, BS, Hkv, D]`` paged cache, modified in place.
         slot_mapping: int64 ``[T]``; token ``t`` goes to block ``slot // BS``, offset
             ``slot % BS``. Slots equal to ``-1`` (padding tokens) are skipped.
-        k_scale: stored key is ``key / k_scale`` cast to the cache dtype.
-        v_scale: stored value is ``value / v_scale`` cast to the cache dtype.
+        k_scale: stored key is ``key / k_scale`` cast to the cache dtype; a float32
+            ``[Hkv]`` tensor divides head ``n`` by ``k_scale[n]``.
+        v_scale: stored value is ``value / v_scale`` cast to the cache dtype (likewise).
+        kv_scales: float32 ``[NB, 2, BS, Hkv]`` per-token-head scales of an fp8 e4m3 or
+            int8 cache, written here (the contract's "Per-token-head scales"); the
+            static scales must then be 1.0.
     """
     key = _tensor("key", key, "a tensor of shape [T, Hkv, D]")
     value = _tensor("value", value, "a tensor of shape [T, Hkv, D]")
     kv_cache = _tensor("kv_cache", kv_cache, "a tensor of shape [NB, 2, BS, Hkv, D]")
     slot_mapping = _tensor("slot_mapping", slot_mapping, "an int64 tensor of shape [T]")
     # Divided by: 0 would store inf, NaN would store NaN.
-    k_scale = _check_float("k_scale", k_scale, positive=True)
-    v_scale = _check_float("v_scale", v_scale, positive=True)
+    if not isinstance(k_scale, Tensor):
+        k_scale = _check_float("k_scale", k_scale, positive=True)
+    if not isinstance(v_scale, Tensor):
+        v_scale = _check_float("v_scale", v_scale, positive=True)
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache must have shape [NB, 2, BS, Hkv, D], got {_describe(kv_cache)}")
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    k_scale = _scale_arg("k_scale", k_scale, num_kv_heads)
+    v_scale = _scale_arg("v_scale", v_scale, num_kv_heads)
+    kv_scales = check_kv_scales_cache(kv_scales, kv_cache)
+    if kv_scales is not None and not (
+        isinstance(k_scale, float) and k_scale == 1.0 and isinstance(v_scale, float) and v_scale == 1.0
+    ):
+        raise ValueError(
+            "k_scale, v_scale: expected 1.0 with kv_scales (the write computes a scale per "
+            f"token and head), got k_scale={k_scale!r} and v_scale={v_scale!r}"
+        )
     if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
             f"key must have shape [T, Hkv, D]=[T, {num_kv_heads}, {head_size}] "
@@ -168,8 +234,20 @@ def write_kv_cache(
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
     valid = valid.to(key.device)
-    new_k = key[valid] if k_scale == 1.0 else key[valid].float() / k_scale
-    new_v = value[valid] if v_scale == 1.0 else value[valid].float() / v_scale
+    if kv_scales is not None:
+        stored_k, scales_k = quantise_per_token_head(key[valid], kv_cache.dtype)
+        stored_v, scales_v = quantise_per_token_head(value[valid], kv_cache.dtype)
+        kv_cache[blocks, 0, offsets] = stored_k.to(kv_cache.device)
+        kv_cache[blocks, 1, offsets] = stored_v.to(kv_cache.device)
+        kv_scales[blocks, 0, offsets] = scales_k.to(kv_scales.device)
+        kv_scales[blocks, 1, offsets] = scales_v.to(kv_scales.device)
+        return
+    new_k = key[valid] if isinstance(k_scale, float) and k_scale == 1.0 else (
+        key[valid].float() / _per_head(k_scale, key.device)
+    )
+    new_v = value[valid] if isinstance(v_scale, float) and v_scale == 1.0 else (
+        value[valid].float() / _per_head(v_scale, value.device)
+    )
     if kv_cache.dtype in _FP8_MAX:
         # Saturate: a cast past the largest finite fp8 value would give NaN (e4m3fn has
         # no infinity).
@@ -178,6 +256,19 @@ def write_kv_cache(
         new_v = new_v.float().clamp(-limit, limit)
     kv_cache[blocks, 0, offsets] = new_k.to(device=kv_cache.device, dtype=kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = new_v.to(device=kv_cache.device, dtype=kv_cache.dtype)
+
+
+def gather_kv_scales(kv_scales: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """One request's first ``seq_len`` per-token-head K and V scales, each
+    ``[seq_len, Hkv]``, out of ``kv_scales`` ``[NB, 2, BS, Hkv]`` (unchecked: the
+    caller has checked the table as for :func:`gather_kv`)."""
+    _, _, block_size, num_kv_heads = kv_scales.shape
+    num_needed = -(-seq_len // block_size)
+    blocks = block_table_row[:num_needed].to(device=kv_scales.device, dtype=torch.int64)
+    rows = kv_scales[blocks]  # [n, 2, BS, Hkv]
+    k = rows[:, 0].reshape(num_needed * block_size, num_kv_heads)[:seq_len]
+    v = rows[:, 1].reshape(num_needed * block_size, num_kv_heads)[:seq_len]
+    return k, v
 
 
 def gather_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -590,8 +681,9 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
-    k_scale: float = ...,
-    v_scale: float = ...,
+    k_scale: float | Tensor = ...,
+    v_scale: float | Tensor = ...,
+    kv_scales: Tensor | None = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
     draft_ancestors: Tensor | None = ...,
@@ -616,8 +708,9 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
-    k_scale: float = ...,
-    v_scale: float = ...,
+    k_scale: float | Tensor = ...,
+    v_scale: float | Tensor = ...,
+    kv_scales: Tensor | None = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
     draft_ancestors: Tensor | None = ...,
@@ -642,8 +735,9 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
-    k_scale: float = ...,
-    v_scale: float = ...,
+    k_scale: float | Tensor = ...,
+    v_scale: float | Tensor = ...,
+    kv_scales: Tensor | None = ...,
     context_shard: tuple[int, int] | None = ...,
     global_seq_lens: Tensor | None = ...,
     draft_ancestors: Tensor | None = ...,
@@ -667,8 +761,9 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | Tensor = 1.0,
+    v_scale: float | Tensor = 1.0,
+    kv_scales: Tensor | None = None,
     context_shard: tuple[int, int] | None = None,
     global_seq_lens: Tensor | None = None,
     draft_ancestors: Tensor | None = None,
@@ -689,8 +784,11 @@ def paged_attention(
         block_table: int32 ``[B, max_blocks]``.
         scale, causal, sliding_window, chunk_size, logits_soft_cap, alibi_slopes, sinks:
             as for :func:`dense_attention`.
-        k_scale: multiplies the float32-cast cached keys.
-        v_scale: multiplies the float32-cast cached values.
+        k_scale: multiplies the float32-cast cached keys; a float32 ``[Hkv]`` tensor
+            multiplies head ``n``'s by ``k_scale[n]``.
+        v_scale: multiplies the float32-cast cached values (likewise).
+        kv_scales: float32 ``[NB, 2, BS, Hkv]`` per-token-head scales of an fp8 e4m3 or
+            int8 cache: each cached vector is multiplied by its own scale.
         context_shard: ``(rank, world_size)`` when the cache holds one context-parallel
             shard: request position ``p`` lives on rank ``p % world_size`` at local
             index ``p // world_size``, so ``seq_lens`` are the local counts and local key
@@ -712,11 +810,6 @@ def paged_attention(
     """
     causal = check_bool("causal", causal)
     return_lse = check_bool("return_lse", return_lse)
-    # The contract's rule (None or a float > 0); the oracle takes no device tensor.
-    k_checked = check_kv_scale("k_scale", k_scale, None, allow_tensor=False)
-    v_checked = check_kv_scale("v_scale", v_scale, None, allow_tensor=False)
-    k_scale = 1.0 if k_checked is None else float(k_checked)
-    v_scale = 1.0 if v_checked is None else float(v_checked)
     shard = _check_shard(context_shard, global_seq_lens, seq_lens)
     _check_paged_inputs(
         query,
@@ -737,6 +830,11 @@ def paged_attention(
         alibi_slopes=alibi_slopes,
         sinks=sinks,
     )
+    # The contract's rules: a float > 0 or a per-head [Hkv] tensor (any device here).
+    num_kv_heads = kv_cache.shape[3]
+    k_scale = _scale_arg("k_scale", k_scale, num_kv_heads)
+    v_scale = _scale_arg("v_scale", v_scale, num_kv_heads)
+    kv_scales = check_kv_scales_cache(kv_scales, kv_cache)
     num_tokens, num_q_heads, _ = query.shape
     tree = check_draft_tree(
         draft_ancestors, draft_counts, num_tokens, seq_lens.shape[0], causal and shard is None
@@ -759,10 +857,17 @@ def paged_attention(
             rank, world, _ = shard
             q_positions = torch.arange(totals[b] - (q_end - q_start), totals[b])
             k_positions = torch.arange(seq_len) * world + rank
+        if kv_scales is not None:
+            ks, vs = gather_kv_scales(kv_scales, block_table[b], seq_len)
+            key_f = key.float() * ks.to(key.device)[..., None]
+            value_f = value.float() * vs.to(value.device)[..., None]
+        else:
+            key_f = key.float() * _per_head(k_scale, key.device)
+            value_f = value.float() * _per_head(v_scale, value.device)
         out_b, lse_b = dense_attention(
             query[q_start:q_end],
-            key.float() * k_scale,
-            value.float() * v_scale,
+            key_f,
+            value_f,
             scale=scale,
             causal=causal,
             q_positions=q_positions,

@@ -89,6 +89,7 @@ from attnkit.kernels.attention.contract import (
     check_draft_tree,
     check_head_vector,
     check_kv_scale,
+    check_kv_scales_cache,
     check_logits_soft_cap,
     check_query_layout,
 )
@@ -129,13 +130,17 @@ def check_kv_cache(
     *,
     block_size: int | None = None,
     num_kv_heads: int | None = None,
+    int8: bool = False,
 ) -> torch.Tensor:
     """A paged cache the kernels read for ``query`` (and, when given, of the plan's
-    ``block_size`` / ``num_kv_heads``)."""
+    ``block_size`` / ``num_kv_heads``); ``int8``: an int8 cache is allowed too (one
+    with per-token-head scales)."""
     kv_cache = check_cache_layout(kv_cache, query)
-    if kv_cache.dtype not in (query.dtype, FP8_DTYPE):
+    allowed = (query.dtype, FP8_DTYPE, torch.int8) if int8 else (query.dtype, FP8_DTYPE)
+    if kv_cache.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed[1:])
         raise ValueError(
-            f"kv_cache: expected dtype {query.dtype} (the query dtype) or {FP8_DTYPE}, "
+            f"kv_cache: expected dtype {query.dtype} (the query dtype) or {names}, "
             f"got {kv_cache.dtype}"
         )
     num_blocks, _, cache_block_size, cache_kv_heads, _ = kv_cache.shape
@@ -145,7 +150,9 @@ def check_kv_cache(
         raise ValueError(
             f"kv_cache: expected at least one block (NB >= 1), got {describe(kv_cache)}"
         )
-    if not kv_cache.is_contiguous():
+    # Each block contiguous; blocks may sit apart (a page holding the per-token-head
+    # scales after the values): the kernels step blocks by stride(0).
+    if kv_cache.shape[0] > 0 and not kv_cache[0].is_contiguous():
         raise ValueError(
             "kv_cache: expected a contiguous tensor, got a non-contiguous one "
             f"({describe(kv_cache)}, strides {tuple(kv_cache.stride())})"
@@ -215,6 +222,7 @@ def paged_attention(
     workspace: SplitKVWorkspace | None = None,
     draft_ancestors: torch.Tensor | None = None,
     draft_counts: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, D]`` over the paged ``kv_cache`` for a planned step.
 
@@ -230,9 +238,14 @@ def paged_attention(
         scale: multiplies ``q . k``.
         logits_soft_cap, alibi_slopes, sinks: as for the oracle; the two ``[Hq]``
             vectors may be float32, float16 or bfloat16.
-        k_scale, v_scale: multiply the cached keys / values: None (1.0), a float > 0, or
+        k_scale, v_scale: multiply the cached keys / values: None (1.0), a float > 0, a
+            float32 ``[Hkv]`` tensor (one per K/V head, fp8 caches), or
             a one-element float32 device tensor (read by the kernel, never by the host).
-            Required with an fp8 cache (which stores ``key / k_scale``).
+            Required with an fp8 cache (which stores ``key / k_scale``) unless
+            ``kv_scales`` is given.
+        kv_scales: float32 ``[NB, 2, BS, Hkv]`` per-token-head scales of an fp8 e4m3
+            or int8 cache (the op contract's rule); ``k_scale`` / ``v_scale`` are then
+            None.
         output: optional ``[T, Hq, D]`` of the query dtype to write into.
         lse: optional float32 ``[T, Hq]`` to receive the natural-log lse (sink included).
         workspace: split-KV scratch (:func:`split_kv_workspace`); allocated per call when
@@ -251,21 +264,49 @@ def paged_attention(
     device = plan.device
     query = check_query(query, device)
     kv_cache = check_kv_cache(
-        kv_cache, query, block_size=plan.block_size, num_kv_heads=plan.num_kv_heads
+        kv_cache,
+        query,
+        block_size=plan.block_size,
+        num_kv_heads=plan.num_kv_heads,
+        int8=kv_scales is not None,
     )
+    kv_scales = check_kv_scales_cache(kv_scales, kv_cache)
     num_tokens, num_q_heads, head_dim = query.shape
     scale = check_finite_float("scale", scale)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     alibi_slopes = check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, device)
     sinks = check_head_vector("sinks", sinks, num_q_heads, device)
-    k_scale = check_kv_scale("k_scale", k_scale, device)
-    v_scale = check_kv_scale("v_scale", v_scale, device)
+    k_scale = check_kv_scale("k_scale", k_scale, device, num_kv_heads=plan.num_kv_heads)
+    v_scale = check_kv_scale("v_scale", v_scale, device, num_kv_heads=plan.num_kv_heads)
     is_fp8 = kv_cache.dtype == FP8_DTYPE
-    if is_fp8 and (k_scale is None or v_scale is None):
+    if kv_scales is not None and (k_scale is not None or v_scale is not None):
+        raise ValueError(
+            "k_scale, v_scale: expected None with kv_scales (per-token-head scales), got "
+            f"{describe(k_scale)} and {describe(v_scale)}"
+        )
+    if kv_scales is not None and kv_scales.shape[0] > 0 and not kv_scales[0].is_contiguous():
+        raise ValueError(
+            f"kv_scales: expected contiguous blocks, got strides {tuple(kv_scales.stride())}"
+        )
+    if is_fp8 and kv_scales is None and (k_scale is None or v_scale is None):
         missing = "k_scale" if k_scale is None else "v_scale"
         raise ValueError(
             f"{missing}: expected a float or a one-element torch.float32 tensor with a "
             f"{FP8_DTYPE} kv_cache, got None"
+        )
+    per_head = any(isinstance(t, torch.Tensor) and t.numel() > 1 for t in (k_scale, v_scale))
+    if per_head and not all(
+        isinstance(t, torch.Tensor) and t.numel() == plan.num_kv_heads for t in (k_scale, v_scale)
+    ):
+        # One constexpr (PER_HEAD_SCALES) serves both reads.
+        raise ValueError(
+            f"k_scale, v_scale: expected both per-head [Hkv]=[{plan.num_kv_heads}] tensors "
+            f"or neither, got {describe(k_scale)} and {describe(v_scale)}"
+        )
+    if per_head and not is_fp8:
+        raise ValueError(
+            f"k_scale, v_scale: per-head [Hkv] scales need a {FP8_DTYPE} kv_cache, "
+            f"got {kv_cache.dtype}"
         )
     if lse is not None:
         lse = _check_like(
@@ -312,7 +353,7 @@ def paged_attention(
         plan.block_q,
         group_pad,
         fp32=query.dtype == torch.float32,
-        fp8_kv=is_fp8,
+        fp8_kv=is_fp8 or kv_scales is not None,
         sharded=plan.context_shard is not None,
     )
     fp8_bits = is_fp8 and INTERPRETED
@@ -341,6 +382,13 @@ def paged_attention(
         "scale": scale,
         "k_scale": k_value,
         "v_scale": v_value,
+        # Per-token-head scales (seq_lens stands in for the unread pointer without them);
+        # each block's [2, BS, Hkv] is contiguous, blocks stride_sb apart.
+        "kv_scales_ptr": kv_scales if kv_scales is not None else plan.seq_lens,
+        "stride_sb": kv_scales.stride(0) if kv_scales is not None else 0,
+        # Both scales per head ([Hkv], read at kv_head), or both one per tensor.
+        "PER_HEAD_SCALES": per_head,
+        "DYN_SCALES": kv_scales is not None,
         "softcap": logits_soft_cap if logits_soft_cap is not None else 1.0,
         "window": plan.sliding_window if plan.sliding_window is not None else 0,
         "chunk": plan.chunk_size if plan.chunk_size is not None else 1,

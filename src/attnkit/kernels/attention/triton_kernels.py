@@ -45,6 +45,8 @@ def _unified_attention_kernel(
     scale,
     k_scale,
     v_scale,
+    kv_scales_ptr,
+    stride_sb,
     softcap,
     window,
     chunk,
@@ -89,6 +91,8 @@ def _unified_attention_kernel(
     FP8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PER_HEAD_SCALES: tl.constexpr,
+    DYN_SCALES: tl.constexpr,
     USE_TREE: tl.constexpr = False,
 ):
     # Padded extents exist because tl.arange needs powers of two; every load and store
@@ -116,6 +120,8 @@ def _unified_attention_kernel(
 
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    # A block's scales are [2, BLOCK_SIZE, Hkv], contiguous (the launcher checks it).
+    num_kv_heads = tl.num_programs(1)
     # The grid may be an upper bound on the tile count (CUDA graphs): extra programs exit.
     if tile_id >= tl.load(tile_offsets_ptr + num_reqs):
         return
@@ -139,16 +145,16 @@ def _unified_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
 
-    # Per-tensor quantisation scales: a float argument, or read from device memory (a
-    # CUDA graph replays with new values). k_scale is folded into the score scale,
+    # Quantisation scales: a float argument, or read from device memory (a CUDA graph
+    # replays with new values), one per tensor or (PER_HEAD_SCALES) one per K/V head. k_scale is folded into the score scale,
     # v_scale applied to the final output: both are exact rewrites of "dequantise, then
     # attend" up to rounding.
     k_scale_value = k_scale
     if K_SCALE_FROM_PTR:
-        k_scale_value = tl.load(k_scale_ptr)
+        k_scale_value = tl.load(k_scale_ptr + kv_head * PER_HEAD_SCALES)
     v_scale_value = v_scale
     if V_SCALE_FROM_PTR:
-        v_scale_value = tl.load(v_scale_ptr)
+        v_scale_value = tl.load(v_scale_ptr + kv_head * PER_HEAD_SCALES)
     qk_scale = scale * k_scale_value
     if not USE_SOFTCAP:
         # Scores are kept in the log2 domain (exp2 is the native instruction).
@@ -243,6 +249,13 @@ def _unified_attention_kernel(
                 + (tile_pos % BLOCK_SIZE) * stride_cs
                 + slot_offsets
             )
+            # Per-token-head scales of the tile's keys (read only under DYN_SCALES).
+            s_ptrs = (
+                kv_scales_ptr
+                + physical_block * stride_sb
+                + ((tile_pos % BLOCK_SIZE) + offs_n) * num_kv_heads
+                + kv_head
+            )
             m_i, l_i, acc = attend_kv_tile(
                 q,
                 k_ptrs,
@@ -260,6 +273,8 @@ def _unified_attention_kernel(
                 slope,
                 window,
                 chunk,
+                s_ptrs,
+                BLOCK_SIZE * num_kv_heads,
                 IS_CAUSAL,
                 USE_WINDOW,
                 USE_CHUNK,
@@ -273,6 +288,7 @@ def _unified_attention_kernel(
                 tree_hi,
                 tree_first,
                 USE_TREE,
+                DYN_SCALES,
             )
 
         # l_i == 0 only for rows that see no key and have no sink (padding rows, or an
@@ -311,6 +327,8 @@ def _split_kv_partial_kernel(
     scale,
     k_scale,
     v_scale,
+    kv_scales_ptr,
+    stride_sb,
     softcap,
     window,
     chunk,
@@ -356,6 +374,8 @@ def _split_kv_partial_kernel(
     FP8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PER_HEAD_SCALES: tl.constexpr,
+    DYN_SCALES: tl.constexpr,
     USE_TREE: tl.constexpr = False,
 ):
     # Padded extents exist because tl.arange needs powers of two; loads and stores mask
@@ -377,6 +397,8 @@ def _split_kv_partial_kernel(
 
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    # A block's scales are [2, BLOCK_SIZE, Hkv], contiguous (the launcher checks it).
+    num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     if tile_id >= tl.load(tile_offsets_ptr + num_reqs):
         return
@@ -403,10 +425,10 @@ def _split_kv_partial_kernel(
     # with new values).
     k_scale_value = k_scale
     if K_SCALE_FROM_PTR:
-        k_scale_value = tl.load(k_scale_ptr)
+        k_scale_value = tl.load(k_scale_ptr + kv_head * PER_HEAD_SCALES)
     v_scale_value = v_scale
     if V_SCALE_FROM_PTR:
-        v_scale_value = tl.load(v_scale_ptr)
+        v_scale_value = tl.load(v_scale_ptr + kv_head * PER_HEAD_SCALES)
     # k_scale multiplies every key, so it folds into the score scale; scores are in the
     # log2 domain (exp2 is the native instruction) except under a soft-cap, which
     # applies to natural-log scores (see attend_kv_tile).
@@ -500,6 +522,12 @@ def _split_kv_partial_kernel(
                 + (k_pos % BLOCK_SIZE)[:, None] * stride_cs
                 + head_offsets
             )
+            s_ptrs = (
+                kv_scales_ptr
+                + physical_block * stride_sb
+                + (k_pos % BLOCK_SIZE) * num_kv_heads
+                + kv_head
+            )
             m_i, l_i, acc = attend_kv_tile(
                 q,
                 k_ptrs,
@@ -517,6 +545,8 @@ def _split_kv_partial_kernel(
                 slope,
                 window,
                 chunk,
+                s_ptrs,
+                BLOCK_SIZE * num_kv_heads,
                 IS_CAUSAL,
                 USE_WINDOW,
                 USE_CHUNK,
@@ -530,6 +560,7 @@ def _split_kv_partial_kernel(
                 tree_hi,
                 tree_first,
                 USE_TREE,
+                DYN_SCALES,
             )
 
         # A row that saw no key in this split (l_i == 0) gets output 0 and lse -inf.

@@ -71,6 +71,7 @@ def split_kv_decode(
     sinks: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: SplitKVWorkspace | None = None,
@@ -113,7 +114,7 @@ def split_kv_decode(
         of ``output`` and ``lse`` are left untouched.
     """
     query = check_query(query)
-    kv_cache = check_kv_cache(kv_cache, query)
+    kv_cache = check_kv_cache(kv_cache, query, int8=kv_scales is not None)
     num_splits = check_int_arg("num_splits", num_splits, 1, MAX_NUM_SPLITS)
     max_query_len = check_int_arg("max_query_len", max_query_len, 0, MAX_QUERY_LEN)
     plan = plan_paged_attention(
@@ -142,6 +143,7 @@ def split_kv_decode(
         sinks=sinks,
         k_scale=k_scale,
         v_scale=v_scale,
+        kv_scales=kv_scales,
         output=output,
         lse=lse,
         workspace=workspace,

@@ -139,6 +139,8 @@ def attend_kv_tile(
     slope,
     window,
     chunk,
+    s_ptrs,
+    stride_skv,
     IS_CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
@@ -152,6 +154,7 @@ def attend_kv_tile(
     tree_hi,
     tree_first,
     USE_TREE: tl.constexpr,
+    DYN_SCALES: tl.constexpr,
 ):
     """One key tile of the online softmax: load K (``k_ptrs``) and V (``k_ptrs +
     stride_ckv``) under ``kv_mask``, score, modify, mask and fold into ``(m_i, l_i,
@@ -165,6 +168,11 @@ def attend_kv_tile(
     ``USE_TREE`` ``mask_draft_tree`` the draft tree's (``tree_lo``, ``tree_hi`` ``[M]``
     the int32 halves of each row's ancestor bitmask, ``tree_first`` the request's first
     draft position).
+
+    ``DYN_SCALES``: the cache holds per-token-head scales, K's at ``s_ptrs`` ``[N]`` and
+    V's ``stride_skv`` further. Key ``n``'s scale multiplies score column ``n`` (the
+    stored key, fp8 or int8, stays an exact dot operand); the values are dequantised in
+    float32 before the ``P @ V`` product.
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
@@ -172,6 +180,12 @@ def attend_kv_tile(
     k = load_kv_tile(k_ptrs, kv_mask, FP8_BITS, q.dtype)
     v = load_kv_tile(k_ptrs + stride_ckv, kv_mask, FP8_BITS, q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if DYN_SCALES:
+        # Keys outside k_valid read scale 0 (their slots may hold NaN scales).
+        k_s = tl.load(s_ptrs, mask=k_valid, other=0.0)
+        v_s = tl.load(s_ptrs + stride_skv, mask=k_valid, other=0.0)
+        s = s * k_s[None, :]
+        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
     if USE_SOFTCAP:
         s = (softcap * tanh(s / softcap)) * LOG2E
     if USE_ALIBI:

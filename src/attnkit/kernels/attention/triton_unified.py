@@ -50,6 +50,7 @@ def unified_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -73,7 +74,7 @@ def unified_attention(
     them either way).
     """
     query = check_query(query)
-    kv_cache = check_kv_cache(kv_cache, query)
+    kv_cache = check_kv_cache(kv_cache, query, int8=kv_scales is not None)
     plan = plan_paged_attention(
         query_start_loc,
         seq_lens,
@@ -99,6 +100,7 @@ def unified_attention(
         sinks=sinks,
         k_scale=k_scale,
         v_scale=v_scale,
+        kv_scales=kv_scales,
         output=output,
         lse=lse,
     )
