@@ -121,6 +121,12 @@ class AttentionFeature(str, enum.Enum):
     impl attends only to the positions a ``SparseSelection`` names
     (``AttentionImpl.forward_sparse``)."""
 
+    MM_PREFIX = "mm_prefix"
+    """Bidirectional image ranges (``AttentionSpec.mm_prefix``, Gemma 3, PaliGemma):
+    queries of a request's image range see all of it, clamped to a sliding window
+    (``Mask.mm_prefix``, ``CommonAttentionMetadata.mm_prefix_ranges``). Asked by the
+    spec, so selection refuses a backend without it for such a group."""
+
     @override
     def __str__(self) -> str:
         return self.value

@@ -267,6 +267,7 @@ class PrefixCachingConfig(BaseModel):
 DEFAULT_MAX_NUM_REQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 32768
+DEFAULT_MAX_MM_PREFIX_RANGES = 8
 
 
 class AttentionConfig(BaseModel):
@@ -296,6 +297,10 @@ class AttentionConfig(BaseModel):
         num_speculative_tokens: the most draft tokens a request may bring to one
             step (``ScheduledRequest.num_draft_tokens``; docs/speculative.md); state
             layers keep that many extra states per request for ``accept``. 0: none.
+        max_mm_prefix_ranges: the most bidirectional image ranges one request may
+            bring (``ScheduledRequest.mm_prefix_ranges``); the metadata of a group
+            whose layers take them (``AttentionSpec.mm_prefix``) pads every request's
+            ranges to it, so its shape is fixed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -317,6 +322,7 @@ class AttentionConfig(BaseModel):
     prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
     determinism: Determinism = Determinism.NONE
     num_speculative_tokens: int = Field(default=0, ge=0)
+    max_mm_prefix_ranges: int = Field(default=DEFAULT_MAX_MM_PREFIX_RANGES, ge=1)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -337,6 +343,7 @@ class AttentionConfig(BaseModel):
             prefix_caching: PrefixCachingConfig | Mapping[str, Any] | None = None,
             determinism: Determinism | str = Determinism.NONE,
             num_speculative_tokens: int = 0,
+            max_mm_prefix_ranges: int = DEFAULT_MAX_MM_PREFIX_RANGES,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
@@ -386,7 +393,10 @@ class AttentionConfig(BaseModel):
     def _determinism_name(self, value: Determinism) -> str:
         return value.label
 
-    @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
+    @field_validator(
+        "max_num_reqs", "max_num_batched_tokens", "max_model_len", "max_mm_prefix_ranges",
+        mode="before",
+    )
     @classmethod
     def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic would take True as 1.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from .._validation import is_nonnegative_int, is_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -28,6 +29,13 @@ class ScheduledRequest:
             (at most ``config.num_speculative_tokens``, fewer than ``num_new_tokens``,
             0 on a request's first step), which ``runtime.accept`` may take back after
             verification (docs/speculative.md).
+        mm_prefix_ranges: on a request's first step, its image ranges: ``(start,
+            end)`` pairs of token positions (``start`` included, ``end`` not), sorted
+            and not overlapping, at most ``config.max_mm_prefix_ranges``. Layers whose
+            spec sets ``mm_prefix`` let the queries of a range see all of it. A range
+            is scheduled whole: a step whose tokens end strictly inside one, or a
+            prefix hit that does, is refused. Read on the first step only, like
+            ``prefix``.
     """
 
     req_id: str
@@ -35,6 +43,7 @@ class ScheduledRequest:
     encoder_len: int = 0
     prefix: PrefixMatch | None = None
     num_draft_tokens: int = 0
+    mm_prefix_ranges: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here, where the engine makes it, so begin_step need not re-check
@@ -64,11 +73,44 @@ class ScheduledRequest:
                 f"num_new_tokens={self.num_new_tokens} (the step's first token is never "
                 f"a draft), got {self.num_draft_tokens!r}"
             )
+        if self.mm_prefix_ranges != ():
+            _check_mm_prefix_ranges(self.req_id, self.mm_prefix_ranges)
         if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
             raise ArgumentTypeError(
                 f"request {self.req_id!r}: prefix must be a PrefixMatch (from "
                 f"runtime.match_prefix) or None, got {type(self.prefix).__name__}"
             )
+
+
+def _check_mm_prefix_ranges(req_id: str, ranges: object) -> None:
+    """Image ranges as ``ScheduledRequest`` takes them, or an error naming the entry."""
+    where = f"request {req_id!r}: mm_prefix_ranges"
+    if not isinstance(ranges, tuple):
+        raise ArgumentTypeError(
+            f"{where} must be a tuple of (start, end) pairs, got {type(ranges).__name__}"
+        )
+    items = cast("tuple[object, ...]", ranges)
+    previous_end = 0
+    for k, pair in enumerate(items):
+        if (
+            not isinstance(pair, tuple)
+            or len(cast("tuple[object, ...]", pair)) != 2
+            or not all(is_nonnegative_int(x) for x in cast("tuple[object, ...]", pair))
+        ):
+            raise InvalidArgumentError(
+                f"{where}[{k}] must be a pair (start, end) of ints >= 0, got {pair!r}"
+            )
+        start, end = cast("tuple[int, int]", pair)
+        if end <= start:
+            raise InvalidArgumentError(
+                f"{where}[{k}] = {pair!r}: a range [start, end) needs start < end"
+            )
+        if start < previous_end:
+            raise InvalidArgumentError(
+                f"{where}[{k}] = {pair!r} starts before the previous range ends "
+                f"({previous_end}): ranges must be sorted and not overlap"
+            )
+        previous_end = end
 
 
 @dataclasses.dataclass(frozen=True)

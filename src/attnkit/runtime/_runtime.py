@@ -50,6 +50,7 @@ from ._forward import LayerCalls
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._spec import draft_state_bytes
+from ._mm_prefix import MMPrefixRanges
 from ._step import StepHost
 
 InputsT = TypeVar("InputsT", bound=StateInputs)
@@ -267,6 +268,16 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         }
         self._thresholds = tuple(sorted(thresholds))
         self._reads_encoder = any(rules_for(g.spec).writes == "encoder" for g in groups)
+        # Groups whose layers take image ranges (AttentionSpec.mm_prefix), and the
+        # requests' ranges when some group does.
+        self._mm_groups = frozenset(
+            g.group_id for g in groups if rules_for(g.spec).mask(g.spec).mm_prefix
+        )
+        self._mm = (
+            MMPrefixRanges(config.max_mm_prefix_ranges, config.max_model_len)
+            if self._mm_groups
+            else None
+        )
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step = None

@@ -5,6 +5,7 @@ docs/runtime.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -115,6 +116,9 @@ class StepHost(SpeculativeCalls):
                 f"({int(lens.computed[index])} cached + {int(lens.query[index])} new); "
                 f"AttentionConfig.max_model_len={limits.max_model_len}"
             )
+        mm_ranges = self._mm.step(scheduled, ids, rows, lens) if self._mm is not None else None
+        if mm_ranges is None and not cached:
+            _check_no_ranges(scheduled, rows)
         for rules in self._kind_rules:
             problem = rules.admission_problems(lens)
             if problem is not None:
@@ -142,9 +146,22 @@ class StepHost(SpeculativeCalls):
         contiguous = self._last_contiguous if rows is self._contiguous_rows else None
         shared = _SharedStep(lens, rows, self._to_device, contiguous)
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
+        mm_tensors = (
+            self._mm.metadata(mm_ranges, ids, lens, self._to_device)
+            if self._mm is not None and mm_ranges
+            else None
+        )
         try:
             for entry in self._groups:
                 entry.common = self._common_metadata(entry.group, rows, lens, shared)
+                if mm_tensors is not None and entry.group.group_id in self._mm_groups:
+                    entry.common = dataclasses.replace(
+                        entry.common,
+                        mm_prefix_ranges=mm_tensors[0],
+                        mm_prefix_ranges_cpu=mm_tensors[1],
+                        mm_prefix_counts_cpu=mm_tensors[2],
+                        validate=False,
+                    )
                 entry.metadata = entry.builder.build(0, entry.common)
         except BaseException as exc:
             # The cache already holds the step (builders run on its tables): a builder
@@ -157,6 +174,9 @@ class StepHost(SpeculativeCalls):
             if self.manager.prefix is not None:
                 self.manager.prefix.discard()  # no layer runs: nothing the step fills is named
             raise
+        if self._mm is not None and mm_ranges is not None:
+            self._mm.forget(finished)
+            self._mm.commit(mm_ranges, ids, lens)
         if drafts is not None or self._verify is not None:
             self._prepare_verify(drafts, rows, lens)
         query_lens = tuple(lens.query.tolist())
@@ -302,6 +322,8 @@ class StepHost(SpeculativeCalls):
         step = self._step
         for req_id in ids:
             self.manager.free_request(req_id, tokens.get(req_id))
+        if self._mm is not None:
+            self._mm.forget(ids)
         if step is not None and self._stale is None:
             hit = set(ids).intersection(step.order)
             if hit:
@@ -422,6 +444,17 @@ def _arange(n: int) -> Ints:
         grown.flags.writeable = False
         _ARANGE[0] = grown
     return _ARANGE[0][:n]
+
+
+def _check_no_ranges(scheduled: Sequence[ScheduledRequest], rows: Ints) -> None:
+    """A new request's image ranges need a layer that takes them: never ignored."""
+    for i in np.flatnonzero(rows < 0).tolist():
+        if scheduled[i].mm_prefix_ranges:
+            raise InvalidArgumentError(
+                f"request {scheduled[i].req_id!r} brings mm_prefix_ranges, but no layer of "
+                f"this runtime takes image ranges (AttentionSpec.mm_prefix is False on "
+                f"every layer)"
+            )
 
 
 def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:

@@ -68,6 +68,8 @@ class ReferenceAttentionMetadata:
             requests in their first step, in batch order; ``None`` when there are none.
         context_shard, global_seq_lens: ``CommonAttentionMetadata``'s, for
             ``forward_partial`` (decode context parallelism); ``None`` otherwise.
+        mm_prefix_ranges: ``CommonAttentionMetadata.mm_prefix_ranges`` (int32
+            ``[B, R, 2]``) for a layer whose spec sets ``mm_prefix``, else ``None``.
     """
 
     num_actual_tokens: int
@@ -83,6 +85,7 @@ class ReferenceAttentionMetadata:
     sink_slot_mapping: torch.Tensor | None = None
     context_shard: tuple[int, int] | None = None
     global_seq_lens: torch.Tensor | None = None
+    mm_prefix_ranges: torch.Tensor | None = None
 
 
 class ReferenceAttentionBuilder(
@@ -109,6 +112,7 @@ class ReferenceAttentionBuilder(
         self.sliding_window = mask.window
         self.chunk_size = mask.chunk
         self.sink_len = mask.sink_len
+        self.mm_prefix = mask.mm_prefix
         self.has_cache = rules.has_cache
 
     @override
@@ -148,6 +152,7 @@ class ReferenceAttentionBuilder(
             sink_slot_mapping=self._sink_slots(cm) if self.sink_len else None,
             context_shard=cm.context_shard,
             global_seq_lens=cm.global_seq_lens_cpu,
+            mm_prefix_ranges=cm.mm_prefix_ranges if self.mm_prefix else None,
         )
 
     def _sink_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -599,6 +604,7 @@ class ReferenceAttentionImpl(
             v_scale=self.v_scale,
             context_shard=md.context_shard,
             global_seq_lens=md.global_seq_lens,
+            mm_prefix_ranges=md.mm_prefix_ranges,
             return_lse=True,
         )
         if self._lse_out is not None:

@@ -68,6 +68,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.MLA_PROJECTION,
             AttentionFeature.CONTEXT_PARALLEL,
             AttentionFeature.SPARSE_ATTENTION,
+            AttentionFeature.MM_PREFIX,
         }
     )
     # Every state type: each declares its reference computation.

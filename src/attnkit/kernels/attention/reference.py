@@ -87,6 +87,7 @@ def _visible_keys(
     causal: bool,
     sliding_window: int | None,
     chunk_size: int | None,
+    mm_prefix_ranges: Tensor | None = None,
 ) -> Tensor:
     """Boolean ``[Tq, Tk]`` mask: ``True`` where query ``t`` may attend to key ``j``."""
     i = q_positions.to(torch.int64)[:, None]  # [Tq, 1] query positions
@@ -101,7 +102,38 @@ def _visible_keys(
             visible &= torch.div(j, chunk_size, rounding_mode="floor") == torch.div(
                 i, chunk_size, rounding_mode="floor"
             )
+        if mm_prefix_ranges is not None:
+            visible |= _same_range(i, j, mm_prefix_ranges, sliding_window)
     return visible
+
+
+def _check_ranges(ranges: object, *, causal: bool, chunk_size: int | None) -> Tensor | None:
+    if ranges is None:
+        return None
+    if not isinstance(ranges, Tensor) or ranges.is_floating_point() or ranges.dim() != 2 or (
+        ranges.shape[1] != 2
+    ):
+        raise ValueError(
+            f"mm_prefix_ranges must be an integer tensor [R, 2] or None, got {describe(ranges)}"
+        )
+    if not causal or chunk_size is not None:
+        raise ValueError(
+            "mm_prefix_ranges needs causal attention without chunk_size (got "
+            f"causal={causal}, chunk_size={chunk_size})"
+        )
+    return ranges
+
+
+def _same_range(i: Tensor, j: Tensor, ranges: Tensor, sliding_window: int | None) -> Tensor:
+    """``[Tq, Tk]``: query and key in one range ``[start, end)`` of ``ranges`` ``[R, 2]``
+    (an empty pair such as ``(0, 0)`` holds nothing), within the window when there is one."""
+    start = ranges[:, 0].to(device=i.device, dtype=torch.int64)[None, None, :]
+    end = ranges[:, 1].to(device=i.device, dtype=torch.int64)[None, None, :]
+    qi, kj = i[:, :, None], j[:, :, None]  # [Tq, 1, 1], [1, Tk, 1]
+    same = ((start <= qi) & (qi < end) & (start <= kj) & (kj < end)).any(dim=-1)
+    if sliding_window is not None:
+        same &= (i - j).abs() < sliding_window
+    return same
 
 
 # --------------------------------------------------------------------------- cache I/O
@@ -254,6 +286,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: Literal[False] = ...,
 ) -> Tensor: ...
 
@@ -273,6 +306,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
 
@@ -292,6 +326,7 @@ def dense_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
@@ -310,6 +345,7 @@ def dense_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    mm_prefix_ranges: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence's queries over its keys and values (no cache).
@@ -329,6 +365,10 @@ def dense_attention(
         logits_soft_cap: ``cap > 0`` for ``cap * tanh(s / cap)``, or None.
         alibi_slopes: float ``[Hq]`` slopes, or None.
         sinks: float ``[Hq]`` sink logits, or None.
+        mm_prefix_ranges: integer ``[R, 2]`` bidirectional ranges ``[start, end)`` of
+            positions (needs ``causal``; no ``chunk_size``): a query inside one also
+            sees every key of it, within ``|i - j| < sliding_window`` on a window.
+            Empty pairs (``(0, 0)``) pad. None: none.
         return_lse: also return the float32 ``[Tq, Hq]`` log-sum-exp.
 
     Returns:
@@ -396,12 +436,14 @@ def dense_attention(
 
     # Scores [Hkv, G, Tq, Tk] in float32, without materialising repeated kv heads:
     # query head h = n * G + g reads kv head n.
+    ranges = _check_ranges(mm_prefix_ranges, causal=causal, chunk_size=chunk_size)
     visible = _visible_keys(
         positions,
         key_positions,
         causal=causal,
         sliding_window=sliding_window,
         chunk_size=chunk_size,
+        mm_prefix_ranges=ranges,
     )
     # Keys no query may see are zeroed, not just given weight 0: their slots may hold
     # anything (a released block reads as the null block, a block's tail was never
@@ -566,6 +608,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
@@ -590,6 +633,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
@@ -614,6 +658,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float = ...,
     v_scale: float = ...,
     context_shard: tuple[int, int] | None = ...,
@@ -637,6 +682,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    mm_prefix_ranges: Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     context_shard: tuple[int, int] | None = None,
@@ -668,6 +714,8 @@ def paged_attention(
             ``global_seq_lens``.
         global_seq_lens: int ``[B]`` every request's whole length (queries included),
             which places its queries; with ``context_shard`` only.
+        mm_prefix_ranges: int ``[B, R, 2]``: request ``b``'s bidirectional ranges (as
+            for :func:`dense_attention`, padded with ``(0, 0)``), or None.
         output: optional ``[T, Hq, D]`` tensor of the query dtype to write into (and
             return); padding rows are set to 0.
         return_lse: also return the float32 ``[T, Hq]`` log-sum-exp (``-inf`` on padding).
@@ -734,6 +782,7 @@ def paged_attention(
             logits_soft_cap=logits_soft_cap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            mm_prefix_ranges=None if mm_prefix_ranges is None else mm_prefix_ranges[b],
             return_lse=True,
         )
         output[q_start:q_end] = out_b

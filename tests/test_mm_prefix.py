@@ -1,0 +1,290 @@
+"""Bidirectional image ranges (``AttentionSpec.mm_prefix``, ``ScheduledRequest.
+mm_prefix_ranges``): every backend that declares the feature against a float64 oracle
+written here from the rule, on the image positions' outputs (not end logits); a control
+that fails when the ranges are ignored; the window clamp (Gemma 4); the refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attnkit import (
+    AttentionConfig,
+    AttentionLayerParams,
+    AttentionRuntime,
+    FullAttentionSpec,
+    ScheduledRequest,
+    SlidingWindowSpec,
+)
+from attnkit.capabilities import AttentionFeature
+from attnkit.errors import AttnkitError, InvalidArgumentError
+from attnkit.registry import default_registry
+
+HQ, HKV, D, BS = 4, 2, 32, 16
+BUDGET = 8 << 20
+
+
+def oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    window: int | None,
+) -> torch.Tensor:
+    """One request's whole prompt in float64: a dense mask from the rule
+    (causal AND window) OR (query and key in one range, |i - j| < window)."""
+    n = q.shape[0]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= (i - j) < window
+    for s, e in ranges:
+        same = (i >= s) & (i < e) & (j >= s) & (j < e)
+        if window is not None:
+            same &= (i - j).abs() < window
+        mask |= same
+    g = HQ // HKV
+    kk = k.double().repeat_interleave(g, dim=1)
+    vv = v.double().repeat_interleave(g, dim=1)
+    s_ = torch.einsum("qhd,khd->hqk", q.double(), kk) * D**-0.5
+    s_ = s_.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s_, dim=-1), vv)
+
+
+def _spec(window: int | None, mm: bool) -> FullAttentionSpec | SlidingWindowSpec:
+    if window is None:
+        return FullAttentionSpec(
+            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, mm_prefix=mm
+        )
+    return SlidingWindowSpec(
+        block_size=BS,
+        num_kv_heads=HKV,
+        head_size=D,
+        dtype=torch.float32,
+        sliding_window=window,
+        mm_prefix=mm,
+    )
+
+
+def _runtime(backend: str, window: int | None, mm: bool = True) -> AttentionRuntime:
+    return AttentionRuntime(
+        {"layer": _spec(window, mm)},
+        AttentionConfig(backend=backend, max_mm_prefix_ranges=4),
+        device="cpu",
+        memory_budget_bytes=BUDGET,
+        layer_params={"layer": AttentionLayerParams(num_heads=HQ)},
+        cache_fill=float("nan"),
+    )
+
+
+# Prompt of 40 tokens: text, an image [5, 22), text, an image [27, 35), text.
+N = 40
+RANGES = [(5, 22), (27, 35)]
+# Chunks that never end inside a range; the second starts inside none.
+CHUNKS = [22, 13, 5]
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(N, HQ, D, generator=gen),
+        torch.randn(N, HKV, D, generator=gen),
+        torch.randn(N, HKV, D, generator=gen),
+    )
+
+
+def _run(
+    runtime: AttentionRuntime,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    chunks: list[int],
+) -> torch.Tensor:
+    """The prompt in ``chunks``, a second short request beside it, and the outputs."""
+    out = torch.full_like(q, float("nan"))
+    done = 0
+    other_q = torch.randn(3, HQ, D)
+    other_kv = torch.randn(3, HKV, D)
+    for step, n in enumerate(chunks):
+        scheduled = [
+            ScheduledRequest(
+                "img", n, mm_prefix_ranges=tuple(ranges) if step == 0 and ranges else ()
+            )
+        ]
+        if step == 0:
+            scheduled.append(ScheduledRequest("txt", 3))
+        batch = runtime.begin_step(scheduled)
+        rows = batch.token_slices()
+        total = batch.num_tokens
+        qs = torch.zeros(total, HQ, D)
+        ks = torch.zeros(total, HKV, D)
+        vs = torch.zeros(total, HKV, D)
+        qs[rows["img"]] = q[done : done + n]
+        ks[rows["img"]] = k[done : done + n]
+        vs[rows["img"]] = v[done : done + n]
+        if "txt" in rows:
+            qs[rows["txt"]], ks[rows["txt"]], vs[rows["txt"]] = other_q, other_kv, other_kv
+        result = runtime.forward("layer", qs, ks, vs)
+        out[done : done + n] = result[rows["img"]]
+        done += n
+    return out
+
+
+def _image_rows() -> torch.Tensor:
+    return torch.tensor([p for s, e in RANGES for p in range(s, e)])
+
+
+def _backends() -> list[object]:
+    found: list[object] = ["reference", "cpu_attn"]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        found.append("triton_attn")
+    found.append(pytest.param("flex_attention", marks=pytest.mark.slow))
+    return found
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "window8"])
+@pytest.mark.parametrize("backend", _backends())
+def test_image_positions_match_the_oracle(backend: str, window: int | None) -> None:
+    q, k, v = _inputs()
+    want = oracle(q, k, v, RANGES, window)
+    got = _run(_runtime(backend, window), q, k, v, RANGES, CHUNKS)
+    img = _image_rows()
+    err = (got.double() - want).abs().max().item()
+    img_err = (got[img].double() - want[img]).abs().max().item()
+    assert img_err < 2e-5, f"{backend}: image positions off by {img_err}"
+    assert err < 2e-5, f"{backend}: some position off by {err}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+def test_control_ignoring_the_ranges_is_caught(backend: str) -> None:
+    """The broken variant: the same layer with the ranges ignored (causal only) is far
+    from the oracle on the image positions, so the test above can see the difference."""
+    q, k, v = _inputs()
+    want = oracle(q, k, v, RANGES, None)
+    broken = _run(_runtime(backend, None, mm=False), q, k, v, [], CHUNKS)
+    img = _image_rows()
+    err = (broken[img].double() - want[img]).abs().max().item()
+    assert err > 1e-1, err
+    # Outside the images, causal rows before the first image are the same.
+    assert (broken[:5].double() - want[:5]).abs().max().item() < 2e-5
+
+
+def test_window_clamp_differs_from_dropping_or_ignoring_the_window() -> None:
+    """Gemma 4: on a window layer the range is clamped to the window, neither dropped
+    (plain causal window) nor kept whole (the range's far keys)."""
+    q, k, v = _inputs(1)
+    got = _run(_runtime("reference", 8), q, k, v, RANGES, CHUNKS)
+    img = _image_rows()
+    clamped = oracle(q, k, v, RANGES, 8)
+    dropped = oracle(q, k, v, [], 8)
+    # The range whole on top of a causal window: keys of the range beyond the window.
+    n = N
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    assert (got[img].double() - clamped[img]).abs().max() < 2e-5
+    assert (got[img].double() - dropped[img]).abs().max() > 1e-1
+    s, e = RANGES[0]
+    far = ((i >= s) & (i < e) & (j >= s) & (j < e) & ((i - j).abs() >= 8)).any()
+    assert bool(far)  # the first range is longer than the window: the clamp matters
+
+
+def test_metadata_carries_fixed_shape_ranges() -> None:
+    runtime = _runtime("reference", None)
+    runtime.begin_step(
+        [ScheduledRequest("a", 22, mm_prefix_ranges=((5, 22), (27, 35))), ScheduledRequest("b", 2)]
+    )
+    common = runtime._groups[0].common
+    assert common is not None
+    assert common.mm_prefix_ranges_cpu is not None
+    assert common.mm_prefix_counts_cpu is not None
+    assert tuple(common.mm_prefix_ranges_cpu.shape) == (2, 4, 2)
+    order = list(runtime._step.order) if runtime._step is not None else []
+    a = order.index("a")
+    assert common.mm_prefix_ranges_cpu[a, :2].tolist() == [[5, 22], [27, 35]]
+    assert common.mm_prefix_counts_cpu.tolist()[a] == 2
+    assert common.mm_prefix_counts_cpu.tolist()[1 - a] == 0
+
+
+def _state(runtime: AttentionRuntime) -> tuple[object, ...]:
+    m = runtime.manager
+    return (m.rows_version, tuple(sorted(m.pool._free)), dict(runtime._mm._live) if runtime._mm else None)
+
+
+@pytest.mark.parametrize(
+    ("first", "bad", "needle"),
+    [
+        (None, ScheduledRequest("a", 10, mm_prefix_ranges=((5, 22),)), "strictly inside image range"),
+        ((22, ((5, 22), (27, 35))), ScheduledRequest("a", 8), "[27, 35)"),
+        (
+            None,
+            ScheduledRequest("a", 4, mm_prefix_ranges=((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))),
+            "max_mm_prefix_ranges=4",
+        ),
+    ],
+    ids=["first-chunk-cuts", "later-chunk-cuts", "too-many"],
+)
+def test_refusals_name_request_and_range_and_change_nothing(
+    first: tuple[int, tuple[tuple[int, int], ...]] | None, bad: ScheduledRequest, needle: str
+) -> None:
+    runtime = _runtime("reference", None)
+    if first is not None:
+        n, ranges = first
+        runtime.begin_step([ScheduledRequest("a", n, mm_prefix_ranges=ranges)])
+    before = _state(runtime)
+    with pytest.raises(InvalidArgumentError) as info:
+        runtime.begin_step([bad])
+    assert "'a'" in str(info.value)
+    assert needle in str(info.value)
+    assert _state(runtime) == before
+
+
+def test_bad_ranges_are_refused_where_the_engine_makes_them() -> None:
+    cases = [
+        (((5, 3),), "start < end"),
+        (((0, 4), (3, 6)), "sorted and not overlap"),
+        (((0, -1),), "ints >= 0"),
+        ([(0, 4)], "tuple"),
+    ]
+    for ranges, needle in cases:
+        with pytest.raises(AttnkitError) as info:
+            ScheduledRequest("x", 4, mm_prefix_ranges=ranges)  # type: ignore[arg-type]  # a list on purpose
+        assert needle in str(info.value)
+        assert "mm_prefix_ranges" in str(info.value)
+
+
+def test_ranges_without_a_layer_that_takes_them_are_refused() -> None:
+    runtime = _runtime("reference", None, mm=False)
+    with pytest.raises(InvalidArgumentError, match="no layer of this runtime takes image"):
+        runtime.begin_step([ScheduledRequest("a", 4, mm_prefix_ranges=((0, 4),))])
+
+
+def test_spec_refuses_mm_prefix_on_kinds_without_it() -> None:
+    from attnkit import ChunkedLocalAttentionSpec
+
+    with pytest.raises(InvalidArgumentError, match="chunked_local_attention takes no"):
+        ChunkedLocalAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=16,
+            dtype=torch.float32,
+            attention_chunk_size=8,
+            mm_prefix=True,
+        )
+
+
+def test_selection_refuses_a_backend_without_the_feature() -> None:
+    reg = default_registry()
+    spec = _spec(None, True)
+    for name in reg.names():
+        backend = reg.get(name)
+        if spec.kind not in backend.supported_kinds():
+            continue
+        from attnkit.backend import BackendRequest
+
+        reasons = backend.not_supported_reasons(BackendRequest(spec=spec, device=torch.device("cpu")))
+        mentions = any("mm_prefix" in r for r in reasons)
+        assert mentions == (AttentionFeature.MM_PREFIX not in backend.supported_features), name
