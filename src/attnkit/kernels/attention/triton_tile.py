@@ -110,6 +110,7 @@ def attend_kv_tile(
     k_pos,
     k_valid,
     q_pos,
+    q_last,
     row_valid,
     m_i,
     l_i,
@@ -128,6 +129,7 @@ def attend_kv_tile(
     P_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    MM_PREFIX: tl.constexpr = False,
 ):
     """One key tile of the online softmax: load K (``k_ptrs``) and V (``k_ptrs +
     stride_ckv``) under ``kv_mask``, score, modify, mask and fold into ``(m_i, l_i,
@@ -137,7 +139,10 @@ def attend_kv_tile(
     without a soft-cap, in the natural one with it (the cap applies to natural-log
     scores and the result is moved to log2 here). ``slope`` is the ALiBi slope per row
     times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
-    the caller may read; ``mask_scores`` adds the per-row visibility.
+    the caller may read; ``mask_scores`` adds the per-row visibility. With
+    ``MM_PREFIX`` (bidirectional image ranges) a row sees keys up to ``q_last`` (its
+    range's end, already clamped to the window) instead of ``q_pos``; the window's
+    lower edge still follows ``q_pos``.
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
@@ -149,8 +154,15 @@ def attend_kv_tile(
         s = (softcap * tanh(s / softcap)) * LOG2E
     if USE_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-    s = mask_scores(
-        s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
-    )
+    if MM_PREFIX:
+        tl.static_assert(IS_CAUSAL and not USE_CHUNK)
+        seen = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_last[:, None])
+        if USE_WINDOW:
+            seen = seen & (q_pos[:, None] - k_pos[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+    else:
+        s = mask_scores(
+            s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
+        )
     # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
     return online_softmax_update(s, v, m_i, l_i, acc, P_DTYPE, DOT_PRECISION, DOT_IN_FP32)
