@@ -288,3 +288,98 @@ def test_selection_refuses_a_backend_without_the_feature() -> None:
         reasons = backend.not_supported_reasons(BackendRequest(spec=spec, device=torch.device("cpu")))
         mentions = any("mm_prefix" in r for r in reasons)
         assert mentions == (AttentionFeature.MM_PREFIX not in backend.supported_features), name
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def _engine_model(prefix: bool) -> tuple[object, AttentionRuntime]:
+    from attnkit.integrations.engine import Engine, FunctionModel
+
+    runtime = AttentionRuntime(
+        {"layer": _spec(None, True)},
+        AttentionConfig(
+            backend="cpu_attn",
+            max_mm_prefix_ranges=4,
+            prefix_caching={"enabled": prefix},
+        ),
+        device="cpu",
+        memory_budget_bytes=BUDGET,
+        layer_params={"layer": AttentionLayerParams(num_heads=HQ)},
+        cache_fill=float("nan"),
+    )
+    emb = torch.randn(64, HQ * D, generator=torch.Generator().manual_seed(3))
+    head = torch.randn(HQ * D, 64, generator=torch.Generator().manual_seed(4))
+
+    def call(batch: object, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = emb[token_ids]
+        q = x.view(-1, HQ, D)
+        kv = x.view(-1, HQ, D)[:, :HKV]
+        return runtime.forward("layer", q, kv, kv).reshape(-1, HQ * D) @ head
+
+    return Engine(FunctionModel(runtime, call), max_tokens_per_step=12), runtime
+
+
+def test_engine_never_splits_an_image_range() -> None:
+    from attnkit.integrations.engine import SamplingParams
+
+    engine, _ = _engine_model(prefix=False)
+    assert hasattr(engine, "run")
+    prompt = list(range(1, 31))
+    ranges = ((3, 13), (14, 18), (20, 30))
+    engine.add_request("a", prompt, SamplingParams(max_new_tokens=2), mm_prefix_ranges=ranges)  # type: ignore[attr-defined]
+    result = engine.run()  # type: ignore[attr-defined]
+    done = 0
+    for step in result.steps:
+        for rid, n in step.scheduled:
+            assert rid == "a"
+            end = done + n
+            assert not any(s < end < e for s, e in ranges), (done, n)
+            done = end
+    assert len(result.outputs["a"]) == 2
+
+
+def test_engine_shortens_a_prefix_hit_that_ends_inside_a_range() -> None:
+    from attnkit.integrations.engine import SamplingParams
+
+    engine, runtime = _engine_model(prefix=True)
+    prompt = list(range(1, 25))
+    ranges = ((12, 22),)  # a hit of one block (16 tokens) would end inside it
+    engine.add_request("a", prompt, SamplingParams(max_new_tokens=1), mm_prefix_ranges=ranges)  # type: ignore[attr-defined]
+    engine.run()  # type: ignore[attr-defined]
+    assert runtime.match_prefix(prompt).num_tokens == 16  # cached: the hit would cut the range
+    engine.add_request("b", prompt, SamplingParams(max_new_tokens=1), mm_prefix_ranges=ranges)  # type: ignore[attr-defined]
+    result = engine.run()  # type: ignore[attr-defined]
+    assert len(result.outputs["b"]) == 1
+    # b computed its whole prompt (the hit was shortened to 0 tokens: blocks of 16).
+    b_steps = [n for step in result.steps for rid, n in step.scheduled if rid == "b"]
+    assert sum(b_steps) == len(prompt)
+
+
+def test_engine_refuses_ranges_outside_the_prompt_or_the_step() -> None:
+    from attnkit.errors import EngineLimitError
+
+    engine, _ = _engine_model(prefix=False)
+    with pytest.raises(InvalidArgumentError, match="past the prompt's 5 tokens"):
+        engine.add_request("a", [1, 2, 3, 4, 5], mm_prefix_ranges=((2, 7),))  # type: ignore[attr-defined]
+    with pytest.raises(EngineLimitError, match="max_tokens_per_step=12"):
+        engine.add_request("b", list(range(30)), mm_prefix_ranges=((2, 20),))  # type: ignore[attr-defined]
+
+
+def test_runtime_refuses_a_prefix_hit_inside_a_range_and_changes_nothing() -> None:
+    _, runtime = _engine_model(prefix=True)
+    prompt = list(range(1, 41))
+    first = runtime.match_prefix(prompt)
+    runtime.begin_step([ScheduledRequest("a", 40, prefix=first, mm_prefix_ranges=((12, 22),))])
+    runtime.free(["a"], token_ids={"a": prompt})
+    match = runtime.match_prefix(prompt)
+    assert match.num_tokens == 32
+    ok = runtime.match_prefix(prompt)
+    before = _state(runtime)
+    with pytest.raises(InvalidArgumentError, match=r"prefix hit \(prefix.num_tokens=16\)"):
+        runtime.begin_step(
+            [ScheduledRequest("b", 24, prefix=runtime.match_prefix(prompt[:17]), mm_prefix_ranges=((12, 22),))]
+        )
+    assert _state(runtime) == before
+    # The hit of 32 ends after the range: served.
+    runtime.begin_step([ScheduledRequest("b", 8, prefix=ok, mm_prefix_ranges=((12, 22),))])

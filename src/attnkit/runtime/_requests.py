@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
 
-from .._validation import is_nonnegative_int, is_positive_int
+from .._validation import check_mm_prefix_ranges, is_nonnegative_int, is_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..kv_cache import PrefixMatch
 
@@ -74,43 +73,12 @@ class ScheduledRequest:
                 f"a draft), got {self.num_draft_tokens!r}"
             )
         if self.mm_prefix_ranges != ():
-            _check_mm_prefix_ranges(self.req_id, self.mm_prefix_ranges)
+            check_mm_prefix_ranges(f"request {self.req_id!r}: mm_prefix_ranges", self.mm_prefix_ranges)
         if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
             raise ArgumentTypeError(
                 f"request {self.req_id!r}: prefix must be a PrefixMatch (from "
                 f"runtime.match_prefix) or None, got {type(self.prefix).__name__}"
             )
-
-
-def _check_mm_prefix_ranges(req_id: str, ranges: object) -> None:
-    """Image ranges as ``ScheduledRequest`` takes them, or an error naming the entry."""
-    where = f"request {req_id!r}: mm_prefix_ranges"
-    if not isinstance(ranges, tuple):
-        raise ArgumentTypeError(
-            f"{where} must be a tuple of (start, end) pairs, got {type(ranges).__name__}"
-        )
-    items = cast("tuple[object, ...]", ranges)
-    previous_end = 0
-    for k, pair in enumerate(items):
-        if (
-            not isinstance(pair, tuple)
-            or len(cast("tuple[object, ...]", pair)) != 2
-            or not all(is_nonnegative_int(x) for x in cast("tuple[object, ...]", pair))
-        ):
-            raise InvalidArgumentError(
-                f"{where}[{k}] must be a pair (start, end) of ints >= 0, got {pair!r}"
-            )
-        start, end = cast("tuple[int, int]", pair)
-        if end <= start:
-            raise InvalidArgumentError(
-                f"{where}[{k}] = {pair!r}: a range [start, end) needs start < end"
-            )
-        if start < previous_end:
-            raise InvalidArgumentError(
-                f"{where}[{k}] = {pair!r} starts before the previous range ends "
-                f"({previous_end}): ranges must be sorted and not overlap"
-            )
-        previous_end = end
 
 
 @dataclasses.dataclass(frozen=True)
