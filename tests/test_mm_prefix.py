@@ -34,18 +34,16 @@ def oracle(
     window: int | None,
 ) -> torch.Tensor:
     """One request's whole prompt in float64: a dense mask from the rule
-    (causal AND window) OR (query and key in one range, |i - j| < window)."""
+    (causal OR query and key in one range) AND window (transformers' Gemma 3 / Gemma 4
+    sliding layers: AND(sliding_window, OR(causal, blockwise)))."""
     n = q.shape[0]
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     mask = j <= i
+    for s, e in ranges:
+        mask |= (i >= s) & (i < e) & (j >= s) & (j < e)
     if window is not None:
         mask &= (i - j) < window
-    for s, e in ranges:
-        same = (i >= s) & (i < e) & (j >= s) & (j < e)
-        if window is not None:
-            same &= (i - j).abs() < window
-        mask |= same
     g = HQ // HKV
     kk = k.double().repeat_interleave(g, dim=1)
     vv = v.double().repeat_interleave(g, dim=1)
@@ -174,22 +172,43 @@ def test_control_ignoring_the_ranges_is_caught(backend: str) -> None:
 
 
 def test_window_clamp_differs_from_dropping_or_ignoring_the_window() -> None:
-    """Gemma 4: on a window layer the range is clamped to the window, neither dropped
-    (plain causal window) nor kept whole (the range's far keys)."""
+    """Gemma 4 (sliding layers): a range longer than the window is clamped to it (the
+    look-back stays bounded), neither dropped (plain causal window) nor kept whole
+    (every key of the range, ignoring the window)."""
     q, k, v = _inputs(1)
     got = _run(_runtime("reference", 8), q, k, v, RANGES, CHUNKS)
     img = _image_rows()
     clamped = oracle(q, k, v, RANGES, 8)
     dropped = oracle(q, k, v, [], 8)
-    # The range whole on top of a causal window: keys of the range beyond the window.
     n = N
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
+    whole_mask = (j <= i) & ((i - j) < 8)
+    for s, e in RANGES:
+        whole_mask |= (i >= s) & (i < e) & (j >= s) & (j < e)
+    g = HQ // HKV
+    scores = torch.einsum(
+        "qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, dim=1)
+    ) * D**-0.5
+    weights = torch.softmax(scores.masked_fill(~whole_mask[None], float("-inf")), dim=-1)
+    whole = torch.einsum("hqk,khd->qhd", weights, v.double().repeat_interleave(g, dim=1))
     assert (got[img].double() - clamped[img]).abs().max() < 2e-5
     assert (got[img].double() - dropped[img]).abs().max() > 1e-1
-    s, e = RANGES[0]
-    far = ((i >= s) & (i < e) & (j >= s) & (j < e) & ((i - j).abs() >= 8)).any()
-    assert bool(far)  # the first range is longer than the window: the clamp matters
+    assert (got[img].double() - whole[img]).abs().max() > 1e-1
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_decodes_after_an_image_prompt_are_causal(backend: str) -> None:
+    """After the prompt, decode steps see the whole context, the images included, and
+    the ranges no longer extend any row."""
+    q, k, v = _inputs(2)
+    runtime = _runtime(backend, 8)
+    _run(runtime, q[:35], k[:35], v[:35], RANGES, [22, 13])
+    want = oracle(q, k, v, RANGES, 8)
+    for p in range(35, N):
+        runtime.begin_step([ScheduledRequest("img", 1)])
+        out = runtime.forward("layer", q[p : p + 1], k[p : p + 1], v[p : p + 1])
+        assert (out.double() - want[p : p + 1]).abs().max() < 2e-5, p
 
 
 def test_metadata_carries_fixed_shape_ranges() -> None:

@@ -123,8 +123,8 @@ class AttentionFeature(str, enum.Enum):
 
     MM_PREFIX = "mm_prefix"
     """Bidirectional image ranges (``AttentionSpec.mm_prefix``, Gemma 3, PaliGemma):
-    queries of a request's image range see all of it, clamped to a sliding window
-    (``Mask.mm_prefix``, ``CommonAttentionMetadata.mm_prefix_ranges``). Asked by the
+    queries of a request's image range see all of it, a sliding window still bounding
+    the look-back (``Mask.mm_prefix``, ``CommonAttentionMetadata.mm_prefix_ranges``). Asked by the
     spec, so selection refuses a backend without it for such a group."""
 
     @override

@@ -402,18 +402,16 @@ def _check_threshold(decode_threshold: int) -> None:
         raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
 
 
-def mm_prefix_key_ends(
-    common_attn_metadata: CommonAttentionMetadata, *, window: int | None = None
-) -> np.ndarray | None:
+def mm_prefix_key_ends(common_attn_metadata: CommonAttentionMetadata) -> np.ndarray | None:
     """Each query token's visible keys end (exclusive) under ``Mask.mm_prefix``: int64
     ``[T]`` on the host, or ``None`` when no query of the step lies in a range longer
     than itself (every row is then plainly causal).
 
     Query ``t`` of request ``b`` sits at ``p = seq_lens[b] - q_len[b] + t``. Outside
-    every range it sees keys up to ``p`` (``p + 1``); inside ``[s, e)`` up to ``e - 1``,
-    clamped to ``p + window - 1`` on a window layer (``|p - j| < window``). Its first
-    visible key is unchanged (the window's or 0), so each row stays one contiguous run
-    of keys, which is how the kernels take it. Reads only CPU tensors.
+    every range it sees keys up to ``p`` (``p + 1``); inside ``[s, e)`` up to ``e - 1``
+    (``Mask.mm_prefix``). Its first visible key is unchanged (the window's or 0), so
+    each row stays one contiguous run of keys, which is how the kernels take it. Reads
+    only CPU tensors.
     """
     cm = common_attn_metadata
     ranges = cm.mm_prefix_ranges_cpu
@@ -435,8 +433,6 @@ def mm_prefix_key_ends(
     inside = (starts <= pos[:, None]) & (pos[:, None] < ends)
     # Ranges do not overlap: at most one holds the query.
     end = np.max(np.where(inside, ends, 0), axis=1)
-    if window is not None:
-        end = np.minimum(end, pos + window)
     key_ends: np.ndarray = np.maximum(end, pos + 1)
     if np.array_equal(key_ends, pos + 1):
         return None

@@ -204,9 +204,9 @@ class AttentionSpec(KVCacheSpec):
         dtype: the model dtype (queries, keys, values).
         kv_cache_dtype: storage dtype of the cache; ``"auto"`` means ``dtype``.
         mm_prefix: queries also see every key of their own image range
-            (``ScheduledRequest.mm_prefix_ranges``; Gemma 3, PaliGemma); on a sliding
-            window the range is clamped to the window (``|i - j| < window``). Only
-            the kinds whose class sets ``takes_mm_prefix`` (full, sliding window).
+            (``ScheduledRequest.mm_prefix_ranges``; Gemma 3, PaliGemma), a sliding
+            window still bounding the look-back (``Mask.mm_prefix``). Only the kinds
+            whose class sets ``takes_mm_prefix`` (full, sliding window).
     """
 
     num_kv_heads: int

@@ -63,12 +63,13 @@ class Mask:
     are shifted by it) and every query sees them.
 
     With ``mm_prefix``, a query inside one of its request's image ranges ``[s, e)``
-    (``ScheduledRequest.mm_prefix_ranges``) also sees every key of that range, clamped
-    to the window on a window layer: key ``j`` is visible when the rule above allows
-    it, or when ``s <= p, j < e`` and (no window, or ``|p - j| < window``). Since
-    a range is scheduled whole, the keys after ``p`` it adds are written in the same
-    step, so a query's visible keys stay one contiguous run ending at
-    ``metadata.mm_prefix_key_ends``.
+    (``ScheduledRequest.mm_prefix_ranges``) also sees the later keys of that range: the
+    causal term becomes ``j <= p`` or ``s <= p, j < e``, and a window still bounds
+    the look-back (``p - j < window``), so a range longer than the window is clamped to
+    it, never dropped (transformers' Gemma 3 and Gemma 4 sliding layers: AND(window,
+    OR(causal, same image))). Since a range is scheduled whole, the keys after ``p`` it
+    adds are written in the same step, so a query's visible keys stay one contiguous
+    run ending at ``metadata.mm_prefix_key_ends``.
 
     Attributes:
         causal: queries see only keys at or before their position.

@@ -187,7 +187,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         if cm.context_shard is not None:
             return self._build_sharded(cm)
         if self.mask.mm_prefix:
-            key_ends = mm_prefix_key_ends(cm, window=self.mask.window)
+            key_ends = mm_prefix_key_ends(cm)
             if key_ends is not None:
                 return self._build_mm_prefix(cm, key_ends)
         if self.rows_native or (

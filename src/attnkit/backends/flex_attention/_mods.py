@@ -75,8 +75,8 @@ def make_image_mask_mod(
     q_last: torch.Tensor,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The ``mask_mod`` of a step with a query inside an image range (``Mask.mm_prefix``):
-    the causal term reads each query's last visible key (its range's end, clamped to
-    the window; its own position outside every range); the window's lower edge stays."""
+    the causal term reads each query's last visible key (its range's end; its own
+    position outside every range); the window's lower edge stays."""
 
     def mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -346,7 +346,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         table = cm.block_table_tensor
         device = table.device
         # Image ranges: each query's last visible key, for the plan and the mask_mod.
-        self._key_ends = mm_prefix_key_ends(cm, window=self.window) if self.mm_prefix else None
+        self._key_ends = mm_prefix_key_ends(cm) if self.mm_prefix else None
         live = np.nonzero(qlens > 0)[0]
         decodes = live[qlens[live] == 1]
         prefills = live[qlens[live] > 1]

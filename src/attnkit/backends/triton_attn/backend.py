@@ -222,7 +222,7 @@ class TritonAttentionMetadataBuilder(
         # Encoder-only layers attend over the per-step scratch cache.
         scratch_table = scratch.block_table
         # Image ranges: each query's last visible key, planned once for every layer.
-        key_ends = mm_prefix_key_ends(cm, window=self.sliding_window) if self.mm_prefix else None
+        key_ends = mm_prefix_key_ends(cm) if self.mm_prefix else None
         plan = self._plan_paged_attention(
             cm.query_start_loc,
             cm.seq_lens,
@@ -318,7 +318,7 @@ class TritonAttentionMetadataBuilder(
                 f"{type(self).__name__}: a decode context-parallel shard cannot be captured in a "
                 f"CUDA graph yet (its metadata is not copied into the graph buffers)"
             )
-        if self.mm_prefix and mm_prefix_key_ends(cm, window=self.sliding_window) is not None:
+        if self.mm_prefix and mm_prefix_key_ends(cm) is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: a step with a query inside an image range "
                 f"(mm_prefix_ranges) is not captured in a CUDA graph; run it eagerly"

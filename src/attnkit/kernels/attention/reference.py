@@ -95,15 +95,16 @@ def _visible_keys(
     num_keys = j.shape[1]
     visible = torch.ones(i.shape[0], num_keys, dtype=torch.bool, device=q_positions.device)
     if causal:
-        visible &= j <= i
+        seen = j <= i
+        if mm_prefix_ranges is not None:
+            seen |= _same_range(i, j, mm_prefix_ranges)
+        visible &= seen
         if sliding_window is not None:
             visible &= (i - j) < sliding_window
         if chunk_size is not None:
             visible &= torch.div(j, chunk_size, rounding_mode="floor") == torch.div(
                 i, chunk_size, rounding_mode="floor"
             )
-        if mm_prefix_ranges is not None:
-            visible |= _same_range(i, j, mm_prefix_ranges, sliding_window)
     return visible
 
 
@@ -124,16 +125,13 @@ def _check_ranges(ranges: object, *, causal: bool, chunk_size: int | None) -> Te
     return ranges
 
 
-def _same_range(i: Tensor, j: Tensor, ranges: Tensor, sliding_window: int | None) -> Tensor:
+def _same_range(i: Tensor, j: Tensor, ranges: Tensor) -> Tensor:
     """``[Tq, Tk]``: query and key in one range ``[start, end)`` of ``ranges`` ``[R, 2]``
-    (an empty pair such as ``(0, 0)`` holds nothing), within the window when there is one."""
+    (an empty pair such as ``(0, 0)`` holds nothing)."""
     start = ranges[:, 0].to(device=i.device, dtype=torch.int64)[None, None, :]
     end = ranges[:, 1].to(device=i.device, dtype=torch.int64)[None, None, :]
     qi, kj = i[:, :, None], j[:, :, None]  # [Tq, 1, 1], [1, Tk, 1]
-    same = ((start <= qi) & (qi < end) & (start <= kj) & (kj < end)).any(dim=-1)
-    if sliding_window is not None:
-        same &= (i - j).abs() < sliding_window
-    return same
+    return ((start <= qi) & (qi < end) & (start <= kj) & (kj < end)).any(dim=-1)
 
 
 # --------------------------------------------------------------------------- cache I/O
@@ -367,8 +365,9 @@ def dense_attention(
         sinks: float ``[Hq]`` sink logits, or None.
         mm_prefix_ranges: integer ``[R, 2]`` bidirectional ranges ``[start, end)`` of
             positions (needs ``causal``; no ``chunk_size``): a query inside one also
-            sees every key of it, within ``|i - j| < sliding_window`` on a window.
-            Empty pairs (``(0, 0)``) pad. None: none.
+            sees the later keys of it (``j <= i`` or both in one range), a window
+            still bounding the look-back ``i - j < sliding_window``. Empty pairs
+            (``(0, 0)``) pad. None: none.
         return_lse: also return the float32 ``[Tq, Hq]`` log-sum-exp.
 
     Returns:

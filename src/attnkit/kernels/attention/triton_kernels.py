@@ -197,8 +197,8 @@ def _unified_attention_kernel(
             # Local keys at positions <= last_q_pos: floor((last_q_pos - rank) / size) + 1
             # (the numerator stays > 0: last_q_pos >= 0 and rank < size).
             kv_end = tl.minimum((last_q_pos - SHARD_RANK + SHARD_SIZE) // SHARD_SIZE, seq_len)
-        # Bidirectional image ranges: each row's last visible key (its range's end,
-        # clamped to the window by the plan), so the rows' keys stay one contiguous run.
+        # Bidirectional image ranges: each row's last visible key (its range's end), so
+        # the rows' keys stay one contiguous run.
         q_last = q_pos
         if MM_PREFIX:
             q_last = tl.load(key_ends_ptr + q_token, mask=row_valid, other=0) - 1

@@ -274,8 +274,8 @@ def plan_paged_attention(
             equal runs.
         mm_prefix_key_ends: int32 ``[T' >= T]`` on ``device``: query token ``t`` sees
             keys up to ``mm_prefix_key_ends[t] - 1`` instead of its own position
-            (bidirectional image ranges; each ``>= its position + 1``, clamped to the
-            window by the caller, never past its ``seq_len``); causal only, no chunk,
+            (bidirectional image ranges; each ``>= its position + 1``, never past its
+            ``seq_len``; a window still bounds the look-back); causal only, no chunk,
             the one-pass kernel only (``num_splits`` 0 or None).
 
     Raises:

@@ -141,8 +141,8 @@ def attend_kv_tile(
     times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
     the caller may read; ``mask_scores`` adds the per-row visibility. With
     ``MM_PREFIX`` (bidirectional image ranges) a row sees keys up to ``q_last`` (its
-    range's end, already clamped to the window) instead of ``q_pos``; the window's
-    lower edge still follows ``q_pos``.
+    range's last key) instead of ``q_pos``; the window's lower edge still follows
+    ``q_pos``.
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     # Dot operands take the dtype of q: a no-op for a cache of the query dtype, and
