@@ -32,6 +32,8 @@ class BackendRow:
     description: str
     determinism: dict[str, str] = dataclasses.field(default_factory=dict[str, str])
     """Kind -> the ``Determinism`` level declared for it (``determinism_for``)."""
+    features: list[str] = dataclasses.field(default_factory=list[str])
+    """The optional features declared (``supported_features``: soft-cap, ..., mm_prefix)."""
 
 
 def determinism_line(levels: dict[str, str]) -> str:
@@ -99,6 +101,7 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 reasons=reasons,
                 description=backend.description,
                 determinism=levels,
+                features=sorted(f.value for f in backend.supported_features),
             )
         )
     return rows
@@ -155,6 +158,8 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
             out.write(f"    {row.description}\n")
         if row.determinism:
             out.write(f"    determinism: {determinism_line(row.determinism)}\n")
+        if row.features:
+            out.write(f"    features: {', '.join(row.features)}\n")
         for reason in row.reasons:
             out.write(f"    - {reason}\n")
     return 0
