@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._validation import describe_tensor, dtype_name, is_nonnegative_int, is_positive_int
@@ -225,7 +226,8 @@ class CommonAttentionMetadata:
                 "mm_prefix_ranges, mm_prefix_ranges_cpu and mm_prefix_counts_cpu must be "
                 "given together (or none of them)"
             )
-        assert self.mm_prefix_ranges is not None and self.mm_prefix_ranges_cpu is not None
+        assert self.mm_prefix_ranges is not None
+        assert self.mm_prefix_ranges_cpu is not None
         assert self.mm_prefix_counts_cpu is not None
         b = self.num_reqs
         cpu = self.mm_prefix_ranges_cpu
@@ -251,15 +253,16 @@ class CommonAttentionMetadata:
                 f"mm_prefix_counts_cpu must be int32 of shape [num_reqs={b}] on the CPU, "
                 f"got {describe_tensor(counts)}"
             )
-        r = cpu.numpy()
-        n = counts.numpy()
-        valid = np.arange(r.shape[1])[None, :] < n[:, None]
+        r: npt.NDArray[np.int32] = cpu.numpy()
+        n: npt.NDArray[np.int32] = counts.numpy()
+        width = int(r.shape[1])
+        valid: npt.NDArray[np.bool_] = np.less(np.arange(width), np.expand_dims(n, 1))
         if b and (n.min() < 0 or n.max() > r.shape[1]):
             raise ValueError(
                 f"mm_prefix_counts_cpu must be in [0, {r.shape[1]}], got {n.tolist()}"
             )
         starts, ends = r[..., 0], r[..., 1]
-        bad = valid & ((starts < 0) | (ends <= starts))
+        bad: npt.NDArray[np.bool_] = valid & ((starts < 0) | (ends <= starts))
         bad[:, 1:] |= valid[:, 1:] & (starts[:, 1:] < ends[:, :-1])
         if bad.any():
             row, col = (int(x) for x in np.argwhere(bad)[0])
@@ -418,7 +421,7 @@ def mm_prefix_key_ends(common_attn_metadata: CommonAttentionMetadata) -> np.ndar
     counts = cm.mm_prefix_counts_cpu
     if ranges is None or counts is None or cm.num_actual_tokens == 0:
         return None
-    n = counts.numpy().astype(np.int64)
+    n: npt.NDArray[np.int64] = counts.numpy().astype(np.int64)
     if not n.any():
         return None
     qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
@@ -427,7 +430,8 @@ def mm_prefix_key_ends(common_attn_metadata: CommonAttentionMetadata) -> np.ndar
     req = np.repeat(np.arange(cm.num_reqs), qlens)
     pos = seq[req] - qlens[req] + (np.arange(int(qsl[-1])) - qsl[:-1][req])
     r = ranges.numpy().astype(np.int64)
-    valid = np.arange(r.shape[1])[None, :] < n[:, None]
+    width = int(r.shape[1])
+    valid: npt.NDArray[np.bool_] = np.less(np.arange(width), np.expand_dims(n, 1))
     starts = np.where(valid, r[..., 0], 0)[req]
     ends = np.where(valid, r[..., 1], 0)[req]
     inside = (starts <= pos[:, None]) & (pos[:, None] < ends)

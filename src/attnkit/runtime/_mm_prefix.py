@@ -57,7 +57,8 @@ class MMPrefixRanges:
                 request and the range).
         """
         found: StepRanges = {}
-        for i in np.flatnonzero(rows < 0).tolist():  # new requests bring their ranges
+        new: list[int] = np.flatnonzero(rows < 0).tolist()
+        for i in new:  # new requests bring their ranges
             given = scheduled[i].mm_prefix_ranges
             if not given:
                 continue
@@ -68,7 +69,7 @@ class MMPrefixRanges:
                     f"AttentionConfig.max_mm_prefix_ranges={self.max_ranges} allows at "
                     f"most that many"
                 )
-            ranges: Ints = np.asarray(given, dtype=np.int64).reshape(-1, 2)
+            ranges: Ints = np.array([list(pair) for pair in given], dtype=np.int64)
             if int(ranges[-1, 1]) > self.max_model_len:
                 raise InvalidArgumentError(
                     f"request {rid!r}: mm_prefix_ranges[{len(given) - 1}] = "
@@ -143,5 +144,5 @@ class MMPrefixRanges:
             ahead = ranges[ranges[:, 1] > lens.computed[i]]
             table[i, : len(ahead)] = ahead
             counts[i] = len(ahead)
-        cpu = torch.from_numpy(table)
-        return to_device(cpu), cpu, torch.from_numpy(counts)
+        cpu = torch.as_tensor(table)
+        return to_device(cpu), cpu, torch.as_tensor(counts)

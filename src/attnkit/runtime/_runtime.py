@@ -47,10 +47,10 @@ from ._checks import (
     group_num_heads,
 )
 from ._forward import LayerCalls
+from ._mm_prefix import MMPrefixRanges
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
 from ._spec import draft_state_bytes
-from ._mm_prefix import MMPrefixRanges
 from ._step import StepHost
 
 InputsT = TypeVar("InputsT", bound=StateInputs)

@@ -448,7 +448,8 @@ def _arange(n: int) -> Ints:
 
 def _check_no_ranges(scheduled: Sequence[ScheduledRequest], rows: Ints) -> None:
     """A new request's image ranges need a layer that takes them: never ignored."""
-    for i in np.flatnonzero(rows < 0).tolist():
+    new: list[int] = np.flatnonzero(rows < 0).tolist()
+    for i in new:
         if scheduled[i].mm_prefix_ranges:
             raise InvalidArgumentError(
                 f"request {scheduled[i].req_id!r} brings mm_prefix_ranges, but no layer of "

@@ -408,7 +408,9 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         if m.mm_prefix_items is not None:
             from ...kernels.attention.cpu_decode import paged_attention_rows
 
-            assert k_plane is not None and v_plane is not None and m.block_table is not None
+            assert k_plane is not None
+            assert v_plane is not None
+            assert m.block_table is not None
             paged_attention_rows(
                 query,
                 k_plane,

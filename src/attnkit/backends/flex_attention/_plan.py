@@ -252,13 +252,14 @@ def _image_bounds(
     """Each real query slot's last visible key ``[n, Lb]``, and per query block the
     largest and the smallest of them ``[n, NQB]`` (the blocks some query sees, and those
     every query sees)."""
-    n, lb = real.shape
+    n, lb = int(real.shape[0]), int(real.shape[1])
     pos = qpos0[:, None] + np.arange(lb, dtype=np.int64)[None, :]
     q_last = np.where(real, key_ends[src] - 1, pos)
     padded_hi = np.full((n, width), -1, dtype=np.int64)
     padded_lo = np.full((n, width), np.iinfo(np.int64).max, dtype=np.int64)
     padded_hi[:, :lb] = np.where(real, q_last, -1)
     padded_lo[:, :lb] = np.where(real, q_last, np.iinfo(np.int64).max)
-    hi = padded_hi.reshape(n, -1, q_block).max(axis=2)
-    lo = padded_lo.reshape(n, -1, q_block).min(axis=2)
+    blocks = (n, width // q_block, q_block)
+    hi: Ints = np.reshape(padded_hi, blocks).max(axis=2)
+    lo: Ints = np.reshape(padded_lo, blocks).min(axis=2)
     return q_last.astype(np.int32), hi, lo

@@ -252,7 +252,7 @@ class TritonAttentionMetadataBuilder(
                 else None
             ),
             mm_prefix_key_ends=(
-                host_to_device(torch.from_numpy(key_ends.astype(np.int32)), self.device)
+                host_to_device(torch.as_tensor(key_ends.astype(np.int32)), self.device)
                 if key_ends is not None
                 else None
             ),
