@@ -402,3 +402,25 @@ def test_runtime_refuses_a_prefix_hit_inside_a_range_and_changes_nothing() -> No
     assert _state(runtime) == before
     # The hit of 32 ends after the range: served.
     runtime.begin_step([ScheduledRequest("b", 8, prefix=ok, mm_prefix_ranges=((12, 22),))])
+
+
+def test_kernel_arguments_for_ranges_are_checked() -> None:
+    from attnkit.kernels.attention.reference import dense_attention, paged_attention
+
+    q = torch.zeros(4, 2, 16)
+    kv = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match="mm_prefix_ranges needs causal attention without chunk"):
+        dense_attention(q, kv, kv, scale=1.0, chunk_size=2, mm_prefix_ranges=torch.tensor([[0, 2]]))
+    with pytest.raises(ValueError, match=r"mm_prefix_ranges must be an integer tensor \[R, 2\]"):
+        dense_attention(q, kv, kv, scale=1.0, mm_prefix_ranges=torch.tensor([0, 2]))
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    with pytest.raises(ValueError, match=r"mm_prefix_ranges must be an integer tensor \[B=1, R, 2\]"):
+        paged_attention(
+            q,
+            cache,
+            query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+            seq_lens=torch.tensor([4], dtype=torch.int32),
+            block_table=torch.tensor([[1]], dtype=torch.int32),
+            scale=1.0,
+            mm_prefix_ranges=torch.zeros(2, 1, 2, dtype=torch.int32),
+        )

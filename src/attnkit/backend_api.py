@@ -46,6 +46,7 @@ from .metadata import (
     CommonAttentionMetadata,
     DecodePrefillSplit,
     SparseSelection,
+    mm_prefix_key_ends,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "bind_each",
     "format_sizes",
     "mla_projection_problems",
+    "mm_prefix_key_ends",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",

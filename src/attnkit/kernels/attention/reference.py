@@ -750,6 +750,16 @@ def paged_attention(
         sinks=sinks,
     )
     num_tokens, num_q_heads, _ = query.shape
+    if mm_prefix_ranges is not None and (
+        not isinstance(mm_prefix_ranges, Tensor)
+        or mm_prefix_ranges.dim() != 3
+        or mm_prefix_ranges.shape[0] != seq_lens.shape[0]
+        or mm_prefix_ranges.shape[2] != 2
+    ):
+        raise ValueError(
+            f"mm_prefix_ranges must be an integer tensor [B={seq_lens.shape[0]}, R, 2] or "
+            f"None, got {describe(mm_prefix_ranges)}"
+        )
     if output is None:
         output = torch.empty_like(query)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
