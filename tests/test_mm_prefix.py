@@ -424,3 +424,45 @@ def test_kernel_arguments_for_ranges_are_checked() -> None:
             scale=1.0,
             mm_prefix_ranges=torch.zeros(2, 1, 2, dtype=torch.int32),
         )
+
+
+# ------------------------------------------------------------------ model families
+
+_TEXT = {
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "hidden_size": 64,
+    "sliding_window": 16,
+}
+
+
+def _marks(config: dict[str, object]) -> list[tuple[str, bool]]:
+    from attnkit.models import layout_from_hf_config
+
+    layout = layout_from_hf_config(config)
+    return [(type(i.spec).__name__, getattr(i.spec, "mm_prefix", False)) for i in layout.layers.values()]
+
+
+def test_families_that_attend_to_images_bidirectionally_are_marked() -> None:
+    gemma3 = _marks({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", **_TEXT}})
+    assert [kind for kind, _ in gemma3] == ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"]
+    assert all(mark for _, mark in gemma3)  # every layer, full ones included
+    text_only = _marks({"model_type": "gemma3_text", **_TEXT})
+    assert not any(mark for _, mark in text_only)
+    pali2 = _marks({"model_type": "paligemma", "text_config": {"model_type": "gemma2", **_TEXT}})
+    assert len(pali2) == 6 and all(mark for _, mark in pali2)
+    pali1 = _marks({"model_type": "paligemma", "text_config": {"model_type": "gemma", **_TEXT}})
+    assert pali1 == [("FullAttentionSpec", True)] * 6
+
+
+def test_the_window_only_rule_marks_sliding_layers_only() -> None:
+    """Gemma 4's rule (its full-attention layers stay causal), on the Gemma reader."""
+    from attnkit.models._config import _Builder, _Config
+    from attnkit.models._dense import _gemma
+
+    cfg = _Config({"model_type": "gemma3_text", **_TEXT}, "gemma3_text")
+    layers = list(_gemma(cfg, _Builder(torch.float32, 16, "auto"), "m", gemma3=True, mm_prefix="window"))
+    marks = [(type(i.spec).__name__, i.spec.mm_prefix) for _, i in layers]  # type: ignore[attr-defined]
+    assert marks == [("SlidingWindowSpec", True)] * 5 + [("FullAttentionSpec", False)]

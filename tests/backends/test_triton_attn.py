@@ -1133,7 +1133,7 @@ def test_subclass_specs_matching_a_binding_are_refused(spec: AttentionSpec) -> N
 
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap"
+SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap, mm_prefix"
 
 
 @pytest.mark.parametrize(
@@ -1195,8 +1195,9 @@ def test_impl_accepts_every_declared_feature() -> None:
     params = AttentionLayerParams(
         num_heads=4, logits_soft_cap=30.0, alibi_slopes=(0.5,) * 4, sinks=torch.zeros(4)
     )
-    # context_parallel is asked by the runtime for a sharded group, not by params.
-    assert params.features | {AttentionFeature.CONTEXT_PARALLEL} == (
+    # context_parallel is asked by the runtime for a sharded group, mm_prefix by the
+    # spec, not by params.
+    assert params.features | {AttentionFeature.CONTEXT_PARALLEL, AttentionFeature.MM_PREFIX} == (
         TritonAttentionBackend.supported_features
     )
     impl = TritonAttentionBackend.get_binding(SPEC).create_impl(SPEC, params)
@@ -1312,6 +1313,7 @@ def test_declarations_are_valid() -> None:
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
+        AttentionFeature.MM_PREFIX,
     }
     assert TritonAttentionBackend.supported_kv_cache_dtypes == {"auto", "fp8_e4m3"}
     assert TritonAttentionBackend.supported_block_sizes == (16, 32, 64, 128)

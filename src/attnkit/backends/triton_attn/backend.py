@@ -371,6 +371,8 @@ _FEATURES = frozenset(
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
+        # Asked by a spec with mm_prefix (bidirectional image ranges), never by params.
+        AttentionFeature.MM_PREFIX,
     }
 )
 
@@ -594,8 +596,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto", "fp8_e4m3"})
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
-    # mm_prefix is asked by the spec (bidirectional image ranges), not the layer params.
-    supported_features = _FEATURES | {AttentionFeature.MM_PREFIX}
+    supported_features = _FEATURES
     required_packages: ClassVar[Mapping[str, str]] = {"triton": "triton>=3.0"}
     # No atomics: the same launch gives the same bits. At batch_invariant the builder
     # takes the one-pass kernel with fixed query tiles for every step (split-KV off), so
