@@ -452,7 +452,8 @@ def test_families_that_attend_to_images_bidirectionally_are_marked() -> None:
     text_only = _marks({"model_type": "gemma3_text", **_TEXT})
     assert not any(mark for _, mark in text_only)
     pali2 = _marks({"model_type": "paligemma", "text_config": {"model_type": "gemma2", **_TEXT}})
-    assert len(pali2) == 6 and all(mark for _, mark in pali2)
+    assert len(pali2) == 6
+    assert all(mark for _, mark in pali2)
     pali1 = _marks({"model_type": "paligemma", "text_config": {"model_type": "gemma", **_TEXT}})
     assert pali1 == [("FullAttentionSpec", True)] * 6
 

@@ -750,11 +750,12 @@ def paged_attention(
         sinks=sinks,
     )
     num_tokens, num_q_heads, _ = query.shape
-    if mm_prefix_ranges is not None and (
-        not isinstance(mm_prefix_ranges, Tensor)
-        or mm_prefix_ranges.dim() != 3
-        or mm_prefix_ranges.shape[0] != seq_lens.shape[0]
-        or mm_prefix_ranges.shape[2] != 2
+    given_ranges: object = mm_prefix_ranges  # untyped callers may pass anything
+    if given_ranges is not None and (
+        not isinstance(given_ranges, Tensor)
+        or given_ranges.dim() != 3
+        or given_ranges.shape[0] != seq_lens.shape[0]
+        or given_ranges.shape[2] != 2
     ):
         raise ValueError(
             f"mm_prefix_ranges must be an integer tensor [B={seq_lens.shape[0]}, R, 2] or "
