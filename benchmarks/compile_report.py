@@ -187,7 +187,39 @@ def run_unified(p: dict[str, Any]) -> None:
     if "tree" in p:
         _run_tree(p, query, cache, batch, extra, num_splits=0)
         return
+    if "mm_prefix" in p:
+        _run_mm_prefix(p, query, cache, batch, extra)
+        return
     unified_attention(query, cache, **batch, **extra)
+
+
+def _run_mm_prefix(
+    p: dict[str, Any],
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    batch: dict[str, Any],
+    extra: dict[str, Any],
+) -> None:
+    """A prefill with bidirectional image ranges on a sliding-window layer (the one-pass
+    kernel's MM_PREFIX path: each query's last visible key read from a tensor), as
+    ``triton_attn`` runs a Gemma 3 image prompt."""
+    from attnkit.kernels.attention.triton import paged_attention
+    from attnkit.kernels.attention.triton_plan import plan_paged_attention
+
+    q_len, ctx = batch["max_query_len"], batch["max_seq_len"]
+    plan = plan_paged_attention(
+        batch["query_start_loc"],
+        batch["seq_lens"],
+        batch["block_table"],
+        max_query_len=q_len,
+        max_seq_len=ctx,
+        block_size=p["block"],
+        num_kv_heads=cache.shape[3],
+        sliding_window=32,
+        num_splits=0,
+        mm_prefix_key_ends=_i32([ctx - q_len + t + 1 for t in range(q_len)]),
+    )
+    paged_attention(query, cache, plan, scale=batch["scale"], **extra)
 
 
 def run_split_kv(p: dict[str, Any]) -> None:
@@ -604,6 +636,9 @@ FAMILIES: tuple[Family, ...] = (
             _attn(head=128, q_len=128, dtype="bf16", shard=2),
             # A draft tree's verify step (the ancestor mask in the key tile).
             _attn(head=128, q_len=8, dtype="bf16", tree=7),
+            # Bidirectional image ranges (Gemma 3) on a window layer, bf16 and fp16.
+            _attn(head=256, q_len=128, dtype="bf16", mm_prefix=1),
+            _attn(head=128, q_len=128, mm_prefix=1),
         ),
         full=(
             *declared_attention_grid(q_len=(1, 128)),

@@ -357,10 +357,12 @@ def test_layer_params_features() -> None:
         k_scale=(1.0, 2.0),
     )
     # Every feature a layer's parameters can ask for; context_parallel is asked by the
-    # runtime for a sharded group, mla_projection by an MLAProjection (tested with MLA).
+    # runtime for a sharded group, mla_projection by an MLAProjection (tested with MLA),
+    # mm_prefix by the spec (tests/test_mm_prefix.py).
     assert params.features == frozenset(AttentionFeature) - {
         AttentionFeature.CONTEXT_PARALLEL,
         AttentionFeature.MLA_PROJECTION,
+        AttentionFeature.MM_PREFIX,
     }
     assert AttentionLayerParams(num_heads=4).features == frozenset()
 

@@ -138,6 +138,7 @@ BACKEND_API = [
     "bind_each",
     "format_sizes",
     "mla_projection_problems",
+    "mm_prefix_key_ends",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",

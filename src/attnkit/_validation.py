@@ -6,7 +6,7 @@ from typing import cast
 
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 
 def is_int(value: object) -> bool:
@@ -80,3 +80,36 @@ def split_or_replicate(
             f"(each is then replicated on tensor_parallel / {count} ranks)"
         )
     return 1, ranks // count
+
+
+def check_mm_prefix_ranges(where: str, ranges: object) -> int:
+    """Bidirectional image ranges (``ScheduledRequest.mm_prefix_ranges``): a tuple of
+    ``(start, end)`` int pairs, ``0 <= start < end``, sorted, not overlapping; else an
+    error starting with ``where`` (the argument). Returns the last range's end (0: none)."""
+    if not isinstance(ranges, tuple):
+        raise ArgumentTypeError(
+            f"{where} must be a tuple of (start, end) pairs, got {type(ranges).__name__}"
+        )
+    items = cast("tuple[object, ...]", ranges)
+    previous_end = 0
+    for k, pair in enumerate(items):
+        if (
+            not isinstance(pair, tuple)
+            or len(cast("tuple[object, ...]", pair)) != 2
+            or not all(is_nonnegative_int(x) for x in cast("tuple[object, ...]", pair))
+        ):
+            raise InvalidArgumentError(
+                f"{where}[{k}] must be a pair (start, end) of ints >= 0, got {pair!r}"
+            )
+        start, end = cast("tuple[int, int]", pair)
+        if end <= start:
+            raise InvalidArgumentError(
+                f"{where}[{k}] = {pair!r}: a range [start, end) needs start < end"
+            )
+        if start < previous_end:
+            raise InvalidArgumentError(
+                f"{where}[{k}] = {pair!r} starts before the previous range ends "
+                f"({previous_end}): ranges must be sorted and not overlap"
+            )
+        previous_end = end
+    return previous_end

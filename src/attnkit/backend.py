@@ -217,7 +217,10 @@ class AttentionBackend(ABC):
         elif isinstance(spec, MambaSpec) and spec.mamba_type not in cls.supported_mamba_types:
             supported = ", ".join(sorted(cls.supported_mamba_types)) or "none"
             reasons.append(f"mamba_type={spec.mamba_type} not supported (supported: {supported})")
-        missing = sorted(request.features - cls.supported_features)
+        wanted_features = request.features
+        if rules_for(spec).mask(spec).mm_prefix:  # the spec asks it, not the layer params
+            wanted_features = wanted_features | {AttentionFeature.MM_PREFIX}
+        missing = sorted(wanted_features - cls.supported_features)
         if missing:
             supported = ", ".join(sorted(f.value for f in cls.supported_features)) or "none"
             for feature in missing:

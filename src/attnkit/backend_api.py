@@ -47,6 +47,7 @@ from .metadata import (
     DecodePrefillSplit,
     DraftTreeMask,
     SparseSelection,
+    mm_prefix_key_ends,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "bind_each",
     "format_sizes",
     "mla_projection_problems",
+    "mm_prefix_key_ends",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",

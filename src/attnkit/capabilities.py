@@ -125,6 +125,12 @@ class AttentionFeature(str, enum.Enum):
     ``v_scale`` tuples of ``AttentionLayerParams``): the KV write divides and the
     attention multiplies by the head's own scale."""
 
+    MM_PREFIX = "mm_prefix"
+    """Bidirectional image ranges (``AttentionSpec.mm_prefix``, Gemma 3, PaliGemma):
+    queries of a request's image range see all of it, a sliding window still bounding
+    the look-back (``Mask.mm_prefix``, ``CommonAttentionMetadata.mm_prefix_ranges``). Asked by the
+    spec, so selection refuses a backend without it for such a group."""
+
     @override
     def __str__(self) -> str:
         return self.value

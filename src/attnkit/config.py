@@ -271,6 +271,7 @@ DEFAULT_MAX_MODEL_LEN = 32768
 MAX_DRAFT_TREE_TOKENS = 63
 """The most draft tokens of a request's draft tree: a token's ancestors among them are
 one int64 bitmask (``DraftTreeMask.ancestors``)."""
+DEFAULT_MAX_MM_PREFIX_RANGES = 8
 
 
 class AttentionConfig(BaseModel):
@@ -307,6 +308,10 @@ class AttentionConfig(BaseModel):
             declare draft trees for the kind (``AttentionBackend.draft_trees``), and
             ``num_speculative_tokens`` must be in ``draft_tree_width .. 63`` (a token's
             ancestors are one int64 bitmask).
+        max_mm_prefix_ranges: the most bidirectional image ranges one request may
+            bring (``ScheduledRequest.mm_prefix_ranges``); the metadata of a group
+            whose layers take them (``AttentionSpec.mm_prefix``) pads every request's
+            ranges to it, so its shape is fixed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -329,6 +334,7 @@ class AttentionConfig(BaseModel):
     determinism: Determinism = Determinism.NONE
     num_speculative_tokens: int = Field(default=0, ge=0)
     draft_tree_width: int = Field(default=1, ge=1)
+    max_mm_prefix_ranges: int = Field(default=DEFAULT_MAX_MM_PREFIX_RANGES, ge=1)
 
     if TYPE_CHECKING:
         # The signature type checkers see, so that every input form the docs show
@@ -350,6 +356,7 @@ class AttentionConfig(BaseModel):
             determinism: Determinism | str = Determinism.NONE,
             num_speculative_tokens: int = 0,
             draft_tree_width: int = 1,
+            max_mm_prefix_ranges: int = DEFAULT_MAX_MM_PREFIX_RANGES,
         ) -> None: ...
 
     @field_validator("backend_per_kind", mode="before")
@@ -410,7 +417,10 @@ class AttentionConfig(BaseModel):
             )
         return self
 
-    @field_validator("max_num_reqs", "max_num_batched_tokens", "max_model_len", mode="before")
+    @field_validator(
+        "max_num_reqs", "max_num_batched_tokens", "max_model_len", "max_mm_prefix_ranges",
+        mode="before",
+    )
     @classmethod
     def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic would take True as 1.

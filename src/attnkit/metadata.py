@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._validation import describe_tensor, dtype_name, is_nonnegative_int, is_positive_int
@@ -27,6 +28,7 @@ __all__ = [
     "DraftTreeMask",
     "SparseSelection",
     "host_to_device",
+    "mm_prefix_key_ends",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
 ]
@@ -109,6 +111,13 @@ class CommonAttentionMetadata:
         draft_tree: the step's draft trees (``DraftTreeMask``) when some request's
             drafts are a tree (``ScheduledRequest.draft_parents``); ``None`` when every
             draft is a chain, which the causal mask already covers.
+        mm_prefix_ranges: int32 ``[B, R, 2]`` on the device, for a group whose layers
+            take image ranges (``Mask.mm_prefix``): request ``b``'s bidirectional
+            ranges ``[start, end)`` in its token positions, sorted, padded with
+            ``(0, 0)``; ``R`` is ``AttentionConfig.max_mm_prefix_ranges`` (fixed, so
+            the shape does not change from step to step). ``None`` otherwise.
+        mm_prefix_ranges_cpu: the same values on the CPU.
+        mm_prefix_counts_cpu: int32 ``[B]`` on the CPU: the valid ranges of each row.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -131,6 +140,9 @@ class CommonAttentionMetadata:
     context_shard: tuple[int, int] | None = None
     global_seq_lens_cpu: torch.Tensor | None = None
     draft_tree: DraftTreeMask | None = None
+    mm_prefix_ranges: torch.Tensor | None = None
+    mm_prefix_ranges_cpu: torch.Tensor | None = None
+    mm_prefix_counts_cpu: torch.Tensor | None = None
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
@@ -235,6 +247,61 @@ class CommonAttentionMetadata:
             )
         if self.causal is not True and self.causal is not False:
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        self._validate_mm_prefix()
+
+    def _validate_mm_prefix(self) -> None:
+        given = (self.mm_prefix_ranges, self.mm_prefix_ranges_cpu, self.mm_prefix_counts_cpu)
+        if all(t is None for t in given):
+            return
+        if any(t is None for t in given):
+            raise ValueError(
+                "mm_prefix_ranges, mm_prefix_ranges_cpu and mm_prefix_counts_cpu must be "
+                "given together (or none of them)"
+            )
+        assert self.mm_prefix_ranges is not None
+        assert self.mm_prefix_ranges_cpu is not None
+        assert self.mm_prefix_counts_cpu is not None
+        b = self.num_reqs
+        cpu = self.mm_prefix_ranges_cpu
+        for name, t, on_cpu in (
+            ("mm_prefix_ranges", self.mm_prefix_ranges, False),
+            ("mm_prefix_ranges_cpu", cpu, True),
+        ):
+            if t.dtype != torch.int32 or t.dim() != 3 or t.shape[0] != b or t.shape[2] != 2:
+                raise ValueError(
+                    f"{name} must be int32 of shape [num_reqs={b}, max_ranges, 2], got "
+                    f"{describe_tensor(t)}"
+                )
+            if on_cpu and t.device.type != "cpu":
+                raise ValueError(f"{name} must be on the CPU, got {describe_tensor(t)}")
+        if self.mm_prefix_ranges.shape != cpu.shape:
+            raise ValueError(
+                f"mm_prefix_ranges {describe_tensor(self.mm_prefix_ranges)} and "
+                f"mm_prefix_ranges_cpu {describe_tensor(cpu)} must have one shape"
+            )
+        counts = self.mm_prefix_counts_cpu
+        if counts.dtype != torch.int32 or tuple(counts.shape) != (b,) or counts.device.type != "cpu":
+            raise ValueError(
+                f"mm_prefix_counts_cpu must be int32 of shape [num_reqs={b}] on the CPU, "
+                f"got {describe_tensor(counts)}"
+            )
+        r: npt.NDArray[np.int32] = cpu.numpy()
+        n: npt.NDArray[np.int32] = counts.numpy()
+        width = int(r.shape[1])
+        valid: npt.NDArray[np.bool_] = np.less(np.arange(width), np.expand_dims(n, 1))
+        if b and (n.min() < 0 or n.max() > r.shape[1]):
+            raise ValueError(
+                f"mm_prefix_counts_cpu must be in [0, {r.shape[1]}], got {n.tolist()}"
+            )
+        starts, ends = r[..., 0], r[..., 1]
+        bad: npt.NDArray[np.bool_] = valid & ((starts < 0) | (ends <= starts))
+        bad[:, 1:] |= valid[:, 1:] & (starts[:, 1:] < ends[:, :-1])
+        if bad.any():
+            row, col = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"mm_prefix_ranges_cpu[{row}, {col}] = {r[row, col].tolist()}: ranges must "
+                f"be [start, end) with 0 <= start < end, sorted and not overlapping"
+            )
 
     @classmethod
     def from_lists(
@@ -368,6 +435,44 @@ class DecodePrefillSplit(NamedTuple):
 def _check_threshold(decode_threshold: int) -> None:
     if not is_positive_int(decode_threshold):
         raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
+
+
+def mm_prefix_key_ends(common_attn_metadata: CommonAttentionMetadata) -> np.ndarray | None:
+    """Each query token's visible keys end (exclusive) under ``Mask.mm_prefix``: int64
+    ``[T]`` on the host, or ``None`` when no query of the step lies in a range longer
+    than itself (every row is then plainly causal).
+
+    Query ``t`` of request ``b`` sits at ``p = seq_lens[b] - q_len[b] + t``. Outside
+    every range it sees keys up to ``p`` (``p + 1``); inside ``[s, e)`` up to ``e - 1``
+    (``Mask.mm_prefix``). Its first visible key is unchanged (the window's or 0), so
+    each row stays one contiguous run of keys, which is how the kernels take it. Reads
+    only CPU tensors.
+    """
+    cm = common_attn_metadata
+    ranges = cm.mm_prefix_ranges_cpu
+    counts = cm.mm_prefix_counts_cpu
+    if ranges is None or counts is None or cm.num_actual_tokens == 0:
+        return None
+    n: npt.NDArray[np.int64] = counts.numpy().astype(np.int64)
+    if not n.any():
+        return None
+    qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+    qlens = np.diff(qsl)
+    seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+    req = np.repeat(np.arange(cm.num_reqs), qlens)
+    pos = seq[req] - qlens[req] + (np.arange(int(qsl[-1])) - qsl[:-1][req])
+    r = ranges.numpy().astype(np.int64)
+    width = int(r.shape[1])
+    valid: npt.NDArray[np.bool_] = np.less(np.arange(width), np.expand_dims(n, 1))
+    starts = np.where(valid, r[..., 0], 0)[req]
+    ends = np.where(valid, r[..., 1], 0)[req]
+    inside = (starts <= pos[:, None]) & (pos[:, None] < ends)
+    # Ranges do not overlap: at most one holds the query.
+    end = np.max(np.where(inside, ends, 0), axis=1)
+    key_ends: np.ndarray = np.maximum(end, pos + 1)
+    if np.array_equal(key_ends, pos + 1):
+        return None
+    return key_ends
 
 
 def split_decodes_and_prefills(

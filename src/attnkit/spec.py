@@ -224,12 +224,19 @@ class AttentionSpec(KVCacheSpec):
         head_size: per-head dimension (D).
         dtype: the model dtype (queries, keys, values).
         kv_cache_dtype: storage dtype of the cache; ``"auto"`` means ``dtype``.
+        mm_prefix: queries also see every key of their own image range
+            (``ScheduledRequest.mm_prefix_ranges``; Gemma 3, PaliGemma), a sliding
+            window still bounding the look-back (``Mask.mm_prefix``). Only the kinds
+            whose class sets ``takes_mm_prefix`` (full, sliding window).
     """
 
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
     kv_cache_dtype: KVCacheDType = "auto"
+    mm_prefix: bool = False
+    takes_mm_prefix: ClassVar[bool] = False
+    """Whether this kind's masks take bidirectional image ranges (``mm_prefix``)."""
 
     @override
     def __post_init__(self) -> None:
@@ -247,6 +254,16 @@ class AttentionSpec(KVCacheSpec):
             raise InvalidArgumentError(
                 f"{owner}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if not isinstance(self.mm_prefix, bool):
+            raise ArgumentTypeError(
+                f"{owner}.mm_prefix must be a bool, got {self.mm_prefix!r} "
+                f"({type(self.mm_prefix).__name__})"
+            )
+        if self.mm_prefix and not self.takes_mm_prefix:
+            raise InvalidArgumentError(
+                f"{owner}.mm_prefix=True: kind {self.kind.value} takes no bidirectional "
+                f"image ranges (full_attention and sliding_window do)"
             )
 
     @property
@@ -290,6 +307,7 @@ class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context."""
 
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.FULL_ATTENTION
+    takes_mm_prefix: ClassVar[bool] = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,6 +315,7 @@ class SinkFullAttentionSpec(FullAttentionSpec):
     """Full attention with ``sink_len`` extra sink-token slots kept in front of the context."""
 
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SINK_FULL_ATTENTION
+    takes_mm_prefix: ClassVar[bool] = False
     sink_len: int
 
     @override
@@ -317,6 +336,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     """
 
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MLA_ATTENTION
+    takes_mm_prefix: ClassVar[bool] = False
     num_kv_heads: int = 1
 
     @override
@@ -349,6 +369,7 @@ class SlidingWindowSpec(AttentionSpec):
     """Causal attention to the last ``sliding_window`` tokens (the query's own included)."""
 
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SLIDING_WINDOW
+    takes_mm_prefix: ClassVar[bool] = True
     sliding_window: int
 
     @override
@@ -370,6 +391,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     """Sliding-window attention over an MLA latent cache (``num_kv_heads`` is 1)."""
 
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SLIDING_WINDOW_MLA
+    takes_mm_prefix: ClassVar[bool] = False
     num_kv_heads: int = 1
 
     @override

@@ -1136,7 +1136,7 @@ def test_subclass_specs_matching_a_binding_are_refused(spec: AttentionSpec) -> N
 
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap, per_head_quant_scales"
+SUPPORTED_FEATURES = "alibi, attention_sinks, context_parallel, logits_soft_cap, mm_prefix, per_head_quant_scales"
 
 
 @pytest.mark.parametrize(
@@ -1203,8 +1203,9 @@ def test_impl_accepts_every_declared_feature() -> None:
         sinks=torch.zeros(4),
         k_scale=(1.0,) * spec.num_kv_heads,
     )
-    # context_parallel is asked by the runtime for a sharded group, not by params.
-    assert params.features | {AttentionFeature.CONTEXT_PARALLEL} == (
+    # context_parallel is asked by the runtime for a sharded group, mm_prefix by the
+    # spec, not by params.
+    assert params.features | {AttentionFeature.CONTEXT_PARALLEL, AttentionFeature.MM_PREFIX} == (
         TritonAttentionBackend.supported_features
     )
     impl = TritonAttentionBackend.get_binding(spec).create_impl(spec, params)
@@ -1320,6 +1321,7 @@ def test_declarations_are_valid() -> None:
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
+        AttentionFeature.MM_PREFIX,
         AttentionFeature.PER_HEAD_QUANT_SCALES,
     }
     assert TritonAttentionBackend.supported_kv_cache_dtypes == {

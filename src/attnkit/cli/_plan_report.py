@@ -97,7 +97,8 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     for g in plan.groups:
         group = g.group
         out.write(
-            f"\n{layer_list(group.layer_names)}: {group.kind.value} ({type(group.spec).__name__})\n"
+            f"\n{layer_list(group.layer_names)}: {group.kind.value} ({type(group.spec).__name__}"
+            f"{_images(group.spec)})\n"
         )
         if g.selection is None:
             out.write(
@@ -229,6 +230,11 @@ def _per_request(pages: int, kernel_blocks: int, group: KVCacheGroup) -> str:
     if group.blocks_per_page == 1:
         return f"{pages} block(s)"
     return f"{kernel_blocks} kernel block(s) in {pages} page(s)"
+
+
+def _images(spec: KVCacheSpec) -> str:
+    """``, bidirectional image ranges`` for a group whose layers take them."""
+    return ", bidirectional image ranges" if rules_for(spec).mask(spec).mm_prefix else ""
 
 
 def _bound(spec: KVCacheSpec) -> str:

@@ -67,7 +67,7 @@ from typing import Protocol
 
 import torch
 
-from .._validation import is_int, is_nonnegative_int, is_positive_int
+from .._validation import check_mm_prefix_ranges, is_int, is_nonnegative_int, is_positive_int
 from ..capabilities import Determinism
 from ..errors import (
     ArgumentTypeError,
@@ -255,12 +255,17 @@ class Request:
         sampling: how to pick tokens.
         arrival_step: the first engine step that may schedule it (requests arriving
             while others run).
+        mm_prefix_ranges: its image ranges ``(start, end)`` inside the prompt (the
+            runtime's ``ScheduledRequest.mm_prefix_ranges``): each is computed in one
+            step (a chunk never ends inside one, a prefix hit that would is shortened
+            to end before it).
     """
 
     req_id: str
     prompt: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     arrival_step: int = 0
+    mm_prefix_ranges: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         req_id: object = self.req_id  # untyped callers may pass anything
@@ -286,6 +291,12 @@ class Request:
             raise InvalidArgumentError(
                 f"request {self.req_id!r}: arrival_step must be an int >= 0, got "
                 f"{self.arrival_step!r}"
+            )
+        where = f"request {self.req_id!r}: mm_prefix_ranges"
+        if check_mm_prefix_ranges(where, self.mm_prefix_ranges) > len(self.prompt):
+            raise InvalidArgumentError(
+                f"{where} = {self.mm_prefix_ranges!r} reaches past the prompt's "
+                f"{len(self.prompt)} tokens"
             )
 
 
@@ -443,6 +454,26 @@ class _Live:
         return len(self.tokens) - len(self.request.prompt)
 
 
+def _range_around(ranges: tuple[tuple[int, int], ...], at: int) -> tuple[int, int] | None:
+    """The image range ``at`` falls strictly inside, or ``None``."""
+    for start, end in ranges:
+        if start < at < end:
+            return start, end
+    return None
+
+
+def _whole_ranges(live: _Live, start: int, n: int, budget: int) -> int:
+    """``n`` tokens from ``start``, cut so the chunk does not end inside an image range:
+    back to the range's start, or (a range starting here) on to its end when the budget
+    holds it; 0 when it must wait for a step with room."""
+    inside = _range_around(live.request.mm_prefix_ranges, start + n)
+    if inside is None:
+        return n
+    if inside[0] > start:
+        return inside[0] - start
+    return inside[1] - start if inside[1] - start <= budget else 0
+
+
 class Engine:
     """Serves token-id requests through a ``StepModel`` (see the module docstring).
 
@@ -560,8 +591,10 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         arrival_step: int | None = None,
+        mm_prefix_ranges: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        """Queue a request; it is scheduled from ``arrival_step`` on (default: now).
+        """Queue a request; it is scheduled from ``arrival_step`` on (default: now);
+        ``mm_prefix_ranges``: its image ranges (``Request.mm_prefix_ranges``).
 
         Raises:
             DuplicateRequestError: ``req_id`` is live or already finished here.
@@ -577,6 +610,7 @@ class Engine:
             tuple(prompt),
             sampling if sampling is not None else SamplingParams(),
             self.step_index if arrival_step is None else arrival_step,
+            mm_prefix_ranges,
         )
         self.submit(request)
 
@@ -593,6 +627,13 @@ class Engine:
                 f"request {request.req_id!r} may reach {longest} tokens ({len(request.prompt)} "
                 f"prompt + {request.sampling.max_new_tokens} new); AttentionConfig."
                 f"max_model_len={limit}"
+            )
+        longest_range = max((e - s for s, e in request.mm_prefix_ranges), default=0)
+        if longest_range > self.max_tokens_per_step:
+            raise EngineLimitError(
+                f"request {request.req_id!r}: an image range of {longest_range} tokens "
+                f"(mm_prefix_ranges) is computed in one step, more than "
+                f"max_tokens_per_step={self.max_tokens_per_step}"
             )
         generator = torch.Generator()
         generator.manual_seed(request.sampling.seed)
@@ -660,7 +701,12 @@ class Engine:
                 batch = runtime.begin_step(
                     [
                         ScheduledRequest(
-                            live.req_id, n, prefix=live.match, num_draft_tokens=len(live.drafts)
+                            live.req_id,
+                            n,
+                            prefix=live.match,
+                            num_draft_tokens=len(live.drafts),
+                            # A request new to the runtime brings its image ranges.
+                            mm_prefix_ranges=() if live.started else live.request.mm_prefix_ranges,
                         )
                         for live, n in plan.items()
                     ]
@@ -784,9 +830,10 @@ class Engine:
         of ``chunk_tokens``) or nothing when that does not fit."""
         left = len(live.tokens) - start
         if self.chunk_tokens is None:
-            return min(left, budget)
+            return _whole_ranges(live, start, min(left, budget), budget)
         n = min(left, (start // self.chunk_tokens + 1) * self.chunk_tokens - start)
-        return n if n <= budget else 0
+        return _whole_ranges(live, start, n, budget) if n <= budget else 0
+
     def _drafts(self, live: _Live, start: int, n: int, budget: int) -> list[int]:
         """Drafts for a greedy request decoding its newest token (none otherwise)."""
         drafter = self.speculative
@@ -810,6 +857,12 @@ class Engine:
             return 0
         if live.match is None:
             live.match = lookup.match_prefix(live.tokens)
+            # A hit ending inside an image range would split it: look the prompt up
+            # again cut at the range's start (the hit is then at most that).
+            inside = _range_around(live.request.mm_prefix_ranges, live.match.num_tokens)
+            while inside is not None:
+                live.match = lookup.match_prefix(live.tokens[: inside[0] + 1])
+                inside = _range_around(live.request.mm_prefix_ranges, live.match.num_tokens)
         return live.match.num_tokens
 
     def _make_room(

@@ -157,6 +157,10 @@ class _FullRules(_PagedRules[FullAttentionSpec]):
     context_sharded = True
     short_name = "full"
 
+    @override
+    def mask(self, spec: FullAttentionSpec) -> Mask:
+        return Mask(mm_prefix=spec.mm_prefix)
+
 
 class _SinkRules(_PagedRules[SinkFullAttentionSpec]):
     extent = "sink_len"
@@ -198,7 +202,7 @@ class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
 
     @override
     def mask(self, spec: SlidingWindowSpec) -> Mask:
-        return Mask(window=spec.sliding_window)
+        return Mask(window=spec.sliding_window, mm_prefix=spec.mm_prefix)
 
     @override
     def first_live_block(self, spec: SlidingWindowSpec, lens: StepLens) -> Ints:

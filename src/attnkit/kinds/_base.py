@@ -62,17 +62,28 @@ class Mask:
     positions ``0 .. sink_len - 1`` in front of every request (the request's tokens
     are shifted by it) and every query sees them.
 
+    With ``mm_prefix``, a query inside one of its request's image ranges ``[s, e)``
+    (``ScheduledRequest.mm_prefix_ranges``) also sees the later keys of that range: the
+    causal term becomes ``j <= p`` or ``s <= p, j < e``, and a window still bounds
+    the look-back (``p - j < window``), so a range longer than the window is clamped to
+    it, never dropped (transformers' Gemma 3 and Gemma 4 sliding layers: AND(window,
+    OR(causal, same image))). Since a range is scheduled whole, the keys after ``p`` it
+    adds are written in the same step, so a query's visible keys stay one contiguous
+    run ending at ``metadata.mm_prefix_key_ends``.
+
     Attributes:
         causal: queries see only keys at or before their position.
         window: the sliding window (the query's own position included), or ``None``.
         chunk: the attention chunk, or ``None``.
         sink_len: sink tokens in front of every request (0: none).
+        mm_prefix: bidirectional image ranges (the spec's ``mm_prefix``).
     """
 
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     sink_len: int = 0
+    mm_prefix: bool = False
 
     @property
     def bidirectional(self) -> bool:

@@ -219,6 +219,7 @@ class _Builder:
         has_sinks: bool = False,
         scale: float | None = None,
         use_rope: bool = True,
+        mm_prefix: bool = False,
     ) -> LayerInfo:
         spec: AttentionSpec
         bs, h, d, dt, kvd = (
@@ -253,10 +254,16 @@ class _Builder:
                 dtype=dt,
                 kv_cache_dtype=kvd,
                 sliding_window=sliding_window,
+                mm_prefix=mm_prefix,
             )
         else:
             spec = FullAttentionSpec(
-                block_size=bs, num_kv_heads=h, head_size=d, dtype=dt, kv_cache_dtype=kvd
+                block_size=bs,
+                num_kv_heads=h,
+                head_size=d,
+                dtype=dt,
+                kv_cache_dtype=kvd,
+                mm_prefix=mm_prefix,
             )
         return LayerInfo(
             spec=spec,

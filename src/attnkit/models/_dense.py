@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 from ..errors import InvalidArgumentError
 from ._config import _Builder, _Config, _Decoder, _Family, _Layers, _self_attn, _type_list_or
@@ -69,13 +70,23 @@ def _qwen(cfg: _Config, b: _Builder, head_dim_default: int | None) -> _Layers:
         )
 
 
-def _gemma(cfg: _Config, b: _Builder, prefix: str, *, gemma3: bool) -> _Layers:
+MMPrefixRule = Literal["none", "all", "window"]
+"""Which layers of a multimodal family let an image's tokens attend to each other
+(``AttentionSpec.mm_prefix``): none, every layer (Gemma 3, PaliGemma: transformers'
+``OR(causal, blockwise)`` on every layer), or the sliding-window layers only (Gemma 4:
+its full-attention layers stay causal)."""
+
+
+def _gemma(
+    cfg: _Config, b: _Builder, prefix: str, *, gemma3: bool, mm_prefix: MMPrefixRule = "none"
+) -> _Layers:
     """transformers Gemma2Config: layer i is sliding when ``(i + 1) % 2`` (even layers);
     Gemma3TextConfig: sliding unless ``(i + 1) % sliding_window_pattern == 0`` (pattern
     defaults to 6); ``layer_types`` overrides both. Both: ``head_dim``, ``sliding_window``
     (4096) and ``query_pre_attn_scalar`` (256) default as documented there; the softmax
     scale is ``query_pre_attn_scalar ** -0.5``; scores soft-capped at
-    ``attn_logit_softcapping`` (Gemma2 defaults to 50.0, Gemma3 to none)."""
+    ``attn_logit_softcapping`` (Gemma2 defaults to 50.0, Gemma3 to none). ``mm_prefix``:
+    which layers take image ranges (``MMPrefixRule``)."""
     d = _Decoder(cfg, head_dim_default=256)
     window = cfg.int_("sliding_window", default=4096)
     scale = cfg.int_("query_pre_attn_scalar", default=256) ** -0.5
@@ -92,17 +103,52 @@ def _gemma(cfg: _Config, b: _Builder, prefix: str, *, gemma3: bool) -> _Layers:
 
     types_ = _type_list_or(cfg, d.num_layers, ("full_attention", "sliding_attention"), rule)
     for i, kind in enumerate(types_):
+        sliding = kind == "sliding_attention"
         yield (
             _self_attn(prefix, i),
             b.attention(
                 num_heads=d.num_heads,
                 num_kv_heads=d.num_kv_heads,
                 head_size=d.head_dim,
-                sliding_window=window if kind == "sliding_attention" else None,
+                sliding_window=window if sliding else None,
                 logits_soft_cap=soft_cap,
                 scale=scale,
+                mm_prefix=mm_prefix == "all" or (mm_prefix == "window" and sliding),
             ),
         )
+
+
+def _gemma1(cfg: _Config, b: _Builder, prefix: str, *, mm_prefix: bool) -> _Layers:
+    """transformers GemmaConfig (Gemma 1): every layer full attention, ``head_dim``
+    (256) as documented there, softmax scale ``head_dim ** -0.5``."""
+    d = _Decoder(cfg, head_dim_default=256)
+    for i in range(d.num_layers):
+        yield (
+            _self_attn(prefix, i),
+            b.attention(
+                num_heads=d.num_heads,
+                num_kv_heads=d.num_kv_heads,
+                head_size=d.head_dim,
+                mm_prefix=mm_prefix,
+            ),
+        )
+
+
+def _paligemma(cfg: _Config, b: _Builder) -> _Layers:
+    """transformers PaliGemmaConfig: a Gemma (PaliGemma 1) or Gemma 2 (PaliGemma 2)
+    text model under ``text_config`` (``model.language_model.layers``); its image tokens
+    and prompt prefix attend bidirectionally on every layer (the ranges the engine
+    gives), so every layer takes image ranges."""
+    text = cfg.sub("text_config")
+    kind = text.data.get("model_type", "gemma")
+    if kind == "gemma2":
+        return _gemma(text, b, "model.language_model.layers", gemma3=False, mm_prefix="all")
+    if kind == "gemma":
+        return _gemma1(text, b, "model.language_model.layers", mm_prefix=True)
+    raise InvalidArgumentError(
+        f"layout_from_hf_config: paligemma config key 'text_config.model_type' must be "
+        f"'gemma' or 'gemma2', got {kind!r}"
+    )
 
 
 def _gpt_oss(cfg: _Config, b: _Builder) -> _Layers:
@@ -227,9 +273,11 @@ DENSE_FAMILIES: Mapping[str, _Family] = {
     "gemma3_text": lambda c, b: _gemma(c, b, "model.layers", gemma3=True),
     # Gemma3Config: the text model's keys are under text_config; module names as in
     # Gemma3ForConditionalGeneration.
+    # Images attend bidirectionally on every layer (vLLM's is_mm_prefix_lm families).
     "gemma3": lambda c, b: _gemma(
-        c.sub("text_config"), b, "model.language_model.layers", gemma3=True
+        c.sub("text_config"), b, "model.language_model.layers", gemma3=True, mm_prefix="all"
     ),
+    "paligemma": _paligemma,
     "gpt_oss": _gpt_oss,
     "llama4": _llama4,
     "deepseek_v2": _deepseek,

@@ -28,6 +28,7 @@ from ..parallel import ContextParallel
 from ..params import LayerParams
 from ..selector import Selection
 from ._boundary import AttentionInputs, StateLayerInputs
+from ._mm_prefix import MMPrefixRanges
 from ._offload import Offloader
 from ._pages import TensorParallelRank
 from ._requests import StepBatch
@@ -60,6 +61,8 @@ class RuntimeBase:
     _kind_rules: list[KindRules[Any]]
     _thresholds: tuple[int, ...]
     _reads_encoder: bool
+    _mm_groups: frozenset[int]
+    _mm: MMPrefixRanges | None
     _attention_impls: dict[str, AttentionImpl[Any, Any, Any]]
     _state_impls: dict[str, StateImpl[Any, Any, Any]]
     _attention_inputs: dict[str, AttentionInputs]

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import cast
 
-from .._validation import is_nonnegative_int, is_positive_int
+from .._validation import check_mm_prefix_ranges, is_nonnegative_int, is_positive_int
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..kv_cache import PrefixMatch
 
@@ -37,6 +37,13 @@ class ScheduledRequest:
             i - 1``. ``None`` (the default): a chain, draft ``i``'s parent is ``i - 1``.
             A draft token attends to the cached context, the root, its ancestors and
             itself; trees need ``AttentionConfig.draft_tree_width`` > 1.
+        mm_prefix_ranges: on a request's first step, its image ranges: ``(start,
+            end)`` pairs of token positions (``start`` included, ``end`` not), sorted
+            and not overlapping, at most ``config.max_mm_prefix_ranges``. Layers whose
+            spec sets ``mm_prefix`` let the queries of a range see all of it. A range
+            is scheduled whole: a step whose tokens end strictly inside one, or a
+            prefix hit that does, is refused. Read on the first step only, like
+            ``prefix``.
     """
 
     req_id: str
@@ -45,6 +52,7 @@ class ScheduledRequest:
     prefix: PrefixMatch | None = None
     num_draft_tokens: int = 0
     draft_parents: tuple[int, ...] | None = None
+    mm_prefix_ranges: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here, where the engine makes it, so begin_step need not re-check
@@ -76,6 +84,8 @@ class ScheduledRequest:
             )
         if self.draft_parents is not None:
             object.__setattr__(self, "draft_parents", self._checked_parents())
+        if self.mm_prefix_ranges != ():
+            check_mm_prefix_ranges(f"request {self.req_id!r}: mm_prefix_ranges", self.mm_prefix_ranges)
         if self.prefix is not None and not isinstance(self.prefix, PrefixMatch):
             raise ArgumentTypeError(
                 f"request {self.req_id!r}: prefix must be a PrefixMatch (from "

@@ -49,6 +49,7 @@ from ._checks import (
     group_num_heads,
 )
 from ._forward import LayerCalls
+from ._mm_prefix import MMPrefixRanges
 from ._offload import Offloader
 from ._pages import PageSharing, TensorParallelRank, check_tensor_parallel, page_sharing
 from ._prefix import PrefixCalls, group_namespaces
@@ -295,6 +296,16 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         }
         self._thresholds = tuple(sorted(thresholds))
         self._reads_encoder = any(rules_for(g.spec).writes == "encoder" for g in groups)
+        # Groups whose layers take image ranges (AttentionSpec.mm_prefix), and the
+        # requests' ranges when some group does.
+        self._mm_groups = frozenset(
+            g.group_id for g in groups if rules_for(g.spec).mask(g.spec).mm_prefix
+        )
+        self._mm = (
+            MMPrefixRanges(config.max_mm_prefix_ranges, config.max_model_len)
+            if self._mm_groups
+            else None
+        )
         # One admission check per kind (rules objects are shared per kind).
         self._kind_rules = list({id(r): r for r in self._rules_of.values()}.values())
         self._step = None

@@ -5,6 +5,7 @@ docs/runtime.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -116,6 +117,9 @@ class StepHost(SpeculativeCalls):
                 f"({int(lens.computed[index])} cached + {int(lens.query[index])} new); "
                 f"AttentionConfig.max_model_len={limits.max_model_len}"
             )
+        mm_ranges = self._mm.step(scheduled, ids, rows, lens) if self._mm is not None else None
+        if mm_ranges is None and not cached:
+            _check_no_ranges(scheduled, rows)
         for rules in self._kind_rules:
             problem = rules.admission_problems(lens)
             if problem is not None:
@@ -151,10 +155,23 @@ class StepHost(SpeculativeCalls):
             if trees is None or drafts is None
             else draft_tree_mask(trees, drafts, lens.query, self._to_device)
         )
+        mm_tensors = (
+            self._mm.metadata(mm_ranges, ids, lens, self._to_device)
+            if self._mm is not None and mm_ranges
+            else None
+        )
         try:
             for entry in self._groups:
                 entry.common = self._common_metadata(entry.group, rows, lens, shared)
                 entry.common.draft_tree = tree
+                if mm_tensors is not None and entry.group.group_id in self._mm_groups:
+                    entry.common = dataclasses.replace(
+                        entry.common,
+                        mm_prefix_ranges=mm_tensors[0],
+                        mm_prefix_ranges_cpu=mm_tensors[1],
+                        mm_prefix_counts_cpu=mm_tensors[2],
+                        validate=False,
+                    )
                 entry.metadata = entry.builder.build(0, entry.common)
         except BaseException as exc:
             # The cache already holds the step (builders run on its tables): a builder
@@ -167,6 +184,9 @@ class StepHost(SpeculativeCalls):
             if self.manager.prefix is not None:
                 self.manager.prefix.discard()  # no layer runs: nothing the step fills is named
             raise
+        if self._mm is not None and mm_ranges is not None:
+            self._mm.forget(finished)
+            self._mm.commit(mm_ranges, ids, lens)
         if drafts is not None or self._verify is not None:
             self._prepare_verify(drafts, trees, rows, lens)
         query_lens = tuple(lens.query.tolist())
@@ -312,6 +332,8 @@ class StepHost(SpeculativeCalls):
         step = self._step
         for req_id in ids:
             self.manager.free_request(req_id, tokens.get(req_id))
+        if self._mm is not None:
+            self._mm.forget(ids)
         if step is not None and self._stale is None:
             hit = set(ids).intersection(step.order)
             if hit:
@@ -432,6 +454,18 @@ def _arange(n: int) -> Ints:
         grown.flags.writeable = False
         _ARANGE[0] = grown
     return _ARANGE[0][:n]
+
+
+def _check_no_ranges(scheduled: Sequence[ScheduledRequest], rows: Ints) -> None:
+    """A new request's image ranges need a layer that takes them: never ignored."""
+    new: list[int] = np.flatnonzero(rows < 0).tolist()
+    for i in new:
+        if scheduled[i].mm_prefix_ranges:
+            raise InvalidArgumentError(
+                f"request {scheduled[i].req_id!r} brings mm_prefix_ranges, but no layer of "
+                f"this runtime takes image ranges (AttentionSpec.mm_prefix is False on "
+                f"every layer)"
+            )
 
 
 def _check_types(scheduled: Sequence[ScheduledRequest]) -> None:

@@ -132,6 +132,10 @@ _NOT_CHECKED = {
         "the kit does not draw per-head scales yet (they need an fp8_e4m3 cache; "
         "tests/test_kv_quant_scales.py checks reference and triton_attn)"
     ),
+    AttentionFeature.MM_PREFIX: (
+        "the kit does not schedule image ranges yet (tests/test_mm_prefix.py checks the "
+        "built-in backends against a float64 oracle)"
+    ),
 }
 
 Mode = Literal["search", "twice", "long", "sparse"]

@@ -40,7 +40,7 @@ from ...capabilities import AttentionFeature, Determinism, KVCacheLayout, Multip
 from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import Mask, attention_rules, rules_for
-from ...metadata import CommonAttentionMetadata
+from ...metadata import CommonAttentionMetadata, mm_prefix_key_ends
 from ...params import AttentionLayerParams
 from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
 from .._planes import (
@@ -70,9 +70,9 @@ _NAME = "cpu_attn"
 _FEATURES = frozenset(
     {AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI, AttentionFeature.ATTENTION_SINKS}
 )
-# Not a layer parameter (the runtime asks it of sharded groups): declared, never checked
-# against AttentionLayerParams.
-_BACKEND_FEATURES = _FEATURES | {AttentionFeature.CONTEXT_PARALLEL}
+# Not layer parameters (the runtime asks context_parallel of sharded groups, a spec with
+# mm_prefix asks mm_prefix): declared, never checked against AttentionLayerParams.
+_BACKEND_FEATURES = _FEATURES | {AttentionFeature.CONTEXT_PARALLEL, AttentionFeature.MM_PREFIX}
 # The head and block sizes the engines are tested at (tests/kernels/test_cpu_*.py: every
 # one of them against a float64 oracle). The kernels themselves take any head size
 # (float32 rows of a size not a multiple of 16 go through a float32 buffer) and any block
@@ -119,6 +119,10 @@ class CpuAttentionMetadata:
         shard_items: with ``shard``, the native kernel's work items (one per query
             token): rows int64, then requests, key starts, key ends and global query
             positions int32, over the rank's local keys.
+        mm_prefix_items: a step with a query inside a bidirectional image range
+            (``Mask.mm_prefix``): the native kernel's work items for every query token
+            of the step, as ``shard_items`` lays them out, each row's keys the
+            contiguous run the rule gives (``mm_prefix_key_ends``); else ``None``.
     """
 
     num_actual_tokens: int
@@ -138,6 +142,7 @@ class CpuAttentionMetadata:
     shard: tuple[int, int] | None = None
     shard_items: tuple[torch.Tensor, ...] | None = None
     tree: DraftTreeRows | None = None
+    mm_prefix_items: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -261,6 +266,10 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         check_causal(who, self.kind, self.causal, cm)
         if cm.context_shard is not None:
             return self._build_sharded(cm)
+        if self.mask.mm_prefix:
+            key_ends = mm_prefix_key_ends(cm)
+            if key_ends is not None:
+                return self._build_mm_prefix(cm, key_ends)
         if self.rows_native or (
             cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len
         ):
@@ -318,6 +327,29 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         )
         md = self._metadata(cm, seq, qlens, None, False, _NO_INTS, _NO_INTS)
         return dataclasses.replace(md, shard=(rank, world), shard_items=items)
+
+    def _build_mm_prefix(self, cm: CommonAttentionMetadata, key_ends: Ints) -> CpuAttentionMetadata:
+        """A step where some query sits in an image range: every query token is one work
+        item of the native kernel over its contiguous run of keys (the window's first
+        key, or 0, up to ``key_ends``), so the blocked prefill's causal tiles are not
+        used for the step."""
+        qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+        n = int(qsl[-1])
+        req = np.repeat(np.arange(len(qlens)), qlens)
+        pos = seq[req] - qlens[req] + (np.arange(n) - qsl[:-1][req])
+        window = self.mask.window
+        starts = np.maximum(pos - window + 1, 0) if window is not None else np.zeros_like(pos)
+        items = (
+            from_numpy(np.arange(n, dtype=np.int64)),
+            from_numpy(req.astype(np.int32)),
+            from_numpy(starts.astype(np.int32)),
+            from_numpy(key_ends.astype(np.int32)),
+            from_numpy(pos.astype(np.int32)),
+        )
+        md = self._metadata(cm, seq, qlens, None, False, _NO_INTS, _NO_INTS)
+        return dataclasses.replace(md, mm_prefix_items=items)
 
     def _build_split(
         self,
@@ -453,6 +485,26 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             k_plane, v_plane = kv_cache[0], kv_cache[1]
             write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
         output[n:] = 0
+        if m.mm_prefix_items is not None:
+            from ...kernels.attention.cpu_decode import paged_attention_rows
+
+            assert k_plane is not None
+            assert v_plane is not None
+            assert m.block_table is not None
+            paged_attention_rows(
+                query,
+                k_plane,
+                v_plane,
+                m.block_table,
+                *m.mm_prefix_items,
+                block_size=m.block_size,
+                scale=self.scale,
+                output=output,
+                soft_cap=self._soft_cap,
+                alibi_slopes=self._slopes,
+                sinks=self._sinks,
+            )
+            return output
         causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
         if m.native:
             assert k_plane is not None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["make_mask_mod", "make_score_mod", "pad_blocks", "query_rows", "workspace"]
+__all__ = ["make_image_mask_mod", "make_mask_mod", "make_score_mod", "pad_blocks", "query_rows", "workspace"]
 
 
 def query_rows(query_len: int, group: int) -> int:
@@ -32,10 +32,19 @@ def pad_blocks(blocks: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def make_mask_mod(
-    p2l: torch.Tensor, info: torch.Tensor, limits: torch.Tensor, group: int, block_size: int
+    p2l: torch.Tensor,
+    info: torch.Tensor,
+    limits: torch.Tensor,
+    group: int,
+    block_size: int,
+    q_last: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The step's ``mask_mod``: one function for every kind (the kind's terms come
-    from ``limits``), so one compiled kernel serves every kind of one shape."""
+    from ``limits``), so one compiled kernel serves every kind of one shape. With
+    ``q_last`` (int32 ``[Bb, Lb]``, bidirectional image ranges) a query sees keys up
+    to its ``q_last`` instead of its own position (``make_image_mask_mod``)."""
+    if q_last is not None:
+        return make_image_mask_mod(p2l, info, limits, group, block_size, q_last)
 
     def mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -52,6 +61,37 @@ def make_mask_mod(
             & (pos <= qp + future)
             & (qp - pos < window)
             & ((pos + offset) // chunk == (qp + offset) // chunk)
+        )
+
+    return mask_mod
+
+
+def make_image_mask_mod(
+    p2l: torch.Tensor,
+    info: torch.Tensor,
+    limits: torch.Tensor,
+    group: int,
+    block_size: int,
+    q_last: torch.Tensor,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The ``mask_mod`` of a step with a query inside an image range (``Mask.mm_prefix``):
+    the causal term reads each query's last visible key (its range's end; its own
+    position outside every range); the window's lower edge stays."""
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        t = q_idx // group
+        logical = p2l[kv_idx // block_size]
+        pos = logical * block_size + kv_idx % block_size
+        qp = info[b, 0] + t
+        window = limits[1]
+        return (
+            (t < info[b, 1])
+            & (logical >= 0)
+            & (pos < info[b, 2])
+            & (pos <= q_last[b, t])
+            & (qp - pos < window)
         )
 
     return mask_mod

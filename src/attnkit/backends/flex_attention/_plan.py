@@ -77,6 +77,8 @@ class CallPlan:
         kv_num, kv_logical: partial blocks: int32 ``[Bb, NQB]`` counts and
             ``[Bb, NQB, P]`` logical block indices (0-padded).
         full_num, full_logical: the same for full blocks (``[Bb, NQB, F]``).
+        q_last: int32 ``[Bb, Lb]``: with ``key_ends``, each query slot's last visible
+            key (bidirectional image ranges; its position outside them), else ``None``.
     """
 
     requests: Ints
@@ -91,6 +93,7 @@ class CallPlan:
     kv_logical: Ints
     full_num: npt.NDArray[np.int32]
     full_logical: Ints
+    q_last: npt.NDArray[np.int32] | None = None
 
 
 def lower_bound(qp: Ints, window: int | None, chunk: int | None) -> Ints:
@@ -123,6 +126,7 @@ def plan_call(
     causal: bool,
     window: int | None,
     chunk: int | None,
+    key_ends: Ints | None = None,
 ) -> CallPlan:
     """Plan one call over ``requests`` (indices into the step's per-request arrays).
 
@@ -132,6 +136,9 @@ def plan_call(
         batch, query_len: the call's buckets ``Bb``, ``Lb``.
         group: ``G``; q_block: ``QB``; block_size: ``BS``.
         causal, window, chunk: the mask.
+        key_ends: ``[T]`` each step token's visible keys end (bidirectional image
+            ranges, causal without chunk only; ``group`` 1): a query sees keys up to
+            ``key_ends - 1`` instead of its own position.
     """
     n = len(requests)
     qlen = query_lens[requests]
@@ -167,11 +174,19 @@ def plan_call(
     u1: Ints
     f0: Ints
     f1: Ints
+    q_last: npt.NDArray[np.int32] | None = None
     if causal:
         u0 = lower_bound(qp_lo, window, chunk)
         u1 = np.minimum(qp_hi, last)
         f0 = lower_bound(qp_hi, window, chunk)
         f1 = np.minimum(qp_lo, last)
+        if key_ends is not None:
+            q_last, hi, lo = _image_bounds(key_ends, src[:n], real, qpos0, nqb * q_block, q_block)
+            q_last_full = np.zeros((batch, query_len), dtype=np.int32)
+            q_last_full[:n] = q_last
+            q_last = q_last_full
+            u1 = np.minimum(np.maximum(u1, hi), last)
+            f1 = np.minimum(np.minimum(f1, lo), last)
         if chunk is not None:
             # Queries in two chunks share no key.
             f1 = np.where(qp_lo // chunk == qp_hi // chunk, f1, -1)
@@ -227,4 +242,24 @@ def plan_call(
         kv_logical=kv_logical,
         full_num=full_num,
         full_logical=full_logical,
+        q_last=q_last,
     )
+
+
+def _image_bounds(
+    key_ends: Ints, src: Ints, real: npt.NDArray[np.bool_], qpos0: Ints, width: int, q_block: int
+) -> tuple[npt.NDArray[np.int32], Ints, Ints]:
+    """Each real query slot's last visible key ``[n, Lb]``, and per query block the
+    largest and the smallest of them ``[n, NQB]`` (the blocks some query sees, and those
+    every query sees)."""
+    n, lb = int(real.shape[0]), int(real.shape[1])
+    pos = qpos0[:, None] + np.arange(lb, dtype=np.int64)[None, :]
+    q_last = np.where(real, key_ends[src] - 1, pos)
+    padded_hi = np.full((n, width), -1, dtype=np.int64)
+    padded_lo = np.full((n, width), np.iinfo(np.int64).max, dtype=np.int64)
+    padded_hi[:, :lb] = np.where(real, q_last, -1)
+    padded_lo[:, :lb] = np.where(real, q_last, np.iinfo(np.int64).max)
+    blocks = (n, width // q_block, q_block)
+    hi: Ints = np.reshape(padded_hi, blocks).max(axis=2)
+    lo: Ints = np.reshape(padded_lo, blocks).min(axis=2)
+    return q_last.astype(np.int32), hi, lo

@@ -54,7 +54,7 @@ from ...capabilities import AttentionFeature, KVCacheLayout, MultipleOf, SizeRul
 from ...config import AttentionConfig, BackendOptions
 from ...impl import AttentionImpl
 from ...kinds import attention_rules, rules_for
-from ...metadata import CommonAttentionMetadata, host_to_device
+from ...metadata import CommonAttentionMetadata, host_to_device, mm_prefix_key_ends
 from ...params import AttentionLayerParams
 from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
 from .._planes import (
@@ -165,6 +165,8 @@ class FlexCall:
         info: int32 ``[Bb, 3]``: ``(qpos0, qlen, seq)`` per padded request.
         kv_num, kv_blocks, full_num, full_blocks: int32 ``[Bb, 1, NQB]`` counts and
             ``[Bb, 1, NQB, W]`` physical block ids of the partial and full KV blocks.
+        q_last: int32 ``[Bb, Lb]``, each query's last visible key in a step with a
+            query inside an image range (``Mask.mm_prefix``), else ``None``.
     """
 
     batch: int
@@ -179,6 +181,7 @@ class FlexCall:
     kv_blocks: torch.Tensor
     full_num: torch.Tensor
     full_blocks: torch.Tensor
+    q_last: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -267,7 +270,7 @@ class FlexAttentionMetadata:
                     call.full_num,
                     full,
                     BLOCK_SIZE=(_QUERY_TOKENS_PER_BLOCK * group, bs),
-                    mask_mod=make_mask_mod(p2l, call.info, self.limits, group, bs),
+                    mask_mod=make_mask_mod(p2l, call.info, self.limits, group, bs, call.q_last),
                     seq_lengths=(rows, num_blocks * bs),
                     compute_q_blocks=False,
                 )
@@ -293,6 +296,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         mask = rules.mask(spec)
         self.causal, self.window, self.chunk = mask.causal, mask.window, mask.chunk
         self.sink_len = mask.sink_len
+        self.mm_prefix = mask.mm_prefix
+        self._key_ends: Ints | None = None
         self.options = _options(config)
         # No cache (encoder-only): the step's own keys/values, in a scratch plane.
         self.encoder = not rules.has_cache
@@ -340,6 +345,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         bs = self.kv_cache_spec.block_size
         table = cm.block_table_tensor
         device = table.device
+        # Image ranges: each query's last visible key, for the plan and the mask_mod.
+        self._key_ends = mm_prefix_key_ends(cm) if self.mm_prefix else None
         live = np.nonzero(qlens > 0)[0]
         decodes = live[qlens[live] == 1]
         prefills = live[qlens[live] > 1]
@@ -448,6 +455,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             causal=self.causal,
             window=self.window,
             chunk=self.chunk,
+            key_ends=self._key_ends if block_size is None else None,
         )
 
     @staticmethod
@@ -484,6 +492,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             kv_blocks=physical(plan.kv_logical),
             full_num=dev(plan.full_num[:, None]),
             full_blocks=physical(plan.full_logical),
+            q_last=dev(plan.q_last) if plan.q_last is not None else None,
         )
 
     # ------------------------------------------------------------------ encoder-only
@@ -690,7 +699,8 @@ class FlexAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
-    supported_features = _FEATURES
+    # mm_prefix is asked by the spec (bidirectional image ranges), not the layer params.
+    supported_features = _FEATURES | {AttentionFeature.MM_PREFIX}
     options_type = FlexAttentionOptions
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
     # Every attention kind with K and V planes: the mask_mod expresses every kind's Mask

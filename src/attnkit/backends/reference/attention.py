@@ -70,6 +70,8 @@ class ReferenceAttentionMetadata:
             ``forward_partial`` (decode context parallelism); ``None`` otherwise.
         draft_ancestors, draft_counts: the step's draft trees
             (``CommonAttentionMetadata.draft_tree``), else ``None``.
+        mm_prefix_ranges: ``CommonAttentionMetadata.mm_prefix_ranges`` (int32
+            ``[B, R, 2]``) for a layer whose spec sets ``mm_prefix``, else ``None``.
     """
 
     num_actual_tokens: int
@@ -87,6 +89,7 @@ class ReferenceAttentionMetadata:
     global_seq_lens: torch.Tensor | None = None
     draft_ancestors: torch.Tensor | None = None
     draft_counts: torch.Tensor | None = None
+    mm_prefix_ranges: torch.Tensor | None = None
 
 
 class ReferenceAttentionBuilder(
@@ -113,6 +116,7 @@ class ReferenceAttentionBuilder(
         self.sliding_window = mask.window
         self.chunk_size = mask.chunk
         self.sink_len = mask.sink_len
+        self.mm_prefix = mask.mm_prefix
         self.has_cache = rules.has_cache
 
     @override
@@ -154,6 +158,7 @@ class ReferenceAttentionBuilder(
             global_seq_lens=cm.global_seq_lens_cpu,
             draft_ancestors=None if cm.draft_tree is None else cm.draft_tree.ancestors,
             draft_counts=None if cm.draft_tree is None else cm.draft_tree.num_drafts,
+            mm_prefix_ranges=cm.mm_prefix_ranges if self.mm_prefix else None,
         )
 
     def _sink_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -635,6 +640,7 @@ class ReferenceAttentionImpl(
             global_seq_lens=md.global_seq_lens,
             draft_ancestors=md.draft_ancestors,
             draft_counts=md.draft_counts,
+            mm_prefix_ranges=md.mm_prefix_ranges,
             return_lse=True,
         )
         if self._lse_out is not None:

@@ -77,6 +77,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.CONTEXT_PARALLEL,
             AttentionFeature.SPARSE_ATTENTION,
             AttentionFeature.PER_HEAD_QUANT_SCALES,
+            AttentionFeature.MM_PREFIX,
         }
     )
     # Every state type: each declares its reference computation.

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 from typing_extensions import override
 
@@ -36,7 +37,7 @@ from ...capabilities import AttentionFeature, Determinism, SizeRange, SizeRule
 from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
 from ...kinds import rules_for
-from ...metadata import CommonAttentionMetadata, host_to_device
+from ...metadata import CommonAttentionMetadata, host_to_device, mm_prefix_key_ends
 from ...params import AttentionLayerParams, attention_params_problems
 from ...spec import (
     AttentionSpec,
@@ -188,6 +189,7 @@ class TritonAttentionMetadataBuilder(
         mask = rules.mask(spec)
         self.causal = mask.causal
         self.sliding_window, self.chunk_size = mask.window, mask.chunk
+        self.mm_prefix = mask.mm_prefix
         # No cache (encoder-only): the step's own keys/values, in a scratch cache.
         self.scratch = not rules.has_cache
         self.num_sms: int = num_sms(device)
@@ -225,6 +227,8 @@ class TritonAttentionMetadataBuilder(
         )
         # Encoder-only layers attend over the per-step scratch cache.
         scratch_table = scratch.block_table
+        # Image ranges: each query's last visible key, planned once for every layer.
+        key_ends = mm_prefix_key_ends(cm) if self.mm_prefix else None
         plan = self._plan_paged_attention(
             cm.query_start_loc,
             cm.seq_lens,
@@ -240,7 +244,7 @@ class TritonAttentionMetadataBuilder(
             chunk_size=self.chunk_size,
             num_tokens=cm.num_actual_tokens,
             # Split-KV for causal plain decode when the heuristic fills more SMs with it.
-            num_splits=0 if self.invariant else None,
+            num_splits=0 if self.invariant or key_ends is not None else None,
             block_q=self._invariant_block_q if self.invariant else None,
             num_sms=self.num_sms,
             query_start_loc_cpu=cm.query_start_loc_cpu,
@@ -251,6 +255,11 @@ class TritonAttentionMetadataBuilder(
             global_seq_lens=(
                 host_to_device(cm.global_seq_lens_cpu, self.device)
                 if cm.global_seq_lens_cpu is not None and cm.context_shard is not None
+                else None
+            ),
+            mm_prefix_key_ends=(
+                host_to_device(torch.as_tensor(key_ends.astype(np.int32)), self.device)
+                if key_ends is not None
                 else None
             ),
         )
@@ -316,6 +325,11 @@ class TritonAttentionMetadataBuilder(
             raise RuntimeError(
                 f"{type(self).__name__}: a decode context-parallel shard cannot be captured in a "
                 f"CUDA graph yet (its metadata is not copied into the graph buffers)"
+            )
+        if self.mm_prefix and mm_prefix_key_ends(cm) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a step with a query inside an image range "
+                f"(mm_prefix_ranges) is not captured in a CUDA graph; run it eagerly"
             )
         step = self._graph_buffers().load(type(self).__name__, cm)
         tree = self._tree_buffers(cm)
@@ -390,6 +404,8 @@ _FEATURES = frozenset(
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.CONTEXT_PARALLEL,
         AttentionFeature.PER_HEAD_QUANT_SCALES,
+        # Asked by a spec with mm_prefix (bidirectional image ranges), never by params.
+        AttentionFeature.MM_PREFIX,
     }
 )
 

@@ -32,11 +32,28 @@ class _Result(Protocol):
     def steps(self) -> Sequence[_Step]: ...
 
 
-def eager_logits(attached: TransformersAttachment, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits ``[n, V]`` (float32, CPU) of one sequence on transformers' eager attention."""
+def eager_logits(
+    attached: TransformersAttachment,
+    token_ids: Sequence[int],
+    *,
+    mm_prefix_ranges: Sequence[tuple[int, int]] = (),
+) -> torch.Tensor:
+    """Logits ``[n, V]`` (float32, CPU) of one sequence on transformers' eager attention.
+
+    ``mm_prefix_ranges``: image ranges, given to the model as ``token_type_ids`` (1
+    inside a range), from which transformers' Gemma 3 builds its bidirectional image
+    mask (ranges must not touch: adjacent runs of 1 are one image there)."""
+    kwargs: dict[str, object] = {}
+    if mm_prefix_ranges:
+        types = torch.zeros(1, len(token_ids), dtype=torch.long)
+        for start, end in mm_prefix_ranges:
+            types[0, start:end] = 1
+        kwargs["token_type_ids"] = types.to(attached._model_device())
     with attached.eager() as model, torch.no_grad():
         device = attached._model_device()
-        out = model(input_ids=torch.tensor([list(token_ids)], device=device), use_cache=False)
+        out = model(
+            input_ids=torch.tensor([list(token_ids)], device=device), use_cache=False, **kwargs
+        )
     logits: torch.Tensor = out.logits[0]
     return logits.float().cpu()
 
@@ -72,10 +89,17 @@ class EagerCheck:
         return self.max_error <= self.tolerance
 
 
-def check_against_eager(attached: TransformersAttachment, result: _Result) -> EagerCheck:
+def check_against_eager(
+    attached: TransformersAttachment,
+    result: _Result,
+    *,
+    mm_prefix_ranges: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+) -> EagerCheck:
     """Compare every step of an engine run (made with ``keep_logits=True``) with
     transformers' eager attention: each request's sequence runs once through eager
     attention, and each step's rows are compared with the rows of the same positions.
+    ``mm_prefix_ranges``: request id -> its image ranges, for eager's image mask
+    (``eager_logits``).
 
     Raises:
         InvalidArgumentError: the run kept no logits.
@@ -91,7 +115,11 @@ def check_against_eager(attached: TransformersAttachment, result: _Result) -> Ea
         for req_id, rows in step.logits.items():
             if req_id not in reference:
                 # The last sampled token was never fed to the model.
-                reference[req_id] = eager_logits(attached, result.tokens[req_id][:-1])
+                reference[req_id] = eager_logits(
+                    attached,
+                    result.tokens[req_id][:-1],
+                    mm_prefix_ranges=(mm_prefix_ranges or {}).get(req_id, ()),
+                )
             got = rows.logits.float().cpu()
             expected = reference[req_id][rows.start : rows.start + got.shape[0]]
             worst = max(worst, float((got - expected).abs().max()))

@@ -13,6 +13,7 @@ from ._layers import config_layout, unservable
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "gemma2",
+    "gemma3",
     "gemma3_text",
     "gpt_oss",
     "llama",
@@ -21,7 +22,10 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "qwen2",
     "qwen3",
 )
-"""The ``config.model_type`` values ``attach`` serves (text causal LMs)."""
+"""The ``config.model_type`` values ``attach`` serves (text causal LMs, and Gemma 3's
+image-text model, whose image tokens attend to each other through the requests'
+``mm_prefix_ranges``; the engine passes token ids, so image embeddings are the
+placeholder tokens' own)."""
 
 
 def family_problem(model: torch.nn.Module, model_type: str) -> str:
@@ -41,6 +45,9 @@ def family_problem(model: torch.nn.Module, model_type: str) -> str:
         f"{base} (its attention conventions are not checked against eager); supported: {supported}"
     )
 
+
+GEMMA3_IMAGE_TOKEN = 90
+"""The image placeholder token of ``tiny_model("gemma3")`` (begin/end of image: 91, 92)."""
 
 # torch.manual_seed, typed (pyright: partially unknown in torch's stubs).
 _manual_seed: Callable[[int], object] = torch.manual_seed  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
@@ -107,8 +114,29 @@ def tiny_model(
             },
         ),
     }
-    class_name, extra = configs[model_type]
-    config = getattr(tf, class_name)(**common, **extra)
+    if model_type == "gemma3":
+        # The image-text model: a tiny vision tower (never run: no pixel values), image
+        # tokens GEMMA3_IMAGE_TOKEN, the text model as gemma3_text's.
+        text = {**common, **window, **two_kinds, "query_pre_attn_scalar": 24}
+        vision = {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 16,
+            "patch_size": 8,
+        }
+        config = tf.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=GEMMA3_IMAGE_TOKEN,
+            boi_token_index=GEMMA3_IMAGE_TOKEN + 1,
+            eoi_token_index=GEMMA3_IMAGE_TOKEN + 2,
+        )
+    else:
+        class_name, extra = configs[model_type]
+        config = getattr(tf, class_name)(**common, **extra)
     generator_state = torch.random.get_rng_state()
     try:
         _manual_seed(seed)

@@ -97,6 +97,7 @@ def _visible_keys(
     causal: bool,
     sliding_window: int | None,
     chunk_size: int | None,
+    mm_prefix_ranges: Tensor | None = None,
 ) -> Tensor:
     """Boolean ``[Tq, Tk]`` mask: ``True`` where query ``t`` may attend to key ``j``."""
     i = q_positions.to(torch.int64)[:, None]  # [Tq, 1] query positions
@@ -104,7 +105,10 @@ def _visible_keys(
     num_keys = j.shape[1]
     visible = torch.ones(i.shape[0], num_keys, dtype=torch.bool, device=q_positions.device)
     if causal:
-        visible &= j <= i
+        seen = j <= i
+        if mm_prefix_ranges is not None:
+            seen |= _same_range(i, j, mm_prefix_ranges)
+        visible &= seen
         if sliding_window is not None:
             visible &= (i - j) < sliding_window
         if chunk_size is not None:
@@ -112,6 +116,32 @@ def _visible_keys(
                 i, chunk_size, rounding_mode="floor"
             )
     return visible
+
+
+def _check_ranges(ranges: object, *, causal: bool, chunk_size: int | None) -> Tensor | None:
+    if ranges is None:
+        return None
+    if not isinstance(ranges, Tensor) or ranges.is_floating_point() or ranges.dim() != 2 or (
+        ranges.shape[1] != 2
+    ):
+        raise ValueError(
+            f"mm_prefix_ranges must be an integer tensor [R, 2] or None, got {describe(ranges)}"
+        )
+    if not causal or chunk_size is not None:
+        raise ValueError(
+            "mm_prefix_ranges needs causal attention without chunk_size (got "
+            f"causal={causal}, chunk_size={chunk_size})"
+        )
+    return ranges
+
+
+def _same_range(i: Tensor, j: Tensor, ranges: Tensor) -> Tensor:
+    """``[Tq, Tk]``: query and key in one range ``[start, end)`` of ``ranges`` ``[R, 2]``
+    (an empty pair such as ``(0, 0)`` holds nothing)."""
+    start = ranges[:, 0].to(device=i.device, dtype=torch.int64)[None, None, :]
+    end = ranges[:, 1].to(device=i.device, dtype=torch.int64)[None, None, :]
+    qi, kj = i[:, :, None], j[:, :, None]  # [Tq, 1, 1], [1, Tk, 1]
+    return ((start <= qi) & (qi < end) & (start <= kj) & (kj < end)).any(dim=-1)
 
 
 # --------------------------------------------------------------------------- cache I/O
@@ -347,6 +377,7 @@ def dense_attention(
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
     draft_visible: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: Literal[False] = ...,
 ) -> Tensor: ...
 
@@ -367,6 +398,7 @@ def dense_attention(
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
     draft_visible: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
 
@@ -387,6 +419,7 @@ def dense_attention(
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
     draft_visible: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
@@ -406,6 +439,7 @@ def dense_attention(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     draft_visible: Tensor | None = None,
+    mm_prefix_ranges: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence's queries over its keys and values (no cache).
@@ -427,6 +461,11 @@ def dense_attention(
         sinks: float ``[Hq]`` sink logits, or None.
         draft_visible: bool ``[Tq, Tk]``, a draft tree's mask (``_draft_tree_visible``)
             ANDed into the others, or None.
+        mm_prefix_ranges: integer ``[R, 2]`` bidirectional ranges ``[start, end)`` of
+            positions (needs ``causal``; no ``chunk_size``): a query inside one also
+            sees the later keys of it (``j <= i`` or both in one range), a window
+            still bounding the look-back ``i - j < sliding_window``. Empty pairs
+            (``(0, 0)``) pad. None: none.
         return_lse: also return the float32 ``[Tq, Hq]`` log-sum-exp.
 
     Returns:
@@ -494,12 +533,14 @@ def dense_attention(
 
     # Scores [Hkv, G, Tq, Tk] in float32, without materialising repeated kv heads:
     # query head h = n * G + g reads kv head n.
+    ranges = _check_ranges(mm_prefix_ranges, causal=causal, chunk_size=chunk_size)
     visible = _visible_keys(
         positions,
         key_positions,
         causal=causal,
         sliding_window=sliding_window,
         chunk_size=chunk_size,
+        mm_prefix_ranges=ranges,
     )
     if draft_visible is not None:
         if draft_visible.shape != visible.shape or draft_visible.dtype != torch.bool:
@@ -681,6 +722,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float | Tensor = ...,
     v_scale: float | Tensor = ...,
     kv_scales: Tensor | None = ...,
@@ -708,6 +750,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float | Tensor = ...,
     v_scale: float | Tensor = ...,
     kv_scales: Tensor | None = ...,
@@ -735,6 +778,7 @@ def paged_attention(
     logits_soft_cap: float | None = ...,
     alibi_slopes: Tensor | None = ...,
     sinks: Tensor | None = ...,
+    mm_prefix_ranges: Tensor | None = ...,
     k_scale: float | Tensor = ...,
     v_scale: float | Tensor = ...,
     kv_scales: Tensor | None = ...,
@@ -761,6 +805,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    mm_prefix_ranges: Tensor | None = None,
     k_scale: float | Tensor = 1.0,
     v_scale: float | Tensor = 1.0,
     kv_scales: Tensor | None = None,
@@ -801,6 +846,8 @@ def paged_attention(
         draft_ancestors, draft_counts: a verify step's draft trees (the contract's
             "Draft trees"): int64 ``[T]`` per query row the drafts it sees, int32 ``[B]``
             each request's drafts; or None.
+        mm_prefix_ranges: int ``[B, R, 2]``: request ``b``'s bidirectional ranges (as
+            for :func:`dense_attention`, padded with ``(0, 0)``), or None.
         output: optional ``[T, Hq, D]`` tensor of the query dtype to write into (and
             return); padding rows are set to 0.
         return_lse: also return the float32 ``[T, Hq]`` log-sum-exp (``-inf`` on padding).
@@ -839,6 +886,17 @@ def paged_attention(
     tree = check_draft_tree(
         draft_ancestors, draft_counts, num_tokens, seq_lens.shape[0], causal and shard is None
     )
+    given_ranges: object = mm_prefix_ranges  # untyped callers may pass anything
+    if given_ranges is not None and (
+        not isinstance(given_ranges, Tensor)
+        or given_ranges.dim() != 3
+        or given_ranges.shape[0] != seq_lens.shape[0]
+        or given_ranges.shape[2] != 2
+    ):
+        raise ValueError(
+            f"mm_prefix_ranges must be an integer tensor [B={seq_lens.shape[0]}, R, 2] or "
+            f"None, got {describe(mm_prefix_ranges)}"
+        )
     if output is None:
         output = torch.empty_like(query)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
@@ -880,6 +938,7 @@ def paged_attention(
             draft_visible=None
             if tree is None
             else _draft_tree_visible(tree[0][q_start:q_end], int(tree[1][b]), seq_len),
+            mm_prefix_ranges=None if mm_prefix_ranges is None else mm_prefix_ranges[b],
             return_lse=True,
         )
         output[q_start:q_end] = out_b

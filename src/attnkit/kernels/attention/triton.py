@@ -437,6 +437,10 @@ def paged_attention(
     if not plan.num_splits:
         _unified_attention_kernel[(plan.num_tiles, plan.num_kv_heads)](
             output_ptr=output,
+            key_ends_ptr=(
+                plan.mm_prefix_key_ends if plan.mm_prefix_key_ends is not None else plan.seq_lens
+            ),
+            MM_PREFIX=plan.mm_prefix_key_ends is not None,
             lse_ptr=lse if lse is not None else output,
             sinks_ptr=sinks if sinks is not None else plan.seq_lens,
             stride_ot=output.stride(0),

@@ -42,6 +42,7 @@ def _unified_attention_kernel(
     sinks_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    key_ends_ptr,
     scale,
     k_scale,
     v_scale,
@@ -94,6 +95,7 @@ def _unified_attention_kernel(
     PER_HEAD_SCALES: tl.constexpr,
     DYN_SCALES: tl.constexpr,
     USE_TREE: tl.constexpr = False,
+    MM_PREFIX: tl.constexpr = False,
 ):
     # Padded extents exist because tl.arange needs powers of two; every load and store
     # below masks the padding lanes (dims >= HEAD_DIM, heads >= GROUP).
@@ -213,6 +215,13 @@ def _unified_attention_kernel(
             # Local keys at positions <= last_q_pos: floor((last_q_pos - rank) / size) + 1
             # (the numerator stays > 0: last_q_pos >= 0 and rank < size).
             kv_end = tl.minimum((last_q_pos - SHARD_RANK + SHARD_SIZE) // SHARD_SIZE, seq_len)
+        # Bidirectional image ranges: each row's last visible key (its range's end), so
+        # the rows' keys stay one contiguous run.
+        q_last = q_pos
+        if MM_PREFIX:
+            q_last = tl.load(key_ends_ptr + q_token, mask=row_valid, other=0) - 1
+            q_last = tl.maximum(q_last, q_pos)
+            kv_end = tl.minimum(tl.maximum(kv_end, tl.max(tl.where(row_valid, q_last, 0)) + 1), seq_len)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(first_q_pos - window + 1, 0)
@@ -264,6 +273,7 @@ def _unified_attention_kernel(
                 k_at,
                 k_needed,
                 q_pos,
+                q_last,
                 row_valid,
                 m_i,
                 l_i,
@@ -289,6 +299,7 @@ def _unified_attention_kernel(
                 tree_first,
                 USE_TREE,
                 DYN_SCALES,
+                MM_PREFIX,
             )
 
         # l_i == 0 only for rows that see no key and have no sink (padding rows, or an
@@ -535,6 +546,7 @@ def _split_kv_partial_kernel(
                 stride_ckv,
                 k_at,
                 k_valid,
+                q_pos,
                 q_pos,
                 row_valid,
                 m_i,

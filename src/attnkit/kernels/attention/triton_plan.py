@@ -107,6 +107,8 @@ class PagedAttentionPlan:
             ``context_shard`` (``seq_lens`` are then the shard's counts).
         shard_lens: int32 ``[2B]``, ``seq_lens`` then ``global_seq_lens``: what the
             kernels read as their lengths on a shard (one argument, as unsharded).
+        mm_prefix_key_ends: int32 ``[T]``: each query token's visible keys end
+            (exclusive) under bidirectional image ranges, or ``None`` (causal).
     """
 
     query_start_loc: torch.Tensor
@@ -131,6 +133,7 @@ class PagedAttentionPlan:
     split_blocks: int = 0
     global_seq_lens: torch.Tensor | None = None
     shard_lens: torch.Tensor | None = None
+    mm_prefix_key_ends: torch.Tensor | None = None
 
 
 def count_query_tiles(query_lens: Sequence[int], block_q: int) -> int:
@@ -223,6 +226,7 @@ def plan_paged_attention(
     global_seq_lens: torch.Tensor | None = None,
     block_q: int | None = None,
     split_tokens: int | None = None,
+    mm_prefix_key_ends: torch.Tensor | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's batch metadata once and lay out its launches.
 
@@ -268,6 +272,11 @@ def plan_paged_attention(
             the same ``num_splits`` every step, e.g. from the longest context served:
             the merge's reduction has that many slots). None: ``num_splits`` nearly
             equal runs.
+        mm_prefix_key_ends: int32 ``[T' >= T]`` on ``device``: query token ``t`` sees
+            keys up to ``mm_prefix_key_ends[t] - 1`` instead of its own position
+            (bidirectional image ranges; each ``>= its position + 1``, never past its
+            ``seq_len``; a window still bounds the look-back); causal only, no chunk,
+            the one-pass kernel only (``num_splits`` 0 or None).
 
     Raises:
         ValueError (TypeError too for wrong Python types): naming the argument.
@@ -298,6 +307,31 @@ def plan_paged_attention(
     if num_tokens is not None:
         num_tokens = check_int_arg("num_tokens", num_tokens, 0)
     num_sms = check_int_arg("num_sms", num_sms, 1)
+    if mm_prefix_key_ends is not None:
+        ends = require_tensor(
+            "mm_prefix_key_ends", mm_prefix_key_ends, "an int32 torch.Tensor [T] or None"
+        )
+        if ends.dtype != torch.int32 or ends.dim() != 1 or not ends.is_contiguous():
+            raise ValueError(
+                f"mm_prefix_key_ends: expected a contiguous int32 tensor [T], got {describe(ends)}"
+            )
+        check_device("mm_prefix_key_ends", ends, device, "plan")
+        if num_tokens is not None and ends.shape[0] < num_tokens:
+            raise ValueError(
+                f"mm_prefix_key_ends: expected at least num_tokens={num_tokens} entries, "
+                f"got {describe(ends)}"
+            )
+        if not causal or chunk_size is not None or context_shard is not None:
+            raise ValueError(
+                "mm_prefix_key_ends: needs causal attention without chunk_size or "
+                f"context_shard, got causal={causal}, chunk_size={chunk_size}, "
+                f"context_shard={context_shard}"
+            )
+        if num_splits:
+            raise ValueError(
+                f"num_splits: the one-pass kernel serves mm_prefix_key_ends, got {num_splits}"
+            )
+        num_splits = 0
     if num_splits is None:
         splits = 0
         if causal and num_reqs and 0 < max_query_len <= AUTO_SPLIT_MAX_QUERY_LEN:
@@ -412,6 +446,7 @@ def plan_paged_attention(
         split_blocks=split_blocks,
         global_seq_lens=global_seq_lens,
         shard_lens=(torch.cat([seq_lens, global_seq_lens]) if global_seq_lens is not None else None),
+        mm_prefix_key_ends=mm_prefix_key_ends,
     )
 
 

@@ -130,6 +130,7 @@ def attend_kv_tile(
     k_pos,
     k_valid,
     q_pos,
+    q_last,
     row_valid,
     m_i,
     l_i,
@@ -155,6 +156,7 @@ def attend_kv_tile(
     tree_first,
     USE_TREE: tl.constexpr,
     DYN_SCALES: tl.constexpr,
+    MM_PREFIX: tl.constexpr = False,
 ):
     """One key tile of the online softmax: load K (``k_ptrs``) and V (``k_ptrs +
     stride_ckv``) under ``kv_mask``, score, modify, mask and fold into ``(m_i, l_i,
@@ -164,7 +166,9 @@ def attend_kv_tile(
     without a soft-cap, in the natural one with it (the cap applies to natural-log
     scores and the result is moved to log2 here). ``slope`` is the ALiBi slope per row
     times log2(e) (unused without ALiBi). ``k_valid`` ``[N]`` marks keys in the range
-    the caller may read; ``mask_scores`` adds the per-row visibility, and with
+    the caller may read; ``mask_scores`` adds the per-row visibility (with ``MM_PREFIX``,
+    bidirectional image ranges, a row sees keys up to ``q_last``, its range's last key,
+    instead of ``q_pos``; the window's lower edge still follows ``q_pos``), and with
     ``USE_TREE`` ``mask_draft_tree`` the draft tree's (``tree_lo``, ``tree_hi`` ``[M]``
     the int32 halves of each row's ancestor bitmask, ``tree_first`` the request's first
     draft position).
@@ -190,9 +194,16 @@ def attend_kv_tile(
         s = (softcap * tanh(s / softcap)) * LOG2E
     if USE_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-    s = mask_scores(
-        s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
-    )
+    if MM_PREFIX:
+        tl.static_assert(IS_CAUSAL and not USE_CHUNK)
+        seen = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_last[:, None])
+        if USE_WINDOW:
+            seen = seen & (q_pos[:, None] - k_pos[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+    else:
+        s = mask_scores(
+            s, row_valid, k_valid, q_pos, k_pos, window, chunk, IS_CAUSAL, USE_WINDOW, USE_CHUNK
+        )
     if USE_TREE:
         s = mask_draft_tree(s, tree_lo, tree_hi, k_pos, tree_first)
     # v has q's dtype (float32 under DOT_IN_FP32); p is rounded to P_DTYPE either way.
