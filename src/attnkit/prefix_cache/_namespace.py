@@ -62,6 +62,12 @@ def _tensors(values: Sequence[torch.Tensor], where: str) -> tuple[torch.Tensor, 
     return tuple(values)
 
 
+_ADDED_FIELDS: dict[str, object] = {"mm_prefix": False}
+"""Spec fields added after the namespace format was fixed, with the value a spec that
+does not use them has: such a field is hashed only when it differs, so the specs that
+do not use it keep their namespaces (and a cache saved before it, its names)."""
+
+
 def group_namespace(
     spec: KVCacheSpec,
     *,
@@ -118,7 +124,9 @@ def group_namespace(
                 f"{len(a)} and {len(b)}"
             )
     fields = tuple(
-        (f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
+        (f.name, getattr(spec, f.name))
+        for f in dataclasses.fields(spec)
+        if f.name not in _ADDED_FIELDS or getattr(spec, f.name) != _ADDED_FIELDS[f.name]
     )
     data = b"".join(
         [
