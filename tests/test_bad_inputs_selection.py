@@ -54,7 +54,7 @@ FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torc
 MAMBA = MambaSpec(block_size=1, shapes=((4, 3),), dtypes=(torch.float32,))
 FEATURE_NAMES = (
     "logits_soft_cap, attention_sinks, alibi, return_lse, context_parallel, mla_projection, "
-    "sparse_attention, mm_prefix"
+    "sparse_attention, per_head_quant_scales, mm_prefix"
 )
 NEVER_LOADED = "attnkit_catalogue_never_loaded_module"
 
