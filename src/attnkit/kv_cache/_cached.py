@@ -188,22 +188,12 @@ class CachedPool(BlockPool):
     def take(self, n: int) -> list[int]:
         """Take ``n`` pages: free ones, then idle ones (the caller has checked that
         ``num_available >= n``)."""
-        free_list = self._free
-        if n <= len(free_list):  # (BlockPool.take on the list itself: nothing to sort)
-            if n == 1:
-                blocks = [free_list.pop()]
-            elif n > 0:
-                blocks = free_list[: -n - 1 : -1]
-                del free_list[-n:]
-            else:
-                return []
-            if self._in_use_cache is not None:
-                self._mark(blocks, True)
-            return blocks
+        free = len(self._free)
+        if n <= free:  # (the pages given back unsorted are not needed: they wait)
+            return super().take(n)
         if self._unsorted:
             self.sort_given_back()
             return self.take(n)
-        free = len(free_list)
         if self.deferred:  # a reclaim evicts names: the deferred ones are made first
             for slab in list(self.deferred):
                 slab.settle()
