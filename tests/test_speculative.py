@@ -14,10 +14,8 @@ Each check has a deliberately broken variant shown to be caught.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -54,6 +52,9 @@ from attnkit.spec import KVCacheSpecKind
 from attnkit.state_types import STATE_TYPES, state_type_of
 from attnkit.testing import check_cudagraph
 from attnkit.testing.strategies import LayerChoice
+from speculative_helpers import broken as _broken
+from speculative_helpers import gen as _gen
+from speculative_helpers import state_of as _state_of
 
 HQ, HKV, D, BS = 4, 2, 32, 16
 TOL = 2e-5
@@ -68,11 +69,6 @@ ATTENTION_SPECS: dict[str, Any] = {
     ),
 }
 ATTENTION_BACKENDS = ("reference", "cpu_attn", "triton_attn")
-
-
-def _gen(*key: object) -> torch.Generator:
-    digest = hashlib.sha256(repr(key).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 class Model:
@@ -258,12 +254,6 @@ def test_state_verify_step_equals_decodes(state: str, backend: str | None) -> No
 # ---------------------------------------------------------------- rollback
 
 
-def _state_of(rt: AttentionRuntime, rid: str) -> list[torch.Tensor]:
-    gid = rt._layer_group["mixer"]
-    block = rt.manager.block_table(gid, rid)[0]
-    return [t[block].clone() for t in rt.kv_caches["mixer"]]
-
-
 def check_same(
     a: AttentionRuntime, b: AttentionRuntime, rids: list[str], state: bool, pool: bool = True
 ) -> None:
@@ -382,16 +372,6 @@ def test_the_plan_counts_the_draft_states_as_the_runtime_does() -> None:
 
 
 # ------------------------------------------------ broken variants are caught
-
-
-@contextmanager
-def _broken(target: Any, name: str, replacement: Any) -> Iterator[None]:
-    original = getattr(target, name)
-    setattr(target, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(target, name, original)
 
 
 def _lengths_only(self: KVCacheManager, rows: Any, num_tokens: Any) -> None:

@@ -13,9 +13,7 @@ Each check has a deliberately broken variant shown to be caught.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -48,6 +46,9 @@ from attnkit.registry import BUILTIN_BACKENDS, BackendRegistry
 from attnkit.runtime import _spec
 from attnkit.spec import KVCacheSpecKind
 from attnkit.state_types import state_type_of
+from speculative_helpers import broken as _broken
+from speculative_helpers import gen as _gen
+from speculative_helpers import state_of as _state_of
 
 HQ, HKV, D, BS = 4, 2, 32, 16
 TOL = 2e-5
@@ -55,11 +56,6 @@ TOL = 2e-5
 TREE = (-1, -1, 0, 0, 1, 2, 4)
 K = len(TREE)
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
-
-
-def _gen(*key: object) -> torch.Generator:
-    digest = hashlib.sha256(repr(key).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def _attn_rows(rid: str, token: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,16 +194,6 @@ def test_tree_verify_equals_each_path_against_the_float64_oracle(backend: str) -
     rt.accept({"a": [1, 4], "b": 3})
 
 
-@contextmanager
-def _broken(target: Any, name: str, replacement: Any) -> Iterator[None]:
-    original = getattr(target, name)
-    setattr(target, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(target, name, original)
-
-
 def _chain_masks(parents: Sequence[int]) -> list[int]:
     """Ancestor masks that ignore the tree: every earlier draft, siblings included."""
     return [(1 << (i + 1)) - 1 for i in range(len(parents))]
@@ -238,12 +224,6 @@ def _kv_at(rt: AttentionRuntime, rid: str, n: int) -> torch.Tensor:
         else:
             rows.append(caches[0][block, :, off])
     return torch.stack(rows)
-
-
-def _state_of(rt: AttentionRuntime, rid: str) -> list[torch.Tensor]:
-    gid = rt._layer_group["mixer"]
-    block = rt.manager.block_table(gid, rid)[0]
-    return [t[block].clone() for t in rt.kv_caches["mixer"]]
 
 
 PATHS = [(), (0,), (1,), (1, 4), (0, 3), (0, 2, 5), (1, 4, 6)]
