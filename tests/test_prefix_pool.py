@@ -186,7 +186,9 @@ def window_releases_scenario() -> None:
     mgr = manager({"w": window(4)}, 40)
     p = prefix(mgr)
     prompts = {"a": list(range(100, 113)), "b": list(range(200, 213))}  # 3 full blocks
-    mgr.allocate_step([(r, 13, 0) for r in prompts], prefixes=[p.match(t) for t in prompts.values()])
+    mgr.allocate_step(
+        [(r, 13, 0) for r in prompts], prefixes=[p.match(t) for t in prompts.values()]
+    )
     tables = {r: mgr.block_table(0, r) for r in prompts}
     order: list[int] = []
     for _ in range(13):  # (the prompts' blocks get their names at the first)
@@ -409,6 +411,69 @@ def deferred_twins_scenario() -> None:
 
 def test_deferred_window_names_are_made_as_if_at_once() -> None:
     deferred_twins_scenario()
+
+
+def chunked_window_prompt_scenario() -> None:
+    """A 64-token prompt in chunks of 8 over a window of 8 (blocks of 4), with full
+    attention beside it. The window group's names wait until the coming step's
+    release can reach them: then every waiting block is marked named at once. Written
+    out: before step k + 1 the request holds ``c = 8 (k + 1)`` tokens and that step's
+    release front is ``(c - 7) // 4``; the names of blocks ``0 .. c // 4 - 1`` are
+    marked when the front is past the marked ones, i.e. before every second step.
+    Every block the window releases is then cached, and the whole prompt hits."""
+    mgr = manager({"f": full(), "w": window(8)}, 64)
+    p = prefix(mgr)
+    prompt = list(range(300, 364))
+    mgr.allocate_step([("a", 8, 0)], prefixes=[p.match(prompt)])
+    slab = cached(mgr, 1)
+    marked = 0
+    released: list[int] = []
+    seen: dict[int, int] = {}  # logical block -> its kernel block, released ones too
+    for k in range(1, 8):
+        held = 8 * k
+        if (held - 7) // 4 > marked:
+            marked = held // 4
+        before = mgr.block_table(1, "a")
+        seen.update((i, b) for i, b in enumerate(before) if b != NULL_BLOCK)
+        mgr.allocate_step([("a", 8, 0)])
+        after = mgr.block_table(1, "a")
+        released += [b for i, b in enumerate(before) if b != NULL_BLOCK and after[i] == NULL_BLOCK]
+        # The commit at the start of that step marked exactly the blocks written out
+        # (a released block keeps its mark: it is idle, not free).
+        got = {i for i, b in seen.items() if slab.named[b]}
+        assert got == set(range(marked)), f"step {k}: marked blocks {sorted(got)}"
+    p.stats()  # reads the maps: every deferred name is made
+    names = block_names(prompt, TokenLayout(4), HASHER, prefix_root(HASHER))
+    assert {slab.block_of.get(n) for n in names[: len(released)]} == set(released)
+    assert len(released) == 12  # the step at 56 sees from token 49 on: blocks 12 ..
+    assert p.match(prompt).num_tokens == 60  # (the last token is always recomputed)
+
+
+def test_a_window_groups_names_wait_until_a_step_can_release_them() -> None:
+    chunked_window_prompt_scenario()
+
+
+def _reach_too_late(self: Any, spec: Any, block: int) -> int:
+    """A window said to release a block one step later than it does: the step that
+    releases it finds it unmarked, and it is lost to the cache."""
+    return int(_release_reach(self, spec, block)) + 8
+
+
+def _reach_at_once(self: Any, spec: Any, block: int) -> int:
+    """Marks at every commit: safe, but the eager rule this replaced (a mark per step);
+    the scenario's written-out order of marks must see it."""
+    return 0
+
+
+_release_reach = type(rules_for(window(8))).release_reach
+
+
+@pytest.mark.parametrize("broken", ["a reach one step late", "a reach at once"])
+def test_a_broken_release_reach_is_caught(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reaches = {"a reach one step late": _reach_too_late, "a reach at once": _reach_at_once}
+    monkeypatch.setattr(type(rules_for(window(8))), "release_reach", reaches[broken])
+    with pytest.raises(AssertionError):
+        chunked_window_prompt_scenario()
 
 
 @pytest.mark.parametrize(
@@ -1143,18 +1208,19 @@ def _forget_a_ref(self: CachedSlab, blocks: Any) -> None:
     _touch(self, ids[1:] if ids.size > 1 else ids)
 
 
-def _named_when_partial(self: _prefix.PrefixCache, rows: Any, lens: Any) -> None:
+def _named_when_partial(self: _prefix.PrefixCache) -> None:
     """A cache that counts one more token as filled than a step computed: the block
     that token would close is named while its last slot is unwritten."""
-    _note_step(self, rows, lens)
-    self.pending = [
-        (tracked, min(tracked.match.num_prompt_tokens, filled + 1))
-        for tracked, filled in self.pending
-    ]
+    held = self.row_tokens
+    self.row_tokens = held + 1
+    try:
+        _commit(self)
+    finally:
+        self.row_tokens = held
 
 
 _touch = _cached.CachedSlab.touch
-_note_step = _prefix.PrefixCache.note_step
+_commit = _prefix.PrefixCache.commit
 
 
 def _idle_before_free(self: CachedPool, n: int) -> list[int]:
@@ -1188,15 +1254,17 @@ def _settle_keeps_duplicates_idle(self: CachedSlab) -> None:
     """A settle that leaves a duplicate's free block among the idle (cached) pages."""
     deferred, self._deferred = self._deferred, []
     self.pool.deferred.pop(self, None)
-    for ids, names, salt_free in deferred:
+    for ids, chain, start, salt_free in deferred:
         self.named[ids] = False
-        _register(self, ids.tolist(), names, salt_free, ids)
+        _register(self, ids.tolist(), chain[start : start + ids.size], salt_free, ids)
 
 
-def _defer_marks_nothing(self: CachedSlab, ids: Any, names: Any, salt_free: Any) -> None:
+def _defer_marks_nothing(
+    self: CachedSlab, ids: Any, chain: Any, start: int, salt_free: Any
+) -> None:
     """A deferral that does not mark its blocks named: a release before the settle
     gives them back to the pool, and the settle names free blocks."""
-    self._deferred.append((ids, names, salt_free))
+    self._deferred.append((ids, chain, start, salt_free))
     self.pool.deferred[self] = None
 
 
@@ -1248,7 +1316,7 @@ BROKEN: dict[str, tuple[object, str, Callable[..., Any]]] = {
         "give_back",
         _give_back_forgets_sharers,
     ),
-    "a partial block named": (_prefix.PrefixCache, "note_step", _named_when_partial),
+    "a partial block named": (_prefix.PrefixCache, "commit", _named_when_partial),
     "cached pages evicted before free ones": (_cached.CachedPool, "take", _idle_before_free),
 }
 BROKEN_DEFERRAL: dict[str, tuple[object, str, Callable[..., Any]]] = {

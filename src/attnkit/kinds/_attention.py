@@ -193,6 +193,18 @@ class _MLARules(_LatentRules[MLAAttentionSpec]):
     short_name = "mla"
 
 
+def _window_release_reach(window: int, block_size: int, block: int) -> int:
+    """The fewest tokens held at whose step ``_window_first_live_block`` passes
+    ``block``: the step's first query sees from ``computed - window + 1`` on."""
+    return (block + 1) * block_size + window - 1
+
+
+def _chunk_release_reach(chunk: int, block_size: int, block: int) -> int:
+    """The fewest tokens held at whose step ``_chunk_first_live_block`` passes
+    ``block``: the first multiple of ``chunk`` at or past the block's end."""
+    return -(-(block + 1) * block_size // chunk) * chunk
+
+
 class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
     releases = True
     grows_without_bound = False
@@ -207,6 +219,10 @@ class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
     @override
     def first_live_block(self, spec: SlidingWindowSpec, lens: StepLens) -> Ints:
         return _window_first_live_block(spec.sliding_window, spec.block_size, lens)
+
+    @override
+    def release_reach(self, spec: SlidingWindowSpec, block: int) -> int:
+        return _window_release_reach(spec.sliding_window, spec.block_size, block)
 
     @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:
@@ -229,6 +245,10 @@ class _SlidingWindowMLARules(_LatentRules[SlidingWindowMLASpec]):
         return _window_first_live_block(spec.sliding_window, spec.block_size, lens)
 
     @override
+    def release_reach(self, spec: SlidingWindowMLASpec, block: int) -> int:
+        return _window_release_reach(spec.sliding_window, spec.block_size, block)
+
+    @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:
         return tuple(boundary_lengths(block_size, extra=(3, 5)))
 
@@ -247,6 +267,10 @@ class _ChunkedLocalRules(_PagedRules[ChunkedLocalAttentionSpec]):
     @override
     def first_live_block(self, spec: ChunkedLocalAttentionSpec, lens: StepLens) -> Ints:
         return _chunk_first_live_block(spec.attention_chunk_size, spec.block_size, lens)
+
+    @override
+    def release_reach(self, spec: ChunkedLocalAttentionSpec, block: int) -> int:
+        return _chunk_release_reach(spec.attention_chunk_size, spec.block_size, block)
 
     @override
     def example_extents(self, block_size: int) -> tuple[int, ...]:

@@ -312,6 +312,15 @@ class KindRules(ABC, Generic[S]):
                 return _chunk_first_live_block(mask.chunk, spec.block_size, lens)
         return np.zeros_like(lens.computed)
 
+    def release_reach(self, spec: S, block: int) -> int:
+        """The fewest tokens a request must hold (``computed`` at its next step) for that
+        step to release its logical block ``block`` (``first_live_block > block``);
+        ``first_live_block`` grows with ``computed``. The prefix cache marks a
+        releasing group's names only once a step can release them. The default, 0,
+        says any step may release any block (names are marked at every commit); the
+        window and chunk kinds give the exact figure."""
+        return 0
+
     def seq_lens(self, spec: S, lens: StepLens) -> Ints:
         """What builders see as ``seq_lens``."""
         shift = self.shift(spec)
@@ -389,7 +398,9 @@ class KindRules(ABC, Generic[S]):
             return None
         return TokenLayout(spec.block_size, self.shift(spec))
 
-    def prefix_hit(self, spec: S, cached: BlockLookup, length: int) -> tuple[int, PrefixMiss | None]:
+    def prefix_hit(
+        self, spec: S, cached: BlockLookup, length: int
+    ) -> tuple[int, PrefixMiss | None]:
         """The longest prefix ``<= length`` tokens this group can serve from the cache,
         and why it is shorter (``None`` when it is ``length``).
 

@@ -188,9 +188,20 @@ class CachedPool(BlockPool):
     def take(self, n: int) -> list[int]:
         """Take ``n`` pages: free ones, then idle ones (the caller has checked that
         ``num_available >= n``)."""
-        free = len(self._free)
+        stack = self._free
+        free = len(stack)
         if n <= free:  # (the pages given back unsorted are not needed: they wait)
-            return super().take(n)
+            # BlockPool.take, inlined: every step's growth of every cached group.
+            if n == 1:
+                blocks = [stack.pop()]
+            elif n > 0:
+                blocks = stack[: -n - 1 : -1]
+                del stack[-n:]
+            else:
+                return []
+            if self._in_use_cache is not None:
+                self._mark(blocks, True)
+            return blocks
         if self._unsorted:
             self.sort_given_back()
             return self.take(n)
@@ -280,8 +291,9 @@ class CachedSlab:
         self.evicted: dict[bytes, None] = {}
         self.evictions = 0
         self._on_evict = on_evict
-        self._deferred: list[tuple[Ints32, Sequence[bytes], bytes | None]] = []
-        """Names ``defer`` put off, in order; their blocks' ``named`` entries are set."""
+        self._deferred: list[tuple[Ints32, Sequence[bytes], int, bytes | None]] = []
+        """Names ``defer`` put off (blocks, chain, first index, salt-free name), in
+        order; their blocks' ``named`` entries are set."""
         self.first_salt_free: dict[bytes, int] = {}
         """The salt-free names of the named first blocks, counted (a lookup tells "cached
         under another salt" from "never computed")."""
@@ -370,16 +382,20 @@ class CachedSlab:
             self._salt_free_of[first] = salt_free_first
             self.first_salt_free[salt_free_first] = self.first_salt_free.get(salt_free_first, 0) + 1
 
-    def defer(self, ids: Ints32, names: Sequence[bytes], salt_free_first: bytes | None) -> None:
-        """``register(ids.tolist(), names, salt_free_first)``, put off until something
-        reads the maps (``settle``): only the blocks' ``named`` entries are set now, so a
-        release makes them idle (cached). One block per page only. A name another block
-        already holds (found at ``settle``) leaves its block unnamed then, and a free one
-        goes back to the pool from the idle pages: a reclaim, a lookup, a register and
-        the reports settle first."""
+    def defer(
+        self, ids: Ints32, chain: Sequence[bytes], start: int, salt_free_first: bytes | None
+    ) -> None:
+        """``register(ids.tolist(), chain[start : start + ids.size], salt_free_first)``,
+        put off until something reads the maps (``settle``): only the blocks' ``named``
+        entries are set now, so a release makes them idle (cached). One block per page
+        only. ``chain`` is the request's whole name chain, sliced at ``settle``: a
+        slice now would touch every name of it, long out of cache, each step. A name
+        another block already holds (found at ``settle``) leaves its block unnamed
+        then, and a free one goes back to the pool from the idle pages: a reclaim, a
+        lookup, a register and the reports settle first."""
         assert self.blocks_per_page == 1, "deferred names need one block per page"
         self.named.put(ids, True)  # (cheaper than an indexed write, and than a loop past 8)
-        self._deferred.append((ids, names, salt_free_first))
+        self._deferred.append((ids, chain, start, salt_free_first))
         self.pool.deferred[self] = None
 
     def settle(self) -> None:
@@ -387,10 +403,10 @@ class CachedSlab:
         deferred, self._deferred = self._deferred, []
         self.pool.deferred.pop(self, None)
         named, idle = self._named_mv, self.pool.idle
-        for ids, names, salt_free in deferred:
+        for ids, chain, start, salt_free in deferred:
             self.named[ids] = False
             blocks: list[int] = ids.tolist()
-            self.register(blocks, names, salt_free, ids)
+            self.register(blocks, chain[start : start + len(blocks)], salt_free, ids)
             # A free block was named when it was freed: it is idle.
             back = [b for b in blocks if not named[b] and b in idle]
             for block in back:  # free and named only for a while: back to the pool
@@ -538,10 +554,14 @@ class CachedSlab:
             # change), and a block is its page: the common case (a decode step's window
             # releases, a free).
             given: list[int] = blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
+            pool = self.pool
             if not self.name_of and not self._deferred:
-                self.pool.give_back(given)
+                pool.give_back(given)
                 return
-            self.pool.give_back_unsorted(self, given)  # (idle or free once read)
+            # pool.give_back_unsorted(self, given), inlined (every window step): idle
+            # or free once read.
+            pool._unsorted.append((self, given))
+            pool._num_unsorted += len(given)
             return
         ids = np.asarray(blocks, dtype=np.int64)
         if ids.size == 0:

@@ -252,14 +252,11 @@ class KVCacheManager:
                 self._rules,
                 self.cached_slabs,
                 get_hasher(prefix_caching.hash),
-                self.table_array,
-                self._row_tokens,
+                self._tables,
+                self._num_tokens,
                 stores,
                 interval,
             )
-
-    def _row_tokens(self, row: int) -> int:
-        return int(self._num_tokens[row])
 
     def _cached_slabs(
         self,
@@ -520,7 +517,7 @@ class KVCacheManager:
             self._steady_computed = lens.total.tolist()
             self._num_tokens[rows] = lens.total
             if prefix is not None:
-                prefix.note_step(rows, lens)
+                prefix.note_step(rows)
             return rows
         self._steady_rows = None
         if prefix is not None:
@@ -619,7 +616,7 @@ class KVCacheManager:
         if 0 < rows.size <= self._steady_max and not any_new and not finished:
             self._look_ahead(rows, lens)
         if prefix is not None:
-            prefix.note_step(rows, lens)
+            prefix.note_step(rows)
         return rows
 
     def _is_steady(self, rows: Ints, lens: StepLens) -> bool:
@@ -759,7 +756,7 @@ class KVCacheManager:
             prefix.restore(hits, rows)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
-        prefix.note_step(rows, lens)
+        prefix.note_step(rows)
         return rows
 
     def _check_cached(
@@ -795,6 +792,8 @@ class KVCacheManager:
                 grown = np.zeros(size, dtype=np.int64)
                 grown[:capacity] = getattr(self, name)
                 setattr(self, name, grown)
+            if self.prefix is not None:
+                self.prefix.row_tokens = self._num_tokens
             for tables in self._tables:
                 tables.grow(size, 0)
             self._free_rows[:0] = range(size - 1, capacity - 1, -1)

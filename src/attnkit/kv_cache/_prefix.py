@@ -17,10 +17,13 @@ request starts from, and when a request's blocks get their names.
   tokens); the blocks of a group that keeps them (full attention, MLA, sinks) enter its
   map (``flush``) when something reads the map: a lookup, the request's free, a report,
   a step that shares blocks. A group that releases blocks (a window, a chunk) must know
-  at the commit, before a later step can free them: its slab marks the blocks named
-  then and, with a block per page, defers the names (``CachedSlab.defer``) until
-  something reads its map (the same readers, a register, a reclaim of idle pages). So a
-  prefill step does no dict work per block in any group.
+  before a step frees them: a commit checks whether the coming step can release a
+  block named but not marked (the kind's ``release_reach``: the tokens a request must
+  hold for that) and then, or once the prompt is done, its slab marks every waiting
+  block named and, with a block per page, defers the names (``CachedSlab.defer``) until
+  something reads its map (the same readers, a register, a reclaim of idle pages). A
+  long prompt in chunks thus marks a window group's names once per window, not per
+  step, and a prefill step does no dict work per block in any group.
 - A request whose step was discarded, or that was live at a ``reset``, is never named
   again (its later blocks were computed over bytes no name describes).
 - State groups (with ``state_checkpoints="step_end"``) keep ``CheckpointStore`` pages:
@@ -79,6 +82,15 @@ class OffloadHooks(Protocol):
     def contains(self, group_id: int, name: bytes) -> bool: ...
 
     def load(self, group_id: int, blocks: Sequence[int], names: Sequence[bytes]) -> list[bool]: ...
+
+
+class TableView(Protocol):
+    """One group's block tables as the manager keeps them (``_Tables``): the
+    persistent ``[rows, width]`` table (replaced when it grows: read it each time) and
+    each row's first live column (entries before it were released: null)."""
+
+    table: Ints32
+    first_live: Ints
 
 
 class PrefixMatch:
@@ -246,6 +258,9 @@ class _Tracked:
     names: list[tuple[bytes, ...]]  # per group: its layout's prompt block names
     tainted: bool = False
     prompt: int = 0  # match.num_prompt_tokens
+    mark_at: int = 0
+    """Tokens held at which a step can release a deferring group's first unmarked
+    block (the least ``KindRules.release_reach`` over those groups)."""
 
 
 class PrefixCache:
@@ -256,8 +271,8 @@ class PrefixCache:
         slabs: per group its ``CachedSlab``, ``None`` for a group that caches nothing
             (state layers until they have checkpoints, kinds that never hit).
         hasher: the hash of block names.
-        table_array: group id -> the manager's persistent table.
-        num_tokens: row -> the tokens the manager holds for it.
+        tables: per group the manager's block tables (``TableView``).
+        num_tokens: the tokens the manager holds per row.
         stores: per group its ``CheckpointStore`` (state groups with checkpoints on),
             else ``None``; ``checkpoint_interval``: their boundaries' spacing.
     """
@@ -268,8 +283,8 @@ class PrefixCache:
         rules: Sequence[KindRules[Any]],
         slabs: Sequence[CachedSlab | None],
         hasher: Hasher,
-        table_array: Callable[[int], Ints32],
-        num_tokens: Callable[[int], int],
+        tables: Sequence[TableView],
+        num_tokens: Ints,
         stores: Sequence[CheckpointStore | None] | None = None,
         checkpoint_interval: int | None = None,
     ) -> None:
@@ -277,8 +292,10 @@ class PrefixCache:
         self.rules = tuple(rules)
         self.slabs = tuple(slabs)
         self.hasher = hasher
-        self._table_array = table_array
-        self._num_tokens = num_tokens
+        self._tables = tuple(tables)
+        self.row_tokens = num_tokens
+        """The manager's tokens held per row (``int64 [rows]``, read only; the manager
+        sets the new array when its rows grow)."""
         self.layouts: tuple[TokenLayout | None, ...] = tuple(
             None if slab is None else r.prefix_layout(g.spec)
             for g, r, slab in zip(self.groups, self.rules, self.slabs, strict=True)
@@ -324,16 +341,26 @@ class PrefixCache:
             (0, 1) if lay is None else (lay.shift, lay.block_size) for lay in self.layouts
         ]
         """Per group: its layout's (shift, block size) (``lay.full_blocks``, inlined)."""
-        self._deferrable = [s is not None and s.blocks_per_page == 1 for s in self.slabs]
-        """Per group: whether its slab can defer names (``CachedSlab.defer``)."""
+        deferrable = [s is not None and s.blocks_per_page == 1 for s in self.slabs]
+        self._deferring = [gid for gid in self._eager if deferrable[gid]]
+        """The eager groups whose slabs defer names (``CachedSlab.defer``): ``_defer``."""
+        self._flushing = [gid for gid in self._eager if not deferrable[gid]]
+        """The other eager groups: named into their maps at the commit (``_flush``)."""
+        self._reach: list[tuple[int, Callable[[Any, int], int], Any]] = [
+            (gid, self.rules[gid].release_reach, self.groups[gid].spec) for gid in self._deferring
+        ]
+        """``(group id, its kind's release_reach, its spec)`` of the deferring groups."""
+        self._waits = self._lazy or bool(self._deferring)
+        """Whether a commit can leave names waiting (``unflushed``)."""
         pools = [s.pool for s in self.slabs if s is not None]
         self._deferred: dict[CachedSlab, None] = pools[0].deferred if pools else {}
         """The slabs with deferred names (their pool's, shared)."""
         self._tracked: dict[int, _Tracked] = {}
         self._in_prompt: dict[int, _Tracked] = {}
         """Tracked rows whose prompt is not all computed yet."""
-        self.pending: list[tuple[_Tracked, int]] = []
-        """The last step's filled prompt tokens per request, named at ``commit``."""
+        self.pending = False
+        """Whether tracked prompts filled tokens since the last ``commit`` (a step's
+        allocation ran since), to be named there."""
         self.unflushed: dict[int, _Tracked] = {}
         """Rows with named blocks their groups' maps do not hold yet."""
         self._step_rows: Ints = np.zeros(0, dtype=np.int64)
@@ -687,7 +714,7 @@ class PrefixCache:
             for gid, page in hit.restores:
                 src, dst = copies.setdefault(gid, ([], []))
                 src.append(page)
-                dst.append(int(self._table_array(gid)[row, 0]))
+                dst.append(int(self._tables[gid].table[row, 0]))
         if self.copy_states is not None:
             for gid, (src, dst) in copies.items():
                 self.copy_states(gid, src, dst)
@@ -707,51 +734,101 @@ class PrefixCache:
         tracked = _Tracked(
             row, match, match.num_tokens, flushed, names, False, match.hit.num_tokens
         )
+        if self._reach:
+            tracked.mark_at = min(reach(spec, flushed[gid]) for gid, reach, spec in self._reach)
         self._tracked[row] = tracked
         self._in_prompt[row] = tracked
 
-    def note_step(self, rows: Ints, lens: StepLens) -> None:
-        """After a step's allocation: the prompt tokens each tracked request has filled,
-        to be named at the next ``commit``."""
+    def note_step(self, rows: Ints) -> None:
+        """After a step's allocation: its rows (``discard`` taints them). The prompt
+        tokens tracked requests filled are named at the next ``commit``."""
         self._step_rows = rows
         if self._fresh:
             self._fresh.clear()  # the step's hits hold what they read
-        in_prompt = self._in_prompt
-        if not in_prompt:
+        if self._in_prompt:
+            self.pending = True
+
+    def commit(self) -> None:
+        """The last step is done: the prompt blocks it filled are named (lazily: see
+        the module docstring); the state checkpoints it reached are taken.
+
+        A releasing group's new names wait, like a keeping group's, unless the coming
+        step can release one (the request holds at least ``KindRules.release_reach`` of
+        the group's first unmarked block) or the prompt is done; then every name
+        waiting is marked at once (``_defer``)."""
+        self.pending = False
+        if self.checkpoint_interval is not None:
+            self._commit_with_checkpoints()
             return
+        tokens = self.row_tokens
         done: list[int] = []
-        interval = self.checkpoint_interval
-        num_tokens = self._num_tokens
-        for row, tracked in in_prompt.items():
+        flushing, waits, unflushed = self._flushing, self._waits, self.unflushed
+        for row, tracked in self._in_prompt.items():
             n = tracked.prompt
-            held = num_tokens(row)
+            held = int(tokens[row])
+            filled = held if held < n else n
+            if filled > tracked.named:  # (``_name``, inlined: this runs every step)
+                tracked.named = filled
+                if held >= tracked.mark_at or filled >= n:
+                    self._mark(tracked, held)
+                for gid in flushing:
+                    self._flush(tracked, gid)
+                if waits:
+                    unflushed[row] = tracked
+            if filled >= n:
+                done.append(row)
+        for row in done:
+            del self._in_prompt[row]
+
+    def _commit_with_checkpoints(self) -> None:
+        """``commit`` with state checkpoints: the checkpoints the last step reached are
+        taken before its blocks are named."""
+        tokens = self.row_tokens
+        interval = self.checkpoint_interval
+        assert interval is not None
+        filled_now: list[tuple[_Tracked, int, int]] = []
+        done: list[int] = []
+        for row, tracked in self._in_prompt.items():
+            n = tracked.prompt
+            held = int(tokens[row])
             filled = held if held < n else n
             if filled > tracked.named:
-                self.pending.append((tracked, filled))
-                if interval is not None and held == filled and filled % interval == 0:
+                filled_now.append((tracked, filled, held))
+                if held == filled and filled % interval == 0:
                     self.pending_checkpoints.append((tracked, filled))
             if filled >= n:
                 done.append(row)
         for row in done:
-            del in_prompt[row]
-
-    def commit(self) -> None:
-        """The last step is done: the prompt blocks it filled are named (lazily: see
-        the module docstring); the state checkpoints it reached are taken."""
+            del self._in_prompt[row]
         if self.pending_checkpoints:
             self._take_checkpoints()
-        live = self._tracked
-        for tracked, filled in self.pending:
-            if not tracked.tainted and live.get(tracked.row) is tracked:
-                tracked.named = filled
-                for gid in self._eager:
-                    if self._deferrable[gid]:
-                        self._defer(tracked, gid)
-                    else:
-                        self._flush(tracked, gid)
-                if self._lazy:
-                    self.unflushed[tracked.row] = tracked
-        self.pending.clear()
+        for tracked, filled, held in filled_now:
+            self._name(tracked, filled, held)
+
+    def _name(self, tracked: _Tracked, filled: int, held: int) -> None:
+        """``tracked``'s prompt is computed up to ``filled`` of the ``held`` tokens."""
+        tracked.named = filled
+        if held >= tracked.mark_at or filled >= tracked.prompt:
+            self._mark(tracked, held)
+        for gid in self._flushing:
+            self._flush(tracked, gid)
+        if self._waits:
+            self.unflushed[tracked.row] = tracked
+
+    def _mark(self, tracked: _Tracked, held: int) -> None:
+        """Mark (``_defer``) the waiting names of each deferring group whose coming step
+        (at ``held`` tokens) can release one, every one of them at a done prompt; then
+        the tokens at which that is next so."""
+        flushed = tracked.flushed
+        done = tracked.named >= tracked.prompt
+        mark_at = 1 << 62
+        for gid, reach, spec in self._reach:
+            if done or held >= reach(spec, flushed[gid]):
+                self._defer(tracked, gid)
+            at = reach(spec, flushed[gid])
+            if at < mark_at:
+                mark_at = at
+        tracked.mark_at = mark_at
 
     def _take_checkpoints(self) -> None:
         """Copy the state of each request whose last step ended on a boundary into a
@@ -773,7 +850,7 @@ class PrefixCache:
                 page = store.take(name)
                 assert page is not None
                 src, dst = copies.setdefault(gid, ([], []))
-                src.append(int(self._table_array(gid)[tracked.row, 0]))
+                src.append(int(self._tables[gid].table[tracked.row, 0]))
                 dst.append(page)
         self.pending_checkpoints.clear()
         if self.copy_states is not None:
@@ -801,10 +878,14 @@ class PrefixCache:
         end = (tracked.named + shift) // size  # lay.full_blocks, inlined
         if end <= start:
             return
-        entries: Ints32 = self._table_array(gid)[tracked.row, start:end]
-        if np.count_nonzero(entries) != end - start:  # a null entry (released before
-            self._flush(tracked, gid)  # it was named): rare
+        tables = self._tables[gid]
+        row = tracked.row
+        if tables.first_live[row] > start:  # a released entry (null) before it was named:
+            self._flush(tracked, gid)  # rare
             return
+        # Entries past the first live column hold blocks; copied, as a release nulls them.
+        view: Ints32 = tables.table[row, start:end]
+        entries: Ints32 = np.array(view)
         slab = self.slabs[gid]
         assert slab is not None
         salt_free = None
@@ -812,7 +893,7 @@ class PrefixCache:
             lay = self.layouts[gid]
             assert lay is not None
             salt_free = tracked.match._salt_free[lay]
-        slab.defer(np.array(entries), tracked.names[gid][start:end], salt_free)
+        slab.defer(entries, tracked.names[gid], start, salt_free)
         flushed[gid] = end
 
     def _flush(self, tracked: _Tracked, only: int | None) -> None:
@@ -824,7 +905,7 @@ class PrefixCache:
             end = (tracked.named + lay.shift) // lay.block_size  # lay.full_blocks, inlined
             if end <= start:
                 continue
-            entries = self._table_array(gid)[tracked.row, start:end]
+            entries = self._tables[gid].table[tracked.row, start:end]
             blocks: list[int] = entries.tolist()
             names: Sequence[bytes] = tracked.names[gid][start:end]
             if NULL_BLOCK in blocks:
@@ -842,7 +923,7 @@ class PrefixCache:
     def discard(self) -> None:
         """The last step's model call failed: its blocks are not named, and its tracked
         requests are never named again."""
-        self.pending.clear()
+        self.pending = False
         self.pending_checkpoints.clear()
         for row in self._step_rows.tolist():
             self._taint(row)
@@ -852,7 +933,9 @@ class PrefixCache:
         if tracked is None:
             return
         tracked.tainted = True
-        self._in_prompt.pop(row, None)
+        if self._in_prompt.pop(row, None) is not None:
+            for gid in self._deferring:  # its committed names stay good: marked now,
+                self._defer(tracked, gid)  # as no commit looks at the row again
 
     def check_tokens(self, row: int, req_id: str, token_ids: Tokens) -> npt.NDArray[np.uint32]:
         """``token_ids`` given for a request at its free: its tokens, prompt first.
@@ -909,7 +992,7 @@ class PrefixCache:
                         mm_inputs=match.mm_inputs,
                     ),
                 )
-            blocks: list[int] = self._table_array(gid)[row, first:end].tolist()
+            blocks: list[int] = self._tables[gid].table[row, first:end].tolist()
             names = made[lay][1]
             pairs = [(b, m) for b, m in zip(blocks, names, strict=True) if b != NULL_BLOCK]
             if pairs:
@@ -918,11 +1001,12 @@ class PrefixCache:
     def reset(self) -> int:
         """Drop every name (weights changed); live requests are never named again.
         Returns the names dropped."""
-        self.pending.clear()
+        self.pending = False
         self.pending_checkpoints.clear()
         self.unflushed.clear()
         self._fresh.clear()
         self.flush()  # the deferred names, made to be dropped with the others
+        self._in_prompt.clear()  # (so the taints below mark no names to be dropped)
         for row in list(self._tracked):
             self._taint(row)
         dropped = sum(store.reset() for _, store in self._stores)
