@@ -43,7 +43,7 @@ import numpy.typing as npt
 from typing_extensions import override
 
 from ..errors import OutOfBlocksError
-from ._pool import BlockPool, Ints32, PageSlab
+from ._pool import BlockPool, Ints32, PageSlab, pop_top
 
 __all__ = [
     "EVICTED_MEMORY",
@@ -188,17 +188,10 @@ class CachedPool(BlockPool):
     def take(self, n: int) -> list[int]:
         """Take ``n`` pages: free ones, then idle ones (the caller has checked that
         ``num_available >= n``)."""
-        stack = self._free
-        free = len(stack)
+        free = len(self._free)
         if n <= free:  # (the pages given back unsorted are not needed: they wait)
-            # BlockPool.take, inlined: every step's growth of every cached group.
-            if n == 1:
-                blocks = [stack.pop()]
-            elif n > 0:
-                blocks = stack[: -n - 1 : -1]
-                del stack[-n:]
-            else:
-                return []
+            # BlockPool.take without its call: every step's growth of every cached group.
+            blocks = pop_top(self._free, n)
             if self._in_use_cache is not None:
                 self._mark(blocks, True)
             return blocks

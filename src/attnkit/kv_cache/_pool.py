@@ -17,6 +17,17 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError
 NULL_BLOCK = 0
 
 
+def pop_top(stack: list[int], n: int) -> list[int]:
+    """The top ``n`` ids of ``stack`` (``n <= len(stack)``), top first, popped."""
+    if n == 1:  # one decode growing: the common case
+        return [stack.pop()]
+    if n <= 0:
+        return []
+    blocks = stack[: -n - 1 : -1]
+    del stack[-n:]
+    return blocks
+
+
 class BlockPool:
     """A fixed set of block ids; id 0 (the null block) is never handed out.
 
@@ -77,14 +88,7 @@ class BlockPool:
 
     def take(self, n: int) -> list[int]:
         """Take ``n`` free blocks (the caller has checked that ``n`` are free)."""
-        free = self._free
-        if n == 1:  # one decode growing: the common case
-            blocks = [free.pop()]
-        elif n > 0:
-            blocks = free[: -n - 1 : -1]  # the top n, top first
-            del free[-n:]
-        else:
-            return []
+        blocks = pop_top(self._free, n)
         if self._in_use_cache is not None:
             self._mark(blocks, True)
         return blocks
