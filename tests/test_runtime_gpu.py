@@ -65,3 +65,21 @@ def test_begin_step_never_syncs_and_matches_the_cpu_runtime(backend: str) -> Non
                 torch.testing.assert_close(
                     getattr(g_common, name).cpu(), getattr(c_common, name), rtol=0, atol=0
                 )
+
+
+def test_a_step_reaches_the_device_in_one_copy() -> None:
+    """Every group's device fields are views of one buffer sent for the step
+    (``hosts_to_device``); the next step's are a new one."""
+    gpu = _runtime("cuda", "reference")
+    seen: set[int] = set()
+    for step in SCHEDULE:
+        gpu.begin_step(step)
+        storages = set()
+        for entry in gpu._groups:
+            common = entry.common
+            assert common is not None
+            for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+                storages.add(getattr(common, name).untyped_storage().data_ptr())
+        assert len(storages) == 1, storages
+        assert not storages & seen  # (a fresh buffer each step: the last may be in use)
+        seen |= storages

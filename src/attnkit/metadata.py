@@ -12,8 +12,8 @@ so a backend can split the batch into two contiguous ranges without a gather.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ __all__ = [
     "DraftTreeMask",
     "SparseSelection",
     "host_to_device",
+    "hosts_to_device",
     "mm_prefix_key_ends",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
@@ -42,6 +43,63 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+_ALIGN = 8
+"""Each tensor starts on a multiple of this many bytes in a packed upload (the widest
+element: a view of any dtype starts on its own size)."""
+
+
+def hosts_to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on ``device`` in one copy, without a wait: themselves on the CPU;
+    else packed into one pinned byte buffer (each at an 8-byte boundary), sent by one
+    non-blocking copy, and each returned as a view of the device buffer (its dtype and
+    shape). What ``begin_step`` does with the step's tensors: one transfer a step
+    instead of one per tensor (each a pinned allocation and a copy launch)."""
+    if device.type == "cpu":
+        return list(tensors)
+    return pack_and_copy(
+        tensors, lambda buf: buf.to(device, non_blocking=True), pin=device.type == "cuda"
+    )
+
+
+def pack_and_copy(
+    tensors: Sequence[torch.Tensor],
+    copy: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    pin: bool = False,
+) -> list[torch.Tensor]:
+    """``hosts_to_device``'s packing: ``tensors`` (host, any dtype and shape) written into
+    one uint8 buffer (pinned when ``pin``), ``copy(buffer)`` called once, and each tensor
+    returned as a view of what it gave back."""
+    offsets: list[int] = []
+    total = 0
+    for t in tensors:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+    host = buffer.numpy()
+    for t, start in zip(tensors, offsets, strict=True):
+        size = t.numel() * t.element_size()
+        if not size:
+            continue
+        if t.dtype in _NUMPY_DTYPES:  # (numpy: no dispatch cost per tensor)
+            values: npt.NDArray[Any] = t.numpy()
+            flat: npt.NDArray[Any] = np.ravel(values)
+            host[start : start + size] = np.frombuffer(np.ascontiguousarray(flat), np.uint8)
+        else:
+            buffer[start : start + size].view(t.dtype).view(t.shape).copy_(t)
+    sent = copy(buffer)
+    return [
+        sent[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for t, start in zip(tensors, offsets, strict=True)
+    ]
+
+
+_NUMPY_DTYPES = frozenset(
+    {torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32}
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,7 +338,11 @@ class CommonAttentionMetadata:
                 f"mm_prefix_ranges_cpu {describe_tensor(cpu)} must have one shape"
             )
         counts = self.mm_prefix_counts_cpu
-        if counts.dtype != torch.int32 or tuple(counts.shape) != (b,) or counts.device.type != "cpu":
+        if (
+            counts.dtype != torch.int32
+            or tuple(counts.shape) != (b,)
+            or counts.device.type != "cpu"
+        ):
             raise ValueError(
                 f"mm_prefix_counts_cpu must be int32 of shape [num_reqs={b}] on the CPU, "
                 f"got {describe_tensor(counts)}"
@@ -290,9 +352,7 @@ class CommonAttentionMetadata:
         width = int(r.shape[1])
         valid: npt.NDArray[np.bool_] = np.less(np.arange(width), np.expand_dims(n, 1))
         if b and (n.min() < 0 or n.max() > r.shape[1]):
-            raise ValueError(
-                f"mm_prefix_counts_cpu must be in [0, {r.shape[1]}], got {n.tolist()}"
-            )
+            raise ValueError(f"mm_prefix_counts_cpu must be in [0, {r.shape[1]}], got {n.tolist()}")
         starts, ends = r[..., 0], r[..., 1]
         bad: npt.NDArray[np.bool_] = valid & ((starts < 0) | (ends <= starts))
         bad[:, 1:] |= valid[:, 1:] & (starts[:, 1:] < ends[:, :-1])
@@ -396,7 +456,9 @@ class SparseSelection:
             )
 
     @classmethod
-    def empty(cls, max_tokens: int, topk: int, device: torch.device | str = "cpu") -> SparseSelection:
+    def empty(
+        cls, max_tokens: int, topk: int, device: torch.device | str = "cpu"
+    ) -> SparseSelection:
         """A selection buffer of ``max_tokens`` rows that selects nothing (all ``-1``)."""
         for name, value in (("max_tokens", max_tokens), ("topk", topk)):
             if not is_positive_int(value):

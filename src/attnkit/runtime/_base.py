@@ -11,6 +11,7 @@ they read, so the type checkers see one runtime.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +51,9 @@ class RuntimeBase:
 
     # Built once.
     device: torch.device
+    _send_to_device: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None
+    """How a step's host tensors reach the device together (``hosts_to_device``);
+    ``None`` on the CPU, where they are the device's."""
     config: AttentionConfig
     context_parallel: ContextParallel | None
     manager: KVCacheManager

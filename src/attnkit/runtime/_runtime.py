@@ -6,6 +6,7 @@ state-layer handle ``StateLayer``. The per-step path is ``_step``, the layer cal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -32,6 +33,7 @@ from ..kv_cache import (
     num_blocks_for_budget,
     unified_groups,
 )
+from ..metadata import hosts_to_device
 from ..offload import ConnectorStats, KVConnector
 from ..parallel import ContextParallel
 from ..params import LayerParams
@@ -143,6 +145,11 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._cp_step = 0
         self.device = parse_device(device)
         check_device_available(self.device)
+        self._send_to_device = (
+            None
+            if self.device.type == "cpu"
+            else functools.partial(hosts_to_device, device=self.device)
+        )
         self.config = config
         params = dict(layer_params or {})
         unknown = sorted(set(params) - set(layer_specs))

@@ -148,31 +148,43 @@ class StepHost(SpeculativeCalls):
             self._last_rows_version = version
         # The steady state's rows are the last step's array: its contiguity is known.
         contiguous = self._last_contiguous if rows is self._contiguous_rows else None
-        shared = _SharedStep(lens, rows, self._to_device, contiguous)
+        # Off the CPU the step's tensors are made on the host and sent together, once
+        # every group's are known (``hosts_to_device``: one copy a step).
+        upload = None if self._send_to_device is None else _StepUpload()
+        to_device = self._to_device if upload is None else upload.defer
+        shared = _SharedStep(lens, rows, to_device, contiguous)
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         tree = (
             None
             if trees is None or drafts is None
-            else draft_tree_mask(trees, drafts, lens.query, self._to_device)
+            else draft_tree_mask(trees, drafts, lens.query, to_device)
         )
         mm_tensors = (
-            self._mm.metadata(mm_ranges, ids, lens, self._to_device)
+            self._mm.metadata(mm_ranges, ids, lens, to_device)
             if self._mm is not None and mm_ranges
             else None
         )
         try:
+            commons: list[CommonAttentionMetadata] = []
             for entry in self._groups:
-                entry.common = self._common_metadata(entry.group, rows, lens, shared)
-                entry.common.draft_tree = tree
+                common = self._common_metadata(entry.group, rows, lens, shared, to_device)
+                common.draft_tree = tree
                 if mm_tensors is not None and entry.group.group_id in self._mm_groups:
-                    entry.common = dataclasses.replace(
-                        entry.common,
+                    common = dataclasses.replace(
+                        common,
                         mm_prefix_ranges=mm_tensors[0],
                         mm_prefix_ranges_cpu=mm_tensors[1],
                         mm_prefix_counts_cpu=mm_tensors[2],
                         validate=False,
                     )
-                entry.metadata = entry.builder.build(0, entry.common)
+                commons.append(common)
+            if upload is not None and self._send_to_device is not None:
+                sent = self._send_to_device(upload.tensors)
+                copies = {id(h): d for h, d in zip(upload.tensors, sent, strict=True)}
+                commons = [_on_device(common, copies) for common in commons]
+            for entry, common in zip(self._groups, commons, strict=True):
+                entry.common = common
+                entry.metadata = entry.builder.build(0, common)
         except BaseException as exc:
             # The cache already holds the step (builders run on its tables): a builder
             # that fails here is a backend bug. No layer may run on half-built metadata.
@@ -232,7 +244,12 @@ class StepHost(SpeculativeCalls):
         return prefixes, starts
 
     def _common_metadata(
-        self, group: KVCacheGroup, rows: Ints, lens: StepLens, shared: _SharedStep
+        self,
+        group: KVCacheGroup,
+        rows: Ints,
+        lens: StepLens,
+        shared: _SharedStep,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> CommonAttentionMetadata:
         """The group's view of the step (see "Per-group metadata" in docs/architecture.md)."""
         spec = group.spec
@@ -262,14 +279,14 @@ class StepHost(SpeculativeCalls):
         return CommonAttentionMetadata(
             query_start_loc=shared.query_start_loc_device,
             query_start_loc_cpu=shared.query_start_loc,
-            seq_lens=self._to_device(seq_cpu),
+            seq_lens=to_device(seq_cpu),
             seq_lens_cpu=seq_cpu,
             num_reqs=num_reqs,
             num_actual_tokens=shared.num_tokens,
             max_query_len=shared.max_query_len,
             max_seq_len=max_seq_len,
-            block_table_tensor=self._to_device(_from_numpy(table)),
-            slot_mapping=self._to_device(_from_numpy(slots)),
+            block_table_tensor=to_device(_from_numpy(table)),
+            slot_mapping=to_device(_from_numpy(slots)),
             causal=rules.causal,
             num_computed_tokens_cpu=shared.computed,
             context_shard=shard,
@@ -441,6 +458,51 @@ class _SharedStep(StepTokens):
         largest = int(values.max()) if values.size else 0
         self._seq.append((values, tensor, largest))
         return tensor, largest
+
+
+class _StepUpload:
+    """A step's host tensors bound for the device, each once, in order: ``defer``
+    stands in for ``host_to_device`` while the step's metadata is made, then
+    ``hosts_to_device`` sends them all in one copy and ``_on_device`` swaps them in."""
+
+    __slots__ = ("_seen", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._seen: set[int] = set()
+
+    def defer(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self._seen:
+            self._seen.add(id(t))
+            self.tensors.append(t)
+        return t
+
+
+def _on_device(
+    cm: CommonAttentionMetadata, moved: dict[int, torch.Tensor]
+) -> CommonAttentionMetadata:
+    """``cm`` with its device fields (made on the host by ``_StepUpload.defer``) swapped
+    for their sent copies; the ``*_cpu`` fields, often the same host tensors, stay."""
+
+    def sent(t: torch.Tensor) -> torch.Tensor:
+        return moved.get(id(t), t)
+
+    tree = cm.draft_tree
+    if tree is not None:
+        tree = dataclasses.replace(
+            tree, ancestors=sent(tree.ancestors), num_drafts=sent(tree.num_drafts)
+        )
+    ranges = cm.mm_prefix_ranges
+    return dataclasses.replace(
+        cm,
+        query_start_loc=sent(cm.query_start_loc),
+        seq_lens=sent(cm.seq_lens),
+        block_table_tensor=sent(cm.block_table_tensor),
+        slot_mapping=sent(cm.slot_mapping),
+        draft_tree=tree,
+        mm_prefix_ranges=None if ranges is None else sent(ranges),
+        validate=False,
+    )
 
 
 _ARANGE: list[Ints] = [np.arange(1024)]
