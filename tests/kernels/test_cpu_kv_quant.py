@@ -336,25 +336,30 @@ def test_an_engine_that_reads_the_wrong_tokens_scale_is_caught(engine: str) -> N
     )
 
 
-def test_fp8_e4m3_table_is_exact_for_every_byte() -> None:
-    """Every e4m3 byte (NaNs aside) read by the decode as one key of value 1: the
-    output is exactly the byte's float32 value times the scale."""
-    bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    values = bytes_.view(torch.float8_e4m3fn).float()
-    finite = ~values.isnan()
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=str)
+def test_every_byte_reads_as_its_exact_value(dtype: torch.dtype, engine: str) -> None:
+    """Every byte of the format (NaNs aside) as the one value of a single key (zero
+    keys): the output is exactly the byte's value times the scale, 0.75 (exact)."""
+    run, _ = ENGINES[engine]
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
     d = 16
-    for b in torch.nonzero(finite).flatten().tolist():
-        k = torch.zeros(BS, 1, d, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        v = torch.full((BS, 1, d), b, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        q = torch.zeros(1, 1, d)
-        out = torch.empty_like(q)
-        one = torch.ones(1)
-        paged_attention_requests(
-            q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([1], dtype=torch.int32), None, block_size=BS, causal=True, window=None,
-            chunk=None, scale=1.0, output=out, k_scale=one, v_scale=one,
-        )  # fmt: skip
-        assert torch.equal(out.flatten(), values[b].expand(d)), b
+    for b in torch.nonzero(~values.isnan()).flatten().tolist():
+        k = torch.zeros(BS, HKV, d, dtype=torch.uint8).view(dtype)
+        v = torch.full((BS, HKV, d), b, dtype=torch.uint8).view(dtype)
+        scale = torch.full((HKV,), 0.75)
+        planes = Planes(k, v, k.double(), v.double(), scale, scale)
+        q = torch.zeros(1, HQ, d)
+        out = run(q, planes, torch.zeros(1, 1, dtype=torch.int32), [0, 1], [1], 1.0)
+        assert torch.equal(out.flatten(), (values[b] * 0.75).expand(HQ * d)), b
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_misread_format_is_caught(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken engine that reads e4m3 bytes as e5m2."""
+    _patched_format(monkeypatch, lambda f: KVFormat(4, f.k_scale, f.v_scale))
+    with pytest.raises(AssertionError):
+        test_every_byte_reads_as_its_exact_value(torch.float8_e4m3fn, engine)
 
 
 # ----------------------------------------------------------------- bad input

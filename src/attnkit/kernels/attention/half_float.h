@@ -118,6 +118,22 @@ static void fill_byte_table(float table[256], int fmt) {
     }
 }
 
+/*
+ * o[d] = the float32 value of byte b[d] in kv format `fmt`, times s, for d < D (table:
+ * fill_byte_table's). int8 is widened directly (the compiler vectorises it); the fp8
+ * formats go through the table: on an AMD EPYC (AVX-512) the table measured faster than
+ * fp8 -> float32 bit manipulation the compiler did not vectorise well
+ * (benchmarks/bench_cpu.py --fp8 only).
+ */
+INLINE void dequant_row(float *restrict o, const uint8_t *restrict b, int64_t D, int fmt, float s,
+                        const float *restrict table) {
+    if (fmt == KV_INT8) {
+        for (int64_t d = 0; d < D; ++d) o[d] = (float)(int8_t)b[d] * s;
+    } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = table[b[d]] * s;
+    }
+}
+
 /* The float32 scale stored after a head's D values in a row-scaled cache (4 bytes). */
 INLINE float row_scale(const char *head, int64_t D) {
     float s;

@@ -360,8 +360,7 @@ static void gather_tile(const params *P, float *restrict dst, const char *src, i
             float *o = dst + (c * TILE + j) * P->Dp;
             if (P->kv8) {
                 const float s = hscale ? hscale[kv0 + c] : row_scale(r, D);
-                const uint8_t *b = (const uint8_t *)r;
-                for (int64_t d = 0; d < D; ++d) o[d] = P->lut[b[d]] * s;
+                dequant_row(o, (const uint8_t *)r, D, P->kv_dtype, s, P->lut);
             } else {
                 load_row(o, r, P->kv_dtype, D, 1.0f);
             }

@@ -254,8 +254,7 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
                 const float f = P->lut[kb[d]] * sk;
                 memcpy(kt + d * KT, &f, sizeof f);
             }
-            float *vr = S->vt + x * Dp;
-            for (int64_t d = 0; d < D; ++d) vr[d] = P->lut[vb[d]] * sv;
+            dequant_row(S->vt + x * Dp, vb, D, P->kv_dtype, sv, P->lut);
             continue;
         }
         if (T->pairs) {
