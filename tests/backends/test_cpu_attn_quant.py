@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -324,3 +325,53 @@ def test_page_descriptors_and_slot_copies_carry_the_row_scales() -> None:
     _copy_slots(k, src, dst, BS, True)
     assert torch.equal(k.view(torch.uint8)[dst], raw[src])
     assert torch.equal(k.view(torch.uint8)[5], raw[5])  # other rows untouched
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "per_head"), [CASES[1], CASES[4]])
+def test_context_parallel_ranks_reproduce_one_device(kv_cache_dtype: str, per_head: bool) -> None:
+    """Two context-parallel ranks (each holding every other token, quantised by its own
+    write) merge to one device's output: the scales travel with their tokens."""
+    from attnkit import ContextParallel
+    from test_context_parallel import run_ranks
+
+    d = 64
+    spec, params = _layer(kv_cache_dtype, d, per_head)
+    inputs = _inputs(STEPS, d)
+
+    def make(cp: ContextParallel | None) -> AttentionRuntime:
+        rt = AttentionRuntime(
+            {"layer": spec},
+            AttentionConfig(backend_per_kind={spec.kind: "cpu_attn"}),
+            device="cpu",
+            memory_budget_bytes=spec.page_size_bytes * 24,
+            layer_params={"layer": params},
+            cache_fill=float("nan"),
+            context_parallel=cp,
+        )
+        random.Random(0 if cp is None else cp.rank + 1).shuffle(rt.manager.pool._free)
+        return rt
+
+    expected = _run(make(None), inputs)
+    ranks = run_ranks(2, lambda rank, cp: _run(make(cp), inputs))
+    for got in ranks:
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            for rid in e:
+                torch.testing.assert_close(
+                    g[rid], e[rid], atol=2e-5, rtol=1e-4, msg=f"step {i} {rid}"
+                )
+
+
+def test_a_shard_read_without_its_scales_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken forward_partial whose kernel call drops the per-head scales (ones)."""
+    from attnkit.kernels.attention import cpu_decode
+
+    real = cpu_decode.paged_attention_rows
+
+    def unscaled(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("k_scale") is not None:
+            kwargs["k_scale"] = torch.ones_like(kwargs["k_scale"])
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode, "paged_attention_rows", unscaled)
+    with pytest.raises(AssertionError, match=r"step \d+ [a-d]"):
+        test_context_parallel_ranks_reproduce_one_device("fp8_e4m3", True)
