@@ -494,6 +494,8 @@ ATTNKIT_API const char *attnkit_prefill_isa(void) { return pf_pick()->name; }
  * column for ERR_BLOCK).  Strides are in elements.  key / value (the dense readers'
  * rows) may be NULL when no request is dense; k_plane, v_plane and block_table may be
  * NULL when every request is.  query_block: tokens per task (<= 0: chosen here).
+ * kv_dtype, k_scale, v_scale: the planes' format, as attnkit_paged_decode's (the dense
+ * readers' key / value rows always have dtype).
  */
 ATTNKIT_API int attnkit_paged_prefill(
     int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
