@@ -46,6 +46,13 @@ backend with the level off (``none``), in paired alternating rounds, on the deco
 after 512 cached) and the prefill step (4 x 512). Target on the CPU engines:
 batch-invariant at most 1.10x the default.
 
+Quantised caches (``--fp8 only`` runs nothing else): the native decode over the same
+32 x 2k step (``--quick``: 16 x 1k) with bf16 queries, reading a bf16 cache against an
+fp8 e4m3 cache with per-head scales and an int8 per-token-head cache (rows of
+``D + 4`` bytes), in paired alternating rounds (3 x ``--reps``), each checked against a
+float64 oracle on its dequantised values; reported: times, their ratio to the bf16
+cache, and the K/V bytes each reads.
+
 Side by side with vLLM when ``vllm._custom_ops`` imports (``--vllm no`` skips it, ``only``
 runs nothing else): vLLM's CPU attention ops against the engine ``cpu_attn`` runs, on the
 same cache contents, in paired rounds, both checked against a float64 oracle
@@ -53,6 +60,7 @@ same cache contents, in paired rounds, both checked against a float64 oracle
 
     python benchmarks/bench_cpu.py --out bench-results [--quick]
     python benchmarks/bench_cpu.py --vllm only --grid-threads 1,2   # the vLLM table
+    python benchmarks/bench_cpu.py --fp8 only --threads 1           # the quantised rows
 """
 
 from __future__ import annotations
@@ -672,6 +680,123 @@ def _grid_line(r: dict[str, Any]) -> str:
     return line + f"; max |err| vs float64 {r['attnkit_err']:.1e} / {r['vllm_err']:.1e}"
 
 
+def _quant_decode(reps: int, quick: bool) -> dict[str, Any]:
+    """The native decode over bf16, fp8 e4m3 (per-head scales) and int8 per-token-head
+    planes holding the same keys (module docstring, "Quantised caches")."""
+    from attnkit.kernels.attention.cpu_decode import paged_attention_requests
+    from attnkit.kernels.attention.reference import quantise_per_token_head, quantise_static
+    from attnkit.kv_cache import cache_buffer
+
+    b, ctx = (16, 1024) if quick else (32, 2048)
+    gen = torch.Generator().manual_seed(3)
+    width = ctx // BS
+    nb = b * width + 1
+    rows = nb * BS
+    table = (torch.randperm(nb - 1, generator=gen) + 1).reshape(b, width).to(torch.int32)
+    k = torch.randn(rows, HKV, D, generator=gen)
+    v = torch.randn(rows, HKV, D, generator=gen)
+    q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16)
+    scales = (k.abs().amax(dim=(0, 2)) / 448, v.abs().amax(dim=(0, 2)) / 448)
+
+    def planes(x: torch.Tensor, s: torch.Tensor | None, kind: str) -> torch.Tensor:
+        if kind == "bf16":
+            stored = x.to(torch.bfloat16)
+        elif kind == "fp8_e4m3":
+            assert s is not None
+            stored = quantise_static(x, s, torch.float8_e4m3fn)
+        else:
+            val, sc = quantise_per_token_head(x, torch.int8)
+            raw = torch.cat([val.view(torch.uint8), sc.view(torch.uint8).reshape(rows, HKV, 4)], -1)
+            stored = raw.view(torch.int8)
+        buf = cache_buffer(stored.numel() * stored.element_size(), "cpu")
+        out = buf.view(stored.dtype).view(stored.shape)
+        out.copy_(stored)
+        return out
+
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    seq = torch.full((b,), ctx, dtype=torch.int32)
+    cases: dict[str, tuple[torch.Tensor, ...]] = {}
+    for kind in ("bf16", "fp8_e4m3", "int8_per_token_head"):
+        pk = planes(k, scales[0], kind)
+        pv = planes(v, scales[1], kind)
+        cases[kind] = (pk, pv)
+    outs = {kind: torch.empty_like(q) for kind in cases}
+
+    def run(kind: str) -> Callable[[], object]:
+        pk, pv = cases[kind]
+        static = kind == "fp8_e4m3"
+
+        def call() -> None:
+            paged_attention_requests(
+                q, pk, pv, table, qsl, seq, None, block_size=BS, causal=True, window=None,
+                chunk=None, scale=D**-0.5, output=outs[kind],
+                k_scale=scales[0] if static else None, v_scale=scales[1] if static else None,
+            )  # fmt: skip
+
+        return call
+
+    def oracle_err(kind: str) -> float:
+        from attnkit.kernels.attention.cpu_kv_format import dequantise_rows
+
+        pk, pv = cases[kind]
+        if kind == "bf16":
+            kd, vd = pk.double(), pv.double()
+        else:
+            static = kind == "fp8_e4m3"
+            kd = dequantise_rows(pk, scales[0] if static else None).double()
+            vd = dequantise_rows(pv, scales[1] if static else None).double()
+        worst = 0.0
+        for r in range(0, b, max(1, b // 4)):  # a few requests: the oracle is slow
+            idx = (table[r].long()[:, None] * BS + torch.arange(BS)).flatten()[:ctx]
+            kk = kd[idx].repeat_interleave(HQ // HKV, 1)
+            vv = vd[idx].repeat_interleave(HQ // HKV, 1)
+            sc = torch.einsum("hd,khd->hk", q[r].double(), kk) * D**-0.5
+            want = torch.einsum("hk,khd->hd", sc.softmax(-1), vv)
+            worst = max(worst, float((outs[kind][r].double() - want).abs().max()))
+        return worst
+
+    rounds = 3 * reps
+    result: dict[str, Any] = {
+        "shape": f"{b} x {ctx} context, Hq {HQ} / Hkv {HKV}, D {D}, bf16 queries",
+        "rounds": rounds,
+    }
+    for kind in ("fp8_e4m3", "int8_per_token_head"):
+        t_q, t_bf16, ratio = _paired(run(kind), run("bf16"), rounds)
+        kv_bytes = 2 * b * ctx * cases[kind][0][0].numel() * cases[kind][0].element_size()
+        result[kind] = {
+            "forward_s": t_q,
+            "bf16_forward_s": t_bf16,
+            "time_over_bf16": 1.0 / ratio,
+            "kv_bytes": kv_bytes,
+            "bf16_kv_bytes": 2 * b * ctx * HKV * D * 2,
+            "max_err": oracle_err(kind),
+        }
+    result["bf16_max_err"] = oracle_err("bf16")
+    return result
+
+
+def _main_quant(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    reps = args.reps or (3 if args.quick else 5)
+    row = _quant_decode(reps, args.quick)
+    print(
+        f"quantised decode {row['shape']}, {torch.get_num_threads()} thread(s), median of {row['rounds']} paired rounds:"
+    )
+    for kind in ("fp8_e4m3", "int8_per_token_head"):
+        r = row[kind]
+        print(
+            f"  {kind:20s} {r['forward_s'] * 1e3:7.2f} ms vs bf16 {r['bf16_forward_s'] * 1e3:7.2f} ms: "
+            f"{r['time_over_bf16']:.2f}x the time, {r['kv_bytes'] / 1e6:.0f} MB of K/V against "
+            f"{r['bf16_kv_bytes'] / 1e6:.0f} MB; max |err| vs float64 {r['max_err']:.1e}"
+        )
+    print(f"  bf16 max |err| vs float64 {row['bf16_max_err']:.1e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_cpu_quant.json"
+    path.write_text(json.dumps(row, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
 def _demo(backend_per_kind: str | None) -> dict[str, float]:
     from attnkit.demo import run_demo
 
@@ -728,7 +853,17 @@ def main(argv: list[str] | None = None) -> int:
         help="each CPU backend's cost at each determinism level it declares: auto (after "
         "the rest), only (nothing else), no",
     )
+    parser.add_argument(
+        "--fp8",
+        choices=("only", "no"),
+        default="no",
+        help="the native decode over fp8 / int8 caches against a bf16 cache: only "
+        "(nothing else), no (default)",
+    )
     args = parser.parse_args(argv)
+    if args.fp8 == "only":
+        BS = args.block_size
+        return _main_quant(args)
     if args.vllm == "only":
         return _main_vllm(args)
     if args.determinism == "only":
@@ -855,7 +990,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in results["compiles"]:
         print(f"compiled {row['key']}: {row['seconds']:.1f} s (first call)")
     if args.determinism == "auto":
-        print(f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))")
+        print(
+            f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))"
+        )
         results["determinism"] = _determinism_costs(reps, args.quick)
     if args.vllm == "auto":
         vllm = _load_vllm()
@@ -872,8 +1009,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_determinism(args: argparse.Namespace) -> int:
     reps = args.reps or (3 if args.quick else 5)
-    print(f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))")
-    results = {"threads": torch.get_num_threads(), "determinism": _determinism_costs(reps, args.quick)}
+    print(
+        f"determinism: each level against none, paired rounds ({torch.get_num_threads()} thread(s))"
+    )
+    results = {
+        "threads": torch.get_num_threads(),
+        "determinism": _determinism_costs(reps, args.quick),
+    }
     worst = results["determinism"]["cpu_attn_batch_invariant_worst_cost"]
     ok = worst <= TARGET_BATCH_INVARIANT_COST
     print(

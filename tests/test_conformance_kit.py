@@ -157,7 +157,9 @@ def test_cpu_attn_passes() -> None:
     values = passed_values(report)
     for kind in ("full_attention", "sliding_window", "sink_full_attention"):
         for value in ("feature=logits_soft_cap", "feature=alibi", "feature=attention_sinks",
-                      "block_size=48", "block_size=528", "scale=0.15"):
+                      "block_size=48", "block_size=528", "scale=0.15",
+                      "kv_cache_dtype=fp8_e4m3", "kv_cache_dtype=fp8_e4m3_per_token_head",
+                      "kv_cache_dtype=int8_per_token_head"):
             assert (kind, value) in values, (kind, value)
 
 

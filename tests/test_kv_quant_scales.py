@@ -15,6 +15,7 @@ import torch
 from attnkit import AttentionConfig, FullAttentionSpec, MLAAttentionSpec
 from attnkit.backend import BackendRequest
 from attnkit.backends.cpu_attn import CpuAttentionBackend
+from attnkit.backends.flex_attention import FlexAttentionBackend
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.triton_attn import TritonAttentionBackend
 from attnkit.backends.triton_mla import TritonMLABackend
@@ -237,7 +238,7 @@ def _run_runtime(runtime: AttentionRuntime, q: torch.Tensor, k: torch.Tensor, v:
     return torch.cat([first, last])
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton_attn"])
+@pytest.mark.parametrize("backend", ["reference", "triton_attn", "cpu_attn"])
 def test_runtime_per_head_fp8_layer(backend: str) -> None:
     q, k, v = _inputs(MAGS_FP8, 19, seed=6)
     ks = (k.abs().amax(dim=(0, 2)) / 448).tolist()
@@ -294,13 +295,15 @@ def test_capability_reasons() -> None:
     full = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16, kv_cache_dtype="fp8_e4m3")
     cpu = torch.device("cpu")
     assert ReferenceBackend.not_supported_reasons(BackendRequest(spec=full, device=cpu, features=per_head)) == []
-    reasons = CpuAttentionBackend.not_supported_reasons(BackendRequest(spec=full, device=cpu, features=per_head))
+    assert CpuAttentionBackend.not_supported_reasons(BackendRequest(spec=full, device=cpu, features=per_head)) == []
+    reasons = FlexAttentionBackend.not_supported_reasons(BackendRequest(spec=full, device=cpu, features=per_head))
     assert any("feature per_head_quant_scales not supported" in r for r in reasons)
     mla = MLAAttentionSpec(block_size=16, head_size=64, dtype=torch.float16, kv_cache_dtype="fp8_e4m3")
     reasons = TritonMLABackend.not_supported_reasons(BackendRequest(spec=mla, device=cpu, features=per_head))
     assert any("MLA latent is shared by every head" in r for r in reasons)
     dyn = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16, kv_cache_dtype="int8_per_token_head")
-    reasons = CpuAttentionBackend.not_supported_reasons(BackendRequest(spec=dyn, device=cpu))
+    assert CpuAttentionBackend.not_supported_reasons(BackendRequest(spec=dyn, device=cpu)) == []
+    reasons = FlexAttentionBackend.not_supported_reasons(BackendRequest(spec=dyn, device=cpu))
     assert any("kv_cache_dtype=int8_per_token_head not supported" in r for r in reasons)
     assert AttentionFeature.PER_HEAD_QUANT_SCALES in TritonAttentionBackend.supported_features
     assert TritonAttentionBackend.not_supported_reasons(BackendRequest(spec=dyn, device=cpu)) == []
@@ -471,7 +474,11 @@ def test_backends_command_shows_the_capability() -> None:
     assert "per_head_quant_scales" in triton.split("features:")[1].split("\n")[0]
     assert "int8_per_token_head" in triton.split("kv cache dtypes:")[1].split("\n")[0]
     cpu = text[text.index("  cpu_attn ") :].split("\n  flash_attn")[0]
-    assert "per_head_quant_scales" not in cpu
+    assert "per_head_quant_scales" in cpu.split("features:")[1].split("\n")[0]
+    assert "int8_per_token_head" in cpu.split("kv cache dtypes:")[1].split("\n")[0]
+    flex = text[text.index("  flex_attention ") :].split("\n  reference")[0]
+    assert "features: alibi" in flex
+    assert "per_head_quant_scales" not in flex
 
 
 def test_prefix_caching_names_per_head_scales() -> None:

@@ -4,7 +4,10 @@ parameters, and the write itself.
 
 Planes (``kv_cache_layout = "planes"``): each layer's cache is a K plane and a V plane
 ``[NB * BS, Hkv, D]``, row = slot (``block * BS + offset``); encoder-only layers keep
-none. ``T`` is the step's token count, ``R`` the requests in their first step.
+none. A ``*_per_token_head`` cache's planes are ``[NB * BS, Hkv, D + 4]``: each head's
+``D`` stored values, then the 4 bytes of its float32 scale (:class:`PlanesQuant`), so a
+row carries its scales wherever a slot is copied. ``T`` is the step's token count, ``R``
+the requests in their first step.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from ..metadata import CommonAttentionMetadata, host_to_device
 from ..params import AttentionLayerParams, attention_params_problems
 from ..spec import AttentionSpec, KVCacheSpecKind
 
+_ROW_SCALE_BYTES = torch.float32.itemsize  # a per-token-head row's scale, after its values
+
 __all__ = [
     "NO_WRITES",
     "Ints",
+    "PlanesQuant",
     "PlanesWrites",
     "check_causal",
     "check_planes",
@@ -64,6 +70,68 @@ class PlanesWrites:
 
 NO_WRITES = PlanesWrites(slots=None)
 """A step that writes nothing (encoder-only layers keep no cache)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanesQuant:
+    """How a quantised cache (``kv_cache_dtype`` other than ``"auto"``) stores its rows
+    in the planes: the reference backend's quantisers
+    (``attnkit.kernels.attention.reference``), so both caches hold the same bytes.
+
+    Attributes:
+        dtype: the planes' dtype (``spec.cache_torch_dtype``).
+        k_scale, v_scale: the static scales (a float, or float32 ``[Hkv]``); 1.0 for a
+            per-token-head cache.
+        dynamic: a ``*_per_token_head`` cache: each head's values are followed by their
+            float32 scale (``absmax / qmax``, computed here).
+    """
+
+    dtype: torch.dtype
+    k_scale: float | torch.Tensor
+    v_scale: float | torch.Tensor
+    dynamic: bool
+
+    @classmethod
+    def of(cls, spec: AttentionSpec, params: AttentionLayerParams) -> PlanesQuant | None:
+        """The layer's quantisation (``None``: the cache stores the model dtype)."""
+        if spec.kv_cache_dtype == "auto":
+            return None
+
+        def scale(value: float | tuple[float, ...]) -> float | torch.Tensor:
+            if isinstance(value, tuple):
+                return torch.tensor(value, dtype=torch.float32)
+            return float(value)
+
+        return cls(
+            spec.cache_torch_dtype,
+            scale(params.k_scale),
+            scale(params.v_scale),
+            spec.dynamic_kv_scales,
+        )
+
+    def stored(self, x: torch.Tensor, value: bool) -> torch.Tensor:
+        """The plane rows of keys (``value`` False) or values ``x`` ``[T, Hkv, D]``."""
+        from ..kernels.attention.reference import quantise_per_token_head, quantise_static
+
+        if not self.dynamic:
+            return quantise_static(x, self.v_scale if value else self.k_scale, self.dtype)
+        stored, scales = quantise_per_token_head(x, self.dtype)
+        t, hkv, _ = stored.shape
+        scale_bytes = scales.contiguous().view(torch.uint8).reshape(t, hkv, _ROW_SCALE_BYTES)
+        return torch.cat([stored.view(torch.uint8), scale_bytes], dim=-1).view(self.dtype)
+
+    def engine_scales(self, num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` as the CPU engines take them: float32 ``[Hkv]`` static
+        scales, or ``None`` for both (the scales are in the rows)."""
+        if self.dynamic:
+            return None, None
+
+        def heads(s: float | torch.Tensor) -> torch.Tensor:
+            if isinstance(s, torch.Tensor):
+                return s.to(torch.float32).contiguous()
+            return torch.full((num_kv_heads,), s, dtype=torch.float32)
+
+        return heads(self.k_scale), heads(self.v_scale)
 
 
 # ------------------------------------------------------------------ builder side
@@ -198,12 +266,14 @@ def check_planes(
 ) -> None:
     """The planes layout's own rules for one ``forward``: key and value given together
     (absent only for cross attention, whose encoder tokens were written earlier), and
-    two planes ``[NB * BS, Hkv, D]`` of the spec's dtype (none without a cache). The
-    query, key, value and output were checked against the layer by the runtime
-    (``attnkit.runtime._boundary``)."""
+    two planes ``[NB * BS, Hkv, D]`` of the spec's cache dtype (``D + 4`` columns with
+    per-token-head scales; none without a cache). The query, key, value and output were
+    checked against the layer by the runtime (``attnkit.runtime._boundary``)."""
     if (key is None) != (value is None) or (key is None and not encoder_keys):
         raise ValueError(f"{who}: key and value must both be tensors [T, Hkv, D]")
-    want_kv = (spec.num_kv_heads, spec.head_size)
+    width = spec.head_size + (_ROW_SCALE_BYTES if spec.dynamic_kv_scales else 0)
+    want_kv = (spec.num_kv_heads, width)
+    dtype = spec.cache_torch_dtype
     expected = 2 if has_cache else 0
     if len(kv_cache) != expected:
         raise ValueError(
@@ -215,10 +285,11 @@ def check_planes(
             plane.dim() != 3
             or tuple(plane.shape[1:]) != want_kv
             or plane.shape[0] % spec.block_size
-            or plane.dtype != spec.dtype
+            or plane.dtype != dtype
         ):
+            cols = "D + 4" if spec.dynamic_kv_scales else "D"
             raise ValueError(
-                f"{who}: kv_cache's {name} must be {spec.dtype} [NB * BS, Hkv, D] with "
+                f"{who}: kv_cache's {name} must be {dtype} [NB * BS, Hkv, {cols}] with "
                 f"BS={spec.block_size}, Hkv={spec.num_kv_heads}, D={spec.head_size}, "
                 f"got {plane.dtype} {list(plane.shape)}"
             )
@@ -231,9 +302,11 @@ def write_planes(
     value: torch.Tensor | None,
     writes: PlanesWrites,
     params: AttentionLayerParams,
+    quant: PlanesQuant | None = None,
 ) -> None:
-    """The step's new keys/values (and sink tokens) into the planes, then zero the
-    tails. ``params`` holds the sink tokens (checked at construction)."""
+    """The step's new keys/values (and sink tokens) into the planes, quantised by
+    ``quant`` when given, then zero the tails. ``params`` holds the sink tokens (checked
+    at construction)."""
     if key is not None and value is not None and writes.slots is not None:
         slots = writes.slots
         if writes.rows is not None:
@@ -241,15 +314,31 @@ def write_planes(
         else:
             count = min(slots.shape[0], key.shape[0])
             slots, k_new, v_new = slots[:count], key[:count], value[:count]
-        k_plane.index_copy_(0, slots, k_new)
-        v_plane.index_copy_(0, slots, v_new)
+        if quant is not None:
+            k_new, v_new = quant.stored(k_new, False), quant.stored(v_new, True)
+        _copy_rows(k_plane, slots, k_new)
+        _copy_rows(v_plane, slots, v_new)
     if writes.sink_slots is not None:
         sk, sv = params.sink_key, params.sink_value
         assert sk is not None  # checked at construction (layer_problems)
         assert sv is not None
         new = writes.sink_slots.shape[0] // sk.shape[0]
-        k_plane.index_copy_(0, writes.sink_slots, sk.to(k_plane).repeat(new, 1, 1))
-        v_plane.index_copy_(0, writes.sink_slots, sv.to(v_plane).repeat(new, 1, 1))
+        if quant is not None:
+            sk_rows = quant.stored(sk, False).to(k_plane.device)
+            sv_rows = quant.stored(sv, True).to(v_plane.device)
+        else:
+            sk_rows, sv_rows = sk.to(k_plane), sv.to(v_plane)
+        _copy_rows(k_plane, writes.sink_slots, sk_rows.repeat(new, 1, 1))
+        _copy_rows(v_plane, writes.sink_slots, sv_rows.repeat(new, 1, 1))
     if writes.tail_slots is not None:
         k_plane.index_fill_(0, writes.tail_slots, 0)
         v_plane.index_fill_(0, writes.tail_slots, 0)
+
+
+def _copy_rows(plane: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``plane[slots] = rows``; the bytes of a 1-byte format (torch has no fp8
+    ``index_copy_``)."""
+    if plane.element_size() == 1 and rows.dtype == plane.dtype:
+        plane.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        plane.index_copy_(0, slots, rows)

@@ -103,11 +103,14 @@ class _PagedRules(_AttentionRules[SA]):
     @override
     def check_layout(self, spec: SA, layout: KVCacheLayout) -> None:
         super().check_layout(spec, layout)
-        if layout == "planes" and spec.dynamic_kv_scales:
+        values = 2 * spec.block_size * spec.num_kv_heads * spec.head_size
+        if layout == "planes" and spec.dynamic_kv_scales and values % 16:
+            # Each plane row carries its heads' scales, so a page's K rows and V rows fill
+            # its two halves only when the values need no alignment padding.
             raise ValueError(
-                f"kind {spec.kind.value} with kv_cache_dtype={spec.kv_cache_dtype} has no "
-                f"'planes' cache layout: its per-token-head scales live in the page beside "
-                f"the values (layouts: interleaved)"
+                f"kind {spec.kind.value} with kv_cache_dtype={spec.kv_cache_dtype} has a "
+                f"'planes' cache layout only when 2 * block_size * num_kv_heads * head_size "
+                f"is a multiple of 16, got {values} (layouts: interleaved)"
             )
 
     @override
@@ -116,7 +119,9 @@ class _PagedRules(_AttentionRules[SA]):
     ) -> tuple[tuple[int, ...], ...]:
         self.check_layout(spec, layout)
         if layout == "planes":
-            plane = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_size)
+            # Per-token-head scales: each head's values, then its float32 scale's bytes.
+            extra = torch.float32.itemsize if spec.dynamic_kv_scales else 0
+            plane = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_size + extra)
             return (plane, plane)
         values = (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
         if spec.dynamic_kv_scales:

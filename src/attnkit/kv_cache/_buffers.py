@@ -168,8 +168,8 @@ def allocate_kv_cache_tensors(
     caches: dict[str, tuple[torch.Tensor, ...]] = {}
     for group in groups:
         group_shapes = shapes.get(group.group_id, ())
-        dtypes = _tensor_dtypes(group.spec, len(group_shapes))
         layout = (layouts or {}).get(group.group_id, "interleaved")
+        dtypes = _tensor_dtypes(group.spec, len(group_shapes), layout)
         if group.has_cache and buffer_set_of(layout) == "planes":
             _check_planes(group, group_shapes, dtypes, num_blocks, page_size_bytes)
             half = num_blocks * page_size_bytes // 2
@@ -180,7 +180,12 @@ def allocate_kv_cache_tensors(
                 )
                 if fill is not None:
                     for plane in planes:
-                        plane.fill_(fill)
+                        if plane.element_size() == 1 and math.isnan(fill):
+                            # Every bit set: NaN in fp8 values and in the float32 scales
+                            # of per-token-head rows alike (-1 in int8).
+                            plane.view(torch.uint8).fill_(0xFF)
+                        else:
+                            plane.fill_(fill)
                 caches[layer] = planes
             continue
         if not group_shapes:  # no cache (encoder-only layers)
@@ -284,7 +289,9 @@ def _check_planes(
             )
 
 
-def _tensor_dtypes(spec: KVCacheSpec, count: int) -> tuple[torch.dtype, ...]:
+def _tensor_dtypes(
+    spec: KVCacheSpec, count: int, layout: KVCacheLayout = "interleaved"
+) -> tuple[torch.dtype, ...]:
     if isinstance(spec, MambaSpec):
         if count != len(spec.dtypes):
             raise InvalidArgumentError(
@@ -293,7 +300,7 @@ def _tensor_dtypes(spec: KVCacheSpec, count: int) -> tuple[torch.dtype, ...]:
             )
         return spec.dtypes
     if isinstance(spec, AttentionSpec):
-        if spec.dynamic_kv_scales and count == 2:
+        if spec.dynamic_kv_scales and count == 2 and layout != "planes":
             return (spec.cache_torch_dtype, torch.float32)  # the values, their scales
         return (spec.cache_torch_dtype,) * count
     raise TypeError(f"no cache dtype rule for {type(spec).__name__}")

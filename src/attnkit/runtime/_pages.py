@@ -137,7 +137,8 @@ class CacheTensorPages:
     Attributes:
         layer, index: the layer and the tensor's place in ``runtime.kv_caches[layer]``.
         role: what it holds: ``"kv"`` (K and V interleaved, ``[NB*k, 2, BS, Hkv, D]``),
-            ``"k"`` / ``"v"`` (planes ``[NB*k*BS, Hkv, D]``), ``"token_rows"`` (one row
+            ``"k"`` / ``"v"`` (planes ``[NB*k*BS, Hkv, D]``; ``D + 4`` bytes a head with
+            per-token-head scales, each head's scale after its values), ``"token_rows"`` (one row
             per token, ``[NB*k, BS, W]``: MLA latents, DSA index keys), ``"state"`` (a
             state layer's tensors).
         shape, strides: in elements; ``dtype``: its dtype's name; ``itemsize``: bytes.

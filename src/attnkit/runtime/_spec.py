@@ -584,7 +584,10 @@ def _copy_slots(
     attention layer's cache tensor: a plane ``[NB * BS, ...]`` (row = slot), a page-major
     K/V cache ``[NB, 2, BS, ...]`` or a one-latent cache ``[NB, BS, ...]``."""
     if planes:
-        cache.index_copy_(0, dst, cache.index_select(0, src))
+        rows = (
+            cache.view(torch.uint8) if cache.element_size() == 1 else cache
+        )  # fp8: no index_copy_
+        rows.index_copy_(0, dst, rows.index_select(0, src))
         return
     sb, so = src // block_size, src % block_size
     db, do = dst // block_size, dst % block_size

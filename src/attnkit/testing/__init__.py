@@ -130,7 +130,8 @@ _NOT_CHECKED = {
     ),
     AttentionFeature.PER_HEAD_QUANT_SCALES: (
         "the kit does not draw per-head scales yet (they need an fp8_e4m3 cache; "
-        "tests/test_kv_quant_scales.py checks reference and triton_attn)"
+        "tests/test_kv_quant_scales.py checks reference and triton_attn, "
+        "tests/backends/test_cpu_attn_quant.py cpu_attn)"
     ),
     AttentionFeature.MM_PREFIX: (
         "the kit does not schedule image ranges yet (tests/test_mm_prefix.py checks the "

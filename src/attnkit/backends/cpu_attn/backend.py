@@ -18,9 +18,19 @@ logits (``attention_sinks``, gpt-oss) join both engines' softmax denominators. D
 context parallelism (``context_parallel``): ``forward_partial`` attends a rank's shard
 (local key ``j`` at global position ``j * world_size + rank``) with the native kernel,
 one work item per query token, and returns the partial's log-sum-exp; a sink logit
-joins rank 0's softmax only. What the engines do not serve here, and so is not
-declared: ``return_lse`` on ``forward``, fp8 caches, MLA (one latent per token: no
-planes layout) and state layers; those layers go to ``reference`` on CPU.
+joins rank 0's softmax only.
+
+Quantised caches (``kv_cache_dtype``): ``fp8_e4m3`` with a per-tensor or per-K/V-head
+scale (``per_head_quant_scales``), ``fp8_e5m2`` per tensor, and the per-token-head
+``fp8_e4m3_per_token_head`` / ``int8_per_token_head``, whose planes are
+``[NB * BS, Hkv, D + 4]`` (each head's values, then its float32 scale:
+``attnkit.backends._planes.PlanesQuant``). The write quantises as the reference backend
+does; both engines dequantise each K/V tile into float32 once. A prefill then reads its
+keys back from the planes (the stored values), never from the step's rows.
+
+What the engines do not serve here, and so is not declared: ``return_lse`` on
+``forward``, MLA (one latent per token: no planes layout) and state layers; those
+layers go to ``reference`` on CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from ...spec import AttentionSpec, KVCacheDType, KVCacheSpecKind
 from .._planes import (
     NO_WRITES,
     Ints,
+    PlanesQuant,
     PlanesWrites,
     check_causal,
     check_planes,
@@ -68,7 +79,15 @@ __all__ = [
 
 _NAME = "cpu_attn"
 _FEATURES = frozenset(
-    {AttentionFeature.LOGITS_SOFT_CAP, AttentionFeature.ALIBI, AttentionFeature.ATTENTION_SINKS}
+    {
+        AttentionFeature.LOGITS_SOFT_CAP,
+        AttentionFeature.ALIBI,
+        AttentionFeature.ATTENTION_SINKS,
+        AttentionFeature.PER_HEAD_QUANT_SCALES,
+    }
+)
+_KV_CACHE_DTYPES: frozenset[KVCacheDType] = frozenset(
+    {"auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_per_token_head", "int8_per_token_head"}
 )
 # Not layer parameters (the runtime asks context_parallel of sharded groups, a spec with
 # mm_prefix asks mm_prefix): declared, never checked against AttentionLayerParams.
@@ -443,6 +462,13 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             if params.sinks is not None
             else None
         )
+        # A quantised cache: the write quantises as the reference backend does, the
+        # engines dequantise per tile (static per-head scales, or each row's own).
+        self._quant = PlanesQuant.of(spec, params) if self._has_cache else None
+        k_scale, v_scale = (
+            self._quant.engine_scales(spec.num_kv_heads) if self._quant else (None, None)
+        )
+        self._k_scale, self._v_scale = k_scale, v_scale
 
     @override
     def forward(
@@ -483,7 +509,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         v_plane: torch.Tensor | None = None
         if kv_cache:
             k_plane, v_plane = kv_cache[0], kv_cache[1]
-            write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
+            write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params, self._quant)
         output[n:] = 0
         if m.mm_prefix_items is not None:
             from ...kernels.attention.cpu_decode import paged_attention_rows
@@ -503,6 +529,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 soft_cap=self._soft_cap,
                 alibi_slopes=self._slopes,
                 sinks=self._sinks,
+                k_scale=self._k_scale,
+                v_scale=self._v_scale,
             )
             return output
         causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
@@ -527,6 +555,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 soft_cap=self._soft_cap,
                 alibi_slopes=self._slopes,
                 sinks=self._sinks,
+                k_scale=self._k_scale,
+                v_scale=self._v_scale,
             )
         if len(m.prefill_requests):
             paged_prefill(
@@ -546,9 +576,13 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
                 output=output,
                 soft_cap=self._soft_cap,
                 alibi_slopes=self._slopes,
-                key=key if m.read_step_kv else None,
-                value=value if m.read_step_kv else None,
+                # A quantised cache's rows are read back (the values attention sees are
+                # the stored ones, as on every later step), never the step's own.
+                key=key if m.read_step_kv and self._quant is None else None,
+                value=value if m.read_step_kv and self._quant is None else None,
                 sinks=self._sinks,
+                k_scale=self._k_scale,
+                v_scale=self._v_scale,
             )
         if m.tree is not None:
             assert k_plane is not None
@@ -595,6 +629,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             output=part,
             soft_cap=self._soft_cap,
             lse=lse,
+            k_scale=self._k_scale,
+            v_scale=self._v_scale,
         )
         g = int(tree.out_rows.numel())
         top = torch.full((g, lse.shape[1]), float("-inf")).scatter_reduce_(
@@ -664,7 +700,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             encoder_keys=self._encoder_keys,
         )
         k_plane, v_plane = kv_cache[0], kv_cache[1]
-        write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params)
+        write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params, self._quant)
         n = m.num_actual_tokens
         output[n:] = 0
         lse[n:] = float("-inf")
@@ -685,6 +721,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             lse=lse,
             key_stride=world,
             key_offset=rank,
+            k_scale=self._k_scale,
+            v_scale=self._v_scale,
         )
         return output
 
@@ -697,11 +735,12 @@ class CpuAttentionBackend(AttentionBackend):
         "CPU engines over K/V planes: a native paged-decode C kernel for decodes (and runs "
         f"of up to {NATIVE_MAX_QUERY} queries), a native blocked prefill for the rest; full, "
         "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
-        "ALiBi, per-head sinks; head sizes 16 and 32..256 in steps of 16; CPU only"
+        "ALiBi, per-head sinks; fp8 caches (per-tensor or per-head scales), per-token-head "
+        "fp8/int8; head sizes 16 and 32..256 in steps of 16; CPU only"
     )
     supported_devices = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = _KV_CACHE_DTYPES
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _BACKEND_FEATURES

@@ -29,6 +29,7 @@ from attnkit.kernels._checks import (
     describe,
     require_tensor,
 )
+from attnkit.kernels.attention.cpu_kv_format import KVFormat, kv_format
 from attnkit.kernels.attention.cpu_native import load_paged_decode, native_problem
 
 __all__ = ["native_problem", "paged_attention_requests", "paged_attention_rows"]
@@ -62,12 +63,10 @@ def _index_vector(name: str, value: object, dtype: torch.dtype, n: int | None) -
     return t
 
 
-def _plane(name: str, value: object, dtype: torch.dtype) -> Tensor:
+def _plane(name: str, value: object) -> Tensor:
     t = require_tensor(name, value, "a torch.Tensor [R, Hkv, D]")
     if t.dim() != 3:
         raise ValueError(f"{name}: expected a tensor [R, Hkv, D], got {describe(t)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype} (the query's), got {describe(t)}")
     _cpu(name, t, "a tensor [R, Hkv, D]")
     check_last_dim_contiguous(name, t)
     return t
@@ -81,6 +80,7 @@ class _Common:
     k: Tensor
     v: Tensor
     bt: Tensor
+    kv: KVFormat
     out: Tensor
     block_size: int
     scale: float
@@ -91,13 +91,13 @@ class _Common:
     threads: int
 
 
-def _lead_args(c: _Common) -> tuple[int, ...]:
-    """The native entry points' leading arguments: the dtype code, then the query, K
-    plane, V plane (pointer, row stride, head stride each) and block table (pointer, row
-    stride, B, W, R)."""
+def _lead_args(c: _Common) -> tuple[int | None, ...]:
+    """The native entry points' leading arguments: the dtype code, the planes' format (code,
+    static scales or None), then the query, K plane, V plane (pointer, row stride, head
+    stride each) and block table (pointer, row stride, B, W, R)."""
     q, k, v, bt = c.query, c.k, c.v, c.bt
     return (
-        _DTYPE_CODES[q.dtype],
+        _DTYPE_CODES[q.dtype], *c.kv.args(),
         q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1),
@@ -142,6 +142,8 @@ def _check_common(
     num_threads: object,
     sinks: object = None,
     lse: object = None,
+    k_scale: object = None,
+    v_scale: object = None,
 ) -> _Common:
     q = require_tensor("query", query, "a torch.Tensor [T, Hq, D]")
     if q.dim() != 3:
@@ -157,11 +159,10 @@ def _check_common(
     if Hq < 1 or D < 1:
         raise ValueError(f"query: expected Hq >= 1 and D >= 1, got {describe(q)}")
 
-    k = _plane("k_plane", k_plane, q.dtype)
-    v = _plane("v_plane", v_plane, q.dtype)
-    _, Hkv, Dk = k.shape
-    if Dk != D:
-        raise ValueError(f"k_plane: expected head size D = {D} (the query's), got {describe(k)}")
+    k = _plane("k_plane", k_plane)
+    v = _plane("v_plane", v_plane)
+    Hkv = k.shape[1]
+    kv = kv_format(q.dtype, k, v, D, k_scale, v_scale)
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(
             f"k_plane: expected Hkv >= 1 dividing the query's Hq = {Hq}, got {describe(k)}"
@@ -217,6 +218,7 @@ def _check_common(
         k=k,
         v=v,
         bt=bt,
+        kv=kv,
         out=out,
         block_size=bs,
         scale=scale_f,
@@ -249,6 +251,8 @@ def paged_attention_rows(
     num_threads: int | None = None,
     key_stride: int = 1,
     key_offset: int = 0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """Attend query rows to contiguous key ranges of paged K/V planes, writing ``output``.
 
@@ -256,6 +260,10 @@ def paged_attention_rows(
         query: ``[T, Hq, D]`` float32, bfloat16 or float16, last dim contiguous.
         k_plane, v_plane: ``[R, Hkv, D]`` (``R = num_blocks * block_size``), the query's
             dtype, last dim contiguous. Query head ``h`` reads K/V head ``h // (Hq // Hkv)``.
+            Or 8-bit planes (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) read as
+            ``stored * scale`` (:mod:`.cpu_kv_format`): ``[R, Hkv, D]`` with ``k_scale``
+            / ``v_scale``, or ``[R, Hkv, D + 4]`` with each head's float32 scale after its
+            values.
         block_table: int32 ``[B, W]``, last dim contiguous: logical position ``p`` of
             request ``b`` is physical row ``block_table[b, p // block_size] * block_size
             + p % block_size``.
@@ -278,13 +286,15 @@ def paged_attention_rows(
         key_stride, key_offset: ALiBi's position of logical key ``p`` is ``p *
             key_stride + key_offset`` (a context-parallel shard: ``world_size`` and
             ``rank``, with ``query_pos`` the global positions); 1 and 0 otherwise.
+        k_scale, v_scale: float32 ``[Hkv]``: the static per-head scales of 8-bit
+            planes ``[R, Hkv, D]``; ``None`` otherwise.
 
     Scores accumulate in float32 whatever the dtype. Raises :class:`RuntimeError` when
     the native library cannot be built here (:func:`native_problem` says why).
     """
     c = _check_common(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
-        alibi_slopes, num_threads, sinks, lse,
+        alibi_slopes, num_threads, sinks, lse, k_scale, v_scale,
     )  # fmt: skip
     q, k, bt = c.query, c.k, c.bt
     T, Hq, D = q.shape
@@ -383,6 +393,8 @@ def paged_attention_requests(
     sinks: Tensor | None = None,
     lse: Tensor | None = None,
     num_threads: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """:func:`paged_attention_rows` for whole requests, from the batch metadata as is.
 
@@ -407,7 +419,7 @@ def paged_attention_requests(
     """
     c = _check_common(
         query, k_plane, v_plane, block_table, block_size, scale, output, soft_cap,
-        alibi_slopes, num_threads, sinks, lse,
+        alibi_slopes, num_threads, sinks, lse, k_scale, v_scale,
     )  # fmt: skip
     q, k, bt = c.query, c.k, c.bt
     T, Hq, D = q.shape

@@ -52,7 +52,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _COMPILE_TIMEOUT_S = 120.0
 _STDERR_LINES = 8
 
@@ -67,6 +67,7 @@ _ArgType = type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | t
 # arguments (decode.py's _lead_args) and end with the same tail.
 _LEAD: list[_ArgType] = [
     _i32,  # dtype
+    _i32, _ptr, _ptr,  # kv_dtype, k_scale, v_scale
     _ptr, _i64, _i64,  # query, q_st, q_sh
     _ptr, _i64, _i64,  # k_plane, k_sr, k_sh
     _ptr, _i64, _i64,  # v_plane, v_sr, v_sh

@@ -69,6 +69,7 @@ from attnkit.kernels._checks import (
     describe,
     require_tensor,
 )
+from attnkit.kernels.attention.cpu_kv_format import KVFormat, dequantise_rows, kv_format
 
 __all__ = ["KEY_CHUNK", "QUERY_ROWS", "paged_prefill"]
 
@@ -334,6 +335,8 @@ def paged_prefill(
     sinks: Tensor | None = None,
     lse: Tensor | None = None,
     engine: Literal["native", "torch"] = "native",
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """Attention of runs of query tokens over the paged K/V planes; writes ``output``.
 
@@ -354,6 +357,11 @@ def paged_prefill(
     is visible). ``query_block`` (tokens per block; default: the native kernel's
     choice, or from :data:`QUERY_ROWS`) and ``key_chunk`` (default :data:`KEY_CHUNK`;
     the torch engine's only) are tuning knobs.
+
+    8-bit planes (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) are read as ``stored *
+    scale`` (:mod:`.cpu_kv_format`): ``[R, Hkv, D]`` with the per-head ``k_scale`` /
+    ``v_scale`` (float32 ``[Hkv]``), or ``[R, Hkv, D + 4]`` with each head's float32
+    scale after its values; ``key`` / ``value`` stay in the query's dtype.
 
     ``engine``: ``"native"`` (default) runs ``paged_prefill.c`` (built by
     :mod:`.cpu_native`; :class:`RuntimeError` where it cannot be built), ``"torch"`` the
@@ -383,18 +391,20 @@ def paged_prefill(
     hkv: int | None = None
     kp: Tensor | None = None
     vp: Tensor | None = None
+    kv_fmt: KVFormat | None = None
     if k_plane is not None and v_plane is not None:
-        kp = _check_cpu_tensor("k_plane", k_plane, 3, "a torch.Tensor [R, Hkv, D]", q.dtype)
-        vp = _check_cpu_tensor("v_plane", v_plane, 3, "a torch.Tensor [R, Hkv, D]", q.dtype)
-        if kp.shape[2] != d:
-            raise ValueError(f"k_plane: expected head size D = {d} (as query), got {describe(kp)}")
+        kp = _check_cpu_tensor("k_plane", k_plane, 3, "a torch.Tensor [R, Hkv, D]")
+        vp = _check_cpu_tensor("v_plane", v_plane, 3, "a torch.Tensor [R, Hkv, D]")
+        check_last_dim_contiguous("k_plane", kp)
+        check_last_dim_contiguous("v_plane", vp)
+        kv_fmt = kv_format(q.dtype, kp, vp, d, k_scale, v_scale)
         if vp.shape != kp.shape:
             raise ValueError(
                 f"v_plane: expected shape {list(kp.shape)} (as k_plane), got {describe(vp)}"
             )
-        check_last_dim_contiguous("k_plane", kp)
-        check_last_dim_contiguous("v_plane", vp)
         hkv = kp.shape[1]
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale, v_scale: expected None without K/V planes")
     kk: Tensor | None = None
     vv: Tensor | None = None
     if key is not None and value is not None:
@@ -585,7 +595,7 @@ def paged_prefill(
             [(start, qlen, seq, row, from_key) for (start, qlen, seq, _, row, from_key) in plans],
             block_size=bs, causal=causal, window=window, chunk=chunk, scale=scale_f,
             soft_cap=cap, alibi_slopes=slopes, sinks=sink_t, lse=lse_t, output=out,
-            query_block=q_block_arg,
+            query_block=q_block_arg, planes_format=kv_fmt,
         )  # fmt: skip
         return
 
@@ -607,6 +617,9 @@ def paged_prefill(
             assert vp is not None
             k_src = kp.index_select(0, idx)
             v_src = vp.index_select(0, idx)
+            if kv_fmt is not None and kv_fmt.quantised:
+                k_src = dequantise_rows(k_src, kv_fmt.k_scale)
+                v_src = dequantise_rows(v_src, kv_fmt.v_scale)
             k_base = lo
         else:  # no visible key
             k_src = v_src = q.new_empty(0, hkv, d)

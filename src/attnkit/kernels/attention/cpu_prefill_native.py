@@ -15,6 +15,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from attnkit.kernels.attention.cpu_kv_format import KVFormat
 from attnkit.kernels.attention.cpu_native import load_paged_decode
 
 __all__ = ["native_prefill", "prefill_isa"]
@@ -55,9 +56,11 @@ def native_prefill(
     lse: Tensor | None,
     output: Tensor,
     query_block: int | None,
+    planes_format: KVFormat | None = None,
 ) -> None:
     """Run the checked step: ``plans`` holds ``(query start, query length, sequence
-    length, block-table row, reads key/value)`` per request."""
+    length, block-table row, reads key/value)`` per request; ``planes_format`` the planes' format
+    (``None``: the query's dtype, or no planes)."""
     lib = load_paged_decode()
     n = len(plans)
     cols = list(zip(*plans, strict=True)) if plans else [(), (), (), (), ()]
@@ -81,6 +84,7 @@ def native_prefill(
     err = (ctypes.c_int64 * 3)()
     code = lib.paged_prefill(
         _DTYPE_CODES[q.dtype],
+        *(planes_format.args() if planes_format is not None else (_DTYPE_CODES[q.dtype], None, None)),
         q.data_ptr(), q.stride(0), q.stride(1),
         kp_ptr, k_sr, k_sh,
         vp_ptr, v_sr, v_sh,

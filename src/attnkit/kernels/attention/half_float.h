@@ -1,7 +1,9 @@
 /* bf16 and fp16 <-> float32 element conversions, shared by paged_decode.c and
  * paged_prefill.c (included by both; the includer defines INLINE). bf16 rounds to
  * nearest even and keeps NaNs quiet; fp16 uses the compiler's _Float16 where it has
- * one, else bit-exact software conversions (also under ATTNKIT_SOFT_F16). */
+ * one, else bit-exact software conversions (also under ATTNKIT_SOFT_F16). The 8-bit
+ * cache formats (fp8 e4m3fn, fp8 e5m2, int8) are read through a 256-entry table of
+ * their exact float32 values (fill_byte_table). */
 
 #ifndef ATTNKIT_HALF_FLOAT_H
 #define ATTNKIT_HALF_FLOAT_H
@@ -81,5 +83,62 @@ INLINE uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
 }
 #endif
+
+/* ---- 8-bit cache formats ----------------------------------------------------------- */
+
+enum { KV_FP8_E4M3 = 3, KV_FP8_E5M2 = 4, KV_INT8 = 5 }; /* after DT_F32, DT_BF16, DT_F16 */
+
+/* fp8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity, S.1111.111
+ * is NaN) -> float32, exactly: every e4m3 value is a float32 value. */
+INLINE float fp8e4m3_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t exp = (b >> 3) & 0xfu, man = b & 0x7u;
+    uint32_t bits;
+    if (exp == 0xfu && man == 0x7u) {
+        bits = sign | 0x7fc00000u;
+    } else if (exp != 0) {
+        bits = sign | ((exp + 120u) << 23) | (man << 20); /* rebias 7 -> 127 */
+    } else { /* zero or subnormal: man * 2^-9, exact */
+        const float f = (float)man * 0.001953125f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* table[b] = the float32 value of byte b in kv format `fmt` (e5m2 is the top byte of an
+ * IEEE fp16, so it widens through f16_to_f32). */
+static void fill_byte_table(float table[256], int fmt) {
+    for (int b = 0; b < 256; ++b) {
+        if (fmt == KV_FP8_E4M3) table[b] = fp8e4m3_to_f32((uint8_t)b);
+        else if (fmt == KV_FP8_E5M2) table[b] = f16_to_f32((uint16_t)(b << 8));
+        else table[b] = (float)(int8_t)(uint8_t)b;
+    }
+}
+
+/*
+ * o[d] = the float32 value of byte b[d] in kv format `fmt`, times s, for d < D (table:
+ * fill_byte_table's). int8 is widened directly (the compiler vectorises it); the fp8
+ * formats go through the table: on an AMD EPYC (AVX-512) the table measured faster than
+ * fp8 -> float32 bit manipulation the compiler did not vectorise well
+ * (benchmarks/bench_cpu.py --fp8 only).
+ */
+INLINE void dequant_row(float *restrict o, const uint8_t *restrict b, int64_t D, int fmt, float s,
+                        const float *restrict table) {
+    if (fmt == KV_INT8) {
+        for (int64_t d = 0; d < D; ++d) o[d] = (float)(int8_t)b[d] * s;
+    } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = table[b[d]] * s;
+    }
+}
+
+/* The float32 scale stored after a head's D values in a row-scaled cache (4 bytes). */
+INLINE float row_scale(const char *head, int64_t D) {
+    float s;
+    memcpy(&s, head + D, sizeof s);
+    return s;
+}
 
 #endif /* ATTNKIT_HALF_FLOAT_H */

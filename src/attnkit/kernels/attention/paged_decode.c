@@ -17,6 +17,12 @@
  * nonzero code and fills err[] (see the ATTNKIT_ERR_* codes) instead of reading out of
  * bounds.
  *
+ * A quantised cache (kv_dtype: fp8 e4m3fn, fp8 e5m2, int8; the query and output keep
+ * dtype) is dequantised once per tile into the float32 tile buffers: each stored byte's
+ * exact float32 value (a 256-entry table) times its scale, a static one per K/V head
+ * (k_scale, v_scale [Hkv]) or the float32 written after each head's D values in its row
+ * (per-token-head caches: rows of Hkv x (D + 4) bytes).
+ *
  * Vectors are GCC/Clang vector extensions (8 x float), which the compiler lowers to AVX
  * on x86-64 and to pairs of NEON registers on AArch64.
  */
@@ -268,6 +274,11 @@ static void vacc_tile(int64_t G, const float *restrict p, const float *restrict 
 typedef struct {
     int dtype;
     size_t esize;
+    int kv_dtype;    /* dtype, or a KV_* 8-bit format (half_float.h) */
+    size_t kv_esize; /* bytes per K/V element */
+    int kv8;         /* kv_dtype is an 8-bit format: read through lut, times a scale */
+    const float *k_scale, *v_scale; /* [Hkv] static scales, or NULL: in each row */
+    float lut[256];  /* kv8: each byte's float32 value */
     const char *q, *k, *v;
     char *o;
     int64_t q_st, q_sh, k_sr, k_sh, v_sr, v_sh, o_st, o_sh; /* element strides */
@@ -334,16 +345,26 @@ INLINE int64_t tile_at(const params *P, const int32_t *table, int64_t pos, int64
 
 /*
  * Rows [0, n) of a tile, heads [kv0, kv0 + C) -> dst[c][j][0..D) (float32), read in
- * memory order (row by row, head by head) so the hardware prefetchers see a stream.
+ * memory order (row by row, head by head) so the hardware prefetchers see a stream;
+ * an 8-bit cache dequantised on the way (hscale: the static per-head scales, or NULL:
+ * each row's own).
  */
 static void gather_tile(const params *P, float *restrict dst, const char *src, int64_t row_stride,
-                        int64_t head_stride, int64_t kv0, int64_t C, int64_t n) {
-    const size_t es = P->esize;
+                        int64_t head_stride, int64_t kv0, int64_t C, int64_t n,
+                        const float *hscale) {
+    const size_t es = P->kv_esize;
+    const int64_t D = P->D;
     for (int64_t j = 0; j < n; ++j)
-        for (int64_t c = 0; c < C; ++c)
-            load_row(dst + (c * TILE + j) * P->Dp,
-                     src + (size_t)(j * row_stride + (kv0 + c) * head_stride) * es, P->dtype, P->D,
-                     1.0f);
+        for (int64_t c = 0; c < C; ++c) {
+            const char *r = src + (size_t)(j * row_stride + (kv0 + c) * head_stride) * es;
+            float *o = dst + (c * TILE + j) * P->Dp;
+            if (P->kv8) {
+                const float s = hscale ? hscale[kv0 + c] : row_scale(r, D);
+                dequant_row(o, (const uint8_t *)r, D, P->kv_dtype, s, P->lut);
+            } else {
+                load_row(o, r, P->kv_dtype, D, 1.0f);
+            }
+        }
 }
 
 /*
@@ -428,13 +449,13 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     for (int64_t pos = start; pos < end;) {
         int64_t n;
         const int64_t prow = tile_at(P, table, pos, end, &n);
-        const char *kt = P->k + (size_t)(prow * P->k_sr) * es;
-        const char *vt = P->v + (size_t)(prow * P->v_sr) * es;
+        const char *kt = P->k + (size_t)(prow * P->k_sr) * P->kv_esize;
+        const char *vt = P->v + (size_t)(prow * P->v_sr) * P->kv_esize;
 
         if (P->direct) { /* K in place, read in memory order */
             scores_tile(P, S->q, (const float *)kt + kv0 * P->k_sh, P->k_sr, P->k_sh, C, n, S->s);
         } else {
-            gather_tile(P, S->kbuf, kt, P->k_sr, P->k_sh, kv0, C, n);
+            gather_tile(P, S->kbuf, kt, P->k_sr, P->k_sh, kv0, C, n, P->k_scale);
             scores_tile(P, S->q, S->kbuf, Dp, TILE * Dp, C, n, S->s);
         }
 
@@ -475,7 +496,7 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
                           (const float *)vt + (kv0 + c) * P->v_sh, P->v_sr, n, S->acc + c * G * Dp,
                           Dp);
         } else { /* V converted to float32 (and zero-padded to Dp columns) first */
-            gather_tile(P, S->vbuf, vt, P->v_sr, P->v_sh, kv0, C, n);
+            gather_tile(P, S->vbuf, vt, P->v_sr, P->v_sh, kv0, C, n, P->v_scale);
             for (int64_t c = 0; c < C; ++c)
                 vacc_tile(G, S->s + c * G * TILE, S->corr + c * G, S->vbuf + c * TILE * Dp, Dp, n,
                           S->acc + c * G * Dp, Dp);
@@ -524,12 +545,13 @@ const char *attnkit_prefill_isa(void);
  * copy serves bf16 only: on float32 caches out of the CPU's caches run_task measured
  * 5-10% faster here (32 x 2k, 35-38 ms against 37-40 ms), in cache 1.2x slower.
  */
-static task_fn pick_task(int dtype, int64_t D) {
+static task_fn pick_task(int dtype, int kv_dtype, int64_t D) {
 #if FD_X86
-    if (dtype == DT_BF16 && D % 32 == 0 && !strcmp(attnkit_prefill_isa(), "avx512bf16"))
+    if (dtype == DT_BF16 && kv_dtype == dtype && D % 32 == 0 && !strcmp(attnkit_prefill_isa(), "avx512bf16"))
         return task_avx512bf16;
 #else
     (void)dtype;
+    (void)kv_dtype;
     (void)D;
 #endif
     return run_task;
@@ -538,7 +560,7 @@ static task_fn pick_task(int dtype, int64_t D) {
 /* The instruction set the decode's copy for (dtype, D) uses: "avx512bf16" or "vector8"
  * (run_task: 8-lane vectors as the build flags lower them). */
 ATTNKIT_API const char *attnkit_decode_isa(int dtype, int64_t D) {
-    task_fn f = pick_task(dtype, D);
+    task_fn f = pick_task(dtype, dtype, D);
 #if FD_X86
     if (f == task_avx512bf16) return "avx512bf16";
 #endif
@@ -556,7 +578,7 @@ ATTNKIT_API int attnkit_has_openmp(void) {
 #endif
 }
 
-ATTNKIT_API int attnkit_abi_version(void) { return 5; }
+ATTNKIT_API int attnkit_abi_version(void) { return 6; }
 
 /*
  * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
@@ -566,10 +588,13 @@ ATTNKIT_API int attnkit_abi_version(void) { return 5; }
  * sinks (float32 [Hq]: one logit per head added to every softmax denominator) may be NULL;
  * lse (float32, element strides lse_st, lse_sh) receives each written row's natural-log
  * sum of exp (-inf where nothing is visible), or is NULL.  Nothing is written when an
- * error is returned.
+ * error is returned.  kv_dtype is the planes' format: dtype, or an 8-bit KV_* format
+ * with k_scale / v_scale (float32 [Hkv]) its static per-head scales, or both NULL: each
+ * head's D bytes are followed by its float32 scale (the head stride then covers D + 4
+ * bytes).
  */
 ATTNKIT_API int attnkit_paged_decode(
-    int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
+    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
     int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
     const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
     const int64_t *rows, const int32_t *requests, const int32_t *key_start,
@@ -581,6 +606,10 @@ ATTNKIT_API int attnkit_paged_decode(
     err[0] = err[1] = err[2] = -1;
     if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
         block_size <= 0 || N < 0 || B < 0 || W < 0 || R < 0 || T < 0)
+        return ATTNKIT_ERR_ARGS;
+    const int kv8 = kv_dtype >= KV_FP8_E4M3 && kv_dtype <= KV_INT8;
+    if ((kv_dtype != dtype && !kv8) || (!kv8 && (k_scale || v_scale)) ||
+        (k_scale == NULL) != (v_scale == NULL))
         return ATTNKIT_ERR_ARGS;
 
     const int64_t num_blocks = R / block_size;
@@ -611,6 +640,12 @@ ATTNKIT_API int attnkit_paged_decode(
     params P;
     P.dtype = dtype;
     P.esize = dtype == DT_F32 ? 4 : 2;
+    P.kv_dtype = kv_dtype;
+    P.kv8 = kv8;
+    P.kv_esize = kv8 ? 1 : P.esize;
+    P.k_scale = k_scale;
+    P.v_scale = v_scale;
+    if (kv8) fill_byte_table(P.lut, kv_dtype);
     P.q = (const char *)query;
     P.k = (const char *)k_plane;
     P.v = (const char *)v_plane;
@@ -624,7 +659,7 @@ ATTNKIT_API int attnkit_paged_decode(
     P.pm = pos_mul; P.pa = pos_add;
     P.Hq = Hq; P.Hkv = Hkv; P.G = Hq / Hkv; P.D = D; P.bs = block_size;
     P.Dp = (D + 15) / 16 * 16;
-    P.direct = dtype == DT_F32 && D % 16 == 0;
+    P.direct = dtype == DT_F32 && kv_dtype == dtype && D % 16 == 0;
     /*
      * Tasks: (work item, a chunk of kv heads).  One thread takes every head of an item in
      * one pass (each tile of K and V is then read front to back, whole); with more
@@ -647,7 +682,7 @@ ATTNKIT_API int attnkit_paged_decode(
 
     const int64_t tasks = N * chunks;
     int failed = 0;
-    const task_fn task = pick_task(dtype, D);
+    const task_fn task = pick_task(dtype, kv_dtype, D);
 #define RUN_TASK(t)                                                                       \
     do {                                                                                  \
         const int64_t kv0_ = ((t) % chunks) * P.kv_chunk;                                 \
@@ -693,7 +728,7 @@ ATTNKIT_API int attnkit_paged_decode(
  * for ATTNKIT_ERR_BLOCK err[2] is the block_table column.
  */
 ATTNKIT_API int attnkit_paged_decode_requests(
-    int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
+    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
     int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
     const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
     const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *requests,
@@ -742,7 +777,7 @@ ATTNKIT_API int attnkit_paged_decode_requests(
         }
     }
     const int code = attnkit_paged_decode(
-        dtype, query, q_st, q_sh, k_plane, k_sr, k_sh, v_plane, v_sr, v_sh, block_table, bt_sb,
+        dtype, kv_dtype, k_scale, v_scale, query, q_st, q_sh, k_plane, k_sr, k_sh, v_plane, v_sr, v_sh, block_table, bt_sb,
         B, W, R, rows, req, ks, ke, qp, items, T, Hq, Hkv, D, block_size, 1, 0, scale, soft_cap, alibi,
         sinks, lse, lse_st, lse_sh, output, o_st, o_sh, num_threads, err);
     if (code != ATTNKIT_OK && err[0] >= 0 && err[0] < items) err[0] = req[err[0]];

@@ -17,6 +17,9 @@
  * ATTNKIT_CPU_ISA (avx512bf16, avx512, avx2, generic) caps the choice, for tests and
  * comparisons; attnkit_prefill_isa() names the copy in use.
  *
+ * A quantised cache (kv_dtype: fp8 e4m3fn, fp8 e5m2, int8, as paged_decode.c) is
+ * dequantised into float32 when a chunk is packed, so the compute never sees it.
+ *
  * Every index value is checked in a serial pass before anything is computed or
  * written (the ATTNKIT_ERR_* codes of paged_decode.c).
  */
@@ -90,6 +93,11 @@ INLINE float elem_f32(const char *p, int64_t i, int dtype) {
 typedef struct {
     int dtype;
     size_t es;
+    int kv_dtype;    /* the planes' format: dtype, or an 8-bit KV_* one (half_float.h) */
+    size_t kv_es;    /* bytes per plane element */
+    int kv8;         /* 8-bit planes: read through lut, times a scale */
+    const float *k_scale, *v_scale; /* [Hkv] static scales, or NULL: in each row */
+    float lut[256];
     const char *q, *kp, *vp, *kd, *vd;
     char *o;
     int64_t q_st, q_sh, k_sr, k_sh, v_sr, v_sh, kd_sr, kd_sh, vd_sr, vd_sh, o_st, o_sh;
@@ -192,8 +200,8 @@ INLINE const char *key_row(const pparams *P, const ptask *T, int64_t pos, int va
     }
     const int32_t *table = P->bt + (int64_t)P->req[T->i] * P->bt_sb;
     const int64_t row = (int64_t)table[pos / P->bs] * P->bs + pos % P->bs;
-    return value ? P->vp + (size_t)(row * P->v_sr + h * P->v_sh) * P->es
-                 : P->kp + (size_t)(row * P->k_sr + h * P->k_sh) * P->es;
+    return value ? P->vp + (size_t)(row * P->v_sr + h * P->v_sh) * P->kv_es
+                 : P->kp + (size_t)(row * P->k_sr + h * P->k_sh) * P->kv_es;
 }
 
 /* The task's query rows: float32 values, or the bf16 inputs' pairs as they are. */
@@ -224,19 +232,31 @@ static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
  */
 INLINE int tile_direct(const pparams *P, const ptask *T, int64_t a, int64_t n) {
     return P->dtype == DT_F32 && P->D % 16 == 0 &&
-           (P->dense[T->i] || a / P->bs == (a + n - 1) / P->bs);
+           (P->dense[T->i] || (P->kv_dtype == DT_F32 && a / P->bs == (a + n - 1) / P->bs));
 }
 
 /* Keys [c0, c1) of the task: K transposed into tiles of KT columns, V row-major (but for
- * the tiles read in place). */
+ * the tiles read in place); 8-bit plane rows dequantised. */
 static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t c0, int64_t c1) {
     const int64_t D = P->D, Dp = P->Dp, U = T->units;
+    const int q8 = P->kv8 && !P->dense[T->i];
     for (int64_t x = 0; x < c1 - c0; ++x) {
         const char *k = key_row(P, T, c0 + x, 0);
         const char *v = key_row(P, T, c0 + x, 1);
         const int64_t a = c0 + x / KT * KT, n = c1 - a < KT ? c1 - a : KT;
         const int direct = tile_direct(P, T, a, n);
         uint32_t *kt = S->kt + (x / KT) * U * KT + x % KT;
+        if (q8) {
+            const float sk = P->k_scale ? P->k_scale[T->h] : row_scale(k, D);
+            const float sv = P->v_scale ? P->v_scale[T->h] : row_scale(v, D);
+            const uint8_t *kb = (const uint8_t *)k, *vb = (const uint8_t *)v;
+            for (int64_t d = 0; d < D; ++d) {
+                const float f = P->lut[kb[d]] * sk;
+                memcpy(kt + d * KT, &f, sizeof f);
+            }
+            dequant_row(S->vt + x * Dp, vb, D, P->kv_dtype, sv, P->lut);
+            continue;
+        }
         if (T->pairs) {
             uint32_t w[256];
             for (int64_t u0 = 0; u0 < D / 2; u0 += 256) {
@@ -474,9 +494,11 @@ ATTNKIT_API const char *attnkit_prefill_isa(void) { return pf_pick()->name; }
  * column for ERR_BLOCK).  Strides are in elements.  key / value (the dense readers'
  * rows) may be NULL when no request is dense; k_plane, v_plane and block_table may be
  * NULL when every request is.  query_block: tokens per task (<= 0: chosen here).
+ * kv_dtype, k_scale, v_scale: the planes' format, as attnkit_paged_decode's (the dense
+ * readers' key / value rows always have dtype).
  */
 ATTNKIT_API int attnkit_paged_prefill(
-    int dtype, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
+    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
     int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
     const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
     const void *key, int64_t kd_sr, int64_t kd_sh, const void *value, int64_t vd_sr,
@@ -489,6 +511,10 @@ ATTNKIT_API int attnkit_paged_prefill(
     err[0] = err[1] = err[2] = -1;
     if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
         block_size <= 0 || n < 0 || B < 0 || W < 0 || R < 0 || T < 0)
+        return ERR_ARGS;
+    const int kv8 = kv_dtype >= KV_FP8_E4M3 && kv_dtype <= KV_INT8;
+    if ((kv_dtype != dtype && !kv8) || (!kv8 && (k_scale || v_scale)) ||
+        (k_scale == NULL) != (v_scale == NULL))
         return ERR_ARGS;
     const int64_t num_blocks = R / block_size;
     pparams P;
@@ -521,6 +547,12 @@ ATTNKIT_API int attnkit_paged_prefill(
     const pf_isa *isa = pf_pick();
     P.dtype = dtype;
     P.es = dtype == DT_F32 ? 4 : 2;
+    P.kv_dtype = kv_dtype;
+    P.kv8 = kv8;
+    P.kv_es = kv8 ? 1 : P.es;
+    P.k_scale = k_scale;
+    P.v_scale = v_scale;
+    if (kv8) fill_byte_table(P.lut, kv_dtype);
     P.q = (const char *)query;
     P.kp = (const char *)k_plane;
     P.vp = (const char *)v_plane;
@@ -535,7 +567,7 @@ ATTNKIT_API int attnkit_paged_prefill(
     P.req = requests; P.qs = query_start; P.ql = query_len; P.sl = seq_len; P.dense = dense;
     P.Hq = Hq; P.Hkv = Hkv; P.G = Hq / Hkv; P.D = D;
     P.Dp = (D + 15) / 16 * 16;
-    P.pairs = isa->bf16dot && dtype == DT_BF16 && D % 2 == 0;
+    P.pairs = isa->bf16dot && dtype == DT_BF16 && kv_dtype == dtype && D % 2 == 0;
     /* about 48 rows (tokens x grouped heads) per block: the micro-kernels' row blocks;
      * about 256 rows per task, whose key chunks are packed once for all its blocks */
     int64_t bq = query_block > 0 ? query_block : (48 + P.G - 1) / P.G;

@@ -39,6 +39,7 @@ __all__ = [
     "gather_kv_scales",
     "paged_attention",
     "quantise_per_token_head",
+    "quantise_static",
     "write_kv_cache",
 ]
 
@@ -190,6 +191,18 @@ def quantise_per_token_head(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
     return scaled.to(dtype), scales
 
 
+def quantise_static(x: Tensor, scale: float | Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` ``[T, Hkv, D]`` as a cache of ``dtype`` stores it with a static scale:
+    ``x / scale`` in float32 (a float32 ``[Hkv]`` tensor divides head ``n`` by
+    ``scale[n]``; 1.0 divides nothing), saturated to the largest finite value of an fp8
+    ``dtype`` (a cast past it would give NaN: e4m3fn has no infinity), then cast."""
+    new = x if isinstance(scale, float) and scale == 1.0 else x.float() / _per_head(scale, x.device)
+    if dtype in _FP8_MAX:
+        limit = _FP8_MAX[dtype]
+        new = new.float().clamp(-limit, limit)
+    return new.to(dtype)
+
+
 def write_kv_cache(
     key: Tensor,
     value: Tensor,
@@ -272,20 +285,10 @@ def write_kv_cache(
         kv_scales[blocks, 0, offsets] = scales_k.to(kv_scales.device)
         kv_scales[blocks, 1, offsets] = scales_v.to(kv_scales.device)
         return
-    new_k = key[valid] if isinstance(k_scale, float) and k_scale == 1.0 else (
-        key[valid].float() / _per_head(k_scale, key.device)
-    )
-    new_v = value[valid] if isinstance(v_scale, float) and v_scale == 1.0 else (
-        value[valid].float() / _per_head(v_scale, value.device)
-    )
-    if kv_cache.dtype in _FP8_MAX:
-        # Saturate: a cast past the largest finite fp8 value would give NaN (e4m3fn has
-        # no infinity).
-        limit = _FP8_MAX[kv_cache.dtype]
-        new_k = new_k.float().clamp(-limit, limit)
-        new_v = new_v.float().clamp(-limit, limit)
-    kv_cache[blocks, 0, offsets] = new_k.to(device=kv_cache.device, dtype=kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = new_v.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    new_k = quantise_static(key[valid], k_scale, kv_cache.dtype)
+    new_v = quantise_static(value[valid], v_scale, kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = new_k.to(kv_cache.device)
+    kv_cache[blocks, 1, offsets] = new_v.to(kv_cache.device)
 
 
 def gather_kv_scales(kv_scales: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
