@@ -71,7 +71,10 @@ class Step:
         seq: list[int],
         window: int | None = None,
         seed: int = 0,
+        d: int = D,
+        bs: int = BS,
     ) -> None:
+        self.d, self.bs = d, bs
         self.qsl = [0]
         for _ in seq:
             self.qsl.append(self.qsl[-1] + qlen)
@@ -83,12 +86,12 @@ class Step:
         for b in range(len(seq)):
             mine = [i for i, r in enumerate(reqs) if r == b]
             ranges.append((min(starts[i] for i in mine), max(ends[i] for i in mine)))
-        width = max(seq) // BS + 2
+        width = max(seq) // bs + 2
         self.q, self.k, self.v, self.table = make_case(
-            dtype=dtype, hq=hq, hkv=hkv, d=D, bs=BS, ranges=ranges, width=width, seed=seed
+            dtype=dtype, hq=hq, hkv=hkv, d=d, bs=bs, ranges=ranges, width=width, seed=seed
         )
         gen = torch.Generator().manual_seed(seed + 1)
-        self.q = torch.randn(self.qsl[-1] + 1, hq, D, generator=gen).to(dtype)
+        self.q = torch.randn(self.qsl[-1] + 1, hq, d, generator=gen).to(dtype)
         self.hq = hq
         self.dtype = dtype
 
@@ -105,8 +108,8 @@ class Step:
         paged_attention_requests(
             self.q, self.k, self.v, self.table,
             torch.tensor(self.qsl, dtype=torch.int32), torch.tensor(self.seq, dtype=torch.int32),
-            None, block_size=BS, causal=True, window=self.window, chunk=None, scale=D**-0.5,
-            output=out, soft_cap=cap, alibi_slopes=slopes, sinks=sinks, lse=lse,
+            None, block_size=self.bs, causal=True, window=self.window, chunk=None,
+            scale=self.d**-0.5, output=out, soft_cap=cap, alibi_slopes=slopes, sinks=sinks, lse=lse,
             num_threads=threads,
         )  # fmt: skip
         return out, lse
@@ -124,8 +127,8 @@ class Step:
         rows, reqs, starts, ends, qpos = self.items
         want_lse: dict[int, torch.Tensor] = {}
         want = oracle(
-            self.q, self.k, self.v, self.table, rows, reqs, starts, ends, qpos, BS, D**-0.5,
-            cap, slopes, sinks, want_lse,
+            self.q, self.k, self.v, self.table, rows, reqs, starts, ends, qpos, self.bs,
+            self.d**-0.5, cap, slopes, sinks, want_lse,
         )  # fmt: skip
         tol = TOL[self.dtype]
         for row in rows:
@@ -165,6 +168,22 @@ def test_grouped_rows_match_the_oracle(
     windowed = Step(dtype, hq, hkv, qlen, seq, window=7, seed=2)
     windowed.check(*windowed.run(threads=2))
     windowed.check(*windowed.run(sinks=sinks, cap=3.0), sinks=sinks, cap=3.0)
+
+
+@pytest.mark.parametrize(("dtype", "cap_name"), COPIES, ids=COPY_IDS)
+@pytest.mark.parametrize(("d", "bs"), [(128, 16), (96, 32), (256, 16), (32, 24), (64, 8)])
+def test_head_and_block_sizes(
+    dtype: torch.dtype, cap_name: str, d: int, bs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grouped rows at other head sizes and at block sizes that split the aligned
+    16-key windows (24, 8): tiles then end at block ends inside a window."""
+    _use(monkeypatch, cap_name)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(6))
+    for qlen in (3, 8):
+        step = Step(dtype, 8, 2, qlen, [41 + qlen, 18 + qlen, 70 + qlen], d=d, bs=bs)
+        step.check(*step.run(threads=2))
+        windowed = Step(dtype, 8, 2, qlen, [41 + qlen, 70 + qlen], window=11, d=d, bs=bs)
+        windowed.check(*windowed.run(sinks=sinks, cap=2.0), sinks=sinks, cap=2.0)
 
 
 @pytest.mark.parametrize(("dtype", "cap_name"), COPIES, ids=COPY_IDS)
