@@ -1,8 +1,8 @@
 """The ``cpu_attn`` backend: attention over the paged K/V planes on CPU, through the CPU
 engines of ``attnkit.kernels.attention``; the first choice on CPU.
 
-A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, short speculative
-runs) go to the native paged kernel (``cpu_decode``), which reads K and V in place
+A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, speculative verify
+steps) go to the native paged kernel (``cpu_decode``), which reads K and V in place
 through the block table; longer runs go to the native blocked prefill (``cpu_prefill``),
 which packs their keys once per chunk for many query rows. Nothing is compiled per
 shape: the native library is built once per machine with the system C compiler, its
@@ -98,10 +98,11 @@ _BACKEND_FEATURES = _FEATURES | {AttentionFeature.CONTEXT_PARALLEL, AttentionFea
 # size; declaring more needs tests at those sizes.
 _HEAD_SIZES: SizeRule = (16, *range(32, 257, 16))
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
-NATIVE_MAX_QUERY = 4
-"""Requests with at most this many queries (decodes, short speculative runs) go to the
-native paged kernel, which reads each key once per query token; longer runs go to
-blocked matrix products, which gather the keys once."""
+NATIVE_MAX_QUERY = 8
+"""Requests with at most this many queries (decodes, verify steps of up to 7 drafts) go
+to the native paged kernel, which (bf16 on AVX512-BF16 or AMX) reads each key once for
+all of a request's rows; longer runs go to blocked matrix products, which gather the
+keys once."""
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)
 
 

@@ -42,7 +42,12 @@ _SOURCES = (_SOURCE, _SOURCE.with_name("paged_prefill.c"))
 # Hashed into the cache key with the sources: headers they include, not compiled alone.
 _HEADERS = tuple(
     _SOURCE.with_name(name)
-    for name in ("paged_prefill_body.h", "paged_decode_body.h", "half_float.h")
+    for name in (
+        "paged_prefill_body.h",
+        "paged_decode_body.h",
+        "paged_decode_amx.h",
+        "half_float.h",
+    )
 )
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared")
 # Tried in order: the first set the compiler accepts is kept. -march=native tunes for

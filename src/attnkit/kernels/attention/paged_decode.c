@@ -59,6 +59,11 @@ enum {
 #define TILE 16
 /* keys per tile, at most (a tile never crosses a block) */
 #define FTILE 64 /* the same for the 16-lane copies (paged_decode_body.h) */
+/* Work items of one request with one interval of keys that a task may take together
+ * (plan_groups; the 16-lane copy computes them as one matrix, run_task one by one). */
+#define GROUP_ROWS 8
+/* A group's keys: at most this many more than its shortest row sees. */
+#define GROUP_SLACK 32
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -304,12 +309,20 @@ typedef struct {
     float *m, *l, *corr; /* [C * G] */
     float *kbuf; /* [C, TILE, Dp] K tile as float32 (only when not direct) */
     float *vbuf; /* [C, TILE, Dp] V tile as float32 (only when not direct) */
+    /* the 16-lane copy's, for a group's rows (H counts every row's heads): */
+    float *lv;    /* [H, 16] running sums per lane */
+    uint16_t *pb; /* [H, 16] a tile's probabilities, bf16 */
+    uint32_t *kt; /* [Dp / 2, 16] a K tile transposed, bf16 pairs */
+    uint16_t *vp; /* [8, Dp, 2] a V tile in key pairs */
     void *mem;
 } scratch;
 
-static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs) {
-    const int64_t H = C * G;
-    size_t floats = (size_t)(2 * H * Dp + H * FTILE + 3 * H + (bufs ? 2 * C * TILE * Dp : 0)) + 64;
+/* Scratch for tasks of C kv heads and up to `rows` work items. */
+static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs, int64_t rows) {
+    /* rows > 1: each kv head's rows padded to a multiple of 16 (the AMX copy's blocks) */
+    const int64_t H = rows * C * G + (rows > 1 ? 16 * C : 0);
+    size_t floats = (size_t)(2 * H * Dp + H * FTILE + 3 * H + (bufs ? 2 * C * TILE * Dp : 0)) +
+                    (size_t)(rows > 1 ? 24 * H + 16 * Dp : 0) + 64;
     void *mem = NULL;
     if (posix_memalign(&mem, 64, floats * sizeof(float)) != 0) return 0;
     /* zeros: the pad columns [D, Dp) of q, kbuf and vbuf are never written after this */
@@ -322,6 +335,10 @@ static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs)
     S->m = f; f += H;
     S->l = f; f += H;
     S->corr = f; f += H;
+    S->lv = f; f += rows > 1 ? 16 * H : 0;
+    S->pb = (uint16_t *)(void *)f; f += rows > 1 ? 8 * H : 0;
+    S->kt = (uint32_t *)(void *)f; f += rows > 1 ? 8 * Dp : 0;
+    S->vp = (uint16_t *)(void *)f; f += rows > 1 ? 8 * Dp : 0;
     S->kbuf = f; f += C * TILE * Dp;
     S->vbuf = f;
     return 1;
@@ -509,7 +526,45 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
 
 /* ---- the 16-lane copies, chosen at run time ---------------------------------------- */
 
-typedef void (*task_fn)(const params *, int64_t, int64_t, int64_t, scratch *);
+/* A task: the work items [i0, i0 + R) (one group) over kv heads [kv0, kv0 + C). */
+typedef void (*task_fn)(const params *, int64_t i0, int64_t R, int64_t kv0, int64_t C, scratch *);
+
+/* run_task for each item of a group. */
+static void run_rows(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_t C, scratch *S) {
+    for (int64_t r = 0; r < R; ++r) run_task(P, i0 + r, kv0, C, S);
+}
+
+/*
+ * Groups of consecutive work items a task takes together: at most maxr items of one
+ * request, each seeing some key, whose key ranges stay one interval (every key of it is
+ * one some item sees, so its blocks were checked) at most GROUP_SLACK keys longer than
+ * the group's shortest range.  first[g] is group g's first item, first[groups] = N.
+ */
+static int64_t plan_groups(const params *P, int64_t N, int64_t maxr, int64_t *first) {
+    int64_t groups = 0;
+    for (int64_t i = 0; i < N;) {
+        int64_t j = i + 1;
+        int64_t us = P->ks[i], ue = P->ke[i], shortest = ue - us;
+        if (ue > us)
+            for (; j < N && j - i < maxr; ++j) {
+#ifndef ATTNKIT_TEST_GROUP_ANY_REQUEST /* a broken variant for the tests: mixes requests */
+                if (P->req[j] != P->req[i]) break;
+#endif
+                const int64_t s = P->ks[j], e = P->ke[j];
+                if (e <= s || s > ue || e < us) break;
+                const int64_t nus = s < us ? s : us, nue = e > ue ? e : ue;
+                const int64_t ns = e - s < shortest ? e - s : shortest;
+                if (nue - nus > ns + GROUP_SLACK) break;
+                us = nus;
+                ue = nue;
+                shortest = ns;
+            }
+        first[groups++] = i;
+        i = j;
+    }
+    first[groups] = N;
+    return groups;
+}
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define FD_X86 1
@@ -528,11 +583,48 @@ typedef void (*task_fn)(const params *, int64_t, int64_t, int64_t, scratch *);
 
 FD_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #define SFX avx512bf16
-#define BF16DOT 1
 #include "paged_decode_body.h"
 #undef SFX
-#undef BF16DOT
 FD_TARGET_END
+
+#if defined(__x86_64__)
+#define FD_AMX 1
+FD_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+#include "paged_decode_amx.h"
+FD_TARGET_END
+#else
+#define FD_AMX 0
+#endif
+
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/*
+ * Whether AMX-BF16 tiles can be used: the CPU reports AMX-TILE and AMX-BF16 (CPUID 7.0
+ * EDX bits 24 and 22), the OS enables their state (XCR0 bits 17 and 18) and, on Linux,
+ * grants this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM); asked once.
+ */
+static int amx_ready(void) {
+    static int state = -1;
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s >= 0) return s;
+    int ok = 0;
+#if FD_AMX && defined(__linux__) && defined(SYS_arch_prctl)
+    unsigned a, b, c, d;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1u) && (d >> 22 & 1u) &&
+        __get_cpuid(1, &a, &b, &c, &d) && (c >> 27 & 1u)) {
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        (void)hi;
+        if ((lo >> 17 & 3u) == 3u) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    }
+#endif
+    __atomic_store_n(&state, ok, __ATOMIC_RELEASE);
+    return ok;
+}
 #else
 #define FD_X86 0
 #endif
@@ -547,21 +639,32 @@ const char *attnkit_prefill_isa(void);
  */
 static task_fn pick_task(int dtype, int kv_dtype, int64_t D) {
 #if FD_X86
-    if (dtype == DT_BF16 && kv_dtype == dtype && D % 32 == 0 && !strcmp(attnkit_prefill_isa(), "avx512bf16"))
+    if (dtype == DT_BF16 && kv_dtype == dtype && D % 32 == 0 && !strcmp(attnkit_prefill_isa(), "avx512bf16")) {
+        /* the AMX copy unless ATTNKIT_CPU_ISA names a set below it */
+        const char *cap = getenv("ATTNKIT_CPU_ISA");
+#if FD_AMX
+        if ((cap == NULL || !*cap || !strcmp(cap, "amxbf16")) && amx_ready()) return amx_task;
+#else
+        (void)cap;
+#endif
         return task_avx512bf16;
+    }
 #else
     (void)dtype;
     (void)kv_dtype;
     (void)D;
 #endif
-    return run_task;
+    return run_rows;
 }
 
-/* The instruction set the decode's copy for (dtype, D) uses: "avx512bf16" or "vector8"
- * (run_task: 8-lane vectors as the build flags lower them). */
+/* The instruction set the decode's copy for (dtype, D) uses: "amxbf16", "avx512bf16" or
+ * "vector8" (run_task: 8-lane vectors as the build flags lower them). */
 ATTNKIT_API const char *attnkit_decode_isa(int dtype, int64_t D) {
     task_fn f = pick_task(dtype, dtype, D);
 #if FD_X86
+#if FD_AMX
+    if (f == amx_task) return "amxbf16";
+#endif
     if (f == task_avx512bf16) return "avx512bf16";
 #endif
     (void)f;
@@ -661,13 +764,18 @@ ATTNKIT_API int attnkit_paged_decode(
     P.Dp = (D + 15) / 16 * 16;
     P.direct = dtype == DT_F32 && kv_dtype == dtype && D % 16 == 0;
     /*
-     * Tasks: (work item, a chunk of kv heads).  One thread takes every head of an item in
-     * one pass (each tile of K and V is then read front to back, whole); with more
-     * threads the heads are split until there are about 4 tasks per thread.
+     * Tasks: (a group of work items, a chunk of kv heads).  One thread takes every head of
+     * a group in one pass (each tile of K and V is then read front to back, whole); with
+     * more threads the heads are split until there are about 4 tasks per thread.
      */
+    const task_fn task = pick_task(dtype, kv_dtype, D);
+    const int64_t maxr = task == run_rows ? 1 : GROUP_ROWS;
+    int64_t *first = (int64_t *)malloc((size_t)(N + 1) * sizeof(int64_t));
+    if (!first) return ATTNKIT_ERR_NOMEM;
+    const int64_t groups = plan_groups(&P, N, maxr, first);
     int64_t splits = 1;
     if (num_threads > 1) {
-        splits = (4 * (int64_t)num_threads + N - 1) / N;
+        splits = (4 * (int64_t)num_threads + groups - 1) / groups;
         if (splits > Hkv) splits = Hkv;
     }
     P.kv_chunk = (Hkv + splits - 1) / splits;
@@ -680,26 +788,30 @@ ATTNKIT_API int attnkit_paged_decode(
     P.lse_st = lse_st;
     P.lse_sh = lse_sh;
 
-    const int64_t tasks = N * chunks;
+    const int64_t tasks = groups * chunks;
     int failed = 0;
-    const task_fn task = pick_task(dtype, kv_dtype, D);
 #define RUN_TASK(t)                                                                       \
     do {                                                                                  \
         const int64_t kv0_ = ((t) % chunks) * P.kv_chunk;                                 \
         const int64_t c_ = Hkv - kv0_ < P.kv_chunk ? Hkv - kv0_ : P.kv_chunk;             \
-        task(&P, (t) / chunks, kv0_, c_, &S);                                             \
+        const int64_t g_ = (t) / chunks;                                                  \
+        task(&P, first[g_], first[g_ + 1] - first[g_], kv0_, c_, &S);                    \
     } while (0)
     if (num_threads <= 1 || tasks == 1) {
         scratch S;
-        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct)) return ATTNKIT_ERR_NOMEM;
+        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct, maxr)) {
+            free(first);
+            return ATTNKIT_ERR_NOMEM;
+        }
         for (int64_t t = 0; t < tasks; ++t) RUN_TASK(t);
         free(S.mem);
+        free(first);
         return ATTNKIT_OK;
     }
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         scratch S;
-        int ok = scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct);
+        int ok = scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct, maxr);
         if (!ok) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t)
@@ -709,11 +821,15 @@ ATTNKIT_API int attnkit_paged_decode(
     /* A thread without scratch skipped its tasks: redo everything on this thread. */
     if (failed) {
         scratch S;
-        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct)) return ATTNKIT_ERR_NOMEM;
+        if (!scratch_alloc(&S, P.kv_chunk, P.G, P.Dp, !P.direct, maxr)) {
+            free(first);
+            return ATTNKIT_ERR_NOMEM;
+        }
         for (int64_t t = 0; t < tasks; ++t) RUN_TASK(t);
         free(S.mem);
     }
 #undef RUN_TASK
+    free(first);
     return ATTNKIT_OK;
 }
 

@@ -1,0 +1,248 @@
+/*
+ * The paged decode on AMX tiles (AMX-BF16), included by paged_decode.c after the 16-lane
+ * copy (whose helpers it calls) in a target region that adds amx-tile and amx-bf16; chosen
+ * at run time only where the CPU has the tiles and the OS grants them (amx_ready).
+ *
+ * A task is a group of work items of one request (plan_groups) over a range of kv heads,
+ * as for task_avx512bf16. For one kv head its M = rows x G query heads are blocks of 16
+ * matrix rows (the last one padded), and every tile of 16 keys (one block, one aligned
+ * 16-position window: lane = position mod 16) is:
+ *   - scored as S^T = K Q^T by tdpbf16ps: K's rows are read in place (a partial tile from
+ *     a zero-padded copy), Q^T in bf16 pairs is built once per task;
+ *   - softmaxed vertically: one 16-lane vector per key holds the 16 rows' scores, so the
+ *     max, exp and sums of the online softmax need no horizontal reduction; the float32
+ *     probabilities are transposed into rows and rounded to bf16;
+ *   - accumulated as O += P V by tdpbf16ps into the rows' float32 accumulators (V in key
+ *     pairs, load_v_tile_avx512bf16's unpack order; a row is rescaled first when its max
+ *     grew).
+ * A row's arithmetic depends only on its own keys, positions and query, so it is the same
+ * bits alone (a decode) or in a group (a verify step, a chunk). Keys of the group's range a
+ * row does not see enter its sums as exact zeros (their values are read).
+ */
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tileloadd's asm names no memory: stores to what it reads must not sink below it */
+#define AMX_LOAD(t, p, s)                                                                \
+    do {                                                                                 \
+        __asm__ volatile("" ::: "memory");                                               \
+        _tile_loadd(t, p, s);                                                            \
+    } while (0)
+
+/* Tiles: 0 S^T (16 keys x 16 rows), 1 K (16 keys x 32 columns), 2 Q^T (16 column pairs x
+ * 16 rows), 3 P (16 rows x 16 keys), 4 V (8 key pairs x 16 columns), 5 O (16 rows x 16
+ * columns). */
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    cfg.colsb[3] = 32;
+    cfg.rows[4] = 8;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_t C, scratch *S) {
+    const int64_t G = P->G, D = P->D, Dp = P->Dp, M = R * G, h0 = kv0 * G;
+    const int64_t nblk = (M + 15) / 16, Mp = 16 * nblk, W = D / 16, nch = D / 32;
+    const size_t es = P->esize;
+    if (R == 1 && P->ke[i0] <= P->ks[i0]) { /* no visible key */
+        empty_rows(P, P->rows[i0], h0, C * G);
+        return;
+    }
+    int64_t us = P->ks[i0], ue = P->ke[i0];
+    for (int64_t r = 1; r < R; ++r) {
+        if (P->ks[i0 + r] < us) us = P->ks[i0 + r];
+        if (P->ke[i0 + r] > ue) ue = P->ke[i0 + r];
+    }
+    const int32_t *table = P->bt + (int64_t)P->req[i0] * P->bt_sb;
+    /* per matrix row m (padded to Mp): its key range, query position and head in group */
+    int32_t *lane_ks = (int32_t *)(void *)S->lv, *lane_ke = lane_ks + Mp;
+    float *lane_qp = (float *)(void *)(lane_ke + Mp);
+    int32_t *lane_g = (int32_t *)(void *)(lane_qp + Mp);
+    for (int64_t m = 0; m < Mp; ++m) {
+        const int64_t r = m < M ? m / G : 0;
+        lane_ks[m] = m < M ? P->ks[i0 + r] : 0;
+        lane_ke[m] = m < M ? P->ke[i0 + r] : 0; /* padding rows see nothing */
+        lane_qp[m] = (float)P->qp[i0 + r];
+        lane_g[m] = (int32_t)(m % G);
+    }
+    /* Q^T in bf16 pairs: block (c, b, chunk) at qt + ((c * nblk + b) * nch + chunk) * 256 */
+    uint32_t *qt = (uint32_t *)(void *)S->q;
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t b = 0; b < nblk; ++b)
+            for (int64_t ch = 0; ch < nch; ++ch) {
+                __m512i rr[16];
+                for (int i = 0; i < 16; ++i) {
+                    const int64_t m = 16 * b + i;
+                    if (m < M) {
+                        const int64_t r = m / G, g = m % G;
+                        const char *q = P->q + (size_t)(P->rows[i0 + r] * P->q_st +
+                                                        (h0 + c * G + g) * P->q_sh) * es;
+                        rr[i] = _mm512_loadu_si512((const void *)(q + 64 * ch));
+                    } else {
+                        rr[i] = _mm512_setzero_si512();
+                    }
+                }
+                transpose16_avx512bf16(rr);
+                uint32_t *dst = qt + ((c * nblk + b) * nch + ch) * 256;
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512((void *)(dst + 16 * i), rr[i]);
+            }
+    for (int64_t m = 0; m < C * Mp; ++m) {
+        memset(S->acc + m * Dp, 0, (size_t)Dp * sizeof(float));
+        S->m[m] = -INFINITY;
+        S->l[m] = 0.0f;
+    }
+    amx_configure();
+    float *sbuf = S->s;                     /* S^T: 16 keys x 16 rows */
+    uint16_t *pbuf = S->pb;                 /* P: 16 rows x 16 keys, bf16 */
+    char *kbuf = (char *)(void *)S->kt;     /* a partial tile's K rows, zero-padded */
+    const size_t krow = (size_t)P->k_sr * es, vrow = (size_t)P->v_sr * es;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const int has_cap = P->cap > 0.0f;
+    const float inv_cap = has_cap ? 1.0f / P->cap : 0.0f;
+    for (int64_t pos = us; pos < ue;) {
+        const int64_t base = pos - pos % 16, lb = pos / P->bs;
+        int64_t end = base + 16;
+        if (end > (lb + 1) * P->bs) end = (lb + 1) * P->bs;
+        if (end > ue) end = ue;
+        const int64_t prow = (int64_t)table[lb] * P->bs + (pos - lb * P->bs);
+        const int lo = (int)(pos - base), hi = (int)(end - base);
+        int64_t nrow = -1, nn = 0;
+        if (end < ue) {
+            const int64_t nb = end / P->bs;
+            nn = P->bs - (end - nb * P->bs);
+            if (nn > 16) nn = 16;
+            if (nn > ue - end) nn = ue - end;
+            nrow = (int64_t)table[nb] * P->bs + (end - nb * P->bs);
+        }
+        for (int64_t c = 0; c < C; ++c) {
+            if (nrow >= 0) {
+                const char *kn = P->k + (size_t)(nrow * P->k_sr + (kv0 + c) * P->k_sh) * es;
+                const char *vn = P->v + (size_t)(nrow * P->v_sr + (kv0 + c) * P->v_sh) * es;
+                for (int64_t j = 0; j < nn; ++j)
+                    for (int64_t b = 0; b < D * 2; b += 64) {
+                        _mm_prefetch(kn + j * krow + b, _MM_HINT_T1);
+                        _mm_prefetch(vn + j * vrow + b, _MM_HINT_T1);
+                    }
+            }
+            const char *kt = P->k + (size_t)(prow * P->k_sr + (kv0 + c) * P->k_sh) * es;
+            const char *vt = P->v + (size_t)(prow * P->v_sr + (kv0 + c) * P->v_sh) * es;
+            const char *ka = kt;
+            size_t ks = krow;
+            if (lo != 0 || hi != 16) { /* rows outside the tile are not read */
+                memset(kbuf, 0, (size_t)(32 * D));
+                for (int j = lo; j < hi; ++j) memcpy(kbuf + j * 2 * D, kt + (j - lo) * krow, (size_t)(2 * D));
+                ka = kbuf;
+                ks = (size_t)(2 * D);
+            }
+            load_v_tile_avx512bf16(vt, (int64_t)vrow, lo, hi, D, S->vp);
+            for (int64_t b = 0; b < nblk; ++b) {
+#ifdef ATTNKIT_TEST_DROP_PARTIAL_ROWS /* a broken variant for the tests: a padded block lost */
+                if (M % 16 && b == nblk - 1) continue;
+#endif
+                const int64_t mb = c * Mp + 16 * b; /* the block's first row in the scratch */
+                _tile_zero(0);
+                for (int64_t ch = 0; ch < nch; ++ch) {
+                    AMX_LOAD(1, ka + 64 * ch, ks);
+                    AMX_LOAD(2, qt + ((c * nblk + b) * nch + ch) * 256, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, sbuf, 64);
+                /* the block's rows as lanes */
+                const __m512i vks = _mm512_loadu_si512((const void *)(lane_ks + 16 * b));
+                const __m512i vke = _mm512_loadu_si512((const void *)(lane_ke + 16 * b));
+                const __m512 vqp = _mm512_loadu_ps(lane_qp + 16 * b);
+                __m512 slope = _mm512_setzero_ps();
+                if (P->alibi) {
+                    const __m512i gi = _mm512_loadu_si512((const void *)(lane_g + 16 * b));
+                    slope = _mm512_i32gather_ps(gi, P->alibi + h0 + c * G, 4);
+                }
+                __m512 x[16];
+                __m512 mx = ninf;
+                for (int j = 0; j < 16; ++j) {
+                    if (j < lo || j >= hi) {
+                        x[j] = ninf;
+                        continue;
+                    }
+                    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sbuf + 16 * j), _mm512_set1_ps(P->scale));
+                    if (has_cap) {
+                        float tmp[16];
+                        _mm512_storeu_ps(tmp, v);
+                        for (int i = 0; i < 16; ++i) tmp[i] = P->cap * tanhf(tmp[i] * inv_cap);
+                        v = _mm512_loadu_ps(tmp);
+                    }
+                    const int64_t p = base + j;
+                    if (P->alibi)
+                        v = _mm512_fmadd_ps(slope,
+                                            _mm512_sub_ps(_mm512_set1_ps((float)(p * P->pm + P->pa)), vqp), v);
+                    const __m512i pv = _mm512_set1_epi32((int32_t)p);
+                    const __mmask16 vis = _mm512_cmple_epi32_mask(vks, pv) & _mm512_cmplt_epi32_mask(pv, vke);
+                    x[j] = _mm512_mask_mov_ps(ninf, vis, v);
+                    mx = _mm512_max_ps(mx, x[j]);
+                }
+                const __m512 mold = _mm512_loadu_ps(S->m + mb);
+                const __m512 mnew = _mm512_max_ps(mold, mx);
+                /* rows that saw nothing yet: 0 as the max (their scores are all -inf) */
+                const __m512 msafe = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
+                                                        _mm512_setzero_ps());
+                const __m512 corr = vexp_avx512bf16(_mm512_sub_ps(mold, msafe));
+                __m512 sum = _mm512_setzero_ps();
+                for (int j = 0; j < 16; ++j) {
+                    x[j] = vexp_avx512bf16(_mm512_sub_ps(x[j], msafe));
+                    sum = _mm512_add_ps(sum, x[j]);
+                }
+                _mm512_storeu_ps(S->l + mb, _mm512_fmadd_ps(_mm512_loadu_ps(S->l + mb), corr, sum));
+                _mm512_storeu_ps(S->m + mb, mnew);
+                float cr[16];
+                _mm512_storeu_ps(cr, corr);
+                /* P's rows: the 16 x 16 probabilities transposed, rounded to bf16 */
+                __m512i pr[16];
+                for (int j = 0; j < 16; ++j) pr[j] = _mm512_castps_si512(x[j]);
+                transpose16_avx512bf16(pr);
+                for (int i = 0; i < 16; ++i)
+                    _mm256_storeu_si256((__m256i *)(void *)(pbuf + 16 * i),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(pr[i])));
+                const int64_t nm = M - 16 * b < 16 ? M - 16 * b : 16;
+                for (int64_t i = 0; i < nm; ++i)
+                    if (cr[i] != 1.0f) {
+                        float *a = S->acc + (mb + i) * Dp;
+                        const __m512 cv = _mm512_set1_ps(cr[i]);
+                        for (int64_t w = 0; w < W; ++w)
+                            _mm512_storeu_ps(a + 16 * w, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * w), cv));
+                    }
+                AMX_LOAD(3, pbuf, 32);
+                for (int64_t w = 0; w < W; ++w) {
+                    float *a = S->acc + mb * Dp + 16 * w;
+                    AMX_LOAD(5, a, Dp * 4);
+                    AMX_LOAD(4, S->vp + 32 * w, W * 64);
+                    _tile_dpbf16ps(5, 3, 4);
+                    _tile_stored(5, a, Dp * 4);
+                }
+            }
+        }
+        pos = end;
+    }
+    _tile_release();
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t m0 = c * Mp + r * G;
+            scratch view = *S;
+            view.acc = S->acc + m0 * Dp;
+            view.m = S->m + m0;
+            view.l = S->l + m0;
+            for (int64_t g = 0; g < G; ++g) unpermute_avx512bf16(view.acc + g * Dp, D);
+            finish_rows(P, P->rows[i0 + r], h0 + c * G, G, &view);
+        }
+}
+
+#undef AMX_LOAD
