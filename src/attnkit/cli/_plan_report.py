@@ -122,6 +122,11 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             else f"state {spec.page_size_bytes} B per layer, "
         )
         per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
+        if group.block_owner is not None:
+            size += f"block ids of group {group.block_owner} (one table for both), "
+            per_request = (
+                f"{g.kernel_blocks_per_request} kernel block(s) (group {group.block_owner}'s)"
+            )
         out.write(
             f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
             f"{g.layout}, at most {per_request} per request\n"
@@ -131,14 +136,20 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         f"{plan.max_num_batched_tokens}):\n"
     )
     sets = ", ".join(f"{name} {count}" for name, count in sorted(plan.buffers.items()))
+    shared = (
+        f" + {plan.shared_bytes_per_page} B in the own buffers of groups sharing its ids"
+        if plan.shared_bytes_per_page
+        else ""
+    )
     lines = [
         (
             "page",
             f"{plan.page_size_bytes} B in {sum(plan.buffers.values())} layer buffer(s)"
-            f" ({sets or 'none'}) = {_bytes(plan.bytes_per_block)} per block",
+            f" ({sets or 'none'}){shared} = {_bytes(plan.bytes_per_block)} per block",
         ),
         ("KV per token", f"{_bytes(plan.kv_bytes_per_token)} (attention layers)"),
     ]
+    lines.extend(_shared_pool_lines(plan))
     for g in plan.groups:
         if g.per_request_cap_bytes is None:
             continue
@@ -151,7 +162,15 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     lines.append(("state per request", _bytes(plan.state_bytes_per_request)))
-    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in plan.groups)
+    per_group = ", ".join(
+        f"group {g.group.group_id}: "
+        + (
+            f"{g.blocks_per_request}"
+            if g.group.block_owner is None
+            else f"group {g.group.block_owner}'s"
+        )
+        for g in plan.groups
+    )
     lines.append(
         (
             "blocks per request",
@@ -185,6 +204,33 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
     if plan.per_rank.world_size > 1:
         _write_per_rank(out, plan)
+
+
+def _shared_pool_lines(plan: ModelPlan) -> list[tuple[str, str]]:
+    """A pool line per group that shares an owner's block ids (DeepSeek sparse
+    attention's index cache): its own buffers, their bytes per block and in the pool."""
+    lines: list[tuple[str, str]] = []
+    for g in plan.groups:
+        group = g.group
+        if group.block_owner is None or not group.has_cache:
+            continue
+        layers = len(group.layer_names)
+        per_block = group.blocks_per_page * group.spec.page_size_bytes * layers
+        share = per_block / plan.bytes_per_block if plan.bytes_per_block else 0.0
+        pool = (
+            f"; {_bytes(per_block * plan.num_blocks)} of the pool"
+            if plan.num_blocks is not None
+            else ""
+        )
+        lines.append(
+            (
+                f"group {group.group_id} pool",
+                f"{group.kind.value} cache in its own buffers, block ids of group "
+                f"{group.block_owner}: {group.spec.page_size_bytes} B per kernel block x "
+                f"{layers} layer(s) = {per_block} B of each block ({share:.1%}){pool}",
+            )
+        )
+    return lines
 
 
 def _prefix_line(plan: ModelPlan) -> str:
@@ -296,8 +342,7 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
         ),
         (
             "KV per token",
-            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds "
-            "the token)",
+            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds the token)",
         ),
     ]
     if cp > 1 and any(g.context_sharded for g in rank.groups):

@@ -25,6 +25,7 @@ from ..spec import (
     FullAttentionSpec,
     IndexerSpec,
     KVCacheDType,
+    KVCacheSpecKind,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
@@ -359,6 +360,8 @@ class _IndexerRules(_AttentionRules[IndexerSpec]):
 
     no_planes_because = "an index cache holds one quantised row per token, not K and V"
     tp_replicated = True
+    # The selection's global slot ids are the MLA cache's: one table for both.
+    shares_blocks_with = frozenset({KVCacheSpecKind.MLA_ATTENTION})
 
     @override
     def cache_shapes(

@@ -162,7 +162,13 @@ class StepHost(SpeculativeCalls):
         )
         try:
             for entry in self._groups:
-                entry.common = self._common_metadata(entry.group, rows, lens, shared)
+                owner = entry.group.block_owner
+                if owner is not None:
+                    # Shared block ids: the owner's table and slots (owners come first).
+                    entry.common = self._groups[owner].common
+                    assert entry.common is not None
+                else:
+                    entry.common = self._common_metadata(entry.group, rows, lens, shared)
                 entry.common.draft_tree = tree
                 if mm_tensors is not None and entry.group.group_id in self._mm_groups:
                     entry.common = dataclasses.replace(
