@@ -5,8 +5,9 @@ growth, preemption and prefix hits), each with its own page size, so a selection
 global slot ids index the latent cache as they are. Checked end to end against a dense
 float64 oracle written here (scores over each request's whole history, the documented
 top-k rule as a mask, softmax attention under it), and the accounting: the pool's
-bytes are both caches' tensors. Two broken variants (the indexer given its own block
-ids again; the slots mapped through the table a second time) are shown caught.
+bytes are both caches' tensors; offloaded pages carry the index rows with the latents.
+Broken variants (the indexer given its own block ids again; the slots mapped through
+the table a second time; offload pages without the index rows) are shown caught.
 """
 
 from __future__ import annotations
@@ -370,3 +371,66 @@ def test_broken_the_mapping_applied_twice_is_caught(monkeypatch: pytest.MonkeyPa
     found = [p for problems in scenario(make_runtime()) for p in problems]
     assert any("expected" in p for p in found)
     assert not any("its indexer" in p for p in found)  # the ids are shared; the slots are wrong
+
+
+# ---------------------------------------------------------------------------- offload
+
+
+def offload_scenario(runtime: AttentionRuntime) -> tuple[int, list[str]]:
+    """a's prompt cached, evicted to the host tier by a request that takes every block
+    (whose cache is then overwritten), and read back by b's hit: b's steps against the
+    oracle over a's tokens. Returns b's hit and the problems."""
+    gen = torch.Generator().manual_seed(11)
+    history = History()
+    prompt = list(range(200, 211))
+    first = runtime.match_prefix(prompt)
+    problems = run_step(runtime, history, [ScheduledRequest("a", 11, prefix=first)], gen)
+    runtime.free(["a"], token_ids={"a": prompt})
+    usable = runtime.manager.pool.num_blocks - 1
+    runtime.begin_step([ScheduledRequest("x", usable * BS)])  # evicts every cached block
+    runtime.discard_step()
+    for tensors in runtime.kv_caches.values():
+        for t in tensors:
+            t.view(torch.uint8)[BS:].fill_(0xFF)  # NaN everywhere past the null blocks
+    runtime.free(["x"])
+    match = runtime.match_prefix([*prompt, 7, 8])
+    history.copy_prefix("a", "b", match.num_tokens)
+    problems += run_step(
+        runtime, history, [ScheduledRequest("b", 13 - match.num_tokens, prefix=match)], gen
+    )
+    problems += run_step(runtime, history, [ScheduledRequest("b", 1)], gen)
+    return match.num_tokens, problems
+
+
+def offloading_runtime() -> AttentionRuntime:
+    from attnkit import HostMemoryTier
+
+    return AttentionRuntime(
+        specs(),
+        AttentionConfig(prefix_caching={"enabled": True}),
+        device="cpu",
+        memory_budget_bytes=16 * 2 * (BS * WIDTH * 4 + BS * 132),
+        layer_params=params(),
+        cache_fill=float("nan"),
+        kv_connector=HostMemoryTier(1 << 20),
+    )
+
+
+def test_offloaded_pages_carry_the_index_rows_with_the_latents() -> None:
+    runtime = offloading_runtime()
+    hit, problems = offload_scenario(runtime)
+    assert hit == 8
+    assert runtime.prefix_cache_stats().offload_loads >= 2  # the hit came from the tier
+    assert problems == []
+
+
+def test_broken_offload_without_the_index_rows_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.runtime._base import RuntimeBase
+
+    def owners_only(self: RuntimeBase, group_id: int) -> tuple[str, ...]:
+        return self._groups[group_id].group.layer_names
+
+    monkeypatch.setattr(RuntimeBase, "_block_layers", owners_only)
+    hit, problems = offload_scenario(offloading_runtime())
+    assert hit == 8
+    assert problems != []
