@@ -193,7 +193,9 @@ def make_spec(kind: KVCacheSpecKind, block_size: int, param: int) -> KVCacheSpec
         return CrossAttentionSpec(num_kv_heads=HEADS, **attn)
     if kind is K.INDEXER:
         # param is no extent of the kind; the example keeps half a block per query
-        return IndexerSpec(block_size=block_size, dtype=torch.float16, index_topk=max(1, block_size // 2))
+        return IndexerSpec(
+            block_size=block_size, dtype=torch.float16, index_topk=max(1, block_size // 2)
+        )
     return MambaSpec(
         block_size=block_size,
         shapes=((param, 3), (2, param, 4)),
@@ -260,9 +262,7 @@ def as_lens(computed: list[int], query: list[int], encoder: list[int]) -> StepLe
     return StepLens(arr(computed), arr(query), arr(encoder))
 
 
-def per_request(
-    result: np.ndarray[Any, Any], n: int
-) -> list[int]:
+def per_request(result: np.ndarray[Any, Any], n: int) -> list[int]:
     """A rules method's result as a list, after checking it is one int per request."""
     assert isinstance(result, np.ndarray)
     assert result.shape == (n,)
@@ -277,9 +277,7 @@ def per_request(
 @pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_rules_agree_with_the_scalar_definition(
-    kind: KVCacheSpecKind, data: st.DataObject
-) -> None:
+def test_rules_agree_with_the_scalar_definition(kind: KVCacheSpecKind, data: st.DataObject) -> None:
     spec = data.draw(specs(kind), label="spec")
     computed, query, encoder = data.draw(step_lens(spec), label="computed, query, encoder")
     n = len(computed)
@@ -411,12 +409,18 @@ def test_window_chunk_and_sink_boundaries(
 
 ADMISSION_CASES = [
     pytest.param(
-        K.ENCODER_ONLY_ATTENTION, [0, 0, 5, 7], [0, 0, 0, 0], (2, "was already encoded"),
+        K.ENCODER_ONLY_ATTENTION,
+        [0, 0, 5, 7],
+        [0, 0, 0, 0],
+        (2, "was already encoded"),
         id="encoder-only-second-step",
     ),
     pytest.param(K.ENCODER_ONLY_ATTENTION, [0, 0], [0, 0], None, id="encoder-only-all-new"),
     pytest.param(
-        K.CROSS_ATTENTION, [3, 0, 0], [0, 4, 0], (2, "encoder_len must be >= 1, got 0"),
+        K.CROSS_ATTENTION,
+        [3, 0, 0],
+        [0, 4, 0],
+        (2, "encoder_len must be >= 1, got 0"),
         id="cross-new-without-encoder",
     ),
     pytest.param(
@@ -443,7 +447,6 @@ def test_admission_problems_cases(
         assert problem is not None
         assert problem[0] == expected[0]
         assert expected[1] in problem[1]
-
 
 
 # ---------------------------------------------------------------------------- what a kind declares
@@ -532,7 +535,6 @@ def test_the_import_check_names_a_kind_without_rules() -> None:
         kinds_module._registry(*without)
     with pytest.raises(TypeError, match="kind full_attention has two KindRules"):
         kinds_module._registry(*every, every[0])
-
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Elsewhere(FullAttentionSpec):  # full_attention, but not spec.py's class
@@ -664,7 +666,12 @@ def test_a_slot_on_the_null_block_is_a_manager_bug() -> None:
         pytest.param(K.FULL_ATTENTION, 8, 4, 2, 1, "K/V heads 8 -> 2 per rank", id="split"),
         pytest.param(K.SLIDING_WINDOW, 8, 8, 1, 1, "K/V heads 8 -> 1 per rank", id="one-each"),
         pytest.param(
-            K.CROSS_ATTENTION, 2, 8, 1, 4, "K/V heads 2 -> 1 per rank (each on 4 ranks)",
+            K.CROSS_ATTENTION,
+            2,
+            8,
+            1,
+            4,
+            "K/V heads 2 -> 1 per rank (each on 4 ranks)",
             id="replicated",
         ),
         pytest.param(K.ENCODER_ONLY_ATTENTION, 4, 1, 4, 1, "K/V heads 4 -> 4 per rank", id="tp1"),
@@ -728,8 +735,12 @@ def test_example_spec_is_the_kinds_spec(kind: KVCacheSpecKind) -> None:
     assert spec == make_spec(kind, 4, 3)  # the extent lands in the kind's own field
     assert type(spec) is type(make_spec(kind, 4, 3))
     fp8 = rules.example_spec(
-        block_size=4, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16,
-        kv_cache_dtype="fp8_e4m3", extent=3,
+        block_size=4,
+        num_kv_heads=heads,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        kv_cache_dtype="fp8_e4m3",
+        extent=3,
     )
     assert fp8.kv_cache_dtype == "fp8_e4m3"
 
@@ -749,10 +760,28 @@ def test_example_extents_sit_at_block_edges() -> None:
     assert rules_for_kind(K.FULL_ATTENTION).example_extents(4) == ()
     assert rules_for_kind(K.SLIDING_WINDOW).example_extents(4) == (1, 2, 3, 4, 5, 7, 8, 9)
     assert rules_for_kind(K.SLIDING_WINDOW_MLA).example_extents(16) == (
-        1, 2, 3, 5, 15, 16, 17, 31, 32, 33,
+        1,
+        2,
+        3,
+        5,
+        15,
+        16,
+        17,
+        31,
+        32,
+        33,
     )
     assert rules_for_kind(K.CHUNKED_LOCAL_ATTENTION).example_extents(16) == (
-        1, 2, 4, 8, 15, 16, 17, 31, 32, 33,
+        1,
+        2,
+        4,
+        8,
+        15,
+        16,
+        17,
+        31,
+        32,
+        33,
     )
     assert rules_for_kind(K.SINK_FULL_ATTENTION).example_extents(4) == (1, 3, 4, 5)
 
@@ -770,3 +799,54 @@ def test_example_layer_params_of_sink_tokens() -> None:
     assert shapes == [(3, HEADS, HEAD_SIZE)] * 2  # [sink_len, Hkv, D], key then value
     full = make_spec(K.FULL_ATTENTION, 4, 3)
     assert rules_for(full).example_layer_params(full, draw) == {}
+
+
+# ---------------------------------------------------------------- one row per token
+
+
+def _token_row_facts() -> list[str]:
+    """What the kinds caching one row per token answer, against figures written here:
+    MLA latents (576 wide, bf16), sliding-window MLA, DSA index rows (128 + 4 B)."""
+    mla = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
+    window = SlidingWindowMLASpec(
+        block_size=16, head_size=576, dtype=torch.bfloat16, sliding_window=64
+    )
+    index = IndexerSpec(block_size=16, dtype=torch.bfloat16)
+    expected = [
+        (mla, (7, 16, 576), True, "MLA latent (576 per token) shared by all heads"),
+        (window, (7, 16, 576), True, "MLA latent (576 per token) shared by all heads"),
+        (index, (7, 16, 132), False, "index keys (132 B per token) read by every indexer head"),
+    ]
+    problems: list[str] = []
+    for spec, shape, latent, detail in expected:
+        rules = rules_for(spec)
+        split = rules.tensor_split(spec, 4, "x")
+        got = (
+            rules.cache_shapes(spec, 7),
+            rules.latent,
+            rules.tp_replicated,
+            (split.spec, split.kv_heads, split.kv_replicas, split.detail),
+        )
+        want = (
+            (shape,),
+            latent,
+            True,
+            (spec, 1, 4, f"{detail}: replicated on every tensor-parallel rank"),
+        )
+        if got != want:
+            problems.append(f"{spec.kind.value}: {got} != {want}")
+        with pytest.raises(ValueError, match=r"one (latent|quantised row) per token"):
+            rules.cache_shapes(spec, 7, "planes")
+    return problems
+
+
+def test_token_row_kinds_answer_as_before_the_merge() -> None:
+    assert _token_row_facts() == []
+
+
+def test_broken_token_row_width_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.kinds import _attention
+
+    # The indexer's rows measured as the MLA's: its head size, not its row bytes.
+    monkeypatch.setattr(_attention._IndexerRules, "row_width", _attention._TokenRowRules.row_width)
+    assert [p.split(":")[0] for p in _token_row_facts()] == ["indexer"]
