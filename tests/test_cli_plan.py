@@ -174,6 +174,22 @@ def test_deepseek_v32_plans_the_indexer_cache_as_its_own_group() -> None:
         f"per kernel block x 61 layer(s) = 128832 B of each block (10.3%); {blocks * 128832} B"
     ) in text
     assert "blocks per request:  2048 (group 0: 2048, group 1: group 0's)" in text
+    # Per rank: the same pairing, the index rows replicated with the latents.
+    status, text, err = run(
+        [
+            "plan",
+            str(CONFIGS / "deepseek-v3.2-exp.json"),
+            "--gpu-memory",
+            "80GiB",
+            "--tensor-parallel",
+            "2",
+        ]
+    )
+    assert (status, err) == (0, "")
+    ranked = text[text.index("groups on each rank:") :]
+    assert "group 1 (indexer): block size 16, 1 K/V head(s), block ids of group 0" in ranked
+    assert "+ 128832 B in the own buffers of groups sharing its ids = 1253184 B" in ranked
+    assert "-> 68544 blocks" in ranked
 
 
 def test_deepseek_v32_plan_refuses_context_parallelism() -> None:

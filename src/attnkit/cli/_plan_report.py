@@ -124,9 +124,7 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
         if group.block_owner is not None:
             size += f"block ids of group {group.block_owner} (one table for both), "
-            per_request = (
-                f"{g.kernel_blocks_per_request} kernel block(s) (group {group.block_owner}'s)"
-            )
+            per_request = _shared_per_request(g.kernel_blocks_per_request, group)
         out.write(
             f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
             f"{g.layout}, at most {per_request} per request\n"
@@ -136,16 +134,12 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         f"{plan.max_num_batched_tokens}):\n"
     )
     sets = ", ".join(f"{name} {count}" for name, count in sorted(plan.buffers.items()))
-    shared = (
-        f" + {plan.shared_bytes_per_page} B in the own buffers of groups sharing its ids"
-        if plan.shared_bytes_per_page
-        else ""
-    )
     lines = [
         (
             "page",
             f"{plan.page_size_bytes} B in {sum(plan.buffers.values())} layer buffer(s)"
-            f" ({sets or 'none'}){shared} = {_bytes(plan.bytes_per_block)} per block",
+            f" ({sets or 'none'}){_shared(plan.shared_bytes_per_page)} = "
+            f"{_bytes(plan.bytes_per_block)} per block",
         ),
         ("KV per token", f"{_bytes(plan.kv_bytes_per_token)} (attention layers)"),
     ]
@@ -162,15 +156,7 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     lines.append(("state per request", _bytes(plan.state_bytes_per_request)))
-    per_group = ", ".join(
-        f"group {g.group.group_id}: "
-        + (
-            f"{g.blocks_per_request}"
-            if g.group.block_owner is None
-            else f"group {g.group.block_owner}'s"
-        )
-        for g in plan.groups
-    )
+    per_group = ", ".join(_group_blocks(g.group, g.blocks_per_request) for g in plan.groups)
     lines.append(
         (
             "blocks per request",
@@ -204,6 +190,26 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
     if plan.per_rank.world_size > 1:
         _write_per_rank(out, plan)
+
+
+def _shared(shared_bytes_per_page: int) -> str:
+    """`` + 128832 B in ...`` on the page line when groups share an owner's block ids."""
+    if not shared_bytes_per_page:
+        return ""
+    return f" + {shared_bytes_per_page} B in the own buffers of groups sharing its ids"
+
+
+def _group_blocks(group: KVCacheGroup, blocks: int) -> str:
+    """``group 0: 2048`` in "blocks per request"; ``group 1: group 0's`` for a group that
+    shares its owner's block ids (it holds none of its own)."""
+    if group.block_owner is None:
+        return f"group {group.group_id}: {blocks}"
+    return f"group {group.group_id}: group {group.block_owner}'s"
+
+
+def _shared_per_request(kernel_blocks: int, group: KVCacheGroup) -> str:
+    """A sharing group's per-request figure: its owner's kernel block ids."""
+    return f"{kernel_blocks} kernel block(s) (group {group.block_owner}'s)"
 
 
 def _shared_pool_lines(plan: ModelPlan) -> list[tuple[str, str]]:
@@ -329,6 +335,9 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
         else:
             size = f"state {spec.page_size_bytes} B per layer, "
         per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
+        if group.block_owner is not None:
+            size += f"block ids of group {group.block_owner}, "
+            per_request = _shared_per_request(g.kernel_blocks_per_request, group)
         out.write(
             f"  {g.describe()}: {size}{len(group.layer_names)} layer(s), at most "
             f"{per_request} per request\n"
@@ -338,7 +347,8 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
         (
             "page",
             f"{rank.page_size_bytes} B in {sum(rank.buffers.values())} layer buffer(s)"
-            f" ({sets or 'none'}) = {_bytes(rank.bytes_per_block)} per block",
+            f" ({sets or 'none'}){_shared(rank.shared_bytes_per_page)} = "
+            f"{_bytes(rank.bytes_per_block)} per block",
         ),
         (
             "KV per token",
@@ -362,7 +372,7 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
                 )
             )
     lines.append(("state per request", _bytes(rank.state_bytes_per_request)))
-    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in rank.groups)
+    per_group = ", ".join(_group_blocks(g.group, g.blocks_per_request) for g in rank.groups)
     lines.append(
         (
             "blocks per request",

@@ -134,8 +134,8 @@ def _rank_plan(
     if shared and cp > 1:
         g = shared[0]
         raise InvalidArgumentError(
-            f"plan_model: context_parallel={cp}: {_where(g)} ({g.kind.value}) shares the block "
-            f"ids of group {g.block_owner}, whose cache decode context parallelism would "
+            f"plan_model: context_parallel={cp}: {_where(g)}, of kind {g.kind.value}, shares "
+            f"the block ids of group {g.block_owner}, whose cache decode context parallelism would "
             f"shard while its own stays whole; DeepSeek sparse attention does not run with "
             f"context parallelism (plan it with context_parallel=1)"
         )
