@@ -270,6 +270,11 @@ def test_a_prefix_hit_is_a_hit_for_both_caches() -> None:
     # Both groups' pages in one namespace: the indexer group names nothing of its own.
     assert runtime.manager.cached_slabs[0] is not None
     assert len(runtime.manager.cached_slabs) == 1
+    # The report's cached bytes: each named block's latents and index rows, 2 layers each.
+    mla, idx = runtime.memory_report().groups
+    assert mla.cached_blocks is not None
+    assert mla.cached_bytes == mla.cached_blocks * 2 * (BS * WIDTH * 4 + BS * 132)
+    assert (idx.cached_blocks, idx.cached_bytes) == (None, None)
 
 
 def test_page_descriptors_carry_the_index_rows_with_the_latents() -> None:

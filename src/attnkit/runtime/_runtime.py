@@ -474,10 +474,17 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             return {}
         named = len(slab.name_of)
         block_bytes = self.page_size_bytes // group.blocks_per_page
+        # A named block holds the rows of the groups sharing its ids too (their own
+        # buffers, one kernel block of their page per layer).
+        beside = sum(
+            e.group.spec.page_size_bytes * len(e.group.layer_names)
+            for e in self._groups
+            if e.group.block_owner == group.group_id
+        )
         return {
             "cached_blocks": named,
             "cached_free_blocks": slab.num_cached_free(),
-            "cached_bytes": named * block_bytes * len(group.layer_names),
+            "cached_bytes": named * (block_bytes * len(group.layer_names) + beside),
         }
 
     def backend_for(self, layer_name: str) -> type[AttentionBackend]:
