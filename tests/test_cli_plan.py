@@ -146,16 +146,61 @@ def test_deepseek_v32_plans_the_indexer_cache_as_its_own_group() -> None:
     plan = plan_of("deepseek-v3.2-exp", max_model_len=163840)
     kinds = [g.group.kind.value for g in plan.groups]
     assert kinds == ["mla_attention", "indexer"]
-    # pages: MLA 16 * 576 * 2 = 18432 = 2**11 * 9, indexer 16 * 132 = 2112 = 2**6 * 3 * 11;
-    # one page holds both: lcm = 2**11 * 9 * 11 = 202752 (11 MLA blocks, 96 indexer blocks)
-    assert plan.page_size_bytes == 202752
-    assert [g.group.blocks_per_page for g in plan.groups] == [11, 96]
+    # The indexer shares the MLA group's block ids: the page is the MLA page, 16 * 576 * 2
+    # = 18432 B, one kernel block each; the index rows (16 * 132 = 2112 B per block and
+    # layer) are in buffers of their own, counted beside each block.
+    assert plan.page_size_bytes == 18432
+    assert [g.group.block_owner for g in plan.groups] == [None, 0]
+    assert [g.group.blocks_per_page for g in plan.groups] == [1, 1]
+    assert plan.shared_bytes_per_page == 61 * 2112
+    assert plan.bytes_per_block == 61 * 18432 + 61 * 2112
     # 61 * (576 * 2 + 128 + 4): the indexer's 132 bytes counted per token
     assert plan.kv_bytes_per_token == 78324
-    status, text, err = run(["plan", str(CONFIGS / "deepseek-v3.2-exp.json")])
+    # A request holds its 163840 / 16 = 10240 MLA blocks; the index rows hold none apart.
+    assert [g.blocks_per_request for g in plan.groups] == [10240, 0]
+    assert [g.kernel_blocks_per_request for g in plan.groups] == [10240, 10240]
+    assert plan.blocks_per_request == 10240
+    status, text, err = run(
+        ["plan", str(CONFIGS / "deepseek-v3.2-exp.json"), "--gpu-memory", "80GiB"]
+    )
     assert (status, err) == (0, "")
     assert "indexer (IndexerSpec)" in text
     assert "model.layers.0.self_attn.indexer" in text
+    # 80 GiB // (61 * 20544 B) = 68544 blocks; the index cache's own pool line.
+    assert "-> 68544 blocks" in text
+    blocks = 85899345920 // (61 * 20544)
+    assert (
+        "group 1 pool:        indexer cache in its own buffers, block ids of group 0: 2112 B "
+        f"per kernel block x 61 layer(s) = 128832 B of each block (10.3%); {blocks * 128832} B"
+    ) in text
+    assert "blocks per request:  2048 (group 0: 2048, group 1: group 0's)" in text
+    # Per rank: the same pairing, the index rows replicated with the latents.
+    status, text, err = run(
+        [
+            "plan",
+            str(CONFIGS / "deepseek-v3.2-exp.json"),
+            "--gpu-memory",
+            "80GiB",
+            "--tensor-parallel",
+            "2",
+        ]
+    )
+    assert (status, err) == (0, "")
+    ranked = text[text.index("groups on each rank:") :]
+    assert "group 1 (indexer): block size 16, 1 K/V head(s), block ids of group 0" in ranked
+    assert "+ 128832 B in the own buffers of groups sharing its ids = 1253184 B" in ranked
+    assert "-> 68544 blocks" in ranked
+
+
+def test_deepseek_v32_plan_refuses_context_parallelism() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"context_parallel=2.*shares the block ids"):
+        plan_model(
+            layout_from_hf_config(CONFIGS / "deepseek-v3.2-exp.json"),
+            AttentionConfig(),
+            device="cpu",
+            registry=reference_only(),
+            context_parallel=2,
+        )
 
 
 def test_qwen3_next_hybrid_puts_attention_blocks_in_pages() -> None:

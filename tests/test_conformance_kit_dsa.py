@@ -55,9 +55,8 @@ class _OneShort(ReferenceIndexerImpl):
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: IndexerMetadata,
         selection: SparseSelection,
-        paired_block_table: torch.Tensor | None = None,
     ) -> SparseSelection:
-        out = super().select(query, key, weights, kv_cache, attn_metadata, selection, paired_block_table)
+        out = super().select(query, key, weights, kv_cache, attn_metadata, selection)
         full = out.lens == out.topk
         last = out.indices[:, -1]
         last.copy_(torch.where(full, torch.full_like(last, -1), last))

@@ -831,3 +831,54 @@ def test_example_layer_params_of_sink_tokens() -> None:
     assert shapes == [(3, HEADS, HEAD_SIZE)] * 2  # [sink_len, Hkv, D], key then value
     full = make_spec(K.FULL_ATTENTION, 4, 3)
     assert rules_for(full).example_layer_params(full, draw) == {}
+
+
+# ---------------------------------------------------------------- one row per token
+
+
+def _token_row_facts() -> list[str]:
+    """What the kinds caching one row per token answer, against figures written here:
+    MLA latents (576 wide, bf16), sliding-window MLA, DSA index rows (128 + 4 B)."""
+    mla = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
+    window = SlidingWindowMLASpec(
+        block_size=16, head_size=576, dtype=torch.bfloat16, sliding_window=64
+    )
+    index = IndexerSpec(block_size=16, dtype=torch.bfloat16)
+    expected = [
+        (mla, (7, 16, 576), True, "MLA latent (576 per token) shared by all heads"),
+        (window, (7, 16, 576), True, "MLA latent (576 per token) shared by all heads"),
+        (index, (7, 16, 132), False, "index keys (132 B per token) read by every indexer head"),
+    ]
+    problems: list[str] = []
+    for spec, shape, latent, detail in expected:
+        rules = rules_for(spec)
+        split = rules.tensor_split(spec, 4, "x")
+        got = (
+            rules.cache_shapes(spec, 7),
+            rules.latent,
+            rules.tp_replicated,
+            (split.spec, split.kv_heads, split.kv_replicas, split.detail),
+        )
+        want = (
+            (shape,),
+            latent,
+            True,
+            (spec, 1, 4, f"{detail}: replicated on every tensor-parallel rank"),
+        )
+        if got != want:
+            problems.append(f"{spec.kind.value}: {got} != {want}")
+        with pytest.raises(ValueError, match=r"one (latent|quantised row) per token"):
+            rules.cache_shapes(spec, 7, "planes")
+    return problems
+
+
+def test_token_row_kinds_answer_as_before_the_merge() -> None:
+    assert _token_row_facts() == []
+
+
+def test_broken_token_row_width_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.kinds import _attention
+
+    # The indexer's rows measured as the MLA's: its head size, not its row bytes.
+    monkeypatch.setattr(_attention._IndexerRules, "row_width", _attention._TokenRowRules.row_width)
+    assert [p.split(":")[0] for p in _token_row_facts()] == ["indexer"]

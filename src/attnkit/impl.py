@@ -173,15 +173,14 @@ class IndexerImpl(AttentionImpl[M_contra, IndexerSpec, PA_co]):
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: M_contra,
         selection: SparseSelection,
-        paired_block_table: torch.Tensor | None = None,
     ) -> SparseSelection:
         """Write ``key`` ``[T, 1, D]`` (the step's index keys) into ``kv_cache`` and fill
         the first ``T`` rows of ``selection`` from the scores ``sum_j weights[t, j] *
         relu(query[t, j] . k[s])`` (query ``[T, H, D]``, weights ``[T, H]``).
 
-        The slots are of the paired MLA group: its block table ``paired_block_table``
-        (``[B, MB]``, the step's requests in the same order), or this group's own when
-        ``None`` (the two share block ids). Returns ``selection.rows(T)``.
+        The indexer group shares its MLA group's block ids, so the slots made from
+        ``attn_metadata``'s block table are the MLA cache's as they are (no mapping).
+        Returns ``selection.rows(T)``.
         """
 
     @override

@@ -29,7 +29,9 @@ STEPS = [[("a", 13), ("b", 7)], [("a", 6), ("c", 9)], [("a", 1), ("b", 1), ("c",
 def _runtime(backend: str) -> AttentionRuntime:
     specs = {
         "mla": MLAAttentionSpec(block_size=BS, head_size=24, dtype=torch.float32),
-        "mla.indexer": IndexerSpec(block_size=BS, head_size=DIM, dtype=torch.float32, index_topk=TOPK),
+        "mla.indexer": IndexerSpec(
+            block_size=BS, head_size=DIM, dtype=torch.float32, index_topk=TOPK
+        ),
     }
     params = {
         "mla": AttentionLayerParams(num_heads=2, v_head_size=16, scale=0.2, index_topk=TOPK),
@@ -67,7 +69,7 @@ def _run(backend: str, budget: int, sizes: list[tuple[int, int]]) -> list[torch.
         qi = torch.randn(t, HEADS, DIM, generator=gen)
         ki = torch.randn(t, 1, DIM, generator=gen)
         w = torch.randn(t, HEADS, generator=gen)
-        sel = runtime.select("mla.indexer", qi, ki, w, paired="mla")
+        sel = runtime.select("mla.indexer", qi, ki, w)
         out.append(sel.indices.clone())
         _check_oracle(batch, qi, ki, w, sel.indices, keys, runtime)
     return out
@@ -121,7 +123,9 @@ def test_chunked_selection_equals_the_oracle_within_the_budget(
         assert torch.equal(a, b)
 
 
-def _chunks_without_the_cut(md: _indexer.IndexerMetadata, n: int, budget: int) -> list[_indexer._Chunk]:
+def _chunks_without_the_cut(
+    md: _indexer.IndexerMetadata, n: int, budget: int
+) -> list[_indexer._Chunk]:
     """A chunking that keeps each request's whole context length: the chunk's tokens
     take positions past their own, so they see tokens after them."""
     chunks = _own_chunks(md, n, budget)

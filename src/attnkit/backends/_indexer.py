@@ -108,7 +108,6 @@ class IndexerKernelImpl(IndexerImpl[IndexerMetadata, AttentionLayerParams]):
         kv_cache: Sequence[torch.Tensor],
         attn_metadata: IndexerMetadata,
         selection: SparseSelection,
-        paired_block_table: torch.Tensor | None = None,
     ) -> SparseSelection:
         md, spec = attn_metadata, self.kv_cache_spec
         n = md.num_actual_tokens
@@ -130,7 +129,8 @@ class IndexerKernelImpl(IndexerImpl[IndexerMetadata, AttentionLayerParams]):
                 f"{list(weights.shape)}"
             )
         self._write(key[:n], kv_cache[0], md.slot_mapping[:n])
-        paired = md.block_table if paired_block_table is None else paired_block_table
+        # One block table for both groups (shared block ids): the slots the top-k makes
+        # from it are the MLA cache's global slot ids, as they are.
         out = selection.rows(n)
         for chunk in _chunks(md, n, self.logits_budget_bytes):
             a, b = chunk.start, chunk.end
@@ -148,7 +148,7 @@ class IndexerKernelImpl(IndexerImpl[IndexerMetadata, AttentionLayerParams]):
                 logits,
                 query_start_loc=chunk.query_start_loc,
                 seq_lens=chunk.seq_lens,
-                block_table=paired[chunk.requests],
+                block_table=md.block_table[chunk.requests],
                 block_size=spec.block_size,
                 topk=spec.index_topk,
                 window=md.window,

@@ -122,6 +122,9 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             else f"state {spec.page_size_bytes} B per layer, "
         )
         per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
+        if group.block_owner is not None:
+            size += f"block ids of group {group.block_owner} (one table for both), "
+            per_request = _shared_per_request(g.kernel_blocks_per_request, group)
         out.write(
             f"  group {group.group_id}: {size}{len(group.layer_names)} layer(s), layout "
             f"{g.layout}, at most {per_request} per request\n"
@@ -135,10 +138,12 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
         (
             "page",
             f"{plan.page_size_bytes} B in {sum(plan.buffers.values())} layer buffer(s)"
-            f" ({sets or 'none'}) = {_bytes(plan.bytes_per_block)} per block",
+            f" ({sets or 'none'}){_shared(plan.shared_bytes_per_page)} = "
+            f"{_bytes(plan.bytes_per_block)} per block",
         ),
         ("KV per token", f"{_bytes(plan.kv_bytes_per_token)} (attention layers)"),
     ]
+    lines.extend(_shared_pool_lines(plan))
     for g in plan.groups:
         if g.per_request_cap_bytes is None:
             continue
@@ -151,7 +156,7 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
             )
         )
     lines.append(("state per request", _bytes(plan.state_bytes_per_request)))
-    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in plan.groups)
+    per_group = ", ".join(_group_blocks(g.group, g.blocks_per_request) for g in plan.groups)
     lines.append(
         (
             "blocks per request",
@@ -185,6 +190,53 @@ def write_plan(out: TextIO, plan: ModelPlan, title: str) -> None:
     out.writelines(f"  {(label + ':').ljust(width)} {text}\n" for label, text in lines)
     if plan.per_rank.world_size > 1:
         _write_per_rank(out, plan)
+
+
+def _shared(shared_bytes_per_page: int) -> str:
+    """`` + 128832 B in ...`` on the page line when groups share an owner's block ids."""
+    if not shared_bytes_per_page:
+        return ""
+    return f" + {shared_bytes_per_page} B in the own buffers of groups sharing its ids"
+
+
+def _group_blocks(group: KVCacheGroup, blocks: int) -> str:
+    """``group 0: 2048`` in "blocks per request"; ``group 1: group 0's`` for a group that
+    shares its owner's block ids (it holds none of its own)."""
+    if group.block_owner is None:
+        return f"group {group.group_id}: {blocks}"
+    return f"group {group.group_id}: group {group.block_owner}'s"
+
+
+def _shared_per_request(kernel_blocks: int, group: KVCacheGroup) -> str:
+    """A sharing group's per-request figure: its owner's kernel block ids."""
+    return f"{kernel_blocks} kernel block(s) (group {group.block_owner}'s)"
+
+
+def _shared_pool_lines(plan: ModelPlan) -> list[tuple[str, str]]:
+    """A pool line per group that shares an owner's block ids (DeepSeek sparse
+    attention's index cache): its own buffers, their bytes per block and in the pool."""
+    lines: list[tuple[str, str]] = []
+    for g in plan.groups:
+        group = g.group
+        if group.block_owner is None or not group.has_cache:
+            continue
+        layers = len(group.layer_names)
+        per_block = group.blocks_per_page * group.spec.page_size_bytes * layers
+        share = per_block / plan.bytes_per_block if plan.bytes_per_block else 0.0
+        pool = (
+            f"; {_bytes(per_block * plan.num_blocks)} of the pool"
+            if plan.num_blocks is not None
+            else ""
+        )
+        lines.append(
+            (
+                f"group {group.group_id} pool",
+                f"{group.kind.value} cache in its own buffers, block ids of group "
+                f"{group.block_owner}: {group.spec.page_size_bytes} B per kernel block x "
+                f"{layers} layer(s) = {per_block} B of each block ({share:.1%}){pool}",
+            )
+        )
+    return lines
 
 
 def _prefix_line(plan: ModelPlan) -> str:
@@ -283,6 +335,9 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
         else:
             size = f"state {spec.page_size_bytes} B per layer, "
         per_request = _per_request(g.blocks_per_request, g.kernel_blocks_per_request, group)
+        if group.block_owner is not None:
+            size += f"block ids of group {group.block_owner}, "
+            per_request = _shared_per_request(g.kernel_blocks_per_request, group)
         out.write(
             f"  {g.describe()}: {size}{len(group.layer_names)} layer(s), at most "
             f"{per_request} per request\n"
@@ -292,12 +347,12 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
         (
             "page",
             f"{rank.page_size_bytes} B in {sum(rank.buffers.values())} layer buffer(s)"
-            f" ({sets or 'none'}) = {_bytes(rank.bytes_per_block)} per block",
+            f" ({sets or 'none'}){_shared(rank.shared_bytes_per_page)} = "
+            f"{_bytes(rank.bytes_per_block)} per block",
         ),
         (
             "KV per token",
-            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds "
-            "the token)",
+            f"{_bytes(rank.kv_bytes_per_token)} (attention layers, on a rank that holds the token)",
         ),
     ]
     if cp > 1 and any(g.context_sharded for g in rank.groups):
@@ -317,7 +372,7 @@ def _write_per_rank(out: TextIO, plan: ModelPlan) -> None:
                 )
             )
     lines.append(("state per request", _bytes(rank.state_bytes_per_request)))
-    per_group = ", ".join(f"group {g.group.group_id}: {g.blocks_per_request}" for g in rank.groups)
+    per_group = ", ".join(_group_blocks(g.group, g.blocks_per_request) for g in rank.groups)
     lines.append(
         (
             "blocks per request",

@@ -75,16 +75,25 @@ def run_sparse_demo(
             f"index_topk in its config)"
         )
     if dtype not in _TOLERANCE:
-        raise InvalidArgumentError(f"run_sparse_demo: dtype must be one of {list(_TOLERANCE)}, got {dtype}")
+        raise InvalidArgumentError(
+            f"run_sparse_demo: dtype must be one of {list(_TOLERANCE)}, got {dtype}"
+        )
     z = SPARSE_DEMO_SIZES
     rank, rope, heads, iheads, idim, topk, bs = (
-        z["kv_lora_rank"], z["rope"], z["heads"], z["index_heads"], z["index_head_dim"],
-        z["index_topk"], z["block_size"],
+        z["kv_lora_rank"],
+        z["rope"],
+        z["heads"],
+        z["index_heads"],
+        z["index_head_dim"],
+        z["index_topk"],
+        z["block_size"],
     )
     width = rank + rope
     specs: dict[str, KVCacheSpec] = {}
     params: dict[str, LayerParams] = {}
-    pairs = [name for name, info in model.layers.items() if info.spec.kind is KVCacheSpecKind.INDEXER]
+    pairs = [
+        name for name, info in model.layers.items() if info.spec.kind is KVCacheSpecKind.INDEXER
+    ]
     pairs = pairs[: z["pairs"]]
     mla_of = {name: name.rsplit(".", 1)[0] for name in pairs}  # "<mla>.indexer" -> "<mla>"
     for name in pairs:
@@ -96,8 +105,13 @@ def run_sparse_demo(
         params[name] = AttentionLayerParams(num_heads=iheads)
     config = AttentionConfig(backend_per_kind=backend_per_kind or {})
     runtime = AttentionRuntime(
-        specs, config, device=device, memory_budget_bytes=1 << 24, layer_params=params,
-        registry=registry, cache_fill=float("nan"),
+        specs,
+        config,
+        device=device,
+        memory_budget_bytes=1 << 24,
+        layer_params=params,
+        registry=registry,
+        cache_fill=float("nan"),
     )
     out.write(
         f"sparse attention (DSA) demo of {model.model_type}: {len(pairs)} layer pair(s) "
@@ -108,11 +122,18 @@ def run_sparse_demo(
         out.write(f"  {row.layer}: {row.kind.value} -> {row.backend} ({row.source})\n")
     memory = runtime.memory_report()
     for g in memory.groups:
-        out.write(f"  cache group {g.group_id} ({g.kind.value}): {g.bytes} B, block size {g.block_size}\n")
+        shared = f", block ids of group {g.block_owner}" if g.block_owner is not None else ""
+        out.write(
+            f"  cache group {g.group_id} ({g.kind.value}): {g.bytes} B"
+            f"{shared}, block size {g.block_size}\n"
+        )
     gen = torch.Generator().manual_seed(0)
     history: dict[str, dict[str, list[torch.Tensor]]] = {}
     lengths = {"long": 3 * topk + 3, "short": topk // 2, "mid": topk + 1}
-    steps = [[("long", 2 * topk), ("short", lengths["short"])], [("long", topk + 3), ("mid", lengths["mid"])]]
+    steps = [
+        [("long", 2 * topk), ("short", lengths["short"])],
+        [("long", topk + 3), ("mid", lengths["mid"])],
+    ]
     steps += [[("long", 1), ("short", 1), ("mid", 1)]] * decode_steps
     tally = Tally(out=out, tol=_TOLERANCE[dtype])
     for step in steps:
@@ -127,12 +148,28 @@ def run_sparse_demo(
             qi = torch.randn(t, iheads, idim, generator=gen).to(device, dtype)
             ki = torch.randn(t, 1, idim, generator=gen).to(device, dtype)
             w = torch.randn(t, iheads, generator=gen).to(device) * iheads**-0.5
-            selection = runtime.select(name, qi, ki, w, paired=mla)
+            selection = runtime.select(name, qi, ki, w)
             got = runtime.forward(mla, q, latent, selection=selection)
-            worst = max(worst, _check(
-                history.setdefault(name, {}), step, q, latent, qi, ki, w, selection.indices,
-                selection.lens, got, runtime, mla, topk, width**-0.5, rank,
-            ))
+            worst = max(
+                worst,
+                _check(
+                    history.setdefault(name, {}),
+                    step,
+                    q,
+                    latent,
+                    qi,
+                    ki,
+                    w,
+                    selection.indices,
+                    selection.lens,
+                    got,
+                    runtime,
+                    mla,
+                    topk,
+                    width**-0.5,
+                    rank,
+                ),
+            )
         elapsed = time.perf_counter() - started
         tally.record(", ".join(f"{r}+{n}" for r, n in step), worst, t, elapsed)
     return tally.result()

@@ -25,6 +25,7 @@ from ..spec import (
     FullAttentionSpec,
     IndexerSpec,
     KVCacheDType,
+    KVCacheSpecKind,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
@@ -131,31 +132,33 @@ class _PagedRules(_AttentionRules[SA]):
         return (values,)
 
 
-class _LatentRules(_AttentionRules[SA]):
-    """MLA kinds: one latent per token, no separate values: ``[num_blocks, block_size, D]``
-    (already token-major: ``view(-1, D)`` is row = slot, without a copy)."""
+class _TokenRowRules(_AttentionRules[SA]):
+    """Kinds that cache one row per token, read by every head, so tensor parallelism
+    replicates it: ``[num_blocks, block_size, row_width(spec)]`` (already token-major:
+    ``view(-1, W)`` is row = slot, without a copy). MLA latents (``latent``) and DSA
+    index keys (a quantised row of ``row_bytes``) differ only in the facts below."""
 
-    latent = True
     tp_replicated = True
     no_planes_because = "an MLA cache holds one latent per token, not separate K and V"
+    row_detail = "MLA latent ({width} per token) shared by all heads"
+    """How ``tensor_split`` names the row (``{width}``: ``row_width(spec)``)."""
+
+    def row_width(self, spec: SA) -> int:
+        """The last dim of the cache: the row's elements (MLA: the latent width)."""
+        return spec.head_size
 
     @override
     def cache_shapes(
         self, spec: SA, num_blocks: int, layout: KVCacheLayout = "interleaved"
     ) -> tuple[tuple[int, ...], ...]:
         self.check_layout(spec, layout)
-        return ((num_blocks, spec.block_size, spec.head_size),)
+        return ((num_blocks, spec.block_size, self.row_width(spec)),)
 
     @override
     def tensor_split(self, spec: SA, tp: int, where: str) -> TensorSplit:
-        # The latent is one vector per token that every head reads: nothing to split.
-        return TensorSplit(
-            spec,
-            1,
-            tp,
-            f"MLA latent ({spec.head_size} per token) shared by all heads: replicated on "
-            f"every tensor-parallel rank",
-        )
+        # One row per token that every head reads: nothing to split.
+        detail = self.row_detail.format(width=self.row_width(spec))
+        return TensorSplit(spec, 1, tp, f"{detail}: replicated on every tensor-parallel rank")
 
 
 class _FullRules(_PagedRules[FullAttentionSpec]):
@@ -193,7 +196,8 @@ class _SinkRules(_PagedRules[SinkFullAttentionSpec]):
         return {"sink_key": draw(*shape), "sink_value": draw(*shape)}
 
 
-class _MLARules(_LatentRules[MLAAttentionSpec]):
+class _MLARules(_TokenRowRules[MLAAttentionSpec]):
+    latent = True
     context_sharded = True
     short_name = "mla"
 
@@ -234,7 +238,8 @@ class _SlidingWindowRules(_PagedRules[SlidingWindowSpec]):
         return tuple(boundary_lengths(block_size, extra=(3, 5)))
 
 
-class _SlidingWindowMLARules(_LatentRules[SlidingWindowMLASpec]):
+class _SlidingWindowMLARules(_TokenRowRules[SlidingWindowMLASpec]):
+    latent = True
     releases = True
     grows_without_bound = False
     extent = "window"
@@ -381,31 +386,19 @@ class _CrossRules(_PagedRules[CrossAttentionSpec]):
         return None
 
 
-class _IndexerRules(_AttentionRules[IndexerSpec]):
+class _IndexerRules(_TokenRowRules[IndexerSpec]):
     """DeepSeek sparse attention's index keys: one fp8 row (values, then float32 scales)
     per token, ``[num_blocks, block_size, row_bytes]`` uint8. Causal over the whole
     context, like the MLA layers it selects for; it grows as they do."""
 
     no_planes_because = "an index cache holds one quantised row per token, not K and V"
-    tp_replicated = True
+    row_detail = "index keys ({width} B per token) read by every indexer head"
+    # The selection's global slot ids are the MLA cache's: one table for both.
+    shares_blocks_with = frozenset({KVCacheSpecKind.MLA_ATTENTION})
 
     @override
-    def cache_shapes(
-        self, spec: IndexerSpec, num_blocks: int, layout: KVCacheLayout = "interleaved"
-    ) -> tuple[tuple[int, ...], ...]:
-        self.check_layout(spec, layout)
-        return ((num_blocks, spec.block_size, spec.row_bytes),)
-
-    @override
-    def tensor_split(self, spec: IndexerSpec, tp: int, where: str) -> TensorSplit:
-        # One index key per token, read by every indexer head: nothing to split.
-        return TensorSplit(
-            spec,
-            1,
-            tp,
-            f"index keys ({spec.row_bytes} B per token) read by every indexer head: "
-            f"replicated on every tensor-parallel rank",
-        )
+    def row_width(self, spec: IndexerSpec) -> int:
+        return spec.row_bytes
 
     @override
     def example_spec(

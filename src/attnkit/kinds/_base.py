@@ -17,7 +17,7 @@ import torch
 
 from ..capabilities import KVCacheLayout
 from ..errors import InvalidArgumentError
-from ..spec import KVCacheDType, KVCacheSpec
+from ..spec import KVCacheDType, KVCacheSpec, KVCacheSpecKind
 from ._prefix import (
     BlockLookup,
     NeverHits,
@@ -246,6 +246,12 @@ class KindRules(ABC, Generic[S]):
     """Whether every tensor-parallel rank holds the same cache bytes for the same tokens
     (one row per token that every head reads: MLA latents, DSA index keys), so an
     offloaded page is shared by the ranks (``attnkit.PageSharing``)."""
+    shares_blocks_with: frozenset[KVCacheSpecKind] = frozenset()
+    """The kinds whose block ids a group of this kind shares (``KVCacheGroup.block_owner``):
+    grouping pairs it with the one cached group of such a kind and its block size, whose
+    tables it reads and in whose kernel blocks its tensors sit (DeepSeek sparse
+    attention's index keys beside the MLA latents they select from). Empty: the group
+    allocates its own blocks."""
     context_sharded: bool = False
     """Whether decode context parallelism shards the cache over its ranks (token ``t`` on
     rank ``t mod N``); every other kind is replicated on each rank."""

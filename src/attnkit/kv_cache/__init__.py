@@ -36,6 +36,15 @@ Page-size unification (one pool serves every group)
     ``[NB * k, BS, D]`` MLA, planes of ``NB * k * BS`` rows). Encoder-only groups keep
     no cache and take no part.
 
+Shared block ids (DeepSeek sparse attention)
+    A group whose kind shares block ids (``KindRules.shares_blocks_with``: the indexer)
+    is paired with its owner (the one MLA group of its block size) and comes after the
+    groups that own their blocks. It allocates nothing: a request's table is the
+    owner's (the manager holds only owning groups). Its pages are not unified: its
+    layers keep buffers of their own, ``[NB * k, BS, W]`` with ``k`` the owner's
+    kernel blocks per page, so every tensor stays contiguous, and each page of the
+    pool costs ``shared_bytes_per_page`` more.
+
 Two-level allocation
     A group with ``k == 1`` takes pages from the pool as its blocks. A group with
     ``k > 1`` takes kernel blocks from its ``PageSlab``: the pages it holds; the slab
@@ -87,6 +96,7 @@ from ._buffers import (
     buffers_per_set,
     cache_buffer,
     num_blocks_for_budget,
+    shared_bytes_per_page,
 )
 from ._cached import EVICTED_MEMORY, CachedPool, CachedSlab
 from ._checkpoints import CheckpointStore
@@ -115,6 +125,7 @@ __all__ = [
     "cache_buffer",
     "group_layers",
     "num_blocks_for_budget",
+    "shared_bytes_per_page",
     "unified_groups",
     "unify_page_sizes",
 ]

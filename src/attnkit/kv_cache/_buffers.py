@@ -77,14 +77,27 @@ def buffers_per_set(
     """Layer buffers of each set in use: the most layers of any cached group in it.
 
     ``layouts`` maps group id -> its backend's layout (absent: ``"interleaved"``).
-    Sets no cached group uses are left out.
+    Sets no cached group uses are left out, and so are the groups that share an owner's
+    block ids: their layers have buffers of their own (``shared_bytes_per_page``).
     """
     counts: dict[BufferSetName, int] = {}
     for group in groups:
-        if group.has_cache:
+        if group.has_cache and group.block_owner is None:
             name = buffer_set_of((layouts or {}).get(group.group_id, "interleaved"))
             counts[name] = max(counts.get(name, 0), len(group.layer_names))
     return counts
+
+
+def shared_bytes_per_page(groups: Sequence[KVCacheGroup]) -> int:
+    """What one page of the pool costs beyond the layer buffers: the tensors of the
+    groups that share an owner's block ids (``KVCacheGroup.block_owner``), one kernel
+    block of their own page size per kernel block of the owner's page, per layer
+    (V3.2: the 61 index caches' 16 x 132 B beside each page of latents)."""
+    return sum(
+        g.blocks_per_page * g.spec.page_size_bytes * len(g.layer_names)
+        for g in groups
+        if g.has_cache and g.block_owner is not None
+    )
 
 
 def num_blocks_for_budget(
@@ -96,7 +109,8 @@ def num_blocks_for_budget(
     """How many blocks (the null block included) fit in ``memory_budget_bytes``.
 
     Each block costs one page in every layer buffer of every set in use
-    (``buffers_per_set``; ``layouts`` as there).
+    (``buffers_per_set``; ``layouts`` as there), and the bytes of the groups sharing
+    its block ids (``shared_bytes_per_page``).
 
     Raises:
         ValueError: if the budget does not hold the null block and one more block.
@@ -108,12 +122,14 @@ def num_blocks_for_budget(
     slots = sum(buffers_per_set(groups, layouts).values())
     if slots == 0 or page_size_bytes == 0:
         return 2  # nothing is cached: only the bookkeeping exists
-    per_block = page_size_bytes * slots
+    shared = shared_bytes_per_page(groups)
+    per_block = page_size_bytes * slots + shared
     num_blocks = memory_budget_bytes // per_block
     if num_blocks < 2:
+        beside = f" + {shared} B of groups sharing its block ids" if shared else ""
         raise InvalidArgumentError(
             f"memory_budget_bytes={memory_budget_bytes} holds {num_blocks} block(s) of "
-            f"{per_block} bytes ({slots} layer buffer(s) x page {page_size_bytes} B); "
+            f"{per_block} bytes ({slots} layer buffer(s) x page {page_size_bytes} B{beside}); "
             f"at least 2 are needed (the null block and one more), i.e. {2 * per_block} bytes"
         )
     return num_blocks
@@ -166,10 +182,21 @@ def allocate_kv_cache_tensors(
         cache_buffer(num_blocks * page_size_bytes, device) for _ in range(counts.get("planes", 0))
     ]
     caches: dict[str, tuple[torch.Tensor, ...]] = {}
+    own: list[torch.Tensor] = []  # the null rows of the sharing groups' own buffers
     for group in groups:
         group_shapes = shapes.get(group.group_id, ())
         layout = (layouts or {}).get(group.group_id, "interleaved")
         dtypes = _tensor_dtypes(group.spec, len(group_shapes), layout)
+        if (
+            group.block_owner is not None
+            and group.has_cache
+            and buffer_set_of(layout) != "page_major"
+        ):
+            raise InvalidArgumentError(
+                f"group {group.group_id} ({group.kind.value}) shares the block ids of group "
+                f"{group.block_owner}: its backend must declare the interleaved layout, got "
+                f"{layout!r}"
+            )
         if group.has_cache and buffer_set_of(layout) == "planes":
             _check_planes(group, group_shapes, dtypes, num_blocks, page_size_bytes)
             half = num_blocks * page_size_bytes // 2
@@ -195,6 +222,10 @@ def allocate_kv_cache_tensors(
         per_page = group.blocks_per_page
         kernel_blocks = num_blocks * per_page
         block_bytes = page_size_bytes // per_page
+        if group.block_owner is not None:
+            # Shared block ids, own page size: the layers' buffers of their own, one
+            # kernel block of this group's page per kernel block id of the owner.
+            block_bytes = group.spec.page_size_bytes
         offsets: list[int] = []
         offset = 0
         for shape, dtype in zip(group_shapes, dtypes, strict=True):
@@ -224,9 +255,15 @@ def allocate_kv_cache_tensors(
                 f"{'block' if per_page == 1 else 'kernel block'} but {where}"
             )
         for j, layer in enumerate(group.layer_names):
-            # The same bytes as the page-major [num_blocks, P] buffer, one row per
-            # kernel block (P is a multiple of the group's block bytes).
-            rows = buffers[j].view(kernel_blocks, block_bytes)
+            if group.block_owner is not None:
+                rows = cache_buffer(kernel_blocks * block_bytes, device).view(
+                    kernel_blocks, block_bytes
+                )
+                own.append(rows[:per_page])  # the null page's kernel blocks
+            else:
+                # The same bytes as the page-major [num_blocks, P] buffer, one row per
+                # kernel block (P is a multiple of the group's block bytes).
+                rows = buffers[j].view(kernel_blocks, block_bytes)
             tensors: list[torch.Tensor] = []
             for shape, dtype, start in zip(group_shapes, dtypes, offsets, strict=True):
                 nbytes = math.prod(shape[1:]) * dtype.itemsize
@@ -243,6 +280,8 @@ def allocate_kv_cache_tensors(
     # that load whole tiles may touch it, so it must hold finite zeros (after any fill).
     for buffer in buffers:
         buffer[NULL_BLOCK].zero_()
+    for null_rows in own:
+        null_rows.zero_()
     half_page, half = page_size_bytes // 2, num_blocks * page_size_bytes // 2
     for buffer in plane_buffers:  # the null page's K rows and V rows
         buffer[NULL_BLOCK * half_page : (NULL_BLOCK + 1) * half_page].zero_()

@@ -20,6 +20,9 @@ _ALIGN = 16  # byte alignment of each state tensor inside a page
 class KVCacheGroup:
     """Layers that share one spec, and so one block table per request.
 
+    A group that shares another's block ids (``block_owner``) comes after every group
+    that owns its blocks, so the block manager's groups are ``groups[:n]``.
+
     Attributes:
         group_id: index of the group.
         spec: the spec the layers declared, which the backends see: its ``block_size``
@@ -35,6 +38,12 @@ class KVCacheGroup:
     spec: KVCacheSpec
     layer_names: tuple[str, ...]
     blocks_per_page: int = 1
+    block_owner: int | None = None
+    """The group whose block ids this one shares (its kind's ``shares_blocks_with``:
+    DeepSeek sparse attention's indexer and its MLA group), else ``None``. Such a group
+    allocates nothing: a request's table in it is the owner's table, and its layers'
+    tensors, with their own page size, are indexed by the owner's kernel block ids
+    (``blocks_per_page`` is the owner's)."""
 
     @property
     def kind(self) -> KVCacheSpecKind:
@@ -53,10 +62,14 @@ class KVCacheGroup:
 
 
 def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
-    """Group layers with equal specs, in order of first appearance.
+    """Group layers with equal specs, in order of first appearance, then pair each group
+    whose kind shares block ids (``KindRules.shares_blocks_with``) with its owner: the
+    one cached group of such a kind and the same block size. Groups that own their
+    blocks come first (in order of appearance), the sharing ones after them.
 
     Raises:
-        ValueError: if there are no layers, or a value is not a ``KVCacheSpec``.
+        ValueError: if there are no layers, a value is not a ``KVCacheSpec``, or a
+            sharing group has no owner or several candidates.
     """
     if not layer_specs:
         raise InvalidArgumentError("layer_specs must name at least one layer, got none")
@@ -67,9 +80,57 @@ def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup]:
                 f"layer_specs[{name!r}] must be a KVCacheSpec, got {type(spec).__name__}"
             )
         by_spec.setdefault(spec, []).append(name)
+    return _pair_blocks(
+        [
+            KVCacheGroup(group_id=i, spec=spec, layer_names=tuple(names))
+            for i, (spec, names) in enumerate(by_spec.items())
+        ]
+    )
+
+
+def _pair_blocks(groups: list[KVCacheGroup]) -> list[KVCacheGroup]:
+    """Each sharing group with its owner (``group_layers``), owners first, renumbered."""
+    owner_of: dict[int, int] = {}
+    for group in groups:
+        kinds = rules_for(group.spec).shares_blocks_with
+        if not kinds:
+            continue
+        bs = group.spec.block_size
+        candidates = [
+            g
+            for g in groups
+            if g.kind in kinds
+            and g.has_cache
+            and g.spec.block_size == bs
+            and not rules_for(g.spec).shares_blocks_with
+        ]
+        if len(candidates) != 1:
+            wanted = " or ".join(sorted(k.value for k in kinds))
+            found = (
+                "none"
+                if not candidates
+                else "; ".join(
+                    f"{g.layer_names[0]!r} ({len(g.layer_names)} layer(s))" for g in candidates
+                )
+            )
+            raise InvalidArgumentError(
+                f"layer_specs: layer {group.layer_names[0]!r} ({group.kind.value}) shares block "
+                f"ids with the model's {wanted} layers of block_size={bs}, which must form "
+                f"one group (equal specs); found {found}"
+            )
+        owner_of[group.group_id] = candidates[0].group_id
+    if not owner_of:
+        return groups
+    order = [g for g in groups if g.group_id not in owner_of]
+    order += [g for g in groups if g.group_id in owner_of]
+    new_id = {g.group_id: i for i, g in enumerate(order)}
     return [
-        KVCacheGroup(group_id=i, spec=spec, layer_names=tuple(names))
-        for i, (spec, names) in enumerate(by_spec.items())
+        dataclasses.replace(
+            g,
+            group_id=new_id[g.group_id],
+            block_owner=new_id[owner_of[g.group_id]] if g.group_id in owner_of else None,
+        )
+        for g in order
     ]
 
 
@@ -82,7 +143,13 @@ def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup]
         when no group keeps a cache).
     """
     cached = [g for g in groups if g.has_cache]
-    attention_pages = [g.spec.page_size_bytes for g in cached if isinstance(g.spec, AttentionSpec)]
+    # A group sharing its owner's block ids has its own buffers (``_buffers``): only the
+    # owner's page takes part.
+    attention_pages = [
+        g.spec.page_size_bytes
+        for g in cached
+        if isinstance(g.spec, AttentionSpec) and g.block_owner is None
+    ]
     mamba_pages = [g.spec.page_size_bytes for g in cached if isinstance(g.spec, MambaSpec)]
     largest_state = max(mamba_pages, default=0)
     if attention_pages:
@@ -95,7 +162,8 @@ def unify_page_sizes(groups: Sequence[KVCacheGroup]) -> tuple[list[KVCacheGroup]
         spec = group.spec
         per_page = 1
         if group.has_cache and isinstance(spec, AttentionSpec):
-            per_page = page // spec.page_size_bytes
+            owner = spec if group.block_owner is None else groups[group.block_owner].spec
+            per_page = page // owner.page_size_bytes
         unified.append(dataclasses.replace(group, blocks_per_page=per_page))
     return unified, page
 

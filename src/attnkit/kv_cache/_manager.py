@@ -160,6 +160,12 @@ class KVCacheManager:
                 f"rules must have one entry per group ({len(self.groups)}), got {len(self._rules)}"
             )
         for group, group_rules in zip(self.groups, self._rules, strict=True):
+            if group.block_owner is not None:
+                raise InvalidArgumentError(
+                    f"group {group.group_id} ({group.kind.value}) shares the block ids of "
+                    f"group {group.block_owner}: it has no tables of its own; give the "
+                    f"manager the groups that own their blocks (its tables are the owner's)"
+                )
             per_page: object = group.blocks_per_page
             if not is_positive_int(per_page):
                 raise InvalidArgumentError(

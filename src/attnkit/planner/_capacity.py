@@ -37,14 +37,16 @@ class _PoolCapacity:
     buffers: Mapping[BufferSetName, int]
     num_blocks: int | None
     max_model_len: int
+    shared_bytes_per_page: int
 
     def _capacity_groups(self) -> Sequence[_HoldsBlocks]:
         raise NotImplementedError
 
     @property
     def bytes_per_block(self) -> int:
-        """What one block id costs: a page in every layer buffer of every set."""
-        return self.page_size_bytes * sum(self.buffers.values())
+        """What one block id costs: a page in every layer buffer of every set, and the
+        bytes of the groups sharing its block ids (``kv_cache.shared_bytes_per_page``)."""
+        return self.page_size_bytes * sum(self.buffers.values()) + self.shared_bytes_per_page
 
     @property
     def blocks_per_request(self) -> int:
@@ -91,7 +93,9 @@ def _group_costs(group: KVCacheGroup, config: AttentionConfig) -> tuple[int, int
         spec.max_memory_usage_bytes(config.max_model_len, config.max_num_batched_tokens)
         // spec.page_size_bytes
     )
-    pages = _pages(kernel, group.blocks_per_page)
+    # A group sharing its owner's block ids holds no pages of its own: its kernel
+    # blocks are the owner's ids (its bytes are in ``shared_bytes_per_page``).
+    pages = 0 if group.block_owner is not None else _pages(kernel, group.blocks_per_page)
     layers = len(group.layer_names)
     if isinstance(spec, AttentionSpec):
         per_token = layers * spec.page_size_bytes // spec.block_size
@@ -129,7 +133,7 @@ def _max_context(groups: Sequence[KVCacheGroup], batched: int, cp: int, usable: 
     """The longest request ``usable`` pages hold on each rank (binary search over the
     length: every group's pages grow monotonically with it); ``None`` when every
     length fits (no cached group grows without bound, and the bounded ones fit)."""
-    cached = [g for g in groups if g.has_cache]
+    cached = [g for g in groups if g.has_cache and g.block_owner is None]
     growing = [g.page_tokens for g in cached if rules_for(g.spec).grows_without_bound]
 
     def blocks(length: int) -> int:

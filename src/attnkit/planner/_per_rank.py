@@ -11,7 +11,13 @@ from ..capabilities import KVCacheLayout
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from ..kinds import rules_for
-from ..kv_cache import KVCacheGroup, buffers_per_set, num_blocks_for_budget, unified_groups
+from ..kv_cache import (
+    KVCacheGroup,
+    buffers_per_set,
+    num_blocks_for_budget,
+    shared_bytes_per_page,
+    unified_groups,
+)
 from ..params import AttentionLayerParams, LayerParams
 from ..spec import AttentionSpec, KVCacheSpec, MambaSpec
 from ..state_types import state_type_of
@@ -124,6 +130,15 @@ def _rank_plan(
         raise InvalidArgumentError(
             f"{exc} (tensor_parallel sizes that split every layer of this model: {shown})"
         ) from None
+    shared = [g for g in groups if g.block_owner is not None]
+    if shared and cp > 1:
+        g = shared[0]
+        raise InvalidArgumentError(
+            f"plan_model: context_parallel={cp}: {_where(g)}, of kind {g.kind.value}, shares "
+            f"the block ids of group {g.block_owner}, whose cache decode context parallelism would "
+            f"shard while its own stays whole; DeepSeek sparse attention does not run with "
+            f"context parallelism (plan it with context_parallel=1)"
+        )
     model_group = {name: g.group_id for g in groups for name in g.layer_names}
     rank_specs = {name: splits[model_group[name]].spec for name in specs}
     rank_groups, page = unified_groups(rank_specs)
@@ -153,7 +168,10 @@ def _rank_plan(
                 model_groups=owners[g.group_id],
                 layout=rank_layouts[g.group_id],
                 context_sharded=g.has_cache and rules_for(spec).context_sharded,
-                blocks_per_request=_pages(kernel, g.blocks_per_page),
+                # (a group sharing its owner's block ids holds no pages of its own)
+                blocks_per_request=0
+                if g.block_owner is not None
+                else _pages(kernel, g.blocks_per_page),
                 kernel_blocks_per_request=kernel,
                 bytes_per_token=per_token,
                 per_request_cap_bytes=cap,
@@ -163,7 +181,9 @@ def _rank_plan(
     if memory_bytes is not None:
         num_blocks = num_blocks_for_budget(rank_groups, page, memory_bytes, rank_layouts)
     elif num_blocks is not None:
-        memory_bytes = num_blocks * page * sum(buffers.values())
+        memory_bytes = num_blocks * (
+            page * sum(buffers.values()) + shared_bytes_per_page(rank_groups)
+        )
     kv_per_token = sum(
         s.page_size_bytes // s.block_size
         for s in rank_specs.values()
@@ -190,4 +210,5 @@ def _rank_plan(
         memory_bytes=memory_bytes,
         num_blocks=num_blocks,
         max_context_tokens=longest,
+        shared_bytes_per_page=shared_bytes_per_page(rank_groups),
     )

@@ -13,7 +13,12 @@ from ..config import AttentionConfig
 from ..devices import parse_device
 from ..errors import ArgumentTypeError, InvalidArgumentError, NoBackendError, Rejection
 from ..kinds import rules_for
-from ..kv_cache import buffers_per_set, num_blocks_for_budget, unified_groups
+from ..kv_cache import (
+    buffers_per_set,
+    num_blocks_for_budget,
+    shared_bytes_per_page,
+    unified_groups,
+)
 from ..models import LayerInfo, ModelLayout
 from ..params import LayerParams
 from ..prefix_cache import checkpoint_interval_for, prefix_granularity
@@ -190,7 +195,7 @@ def plan_model(
             # The budget is a rank's: the whole model on one device need not fit in it.
             num_blocks = None
     elif num_blocks is not None:
-        memory_bytes = num_blocks * page * sum(buffers.values())
+        memory_bytes = num_blocks * (page * sum(buffers.values()) + shared_bytes_per_page(groups))
     group_of = {name: g.group_id for g in groups for name in g.layer_names}
     layers: list[LayerPlan] = []
     for name, spec in specs.items():
@@ -231,6 +236,7 @@ def plan_model(
         per_rank=per_rank,
         prefix=prefix,
         draft_state_bytes=drafts,
+        shared_bytes_per_page=shared_bytes_per_page(groups),
     )
 
 

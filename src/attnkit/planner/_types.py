@@ -259,6 +259,7 @@ class RankPlan(_PoolCapacity):
             (``max_model_len`` aside); ``None`` without a budget, or when no cached
             group grows with the context (any length then fits once the bounded
             caches do).
+        shared_bytes_per_page: as ``ModelPlan.shared_bytes_per_page``, the rank's.
     """
 
     tensor_parallel: int
@@ -274,6 +275,7 @@ class RankPlan(_PoolCapacity):
     memory_bytes: int | None
     num_blocks: int | None
     max_context_tokens: int | None
+    shared_bytes_per_page: int = 0
 
     @property
     def world_size(self) -> int:
@@ -414,6 +416,9 @@ class ModelPlan(_PoolCapacity):
             (``config.num_speculative_tokens`` states per request slot,
             ``max_num_reqs``, and state layer), taken from ``memory_bytes`` before
             the pool is sized (0 without drafts or state layers).
+        shared_bytes_per_page: what a page costs beyond the layer buffers: the own
+            buffers of the groups that share an owner's block ids (DeepSeek sparse
+            attention's index cache; ``kv_cache.shared_bytes_per_page``).
     """
 
     model_type: str | None
@@ -433,6 +438,7 @@ class ModelPlan(_PoolCapacity):
     per_rank: RankPlan
     prefix: PrefixPlan | None = None
     draft_state_bytes: int = 0
+    shared_bytes_per_page: int = 0
 
     @property
     def tensor_parallel(self) -> int:
@@ -482,6 +488,7 @@ class ModelPlan(_PoolCapacity):
                     "page_size_bytes": (
                         spec.page_size_bytes * g.group.blocks_per_page if g.group.has_cache else 0
                     ),
+                    "block_owner": g.group.block_owner,
                     "bytes_per_token": g.bytes_per_token,
                     "blocks_per_request": g.blocks_per_request,
                     "kernel_blocks_per_request": g.kernel_blocks_per_request,

@@ -61,6 +61,7 @@ class RuntimeBase:
     _groups: list[_Group]
     _layer_group: dict[str, int]
     _sharded: frozenset[int]
+    _table_group: dict[int, int]
     _rules_of: dict[int, KindRules[Any]]
     _kind_rules: list[KindRules[Any]]
     _thresholds: tuple[int, ...]
@@ -96,6 +97,21 @@ class RuntimeBase:
             raise UnknownLayerError(
                 f"unknown layer {layer_name!r}; layers: {', '.join(self._layer_group)}"
             ) from None
+
+    def _table_gid(self, layer_name: str) -> int:
+        """The group whose tables ``layer_name``'s group reads: its own, or the owner's
+        whose block ids it shares (``KVCacheGroup.block_owner``)."""
+        return self._table_group[self._group_id(layer_name)]
+
+    def _block_layers(self, group_id: int) -> tuple[str, ...]:
+        """The layers whose tensors a kernel block of group ``group_id`` holds: its own,
+        then those of every group sharing its block ids."""
+        return tuple(
+            name
+            for e in self._groups
+            if self._table_group[e.group.group_id] == group_id
+            for name in e.group.layer_names
+        )
 
     def _current_step(self) -> StepBatch:
         if self._step is None:

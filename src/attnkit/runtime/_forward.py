@@ -74,7 +74,10 @@ class LayerCalls(SpeculativeCalls):
         caches = self.kv_caches.get(layer_name, ())
         sparse = _sparse_layer(impl)
         if sparse is not None:
-            if not isinstance(selection, SparseSelection) or selection.indices.shape[0] < out.shape[0]:
+            if (
+                not isinstance(selection, SparseSelection)
+                or selection.indices.shape[0] < out.shape[0]
+            ):
                 raise InvalidArgumentError(
                     f"{layer_name}: a sparse-attention layer (index_topk={sparse}) needs "
                     f"selection=<the SparseSelection of its indexer, at least {out.shape[0]} "
@@ -100,7 +103,6 @@ class LayerCalls(SpeculativeCalls):
         key: torch.Tensor,
         weights: torch.Tensor,
         *,
-        paired: str | None = None,
         selection: SparseSelection | None = None,
     ) -> SparseSelection:
         """Run one indexer layer (``IndexerSpec``) of the current step: write its index
@@ -108,9 +110,9 @@ class LayerCalls(SpeculativeCalls):
 
         query ``[T, H, D]`` (``H = layer_params.num_heads`` indexer heads, ``D`` the
         spec's head size), key ``[T, 1, D]`` the step's index keys, weights ``[T, H]``
-        (any float dtype), ``T`` at least the step's tokens. ``paired`` names the MLA
-        layer the selection is for: its slots are of that layer's cache (its group's
-        block table); ``None`` when the two share block ids. ``selection`` is a buffer of
+        (any float dtype), ``T`` at least the step's tokens. The indexer's group shares
+        its MLA group's block ids (``KVCacheGroup.block_owner``), so the selection's
+        global slots index the MLA layers' latent caches as they are. ``selection`` is a buffer of
         at least ``T`` rows and ``index_topk`` columns to fill (``None``: a new one).
         Returns the step's rows of it.
 
@@ -154,15 +156,9 @@ class LayerCalls(SpeculativeCalls):
                 f"{layer_name}: selection must have index_topk={topk} columns and at least "
                 f"{rows} rows, got indices {list(selection.indices.shape)}"
             )
-        table = None
-        if paired is not None:
-            paired_entry = self._groups[self._group_id(paired)]
-            if paired_entry.common is None:
-                raise InvalidArgumentError(f"{paired}: paired names a layer with no step metadata")
-            table = paired_entry.common.block_table_tensor
         entry = self._groups[self._layer_group[layer_name]]
         caches = self.kv_caches.get(layer_name, ())
-        return impl.select(query, checked_key, weights, caches, entry.metadata, selection, table)
+        return impl.select(query, checked_key, weights, caches, entry.metadata, selection)
 
     def _forward_sharded(
         self,

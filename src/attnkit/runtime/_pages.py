@@ -210,6 +210,10 @@ class GroupPages:
         sharing: whether its pages are replicated across tensor-parallel ranks.
         checkpoints: a state group's pages are state checkpoints, named by the prefix
             they follow.
+        sharing_groups: the groups that share this group's block ids (DeepSeek sparse
+            attention's indexer beside its MLA group): their layers and tensors follow
+            this group's in ``layers`` and ``tensors``, so a page carries them too, and
+            they have no pages of their own.
     """
 
     group_id: int
@@ -226,6 +230,7 @@ class GroupPages:
     namespace: bytes | None
     sharing: PageSharing
     checkpoints: bool = False
+    sharing_groups: tuple[int, ...] = ()
 
     def page_id(self, name: bytes, *, epoch: int = 0) -> bytes:
         """The canonical id of this group's block named ``name`` (its prefix-cache
@@ -258,13 +263,14 @@ class PageDescriptors:
     tensor_parallel: TensorParallelRank | None = None
 
     def group(self, group_id: int) -> GroupPages:
-        """The pages of group ``group_id``.
+        """The pages of group ``group_id`` (of its owner, for a group that shares its
+        owner's block ids: ``GroupPages.sharing_groups``).
 
         Raises:
             InvalidArgumentError: a group without a cache, or an unknown id.
         """
         for g in self.groups:
-            if g.group_id == group_id:
+            if g.group_id == group_id or group_id in g.sharing_groups:
                 return g
         raise InvalidArgumentError(
             f"group_id must be one of the groups with a cache "

@@ -106,7 +106,6 @@ class PrefixCalls(RuntimeBase):
         prefix = self.manager.prefix
         return PrefixCacheStats() if prefix is None else prefix.stats()
 
-
     def page_descriptors(self) -> PageDescriptors:
         """Where every group's kernel blocks are, byte for byte, and how their canonical
         page ids are made (docs/offload.md): per group its layout, each layer's cache
@@ -117,13 +116,13 @@ class PrefixCalls(RuntimeBase):
         groups: list[GroupPages] = []
         for entry in self._groups:
             group = entry.group
-            if not group.has_cache:
-                continue
+            if not group.has_cache or group.block_owner is not None:
+                continue  # (a group sharing an owner's block ids is in the owner's pages)
             gid = group.group_id
             rules = self._rules_of[gid]
             nb = self.num_blocks * group.blocks_per_page
             tensors, page_bytes = describe_tensors(
-                group.layer_names,
+                self._block_layers(gid),
                 self.kv_caches,
                 num_kernel_blocks=nb,
                 block_size=group.spec.block_size,
@@ -145,11 +144,11 @@ class PrefixCalls(RuntimeBase):
                     blocks_per_page=group.blocks_per_page,
                     num_kernel_blocks=nb,
                     page_bytes=page_bytes,
-                    layers=group.layer_names,
+                    layers=self._block_layers(gid),
                     tensors=tensors,
                     scales=tuple(
                         s
-                        for name in group.layer_names
+                        for name in self._block_layers(gid)
                         for s in scale_descriptors(name, self.layer_params[name])
                     ),
                     namespace=None if keeper is None else keeper.namespace,
@@ -157,6 +156,9 @@ class PrefixCalls(RuntimeBase):
                         group.spec, self.tensor_parallel, context_sharded=gid in self._sharded
                     ),
                     checkpoints=manager.checkpoint_stores[gid] is not None,
+                    sharing_groups=tuple(
+                        e.group.group_id for e in self._groups if e.group.block_owner == gid
+                    ),
                 )
             )
         return PageDescriptors(
@@ -183,7 +185,7 @@ class PrefixCalls(RuntimeBase):
         epoch = 0 if self._offloader is None else self._offloader.epoch
         out: list[tuple[tuple[int, bytes | None], ...]] = []
         for entry in self._groups:
-            gid = entry.group.group_id
+            gid = self._table_group[entry.group.group_id]  # a sharing group: its owner's
             table = manager.block_table(gid, req_id)
             slab = manager.cached_slabs[gid]
             pages = by_gid.get(gid)
@@ -209,7 +211,10 @@ def group_namespaces(
     hash_name: HashName,
 ) -> list[bytes]:
     """Each group's namespace: its spec, layout, the revision, the hash, and its layers'
-    K/V scales and sink K/V (whatever changes the bytes a block holds)."""
+    K/V scales and sink K/V (whatever changes the bytes a block holds). A group whose
+    block ids others share (``KVCacheGroup.block_owner``) names blocks that hold their
+    bytes too, so its namespace is its own followed by each of theirs (digests of one
+    length: the concatenation is unambiguous), and a hit is a hit for all of them."""
     out: list[bytes] = []
     for group in groups:
         params = [layer_params[name] for name in group.layer_names]
@@ -229,6 +234,9 @@ def group_namespaces(
                 sink_values=sink_values,
             )
         )
+    for group in groups:
+        if group.block_owner is not None:
+            out[group.block_owner] += out[group.group_id]
     return out
 
 

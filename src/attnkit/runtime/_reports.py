@@ -45,6 +45,10 @@ class GroupMemory:
         cached_free_blocks: of them, the ones no request holds: memory the cache keeps
             until a step needs it (evictable).
         cached_bytes: the bytes the named blocks hold, over the group's layers.
+        block_owner: the group whose block ids it shares (DeepSeek sparse attention's
+            indexer: its MLA group), else ``None``. Its layers have buffers of their own
+            (not shared with other groups): ``bytes`` is ``num_layers * num_blocks *
+            blocks_per_page * page`` of its own page size, and counts in ``total_bytes``.
 
         For a state group with state checkpoints on, the three count its checkpoints
         (one page each, none held by a request).
@@ -62,6 +66,7 @@ class GroupMemory:
     cached_blocks: int | None = None
     cached_free_blocks: int | None = None
     cached_bytes: int | None = None
+    block_owner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,8 @@ class MemoryReport:
         groups: one row per group, in group order.
         buffers: buffer set -> its layer buffers (sets in use only).
         set_bytes: buffer set -> its bytes, ``buffers * num_blocks * page``.
-        total_bytes: the cache's bytes, the sum of ``set_bytes``.
+        total_bytes: the cache's bytes, the sum of ``set_bytes`` and of the own buffers
+            of the groups that share an owner's block ids (``GroupMemory.block_owner``).
         extra_bytes: what a second set costs at this ``num_blocks``: ``total_bytes``
             minus one set of the larger buffer count (0 with one set).
         num_blocks_one_set: blocks the same budget would hold if every group shared
@@ -118,6 +124,11 @@ class MemoryReport:
                 if g.buffer_set is not None
                 else "no cache"
             )
+            if g.block_owner is not None:
+                where = (
+                    f"{blocks}own buffers, {g.bytes} B in {g.num_layers} tensor(s), block ids "
+                    f"of group {g.block_owner}"
+                )
             if g.cached_blocks is not None and g.kind.value == "mamba":
                 where += (
                     f", state checkpoints: {g.cached_blocks} page(s) ({g.cached_bytes} B), "

@@ -31,6 +31,7 @@ from ..kv_cache import (
     buffer_set_of,
     buffers_per_set,
     num_blocks_for_budget,
+    shared_bytes_per_page,
     unified_groups,
 )
 from ..metadata import hosts_to_device
@@ -176,6 +177,19 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             and context_parallel.world_size > 1
             and rules_for(g.spec).context_sharded
         )
+        self._table_group = {
+            g.group_id: g.group_id if g.block_owner is None else g.block_owner for g in groups
+        }
+        shared = [g for g in groups if g.block_owner is not None]
+        if shared and context_parallel is not None and context_parallel.world_size > 1:
+            g = shared[0]
+            raise InvalidArgumentError(
+                f"context_parallel: group {g.group_id} ({g.kind.value}, layer "
+                f"{g.layer_names[0]!r}) shares the block ids of group {g.block_owner}, whose "
+                f"cache decode context parallelism would shard over {context_parallel.world_size} "
+                f"ranks while its own stays whole; DeepSeek sparse attention does not run "
+                f"with context parallelism: pass context_parallel=None"
+            )
         if self._sharded and config.prefix_caching.enabled:
             raise InvalidArgumentError(
                 "config.prefix_caching: prefix caching does not run with decode context "
@@ -276,10 +290,13 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
                     self._rules_of[gid], context_parallel.rank, context_parallel.world_size
                 )
         caching = config.prefix_caching
+        # The manager keeps the tables of the groups that own their blocks (they come
+        # first); a group sharing an owner's block ids reads the owner's.
+        owning = [g for g in groups if g.block_owner is None]
         self.manager = KVCacheManager(
-            groups,
+            owning,
             self.num_blocks,
-            rules=[self._rules_of[g.group_id] for g in groups],
+            rules=[self._rules_of[g.group_id] for g in owning],
             prefix_caching=caching if caching.enabled else None,
             namespaces=(
                 group_namespaces(
@@ -288,7 +305,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
                     self.layouts,
                     revision=caching.model_revision,
                     hash_name=caching.hash,
-                )
+                )[: len(owning)]
                 if caching.enabled
                 else None
             ),
@@ -334,12 +351,13 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         blocks: dict[int, int] = {}
         namespaces: dict[int, bytes] = {}
         sharing: dict[int, PageSharing] = {}
-        for group in self.groups:
+        for group in self.groups[: len(manager.groups)]:
             gid = group.group_id
             keeper = manager.cached_slabs[gid] or manager.checkpoint_stores[gid]
             if keeper is None:
                 continue
-            layers[gid] = group.layer_names
+            # A page carries the bytes of the groups sharing its block ids too.
+            layers[gid] = self._block_layers(gid)
             blocks[gid] = self.num_blocks * group.blocks_per_page
             namespaces[gid] = keeper.namespace
             sharing[gid] = page_sharing(
@@ -386,10 +404,12 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         set_bytes: dict[BufferSetName, int] = {
             name: count * blocks * page for name, count in buffers.items()
         }
-        total = sum(set_bytes.values())
+        # The groups sharing an owner's block ids keep buffers of their own.
+        shared = shared_bytes_per_page(self.groups)
+        total = sum(set_bytes.values()) + blocks * shared
         largest = max(buffers.values(), default=0)
-        extra = total - largest * blocks * page
-        one_set = self.memory_budget_bytes // (largest * page) if extra else blocks
+        extra = total - largest * blocks * page - blocks * shared
+        one_set = self.memory_budget_bytes // (largest * page + shared) if extra else blocks
         rows = tuple(
             GroupMemory(
                 group_id=e.group.group_id,
@@ -402,7 +422,14 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
                     buffer_set_of(self.layouts[e.group.group_id]) if e.group.has_cache else None
                 ),
                 num_layers=len(e.group.layer_names),
-                bytes=len(e.group.layer_names) * blocks * page if e.group.has_cache else 0,
+                bytes=(
+                    0
+                    if not e.group.has_cache
+                    else len(e.group.layer_names) * blocks * page
+                    if e.group.block_owner is None
+                    else blocks * shared_bytes_per_page([e.group])
+                ),
+                block_owner=e.group.block_owner,
                 **self._cached_memory(e.group),
             )
             for e in self._groups
@@ -438,8 +465,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         """A group's ``GroupMemory`` prefix-cache fields (none when it caches nothing;
         the manager is not made yet when the runtime logs its first report)."""
         manager: KVCacheManager | None = getattr(self, "manager", None)
-        if manager is None or manager.prefix is None:
-            return {}
+        if manager is None or manager.prefix is None or group.block_owner is not None:
+            return {}  # (a group sharing an owner's block ids: its names are the owner's)
         if manager.prefix.needs_flush:
             manager.prefix.flush()
         store = manager.checkpoint_stores[group.group_id]
@@ -454,10 +481,17 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             return {}
         named = len(slab.name_of)
         block_bytes = self.page_size_bytes // group.blocks_per_page
+        # A named block holds the rows of the groups sharing its ids too (their own
+        # buffers, one kernel block of their page per layer).
+        beside = sum(
+            e.group.spec.page_size_bytes * len(e.group.layer_names)
+            for e in self._groups
+            if e.group.block_owner == group.group_id
+        )
         return {
             "cached_blocks": named,
             "cached_free_blocks": slab.num_cached_free(),
-            "cached_bytes": named * block_bytes * len(group.layer_names),
+            "cached_bytes": named * (block_bytes * len(group.layer_names) + beside),
         }
 
     def backend_for(self, layer_name: str) -> type[AttentionBackend]:
@@ -509,7 +543,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         Raises:
             UnknownLayerError / UnknownRequestError: an unknown layer or request.
         """
-        return self.manager.block_table(self._group_id(layer_name), req_id)
+        return self.manager.block_table(self._table_gid(layer_name), req_id)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -167,7 +167,12 @@ class StepHost(SpeculativeCalls):
         try:
             commons: list[CommonAttentionMetadata] = []
             for entry in self._groups:
-                common = self._common_metadata(entry.group, rows, lens, shared, to_device)
+                owner = entry.group.block_owner
+                if owner is not None:
+                    # Shared block ids: the owner's table and slots (owners come first).
+                    common = commons[owner]
+                else:
+                    common = self._common_metadata(entry.group, rows, lens, shared, to_device)
                 common.draft_tree = tree
                 if mm_tensors is not None and entry.group.group_id in self._mm_groups:
                     common = dataclasses.replace(

@@ -371,7 +371,10 @@ def _join(case: Case, batch: StepBatch, inputs: dict[str, _Inputs]) -> _Joined:
     order = batch.order
     keys = list(inputs[order[0]].tensors)
     joined = {k: torch.cat([inputs[r].tensors[k] for r in order]) for k in keys}
-    if case.choice.kind is not KVCacheSpecKind.MAMBA and rules_for_kind(case.choice.kind).writes == "encoder":
+    if (
+        case.choice.kind is not KVCacheSpecKind.MAMBA
+        and rules_for_kind(case.choice.kind).writes == "encoder"
+    ):
         enc = [e for r in batch.encoder_order if (e := inputs[r].encoder) is not None]
         key = torch.cat([e[0] for e in enc]) if enc else None
         value = torch.cat([e[1] for e in enc]) if enc else None
@@ -688,7 +691,12 @@ def run_sparse_case(
         random.Random(seed).shuffle(side.manager.pool._free)
     bs = choice.block_size
     long_len = 3 * topk + bs + 1
-    steps = [[("a", long_len - bs - 1), ("b", 1)], [("a", bs), ("b", 1)], [("a", 1)], [("a", 1), ("b", 1)]]
+    steps = [
+        [("a", long_len - bs - 1), ("b", 1)],
+        [("a", bs), ("b", 1)],
+        [("a", 1)],
+        [("a", 1), ("b", 1)],
+    ]
     gen = torch.Generator().manual_seed(seed)
     tol = tolerance_of(choice)
     for number, step in enumerate(steps):
@@ -714,7 +722,7 @@ def run_sparse_case(
                 torch.cat([parts[rid][i] for rid in batch.order]) for i in range(5)
             )
             try:
-                sel = side.select("indexer", qi, ki, w, paired="mla")
+                sel = side.select("indexer", qi, ki, w)
                 out = side.forward("mla", q, latent, selection=sel)
             except Exception as exc:
                 if side is ref:

@@ -36,7 +36,12 @@ __all__ = [
     "INDEX_DTYPES",
     "SCALE_BLOCK",
     "check_index_cache",
+    "check_logits_args",
     "check_selection",
+    "check_sparse_mla_args",
+    "check_topk_args",
+    "check_unit_last_dim",
+    "check_write_args",
     "index_row_bytes",
 ]
 
@@ -55,9 +60,7 @@ def index_row_bytes(index_head_dim: int, scale_block: int = SCALE_BLOCK) -> int:
     dim = check_int_arg("index_head_dim", index_head_dim, 1)
     block = check_int_arg("scale_block", scale_block, 1)
     if dim % block:
-        raise ValueError(
-            f"index_head_dim: expected a multiple of scale_block={block}, got {dim}"
-        )
+        raise ValueError(f"index_head_dim: expected a multiple of scale_block={block}, got {dim}")
     return dim + dim // block * 4
 
 
@@ -81,14 +84,22 @@ def check_index_cache(index_cache: object, device: torch.device | None = None) -
 
 def require_cache(index_cache: object) -> Tensor:
     cache = check_tensor(
-        "index_cache", index_cache, layout="[NB, BS, W] uint8", shape=(None, None, None), device=None
+        "index_cache",
+        index_cache,
+        layout="[NB, BS, W] uint8",
+        shape=(None, None, None),
+        device=None,
     )
     if cache.dtype != torch.uint8:
         raise ValueError(f"index_cache: expected dtype torch.uint8, got {cache.dtype}")
     if cache.shape[0] == 0 or cache.shape[1] == 0:
-        raise ValueError(f"index_cache: expected at least one block of one slot, got {describe(cache)}")
+        raise ValueError(
+            f"index_cache: expected at least one block of one slot, got {describe(cache)}"
+        )
     if not cache.is_contiguous():
-        raise ValueError(f"index_cache: expected a contiguous tensor, got strides {tuple(cache.stride())}")
+        raise ValueError(
+            f"index_cache: expected a contiguous tensor, got strides {tuple(cache.stride())}"
+        )
     return cache
 
 
@@ -96,7 +107,9 @@ def check_selection(
     indices: object, lens: object, *, num_tokens: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """``indices`` int32 ``[T, K]`` (global slots, -1 padded) and ``lens`` int32 ``[T]``."""
-    idx = check_tensor("indices", indices, layout="[T, topk]", shape=(num_tokens, None), device=device)
+    idx = check_tensor(
+        "indices", indices, layout="[T, topk]", shape=(num_tokens, None), device=device
+    )
     if idx.dtype != torch.int32:
         raise ValueError(f"indices: expected dtype torch.int32, got {idx.dtype}")
     if idx.shape[1] == 0:
@@ -105,3 +118,106 @@ def check_selection(
     if counts.dtype != torch.int32:
         raise ValueError(f"lens: expected dtype torch.int32, got {counts.dtype}")
     return idx, counts
+
+
+def check_unit_last_dim(name: str, tensor: Tensor) -> None:
+    """A launcher's layout need: ``tensor``'s last dimension has unit stride (a kernel
+    limit, not the op's: the references take any strides)."""
+    if tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: expected a contiguous last dimension, got strides {tensor.stride()}"
+        )
+
+
+def _check_index_dtype(name: str, tensor: Tensor) -> None:
+    if tensor.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name}: expected dtype in {INDEX_DTYPES}, got {tensor.dtype}")
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None:
+        check_int_arg("window", window, 1)
+
+
+def check_write_args(
+    keys: object, index_cache: object, slot_mapping: object
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``write_index_cache``'s arguments: ``keys`` ``[T, D]`` (or ``[T, 1, D]``, squeezed)
+    of an index dtype, the cache (``check_index_cache``), ``slot_mapping`` int64 ``[T]``.
+    Returns ``(keys [T, D], cache, slots)``."""
+    cache = check_index_cache(index_cache)
+    if isinstance(keys, Tensor) and keys.dim() == 3 and keys.shape[1] == 1:
+        keys = keys[:, 0]
+    dim = index_head_dim_of(cache.shape[2])
+    rows = check_tensor("keys", keys, layout="[T, D]", shape=(None, dim), device=cache.device)
+    _check_index_dtype("keys", rows)
+    slots = check_tensor(
+        "slot_mapping", slot_mapping, layout="[T]", shape=(rows.shape[0],), device=cache.device
+    )
+    if slots.dtype != torch.int64:
+        raise ValueError(f"slot_mapping: expected dtype torch.int64, got {slots.dtype}")
+    return rows, cache, slots
+
+
+def check_logits_args(
+    q: Tensor, weights: object, index_cache: object, max_seq_len: object, window: int | None
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``indexer_logits``' arguments: ``q`` ``[T, H, D]`` of an index dtype, ``weights``
+    ``[T, H]``, the cache on ``q``'s device, ``max_seq_len >= 1``, ``window`` ``None`` or
+    ``>= 1``. Returns ``(q, weights, cache, max_seq_len)``."""
+    cache = check_index_cache(index_cache, q.device)
+    dim = index_head_dim_of(cache.shape[2])
+    q = check_tensor("q", q, layout="[T, H, D]", shape=(None, None, dim), device=None)
+    _check_index_dtype("q", q)
+    tokens, heads = q.shape[0], q.shape[1]
+    w = check_tensor("weights", weights, layout="[T, H]", shape=(tokens, heads), device=q.device)
+    length = check_int_arg("max_seq_len", max_seq_len, 1)
+    _check_window(window)
+    return q, w, cache, length
+
+
+def check_topk_args(
+    logits: object, block_size: object, topk: object, window: int | None
+) -> tuple[Tensor, int, int]:
+    """``topk_select``'s arguments: ``logits`` ``[T, L]``, ``block_size >= 1``, ``topk >=
+    1``, ``window`` ``None`` or ``>= 1``. Returns ``(logits, block_size, topk)``."""
+    k = check_int_arg("topk", topk, 1)
+    bs = check_int_arg("block_size", block_size, 1)
+    scores = check_tensor("logits", logits, layout="[T, L]", shape=(None, None), device=None)
+    _check_window(window)
+    return scores, bs, k
+
+
+def check_sparse_mla_args(
+    query: Tensor,
+    latent_cache: object,
+    indices: object,
+    lens: object,
+    kv_lora_rank: object,
+    output: object,
+    lse: object,
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``sparse_mla_attention``'s arguments: ``query`` ``[T, H, D]``, ``latent_cache``
+    ``[NB, BS, D]`` on its device, ``1 <= kv_lora_rank <= D``, the selection
+    (``check_selection``), ``output`` ``[T, H, R]`` and ``lse`` ``[T, H]`` when given.
+    Returns ``(cache, indices, lens, kv_lora_rank)``."""
+    if query.dim() != 3:
+        raise ValueError(f"query: expected shape [T, H, D], got {tuple(query.shape)}")
+    tokens, heads, dim = query.shape
+    cache = check_tensor(
+        "latent_cache",
+        latent_cache,
+        layout="[NB, BS, D]",
+        shape=(None, None, dim),
+        device=query.device,
+    )
+    check_device("latent_cache", cache, query.device)
+    rank = check_int_arg("kv_lora_rank", kv_lora_rank, 1, dim)
+    idx, counts = check_selection(indices, lens, num_tokens=tokens, device=query.device)
+    if output is not None:
+        check_tensor(
+            "output", output, layout="[T, H, R]", shape=(tokens, heads, rank), device=query.device
+        )
+    if lse is not None:
+        check_tensor("lse", lse, layout="[T, H]", shape=(tokens, heads), device=query.device)
+    return cache, idx, counts, rank

@@ -19,13 +19,15 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit.kernels._checks import check_device, check_int_arg, check_tensor
+from attnkit.kernels._checks import check_tensor
 from attnkit.kernels.dsa.contract import (
     FP8_MAX,
     INDEX_DTYPES,
     SCALE_BLOCK,
-    check_index_cache,
-    check_selection,
+    check_logits_args,
+    check_sparse_mla_args,
+    check_topk_args,
+    check_write_args,
     index_head_dim_of,
     index_row_bytes,
 )
@@ -45,7 +47,9 @@ _FP8 = torch.float8_e4m3fn
 
 def quantize_index_keys(keys: Tensor) -> Tensor:
     """``keys`` ``[..., D]`` (float) -> uint8 rows ``[..., index_row_bytes(D)]``."""
-    keys = check_tensor("keys", keys, layout="[..., D]", shape=(*([None] * keys.dim()),), device=None)
+    keys = check_tensor(
+        "keys", keys, layout="[..., D]", shape=(*([None] * keys.dim()),), device=None
+    )
     if keys.dtype not in INDEX_DTYPES:
         raise ValueError(f"keys: expected dtype in {INDEX_DTYPES}, got {keys.dtype}")
     dim = keys.shape[-1]
@@ -57,7 +61,9 @@ def quantize_index_keys(keys: Tensor) -> Tensor:
     # is a power of two (m == 0.5); a float log2 can round across the integer.
     mantissa, exponent = torch.frexp(torch.clamp(amax, min=1e-30) / FP8_MAX)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax))
+    scale = torch.where(
+        amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax)
+    )
     values = (blocks / scale).to(_FP8).reshape(*lead, dim)
     scales = scale.reshape(*lead, dim // SCALE_BLOCK).contiguous()
     return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
@@ -76,16 +82,7 @@ def dequantize_index_rows(rows: Tensor) -> Tensor:
 def write_index_cache(keys: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> None:
     """Quantise ``keys`` ``[T, D]`` (or ``[T, 1, D]``) into ``index_cache`` at
     ``slot_mapping`` ``[T]`` (int64; ``-1``: not written)."""
-    cache = check_index_cache(index_cache)
-    if keys.dim() == 3 and keys.shape[1] == 1:
-        keys = keys[:, 0]
-    dim = index_head_dim_of(cache.shape[2])
-    keys = check_tensor("keys", keys, layout="[T, D]", shape=(None, dim), device=cache.device)
-    slots = check_tensor(
-        "slot_mapping", slot_mapping, layout="[T]", shape=(keys.shape[0],), device=cache.device
-    )
-    if slots.dtype != torch.int64:
-        raise ValueError(f"slot_mapping: expected dtype torch.int64, got {slots.dtype}")
+    keys, cache, slots = check_write_args(keys, index_cache, slot_mapping)
     keep = slots >= 0
     flat = cache.view(-1, cache.shape[2])
     flat[slots[keep]] = quantize_index_keys(keys[keep])
@@ -96,7 +93,9 @@ def token_positions(query_start_loc: Tensor, seq_lens: Tensor) -> tuple[Tensor, 
     qlens = query_start_loc[1:] - query_start_loc[:-1]
     req = torch.repeat_interleave(torch.arange(qlens.numel(), device=qlens.device), qlens)
     first = (seq_lens - qlens).long()
-    pos = torch.arange(req.numel(), device=req.device) - query_start_loc[:-1].long()[req] + first[req]
+    pos = (
+        torch.arange(req.numel(), device=req.device) - query_start_loc[:-1].long()[req] + first[req]
+    )
     return req, pos
 
 
@@ -122,14 +121,7 @@ def indexer_logits(
     """Scores ``[T, max_seq_len]`` float32: ``sum_j w[t, j] relu(q[t, j] . k[s])`` for
     every position ``s`` token ``t`` sees, ``-inf`` elsewhere (never-written or released
     slots are never read into a visible score)."""
-    cache = check_index_cache(index_cache, q.device)
-    dim = index_head_dim_of(cache.shape[2])
-    q = check_tensor("q", q, layout="[T, H, D]", shape=(None, None, dim), device=None)
-    if q.dtype not in INDEX_DTYPES:
-        raise ValueError(f"q: expected dtype in {INDEX_DTYPES}, got {q.dtype}")
-    tokens, heads = q.shape[0], q.shape[1]
-    weights = check_tensor("weights", weights, layout="[T, H]", shape=(tokens, heads), device=q.device)
-    length = check_int_arg("max_seq_len", max_seq_len, 1)
+    q, weights, cache, length = check_logits_args(q, weights, index_cache, max_seq_len, window)
     bs = cache.shape[1]
     req, pos = token_positions(query_start_loc, seq_lens)
     cols = torch.arange(length, device=q.device)
@@ -159,9 +151,7 @@ def topk_select(
 
     Kept: the ``topk`` visible positions of highest score, ties to the earlier position,
     all visible ones when fewer (the count is ``min(topk, visible)``)."""
-    k = check_int_arg("topk", topk, 1)
-    bs = check_int_arg("block_size", block_size, 1)
-    logits = check_tensor("logits", logits, layout="[T, L]", shape=(None, None), device=None)
+    logits, bs, k = check_topk_args(logits, block_size, topk, window)
     tokens, length = logits.shape
     _, pos = token_positions(query_start_loc, seq_lens)
     req, _ = token_positions(query_start_loc, seq_lens)
@@ -201,15 +191,10 @@ def sparse_mla_attention(
     """Absorbed MLA of ``query`` ``[T, H, D]`` over the latents ``latent_cache.view(-1,
     D)[indices[t, :lens[t]]]``; entries at ``-1`` or past ``lens`` are not read. A token
     with nothing selected gets zeros (and ``lse = -inf``). Output ``[T, H, R]``."""
-    if query.dim() != 3:
-        raise ValueError(f"query: expected shape [T, H, D], got {tuple(query.shape)}")
-    tokens, _, dim = query.shape
-    cache = check_tensor(
-        "latent_cache", latent_cache, layout="[NB, BS, D]", shape=(None, None, dim), device=query.device
+    cache, idx, counts, rank = check_sparse_mla_args(
+        query, latent_cache, indices, lens, kv_lora_rank, output, lse
     )
-    check_device("latent_cache", cache, query.device)
-    rank = check_int_arg("kv_lora_rank", kv_lora_rank, 1, dim)
-    idx, counts = check_selection(indices, lens, num_tokens=tokens, device=query.device)
+    dim = query.shape[2]
     flat = cache.reshape(-1, dim)
     cols = torch.arange(idx.shape[1], device=query.device)
     live = (idx >= 0) & (cols[None, :] < counts[:, None])

@@ -29,15 +29,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnkit.kernels._checks import check_int_arg, check_tensor
 from attnkit.kernels._triton.fp8 import e4m3_bits_to_f32, f32_to_e4m3_bits
 from attnkit.kernels._triton.interpret import INTERPRETED
 from attnkit.kernels._triton.varlen import find_segment, search_iters
 from attnkit.kernels.dsa.contract import (
-    INDEX_DTYPES,
     SCALE_BLOCK,
-    check_index_cache,
-    check_selection,
+    check_logits_args,
+    check_sparse_mla_args,
+    check_topk_args,
+    check_unit_last_dim,
+    check_write_args,
     index_head_dim_of,
 )
 
@@ -226,8 +227,11 @@ def _topk_kernel(
     # Padding first, then the kept positions in ascending order (they land below keep_n).
     for start in range(0, topk, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
-        tl.store(idx_ptr + token * stride_it + k, tl.full([BLOCK_K], -1, tl.int32),
-                 mask=(k < topk) & (k >= keep_n))
+        tl.store(
+            idx_ptr + token * stride_it + k,
+            tl.full([BLOCK_K], -1, tl.int32),
+            mask=(k < topk) & (k >= keep_n),
+        )
     written = tl.zeros([], dtype=tl.int32)
     equal_seen = tl.zeros([], dtype=tl.int32)
     for start in range(0, length, BLOCK_L):
@@ -318,7 +322,9 @@ def _sparse_mla_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_row + r[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & rmask[None, :])
+    tl.store(
+        o_row + r[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & rmask[None, :]
+    )
     if HAS_LSE:
         lse = tl.where(l_i > 0, tl.log(tl.where(l_i > 0, l_i, 1.0)) + m_i, float("-inf"))
         tl.store(lse_ptr + token * num_heads + heads, lse, mask=hmask)
@@ -329,20 +335,9 @@ def _sparse_mla_kernel(
 
 def write_index_cache(keys: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> None:
     """As :func:`attnkit.kernels.dsa.reference.write_index_cache` (bit for bit)."""
-    cache = check_index_cache(index_cache)
-    if keys.dim() == 3 and keys.shape[1] == 1:
-        keys = keys[:, 0]
+    keys, cache, slots = check_write_args(keys, index_cache, slot_mapping)
+    check_unit_last_dim("keys", keys)
     dim = index_head_dim_of(cache.shape[2])
-    keys = check_tensor("keys", keys, layout="[T, D]", shape=(None, dim), device=cache.device)
-    if keys.dtype not in INDEX_DTYPES:
-        raise ValueError(f"keys: expected dtype in {INDEX_DTYPES}, got {keys.dtype}")
-    if keys.shape[1] > 1 and keys.stride(1) != 1:
-        raise ValueError(f"keys: expected a contiguous last dimension, got strides {keys.stride()}")
-    slots = check_tensor(
-        "slot_mapping", slot_mapping, layout="[T]", shape=(keys.shape[0],), device=cache.device
-    )
-    if slots.dtype != torch.int64:
-        raise ValueError(f"slot_mapping: expected dtype torch.int64, got {slots.dtype}")
     if keys.shape[0] == 0:
         return
     _write_index_kernel[(keys.shape[0],)](
@@ -371,18 +366,10 @@ def indexer_logits(
     window: int | None = None,
 ) -> Tensor:
     """As :func:`attnkit.kernels.dsa.reference.indexer_logits` (float32 ``[T, max_seq_len]``)."""
-    cache = check_index_cache(index_cache, q.device)
+    q, weights, cache, length = check_logits_args(q, weights, index_cache, max_seq_len, window)
+    check_unit_last_dim("q", q)
     dim = index_head_dim_of(cache.shape[2])
-    q = check_tensor("q", q, layout="[T, H, D]", shape=(None, None, dim), device=None)
-    if q.dtype not in INDEX_DTYPES:
-        raise ValueError(f"q: expected dtype in {INDEX_DTYPES}, got {q.dtype}")
-    if q.stride(2) != 1:
-        raise ValueError(f"q: expected a contiguous last dimension, got strides {q.stride()}")
     tokens, heads = q.shape[0], q.shape[1]
-    weights = check_tensor("weights", weights, layout="[T, H]", shape=(tokens, heads), device=q.device)
-    length = check_int_arg("max_seq_len", max_seq_len, 1)
-    if window is not None:
-        check_int_arg("window", window, 1)
     num_reqs = seq_lens.shape[0]
     out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0:
@@ -434,13 +421,9 @@ def topk_select(
 ) -> tuple[Tensor, Tensor]:
     """As :func:`attnkit.kernels.dsa.reference.topk_select` (the same slots, in the same
     order, ties to the earlier position)."""
-    k = check_int_arg("topk", topk, 1)
-    bs = check_int_arg("block_size", block_size, 1)
-    logits = check_tensor("logits", logits, layout="[T, L]", shape=(None, None), device=None)
+    logits, bs, k = check_topk_args(logits, block_size, topk, window)
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits: expected contiguous rows of torch.float32, got {logits.dtype}")
-    if window is not None:
-        check_int_arg("window", window, 1)
     tokens, length = logits.shape
     indices = torch.empty(tokens, k, dtype=torch.int32, device=logits.device)
     lens = torch.empty(tokens, dtype=torch.int32, device=logits.device)
@@ -484,27 +467,24 @@ def sparse_mla_attention(
 ) -> Tensor:
     """As :func:`attnkit.kernels.dsa.reference.sparse_mla_attention` (a latent cache of
     the query dtype; ``lse`` float32 ``[T, H]`` when given)."""
-    if query.dim() != 3:
-        raise ValueError(f"query: expected shape [T, H, D], got {tuple(query.shape)}")
-    tokens, heads, dim = query.shape
-    cache = check_tensor(
-        "latent_cache", latent_cache, layout="[NB, BS, D]", shape=(None, None, dim), device=query.device
+    cache, idx, counts, rank = check_sparse_mla_args(
+        query, latent_cache, indices, lens, kv_lora_rank, output, lse
     )
+    tokens, heads, dim = query.shape
+    # The kernel's own limits: a contiguous cache of the query dtype, unit-stride rows.
     if cache.dtype != query.dtype or not cache.is_contiguous():
         raise ValueError(
             f"latent_cache: expected a contiguous tensor of the query dtype {query.dtype}, "
             f"got {cache.dtype}"
         )
-    if query.stride(2) != 1:
-        raise ValueError(f"query: expected a contiguous last dimension, got strides {query.stride()}")
-    rank = check_int_arg("kv_lora_rank", kv_lora_rank, 1, dim)
-    idx, counts = check_selection(indices, lens, num_tokens=tokens, device=query.device)
+    check_unit_last_dim("query", query)
     if idx.stride(1) != 1:
         raise ValueError(f"indices: expected contiguous rows, got strides {idx.stride()}")
-    out = output if output is not None else torch.empty(tokens, heads, rank, dtype=query.dtype, device=query.device)
-    check_tensor("output", out, layout="[T, H, R]", shape=(tokens, heads, rank), device=query.device)
-    if lse is not None:
-        check_tensor("lse", lse, layout="[T, H]", shape=(tokens, heads), device=query.device)
+    out = (
+        output
+        if output is not None
+        else torch.empty(tokens, heads, rank, dtype=query.dtype, device=query.device)
+    )
     if tokens == 0:
         return out
     # As triton_mla's decode shape (its compile report at D = 576): up to 32 rows of
