@@ -43,7 +43,8 @@ DTYPE = torch.bfloat16
 def _runtime(requests: int, context: int, k: int) -> AttentionRuntime:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=DTYPE)
     per_request = (context + 2 * (k + 1) * 8 + BS) // BS
-    budget = (requests * per_request + 8) * 2 * BS * HKV * D * 2
+    itemsize = torch.empty((), dtype=DTYPE).element_size()
+    budget = (requests * per_request + 8) * 2 * BS * HKV * D * itemsize
     return AttentionRuntime(
         {"l": spec},
         AttentionConfig(
@@ -182,12 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="the verify-vs-decode layer's dtype (default bfloat16)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     requests, context, rounds = (8, 512, 3) if args.quick else (32, 2048, 7)
     verify = verify_vs_decodes(requests, context, 4, rounds)
     print(
-        f"verify step (k=4, {requests} requests x {context} context, {verify['backend']}): "
+        f"verify step (k=4, {requests} requests x {context} context, {args.dtype}, "
+        f"{verify['backend']}): "
         f"{verify['verify_s'] * 1e3:.1f} ms; one decode step {verify['decode_s'] * 1e3:.1f} ms; "
         f"5 decode steps {verify['sequential_decodes_s'] * 1e3:.1f} ms\n"
         f"  per verified token {verify['verify_per_token_us']:.1f} us vs per decoded token "
