@@ -167,9 +167,11 @@ class Offloader:
         self._lock = threading.Lock()
         """Held around every connector call: the worker's and the lookups' never overlap."""
         self._fences = 0
-        self.save_errors: list[BaseException] = []
-        """What the connector raised in the worker (those pages are not saved: their
-        hits recompute); ``drain`` raises the first."""
+        self.save_error: BaseException | None = None
+        """The first error the connector raised in a save since the last ``drain``
+        (those pages are not saved: their hits recompute); ``drain`` raises it."""
+        self.save_errors = 0
+        """Saves that raised, in all."""
         self.device = next(iter(kv_caches.values()))[0].device if kv_caches else None
         self._cuda = self.device is not None and self.device.type == "cuda"
         self._background = self.device is not None and connector.saves_in_background(self.device)
@@ -265,9 +267,8 @@ class Offloader:
             job.finished.wait()
         self._jobs.clear()
         self._queued.clear()
-        if self.save_errors:
-            error = self.save_errors[0]
-            self.save_errors.clear()
+        error, self.save_error = self.save_error, None
+        if error is not None:
             raise error
 
     def finish(self, job: _SaveJob) -> None:
@@ -286,8 +287,10 @@ class Offloader:
             if len(self._in_flight) >= _POLL_EVERY:
                 with self._lock:
                     self._in_flight = [h for h in self._in_flight if not h.done()]
-        except BaseException as exc:  # those pages are not saved: their hits recompute
-            self.save_errors.append(exc)
+        except Exception as exc:  # those pages are not saved: their hits recompute
+            self.save_errors += 1
+            if self.save_error is None:
+                self.save_error = exc
         finally:
             job.finished.set()
 
