@@ -277,3 +277,57 @@ def test_cuda_saves_hold_the_block_at_eviction() -> None:
         runtime.free([f"u{i}"], token_ids={f"u{i}": toks})
     assert runtime.prefix_cache_stats().offloaded > 0
     assert oracle.check() == len(oracle.expected)
+
+
+def lookup_after_a_reset(tier: KVConnector) -> tuple[int, int]:
+    """``a`` computed, all its blocks evicted by ``b``'s step (logged, not yet saved),
+    the prefix cache reset before ``b``'s layers run: a lookup of ``a`` then gets its
+    hit tokens and load failures (no hit may come from before the reset)."""
+    from attnkit import ScheduledRequest
+
+    m = DemoModel(layout=("full",), block_size=BS, num_kv_heads=1)
+    runtime = runtime_for(dict(m.specs), params=dict(m.params), pages=6, connector=tier)
+    d = Driver(m, runtime)
+    a = tokens(4 * BS + 1, seed=1)
+    d.turn("a", a)
+    b = tokens(5 * BS, seed=2)
+    runtime.begin_step([ScheduledRequest("b", 5 * BS)])  # the whole pool: evicts all of a
+    assert len(offloader(runtime)._log) == 4
+    runtime.reset_prefix_cache()
+    m.forward_step(runtime, torch.tensor(b), positions=torch.arange(5 * BS))
+    runtime.free(["b"], token_ids={"b": b})
+    match = runtime.match_prefix(a)
+    return match.num_tokens, runtime.prefix_cache_stats().offload_load_failures
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+def test_a_reset_keeps_pages_evicted_before_it_from_hitting(background: bool) -> None:
+    assert lookup_after_a_reset(SlowTier(delay=0.5) if background else HostMemoryTier(2**26)) == (
+        0,
+        0,
+    )
+
+
+def test_broken_an_epoch_bumped_before_the_log_is_saved_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blocks evicted before the reset would be saved under the new epoch."""
+
+    def bump_only(self: Offloader) -> None:
+        self.epoch += 1
+
+    monkeypatch.setattr(Offloader, "bump_epoch", bump_only)
+    hit, _ = lookup_after_a_reset(HostMemoryTier(2**26))
+    assert hit > 0  # a hit on bytes from before the reset: what the test above refuses
+
+
+def test_broken_names_queued_before_a_reset_still_counted_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def bump_keeping_the_queue(self: Offloader) -> None:
+        self.fence()
+        self.epoch += 1
+
+    monkeypatch.setattr(Offloader, "bump_epoch", bump_keeping_the_queue)
+    _, failures = lookup_after_a_reset(SlowTier(delay=0.5))  # still queued at the lookup
+    assert failures > 0  # a load of a name the tier never held under this epoch

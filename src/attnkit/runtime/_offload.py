@@ -242,7 +242,9 @@ class Offloader:
             job.groups.append((gid, names, pages, parts, staging))
             for name in names:
                 queued[gid, name] = job
-        if self._cuda:
+        if self._cuda and self._background:
+            # The worker's calls are on its own stream: it waits for the gathers first.
+            # (Inline, the connector orders its copy after the current stream's work.)
             job.gathered = _CUDA.Event()
             job.gathered.record(_CUDA.current_stream(self.device))
         self._jobs.append(job)
@@ -405,6 +407,7 @@ class Offloader:
         """``reset_prefix_cache``: what was evicted before is saved under the old epoch,
         and no page saved before loads again."""
         self.fence()
+        self._queued.clear()  # saved under the old epoch: no load of the new one waits
         self.epoch += 1
 
     def stats(self) -> ConnectorStats:
