@@ -104,15 +104,19 @@ class EvictionOracle:
         return checked
 
 
-def churn(connector: KVConnector, *, turns: int = 12) -> tuple[EvictionOracle, AttentionRuntime]:
+def churn(
+    connector: KVConnector, *, turns: int = 12, inference: bool = False
+) -> tuple[EvictionOracle, AttentionRuntime]:
     """Unique requests through a 12-page pool: each evicts the last ones' blocks and
-    writes new K/V into the pages at once (the step's first layer call)."""
+    writes new K/V into the pages at once (the step's first layer call); with
+    ``inference``, the steps run under ``torch.inference_mode`` (as engines run them)."""
     m = DemoModel(layout=("full", "window", "full"), block_size=BS, window=10, num_kv_heads=1)
     runtime = runtime_for(dict(m.specs), params=dict(m.params), pages=12, connector=connector)
     oracle = EvictionOracle(runtime)
     d = Driver(m, runtime)
-    for i in range(turns):
-        d.turn(f"u{i}", tokens(5 * BS + 3, seed=50 + i), first_chunk=3 * BS)
+    with torch.inference_mode(inference):
+        for i in range(turns):
+            d.turn(f"u{i}", tokens(5 * BS + 3, seed=50 + i), first_chunk=3 * BS)
     return oracle, runtime
 
 
@@ -123,13 +127,15 @@ CONNECTORS = {
 }
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
 @pytest.mark.parametrize("make", list(CONNECTORS.values()), ids=list(CONNECTORS))
-def test_what_the_connector_holds_is_the_block_at_eviction(make: object) -> None:
+def test_what_the_connector_holds_is_the_block_at_eviction(make: object, inference: bool) -> None:
     assert callable(make)
     connector = make()
-    oracle, runtime = churn(connector)
+    oracle, runtime = churn(connector, inference=inference)
     stats = runtime.prefix_cache_stats()
     assert stats.offloaded >= 40, str(stats)  # the pool was reused many times over
+    assert offloader(runtime).save_errors == 0
     assert oracle.check() == len(oracle.expected)
     if isinstance(connector, SlowTier):
         assert connector.threads == {"attnkit-offload"}  # off the caller's thread

@@ -66,7 +66,10 @@ class _Worker:
             job = jobs.get()
             owner, job.owner = job.owner, None
             if owner is not None:
-                owner.finish(job)
+                # Staging rows made under the caller's inference mode are inference
+                # tensors; inside it, the worker may write them and ordinary ones alike.
+                with torch.inference_mode():
+                    owner.finish(job)
             del job, owner
 
 
