@@ -256,6 +256,10 @@ class Offloader:
         else:
             job.owner = None
             self.finish(job)
+            for gid, names, *_ in job.groups:  # the connector has them (or failed)
+                for name in names:
+                    if queued.get((gid, name)) is job:
+                        del queued[gid, name]
         self._fences += 1
         if self._fences >= _POLL_EVERY:
             self._fences = 0
