@@ -157,11 +157,28 @@ def test_begin_step_saves_nothing_and_the_first_layer_call_fences() -> None:
     assert off.needs_fence
     assert tier.batches == 0
     assert not tier.stats().pages
+    evicted = [(gid, name) for gid, _, name in off._log]
+    assert all(off.contains(gid, name) for gid, name in evicted), "a load would wait"
     m.forward_step(runtime, torch.tensor(d.tokens["b"]), positions=torch.arange(4 * BS))
     assert not off.needs_fence
     off.wait_saves()
     assert tier.batches == 1  # one batch for the step
     assert tier.stats().pages == 3  # the blocks it evicted (the pool had one page free)
+
+
+def test_broken_contains_blind_to_the_log_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Offloader._is_queued
+
+    def without_the_log(self: Offloader, group_id: int, name: bytes) -> object:
+        log, self._log = self._log, []
+        try:
+            return real(self, group_id, name)
+        finally:
+            self._log = log
+
+    monkeypatch.setattr(Offloader, "_is_queued", without_the_log)
+    with pytest.raises(AssertionError, match="a load would wait"):
+        test_begin_step_saves_nothing_and_the_first_layer_call_fences()
 
 
 def test_a_hit_on_pages_still_being_saved_equals_a_resident_hit() -> None:

@@ -162,9 +162,9 @@ class Offloader:
         self._staged: dict[int, _Staging] = {}
         self._log: list[tuple[int, int, bytes]] = []
         """Evictions logged since the last ``fence``: ``(group id, block, name)``."""
-        self._queued: dict[tuple[int, bytes], _SaveJob | None] = {}
-        """Blocks logged or in a job the connector has not been handed yet (``None``:
-        not snapshotted yet), so ``contains`` counts them and a load waits for them."""
+        self._queued: dict[tuple[int, bytes], _SaveJob] = {}
+        """Blocks in a job on the worker that the connector may not have yet, so
+        ``contains`` counts them and a load waits for them (the log counts too)."""
         self._jobs: list[_SaveJob] = []
         """Jobs not known to be finished."""
         self._lock = threading.Lock()
@@ -214,13 +214,9 @@ class Offloader:
     # ------------------------------------------------------------------ saves
 
     def save(self, evicted: list[tuple[int, int, bytes]]) -> None:
-        """Log evicted blocks (``CachedPool.offload_sink``); ``fence`` saves them."""
-        rows, queued, log = self._rows, self._queued, self._log
-        for entry in evicted:
-            gid, _, name = entry
-            if gid in rows:
-                log.append(entry)
-                queued[gid, name] = None
+        """Log evicted blocks (``CachedPool.offload_sink``; the pool logs only the groups
+        that offload); ``fence`` saves them."""
+        self._log.extend(evicted)
 
     def fence(self) -> None:
         """Copy out the bytes of every block evicted since the last fence (before any
@@ -243,8 +239,9 @@ class Offloader:
             pages, parts, staging = self._snapshot(gid, blocks)
             staging.job = job
             job.groups.append((gid, names, pages, parts, staging))
-            for name in names:
-                queued[gid, name] = job
+            if self._background:
+                for name in names:
+                    queued[gid, name] = job
         if self._cuda and self._background:
             # The worker's calls are on its own stream: it waits for the gathers first.
             # (Inline, the connector orders its copy after the current stream's work.)
@@ -256,15 +253,11 @@ class Offloader:
         else:
             job.owner = None
             self.finish(job)
-            for gid, names, *_ in job.groups:  # the connector has them (or failed)
-                for name in names:
-                    if queued.get((gid, name)) is job:
-                        del queued[gid, name]
         self._fences += 1
         if self._fences >= _POLL_EVERY:
             self._fences = 0
             self._jobs = [j for j in self._jobs if not j.finished.is_set()]
-            done = [k for k, j in queued.items() if j is not None and j.finished.is_set()]
+            done = [k for k, j in queued.items() if j.finished.is_set()]
             for k in done:
                 del queued[k]
 
@@ -365,16 +358,17 @@ class Offloader:
     # ------------------------------------------------------------------ loads (OffloadHooks)
 
     def _is_queued(self, group_id: int, name: bytes) -> _SaveJob | bool | None:
-        """The job saving ``name`` if the connector may not have it yet (``None``: not
-        snapshotted yet), ``False`` when none does."""
+        """The job saving ``name`` if the connector may not have it yet (``None``: logged,
+        not snapshotted yet), ``False`` when none does."""
         key = (group_id, name)
-        if key not in self._queued:
-            return False
-        job = self._queued[key]
-        if job is not None and job.finished.is_set():
+        job = self._queued.get(key)
+        if job is not None:
+            if not job.finished.is_set():
+                return job
             del self._queued[key]
-            return False
-        return job
+        if self._log and any(g == group_id and n == name for g, _, n in self._log):
+            return None  # (the log is short: a step's evictions until its first write)
+        return False
 
     def contains(self, group_id: int, name: bytes) -> bool:
         if group_id not in self._rows:
