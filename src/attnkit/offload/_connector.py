@@ -95,7 +95,18 @@ class KVConnector(abc.ABC):
     always mean equal bytes, so a connector may drop a save whose key it holds. Any
     method may be called while transfers are in flight; a load of a key whose save is
     still in flight must return the saved bytes (wait for the save), never older ones.
+    The runtime never calls two methods at once (saves may come from its worker thread,
+    see ``saves_in_background``), and the pages it saves are its own copies, which it
+    leaves alone until the save's handle is done.
     """
+
+    def saves_in_background(self, device: torch.device) -> bool:
+        """Whether the runtime hands the pages of ``device``'s cache to
+        ``submit_save_batch`` from a worker thread (with their canonical ids made there)
+        rather than in the layer call that copies them out. Default ``True``: an
+        external store may block (files, a network); a connector whose saves are a
+        cheap copy says ``False`` where waking a thread costs more than the copy."""
+        return True
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool:

@@ -80,17 +80,28 @@ class HostMemoryTier(KVConnector):
 
     Args:
         capacity_bytes: the bound on the pages' bytes.
+        background: ``saves_in_background``; ``None`` (default): on CUDA, where the
+            host's part of a save (ids, slots) then overlaps the device's work, and not
+            on CPU, where a save is a copy of a few pages and waking a thread costs
+            more than the copy.
 
     Raises:
         InvalidArgumentError: ``capacity_bytes`` not a positive int.
+        ArgumentTypeError: ``background`` not a bool or ``None``.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, background: bool | None = None) -> None:
         if not is_positive_int(capacity_bytes):
             raise InvalidArgumentError(
                 f"capacity_bytes must be a positive int, got {capacity_bytes!r}"
             )
+        given: object = background
+        if given is not None and not isinstance(given, bool):
+            raise ArgumentTypeError(
+                f"background must be a bool or None, got {type(given).__name__}"
+            )
         self.capacity_bytes = capacity_bytes
+        self.background = background
         self._entries: dict[bytes, tuple[_Slots, int]] = {}
         """key -> its slot, least recently used first."""
         self._saving: dict[bytes, _EventHandle] = {}
@@ -110,6 +121,10 @@ class HostMemoryTier(KVConnector):
         if self._stream is None:
             self._stream = _CUDA.Stream(device=device)
         return self._stream
+
+    @override
+    def saves_in_background(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.background is None else self.background
 
     @override
     def contains(self, key: bytes) -> bool:

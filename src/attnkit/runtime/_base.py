@@ -127,3 +127,8 @@ class RuntimeBase:
             )
         if self._stale is not None:
             raise StaleStepError(self._stale)
+        offloader = self._offloader
+        if offloader is not None and offloader.needs_fence:
+            # Every layer call checks here first, so the blocks the step reuses have their
+            # evicted bytes copied out before anything writes them (docs/offload.md).
+            offloader.fence()

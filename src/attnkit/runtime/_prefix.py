@@ -97,7 +97,7 @@ class PrefixCalls(RuntimeBase):
         that lost their name (0 with prefix caching off)."""
         prefix = self.manager.prefix
         if self._offloader is not None:
-            self._offloader.epoch += 1  # pages saved before never load again
+            self._offloader.bump_epoch()  # pages saved before never load again
         return 0 if prefix is None else prefix.reset()
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -450,11 +450,14 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
     def _offload_stats(self) -> ConnectorStats | None:
         """The connector's stats (the runtime logs a report before it is attached)."""
         offloader: Offloader | None = getattr(self, "_offloader", None)
-        return None if offloader is None else offloader.connector.stats()
+        return None if offloader is None else offloader.stats()
 
     def _copy_states(self, group_id: int, sources: list[int], destinations: list[int]) -> None:
         """Copy state pages ``sources`` to ``destinations`` in every state tensor of
         every layer of group ``group_id`` (state checkpoints: taken and restored)."""
+        offloader = self._offloader
+        if offloader is not None and offloader.needs_fence:
+            offloader.fence()  # a destination may be a page just evicted: copied out first
         src = torch.tensor(sources, dtype=torch.long, device=self.device)
         dst = torch.tensor(destinations, dtype=torch.long, device=self.device)
         for name in self._groups[group_id].group.layer_names:
