@@ -277,7 +277,10 @@ class Request:
                 f"request {self.req_id!r}: prompt must be a non-empty tuple of token ids, got "
                 f"{self.prompt!r}"
             )
-        if not all(is_nonnegative_int(t) for t in self.prompt):
+        # Plain ints >= 0 are checked in C (a 1k-token prompt: a call per token cost
+        # more than the request's whole admission); anything else goes one by one.
+        plain = set(map(type, self.prompt)) == {int} and min(self.prompt) >= 0
+        if not plain and not all(is_nonnegative_int(t) for t in self.prompt):
             bad = next(t for t in self.prompt if not is_nonnegative_int(t))
             raise InvalidArgumentError(
                 f"request {self.req_id!r}: prompt must hold token ids (ints >= 0), got {bad!r}"
