@@ -566,6 +566,39 @@ static int64_t plan_groups(const params *P, int64_t N, int64_t maxr, int64_t *fi
     return groups;
 }
 
+/*
+ * One step of the grouped copies' walk over keys [pos, ue): the tile [pos, *end) inside
+ * one block and one aligned 16-position window from base (a key's lane is its position
+ * mod 16), its first plane row, its lanes lo..hi, and the next tile's first row and row count
+ * (-1, 0 at the last), prefetched while this one is scored.
+ */
+typedef struct {
+    int64_t base, end, row, next_row, next_n;
+    int lo, hi;
+} key_tile;
+
+static inline key_tile next_key_tile(const params *P, const int32_t *table, int64_t pos, int64_t ue) {
+    key_tile t;
+    const int64_t base = pos - pos % 16, lb = pos / P->bs;
+    t.base = base;
+    t.end = base + 16;
+    if (t.end > (lb + 1) * P->bs) t.end = (lb + 1) * P->bs;
+    if (t.end > ue) t.end = ue;
+    t.row = (int64_t)table[lb] * P->bs + (pos - lb * P->bs);
+    t.lo = (int)(pos - base);
+    t.hi = (int)(t.end - base);
+    t.next_row = -1;
+    t.next_n = 0;
+    if (t.end < ue) {
+        const int64_t nb = t.end / P->bs;
+        t.next_n = P->bs - (t.end - nb * P->bs);
+        if (t.next_n > 16) t.next_n = 16;
+        if (t.next_n > ue - t.end) t.next_n = ue - t.end;
+        t.next_row = (int64_t)table[nb] * P->bs + (t.end - nb * P->bs);
+    }
+    return t;
+}
+
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define FD_X86 1
 #if defined(__GNUC__) && !defined(__clang__)

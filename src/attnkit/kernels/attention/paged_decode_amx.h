@@ -111,20 +111,10 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
     const int has_cap = P->cap > 0.0f;
     const float inv_cap = has_cap ? 1.0f / P->cap : 0.0f;
     for (int64_t pos = us; pos < ue;) {
-        const int64_t base = pos - pos % 16, lb = pos / P->bs;
-        int64_t end = base + 16;
-        if (end > (lb + 1) * P->bs) end = (lb + 1) * P->bs;
-        if (end > ue) end = ue;
-        const int64_t prow = (int64_t)table[lb] * P->bs + (pos - lb * P->bs);
-        const int lo = (int)(pos - base), hi = (int)(end - base);
-        int64_t nrow = -1, nn = 0;
-        if (end < ue) {
-            const int64_t nb = end / P->bs;
-            nn = P->bs - (end - nb * P->bs);
-            if (nn > 16) nn = 16;
-            if (nn > ue - end) nn = ue - end;
-            nrow = (int64_t)table[nb] * P->bs + (end - nb * P->bs);
-        }
+        const key_tile kt_ = next_key_tile(P, table, pos, ue);
+        const int64_t base = kt_.base, end = kt_.end, prow = kt_.row;
+        const int64_t nrow = kt_.next_row, nn = kt_.next_n;
+        const int lo = kt_.lo, hi = kt_.hi;
         for (int64_t c = 0; c < C; ++c) {
             if (nrow >= 0) {
                 const char *kn = P->k + (size_t)(nrow * P->k_sr + (kv0 + c) * P->k_sh) * es;

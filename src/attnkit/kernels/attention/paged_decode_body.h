@@ -285,22 +285,11 @@ static void FD(task)(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
             }
     const size_t krow = (size_t)P->k_sr * es, vrow = (size_t)P->v_sr * es;
     for (int64_t pos = us; pos < ue;) {
-        /* the tile: [pos, end) inside one block and one aligned 16-position window */
-        const int64_t base = pos - pos % 16, lb = pos / P->bs;
-        int64_t end = base + 16;
-        if (end > (lb + 1) * P->bs) end = (lb + 1) * P->bs;
-        if (end > ue) end = ue;
-        const int64_t prow = (int64_t)table[lb] * P->bs + (pos - lb * P->bs);
-        const int lo = (int)(pos - base), hi = (int)(end - base);
-        /* the next tile's rows, prefetched head by head below */
-        int64_t nrow = -1, nn = 0;
-        if (end < ue) {
-            const int64_t nb = end / P->bs;
-            nn = P->bs - (end - nb * P->bs);
-            if (nn > 16) nn = 16;
-            if (nn > ue - end) nn = ue - end;
-            nrow = (int64_t)table[nb] * P->bs + (end - nb * P->bs);
-        }
+        /* the tile [pos, end) and the next tile's rows, prefetched head by head below */
+        const key_tile kt_ = next_key_tile(P, table, pos, ue);
+        const int64_t base = kt_.base, end = kt_.end, prow = kt_.row;
+        const int64_t nrow = kt_.next_row, nn = kt_.next_n;
+        const int lo = kt_.lo, hi = kt_.hi;
         __mmask16 live[GROUP_ROWS];
         float rel0[GROUP_ROWS];
         for (int64_t r = 0; r < R; ++r) {
