@@ -295,6 +295,65 @@ def test_parallel_sampling_shares_the_prompt_blocks() -> None:
     assert cached(mgr, 0).shared == 0
 
 
+def step_finishing(mgr: KVCacheManager, rid: str, n: int, finished: str) -> None:
+    """A step of ``n`` tokens for ``rid`` that finishes ``finished`` (the runtime's call)."""
+    rows = mgr.lookup_rows([rid])
+    lens = mgr.step_lens(rows, np.array([n]), np.zeros(1, dtype=np.int64), None)
+    mgr.allocate_rows([rid], rows, lens, finished=[finished])
+
+
+def shared_finish_scenario() -> None:
+    """Two samples share a prompt's two full blocks with the request that computed it
+    (no new request in the later steps, so they take the plain step path). A step that
+    finishes one sample frees only its own page, never the shared ones: growing the
+    other sample by two pages does not fit and changes nothing; by one page it fits."""
+    mgr = manager({"a": full()}, 6)  # 5 usable pages
+    p = prefix(mgr)
+    prompt = list(range(9))  # 2 full blocks and 1 token
+    run(mgr, "base", 9, p.match(prompt))  # 3 pages
+    match = p.match(prompt)
+    assert match.num_tokens == 8
+    mgr.allocate_step([("s0", 1, 0), ("s1", 1, 0)], prefixes=[match, match])  # 1 page each
+    assert mgr.pool.num_free_blocks == 0
+    shared = mgr.block_table(0, "base")[:2]
+    assert cached(mgr, 0).refs[shared].tolist() == [3, 3]
+    before = (list(mgr.pool._free), mgr.block_table(0, "s0"), mgr.block_table(0, "s1"))
+    with pytest.raises(OutOfBlocksError, match="nothing was allocated or freed"):
+        step_finishing(mgr, "s1", 8, "s0")  # 2 new pages; s0 gives back 1
+    assert (list(mgr.pool._free), mgr.block_table(0, "s0"), mgr.block_table(0, "s1")) == before
+    step_finishing(mgr, "s1", 4, "s0")  # 1 new page: s0's own
+    assert "s0" not in mgr
+    assert mgr.block_table(0, "s1")[:2] == shared
+    assert len(mgr.block_table(0, "s1")) == 4
+    assert cached(mgr, 0).refs[shared].tolist() == [2, 2]
+    assert mgr.pool.num_free_blocks == 0
+
+
+def test_a_finished_sharer_frees_only_its_own_pages() -> None:
+    shared_finish_scenario()
+
+
+def test_a_step_check_that_counts_shared_blocks_as_freed_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broken variant: the plain step check runs as if no block were shared, so a
+    finished sample's shared blocks count as pages it frees."""
+    allocate = KVCacheManager.allocate_rows
+
+    def unshared(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        pool = self.pool
+        assert isinstance(pool, CachedPool)
+        held, pool.shared = pool.shared, 0
+        try:
+            return allocate(self, *args, **kwargs)
+        finally:
+            pool.shared += held
+
+    monkeypatch.setattr(KVCacheManager, "allocate_rows", unshared)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        shared_finish_scenario()
+
+
 def test_salts_never_share_blocks() -> None:
     mgr = manager({"a": full()}, 16)
     p = prefix(mgr)

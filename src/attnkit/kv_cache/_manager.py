@@ -529,10 +529,11 @@ class KVCacheManager:
         if prefix is not None:
             if prefix.pending:
                 prefix.commit()  # the last step is done: its blocks get their names
-            if prefixes is not None or self._idle is None or self._cached_pool.shared:
+            if prefixes is not None or self._idle is None:
                 return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
-            # Else every cached block is a page with one holder at most: the step is
-            # checked and made as without caching, free idle pages counted as free.
+            # Else no request starts from a hit and every cached block is a page: the
+            # step is checked and made as without caching, free idle pages counted as
+            # free (with shared blocks, only if it fits without what it gives back).
         elif prefixes is not None and any(p is not None for p in prefixes):
             raise InvalidArgumentError(
                 "a request brings a prefix match but prefix caching is off "
@@ -585,6 +586,10 @@ class KVCacheManager:
             held = sum(self._blocks_held(self.row_of(r)) for r in finished)
             if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
                 free = self._cached_pool.num_available
+                if self._cached_pool.shared and total_new > free:
+                    # A block another request holds frees no page when given back: the
+                    # exact check counts what the releases and finished requests free.
+                    return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
             else:
                 free = self.pool.num_free_blocks
             if total_new > free + total_released + held:
