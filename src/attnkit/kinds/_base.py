@@ -415,11 +415,11 @@ class KindRules(ABC, Generic[S]):
         (``cached``: a bool per block of the layout, or a lookup ``cached(block)``); a
         kind that never hits serves 0 (``NeverHits``). 0 is always served.
         """
-        why = self.prefix_never_hits(spec)
         layout = self.prefix_layout(spec)
-        if why is not None or layout is None:
+        if layout is None:
             if _check_length(length) == 0:
                 return 0, None
+            why = self.prefix_never_hits(spec)
             return 0, NeverHits(self.kind.value, why or "its cache is not named by tokens")
         mask = self.mask(spec)
         return paged_hit(

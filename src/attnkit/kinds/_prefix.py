@@ -16,6 +16,7 @@ Later queries see no further back than the one at ``L``, so it alone decides.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -279,12 +280,21 @@ class _Needs:
         return low
 
     def low_of(self, k: int) -> int:
-        return int(self.low(np.array([k], dtype=np.int64))[0])
+        """``low`` of one block end, in Python ints (a lookup asks a few)."""
+        p = k * self.bs
+        lo = 0
+        if self.window is not None:
+            lo = max(lo, p - self.window + 1)
+        if self.chunk is not None:
+            lo = max(lo, p // self.chunk * self.chunk)
+        return lo // self.bs
 
     def blocks(self, k: int) -> npt.NDArray[np.int64]:
         lo = self.low_of(k)
-        sinks = np.arange(min(self.sink_blocks, lo), dtype=np.int64)
-        return np.concatenate([sinks, np.arange(lo, k, dtype=np.int64)])
+        sinks = min(self.sink_blocks, lo)
+        if not sinks:
+            return np.arange(lo, k, dtype=np.int64)
+        return np.concatenate([np.arange(sinks, dtype=np.int64), np.arange(lo, k, dtype=np.int64)])
 
 
 def _highest_miss(needs: _Needs, k: int, cached: BlockLookup) -> int:
@@ -335,7 +345,25 @@ def paged_hit(
     k_top = (top + shift) // bs
     k_min = shift // bs + 1  # the first block end with at least one token before it
     best: int | None
-    if not callable(cached):
+    if not callable(cached) and not needs.local and not needs.sink_blocks:
+        # Every block before the hit's end is needed: the hit ends at the first miss.
+        held = _as_mask_array(cached, k_top)
+        first_miss = k_top if held.all() else int(held.argmin())
+        best = first_miss if first_miss >= k_min else None
+    elif not callable(cached) and not needs.sink_blocks:
+        # A window or chunk: from the top, a hit ending at ``k`` is refused by the
+        # highest miss below ``k`` if it is at or past ``low(k)``; the next candidate
+        # ends at that miss (as the lookup below, over the misses at once).
+        misses: list[int] = np.flatnonzero(~_as_mask_array(cached, k_top)).tolist()
+        end = k_top
+        best = None
+        while end >= k_min:
+            at = bisect.bisect_left(misses, end) - 1  # the highest miss below end
+            if at < 0 or misses[at] < needs.low_of(end):
+                best = end
+                break
+            end = misses[at]
+    elif not callable(cached):
         miss = ~_as_mask_array(cached, k_top)
         before = np.concatenate([[0], np.cumsum(miss, dtype=np.int64)])  # misses in [0, j)
         ks = np.arange(k_min, k_top + 1, dtype=np.int64)

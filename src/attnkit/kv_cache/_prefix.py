@@ -456,8 +456,12 @@ class PrefixCache:
                 continue
             index = rules.prefix_blocks(group.spec, hit.length)
             hit_blocks.append(index)
-            read: list[int] = index.tolist()
-            hit_names.append(tuple(names[lay][i] for i in read))
+            chain = names[lay]
+            lo = int(index[0]) if index.size else 0
+            if index.size and int(index[-1]) - lo + 1 == index.size:  # one run of blocks
+                hit_names.append(chain[lo : lo + index.size])
+            else:
+                hit_names.append(tuple([chain[i] for i in index.tolist()]))
         return PrefixMatch(
             owner=self,
             hit=hit,
