@@ -342,15 +342,16 @@ class PrefixCache:
         ]
         """Per group: its layout's (shift, block size) (``lay.full_blocks``, inlined)."""
         deferrable = [s is not None and s.blocks_per_page == 1 for s in self.slabs]
-        self._deferring = [gid for gid in self._eager if deferrable[gid]]
-        """The eager groups whose slabs defer names (``CachedSlab.defer``): ``_defer``."""
+        self._reach: list[tuple[int, Callable[[Any, int], int], Any]] = [
+            (gid, self.rules[gid].release_reach, self.groups[gid].spec)
+            for gid in self._eager
+            if deferrable[gid]
+        ]
+        """``(group id, its kind's release_reach, its spec)`` of the eager groups whose
+        slabs defer names (``CachedSlab.defer``): ``_defer``."""
         self._flushing = [gid for gid in self._eager if not deferrable[gid]]
         """The other eager groups: named into their maps at the commit (``_flush``)."""
-        self._reach: list[tuple[int, Callable[[Any, int], int], Any]] = [
-            (gid, self.rules[gid].release_reach, self.groups[gid].spec) for gid in self._deferring
-        ]
-        """``(group id, its kind's release_reach, its spec)`` of the deferring groups."""
-        self._waits = self._lazy or bool(self._deferring)
+        self._waits = self._lazy or bool(self._reach)
         """Whether a commit can leave names waiting (``unflushed``)."""
         pools = [s.pool for s in self.slabs if s is not None]
         self._deferred: dict[CachedSlab, None] = pools[0].deferred if pools else {}
@@ -938,7 +939,7 @@ class PrefixCache:
             return
         tracked.tainted = True
         if self._in_prompt.pop(row, None) is not None:
-            for gid in self._deferring:  # its committed names stay good: marked now,
+            for gid, _, _ in self._reach:  # its committed names stay good: marked now,
                 self._defer(tracked, gid)  # as no commit looks at the row again
 
     def check_tokens(self, row: int, req_id: str, token_ids: Tokens) -> npt.NDArray[np.uint32]:
