@@ -462,7 +462,8 @@ class PrefixCache:
             if index.size and int(index[-1]) - lo + 1 == index.size:  # one run of blocks
                 hit_names.append(chain[lo : lo + index.size])
             else:
-                hit_names.append(tuple([chain[i] for i in index.tolist()]))
+                read: list[int] = index.tolist()
+                hit_names.append(tuple([chain[i] for i in read]))
         return PrefixMatch(
             owner=self,
             hit=hit,
