@@ -610,3 +610,45 @@ def test_counters() -> None:
     counters.reset()
     assert counters.stats() == PrefixCacheStats()
     assert PrefixCacheStats().hit_rate == 0.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bs=st.sampled_from([1, 2, 4]),
+    sink_len=st.integers(1, 9),
+    local=st.one_of(st.tuples(st.just("window"), st.integers(1, 12)), st.tuples(st.just("chunk"), st.integers(1, 12))),
+    cached=st.lists(st.booleans(), max_size=16),
+    length=st.integers(0, 70),
+)
+def test_a_window_or_chunk_with_sinks_serves_the_same_from_an_array_and_a_lookup(
+    bs: int, sink_len: int, local: tuple[str, int], cached: list[bool], length: int
+) -> None:
+    """No built-in kind has sinks and a window or chunk, but the rule takes them: the
+    array's walk over its sorted misses, the lookup's walk and the definition agree
+    (every sink block before the visible run, and the run, cached)."""
+    from attnkit.kinds._prefix import paged_hit
+
+    kind, extent = local
+    window = extent if kind == "window" else None
+    chunk = extent if kind == "chunk" else None
+    layout = TokenLayout(bs, sink_len)
+
+    def visible(k: int) -> set[int]:
+        p = k * bs  # the next query's position
+        lo = max(0, p - extent + 1) if window is not None else p // extent * extent
+        first = lo // bs
+        return set(range(min(-(-sink_len // bs), first))) | set(range(first, k))
+
+    def serves(n: int) -> bool:
+        if n == 0:
+            return True
+        if (n + sink_len) % bs:
+            return False
+        k = (n + sink_len) // bs
+        return all(b < len(cached) and cached[b] for b in visible(k))
+
+    expected = max(n for n in range(length + 1) if serves(n))
+    array = np.array(cached, dtype=np.bool_)
+    for form in (array, lambda b: b < len(cached) and cached[b]):
+        served, _ = paged_hit(layout, form, length, window=window, chunk=chunk, sink_len=sink_len)
+        assert served == expected, (bs, sink_len, local, cached, length, form is array)

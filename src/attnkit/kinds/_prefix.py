@@ -269,18 +269,8 @@ class _Needs:
         self.sink_blocks = -(-sink_len // self.bs)
         self.local = self.window is not None or self.chunk is not None
 
-    def low(self, k: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        p = k * self.bs
-        lo = np.zeros_like(p)
-        if self.window is not None:
-            lo = np.maximum(lo, p - self.window + 1)
-        if self.chunk is not None:
-            lo = np.maximum(lo, p // self.chunk * self.chunk)
-        low: npt.NDArray[np.int64] = lo // self.bs
-        return low
-
     def low_of(self, k: int) -> int:
-        """``low`` of one block end, in Python ints (a lookup asks a few)."""
+        """``low(k)``: the first block a query at position ``k * block_size`` sees."""
         p = k * self.bs
         lo = 0
         if self.window is not None:
@@ -327,12 +317,13 @@ def paged_hit(
     ``layout`` and every block its next query can see is cached (the kind's mask:
     ``window``, ``chunk``, ``sink_len``; module docstring); 0 is always served.
 
-    ``cached`` is a bool per block (all candidates checked at once, with a running
-    count of misses), or a lookup: full attention asks blocks left to right up to the
-    first miss; windows and chunks right to left (a miss at block ``m`` refuses every
-    hit ending past ``m``, which all still see it, so the next candidate ends at ``m``),
-    each block once (plus the few the reason's block is found among). The reason for a shorter hit: the tail is not a full
-    block, or the highest missing block a hit one block longer would need.
+    ``cached`` is a bool per block or a lookup. Full attention's hit ends at the first
+    miss (a lookup asks blocks left to right up to it). Windows and chunks walk right to
+    left: a miss at block ``m`` refuses every hit ending past ``m`` that still sees it,
+    so the next candidate ends at ``m``; a lookup asks each block once (plus the few the
+    reason's block is found among), an array's misses are searched in sorted order.
+    The reason for a shorter hit: the tail is not a full block, or the highest missing
+    block a hit one block longer would need.
     """
     length = _check_length(length)
     top = layout.floor(length)
@@ -345,33 +336,27 @@ def paged_hit(
     k_top = (top + shift) // bs
     k_min = shift // bs + 1  # the first block end with at least one token before it
     best: int | None
-    if not callable(cached) and not needs.local and not needs.sink_blocks:
+    if not callable(cached) and not needs.local:
         # Every block before the hit's end is needed: the hit ends at the first miss.
         held = _as_mask_array(cached, k_top)
         first_miss = k_top if held.all() else int(held.argmin())
         best = first_miss if first_miss >= k_min else None
-    elif not callable(cached) and not needs.sink_blocks:
-        # A window or chunk: from the top, a hit ending at ``k`` is refused by the
-        # highest miss below ``k`` if it is at or past ``low(k)``; the next candidate
-        # ends at that miss (as the lookup below, over the misses at once).
+    elif not callable(cached):
+        # The lookup's walk below, over the sorted misses: a hit ending at ``end`` is
+        # refused by the highest miss in ``[low(end), end)``, else by the highest one in
+        # the sink blocks before ``low(end)``; the next candidate ends at that miss.
         misses: list[int] = np.flatnonzero(~_as_mask_array(cached, k_top)).tolist()
         end = k_top
         best = None
         while end >= k_min:
+            lo = needs.low_of(end)
             at = bisect.bisect_left(misses, end) - 1  # the highest miss below end
-            if at < 0 or misses[at] < needs.low_of(end):
-                best = end
-                break
+            if at < 0 or misses[at] < lo:
+                at = bisect.bisect_left(misses, min(needs.sink_blocks, lo)) - 1
+                if at < 0:
+                    best = end
+                    break
             end = misses[at]
-    elif not callable(cached):
-        miss = ~_as_mask_array(cached, k_top)
-        before = np.concatenate([[0], np.cumsum(miss, dtype=np.int64)])  # misses in [0, j)
-        ks = np.arange(k_min, k_top + 1, dtype=np.int64)
-        bad = (before[ks] - before[needs.low(ks)] > 0) | (
-            before[np.minimum(needs.sink_blocks, ks)] > 0
-        )
-        good = np.flatnonzero(~bad)
-        best = int(ks[good[-1]]) if good.size else None
     elif not needs.local:
         first_miss = 0
         while first_miss < k_top and cached(first_miss):
