@@ -583,7 +583,6 @@ class KVCacheManager:
         if self._paged:
             self._check_pages(plans, [self.row_of(r) for r in finished])
         else:  # every kernel block is a page: count blocks
-            held = sum(self._blocks_held(self.row_of(r)) for r in finished)
             if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
                 free = self._cached_pool.num_available
                 if self._cached_pool.shared and total_new > free:
@@ -592,6 +591,7 @@ class KVCacheManager:
                     return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
             else:
                 free = self.pool.num_free_blocks
+            held = sum(self._blocks_held(self.row_of(r)) for r in finished)
             if total_new > free + total_released + held:
                 raise OutOfBlocksError(
                     f"the step needs {total_new} new block(s) but only "
