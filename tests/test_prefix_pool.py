@@ -273,6 +273,52 @@ def test_an_evicted_hit_is_refused_and_changes_nothing() -> None:
     assert (list(mgr.pool._free), mgr.block_table(0, "other"), len(mgr)) == snapshot
 
 
+def deferred_duplicate_refusal_scenario() -> None:
+    """Two requests compute the same prompt in one step over a window group, whose
+    names are deferred: the second's blocks are duplicates, idle once released until
+    the names are settled, when they go back free. A step refused while that is still
+    pending changes neither the free list nor the idle pages."""
+    mgr = manager({"w": window(4)}, 24)
+    p = prefix(mgr)
+    late = p.match(list(range(500, 600)))  # (matched now: a lookup settles the names)
+    prompt = list(range(100, 113))  # 3 full blocks
+    mgr.allocate_step([(r, 13, 0) for r in "ab"], prefixes=[p.match(prompt)] * 2)
+    for _ in range(8):  # the window moves past the prompt: its blocks are released
+        mgr.allocate_step([(r, 1, 0) for r in "ab"])
+    pool = mgr.pool
+    assert isinstance(pool, CachedPool)
+    assert p.needs_flush, "the scenario needs names still deferred"
+    pool.sort_given_back()  # (the released pages sorted, as any read of the pool does)
+    before = (list(pool._free), list(pool.idle), cached(mgr, 0).refs.tobytes())
+    with pytest.raises(OutOfBlocksError, match="nothing was allocated or freed"):
+        mgr.allocate_step([("c", 100, 0)], prefixes=[late])
+    assert (list(pool._free), list(pool.idle), cached(mgr, 0).refs.tobytes()) == before
+    assert "c" not in mgr
+    p.flush()  # settled: b's duplicates are free, a's blocks stay cached
+    assert p.match([*prompt, 0]).num_tokens == 12
+
+
+def test_a_refused_step_leaves_deferred_duplicates_where_they_are() -> None:
+    deferred_duplicate_refusal_scenario()
+
+
+def test_a_step_that_settles_names_before_its_check_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broken variant: the names are settled before the step is checked (a refused
+    step then moves the duplicates' pages from idle to free)."""
+    check = KVCacheManager._check_cached
+
+    def settle_first(self: KVCacheManager, *args: Any, **kwargs: Any) -> None:
+        assert self.prefix is not None
+        self.prefix.flush()
+        check(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "_check_cached", settle_first)
+    with pytest.raises(AssertionError):
+        deferred_duplicate_refusal_scenario()
+
+
 def test_a_match_of_another_cache_is_refused() -> None:
     one, two = manager({"a": full()}, 8), manager({"a": full()}, 8)
     with pytest.raises(StalePrefixError, match="another runtime"):
@@ -1093,9 +1139,10 @@ class PrefixMachine(RuleBasedStateMachine):
         mgr = self.mgr
         pool = mgr.pool
         assert isinstance(pool, CachedPool)
+        idle = tuple(pool.idle)  # read first: it sorts the pages given back unsorted
         return (
             tuple(pool._free),
-            tuple(pool.idle),
+            idle,
             len(mgr),
             {
                 (g.group_id, rid): mgr.block_table(g.group_id, rid)

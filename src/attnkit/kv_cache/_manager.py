@@ -686,8 +686,11 @@ class KVCacheManager:
         checked with ``_check_cached``."""
         prefix = self.prefix
         assert prefix is not None
-        if prefix.needs_flush:  # the check reads which free blocks hold names
-            prefix.flush()
+        # Resolved and checked before the lazily named blocks are put in their maps
+        # (``flush``, once the step is checked), so a refused step changes nothing: a
+        # flush may give a deferred duplicate's page back to the free list. Neither
+        # needs it: a match names blocks the maps held when it was made, and a free
+        # block counts as available whether it is named (idle) or not (free).
         hits: list[PrefixHitTables] = (
             prefix.resolve(req_ids, prefixes, lens) if prefixes is not None else []
         )
@@ -729,6 +732,8 @@ class KVCacheManager:
             )
         finished_rows = [self.row_of(r) for r in finished]
         self._check_cached(plans, finished_rows, hits)
+        if prefix.needs_flush:  # checked: the frees below read which blocks hold names
+            prefix.flush()
         for hit in hits:  # checked: their checkpoints are kept from eviction
             for gid, page in hit.restores:
                 store = self.checkpoint_stores[gid]
