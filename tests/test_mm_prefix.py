@@ -467,3 +467,73 @@ def test_the_window_only_rule_marks_sliding_layers_only() -> None:
     layers = list(_gemma(cfg, _Builder(torch.float32, 16, "auto"), "m", gemma3=True, mm_prefix="window"))
     marks = [(type(i.spec).__name__, i.spec.mm_prefix) for _, i in layers]  # type: ignore[attr-defined]
     assert marks == [("SlidingWindowSpec", True)] * 5 + [("FullAttentionSpec", False)]
+
+
+_GEMMA4 = {
+    "model_type": "gemma4_text",
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_global_key_value_heads": 1,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "hidden_size": 128,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "use_bidirectional_attention": "vision",
+}
+
+
+def test_gemma4_marks_its_window_layers_only_with_their_own_head_sizes() -> None:
+    """Gemma 4 (``use_bidirectional_attention: "vision"``): image ranges on the sliding
+    layers, clamped by their window; the full layers stay causal and have their own
+    head size and K/V head count (``global_head_dim``, ``num_global_key_value_heads``)."""
+    from attnkit.models import layout_from_hf_config
+
+    layout = layout_from_hf_config({"model_type": "gemma4", "text_config": _GEMMA4})
+    from attnkit.spec import AttentionSpec
+
+    rows = []
+    for name, info in layout.layers.items():
+        spec = info.spec
+        assert isinstance(spec, AttentionSpec)
+        rows.append((name, type(spec).__name__, spec.mm_prefix, spec.head_size, spec.num_kv_heads))
+    assert rows == [
+        ("model.language_model.layers.0.self_attn", "SlidingWindowSpec", True, 32, 4),
+        ("model.language_model.layers.1.self_attn", "FullAttentionSpec", False, 64, 1),
+        ("model.language_model.layers.2.self_attn", "SlidingWindowSpec", True, 32, 4),
+        ("model.language_model.layers.3.self_attn", "FullAttentionSpec", False, 64, 1),
+    ]
+    assert {i.scale for i in layout.layers.values()} == {1.0}  # the q/k norms scale
+    assert [i.sliding_window for i in layout.layers.values()] == [16, None, 16, None]
+    # The control: without the flag no layer takes ranges.
+    plain = _marks({**_GEMMA4, "use_bidirectional_attention": None})
+    assert not any(mark for _, mark in plain)
+    text = _marks(_GEMMA4)  # gemma4_text with the flag: the same rule
+    assert [mark for _, mark in text] == [True, False, True, False]
+
+
+def test_gemma4_refuses_what_it_cannot_describe() -> None:
+    from attnkit import InvalidArgumentError
+    from attnkit.models import layout_from_hf_config
+
+    with pytest.raises(InvalidArgumentError, match=r"'text_config.num_kv_shared_layers' is 2"):
+        layout_from_hf_config(
+            {"model_type": "gemma4", "text_config": {**_GEMMA4, "num_kv_shared_layers": 2}}
+        )
+    with pytest.raises(InvalidArgumentError, match=r"'use_bidirectional_attention' must be"):
+        layout_from_hf_config({**_GEMMA4, "use_bidirectional_attention": True})
+    with pytest.raises(InvalidArgumentError, match=r"needs key 'layer_types'"):
+        layout_from_hf_config({k: v for k, v in _GEMMA4.items() if k != "layer_types"})
+
+
+def test_molmo2_and_bagel_mark_every_layer() -> None:
+    """vLLM's ``is_mm_prefix_lm`` families beside Gemma 3 and PaliGemma: Molmo2 (its
+    ``text_config``) and Bagel (a Qwen2 ``llm_config``)."""
+    text = {k: v for k, v in _TEXT.items() if k != "sliding_window"}
+    molmo = _marks({"model_type": "molmo2", "text_config": text})
+    assert molmo == [("FullAttentionSpec", True)] * 6
+    bagel = _marks({"model_type": "bagel", "llm_config": {"model_type": "qwen2", **text}})
+    assert bagel == [("FullAttentionSpec", True)] * 6
+    plain_qwen = _marks({"model_type": "qwen2", **text})  # the same decoder, text only
+    assert plain_qwen == [("FullAttentionSpec", False)] * 6

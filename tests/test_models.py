@@ -857,7 +857,7 @@ def test_unknown_model_type_lists_the_supported_ones() -> None:
         layout_from_hf_config({"model_type": "gpt2"})
     for name in ("llama", "jamba", "nemotron_h", "t5"):
         assert name in str(info.value)
-    assert len(SUPPORTED_MODEL_TYPES) == 24
+    assert len(SUPPORTED_MODEL_TYPES) == 28
     with pytest.raises(InvalidArgumentError, match="needs a string 'model_type'"):
         layout_from_hf_config({"hidden_size": 8})
 

@@ -40,10 +40,18 @@ def _mistral(cfg: _Config, b: _Builder) -> _Layers:
         )
 
 
-def _qwen(cfg: _Config, b: _Builder, head_dim_default: int | None) -> _Layers:
+def _qwen(
+    cfg: _Config,
+    b: _Builder,
+    head_dim_default: int | None,
+    prefix: str = "model.layers",
+    *,
+    mm_prefix: bool = False,
+) -> _Layers:
     """transformers Qwen2Config / Qwen3Config: ``sliding_window`` (4096) applies only when
     ``use_sliding_window`` (defaults to false), and then to layers
-    ``i >= max_window_layers`` (28); ``layer_types`` overrides which layers."""
+    ``i >= max_window_layers`` (28); ``layer_types`` overrides which layers.
+    ``mm_prefix``: every layer takes image ranges (Bagel's Qwen2 decoder)."""
     d = _Decoder(cfg, head_dim_default)
     window: int | None = None
     if cfg.bool_("use_sliding_window", default=False):
@@ -60,12 +68,13 @@ def _qwen(cfg: _Config, b: _Builder, head_dim_default: int | None) -> _Layers:
     types_ = _type_list_or(cfg, d.num_layers, ("full_attention", "sliding_attention"), rule)
     for i, kind in enumerate(types_):
         yield (
-            _self_attn("model.layers", i),
+            _self_attn(prefix, i),
             b.attention(
                 num_heads=d.num_heads,
                 num_kv_heads=d.num_kv_heads,
                 head_size=d.head_dim,
                 sliding_window=window if kind == "sliding_attention" else None,
+                mm_prefix=mm_prefix,
             ),
         )
 
@@ -149,6 +158,87 @@ def _paligemma(cfg: _Config, b: _Builder) -> _Layers:
         f"layout_from_hf_config: paligemma config key 'text_config.model_type' must be "
         f"'gemma' or 'gemma2', got {kind!r}"
     )
+
+
+def _gemma4(cfg: _Config, b: _Builder, prefix: str) -> _Layers:
+    """transformers Gemma4TextConfig: ``layer_types`` (``sliding_attention`` /
+    ``full_attention``, required here); a sliding layer has ``head_dim`` and
+    ``num_key_value_heads``, a full one ``global_head_dim`` and
+    ``num_global_key_value_heads`` (each the sliding value when absent or null); the
+    softmax scale is 1.0 (the q/k norms take the place of ``head_dim ** -0.5``); no
+    score soft-cap unless ``attn_logit_softcapping`` is set. With
+    ``use_bidirectional_attention == "vision"`` an image's tokens attend to each other
+    on the sliding layers only, clamped to the window (``MMPrefixRule`` "window"; vLLM
+    PR #47217); the full-attention layers stay causal.
+
+    Refused: ``num_kv_shared_layers > 0`` (trailing layers that read an earlier layer's
+    K/V instead of keeping their own: no spec describes a layer without its own cache
+    yet, and giving them one would overstate the cache) and a fully bidirectional text
+    model (``use_bidirectional_attention: true``)."""
+    shared = cfg.int_("num_kv_shared_layers", default=0)
+    if shared:
+        raise InvalidArgumentError(
+            f"layout_from_hf_config: {cfg.family} config key "
+            f"{cfg.where + 'num_kv_shared_layers'!r} "
+            f"is {shared}: layers that read another layer's K/V cache (KV sharing) are not "
+            f"modelled; only configs with num_kv_shared_layers 0 are read"
+        )
+    bidirectional = cfg.data.get("use_bidirectional_attention")
+    if bidirectional not in (None, False, "vision"):
+        raise InvalidArgumentError(
+            f"layout_from_hf_config: {cfg.family} config key "
+            f"{cfg.where + 'use_bidirectional_attention'!r} must be null, false or 'vision' "
+            f"(a decoder), got {bidirectional!r}"
+        )
+    num_layers = cfg.int_("num_hidden_layers")
+    num_heads = cfg.int_("num_attention_heads")
+    head_dim = cfg.int_("head_dim")
+    global_head_dim = cfg.int_("global_head_dim", default=head_dim)
+    kv_heads = cfg.int_("num_key_value_heads", default=num_heads)
+    global_kv_heads = cfg.int_("num_global_key_value_heads", default=kv_heads)
+    window = cfg.int_("sliding_window")
+    soft_cap = cfg.opt_float("attn_logit_softcapping", default=None)
+    types_ = cfg.layer_types("layer_types", num_layers, ("full_attention", "sliding_attention"))
+    for i, kind in enumerate(types_):
+        sliding = kind == "sliding_attention"
+        yield (
+            _self_attn(prefix, i),
+            b.attention(
+                num_heads=num_heads,
+                num_kv_heads=kv_heads if sliding else global_kv_heads,
+                head_size=head_dim if sliding else global_head_dim,
+                sliding_window=window if sliding else None,
+                logits_soft_cap=soft_cap,
+                scale=1.0,
+                mm_prefix=sliding and bidirectional == "vision",
+            ),
+        )
+
+
+def _molmo2(cfg: _Config, b: _Builder) -> _Layers:
+    """Molmo2Config: a Qwen-style text decoder under ``text_config`` (every layer full
+    attention; ``head_dim`` defaults to ``hidden_size // num_attention_heads``), whose
+    image tokens attend bidirectionally on every layer (vLLM's ``is_mm_prefix_lm``
+    families). Names: ``model.language_model.layers``."""
+    text = cfg.sub("text_config")
+    d = _Decoder(text)
+    for i in range(d.num_layers):
+        yield (
+            _self_attn("model.language_model.layers", i),
+            b.attention(
+                num_heads=d.num_heads,
+                num_kv_heads=d.num_kv_heads,
+                head_size=d.head_dim,
+                mm_prefix=True,
+            ),
+        )
+
+
+def _bagel(cfg: _Config, b: _Builder) -> _Layers:
+    """BagelConfig: a Qwen2 decoder under ``llm_config`` (read as ``qwen2``; names
+    ``language_model.model.layers``), its image tokens attending bidirectionally on
+    every layer (vLLM's ``is_mm_prefix_lm`` families)."""
+    return _qwen(cfg.sub("llm_config"), b, None, "language_model.model.layers", mm_prefix=True)
 
 
 def _gpt_oss(cfg: _Config, b: _Builder) -> _Layers:
@@ -278,6 +368,11 @@ DENSE_FAMILIES: Mapping[str, _Family] = {
         c.sub("text_config"), b, "model.language_model.layers", gemma3=True, mm_prefix="all"
     ),
     "paligemma": _paligemma,
+    # Gemma4Config: text keys under text_config, images bidirectional on window layers.
+    "gemma4": lambda c, b: _gemma4(c.sub("text_config"), b, "model.language_model.layers"),
+    "gemma4_text": lambda c, b: _gemma4(c, b, "model.layers"),
+    "molmo2": _molmo2,
+    "bagel": _bagel,
     "gpt_oss": _gpt_oss,
     "llama4": _llama4,
     "deepseek_v2": _deepseek,

@@ -26,7 +26,7 @@ _FAMILIES: Mapping[str, _Family] = {**DENSE_FAMILIES, **HYBRID_FAMILIES, **ENCOD
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
 """The ``model_type`` values ``layout_from_hf_config`` reads."""
 
-_NESTED_TEXT: frozenset[str] = frozenset({"gemma3", "llama4", "paligemma"})
+_NESTED_TEXT: frozenset[str] = frozenset({"gemma3", "gemma4", "llama4", "molmo2", "paligemma"})
 
 
 def _load(config_or_path: object) -> Mapping[str, object]:
