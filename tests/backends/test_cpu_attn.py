@@ -232,3 +232,64 @@ def test_context_parallel_calls_are_checked() -> None:
     with pytest.raises(ValueError, match=r"lse must be a float32 cpu tensor \[3, 4\]"):
         impl.forward_partial(q, kv, kv, cache, sharded, torch.empty_like(q), torch.empty(3, 2))
     assert AttentionFeature.CONTEXT_PARALLEL in CpuAttentionBackend.supported_features
+
+
+# ------------------------------------------------------------------ prepared planes
+
+
+def _planes_swap_scenario() -> None:
+    """One impl, one step's metadata, two sets of planes: the decode kernel's checked
+    layer constants (``PreparedPlanes``) are prepared again for the second set, whose
+    scaled keys and values it must read (each output against a float64 oracle)."""
+    from planes_schedules import BS, NUM_PAGES
+
+    spec = spec_of("full")
+    params = params_of(spec)
+    rt = make_runtime(NAME, spec, params)
+    rt.begin_step([ScheduledRequest("a", 5)])  # a short run: the native kernel's
+    md = rt.metadata_for("layer")
+    assert isinstance(md, CpuAttentionMetadata)
+    assert md.native
+    impl = CpuAttentionImpl(spec, params)
+    torch.manual_seed(3)
+    q, k, v = torch.randn(5, 4, D), torch.randn(5, HKV, D), torch.randn(5, HKV, D)
+    for factor in (1.0, 3.0):
+        planes = [torch.zeros(NUM_PAGES * BS, HKV, D), torch.zeros(NUM_PAGES * BS, HKV, D)]
+        out = impl.forward(q, k * factor, v * factor, planes, md, torch.empty_like(q))
+        qd, kd, vd = q.double(), (k * factor).double(), (v * factor).double()
+        kd, vd = kd.repeat_interleave(2, dim=1), vd.repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qd, kd) * impl.scale
+        scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vd)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_decode_kernel_prepares_again_for_other_planes() -> None:
+    _planes_swap_scenario()
+
+
+def test_prepared_planes_kept_for_other_planes_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: the preparation is never renewed, so the second forward
+    reads the first planes."""
+    from attnkit.kernels.attention.cpu_decode import PreparedPlanes
+
+    monkeypatch.setattr(PreparedPlanes, "serves", lambda self, *args: True)
+    with pytest.raises(AssertionError):
+        _planes_swap_scenario()
+
+
+def test_the_prepared_decode_checks_the_query_and_output() -> None:
+    from planes_schedules import BS, NUM_PAGES
+
+    spec = spec_of("full")
+    rt = make_runtime(NAME, spec, params_of(spec))
+    rt.begin_step([ScheduledRequest("a", 2)])
+    md = rt.metadata_for("layer")
+    impl = CpuAttentionImpl(spec, params_of(spec))
+    planes = [torch.zeros(NUM_PAGES * BS, HKV, D), torch.zeros(NUM_PAGES * BS, HKV, D)]
+    q, kv = torch.randn(2, 4, D), torch.randn(2, HKV, D)
+    impl.forward(q, kv, kv, planes, md, torch.empty_like(q))  # prepared for float32 [*, 4, D]
+    with pytest.raises(ValueError, match=r"output: expected a torch.float32 tensor \[2, 4, 16\]"):
+        impl.forward(q, kv, kv, planes, md, torch.empty(4, 2, D).transpose(0, 1)[:, :, :8])
+    with pytest.raises(ValueError, match=r"output: expected a tensor that does not overlap k_plane"):
+        impl.forward(q, kv, kv, planes, md, planes[0].view(-1)[: 2 * 4 * D].view(2, 4, D))

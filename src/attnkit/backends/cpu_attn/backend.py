@@ -49,6 +49,7 @@ from ...builder import AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, Determinism, KVCacheLayout, MultipleOf, SizeRule
 from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
+from ...kernels.attention.cpu_decode import PreparedPlanes
 from ...kinds import Mask, attention_rules, rules_for
 from ...metadata import CommonAttentionMetadata, mm_prefix_key_ends
 from ...params import AttentionLayerParams
@@ -470,6 +471,9 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             self._quant.engine_scales(spec.num_kv_heads) if self._quant else (None, None)
         )
         self._k_scale, self._v_scale = k_scale, v_scale
+        # The decode kernel's layer-constant arguments, checked once (prepared again
+        # when the planes or the query dtype change).
+        self._prepared: PreparedPlanes | None = None
 
     @override
     def forward(
@@ -481,9 +485,6 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         attn_metadata: CpuAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        from ...kernels.attention.cpu_decode import paged_attention_requests
-        from ...kernels.attention.cpu_prefill import paged_prefill
-
         m: object = attn_metadata
         spec = self.kv_cache_spec
         who = f"{type(self).__name__}.forward ({spec.kind.value})"
@@ -511,7 +512,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         if kv_cache:
             k_plane, v_plane = kv_cache[0], kv_cache[1]
             write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params, self._quant)
-        output[n:] = 0
+        if n < output.shape[0]:  # padding rows
+            output[n:] = 0
         if m.mm_prefix_items is not None:
             from ...kernels.attention.cpu_decode import paged_attention_rows
 
@@ -539,27 +541,38 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             assert k_plane is not None
             assert v_plane is not None
             assert m.block_table is not None
-            paged_attention_requests(
+            prepared = self._prepared
+            if prepared is None or not prepared.serves(
+                k_plane, v_plane, query.dtype, m.block_size
+            ):
+                prepared = self._prepared = PreparedPlanes(
+                    k_plane,
+                    v_plane,
+                    query_dtype=query.dtype,
+                    num_heads=self.layer_params.num_heads,
+                    head_size=spec.head_size,
+                    block_size=m.block_size,
+                    scale=self.scale,
+                    soft_cap=self._soft_cap,
+                    alibi_slopes=self._slopes,
+                    sinks=self._sinks,
+                    k_scale=self._k_scale,
+                    v_scale=self._v_scale,
+                )
+            prepared.requests(
                 query,
-                k_plane,
-                v_plane,
                 m.block_table,
                 m.query_start_loc,
                 m.seq_lens,
                 m.native_requests,
-                block_size=m.block_size,
                 causal=causal,
                 window=window,
                 chunk=chunk,
-                scale=self.scale,
                 output=output,
-                soft_cap=self._soft_cap,
-                alibi_slopes=self._slopes,
-                sinks=self._sinks,
-                k_scale=self._k_scale,
-                v_scale=self._v_scale,
             )
         if len(m.prefill_requests):
+            from ...kernels.attention.cpu_prefill import paged_prefill
+
             paged_prefill(
                 query,
                 k_plane,

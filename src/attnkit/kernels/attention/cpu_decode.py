@@ -32,7 +32,12 @@ from attnkit.kernels._checks import (
 from attnkit.kernels.attention.cpu_kv_format import KVFormat, kv_format
 from attnkit.kernels.attention.cpu_native import load_paged_decode, native_problem
 
-__all__ = ["native_problem", "paged_attention_requests", "paged_attention_rows"]
+__all__ = [
+    "PreparedPlanes",
+    "native_problem",
+    "paged_attention_requests",
+    "paged_attention_rows",
+]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -455,6 +460,135 @@ def paged_attention_requests(
     )  # fmt: skip
     if code != 0:
         _raise_request_error(code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=c.block_size)
+
+
+class PreparedPlanes:
+    """A layer's paged planes and its constant arguments (block size, scale, soft-cap,
+    ALiBi slopes, sinks, static 8-bit scales) checked once for a query dtype and shape
+    ``[*, Hq, D]``, so that :meth:`requests` checks only what changes per step.
+
+    A backend keeps one per layer and prepares again when :meth:`serves` says the
+    planes (or the query's dtype) changed: the per-call checks of
+    :func:`paged_attention_requests` cost more than the decode kernel itself at small
+    batches.
+    """
+
+    __slots__ = ("_common", "_head", "_key", "_planes", "_tail", "d", "hq")
+
+    def __init__(
+        self,
+        k_plane: Tensor,
+        v_plane: Tensor,
+        *,
+        query_dtype: torch.dtype,
+        num_heads: int,
+        head_size: int,
+        block_size: int,
+        scale: float,
+        soft_cap: float | None = None,
+        alibi_slopes: Tensor | None = None,
+        sinks: Tensor | None = None,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
+    ) -> None:
+        probe = torch.empty(0, num_heads, head_size, dtype=query_dtype)
+        c = _check_common(
+            probe, k_plane, v_plane, torch.zeros(0, 1, dtype=torch.int32), block_size, scale,
+            torch.empty_like(probe), soft_cap, alibi_slopes, 1, sinks, None, k_scale, v_scale,
+        )  # fmt: skip
+        self._common = c
+        self.hq, self.d = num_heads, head_size
+        k, v = c.k, c.v
+        self._key = PreparedPlanes.key_of(k, v, query_dtype, c.block_size)
+        self._head = (_DTYPE_CODES[query_dtype], *c.kv.args())
+        self._planes = (
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        )  # fmt: skip
+        self._tail = (
+            c.scale, c.cap, None if c.slopes is None else c.slopes.data_ptr(),
+            None if c.sinks is None else c.sinks.data_ptr(),
+        )  # fmt: skip
+
+    @staticmethod
+    def key_of(
+        k_plane: Tensor, v_plane: Tensor, query_dtype: torch.dtype, block_size: int
+    ) -> tuple[object, ...]:
+        """What the preparation depends on: the planes' memory, shape, strides and
+        dtype, the query's dtype and the block size."""
+        return (
+            k_plane.data_ptr(), v_plane.data_ptr(), k_plane.shape, v_plane.shape,
+            k_plane.stride(), v_plane.stride(), k_plane.dtype, v_plane.dtype, query_dtype,
+            block_size,
+        )  # fmt: skip
+
+    def serves(
+        self, k_plane: Tensor, v_plane: Tensor, query_dtype: torch.dtype, block_size: int
+    ) -> bool:
+        """Whether these planes, query dtype and block size are the prepared ones."""
+        return PreparedPlanes.key_of(k_plane, v_plane, query_dtype, block_size) == self._key
+
+    def requests(
+        self,
+        query: Tensor,
+        block_table: Tensor,
+        query_start_loc: Tensor,
+        seq_lens: Tensor,
+        requests: Tensor | None,
+        *,
+        causal: bool,
+        window: int | None,
+        chunk: int | None,
+        output: Tensor,
+    ) -> None:
+        """:func:`paged_attention_requests` over the prepared planes. ``block_table``,
+        ``query_start_loc``, ``seq_lens`` and ``requests`` are the builder's (int32,
+        contiguous, CPU: not checked again; their values are, by the native code);
+        ``query`` and ``output`` are checked against the prepared dtype and heads."""
+        c = self._common
+        q, out = query, output
+        if (
+            q.dtype != c.query.dtype
+            or q.dim() != 3
+            or q.shape[1] != self.hq
+            or q.shape[2] != self.d
+            or q.stride(2) != 1
+            or q.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"query: expected a {c.query.dtype} CPU tensor [T, {self.hq}, {self.d}] with "
+                f"a contiguous last dim (the prepared planes'), got {describe(q)}"
+            )
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(
+                f"output: expected a {q.dtype} tensor {list(q.shape)} (the query's) with a "
+                f"contiguous last dim, got {describe(out)}"
+            )
+        check_distinct_output("output", out, {"k_plane": c.k, "v_plane": c.v})
+        T = q.shape[0]
+        B, W = block_table.shape
+        n = B if requests is None else requests.shape[0]
+        if n == 0:
+            return
+        lib = load_paged_decode()
+        err = (ctypes.c_int64 * 3)()
+        R, Hkv, _ = c.k.shape
+        bs = c.block_size
+        code = lib.paged_decode_requests(
+            *self._head,
+            q.data_ptr(), q.stride(0), q.stride(1),
+            *self._planes,
+            block_table.data_ptr(), block_table.stride(0), B, W, R,
+            query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            None if requests is None else requests.data_ptr(), n,
+            T, self.hq, Hkv, self.d, bs,
+            int(causal), window or 0, chunk or 0,
+            *self._tail, None, 0, 0,
+            out.data_ptr(), out.stride(0), out.stride(1),
+            torch.get_num_threads(),
+            ctypes.addressof(err),
+        )  # fmt: skip
+        if code != 0:
+            _raise_request_error(code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=bs)
 
 
 def _raise_request_error(
