@@ -80,7 +80,7 @@ def test_per_head_sinks_match_reference(kind: str) -> None:
     compare_with_reference(NAME, spec, params_of(spec, sinks=sinks), steps)
 
 
-@pytest.mark.parametrize("head_size", [32, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("head_size", [32, 80, 96, 112, 160, 192, 256, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_sizes_match_reference(head_size: int, dtype: torch.dtype) -> None:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=HKV, head_size=head_size, dtype=dtype)

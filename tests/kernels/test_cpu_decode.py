@@ -240,8 +240,9 @@ def test_strided_query_output_and_threads(dtype: torch.dtype, threads: int) -> N
     run_case(dtype, 6, 3, 40, 32, RAGGED_32, strided=True, threads=threads)
 
 
-# Every head size the CPU default declares beyond the classic ones: multiples of 16.
-HEAD_SIZES = list(range(32, 257, 16))
+# Every head size the CPU default declares beyond the classic ones: multiples of 16,
+# and Gemma 4's 512 (its full-attention layers' global_head_dim).
+HEAD_SIZES = [*range(32, 257, 16), 512]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

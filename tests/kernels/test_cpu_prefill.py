@@ -379,8 +379,9 @@ def test_odd_head_size(dtype: torch.dtype) -> None:
     run_case(Case([Req(17, 17, True), Req(9, 26)], d=40, dtype=dtype, window=11))
 
 
-# Every head size the CPU default declares beyond the classic ones: multiples of 16.
-HEAD_SIZES = list(range(32, 257, 16))
+# Every head size the CPU default declares beyond the classic ones: multiples of 16,
+# and Gemma 4's 512 (its full-attention layers' global_head_dim).
+HEAD_SIZES = [*range(32, 257, 16), 512]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

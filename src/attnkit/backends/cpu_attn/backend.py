@@ -13,7 +13,7 @@ bytes, SDPA and, where installed, vLLM's CPU attention.
 Queries ``[T, Hq, D]``, key/value ``[T, Hkv, D]``, the planes ``[NB * BS, Hkv, D]``
 (``attnkit.backends._planes``), output ``[T, Hq, D]``.
 
-Head sizes: 16 and every multiple of 16 from 32 to 256 (tested at each). Per-head sink
+Head sizes: 16, every multiple of 16 from 32 to 256, and 512 (tested at each). Per-head sink
 logits (``attention_sinks``, gpt-oss) join both engines' softmax denominators. Decode
 context parallelism (``context_parallel``): ``forward_partial`` attends a rank's shard
 (local key ``j`` at global position ``j * world_size + rank``) with the native kernel,
@@ -97,7 +97,7 @@ _BACKEND_FEATURES = _FEATURES | {AttentionFeature.CONTEXT_PARALLEL, AttentionFea
 # one of them against a float64 oracle). The kernels themselves take any head size
 # (float32 rows of a size not a multiple of 16 go through a float32 buffer) and any block
 # size; declaring more needs tests at those sizes.
-_HEAD_SIZES: SizeRule = (16, *range(32, 257, 16))
+_HEAD_SIZES: SizeRule = (16, *range(32, 257, 16), 512)  # 512: Gemma 4's full layers
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
 NATIVE_MAX_QUERY = 8
 """Requests with at most this many queries (decodes, verify steps of up to 7 drafts) go
@@ -750,7 +750,7 @@ class CpuAttentionBackend(AttentionBackend):
         f"of up to {NATIVE_MAX_QUERY} queries), a native blocked prefill for the rest; full, "
         "sliding-window, chunked-local, sink-token, encoder-only and cross; GQA, soft-cap, "
         "ALiBi, per-head sinks; fp8 caches (per-tensor or per-head scales), per-token-head "
-        "fp8/int8; head sizes 16 and 32..256 in steps of 16; CPU only"
+        "fp8/int8; head sizes 16, 32..256 in steps of 16 and 512; CPU only"
     )
     supported_devices = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
