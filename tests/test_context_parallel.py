@@ -370,3 +370,45 @@ def test_gloo_processes_reproduce_the_single_device_runtime(
         for g, e in zip(got, expected, strict=True):
             for name in e:
                 torch.testing.assert_close(g[name], e[name], atol=2e-5, rtol=2e-5)
+
+
+def _lse_run(cp: ContextParallel | None, seed: int, backend: str) -> list[tuple[torch.Tensor, ...]]:
+    """SCHEDULE through one full-attention layer built with return_lse (sinks and all):
+    each step's output and lse."""
+    gen = torch.Generator().manual_seed(0)
+    rt = AttentionRuntime(
+        {"full": FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=F32)},
+        AttentionConfig(backend_per_kind={"full_attention": backend}),
+        device="cpu",
+        memory_budget_bytes=2**19,
+        layer_params={
+            "full": AttentionLayerParams(
+                num_heads=HQ, sinks=torch.randn(HQ, generator=gen), return_lse=True
+            )
+        },
+        cache_fill=float("nan"),
+        context_parallel=cp,
+    )
+    random.Random(seed).shuffle(rt.manager.pool._free)
+    results = []
+    for i, (scheduled, finished) in enumerate(SCHEDULE):
+        batch = rt.begin_step(
+            [ScheduledRequest(r, n) for r, n in scheduled.items()], finished=finished
+        )
+        q, k, v = step_inputs(5, i, batch.num_tokens)["full.0"]
+        lse = torch.full((batch.num_tokens, HQ), float("nan"))
+        results.append((rt.forward("full", q, k, v, lse=lse), lse))
+    return results
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+def test_ranks_merge_the_lse_as_one_device(backend: str) -> None:
+    """A return_lse layer on a context-parallel group: every rank's lse is the merge of
+    the ranks' partial lses, equal to one device's (whose lse tests/test_return_lse.py
+    checks against a float64 oracle)."""
+    expected = _lse_run(None, 0, "reference")
+    ranks = run_ranks(2, lambda rank, cp: _lse_run(cp, rank + 1, backend))
+    for got in ranks:
+        for (out, lse), (want_out, want_lse) in zip(got, expected, strict=True):
+            torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)

@@ -131,6 +131,30 @@ class AttentionImpl(LayerImpl[M_contra, SA_co, PA_co]):
             f"(its backend does not declare the context_parallel feature)"
         )
 
+    def forward_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: M_contra,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward``, also writing each row's float32 natural-log sum of exp over the
+        keys it sees (a sink logit included) into ``lse [T, Hq]`` (the ``return_lse``
+        feature: cascades and merges of attention over disjoint key sets). Rows past the
+        step's tokens get ``-inf``, as do rows that see no key. Returns ``output``.
+
+        Raises:
+            NotImplementedError: the impl does not return the lse (its backend does
+                not declare ``AttentionFeature.RETURN_LSE``).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not return the log-sum-exp "
+            f"(its backend does not declare the return_lse feature)"
+        )
+
     def forward_sparse(
         self,
         query: torch.Tensor,

@@ -186,8 +186,8 @@ def test_on_cuda_its_reasons_say_it_is_cpu_only() -> None:
 def test_undeclared_features_are_refused_at_construction() -> None:
     spec = spec_of("full")
     CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, sinks=torch.zeros(4)))  # declared
-    with pytest.raises(ValueError, match="return_lse"):
-        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, return_lse=True))
+    with pytest.raises(ValueError, match="sparse_attention"):
+        CpuAttentionImpl(spec, AttentionLayerParams(num_heads=4, index_topk=8))
     sink = spec_of("sink")
     with pytest.raises(ValueError, match="sink_key"):
         CpuAttentionImpl(sink, AttentionLayerParams(num_heads=4))

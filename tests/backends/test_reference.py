@@ -1008,7 +1008,7 @@ def test_declarations_are_valid() -> None:
     assert ReferenceBackend.name == "reference"
     assert ReferenceBackend.description
     assert ReferenceBackend.supported_kinds() == frozenset(KVCacheSpecKind)
-    assert AttentionFeature.RETURN_LSE not in ReferenceBackend.supported_features
+    assert AttentionFeature.RETURN_LSE in ReferenceBackend.supported_features  # forward_lse
 
 
 @pytest.mark.parametrize("kind", list(KVCacheSpecKind), ids=lambda k: k.value)
@@ -1061,17 +1061,6 @@ def test_serves_every_kind_on_cpu(kind: KVCacheSpecKind) -> None:
             ),
             "kv_cache_dtype=fp8_e5m2 not supported",
             id="fp8-e5m2-cache",
-        ),
-        pytest.param(
-            BackendRequest(
-                spec=FullAttentionSpec(
-                    block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
-                ),
-                device=CPU,
-                features=frozenset({AttentionFeature.RETURN_LSE}),
-            ),
-            "feature return_lse not supported",
-            id="return-lse",
         ),
         pytest.param(
             BackendRequest(
@@ -1376,13 +1365,6 @@ def test_attention_binding_refuses_wrong_types(
             ValueError,
             "num_heads=3 must be a multiple of .* num_kv_heads=2",
             id="heads",
-        ),
-        pytest.param(
-            FULL,
-            AttentionLayerParams(num_heads=4, return_lse=True),
-            ValueError,
-            "return_lse",
-            id="return-lse",
         ),
         pytest.param(
             FULL,

@@ -30,6 +30,7 @@ class LayerCalls(SpeculativeCalls):
         *,
         output: torch.Tensor | None = None,
         selection: SparseSelection | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one attention layer of the current step.
 
@@ -44,6 +45,11 @@ class LayerCalls(SpeculativeCalls):
         State layers take typed inputs: ``forward_state`` or ``state_layer``.
         A sparse-attention MLA layer (``layer_params.index_topk``) takes the
         ``selection`` its indexer made (``select``), and only such a layer does.
+        ``lse``: a float32 ``[T, Hq]`` tensor on the runtime's device, for a layer built
+        with ``layer_params.return_lse=True`` (routed to a backend with the
+        ``return_lse`` feature): each row's natural-log sum of exp over the keys it
+        sees (``-inf`` past the step's tokens), written beside the output; on a
+        context-parallel group, the merged lse of the ranks.
 
         The call is checked before any backend runs, so a rejected call changes
         nothing. Any strided view is accepted: a tensor whose last dimension is not
@@ -70,9 +76,16 @@ class LayerCalls(SpeculativeCalls):
         query, key, value, out, caller = self._attention_inputs[layer_name].check(
             query, key, value, output, self._current_step().num_tokens, self._encoder_tokens
         )
+        if lse is not None:
+            _check_lse(layer_name, impl, lse, out)
         entry = self._groups[self._layer_group[layer_name]]
         caches = self.kv_caches.get(layer_name, ())
         sparse = _sparse_layer(impl)
+        if sparse is not None and lse is not None:
+            raise InvalidArgumentError(
+                f"{layer_name}: a sparse-attention layer (index_topk={sparse}) returns no "
+                f"lse; got lse=<a tensor>"
+            )
         if sparse is not None:
             if (
                 not isinstance(selection, SparseSelection)
@@ -90,10 +103,14 @@ class LayerCalls(SpeculativeCalls):
                 f"{layer_name}: selection is only for sparse-attention layers "
                 f"(layer_params.index_topk), got one for a dense layer"
             )
-        if entry.group.group_id not in self._sharded:
+        if entry.group.group_id in self._sharded:
+            result = self._forward_sharded(
+                impl, query, key, value, caches, entry.metadata, out, lse
+            )
+        elif lse is None:
             result = impl.forward(query, key, value, caches, entry.metadata, out)
         else:
-            result = self._forward_sharded(impl, query, key, value, caches, entry.metadata, out)
+            result = impl.forward_lse(query, key, value, caches, entry.metadata, out, lse)
         return result if caller is None else copy_back(result, caller)
 
     def select(
@@ -169,9 +186,10 @@ class LayerCalls(SpeculativeCalls):
         caches: Sequence[torch.Tensor],
         metadata: Any,
         output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's partial attention, then one all-gather of ``(output, lse)`` and the
-        merge (``attnkit.parallel``)."""
+        merge (``attnkit.parallel``); the merged lse into ``output_lse`` when given."""
         cp = self.context_parallel
         assert cp is not None  # only sharded groups come here
         n = self._current_step().num_tokens
@@ -186,6 +204,9 @@ class LayerCalls(SpeculativeCalls):
         outs = [g[:, :width].reshape(shape) for g in gathered]
         lses = [g[:, width:] for g in gathered]
         merge_partials(outs, lses, output[:n])
+        if output_lse is not None:
+            output_lse[:n] = torch.logsumexp(torch.stack(lses), dim=0)
+            output_lse[n:] = float("-inf")
         return output
 
     def forward_state(
@@ -229,6 +250,31 @@ class LayerCalls(SpeculativeCalls):
         else:
             result = impl.forward(inputs, caches, entry.metadata, out)
         return result if caller is None else copy_back(result, caller)
+
+
+def _check_lse(
+    layer_name: str, impl: AttentionImpl[Any, Any, Any], lse: object, out: torch.Tensor
+) -> None:
+    """``forward``'s ``lse``: for a layer built with ``return_lse``, float32 ``[T, Hq]``
+    on the output's device."""
+    params = impl.layer_params
+    if not getattr(params, "return_lse", False):
+        raise InvalidArgumentError(
+            f"{layer_name}: lse is only filled for a layer built with "
+            f"layer_params.return_lse=True (which routes it to a backend that returns it), "
+            f"got an lse for a layer without it"
+        )
+    want = (out.shape[0], out.shape[1])
+    if not isinstance(lse, torch.Tensor):
+        raise ArgumentTypeError(
+            f"{layer_name}: lse must be a float32 tensor {list(want)} ([T, Hq]), "
+            f"got {type(lse).__name__}"
+        )
+    if tuple(lse.shape) != want or lse.dtype != torch.float32 or lse.device != out.device:
+        raise InvalidArgumentError(
+            f"{layer_name}: lse must be a float32 tensor {list(want)} ([T, Hq]) on "
+            f"{out.device}, got a {lse.dtype} tensor {list(lse.shape)} on {lse.device}"
+        )
 
 
 def _sparse_layer(impl: AttentionImpl[Any, Any, Any]) -> int | None:

@@ -28,9 +28,11 @@ scale (``per_head_quant_scales``), ``fp8_e5m2`` per tensor, and the per-token-he
 does; both engines dequantise each K/V tile into float32 once. A prefill then reads its
 keys back from the planes (the stored values), never from the step's rows.
 
-What the engines do not serve here, and so is not declared: ``return_lse`` on
-``forward``, MLA (one latent per token: no planes layout) and state layers; those
-layers go to ``reference`` on CPU.
+``return_lse`` (``forward_lse``: every query token one work item of the native kernel,
+its lse beside its output) on full, sliding-window and chunked-local layers. What the
+engines do not serve here, and so is not declared: ``return_lse`` on sink-token,
+encoder-only and cross layers, MLA (one latent per token: no planes layout) and state
+layers; those layers go to ``reference`` on CPU.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from ...backend import AttentionBackend, DraftTreeSupport
+from ...backend import AttentionBackend, BackendRequest, DraftTreeSupport
 from ...binding import bind_each
 from ...builder import AttentionMetadataBuilder
 from ...capabilities import AttentionFeature, Determinism, KVCacheLayout, MultipleOf, SizeRule
 from ...config import MAX_DRAFT_TREE_TOKENS, AttentionConfig
 from ...impl import AttentionImpl
+from ...kernels._checks import describe
 from ...kernels.attention.cpu_decode import PreparedPlanes
 from ...kinds import Mask, attention_rules, rules_for
 from ...metadata import CommonAttentionMetadata, mm_prefix_key_ends
@@ -85,6 +88,17 @@ _FEATURES = frozenset(
         AttentionFeature.ALIBI,
         AttentionFeature.ATTENTION_SINKS,
         AttentionFeature.PER_HEAD_QUANT_SCALES,
+        AttentionFeature.RETURN_LSE,
+    }
+)
+# The kinds forward_lse serves: causal decoder attention over the planes (each row's
+# keys one contiguous run). Sink-token, encoder-only and cross layers with return_lse go
+# to reference.
+_LSE_KINDS = frozenset(
+    {
+        KVCacheSpecKind.FULL_ATTENTION,
+        KVCacheSpecKind.SLIDING_WINDOW,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
     }
 )
 _KV_CACHE_DTYPES: frozenset[KVCacheDType] = frozenset(
@@ -450,6 +464,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         problems = layer_problems(
             spec, params, sink_len=self._mask.sink_len, backend=_NAME, features=_FEATURES
         )
+        if params.return_lse and spec.kind not in _LSE_KINDS:
+            problems.append(_lse_reason(spec.kind))
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
@@ -605,6 +621,113 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             self._tree_rows(query, k_plane, v_plane, m.block_table, m.block_size, m.tree, output)
         return output
 
+    @override
+    def forward_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: CpuAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` with each row's log-sum-exp in ``lse [T, Hq]``: every query token
+        is one work item of the native kernel over its run of keys (``_lse_items``), so
+        the step takes neither the per-request decode nor the blocked prefill."""
+        from ...kernels.attention.cpu_decode import paged_attention_rows
+
+        m: object = attn_metadata
+        spec = self.kv_cache_spec
+        who = f"{type(self).__name__}.forward_lse ({spec.kind.value})"
+        if not isinstance(m, CpuAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
+            )
+        if not self.layer_params.return_lse:
+            raise ValueError(
+                f"{who}: the layer was built without layer_params.return_lse=True, got an "
+                f"lse to fill"
+            )
+        if m.shard is not None:
+            raise ValueError(
+                f"{who}: the group is sharded by context (context_shard={m.shard}); its "
+                f"result is partial, call forward_partial"
+            )
+        if m.tree is not None:
+            raise ValueError(f"{who}: a draft-tree step returns no lse here (verify without lse)")
+        want = (query.shape[0], query.shape[1])
+        given: object = lse  # the caller's object: checked whatever its type
+        if (
+            not isinstance(given, torch.Tensor)
+            or tuple(given.shape) != want
+            or given.dtype != torch.float32
+            or given.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{who}: lse must be a float32 cpu tensor {list(want)} ([T, Hq] of query), "
+                f"got {describe(given) if isinstance(given, torch.Tensor) else type(given).__name__}"
+            )
+        check_planes(
+            who,
+            spec,
+            key,
+            value,
+            kv_cache,
+            has_cache=self._has_cache,
+            encoder_keys=self._encoder_keys,
+        )
+        k_plane, v_plane = kv_cache[0], kv_cache[1]
+        write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params, self._quant)
+        n = m.num_actual_tokens
+        output[n:] = 0
+        lse[n:] = float("-inf")
+        assert m.block_table is not None
+        paged_attention_rows(
+            query,
+            k_plane,
+            v_plane,
+            m.block_table,
+            *self._lse_items(m),
+            block_size=m.block_size,
+            scale=self.scale,
+            output=output,
+            soft_cap=self._soft_cap,
+            alibi_slopes=self._slopes,
+            sinks=self._sinks,
+            lse=lse,
+            k_scale=self._k_scale,
+            v_scale=self._v_scale,
+        )
+        return output
+
+    def _lse_items(self, m: CpuAttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """The native kernel's work items for every query token of the step: its row,
+        request, first and last visible key (the window's or chunk's first, or 0; the
+        image range's end, or its own position + 1) and position."""
+        if m.mm_prefix_items is not None:  # the builder made them (the ranges' ends)
+            return m.mm_prefix_items
+        qsl = m.query_start_loc.numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        seq = m.seq_lens.numpy().astype(np.int64)
+        n = int(qsl[-1])
+        req = np.repeat(np.arange(len(qlens)), qlens)
+        pos = seq[req] - qlens[req] + (np.arange(n) - qsl[:-1][req])
+        window, chunk = self._mask.window, self._mask.chunk
+        if window is not None:
+            starts = np.maximum(pos - window + 1, 0)
+        elif chunk is not None:
+            starts = pos - pos % chunk
+        else:
+            starts = np.zeros_like(pos)
+        return (
+            from_numpy(np.arange(n, dtype=np.int64)),
+            from_numpy(req.astype(np.int32)),
+            from_numpy(starts.astype(np.int32)),
+            from_numpy((pos + 1).astype(np.int32)),
+            from_numpy(pos.astype(np.int32)),
+        )
+
     def _tree_rows(
         self,
         query: torch.Tensor,
@@ -741,6 +864,11 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         return output
 
 
+def _lse_reason(kind: KVCacheSpecKind) -> str:
+    served = ", ".join(sorted(k.value for k in _LSE_KINDS))
+    return f"feature return_lse not supported for kind={kind.value} (supported: {served})"
+
+
 class CpuAttentionBackend(AttentionBackend):
     """The CPU engines over the paged planes: the first choice on CPU."""
 
@@ -788,6 +916,15 @@ class CpuAttentionBackend(AttentionBackend):
         CpuAttentionMetadataBuilder,
         CpuAttentionImpl,
     )
+
+    @classmethod
+    @override
+    def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
+        """``return_lse`` on the kinds ``forward_lse`` does not serve."""
+        kind = request.spec.kind
+        if AttentionFeature.RETURN_LSE in request.features and kind not in _LSE_KINDS:
+            return [_lse_reason(kind)]
+        return []
 
     @classmethod
     @override

@@ -200,8 +200,9 @@ class ReferenceAttentionImpl(
 
     Args:
         kv_cache_spec: the layer's ``AttentionSpec``.
-        layer_params: its ``AttentionLayerParams`` (required). ``return_lse`` is not
-            supported (``forward`` returns only the output).
+        layer_params: its ``AttentionLayerParams`` (required). With ``return_lse``,
+            ``forward_lse`` also writes each row's log-sum-exp (every kind; not a
+            sparse layer's ``forward_sparse``).
     """
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_params: AttentionLayerParams) -> None:
@@ -212,11 +213,6 @@ class ReferenceAttentionImpl(
             raise ValueError(
                 f"{owner}: layer_params.num_heads={params.num_heads} must be a multiple of "
                 f"the spec's num_kv_heads={spec.num_kv_heads}"
-            )
-        if params.return_lse:
-            raise ValueError(
-                f"{owner}: layer_params.return_lse=True is not supported (the reference "
-                f"backend does not declare the return_lse feature), got return_lse=True"
             )
         self.kind = spec.kind
         rules = rules_for(spec)
@@ -478,6 +474,45 @@ class ReferenceAttentionImpl(
             self._lse_out = None
 
     @override
+    def forward_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` with each row's log-sum-exp in ``lse [T, Hq]``."""
+        owner = f"ReferenceAttentionImpl.forward_lse ({self.kind.value})"
+        if not self.layer_params.return_lse:
+            raise ValueError(
+                f"{owner}: the layer was built without layer_params.return_lse=True, "
+                f"got an lse to fill"
+            )
+        shard = getattr(attn_metadata, "context_shard", None)  # the type is checked below
+        if shard is not None:
+            raise ValueError(
+                f"{owner}: the group is sharded by context (context_shard={shard}); its "
+                f"result is partial, call forward_partial"
+            )
+        check_tensor(
+            owner,
+            "lse",
+            lse,
+            layout="[T, Hq]",
+            shape=(query.shape[0], self.num_heads),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        self._lse_out = lse
+        try:
+            return self._forward(query, key, value, kv_cache, attn_metadata, output)
+        finally:
+            self._lse_out = None
+
+    @override
     def forward(
         self,
         query: torch.Tensor,
@@ -494,6 +529,18 @@ class ReferenceAttentionImpl(
                 f"by context (context_shard={shard}); its result is "
                 f"partial, call forward_partial"
             )
+        return self._forward(query, key, value, kv_cache, attn_metadata, output)
+
+    def _forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` (the lse into ``self._lse_out`` when set)."""
         cache = self._check_inputs(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
         n = md.num_actual_tokens
@@ -680,10 +727,13 @@ class ReferenceAttentionImpl(
         alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
         starts: list[int] = md.query_start_loc_cpu.tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch types tolist() as a bare List
         output[starts[-1] :] = 0  # padding rows
+        lse_out = self._lse_out
+        if lse_out is not None:
+            lse_out[starts[-1] :] = float("-inf")
         for start, end in itertools.pairwise(starts):
             if end == start:
                 continue
-            output[start:end] = dense_attention(
+            out, lse = dense_attention(
                 query[start:end],
                 key[start:end],
                 value[start:end],
@@ -692,7 +742,11 @@ class ReferenceAttentionImpl(
                 logits_soft_cap=self.layer_params.logits_soft_cap,
                 alibi_slopes=alibi,
                 sinks=self.layer_params.sinks,
+                return_lse=True,
             )
+            output[start:end] = out
+            if lse_out is not None:
+                lse_out[start:end] = lse
         return output
 
 

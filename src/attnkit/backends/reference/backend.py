@@ -78,6 +78,7 @@ class ReferenceBackend(AttentionBackend):
             AttentionFeature.SPARSE_ATTENTION,
             AttentionFeature.PER_HEAD_QUANT_SCALES,
             AttentionFeature.MM_PREFIX,
+            AttentionFeature.RETURN_LSE,
         }
     )
     # Every state type: each declares its reference computation.
