@@ -531,26 +531,9 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         if n < output.shape[0]:  # padding rows
             output[n:] = 0
         if m.mm_prefix_items is not None:
-            from ...kernels.attention.cpu_decode import paged_attention_rows
-
             assert k_plane is not None
             assert v_plane is not None
-            assert m.block_table is not None
-            paged_attention_rows(
-                query,
-                k_plane,
-                v_plane,
-                m.block_table,
-                *m.mm_prefix_items,
-                block_size=m.block_size,
-                scale=self.scale,
-                output=output,
-                soft_cap=self._soft_cap,
-                alibi_slopes=self._slopes,
-                sinks=self._sinks,
-                k_scale=self._k_scale,
-                v_scale=self._v_scale,
-            )
+            self._attend_rows(query, k_plane, v_plane, m, output, m.mm_prefix_items, self._sinks)
             return output
         causal, window, chunk = self._mask.causal, self._mask.window, self._mask.chunk
         if m.native:
@@ -635,15 +618,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         """``forward`` with each row's log-sum-exp in ``lse [T, Hq]``: every query token
         is one work item of the native kernel over its run of keys (``_lse_items``), so
         the step takes neither the per-request decode nor the blocked prefill."""
-        from ...kernels.attention.cpu_decode import paged_attention_rows
-
-        m: object = attn_metadata
-        spec = self.kv_cache_spec
-        who = f"{type(self).__name__}.forward_lse ({spec.kind.value})"
-        if not isinstance(m, CpuAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
-            )
+        who = f"{type(self).__name__}.forward_lse ({self.kv_cache_spec.kind.value})"
+        m = self._lse_metadata(who, attn_metadata, query, lse)
         if not self.layer_params.return_lse:
             raise ValueError(
                 f"{who}: the layer was built without layer_params.return_lse=True, got an "
@@ -656,21 +632,53 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             )
         if m.tree is not None:
             raise ValueError(f"{who}: a draft-tree step returns no lse here (verify without lse)")
+        return self._rows_with_lse(
+            who, query, key, value, kv_cache, m, output, lse, self._lse_items(m), self._sinks
+        )
+
+    def _lse_metadata(
+        self, who: str, attn_metadata: object, query: torch.Tensor, lse: object
+    ) -> CpuAttentionMetadata:
+        """The metadata's type and ``lse`` (float32 ``[T, Hq]`` on the CPU), checked."""
+        if not isinstance(attn_metadata, CpuAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got "
+                f"{type(attn_metadata).__name__}"
+            )
         want = (query.shape[0], query.shape[1])
-        given: object = lse  # the caller's object: checked whatever its type
         if (
-            not isinstance(given, torch.Tensor)
-            or tuple(given.shape) != want
-            or given.dtype != torch.float32
-            or given.device.type != "cpu"
+            not isinstance(lse, torch.Tensor)
+            or tuple(lse.shape) != want
+            or lse.dtype != torch.float32
+            or lse.device.type != "cpu"
         ):
+            got = describe(lse) if isinstance(lse, torch.Tensor) else type(lse).__name__
             raise ValueError(
                 f"{who}: lse must be a float32 cpu tensor {list(want)} ([T, Hq] of query), "
-                f"got {describe(given) if isinstance(given, torch.Tensor) else type(given).__name__}"
+                f"got {got}"
             )
+        return attn_metadata
+
+    def _rows_with_lse(
+        self,
+        who: str,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        m: CpuAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+        items: tuple[torch.Tensor, ...],
+        sinks: torch.Tensor | None,
+        key_stride: int = 1,
+        key_offset: int = 0,
+    ) -> torch.Tensor:
+        """Write the step's K/V, then the native kernel over the work ``items`` (rows
+        past the step's tokens: zeros and ``-inf``)."""
         check_planes(
             who,
-            spec,
+            self.kv_cache_spec,
             key,
             value,
             kv_cache,
@@ -682,24 +690,47 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         n = m.num_actual_tokens
         output[n:] = 0
         lse[n:] = float("-inf")
+        self._attend_rows(
+            query, k_plane, v_plane, m, output, items, sinks, lse, key_stride, key_offset
+        )
+        return output
+
+    def _attend_rows(
+        self,
+        query: torch.Tensor,
+        k_plane: torch.Tensor,
+        v_plane: torch.Tensor,
+        m: CpuAttentionMetadata,
+        output: torch.Tensor,
+        items: tuple[torch.Tensor, ...],
+        sinks: torch.Tensor | None,
+        lse: torch.Tensor | None = None,
+        key_stride: int = 1,
+        key_offset: int = 0,
+    ) -> None:
+        """The native kernel over the work ``items`` (rows, requests, key runs,
+        positions), with the layer's scale, soft-cap, slopes and static scales."""
+        from ...kernels.attention.cpu_decode import paged_attention_rows
+
         assert m.block_table is not None
         paged_attention_rows(
             query,
             k_plane,
             v_plane,
             m.block_table,
-            *self._lse_items(m),
+            *items,
             block_size=m.block_size,
             scale=self.scale,
             output=output,
             soft_cap=self._soft_cap,
             alibi_slopes=self._slopes,
-            sinks=self._sinks,
+            sinks=sinks,
             lse=lse,
+            key_stride=key_stride,
+            key_offset=key_offset,
             k_scale=self._k_scale,
             v_scale=self._v_scale,
         )
-        return output
 
     def _lse_items(self, m: CpuAttentionMetadata) -> tuple[torch.Tensor, ...]:
         """The native kernel's work items for every query token of the step: its row,
@@ -796,72 +827,25 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
     ) -> torch.Tensor:
         """``forward`` over one context-parallel shard, with the partial's lse (rows
         past the step's tokens: zeros and ``-inf``; a sink logit joins rank 0's only)."""
-        from ...kernels.attention.cpu_decode import paged_attention_rows
-
-        m: object = attn_metadata
-        spec = self.kv_cache_spec
-        who = f"{type(self).__name__}.forward_partial ({spec.kind.value})"
-        if not isinstance(m, CpuAttentionMetadata):
+        who = f"{type(self).__name__}.forward_partial ({self.kv_cache_spec.kind.value})"
+        if not isinstance(attn_metadata, CpuAttentionMetadata):
             raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got "
+                f"{type(attn_metadata).__name__}"
             )
-        if m.shard is None or m.shard_items is None:
+        if attn_metadata.shard is None or attn_metadata.shard_items is None:
             raise ValueError(
                 f"{who}: the metadata has no context_shard (the group is not sharded by "
                 f"context); call forward"
             )
-        want = (query.shape[0], query.shape[1])
-        given: object = lse  # the caller's object: checked whatever its type
-        if (
-            not isinstance(given, torch.Tensor)
-            or tuple(given.shape) != want
-            or given.dtype != torch.float32
-            or given.device.type != "cpu"
-        ):
-            got = (
-                f"a {given.dtype} tensor {list(given.shape)} on {given.device}"
-                if isinstance(given, torch.Tensor)
-                else type(given).__name__
-            )
-            raise ValueError(
-                f"{who}: lse must be a float32 cpu tensor {list(want)} ([T, Hq] of query), "
-                f"got {got}"
-            )
-        check_planes(
-            who,
-            spec,
-            key,
-            value,
-            kv_cache,
-            has_cache=self._has_cache,
-            encoder_keys=self._encoder_keys,
-        )
-        k_plane, v_plane = kv_cache[0], kv_cache[1]
-        write_planes(k_plane, v_plane, key, value, m.writes, self.layer_params, self._quant)
-        n = m.num_actual_tokens
-        output[n:] = 0
-        lse[n:] = float("-inf")
+        m = self._lse_metadata(who, attn_metadata, query, lse)
+        assert m.shard is not None  # checked above
+        assert m.shard_items is not None
         rank, world = m.shard
-        assert m.block_table is not None
-        paged_attention_rows(
-            query,
-            k_plane,
-            v_plane,
-            m.block_table,
-            *m.shard_items,
-            block_size=m.block_size,
-            scale=self.scale,
-            output=output,
-            soft_cap=self._soft_cap,
-            alibi_slopes=self._slopes,
-            sinks=self._sinks if rank == 0 else None,
-            lse=lse,
-            key_stride=world,
-            key_offset=rank,
-            k_scale=self._k_scale,
-            v_scale=self._v_scale,
+        sinks = self._sinks if rank == 0 else None
+        return self._rows_with_lse(
+            who, query, key, value, kv_cache, m, output, lse, m.shard_items, sinks, world, rank
         )
-        return output
 
 
 def _lse_reason(kind: KVCacheSpecKind) -> str:

@@ -458,20 +458,7 @@ class ReferenceAttentionImpl(
                 f"{owner}: the metadata has no context_shard (the group is not sharded "
                 f"by context); call forward"
             )
-        check_tensor(
-            owner,
-            "lse",
-            lse,
-            layout="[T, Hq]",
-            shape=(query.shape[0], self.num_heads),
-            dtype=torch.float32,
-            device=query.device,
-        )
-        self._lse_out = lse
-        try:
-            return self.forward(query, key, value, kv_cache, attn_metadata, output)
-        finally:
-            self._lse_out = None
+        return self._with_lse(owner, query, key, value, kv_cache, attn_metadata, output, lse)
 
     @override
     def forward_lse(
@@ -497,6 +484,21 @@ class ReferenceAttentionImpl(
                 f"{owner}: the group is sharded by context (context_shard={shard}); its "
                 f"result is partial, call forward_partial"
             )
+        return self._with_lse(owner, query, key, value, kv_cache, attn_metadata, output, lse)
+
+    def _with_lse(
+        self,
+        owner: str,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_forward`` with the rows' lse copied into ``lse`` (checked: float32 ``[T, Hq]``
+        on the query's device)."""
         check_tensor(
             owner,
             "lse",
