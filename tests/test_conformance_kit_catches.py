@@ -11,6 +11,7 @@ what its bug needs, so each run is small.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,13 @@ import pytest
 import torch
 from typing_extensions import override
 
-from attnkit import AttentionLayerParams, AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from attnkit import (
+    AttentionFeature,
+    AttentionLayerParams,
+    AttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 from attnkit.backend_api import (
     AttentionBackend,
     AttentionImpl,
@@ -591,6 +598,57 @@ def test_a_decodes_first_assumption_fails_on_the_fixed_case() -> None:
     problem = rerun(ragged, AssumesDecodesFirst)
     assert problem is not None
     assert problem.startswith("step 2, layer 0, request r3"), problem
+
+
+# ------------------------------------------------------------------ the log-sum-exp
+
+
+class _LseBase2(GatheredImpl):
+    """Declares return_lse and fills it in base 2 (as kernels that keep exp2 do)."""
+
+    @override
+    def forward_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: GatheredMeta,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> torch.Tensor:
+        self.forward(query, key, value, kv_cache, attn_metadata, output)
+        md, cache = attn_metadata, kv_cache[0]
+        lse.fill_(float("-inf"))
+        starts = md.query_start_loc_cpu.tolist()
+        for b, seq in enumerate(md.seq_lens_cpu.tolist()):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            m, bs = hi - lo, cache.shape[2]
+            pages = cache[md.block_table[b, : -(-seq // bs)].long()]
+            k = pages[:, 0].flatten(0, 1)[:seq].float()
+            k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
+            scores = torch.einsum("mhd,shd->mhs", query[lo:hi].float(), k) * self.scale
+            visible = torch.arange(seq)[None] <= (seq - m + torch.arange(m))[:, None]
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            lse[lo:hi] = torch.logsumexp(scores, dim=-1) / math.log(2)  # the bug: log2
+        return output
+
+
+class LseBase2(_Small):
+    name = "broken_lse_base2"
+    supported_features = frozenset({AttentionFeature.RETURN_LSE})
+    builders = bind_each((FullAttentionSpec,), GatheredBuilder, _LseBase2)
+
+
+def test_an_lse_in_base_2_fails_the_return_lse_combinations() -> None:
+    report = check_backend(LseBase2)
+    fails = failed(report)
+    assert fails, report.describe()
+    assert all("feature=return_lse" in c for c in fails), report.describe()
+    assert "differ from reference" in next(iter(fails.values()))
+    assert report.result("kind=full_attention").status == "passed"
 
 
 # ------------------------------------------------------------------ nothing checked

@@ -120,7 +120,6 @@ KIT_SCALE = 0.15
 _PER_DIMENSION = 4
 
 _NOT_CHECKED = {
-    AttentionFeature.RETURN_LSE: "the kit does not compare the log-sum-exp output yet",
     AttentionFeature.CONTEXT_PARALLEL: (
         "the kit does not run a group of context-parallel ranks yet "
         "(tests/test_context_parallel.py does, for the reference backend)"

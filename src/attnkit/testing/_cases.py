@@ -161,6 +161,7 @@ def make_layer(case: Case, device: torch.device) -> tuple[KVCacheSpec, LayerPara
         sinks=(
             _randn(gen, hq).to(device) if AttentionFeature.ATTENTION_SINKS in features else None
         ),
+        return_lse=AttentionFeature.RETURN_LSE in features,
         # Static scales: a per-token-head cache computes its own.
         k_scale=0.5 if choice.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else 1.0,
         v_scale=2.0 if choice.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else 1.0,
@@ -298,7 +299,14 @@ class _Side:
         if rules_for_kind(choice.kind).writes == "encoder":  # keys from the encoder
             return self.runtime.forward(layer, inputs.tensors["q"], inputs.key, inputs.value)
         t = inputs.tensors
-        return self.runtime.forward(layer, t["q"], t["k"], t["v"])
+        if AttentionFeature.RETURN_LSE not in choice.features:
+            return self.runtime.forward(layer, t["q"], t["k"], t["v"])
+        # The lse is compared with the output: its Hq columns after the output's.
+        q = t["q"]
+        lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device=q.device)
+        out = self.runtime.forward(layer, q, t["k"], t["v"], lse=lse)
+        seen = torch.where(lse == float("-inf"), -1e4, lse)  # a row with no key: -inf
+        return torch.cat([out.flatten(1).float(), seen], dim=1)
 
     def forward(
         self,
