@@ -91,16 +91,16 @@ _FEATURES = frozenset(
         AttentionFeature.RETURN_LSE,
     }
 )
-# The kinds forward_lse serves: causal decoder attention over the planes (each row's
-# keys one contiguous run). Sink-token, encoder-only and cross layers with return_lse go
-# to reference.
-_LSE_KINDS = frozenset(
-    {
-        KVCacheSpecKind.FULL_ATTENTION,
-        KVCacheSpecKind.SLIDING_WINDOW,
-        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
-    }
-)
+
+
+def _serves_lse(spec: AttentionSpec) -> bool:
+    """Whether ``forward_lse`` serves the kind, from its rules: causal attention over the
+    step's own K/V with no sink tokens, so each row's keys are one contiguous run (full,
+    sliding-window, chunked-local). Sink-token, encoder-only and cross layers with
+    ``return_lse`` go to reference."""
+    rules = rules_for(spec)
+    mask = rules.mask(spec)
+    return rules.has_cache and rules.writes == "step" and mask.causal and not mask.sink_len
 _KV_CACHE_DTYPES: frozenset[KVCacheDType] = frozenset(
     {"auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_per_token_head", "int8_per_token_head"}
 )
@@ -464,7 +464,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         problems = layer_problems(
             spec, params, sink_len=self._mask.sink_len, backend=_NAME, features=_FEATURES
         )
-        if params.return_lse and spec.kind not in _LSE_KINDS:
+        if params.return_lse and not _serves_lse(spec):
             problems.append(_lse_reason(spec.kind))
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
@@ -849,8 +849,11 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
 
 
 def _lse_reason(kind: KVCacheSpecKind) -> str:
-    served = ", ".join(sorted(k.value for k in _LSE_KINDS))
-    return f"feature return_lse not supported for kind={kind.value} (supported: {served})"
+    return (
+        f"feature return_lse not supported for kind={kind.value} (supported: causal "
+        f"attention over the step's K/V without sink tokens: full, sliding-window, "
+        f"chunked-local)"
+    )
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -905,9 +908,13 @@ class CpuAttentionBackend(AttentionBackend):
     @override
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         """``return_lse`` on the kinds ``forward_lse`` does not serve."""
-        kind = request.spec.kind
-        if AttentionFeature.RETURN_LSE in request.features and kind not in _LSE_KINDS:
-            return [_lse_reason(kind)]
+        spec = request.spec
+        if (
+            AttentionFeature.RETURN_LSE in request.features
+            and isinstance(spec, AttentionSpec)
+            and not _serves_lse(spec)
+        ):
+            return [_lse_reason(spec.kind)]
         return []
 
     @classmethod
