@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -30,8 +31,10 @@ from hypothesis.stateful import (
 
 from attnkit import (
     AttentionConfig,
+    AttentionFeature,
     AttentionLayerParams,
     AttentionRuntime,
+    ChunkedLocalAttentionSpec,
     EngineLimitError,
     FullAttentionSpec,
     InvalidArgumentError,
@@ -69,10 +72,19 @@ class Model:
     """A full-attention layer and optionally a state layer; a token is named by
     ``("p", position)`` (prompt and decoded tokens) or ``("d", step, i)`` (draft ``i``)."""
 
-    def __init__(self, backend: str, state: str | None = None, width: int = 3) -> None:
-        self.specs: dict[str, Any] = {"attn": FULL}
-        self.params: dict[str, Any] = {"attn": AttentionLayerParams(num_heads=HQ)}
-        per_kind = {"full_attention": backend}
+    def __init__(
+        self,
+        backend: str,
+        state: str | None = None,
+        width: int = 3,
+        spec: Any = FULL,
+        alibi: tuple[float, ...] | None = None,
+    ) -> None:
+        self.specs: dict[str, Any] = {"attn": spec}
+        self.params: dict[str, Any] = {
+            "attn": AttentionLayerParams(num_heads=HQ, alibi_slopes=alibi)
+        }
+        per_kind = {spec.kind.value: backend}
         self.state = state
         if state is not None:
             st = state_type_of(state)
@@ -192,6 +204,110 @@ def test_tree_verify_equals_each_path_against_the_float64_oracle(backend: str) -
         for i in range(len(parents)):
             _close(got["attn"][rid][1 + i], want[i], f"{backend} request {rid} draft {i}")
     rt.accept({"a": [1, 4], "b": 3})
+
+
+# A window of 3 and chunks of 8 after a 38-token context: the drafts sit at 38 (depth
+# 1), 39 (depth 2) and 40 (depth 3, a new chunk), while their slots run to 44, so a
+# window or chunk measured in slots, or an ALiBi distance counted in slots, differs.
+WINDOW = SlidingWindowSpec(
+    block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, sliding_window=3
+)
+CHUNKED = ChunkedLocalAttentionSpec(
+    block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, attention_chunk_size=8
+)
+SLOPES = (0.5, 0.25, 0.125, 0.0625)
+LOCAL_KINDS = {"full": FULL, "window": WINDOW, "chunked": CHUNKED}
+
+
+def _path_oracle(
+    rid: str,
+    context: Sequence[object],
+    drafts: Sequence[object],
+    parents: Sequence[int],
+    *,
+    window: int | None,
+    chunk: int | None,
+    alibi: tuple[float, ...] | None,
+) -> torch.Tensor:
+    """Float64 ``[k, Hq, D]``: each draft as the last token of the linear sequence
+    context + its root-to-node path, at positions ``0 .. len - 1``, under the window,
+    chunk and ALiBi slopes given (written out here, not taken from attnkit)."""
+    out = []
+    for i in range(len(drafts)):
+        path = []
+        j = i
+        while j >= 0:
+            path.append(drafts[j])
+            j = parents[j]
+        tokens = [*context, *reversed(path)]
+        rows = [_attn_rows(rid, t) for t in tokens]
+        n = len(tokens)
+        q = rows[-1][0].double()  # [Hq, D]
+        keys = torch.stack([r[1] for r in rows]).double().repeat_interleave(HQ // HKV, 1)
+        values = torch.stack([r[2] for r in rows]).double().repeat_interleave(HQ // HKV, 1)
+        pos = torch.arange(n, dtype=torch.float64)
+        me = n - 1
+        visible = torch.ones(n, dtype=torch.bool)
+        if window is not None:
+            visible &= pos > me - window
+        if chunk is not None:
+            visible &= pos >= me - me % chunk
+        scores = torch.einsum("hd,nhd->hn", q, keys) / D**0.5
+        if alibi is not None:
+            scores = scores + torch.tensor(alibi, dtype=torch.float64)[:, None] * (pos - me)
+        scores = scores.masked_fill(~visible[None, :], float("-inf"))
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("kind", list(LOCAL_KINDS))
+@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+def test_tree_drafts_sit_at_their_depth_for_windows_chunks_and_alibi(
+    backend: str, kind: str, alibi: bool
+) -> None:
+    spec = LOCAL_KINDS[kind]
+    slopes = SLOPES if alibi else None
+    model = Model(backend, spec=spec, alibi=slopes)
+    rt = model.runtime()
+    n = 37
+    model.step(rt, [("a", [("p", i) for i in range(n)], None, 0)])
+    drafts = [("d", 1, i) for i in range(K)]
+    got = model.step(rt, [("a", [("p", n), *drafts], TREE, K)])["attn"]["a"]
+    want = _path_oracle(
+        "a",
+        [("p", i) for i in range(n + 1)],
+        drafts,
+        TREE,
+        window=getattr(spec, "sliding_window", None),
+        chunk=getattr(spec, "attention_chunk_size", None),
+        alibi=slopes,
+    )
+    for i in range(K):
+        _close(got[1 + i], want[i], f"{backend} {kind} alibi={alibi} draft {i}")
+
+
+def _slot_depths(masks: Any) -> Any:
+    """Each draft's depth taken as its slot (the chain's), not its ancestors' count."""
+    return np.arange(1, len(masks) + 1, dtype=np.int64)
+
+
+def _slot_positions(ancestors: torch.Tensor, num_drafts: int, seq_len: int) -> Any:
+    keys = torch.arange(seq_len, dtype=torch.int64)
+    return keys[seq_len - ancestors.shape[0] :].clone(), keys
+
+
+@pytest.mark.parametrize(("kind", "alibi"), [("window", False), ("chunked", False), ("full", True)])
+def test_drafts_placed_at_their_slots_are_caught(kind: str, alibi: bool) -> None:
+    from attnkit.backends.cpu_attn import backend as cpu_backend
+    from attnkit.kernels.attention import reference as ref_kernel
+
+    for target, name, broken, backend in [
+        (cpu_backend, "_popcounts", _slot_depths, "cpu_attn"),
+        (ref_kernel, "_draft_tree_positions", _slot_positions, "reference"),
+    ]:
+        with _broken(target, name, broken), pytest.raises(AssertionError, match="draft"):
+            test_tree_drafts_sit_at_their_depth_for_windows_chunks_and_alibi(backend, kind, alibi)
 
 
 def _chain_masks(parents: Sequence[int]) -> list[int]:
@@ -345,10 +461,24 @@ def test_config_and_selection_say_why_trees_are_refused() -> None:
 
     assert reasons("reference", FULL) == []
     assert reasons("cpu_attn", FULL) == []
+    assert reasons("cpu_attn", window) == []
     assert any(
         "draft trees (AttentionConfig.draft_tree_width=3) not supported on kind=sliding_window"
         in r
-        for r in reasons("cpu_attn", window)
+        for r in reasons("triton_attn", window)
+    )
+    alibi = BackendRequest(
+        spec=FULL,
+        device=torch.device("cpu"),
+        config=config,
+        features=frozenset({AttentionFeature.ALIBI}),
+    )
+    registry = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    assert registry.get("cpu_attn").not_supported_reasons(alibi) == []
+    assert (
+        "draft trees (AttentionConfig.draft_tree_width=3) not supported with alibi (a draft's "
+        "distances would be counted in slots, not along its path)"
+        in registry.get("triton_attn").not_supported_reasons(alibi)
     )
     mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=D, dtype=torch.float32)
     assert any(

@@ -72,12 +72,16 @@ class DraftTreeSupport:
             depth 0).
         how: one line on how the kernels apply the mask (for ``attnkit backends``
             and the docs).
+        alibi: whether layers with ALiBi slopes take trees: a draft's distances are
+            then measured along its path (it sits at the root's position plus its
+            depth, not at its slot).
     """
 
     kinds: frozenset[KVCacheSpecKind]
     max_width: int
     max_depth: int
     how: str = ""
+    alibi: bool = False
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackendRequest:
@@ -275,11 +279,16 @@ class AttentionBackend(ABC):
                 f"num_kv_heads={spec.num_kv_heads}"
             )
         if request.config is not None and request.config.draft_tree_width > 1:
-            reasons.extend(cls._draft_tree_reasons(spec, request.config))
+            reasons.extend(cls._draft_tree_reasons(spec, request.config, request.features))
         return reasons
 
     @classmethod
-    def _draft_tree_reasons(cls, spec: AttentionSpec, config: AttentionConfig) -> list[str]:
+    def _draft_tree_reasons(
+        cls,
+        spec: AttentionSpec,
+        config: AttentionConfig,
+        features: frozenset[AttentionFeature] = frozenset(),
+    ) -> list[str]:
         """Why the backend cannot take the config's draft trees on ``spec``'s layers."""
         width, depth = config.draft_tree_width, config.num_speculative_tokens
         wanted = f"draft trees (AttentionConfig.draft_tree_width={width})"
@@ -290,6 +299,11 @@ class AttentionBackend(ABC):
         if spec.kind not in support.kinds:
             kinds = ", ".join(sorted(k.value for k in support.kinds)) or "none"
             reasons.append(f"{wanted} not supported on kind={spec.kind.value} (tree kinds: {kinds})")
+        if AttentionFeature.ALIBI in features and not support.alibi:
+            reasons.append(
+                f"{wanted} not supported with alibi (a draft's distances would be counted "
+                f"in slots, not along its path)"
+            )
         if width > support.max_width:
             reasons.append(f"{wanted} not supported (max width {support.max_width})")
         if depth > support.max_depth:

@@ -187,6 +187,12 @@ class DraftTreeRows:
     the context and its ancestors, not a range): each row is split into its runs of
     visible keys, one work item per run with its log-sum-exp, merged per row.
 
+    A draft sits at the root's position plus its depth, not at its slot, so a run also
+    keeps its keys' slot-to-position offset constant: its query position is the draft's
+    own plus that offset, and the kernel's ALiBi distance (slot minus query position) is
+    the distance along the draft's path. Windows and chunks are applied here, in those
+    positions, when the runs are cut.
+
     Attributes:
         queries: int64 ``[N]``: the query row of each item.
         requests, key_start, key_end, query_pos: int32 ``[N]``: the items' block-table
@@ -204,8 +210,18 @@ class DraftTreeRows:
     out_rows: torch.Tensor
 
 
-def draft_tree_rows(cm: CommonAttentionMetadata) -> DraftTreeRows | None:
-    """The work items of the step's draft rows under its draft tree (``None``: no tree)."""
+def _popcounts(masks: Ints) -> Ints:
+    """The bits set in each int64 of ``masks`` (all below bit 63)."""
+    bits = np.arange(63, dtype=np.int64)
+    counts: Ints = ((masks[:, None] >> bits[None, :]) & 1).sum(axis=1)
+    return counts
+
+
+def draft_tree_rows(
+    cm: CommonAttentionMetadata, window: int | None = None, chunk: int | None = None
+) -> DraftTreeRows | None:
+    """The work items of the step's draft rows under its draft tree (``None``: no tree),
+    for a layer with ``window`` / ``chunk`` (``None``: none)."""
     tree = cm.draft_tree
     if tree is None:
         return None
@@ -216,27 +232,37 @@ def draft_tree_rows(cm: CommonAttentionMetadata) -> DraftTreeRows | None:
     items: list[tuple[int, int, int, int, int, int]] = []
     out_rows: list[int] = []
     for b in np.flatnonzero(counts).tolist():
-        nd = int(counts[b])
+        nd, end = int(counts[b]), int(ends[b])
         first = int(seq[b]) - nd
+        masks = ancestors[end - nd : end].astype(np.int64)
+        # Draft j's position: the root's (first - 1) plus its depth; its offset is its
+        # slot (first + j) minus that position (0 for a chain, and for the context).
+        depth = _popcounts(masks).tolist()
         for i in range(nd):
-            row = int(ends[b]) - nd + i
-            mask = int(ancestors[row])
+            mask = int(masks[i])
+            pos = first - 1 + depth[i]
+            lo = 0
+            if window is not None:
+                lo = max(pos - window + 1, 0)
+            elif chunk is not None:
+                lo = pos - pos % chunk
             g = len(out_rows)
-            out_rows.append(row)
-            # Runs of consecutive visible drafts; the first joins the context when it
-            # starts at draft 0.
-            j = 0
-            if not mask & 1:
-                items.append((row, b, 0, first, first + i, g))
-            while j <= i:
-                if not (mask >> j) & 1:
-                    j += 1
+            out_rows.append(end - nd + i)
+            # Visible keys in slot order as (slot, offset): the context's then the
+            # ancestors' (and the draft's own) whose positions the window or chunk keeps.
+            runs: list[list[int]] = []  # [start slot, end slot, offset]
+            if lo < first:
+                runs.append([lo, first, 0])
+            for j in range(i + 1):
+                if not (mask >> j) & 1 or first - 1 + depth[j] < lo:
                     continue
-                lo = j
-                while j <= i and (mask >> j) & 1:
-                    j += 1
-                start = 0 if lo == 0 else first + lo
-                items.append((row, b, start, first + j, first + i, g))
+                slot, offset = first + j, j + 1 - depth[j]
+                if runs and runs[-1][1] == slot and runs[-1][2] == offset:
+                    runs[-1][1] = slot + 1
+                else:
+                    runs.append([slot, slot + 1, offset])
+            for start, stop, offset in runs:
+                items.append((end - nd + i, b, start, stop, pos + offset, g))
     arr = np.zeros((len(items), 6), dtype=np.int64)
     for r, item in enumerate(items):
         arr[r] = item
@@ -293,7 +319,9 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         cm = common_attn_metadata
         md = self._build(cm)
         if cm.draft_tree is not None:
-            md = dataclasses.replace(md, tree=draft_tree_rows(cm))
+            md = dataclasses.replace(
+                md, tree=draft_tree_rows(cm, self.mask.window, self.mask.chunk)
+            )
         return md
 
     def _build(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
@@ -773,11 +801,6 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         keys, the runs merged by their log-sum-exps (the sink logit joins once)."""
         from ...kernels.attention.cpu_decode import paged_attention_rows
 
-        if self._slopes is not None:
-            raise ValueError(
-                f"{type(self).__name__}.forward: ALiBi with draft trees is not served (a "
-                f"draft's distance would be its slot, not its depth)"
-            )
         n = int(tree.queries.numel())
         q = query.index_select(0, tree.queries)
         part = torch.empty_like(q)
@@ -796,6 +819,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             scale=self.scale,
             output=part,
             soft_cap=self._soft_cap,
+            alibi_slopes=self._slopes,
             lse=lse,
             k_scale=self._k_scale,
             v_scale=self._v_scale,
@@ -888,11 +912,18 @@ class CpuAttentionBackend(AttentionBackend):
         KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: Determinism.PREFIX_HIT_INVARIANT,
     }
     draft_trees: ClassVar[DraftTreeSupport | None] = DraftTreeSupport(
-        kinds=frozenset({KVCacheSpecKind.FULL_ATTENTION}),
+        kinds=frozenset(
+            {
+                KVCacheSpecKind.FULL_ATTENTION,
+                KVCacheSpecKind.SLIDING_WINDOW,
+                KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
+            }
+        ),
         max_width=MAX_DRAFT_TREE_TOKENS,
         max_depth=MAX_DRAFT_TREE_TOKENS,
-        how="draft rows recomputed by the native kernel per run of visible keys, merged "
-        "by their log-sum-exps",
+        how="draft rows recomputed by the native kernel per run of visible keys (window, "
+        "chunk and ALiBi in each draft's depth positions), merged by their log-sum-exps",
+        alibi=True,
     )
     kv_cache_layout: ClassVar[KVCacheLayout] = "planes"
     # Every attention kind with K and V planes: the engines take every kind's Mask

@@ -83,18 +83,23 @@ class ReferenceBackend(AttentionBackend):
     )
     # Every state type: each declares its reference computation.
     supported_mamba_types: ClassVar[frozenset[MambaType]] = frozenset(STATE_TYPES)
-    # Kinds whose mask has no window or chunk (a draft's depth is not its slot).
+    # Every causal kind over a cache; windows, chunks and ALiBi measured in each draft's
+    # depth position (the contract's "Draft trees").
     draft_trees: ClassVar[DraftTreeSupport | None] = DraftTreeSupport(
         kinds=frozenset(
             {
                 KVCacheSpecKind.FULL_ATTENTION,
                 KVCacheSpecKind.SINK_FULL_ATTENTION,
+                KVCacheSpecKind.SLIDING_WINDOW,
+                KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION,
                 KVCacheSpecKind.MLA_ATTENTION,
+                KVCacheSpecKind.SLIDING_WINDOW_MLA,
             }
         ),
         max_width=63,
         max_depth=63,
-        how="a dense ancestor mask per request",
+        how="a dense ancestor mask per request, drafts at their depth positions",
+        alibi=True,
     )
     builders = (
         *bind_each(ATTENTION_SPEC_CLASSES, ReferenceAttentionBuilder, ReferenceAttentionImpl),

@@ -64,7 +64,10 @@ Draft trees
     neither, ``causal=True``): request ``b``'s last ``n = draft_counts[b]`` positions
     are draft tokens, and query row ``t`` sees key ``j >= seq_len - n`` only where bit
     ``j - (seq_len - n)`` of ``draft_ancestors[t]`` is set (its ancestors and itself);
-    earlier keys follow the causal mask. Rows that are no draft hold 0.
+    earlier keys follow the causal mask. Rows that are no draft hold 0. A draft's
+    position is the root's (``seq_len - n - 1``) plus its depth (the bits set in its own
+    row), not its slot: windows, chunks and ALiBi distances are measured in those
+    positions, along the draft's own path.
 
 Scores
     ``s = scale * (q . k)``; then, with ``logits_soft_cap=cap``, ``s = cap * tanh(s / cap)``;

@@ -455,8 +455,9 @@ def dense_attention(
         causal: see the module docstring for every mask and score option.
         q_positions: integer ``[Tq]`` absolute query positions; by default the last
             ``Tq`` positions of the keys, ``Tk - Tq + t``.
-        k_positions: integer ``[Tk]`` absolute key positions (increasing); by default
-            ``0 .. Tk - 1``. A context-parallel shard holds every ``N``-th position.
+        k_positions: integer ``[Tk]`` absolute key positions; by default ``0 .. Tk - 1``.
+            A context-parallel shard holds every ``N``-th position; a draft tree's
+            drafts sit at their depths, siblings at one position.
         sliding_window: window length ``W >= 1`` (needs ``causal``), or None.
         chunk_size: local-attention chunk length ``C >= 1`` (needs ``causal``), or None.
         logits_soft_cap: ``cap > 0`` for ``cap * tanh(s / cap)``, or None.
@@ -595,6 +596,21 @@ def dense_attention(
 
 
 # --------------------------------------------------------------------------- paged
+
+
+def _draft_tree_positions(ancestors: Tensor, num_drafts: int, seq_len: int) -> tuple[Tensor, Tensor]:
+    """One request's query and key positions under its draft tree: a draft sits at the
+    root's position plus its depth (the ancestor bits of its own row, itself included),
+    not at its slot; every other token at its slot. Windows, chunks and ALiBi then
+    measure a draft's distances along its own path."""
+    q_len = ancestors.shape[0]
+    first = seq_len - num_drafts
+    bits = torch.arange(63, device=ancestors.device)
+    rows = ancestors.to(torch.int64)[q_len - num_drafts :]
+    depth = ((rows[:, None] >> bits[None, :]) & 1).sum(dim=1)
+    keys = torch.arange(seq_len, device=ancestors.device, dtype=torch.int64)
+    keys[first:] = first - 1 + depth.to(keys.device)
+    return keys[seq_len - q_len :].clone(), keys
 
 
 def _draft_tree_visible(ancestors: Tensor, num_drafts: int, seq_len: int) -> Tensor:
@@ -914,6 +930,11 @@ def paged_attention(
             continue
         key, value = _gather_kv(kv_cache, block_table[b], seq_len)
         q_positions = k_positions = None
+        draft_visible = None
+        if tree is not None and int(tree[1][b]) > 0:
+            rows, drafts = tree[0][q_start:q_end], int(tree[1][b])
+            draft_visible = _draft_tree_visible(rows, drafts, seq_len)
+            q_positions, k_positions = _draft_tree_positions(rows, drafts, seq_len)
         if shard is not None:
             rank, world, _ = shard
             q_positions = torch.arange(totals[b] - (q_end - q_start), totals[b])
@@ -938,9 +959,7 @@ def paged_attention(
             logits_soft_cap=logits_soft_cap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
-            draft_visible=None
-            if tree is None
-            else _draft_tree_visible(tree[0][q_start:q_end], int(tree[1][b]), seq_len),
+            draft_visible=draft_visible,
             mm_prefix_ranges=None if mm_prefix_ranges is None else mm_prefix_ranges[b],
             return_lse=True,
         )
