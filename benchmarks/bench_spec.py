@@ -6,7 +6,9 @@ and without prompt-lookup drafting.
    verify k = 4 drafts in one step (5 queries each), against one decode step and the 5
    sequential decode steps the same tokens take without drafting. Reported: each
    median, the time per verified token, and the verify step over one decode step
-   (target: at most 1.5x). Paired rounds (verify, one decode, five decodes in turn)
+   (target: at most 1.5x), and its arithmetic floor: its multiply-adds at the rate
+   ``torch.mm`` reaches on this machine in DTYPE (what a verify step costs when
+   arithmetic, not memory, bounds it). Paired rounds (verify, one decode, five decodes in turn)
    keep a shared machine's drift out of the ratios.
 2. Engine with and without drafting on repetitive text (the demo model, full and
    sliding-window layers; prompts are short patterns repeated, greedy decoding):
@@ -65,6 +67,21 @@ def _tensors(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, 
     return q, k, v
 
 
+def gemm_rate(rounds: int) -> float:
+    """Multiply-adds per second of ``torch.mm`` on 1024 x 1024 matrices of DTYPE with the
+    same threads: what this machine's cores reach on dense arithmetic, for the verify
+    step's arithmetic floor (its multiply-adds at that rate)."""
+    n = 1024
+    a, b = torch.randn(2, n, n, generator=torch.Generator().manual_seed(1)).to(DTYPE)
+    torch.mm(a, b)  # warm-up
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return n**3 / min(times)
+
+
 def verify_vs_decodes(requests: int, context: int, k: int, rounds: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     ids = [f"r{i}" for i in range(requests)]
@@ -112,6 +129,10 @@ def verify_vs_decodes(requests: int, context: int, k: int, rounds: int) -> dict[
             times[name].append(fn())
     med = {name: statistics.median(v) for name, v in times.items()}
     verified = requests * (k + 1)
+    # Row t of a request sees context + t + 1 keys; each key costs HQ * D multiply-adds
+    # for the score and as many for the value.
+    mul_adds = requests * sum(context + t + 1 for t in range(k + 1)) * HQ * D * 2
+    floor_s = mul_adds / gemm_rate(max(rounds, 3))
     return {
         "requests": requests,
         "context": context,
@@ -125,6 +146,9 @@ def verify_vs_decodes(requests: int, context: int, k: int, rounds: int) -> dict[
         "verify_over_decode": med["verify"] / med["decode"],
         "sequential_over_verify": med["decodes"] / med["verify"],
         "target_verify_over_decode": 1.5,
+        "verify_mul_adds": mul_adds,
+        "arithmetic_floor_s": floor_s,
+        "arithmetic_floor_over_decode": floor_s / med["decode"],
     }
 
 
@@ -203,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  per verified token {verify['verify_per_token_us']:.1f} us vs per decoded token "
         f"{verify['decode_per_token_us']:.1f} us; verify / decode = "
         f"{verify['verify_over_decode']:.2f}x (target <= 1.5x); 5 decodes / verify = "
-        f"{verify['sequential_over_verify']:.2f}x"
+        f"{verify['sequential_over_verify']:.2f}x\n"
+        f"  arithmetic floor: the verify's {verify['verify_mul_adds'] / 1e9:.2f} G multiply-adds "
+        f"at torch.mm's rate = {verify['arithmetic_floor_s'] * 1e3:.1f} ms = "
+        f"{verify['arithmetic_floor_over_decode']:.2f}x one decode"
     )
     engine = engine_with_and_without_drafting(4, 16 if args.quick else 48)
     for label in ("plain", "prompt_lookup"):

@@ -319,8 +319,8 @@ def _build_with(define: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     _native.load_paged_decode()
 
 
-def _verify_case(dtype: torch.dtype, qlen: int) -> None:
-    step = Step(dtype, 8, 2, qlen, [37 + qlen, 20 + qlen, 50 + qlen, 33 + qlen])
+def _verify_case(dtype: torch.dtype, qlen: int, window: int | None = None) -> None:
+    step = Step(dtype, 8, 2, qlen, [37 + qlen, 20 + qlen, 50 + qlen, 33 + qlen], window=window)
     step.check(*step.run())
 
 
@@ -335,7 +335,7 @@ def test_the_checks_catch_broken_groups(
 ) -> None:
     """The oracle check above fails on a kernel built to group rows of different
     requests (a decode step's rows then read the first request's blocks), or to drop
-    the rows of a group's last, partial row block (5 rows x 4 heads: 20 rows)."""
+    the rows of a group's last, partial block of rows (5 rows x 4 heads: 20 rows)."""
     if _native.load_paged_decode().decode_isa(1, D) == "vector8":  # pragma: no cover
         pytest.skip("this CPU runs no grouped copy: the broken builds change nothing here")
     caps = _copies(torch.bfloat16)
@@ -347,3 +347,22 @@ def test_the_checks_catch_broken_groups(
         _use(monkeypatch, cap)
         with pytest.raises(AssertionError):
             _verify_case(torch.bfloat16, qlen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("define", "window"),
+    [("ATTNKIT_TEST_GROUP_ANY_REQUEST", None), ("ATTNKIT_TEST_GROUP_ANY_START", 7)],
+    ids=["rows-of-two-requests", "rows-of-two-starts"],
+)
+def test_the_checks_catch_broken_8_lane_groups(
+    define: str, window: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the 8-lane copy (float32 here), whose groups also need one key start:
+    a kernel built to group rows of different requests, or rows whose windows start at
+    different keys (the later rows then see keys before their window), is caught."""
+    _use(monkeypatch, "")
+    _verify_case(torch.float32, 5, window)
+    _build_with(define, tmp_path, monkeypatch)
+    with pytest.raises(AssertionError):
+        _verify_case(torch.float32, 5, window)
