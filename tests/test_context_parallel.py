@@ -300,9 +300,15 @@ def test_merge_partials_equals_attention_over_the_union() -> None:
 
     a, b = part([0, 2, 4]), part([1, 3])
     out = torch.empty(5, 2, 8, dtype=torch.float64)
-    merge_partials([a[0], b[0]], [a[1].float(), b[1].float()], out)
-    full = torch.einsum("thk,khd->thd", torch.softmax(torch.einsum("thd,khd->thk", q, k), -1), v)
+    lse = torch.empty(5, 2)
+    merge_partials([a[0], b[0]], [a[1].float(), b[1].float()], out, lse)
+    scores = torch.einsum("thd,khd->thk", q, k)
+    full = torch.einsum("thk,khd->thd", torch.softmax(scores, -1), v)
     torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-6)
+    one = torch.empty(5, 2)
+    merge_partials([a[0]], [a[1].float()], out, one)
+    torch.testing.assert_close(one, a[1].float())
 
 
 def test_oracle_rejects_an_inconsistent_shard() -> None:

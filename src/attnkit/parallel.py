@@ -158,11 +158,15 @@ def step_fingerprint(
 
 
 def merge_partials(
-    outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], output: torch.Tensor
+    outputs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Merge per-rank partial attentions ``outputs[i] [T, H, D]`` with their ``lses[i]
     [T, H]`` into ``output``, folding ``merge_attn_states`` over the ranks (Triton on
-    CUDA, torch elsewhere). A row no rank saw stays 0."""
+    CUDA, torch elsewhere); the merged log-sum-exp ``[T, H]`` into ``output_lse`` when
+    given. A row no rank saw stays 0 (its lse -inf)."""
     if len(outputs) != len(lses) or not outputs:
         raise InvalidArgumentError(
             f"merge_partials: outputs and lses must be non-empty and of one length, got "
@@ -174,10 +178,14 @@ def merge_partials(
         from .kernels.merge.reference import merge_attn_states
     if len(outputs) == 1:
         output.copy_(outputs[0])
+        if output_lse is not None:
+            output_lse.copy_(lses[0])
         return output
     acc = outputs[0].float()
-    acc_lse = lses[0].clone()
+    acc_lse = lses[0].float().clone()
     for out, lse in zip(outputs[1:], lses[1:], strict=True):
         merge_attn_states(acc, acc_lse, out.float(), lse, output=acc, output_lse=acc_lse)
     output.copy_(acc)
+    if output_lse is not None:
+        output_lse.copy_(acc_lse)
     return output

@@ -203,9 +203,8 @@ class LayerCalls(SpeculativeCalls):
         shape = (n, *output.shape[1:])
         outs = [g[:, :width].reshape(shape) for g in gathered]
         lses = [g[:, width:] for g in gathered]
-        merge_partials(outs, lses, output[:n])
+        merge_partials(outs, lses, output[:n], None if output_lse is None else output_lse[:n])
         if output_lse is not None:
-            output_lse[:n] = torch.logsumexp(torch.stack(lses), dim=0)
             output_lse[n:] = float("-inf")
         return output
 
