@@ -177,6 +177,28 @@ class LayerCalls(SpeculativeCalls):
         caches = self.kv_caches.get(layer_name, ())
         return impl.select(query, checked_key, weights, caches, entry.metadata, selection)
 
+    def forward_op(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward(layer_name, query, key, value)`` through the torch operator
+        ``attnkit::runtime_forward``: the same result, and a call that
+        ``torch.compile(fullgraph=True)`` traces as one node (``forward`` itself breaks
+        the graph: Dynamo cannot trace the runtime's host code). Call ``begin_step``
+        outside the compiled region; one compiled graph then serves every step.
+
+        For layers with their own keys and values (full, sliding-window, chunked and
+        sink attention; not MLA latents or cross-attention): the output is a new
+        ``[T, Hq, D]`` tensor like ``query``. Everything ``forward`` checks is checked
+        when the node runs, with ``forward``'s errors.
+        """
+        output = torch.empty_like(query)
+        torch.ops.attnkit.runtime_forward(self._op_name, layer_name, query, key, value, output)
+        return output
+
     def _forward_sharded(
         self,
         impl: AttentionImpl[Any, Any, Any],

@@ -54,6 +54,7 @@ from ._checks import (
 from ._forward import LayerCalls
 from ._mm_prefix import MMPrefixRanges
 from ._offload import Offloader
+from ._ops import register_runtime
 from ._pages import PageSharing, TensorParallelRank, check_tensor_parallel, page_sharing
 from ._prefix import PrefixCalls, group_namespaces
 from ._reports import GroupMemory, MemoryReport, RoutingRow
@@ -341,6 +342,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_rows_version = -1
         self._contiguous_rows = None  # the last step's rows (and their contiguity)
         self._last_contiguous = False
+        # The name torch.ops.attnkit.runtime_forward knows this runtime by (_ops).
+        self._op_name = register_runtime(self)
 
     def _attach_connector(self, connector: KVConnector) -> Offloader:
         """Offload every group that names blocks (or keeps checkpoints) to ``connector``:
