@@ -422,3 +422,44 @@ def test_importing_attnkit_does_not_import_transformers() -> None:
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_compiled_attachment_matches_eager_as_one_graph(family: str) -> None:
+    """``attached.compile(fullgraph=True)``: the whole model traces as one graph (a
+    break would raise), the attention layers as ``attnkit::runtime_forward`` nodes, and
+    every step's logits match transformers' own eager model (chunked prompts, decodes
+    and a sampled request interleaved; gemma2: sliding windows and soft-caps)."""
+    torch._dynamo.reset()
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    attached = _attach(model, "reference")
+    attached.compile(backend="aot_eager", fullgraph=True, dynamic=True)
+    engine = Engine(attached, max_tokens_per_step=BUDGET, keep_logits=True)
+    _requests(engine)
+    result = engine.run()
+    error, _ = _eager_error(reference, result)
+    assert error < ATOL
+
+
+def test_compiling_without_the_operator_breaks_the_graph() -> None:
+    """The broken variant: the model compiled without ``compile()``'s traced layers
+    (the interface then looks the module up in its weak map, through the runtime's host
+    code) cannot trace as one graph."""
+    torch._dynamo.reset()
+    attached = _attach(_model("llama"), "reference")
+    attached._compiled = torch.compile(attached.model, backend="aot_eager", fullgraph=True)
+    engine = Engine(attached, max_tokens_per_step=BUDGET)
+    _requests(engine, max_new=1)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        engine.run()
+
+
+def test_compile_refuses_packed_linears() -> None:
+    attached = attach(_model("llama"), num_blocks=40, block_size=4, pack_linears=True)
+    with pytest.raises(InvalidArgumentError, match="pack_linears=True"):
+        attached.compile()

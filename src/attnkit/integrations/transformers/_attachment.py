@@ -6,6 +6,7 @@ that serves each attention call (its parameters checked against the runtime), an
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -102,6 +103,7 @@ class TransformersAttachment:
         """The forward's keyword that computes the LM head on chosen rows only
         (``logits_to_keep``), or ``None``: the logits are cut after it."""
         self.rebuilds = 0
+        self._compiled: Any = None  # torch.compile(model) after compile()
         self.linears = PackedLinears(model) if pack_linears else None
         """With ``pack_linears``: the packed CPU linears its steps run."""
         register(self._tf)
@@ -323,7 +325,7 @@ class TransformersAttachment:
         elif self._positions_keyword is not None:
             kwargs[self._positions_keyword] = PositionsCache(pos[0])
         with torch.no_grad():
-            out = self.model(**kwargs)
+            out = (self.model if self._compiled is None else self._compiled)(**kwargs)
         logits = getattr(out, "logits", None)
         if not isinstance(logits, torch.Tensor):
             raise UnsupportedModelError(
@@ -369,6 +371,59 @@ class TransformersAttachment:
         out = self._runtime.forward(name, q.contiguous(), k.contiguous(), v.contiguous())
         return out.unsqueeze(0)
 
+    def _serve_traced(
+        self,
+        name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: object,
+        kwargs: Mapping[str, object],
+    ) -> torch.Tensor:
+        """``_serve`` as ``torch.compile`` traces it (the module's name given, not looked
+        up): the checks run while tracing, the layer is one ``attnkit::runtime_forward``
+        node (``AttentionRuntime.forward_op``)."""
+        if not self._active:
+            raise StaleStepError(
+                f"{name}: this model is attached to attnkit and runs only in engine steps "
+                f"(Engine(attached).run(), or attached(batch, token_ids, positions) after "
+                f"runtime.begin_step); call attached.detach() to use it on its own"
+            )
+        binding = self.layers[name]
+        check_call(name, query, key, value, attention_mask, kwargs)
+        self._check_parameters(binding, query, kwargs)
+        if binding.sinks is not None:
+            sinks = kwargs["s_aux"]
+            assert isinstance(sinks, torch.Tensor)  # _check_parameters checked it
+            binding.sinks.copy_(sinks.detach())
+        q = query[0].transpose(0, 1)
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        return self._runtime.forward_op(name, q, k, v).unsqueeze(0)
+
+    def compile(self, **options: Any) -> None:
+        """Run the model's steps through ``torch.compile(model, **options)``, its
+        attention layers as ``attnkit::runtime_forward`` nodes (``forward_op``), so the
+        rest of each layer (projections, norms, rotary, MLP) compiles around them.
+
+        The model's outputs are the eager attachment's (within the compiler's
+        rounding); the first steps of each new shape compile. Not with
+        ``pack_linears`` (its packed GEMMs are opaque Python calls).
+
+        Raises:
+            InvalidArgumentError: the attachment packs its linears.
+        """
+        if self.linears is not None:
+            raise InvalidArgumentError(
+                "compile: this attachment packs its linears (pack_linears=True), which "
+                "torch.compile cannot trace; attach without pack_linears to compile"
+            )
+        for name, module in self._modules.items():
+            # Read by _interface while compiling: a plain attribute, not the weak map.
+            module.__dict__["_attnkit_traced"] = functools.partial(self._serve_traced, name)
+        compile_fn: Any = cast("Any", torch).compile  # its overloads' callables are partly unannotated
+        self._compiled = compile_fn(self.model, **options)
+
     def _check_parameters(
         self, binding: LayerBinding, query: torch.Tensor, kwargs: Mapping[str, object]
     ) -> None:
@@ -408,6 +463,9 @@ class TransformersAttachment:
         for module in list(HANDLERS):
             if id(module) in self._names:
                 del HANDLERS[module]
+        for module in self._modules.values():
+            module.__dict__.pop("_attnkit_traced", None)
+        self._compiled = None
         previous = self._previous_impl
         if isinstance(previous, str) and previous != ATTENTION_IMPLEMENTATION:
             set_implementation(self.model, previous)

@@ -79,7 +79,13 @@ def _attention_function(
     attention_mask: object,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """The function registered as ``"attnkit"``: finds the module's handler."""
+    """The function registered as ``"attnkit"``: finds the module's handler (while
+    ``torch.compile`` traces, the attachment's traced one, a plain attribute: Dynamo
+    cannot trace the weak map)."""
+    if torch.compiler.is_compiling():
+        traced: Any = module.__dict__.get("_attnkit_traced")
+        if traced is not None:
+            return traced(query, key, value, attention_mask, kwargs), None
     handler = HANDLERS.get(module)
     if handler is None:
         raise UnsupportedModelError(
