@@ -352,26 +352,9 @@ class TransformersAttachment:
         kwargs: Mapping[str, object],
     ) -> torch.Tensor:
         name = self._names.get(id(module), type(module).__name__)
-        if not self._active:
-            raise StaleStepError(
-                f"{name}: this model is attached to attnkit and runs only in engine steps "
-                f"(Engine(attached).run(), or attached(batch, token_ids, positions) after "
-                f"runtime.begin_step); call attached.detach() to use it on its own"
-            )
-        binding = self.layers[name]
-        check_call(name, query, key, value, attention_mask, kwargs)
-        self._check_parameters(binding, query, kwargs)
-        if binding.sinks is not None:
-            sinks = kwargs["s_aux"]
-            assert isinstance(sinks, torch.Tensor)  # _check_parameters checked it
-            binding.sinks.copy_(sinks.detach())
-        q = query[0].transpose(0, 1)
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
-        out = self._runtime.forward(name, q.contiguous(), k.contiguous(), v.contiguous())
-        return out.unsqueeze(0)
+        return self._serve_layer(name, query, key, value, attention_mask, kwargs)
 
-    def _serve_traced(
+    def _serve_layer(
         self,
         name: str,
         query: torch.Tensor,
@@ -379,10 +362,12 @@ class TransformersAttachment:
         value: torch.Tensor,
         attention_mask: object,
         kwargs: Mapping[str, object],
+        *,
+        traced: bool = False,
     ) -> torch.Tensor:
-        """``_serve`` as ``torch.compile`` traces it (the module's name given, not looked
-        up): the checks run while tracing, the layer is one ``attnkit::runtime_forward``
-        node (``AttentionRuntime.forward_op``)."""
+        """One attention call of layer ``name``; ``traced``: as ``torch.compile`` traces
+        it (``compile``), the checks run while tracing and the layer is one
+        ``attnkit::runtime_forward`` node (``AttentionRuntime.forward_op``)."""
         if not self._active:
             raise StaleStepError(
                 f"{name}: this model is attached to attnkit and runs only in engine steps "
@@ -399,7 +384,11 @@ class TransformersAttachment:
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        return self._runtime.forward_op(name, q, k, v).unsqueeze(0)
+        if traced:
+            out = self._runtime.forward_op(name, q, k, v)
+        else:
+            out = self._runtime.forward(name, q.contiguous(), k.contiguous(), v.contiguous())
+        return out.unsqueeze(0)
 
     def compile(self, **options: Any) -> None:
         """Run the model's steps through ``torch.compile(model, **options)``, its
@@ -420,7 +409,9 @@ class TransformersAttachment:
             )
         for name, module in self._modules.items():
             # Read by _interface while compiling: a plain attribute, not the weak map.
-            module.__dict__["_attnkit_traced"] = functools.partial(self._serve_traced, name)
+            module.__dict__["_attnkit_traced"] = functools.partial(
+                self._serve_layer, name, traced=True
+            )
         compile_fn: Any = cast("Any", torch).compile  # its overloads' callables are partly unannotated
         self._compiled = compile_fn(self.model, **options)
 

@@ -440,6 +440,44 @@ static void finish_rows(const params *P, int64_t row, int64_t h0, int64_t H, con
 }
 
 /*
+ * One head's online softmax over a tile's scores s (its first n keys at logical
+ * positions pos..; the rest of the TILE lanes -inf): scale was applied to q; soft-cap,
+ * ALiBi (head's slope, query position qpos), then the running max *m, sum *l and the
+ * rescale *corr updated and s replaced by the probabilities.
+ */
+INLINE void tile_softmax(const params *P, float *s, int64_t n, int64_t pos, float qpos,
+                         int64_t head, float *m, float *l, float *corr) {
+    if (P->cap > 0.0f) {
+        const float inv_cap = 1.0f / P->cap;
+        for (int64_t j = 0; j < n; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
+    }
+    if (P->alibi) {
+        const float slope = P->alibi[head];
+        for (int64_t j = 0; j < n; ++j) s[j] += slope * ((float)((pos + j) * P->pm + P->pa) - qpos);
+    }
+    for (int64_t j = n; j < TILE; ++j) s[j] = -INFINITY;
+    v8f s0 = ld8(s), s1 = ld8(s + 8);
+    v8i gt = s1 > s0;
+    v8f mx = (v8f)(((v8i)s1 & gt) | ((v8i)s0 & ~gt));
+    float mt = hmax8(mx);
+    float mold = *m;
+    float mnew = mt > mold ? mt : mold;
+    if (mnew == -INFINITY) { /* every score so far is -inf: nothing to add */
+        *corr = 1.0f;
+        st8(s, splat8(0.0f));
+        st8(s + 8, splat8(0.0f));
+        return;
+    }
+    float c = expf(mold - mnew);
+    v8f p0 = vexp(s0 - splat8(mnew)), p1 = vexp(s1 - splat8(mnew));
+    st8(s, p0);
+    st8(s + 8, p1);
+    *l = *l * c + hsum8(p0 + p1);
+    *m = mnew;
+    *corr = c;
+}
+
+/*
  * One work item, kv heads [kv0, kv0 + C): the query heads [kv0 * G, (kv0 + C) * G).
  * Keys are walked tile by tile; every tile is read once for all the task's heads.
  */
@@ -464,8 +502,6 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
     }
 
     const float qpos = (float)P->qp[item];
-    const int has_cap = P->cap > 0.0f;
-    const float inv_cap = has_cap ? 1.0f / P->cap : 0.0f;
 
     for (int64_t pos = start; pos < end;) {
         int64_t n;
@@ -481,34 +517,7 @@ static void run_task(const params *P, int64_t item, int64_t kv0, int64_t C, scra
         }
 
         for (int64_t h = 0; h < H; ++h) {
-            float *s = S->s + h * TILE;
-            if (has_cap)
-                for (int64_t j = 0; j < n; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
-            if (P->alibi) {
-                const float slope = P->alibi[h0 + h];
-                for (int64_t j = 0; j < n; ++j)
-                    s[j] += slope * ((float)((pos + j) * P->pm + P->pa) - qpos);
-            }
-            for (int64_t j = n; j < TILE; ++j) s[j] = -INFINITY;
-            v8f s0 = ld8(s), s1 = ld8(s + 8);
-            v8i gt = s1 > s0;
-            v8f mx = (v8f)(((v8i)s1 & gt) | ((v8i)s0 & ~gt));
-            float mt = hmax8(mx);
-            float mold = S->m[h];
-            float mnew = mt > mold ? mt : mold;
-            if (mnew == -INFINITY) { /* every score so far is -inf: nothing to add */
-                S->corr[h] = 1.0f;
-                st8(s, splat8(0.0f));
-                st8(s + 8, splat8(0.0f));
-                continue;
-            }
-            float corr = expf(mold - mnew);
-            v8f p0 = vexp(s0 - splat8(mnew)), p1 = vexp(s1 - splat8(mnew));
-            st8(s, p0);
-            st8(s + 8, p1);
-            S->l[h] = S->l[h] * corr + hsum8(p0 + p1);
-            S->m[h] = mnew;
-            S->corr[h] = corr;
+            tile_softmax(P, S->s + h * TILE, n, pos, qpos, h0 + h, S->m + h, S->l + h, S->corr + h);
         }
 
         if (P->direct) { /* V in place: every 64-byte line of the tile is loaded once */
@@ -570,8 +579,6 @@ static void run_rows(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                 S->m[h] = -INFINITY;
                 S->l[h] = 0.0f;
             }
-    const int has_cap = P->cap > 0.0f;
-    const float inv_cap = has_cap ? 1.0f / P->cap : 0.0f;
 
     for (int64_t pos = start; pos < end;) {
         int64_t n;
@@ -599,33 +606,8 @@ static void run_rows(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                 S->corr[h] = 1.0f;
                 continue;
             }
-            if (has_cap)
-                for (int64_t j = 0; j < seen; ++j) s[j] = P->cap * tanhf(s[j] * inv_cap);
-            if (P->alibi) {
-                const float slope = P->alibi[h0 + (h / M) * G + h % G];
-                for (int64_t j = 0; j < seen; ++j)
-                    s[j] += slope * ((float)((pos + j) * P->pm + P->pa) - qpos[r]);
-            }
-            for (int64_t j = seen; j < TILE; ++j) s[j] = -INFINITY;
-            v8f s0 = ld8(s), s1 = ld8(s + 8);
-            v8i gt = s1 > s0;
-            v8f mx = (v8f)(((v8i)s1 & gt) | ((v8i)s0 & ~gt));
-            float mt = hmax8(mx);
-            float mold = S->m[h];
-            float mnew = mt > mold ? mt : mold;
-            if (mnew == -INFINITY) {
-                S->corr[h] = 1.0f;
-                st8(s, splat8(0.0f));
-                st8(s + 8, splat8(0.0f));
-                continue;
-            }
-            float corr = expf(mold - mnew);
-            v8f p0 = vexp(s0 - splat8(mnew)), p1 = vexp(s1 - splat8(mnew));
-            st8(s, p0);
-            st8(s + 8, p1);
-            S->l[h] = S->l[h] * corr + hsum8(p0 + p1);
-            S->m[h] = mnew;
-            S->corr[h] = corr;
+            tile_softmax(P, S->s + h * TILE, seen, pos, qpos[r], h0 + (h / M) * G + h % G, S->m + h,
+                         S->l + h, S->corr + h);
         }
         /* each row's G heads blocked as run_task blocks them (the same operations) */
         if (!P->direct) gather_tile(P, S->vbuf, vt, P->v_sr, P->v_sh, kv0, C, n, P->v_scale);
