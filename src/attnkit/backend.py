@@ -365,6 +365,13 @@ class AttentionBackend(ABC):
         return []
 
     @classmethod
+    def environment_notes(cls, device: torch.device) -> list[str]:
+        """Hook: what the backend runs with on this machine and why (a native library
+        and where it came from, say), shown by ``attnkit backends``. Informational only:
+        selection never reads it. Default: none."""
+        return []
+
+    @classmethod
     def extra_not_supported_reasons(cls, request: BackendRequest) -> list[str]:
         """Hook: spec-dependent conditions no declaration expresses. Default: none."""
         return []

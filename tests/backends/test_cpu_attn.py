@@ -155,8 +155,10 @@ def test_no_c_compiler_for_the_native_kernel_falls_through_with_a_reason(
 ) -> None:
     from attnkit.kernels.attention import cpu_native as _native
 
-    # A fresh process's view: nothing built yet, an empty cache, no usable compiler.
+    # A fresh process's view of a source install: nothing built yet, no prebuilt
+    # library, an empty cache, no usable compiler.
     monkeypatch.setattr(_native, "_STATE", [])
+    monkeypatch.setattr(_native, "_PREBUILT_DIR", tmp_path)
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "attnkit-no-such-compiler")
     reasons = CpuAttentionBackend.environment_reasons(torch.device("cpu"))
@@ -165,6 +167,7 @@ def test_no_c_compiler_for_the_native_kernel_falls_through_with_a_reason(
     assert chosen.backend_name == "reference"
     (engines,) = [r for r in chosen.rejected if r.backend == NAME]
     assert any("attnkit-no-such-compiler" in r for r in engines.reasons)
+    assert any("no prebuilt library is packaged" in r for r in engines.reasons)
 
 
 def test_on_cuda_its_reasons_say_it_is_cpu_only() -> None:

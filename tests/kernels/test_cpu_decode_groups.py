@@ -313,8 +313,7 @@ def test_draft_tree_runs(
 def _build_with(define: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Load a copy of the kernel library built with ``-D<define>`` for this test."""
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    flags = tuple((*fs, f"-D{define}") for fs in _native._FLAG_SETS)
-    monkeypatch.setattr(_native, "_FLAG_SETS", flags)
+    monkeypatch.setattr(_native, "_DEFINES", (define,))  # compiled here, never prebuilt
     monkeypatch.setattr(_native, "_STATE", [])
     _native.load_paged_decode()
 

@@ -36,6 +36,8 @@ class BackendRow:
     """The optional features declared (``supported_features``), e.g. ``per_head_quant_scales``."""
     kv_cache_dtypes: list[str] = dataclasses.field(default_factory=list[str])
     """The cache dtypes declared (``supported_kv_cache_dtypes``)."""
+    notes: list[str] = dataclasses.field(default_factory=list[str])
+    """What it runs with here (``environment_notes``), e.g. which native library."""
 
 
 def determinism_line(levels: dict[str, str]) -> str:
@@ -92,6 +94,13 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
             except PluginError as exc:
                 found = [str(exc)]
             reasons += [r for r in found if r not in reasons]
+        notes: list[str] = []
+        try:
+            notes = call_backend_code(
+                entry, "environment_notes()", partial(backend.environment_notes, device)
+            )
+        except PluginError as exc:
+            reasons.append(str(exc))
         rows.append(
             BackendRow(
                 name=entry.name,
@@ -105,6 +114,7 @@ def backend_rows(registry: BackendRegistry, device: torch.device) -> list[Backen
                 determinism=levels,
                 features=sorted(f.value for f in backend.supported_features),
                 kv_cache_dtypes=sorted(backend.supported_kv_cache_dtypes),
+                notes=notes,
             )
         )
     return rows
@@ -165,6 +175,8 @@ def cmd_backends(args: argparse.Namespace, registry: BackendRegistry, io: Stream
             out.write(f"    features: {', '.join(row.features)}\n")
         if row.kv_cache_dtypes and row.kv_cache_dtypes != ["auto"]:
             out.write(f"    kv cache dtypes: {', '.join(row.kv_cache_dtypes)}\n")
+        for note in row.notes:
+            out.write(f"    runs with: {note}\n")
         for reason in row.reasons:
             out.write(f"    - {reason}\n")
     return 0

@@ -963,3 +963,21 @@ class CpuAttentionBackend(AttentionBackend):
         if native is not None:
             return [f"the CPU engines' native kernel is unavailable ({native})"]
         return []
+
+    @classmethod
+    @override
+    def environment_notes(cls, device: torch.device) -> list[str]:
+        """Which native library the engines load here, from where and why, with its
+        OpenMP runtime and the instruction sets its copies run."""
+        if device.type != "cpu":
+            return []
+        from ...kernels.attention.cpu_native import load_paged_decode, native_problem
+
+        if native_problem() is not None:
+            return []
+        lib = load_paged_decode()
+        isas = (
+            f"prefill {lib.prefill_isa}; decode float32 {lib.decode_isa(0, 128)}, "
+            f"bfloat16 {lib.decode_isa(1, 128)} (head size 128)"
+        )
+        return [lib.describe(), isas]

@@ -30,7 +30,7 @@ from attnkit.kernels._checks import (
     require_tensor,
 )
 from attnkit.kernels.attention.cpu_kv_format import KVFormat, kv_format
-from attnkit.kernels.attention.cpu_native import load_paged_decode, native_problem
+from attnkit.kernels.attention.cpu_native import Entry, load_paged_decode, native_problem
 
 __all__ = [
     "PreparedPlanes",
@@ -41,14 +41,23 @@ __all__ = [
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-# Error codes of attnkit_paged_decode (paged_decode.c).
-_ERR_ROW = 1
-_ERR_REQUEST = 2
-_ERR_KEY_START = 3
-_ERR_KEY_END = 4
-_ERR_RANGE = 5
-_ERR_BLOCK = 6
-_ERR_NOMEM = 7
+# The native entry points as these wrappers call them (attnkit_abi.h; checked at load):
+# the parameters in the order _lead_args, the call and _tail_args pass them.
+LEAD_PARAMS = "dtype kv_dtype k_scale v_scale query q_st q_sh k_plane k_sr k_sh v_plane v_sr v_sh "
+LEAD_PARAMS += "block_table bt_sb B W R"
+TAIL_PARAMS = "scale soft_cap alibi sinks lse lse_st lse_sh output o_st o_sh num_threads err"
+_PAGED_DECODE = Entry(
+    "paged_decode",
+    f"{LEAD_PARAMS} rows requests key_start key_end query_pos N T Hq Hkv D block_size "
+    f"pos_mul pos_add {TAIL_PARAMS}",
+    errors="ROW REQUEST KEY_START KEY_END RANGE BLOCK NOMEM",
+)
+_PAGED_DECODE_REQUESTS = Entry(
+    "paged_decode_requests",
+    f"{LEAD_PARAMS} query_start_loc seq_lens requests n T Hq Hkv D block_size causal window "
+    f"chunk {TAIL_PARAMS}",
+    errors="REQUEST QSL SEQ KEY_END BLOCK NOMEM",
+)
 
 _INT32_MAX = 2**31 - 1
 
@@ -319,7 +328,7 @@ def paged_attention_rows(
     if n == 0:
         return
     err = (ctypes.c_int64 * 3)()
-    code = lib.paged_decode(
+    code = _PAGED_DECODE.function()(
         *_lead_args(c),
         r.data_ptr(), req.data_ptr(), ks.data_ptr(), ke.data_ptr(), qp.data_ptr(),
         n, T, Hq, Hkv, D, bs, stride, offset,
@@ -327,10 +336,13 @@ def paged_attention_rows(
         ctypes.addressof(err),
     )  # fmt: skip
     if code != 0:
-        _raise_index_error(code, err[0], err[1], err[2], req, T=T, B=B, W=W, R=R, bs=bs)
+        _raise_index_error(
+            lib.error_name(code), code, err[0], err[1], err[2], req, T=T, B=B, W=W, R=R, bs=bs
+        )
 
 
 def _raise_index_error(
+    error: str,
     code: int,
     item: int,
     value: int,
@@ -343,39 +355,35 @@ def _raise_index_error(
     R: int,
     bs: int,
 ) -> None:
-    if code == _ERR_NOMEM:
+    if error == "NOMEM":
         raise MemoryError("paged_attention_rows: the native kernel could not allocate scratch")
-    if code == _ERR_ROW:
+    if error == "ROW":
         raise ValueError(f"rows: expected query rows in [0, {T}), got {value} at rows[{item}]")
-    if code == _ERR_REQUEST:
+    if error == "REQUEST":
         raise ValueError(
             f"requests: expected block_table rows in [0, {B}), got {value} at requests[{item}]"
         )
     request = int(requests[item])
-    if code == _ERR_KEY_START:
+    if error == "KEY_START":
         raise ValueError(
             f"key_start: expected values >= 0, got {value} at key_start[{item}] (request {request})"
         )
-    if code == _ERR_KEY_END:
+    if error == "KEY_END":
         raise ValueError(
             f"key_end: expected values <= W * block_size = {W * bs} (the block_table width), "
             f"got {value} at key_end[{item}] (request {request})"
         )
-    if code == _ERR_RANGE:
+    if error == "RANGE":
         raise ValueError(
             f"key_end: expected values >= key_start, got key_end[{item}] = {value} < "
             f"key_start[{item}] = {extra} (request {request})"
         )
-    if code == _ERR_BLOCK:
+    if error == "BLOCK":
         raise ValueError(
             f"block_table: expected physical blocks in [0, {R // bs}) (R // block_size), "
             f"got {value} at block_table[{request}, {extra}] (work item {item})"
         )
     raise RuntimeError(f"paged_attention_rows: the native kernel failed with code {code}")
-
-
-_ERR_QSL = 9
-_ERR_SEQ = 10
 
 
 def paged_attention_requests(
@@ -450,7 +458,7 @@ def paged_attention_requests(
     if n == 0:
         return
     err = (ctypes.c_int64 * 3)()
-    code = lib.paged_decode_requests(
+    code = _PAGED_DECODE_REQUESTS.function()(
         *_lead_args(c),
         qsl.data_ptr(), seq.data_ptr(), None if served is None else served.data_ptr(), n,
         T, Hq, Hkv, D, c.block_size,
@@ -459,7 +467,9 @@ def paged_attention_requests(
         ctypes.addressof(err),
     )  # fmt: skip
     if code != 0:
-        _raise_request_error(code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=c.block_size)
+        _raise_request_error(
+            lib.error_name(code), code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=c.block_size
+        )
 
 
 class PreparedPlanes:
@@ -573,7 +583,7 @@ class PreparedPlanes:
         err = (ctypes.c_int64 * 3)()
         R, Hkv, _ = c.k.shape
         bs = c.block_size
-        code = lib.paged_decode_requests(
+        code = _PAGED_DECODE_REQUESTS.function()(
             *self._head,
             q.data_ptr(), q.stride(0), q.stride(1),
             *self._planes,
@@ -588,34 +598,46 @@ class PreparedPlanes:
             ctypes.addressof(err),
         )  # fmt: skip
         if code != 0:
-            _raise_request_error(code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=bs)
+            _raise_request_error(
+                lib.error_name(code), code, err[0], err[1], err[2], T=T, B=B, W=W, R=R, bs=bs
+            )
 
 
 def _raise_request_error(
-    code: int, request: int, value: int, extra: int, *, T: int, B: int, W: int, R: int, bs: int
+    error: str,
+    code: int,
+    request: int,
+    value: int,
+    extra: int,
+    *,
+    T: int,
+    B: int,
+    W: int,
+    R: int,
+    bs: int,
 ) -> None:
-    if code == _ERR_NOMEM:
+    if error == "NOMEM":
         raise MemoryError("paged_attention_requests: the native kernel could not allocate scratch")
-    if code == _ERR_REQUEST:
+    if error == "REQUEST":
         raise ValueError(
             f"requests: expected requests in [0, {B}), got {value} at requests[{request}]"
         )
-    if code == _ERR_QSL:
+    if error == "QSL":
         raise ValueError(
             f"query_start_loc: expected 0 <= query_start_loc[r] <= query_start_loc[r + 1] <= "
             f"{T} (T of query), got {value} .. {extra} for request {request}"
         )
-    if code == _ERR_SEQ:
+    if error == "SEQ":
         raise ValueError(
             f"seq_lens: expected seq_lens[r] >= 0 and, when causal, >= the query length, "
             f"got {value} for request {request} with {extra} queries"
         )
-    if code == _ERR_KEY_END:
+    if error == "KEY_END":
         raise ValueError(
             f"seq_lens: expected lengths <= W * block_size = {W * bs} (the block_table "
             f"width), got {value} keys visible to request {request}"
         )
-    if code == _ERR_BLOCK:
+    if error == "BLOCK":
         raise ValueError(
             f"block_table: expected physical blocks in [0, {R // bs}) (R // block_size), "
             f"got {value} at block_table[{request}, {extra}]"

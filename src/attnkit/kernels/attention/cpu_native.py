@@ -1,144 +1,384 @@
-"""Build, cache and load the native CPU kernels (``paged_decode.c``, ``paged_prefill.c``
-with the compute it includes per instruction set, ``paged_prefill_body.h``).
+"""Find, build and load the native CPU kernels (``paged_decode.c``, ``paged_prefill.c``
+with what they include; :mod:`.cpu_native_build` says how they are built).
 
-The C sources ship with the package and are compiled once per machine with the system C
-compiler (``$CC``, else ``cc``, ``gcc``, ``clang`` on ``PATH``) into a shared library
-cached under ``$ATTNKIT_CACHE_DIR/cpu-kernels/`` (default ``~/.cache/attnkit/
-cpu-kernels/``). The file name carries a hash of everything the binary depends on: the
-source bytes, the compiler (path and ``--version``), the flags, ``platform.machine()`` and
-the CPU feature flags of ``/proc/cpuinfo`` (``-march=native`` code must not be reused on
-a CPU with fewer features). The prefill's compute is built once per instruction set in
-the same library and chosen at run time from what the CPU reports
-(:attr:`NativeLibrary.prefill_isa`). The library is written to a temporary file and moved in
-place with :func:`os.replace`, so processes compiling at once never load a partial file.
+Which library loads (``ATTNKIT_CPU_LIBRARY``: ``auto``, the default, ``prebuilt`` or
+``compile``):
 
-:func:`native_problem` says why the kernels cannot be used (no compiler, the compiler
-failed: the first lines of its error output) or ``None``; :func:`load_paged_decode`
-returns the loaded library or raises :class:`RuntimeError` with that text.
+* **prebuilt**: a platform wheel carries the library built for portable variants
+  (:data:`.cpu_native_build.VARIANTS`: ``x86-64-v3``, ``x86-64``, ``armv8-a``; no
+  ``-march=native``). The loader takes the best one this CPU runs (its ``/proc/cpuinfo``
+  flags) whose source hash is the installed sources' (a library built from other
+  sources, e.g. in an edited checkout, is stale and skipped). The kernels' AVX-512 and
+  AVX512-BF16 copies are in every x86-64 variant and picked at each call from what the
+  CPU reports.
+* **compile**: where no prebuilt library fits, the system C compiler (``$CC``, else
+  ``cc``, ``gcc``, ``clang`` on ``PATH``) builds one with ``-march=native`` at first use,
+  cached under ``$ATTNKIT_CACHE_DIR/cpu-kernels/`` (default ``~/.cache/attnkit/
+  cpu-kernels/``) by a hash of the sources, the compiler and its version, the flags, the
+  machine and the CPU's feature flags.
+
+**OpenMP.** No library links an OpenMP runtime: before loading one, the loader makes
+the runtime torch itself loaded global (found among the process's mapped libraries), and
+checks afterwards which file the library's OpenMP calls resolved to
+(:attr:`NativeLibrary.openmp_runtime`). One process so runs one OpenMP runtime and one
+thread pool.
+
+**The ABI** lives in ``attnkit_abi.h`` alone: the library exports its function table
+and error codes as text, the ctypes signatures are built from it, and each wrapper's
+:class:`Entry` (the parameter names in the order it passes them) is checked against it
+at load, so a library and wrappers from different versions are refused with the first
+parameter where they differ, instead of corrupting memory.
+
+:func:`native_problem` says why no library can be used (or ``None``);
+:func:`load_paged_decode` returns the loaded :class:`NativeLibrary` or raises
+:class:`RuntimeError` with that text.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
+import importlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-__all__ = ["NativeLibrary", "load_paged_decode", "native_problem"]
+from . import cpu_native_build
+
+__all__ = ["Entry", "NativeLibrary", "library_modes", "load_paged_decode", "native_problem"]
 
 _LOG = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-_SOURCES = (_SOURCE, _SOURCE.with_name("paged_prefill.c"))
-# Hashed into the cache key with the sources: headers they include, not compiled alone.
-_HEADERS = tuple(
-    _SOURCE.with_name(name)
-    for name in (
-        "paged_prefill_body.h",
-        "paged_decode_body.h",
-        "paged_decode_amx.h",
-        "half_float.h",
-    )
+_DIR = Path(__file__).parent
+# Where the prebuilt libraries are looked for (the package; tests point it elsewhere).
+_PREBUILT_DIR = _DIR
+_MODE_ENV = "ATTNKIT_CPU_LIBRARY"
+_MODES = ("auto", "prebuilt", "compile")
+# The run-time build's flag sets, tried in order: the first the compiler accepts is kept.
+# -march=native tunes for this CPU (hence the CPU flags in the cache key).
+_FLAG_SETS: tuple[tuple[str, ...], ...] = (("-march=native",), ())
+# Extra -D names for every build (the tests' broken variants; never prebuilt).
+_DEFINES: tuple[str, ...] = ()
+# The modules whose Entry objects call the library: imported before the check at load.
+_WRAPPERS = (
+    "attnkit.kernels.attention.cpu_decode",
+    "attnkit.kernels.attention.cpu_prefill_native",
 )
-_BASE_FLAGS = ("-O3", "-fPIC", "-shared")
-# Tried in order: the first set the compiler accepts is kept. -march=native tunes for
-# this CPU (hence the CPU flags in the cache key); -fopenmp enables the threaded path.
-_FLAG_SETS: tuple[tuple[str, ...], ...] = (
-    ("-march=native", "-fopenmp"),
-    ("-march=native",),
-    (),
-)
-_ABI_VERSION = 6
-_COMPILE_TIMEOUT_S = 120.0
-_STDERR_LINES = 8
 
-_i64 = ctypes.c_int64
-_i32 = ctypes.c_int
-_ptr = ctypes.c_void_p
-_f32 = ctypes.c_float
+_CType = type[ctypes.c_int] | type[ctypes.c_int64] | type[ctypes.c_float] | type[ctypes.c_void_p]
+# attnkit_abi.h's kinds; a return kind may also be "str" (const char *).
+_KINDS: Mapping[str, _CType] = {
+    "i32": ctypes.c_int,
+    "i64": ctypes.c_int64,
+    "f32": ctypes.c_float,
+    "ptr": ctypes.c_void_p,
+}
+_ENTRIES: dict[str, Entry] = {}
 
-_ArgType = type[ctypes.c_int64] | type[ctypes.c_int] | type[ctypes.c_void_p] | type[ctypes.c_float]
 
-# The entry points' parameters, in order (see paged_decode.c). Both start with the same
-# arguments (decode.py's _lead_args) and end with the same tail.
-_LEAD: list[_ArgType] = [
-    _i32,  # dtype
-    _i32, _ptr, _ptr,  # kv_dtype, k_scale, v_scale
-    _ptr, _i64, _i64,  # query, q_st, q_sh
-    _ptr, _i64, _i64,  # k_plane, k_sr, k_sh
-    _ptr, _i64, _i64,  # v_plane, v_sr, v_sh
-    _ptr, _i64, _i64, _i64, _i64,  # block_table, bt_sb, B, W, R
-]  # fmt: skip
-_TAIL: list[_ArgType] = [
-    _f32, _f32, _ptr,  # scale, soft_cap, alibi
-    _ptr, _ptr, _i64, _i64,  # sinks, lse, lse_st, lse_sh
-    _ptr, _i64, _i64,  # output, o_st, o_sh
-    _i32,  # num_threads
-    _ptr,  # err (int64[3])
-]  # fmt: skip
-# attnkit_paged_decode
-_PAGED_DECODE_ARGTYPES: list[_ArgType] = [
-    *_LEAD,
-    _ptr, _ptr, _ptr, _ptr, _ptr,  # rows, requests, key_start, key_end, query_pos
-    _i64, _i64, _i64, _i64, _i64, _i64,  # N, T, Hq, Hkv, D, block_size
-    _i64, _i64,  # pos_mul, pos_add
-    *_TAIL,
-]  # fmt: skip
-# attnkit_paged_prefill
-_PAGED_PREFILL_ARGTYPES: list[_ArgType] = [
-    *_LEAD,
-    _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, kd_sr, kd_sh, value, vd_sr, vd_sh
-    _ptr, _ptr, _ptr, _ptr, _ptr, _i64,  # requests, query_start, query_len, seq_len, dense, n
-    _i64, _i64, _i64, _i64, _i64,  # T, Hq, Hkv, D, block_size
-    _i32, _i64, _i64, _i64,  # causal, window, chunk, query_block
-    *_TAIL,
-]  # fmt: skip
-# attnkit_paged_decode_requests
-_PAGED_DECODE_REQUESTS_ARGTYPES: list[_ArgType] = [
-    *_LEAD,
-    _ptr, _ptr, _ptr, _i64,  # query_start_loc, seq_lens, requests, n
-    _i64, _i64, _i64, _i64, _i64,  # T, Hq, Hkv, D, block_size
-    _i32, _i64, _i64,  # causal, window, chunk
-    *_TAIL,
-]  # fmt: skip
+def library_modes() -> tuple[str, ...]:
+    """The values ``ATTNKIT_CPU_LIBRARY`` takes."""
+    return _MODES
+
+
+class Entry:
+    """A native function as a Python wrapper calls it: ``name`` (without the
+    ``attnkit_`` prefix), the parameter names in the order the wrapper passes them, and
+    the error names it reads. Creating one registers it; every registered entry is
+    checked against the library's ABI table when the library loads.
+    """
+
+    __slots__ = ("_fn", "_lib", "errors", "name", "params")
+
+    def __init__(self, name: str, params: str, errors: str = "") -> None:
+        self.name = name
+        self.params = tuple(params.split())
+        self.errors = tuple(errors.split())
+        self._lib: NativeLibrary | None = None
+        self._fn: Callable[..., int] | None = None
+        _ENTRIES[name] = self
+
+    def function(self) -> Callable[..., int]:
+        """The loaded library's function (loading it on first use)."""
+        lib = load_paged_decode()
+        fn = self._fn
+        if lib is not self._lib or fn is None:
+            fn = lib.functions[self.name]
+            self._lib, self._fn = lib, fn
+        return fn
 
 
 @dataclass(frozen=True)
 class NativeLibrary:
-    """The loaded kernel library and how it was built."""
+    """The loaded kernel library, where it came from and why it was chosen."""
 
     path: Path
-    paged_decode: Callable[..., int]
-    paged_decode_requests: Callable[..., int]
-    paged_prefill: Callable[..., int]
-    has_openmp: bool
-    _prefill_isa: Callable[[], bytes]
-    _decode_isa: Callable[[int, int], bytes]
+    origin: Literal["prebuilt", "compiled"]
+    variant: str
+    """The prebuilt variant (``x86-64-v3``, ...) or the run-time build's flags."""
+    why: str
+    """Why this library was loaded (and what was passed over), for ``attnkit backends``."""
+    openmp_runtime: str | None
+    """The OpenMP runtime file its calls resolved to; ``None``: built without OpenMP."""
+    functions: Mapping[str, Callable[..., int]]
+    errors: Mapping[int, str]
+    """Error code -> name (``attnkit_abi.h``)."""
+    _strings: Mapping[str, Callable[..., bytes]] = field(repr=False)
+
+    @property
+    def has_openmp(self) -> bool:
+        return self.openmp_runtime is not None
 
     @property
     def prefill_isa(self) -> str:
         """The instruction set whose copy of the prefill compute runs (chosen at each
         call from the CPU; ``ATTNKIT_CPU_ISA`` caps it)."""
-        return self._prefill_isa().decode()
+        return self._strings["prefill_isa"]().decode()
 
     def decode_isa(self, dtype_code: int, head_size: int) -> str:
         """The instruction set of the decode's copy for a dtype code (0 float32, 1 bf16,
-        2 fp16) and head size: ``avx512bf16``, ``avx512``, or ``vector8`` (8-lane
-        vectors as the build flags lower them)."""
-        return self._decode_isa(dtype_code, head_size).decode()
+        2 fp16) and head size: ``amxbf16``, ``avx512bf16``, or ``vector8`` (8-lane
+        vectors as the build's baseline lowers them)."""
+        return self._strings["decode_isa"](dtype_code, head_size).decode()
+
+    def error_name(self, code: int) -> str:
+        """The name of an error code (``"?"`` for one the table lacks)."""
+        return self.errors.get(code, "?")
+
+    def describe(self) -> str:
+        """One line: which library, from where, with which OpenMP runtime."""
+        omp = self.openmp_runtime
+        threads = f"OpenMP runtime {omp}" if omp else "no OpenMP (one thread)"
+        return f"{self.origin} {self.variant} library {self.path} ({self.why}); {threads}"
 
 
 class _BuildError(Exception):
-    """Why the library could not be built or loaded (the text of native_problem)."""
+    """Why a library could not be built or loaded (the text of native_problem)."""
+
+
+# ---------------------------------------------------------------- the ABI table
+
+
+def _table(lib: ctypes.CDLL, path: Path) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """The library's function table: name -> (return kind, [(kind, name), ...])."""
+    try:
+        fn = lib.attnkit_abi_table
+    except AttributeError as exc:
+        raise _BuildError(f"{path} exports no attnkit_abi_table (an older library)") from exc
+    fn.argtypes = []
+    fn.restype = ctypes.c_char_p
+    raw = fn()
+    if not isinstance(raw, bytes):
+        raise _BuildError(f"{path}: attnkit_abi_table returned no text")
+    table: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    for line in raw.decode().splitlines():
+        parts = line.split()
+        if len(parts) not in (2, 3):
+            raise _BuildError(f"{path}: malformed ABI table line {line!r}")
+        params = [tuple(p.split(":", 1)) for p in parts[2].split(",")] if len(parts) == 3 else []
+        table[parts[0]] = (parts[1], [(p[0], p[1]) for p in params if len(p) == 2])
+    return table
+
+
+def _errors(text: bytes) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in text.decode().splitlines():
+        code, name = line.split()[:2]
+        out[int(code)] = name
+    return out
+
+
+def _bind(
+    lib: ctypes.CDLL, path: Path, name: str, ret: str, params: list[tuple[str, str]]
+) -> Callable[..., Any]:
+    try:
+        fn = lib[f"attnkit_{name}"]
+    except AttributeError as exc:
+        raise _BuildError(f"{path}: its ABI table lists attnkit_{name}, which it lacks") from exc
+    unknown = [f"{k}:{n}" for k, n in params if k not in _KINDS] + (
+        [] if ret == "str" or ret in _KINDS else [f"return {ret}"]
+    )
+    if unknown:
+        raise _BuildError(f"{path}: attnkit_{name} has unknown ABI kinds {unknown}")
+    fn.argtypes = [_KINDS[kind] for kind, _ in params]
+    fn.restype = ctypes.c_char_p if ret == "str" else _KINDS[ret]
+    return fn
+
+
+_Table = Mapping[str, tuple[str, list[tuple[str, str]]]]
+
+
+def _check_entries(table: _Table, errors: Mapping[int, str], path: Path) -> None:
+    for module in _WRAPPERS:
+        importlib.import_module(module)
+    names = set(errors.values())
+    for entry in _ENTRIES.values():
+        if entry.name not in table:
+            raise _BuildError(f"{path} has no attnkit_{entry.name}, which its wrapper calls")
+        have = [name for _, name in table[entry.name][1]]
+        if have != list(entry.params):
+            where = next(
+                (i for i, (a, b) in enumerate(zip(have, entry.params, strict=False)) if a != b),
+                min(len(have), len(entry.params)),
+            )
+            theirs = have[where] if where < len(have) else "(no parameter)"
+            ours = entry.params[where] if where < len(entry.params) else "(no parameter)"
+            raise _BuildError(
+                f"{path}: attnkit_{entry.name} takes {len(have)} parameters and its wrapper "
+                f"passes {len(entry.params)}; parameter {where} is {theirs!r} in the library "
+                f"but {ours!r} in the wrapper (the library and the Python wrappers are from "
+                "different versions)"
+            )
+        missing = [e for e in entry.errors if e not in names]
+        if missing:
+            raise _BuildError(
+                f"{path} lacks the error codes {', '.join(missing)} that the wrapper of "
+                f"attnkit_{entry.name} reads"
+            )
+
+
+# ---------------------------------------------------------------- OpenMP
+
+
+def _torch_openmp() -> str | None:
+    """The OpenMP runtime torch loaded (a mapped ``lib*omp*.so*``; torch's own first)."""
+    import torch
+
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split()[-1] for line in f if "omp" in line and "/" in line}
+    except OSError:
+        return None
+    found = sorted(
+        p for p in paths if re.fullmatch(r"lib(g|i|)omp[\w.-]*\.so[\w.]*", os.path.basename(p))
+    )
+    found.sort(key=lambda p: not p.startswith(torch_dir))
+    return found[0] if found else None
+
+
+def _openmp_runtime() -> tuple[str | None, str]:
+    """Make an OpenMP runtime global before a library loads: torch's, else the system's
+    libgomp. Returns its path (``None``: none found) and a note on the choice."""
+    path = _torch_openmp()
+    note = "torch's OpenMP runtime"
+    if path is None:
+        path = ctypes.util.find_library("gomp")
+        note = "the system's libgomp (torch loaded no OpenMP runtime)"
+    if path is None:
+        return None, "no OpenMP runtime found"
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        return None, f"loading the OpenMP runtime {path} failed ({exc})"
+    return path, note
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load(path: Path, origin: Literal["prebuilt", "compiled"], why: str) -> NativeLibrary:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise _BuildError(f"loading {path} failed: {exc}") from exc
+    table = _table(lib, path)
+    fns = {name: _bind(lib, path, name, ret, params) for name, (ret, params) in table.items()}
+    for name, ret in (("abi_errors", "str"), ("build_variant", "str"), ("has_openmp", "i32"),
+                      ("openmp_runtime", "str"), ("prefill_isa", "str"), ("decode_isa", "str")):  # fmt: skip
+        if table.get(name, ("",))[0] != ret:
+            raise _BuildError(f"{path}: attnkit_{name} missing or not returning {ret}")
+    errors = _errors(fns["abi_errors"]())
+    _check_entries(table, errors, path)
+    omp: str | None = None
+    if fns["has_openmp"]():
+        omp = fns["openmp_runtime"]().decode()
+    return NativeLibrary(
+        path=path,
+        origin=origin,
+        variant=fns["build_variant"]().decode(),
+        why=why,
+        openmp_runtime=omp,
+        functions={n: f for n, f in fns.items() if table[n][0] == "i32"},
+        errors=errors,
+        _strings={n: f for n, f in fns.items() if table[n][0] == "str"},
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):
+                    return line.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _hash_of(path: Path) -> str:
+    """The source hash a library file was built from (``"unknown"`` when it exports
+    none); :class:`_BuildError` when it does not load."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise _BuildError(f"loading {path} failed: {exc}") from exc
+    fn = getattr(lib, "attnkit_source_hash", None)
+    if fn is None:
+        return "unknown"
+    fn.argtypes = []
+    fn.restype = ctypes.c_char_p
+    raw = fn()
+    return raw.decode() if isinstance(raw, bytes) else "unknown"
+
+
+def _prebuilt() -> NativeLibrary:
+    """The best packaged library this CPU runs, or :class:`_BuildError` saying why none."""
+    machine = platform.machine()
+    flags = _cpu_flags().split(":", 1)[-1].split()
+    runnable = cpu_native_build.runnable_variants(machine, flags)
+    packaged = {
+        v.name: [p] if (p := _PREBUILT_DIR / cpu_native_build.prebuilt_name(v)).is_file() else []
+        for v in cpu_native_build.VARIANTS
+    }
+    shipped = [name for name, files in packaged.items() if files]
+    if not shipped:
+        raise _BuildError("no prebuilt library is packaged (a source install)")
+    want = cpu_native_build.source_hash(_DIR)
+    passed: list[str] = []
+    for variant in runnable:
+        for path in packaged[variant.name]:
+            try:
+                built_from = _hash_of(path)
+            except _BuildError as exc:
+                passed.append(str(exc))
+                continue
+            if built_from != want:
+                passed.append(
+                    f"{path.name} is stale (built from sources {built_from}, installed {want})"
+                )
+                continue
+            why = f"the best packaged variant this {machine} CPU runs"
+            if passed:
+                why += "; passed over: " + "; ".join(passed)
+            return _load(path, "prebuilt", why)
+    if not passed:
+        passed.append(
+            f"none of the packaged variants ({', '.join(shipped)}) runs on this {machine} CPU"
+        )
+    raise _BuildError("; ".join(passed))
 
 
 def _cache_dir() -> Path:
@@ -171,109 +411,41 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout + done.stderr
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip().lower()
-                if key in ("flags", "features"):
-                    return line.strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _first_lines(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    shown = "\n".join(lines[:_STDERR_LINES])
-    return shown if shown else "(no output)"
-
-
-def _compile(compiler: str, sources: tuple[Path, ...], target: Path) -> tuple[str, ...]:
-    """Compile to ``target`` (atomically) with the first flag set that works."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _compile_into(compiler: str, target: Path, openmp: bool) -> tuple[str, ...]:
+    """Build with the first flag set that works; the flags kept."""
     errors: list[str] = []
-    for extra in _FLAG_SETS:
-        flags = (*_BASE_FLAGS, *extra)
-        fd, tmp_name = tempfile.mkstemp(
-            dir=target.parent, prefix=f".{target.stem}-", suffix=".so.tmp"
-        )
-        os.close(fd)
-        tmp = Path(tmp_name)
+    for flags in _FLAG_SETS:
         try:
-            cmd = [compiler, *flags, *(str(s) for s in sources), "-o", str(tmp), "-lm"]
-            try:
-                done = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                errors.append(f"{' '.join(flags)}: {exc}")
-                continue
-            if done.returncode != 0:
-                errors.append(f"{' '.join(flags)}:\n{_first_lines(done.stderr or done.stdout)}")
-                continue
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, target)
-            return flags
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+            cpu_native_build.compile_library(
+                compiler, _DIR, target, flags,
+                variant=" ".join(flags) or "baseline", openmp=openmp, defines=_DEFINES,
+            )  # fmt: skip
+        except cpu_native_build.BuildFailed as exc:
+            errors.append(str(exc))
+            continue
+        return flags
     raise _BuildError(
-        f"C compiler {compiler!r} failed to build {', '.join(s.name for s in sources)} ("
+        f"C compiler {compiler!r} failed to build {', '.join(cpu_native_build.SOURCES)} ("
         + "; ".join(errors[:1])
         + ")"
     )
 
 
-def _load(path: Path) -> NativeLibrary:
-    lib = ctypes.CDLL(str(path))
-    abi = lib.attnkit_abi_version
-    abi.argtypes = []
-    abi.restype = ctypes.c_int
-    if abi() != _ABI_VERSION:
-        raise _BuildError(f"{path}: ABI version {abi()} is not {_ABI_VERSION}")
-    has_openmp = lib.attnkit_has_openmp
-    has_openmp.argtypes = []
-    has_openmp.restype = ctypes.c_int
-    fn = lib.attnkit_paged_decode
-    fn.argtypes = _PAGED_DECODE_ARGTYPES
-    fn.restype = ctypes.c_int
-    by_request = lib.attnkit_paged_decode_requests
-    by_request.argtypes = _PAGED_DECODE_REQUESTS_ARGTYPES
-    by_request.restype = ctypes.c_int
-    prefill = lib.attnkit_paged_prefill
-    prefill.argtypes = _PAGED_PREFILL_ARGTYPES
-    prefill.restype = ctypes.c_int
-    isa = lib.attnkit_prefill_isa
-    isa.argtypes = []
-    isa.restype = ctypes.c_char_p
-    decode_isa = lib.attnkit_decode_isa
-    decode_isa.argtypes = [ctypes.c_int, ctypes.c_int64]
-    decode_isa.restype = ctypes.c_char_p
-    return NativeLibrary(
-        path=path,
-        paged_decode=fn,
-        paged_decode_requests=by_request,
-        paged_prefill=prefill,
-        has_openmp=bool(has_openmp()),
-        _prefill_isa=isa,
-        _decode_isa=decode_isa,
-    )
-
-
-def _build() -> NativeLibrary:
-    for src in (*_SOURCES, *_HEADERS):
-        if not src.is_file():
-            raise _BuildError(f"the kernel source {src} is missing from the installation")
+def _build(why: str = "compiled at first use") -> NativeLibrary:
+    """The run-time build: compile here (or load the cached build)."""
+    for name in (*cpu_native_build.SOURCES, *cpu_native_build.HEADERS):
+        if not (_DIR / name).is_file():
+            raise _BuildError(f"the kernel source {_DIR / name} is missing from the installation")
     compiler = _find_compiler()
     if compiler is None:
         raise _BuildError("no C compiler found (set CC, or install cc, gcc or clang)")
+    openmp = _openmp_runtime()[0] is not None
     key = hashlib.sha256()
     for part in (
-        *(src.read_bytes() for src in (*_SOURCES, *_HEADERS)),
+        cpu_native_build.source_hash(_DIR).encode(),
         compiler.encode(),
         _compiler_version(compiler).encode(),
-        repr((_BASE_FLAGS, _FLAG_SETS, _ABI_VERSION)).encode(),
+        repr((cpu_native_build.BASE_FLAGS, _FLAG_SETS, _DEFINES, openmp)).encode(),
         platform.machine().encode(),
         _cpu_flags().encode(),
     ):
@@ -282,30 +454,56 @@ def _build() -> NativeLibrary:
     target = _cache_dir() / f"paged_decode-{key.hexdigest()[:24]}.so"
     if target.is_file():
         try:
-            return _load(target)
-        except OSError as exc:  # a damaged cache entry: rebuild it below
+            return _load(target, "compiled", why)
+        except _BuildError as exc:  # a damaged cache entry: rebuild it below
             _LOG.warning("attnkit: reloading cached %s failed (%s); rebuilding", target, exc)
     start = time.perf_counter()
     try:
-        flags = _compile(compiler, _SOURCES, target)
+        flags = _compile_into(compiler, target, openmp)
     except OSError as exc:  # an unwritable cache directory: build in a private one
         _LOG.warning(
             "attnkit: cannot write %s (%s); building in a temporary directory", target, exc
         )
         target = Path(tempfile.mkdtemp(prefix="attnkit-cpu-kernels-")) / target.name
-        flags = _compile(compiler, _SOURCES, target)
+        flags = _compile_into(compiler, target, openmp)
     _LOG.info(
         "attnkit: compiled %s with %s %s in %.2f s -> %s",
-        ", ".join(s.name for s in _SOURCES),
+        ", ".join(cpu_native_build.SOURCES),
         compiler,
         " ".join(flags),
         time.perf_counter() - start,
         target,
     )
-    try:
-        return _load(target)
-    except OSError as exc:
-        raise _BuildError(f"loading {target} failed: {exc}") from exc
+    return _load(target, "compiled", why)
+
+
+def _select() -> NativeLibrary:
+    """The library ``ATTNKIT_CPU_LIBRARY`` asks for (``auto``: prebuilt, else compiled)."""
+    mode = os.environ.get(_MODE_ENV, "").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise _BuildError(
+            f"{_MODE_ENV}={os.environ[_MODE_ENV]!r} is not one of {', '.join(_MODES)}"
+        )
+    runtime, omp_note = _openmp_runtime()
+    if mode == "compile" or _DEFINES:
+        lib = _build(f"{_MODE_ENV}=compile" if mode == "compile" else "a test build")
+    elif mode == "prebuilt":
+        lib = _prebuilt()
+    else:
+        try:
+            lib = _prebuilt()
+        except _BuildError as exc:
+            try:
+                lib = _build(f"compiled at first use: {exc}")
+            except _BuildError as failed:
+                raise _BuildError(f"{failed}; and no prebuilt library fits: {exc}") from failed
+    resolved = lib.openmp_runtime
+    if resolved and runtime and os.path.realpath(resolved) != os.path.realpath(runtime):
+        _LOG.warning(
+            "attnkit: the native library's OpenMP calls resolved to %s, not %s (%s)",
+            resolved, runtime, omp_note,
+        )  # fmt: skip
+    return lib
 
 
 _LOCK = threading.Lock()
@@ -317,7 +515,7 @@ def _state() -> NativeLibrary | str:
         with _LOCK:
             if not _STATE:
                 try:
-                    _STATE.append(_build())
+                    _STATE.append(_select())
                 except _BuildError as exc:
                     _STATE.append(str(exc))
     return _STATE[0]
@@ -326,8 +524,7 @@ def _state() -> NativeLibrary | str:
 def native_problem() -> str | None:
     """Why the native CPU kernels cannot be used here, or ``None`` when they can.
 
-    Builds (or loads from the cache) the library on first call; the answer is cached for
-    the process.
+    Finds (or builds) the library on first call; the answer is cached for the process.
     """
     state = _state()
     return state if isinstance(state, str) else None
@@ -335,7 +532,7 @@ def native_problem() -> str | None:
 
 def load_paged_decode() -> NativeLibrary:
     """The loaded library; :class:`RuntimeError` with :func:`native_problem`'s text when
-    it cannot be built or loaded."""
+    none can be loaded."""
     state = _state()
     if isinstance(state, str):
         raise RuntimeError(f"attnkit native CPU kernels are unavailable: {state}")

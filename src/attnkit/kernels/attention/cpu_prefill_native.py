@@ -15,13 +15,20 @@ import ctypes
 import torch
 from torch import Tensor
 
+from attnkit.kernels.attention.cpu_decode import LEAD_PARAMS, TAIL_PARAMS
 from attnkit.kernels.attention.cpu_kv_format import KVFormat
-from attnkit.kernels.attention.cpu_native import load_paged_decode
+from attnkit.kernels.attention.cpu_native import Entry, load_paged_decode
 
 __all__ = ["native_prefill", "prefill_isa"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ERR_NOMEM = 7
+# attnkit_paged_prefill as native_prefill calls it (attnkit_abi.h; checked at load).
+_PAGED_PREFILL = Entry(
+    "paged_prefill",
+    f"{LEAD_PARAMS} key kd_sr kd_sh value vd_sr vd_sh requests query_start query_len seq_len "
+    f"dense n T Hq Hkv D block_size causal window chunk query_block {TAIL_PARAMS}",
+    errors="NOMEM",
+)
 
 
 def prefill_isa() -> str:
@@ -82,7 +89,7 @@ def native_prefill(
     vd_ptr, vd_sr, vd_sh = _strides(value)
     lse_ptr, lse_st, lse_sh = _strides(lse)
     err = (ctypes.c_int64 * 3)()
-    code = lib.paged_prefill(
+    code = _PAGED_PREFILL.function()(
         _DTYPE_CODES[q.dtype],
         *(planes_format.args() if planes_format is not None else (_DTYPE_CODES[q.dtype], None, None)),
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -104,10 +111,10 @@ def native_prefill(
         torch.get_num_threads(),
         ctypes.addressof(err),
     )  # fmt: skip
-    if code == _ERR_NOMEM:
+    if lib.error_name(code) == "NOMEM":
         raise MemoryError("paged_prefill: the native kernel could not allocate scratch")
     if code != 0:
         raise RuntimeError(
-            f"paged_prefill: the native kernel refused checked arguments (code {code}, "
+            f"paged_prefill: the native kernel refused checked arguments ({lib.error_name(code)}, "
             f"request {err[0]}, value {err[1]}, {err[2]})"
         )

@@ -1,5 +1,6 @@
 /*
- * attnkit CPU paged-decode kernel (plain C, compiled once per machine by _native.py).
+ * attnkit CPU paged-decode kernel (plain C; prebuilt by setup.py or compiled at first use,
+ * see cpu_native.py; the exported functions and error codes are in attnkit_abi.h).
  *
  * Each work item attends one query row (all Hq heads) over the keys at logical
  * positions [key_start, key_end) of one request, reading K and V in place through the
@@ -27,6 +28,9 @@
  * on x86-64 and to pairs of NEON registers on AArch64.
  */
 
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* dladdr */
+#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -35,26 +39,16 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#ifdef __linux__
+#include <dlfcn.h>
+#endif
 #endif
 
-#define ATTNKIT_API __attribute__((visibility("default")))
+#include "attnkit_abi.h"
 #define INLINE static inline __attribute__((always_inline))
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-enum {
-    ATTNKIT_OK = 0,
-    ATTNKIT_ERR_ROW = 1,        /* rows[i] outside [0, T) */
-    ATTNKIT_ERR_REQUEST = 2,    /* requests[i] outside [0, B) */
-    ATTNKIT_ERR_KEY_START = 3,  /* key_start[i] < 0 */
-    ATTNKIT_ERR_KEY_END = 4,    /* key_end[i] > W * bs */
-    ATTNKIT_ERR_RANGE = 5,      /* key_end[i] < key_start[i] */
-    ATTNKIT_ERR_BLOCK = 6,      /* a physical block outside [0, R / bs) */
-    ATTNKIT_ERR_NOMEM = 7,      /* scratch allocation failed */
-    ATTNKIT_ERR_ARGS = 8,       /* a size argument the wrapper should have refused */
-    ATTNKIT_ERR_QSL = 9,        /* query_start_loc[r] .. [r + 1] not an in-order range of [0, T] */
-    ATTNKIT_ERR_SEQ = 10,       /* seq_lens[r] < 0, or < the query length when causal */
-};
 
 #define TILE 16
 /* keys per tile, at most (a tile never crosses a block) */
@@ -88,6 +82,13 @@ INLINE void st8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
 #define KEEP(x) __asm__("" : "+w"(x))
 #else
 #define KEEP(x) ((void)0)
+#endif
+/* The same for the 8-lane copy, whose v8f needs one 32-byte register: none below AVX
+ * (a portable x86-64 build lowers v8f to SSE pairs), so nothing to keep there. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__AVX__)
+#define KEEP8(x) ((void)0)
+#else
+#define KEEP8(x) KEEP(x)
 #endif
 
 INLINE v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
@@ -206,11 +207,11 @@ INLINE void score_kernel(const int HB, const int KB, const float *restrict q, in
         v8f kv[4];
         for (int j = 0; j < KB; ++j) {
             kv[j] = ld8(k + j * ks + d);
-            KEEP(kv[j]);
+            KEEP8(kv[j]);
         }
         for (int h = 0; h < HB; ++h) {
             v8f qv = ld8(q + h * Dp + d);
-            KEEP(qv);
+            KEEP8(qv);
             for (int j = 0; j < KB; ++j) a[h][j] += qv * kv[j];
         }
     }
@@ -250,8 +251,8 @@ INLINE void vacc_heads(const int HB, const float *restrict p, const float *restr
         for (int64_t j = 0; j < n; ++j) {
             v8f v0 = ld8(v + j * vs + d);
             v8f v1 = ld8(v + j * vs + d + 8);
-            KEEP(v0);
-            KEEP(v1);
+            KEEP8(v0);
+            KEEP8(v1);
             for (int h = 0; h < HB; ++h) {
                 v8f w = splat8(p[h * TILE + j]);
                 a[h][0] += w * v0;
@@ -797,7 +798,7 @@ static task_fn pick_task(int dtype, int kv_dtype, int64_t D) {
 
 /* The instruction set the decode's copy for (dtype, D) uses: "amxbf16", "avx512bf16" or
  * "vector8" (run_task: 8-lane vectors as the build flags lower them). */
-ATTNKIT_API const char *attnkit_decode_isa(int dtype, int64_t D) {
+ATTNKIT_API const char *attnkit_decode_isa(ATTNKIT_PARAMS(ATTNKIT_DECODE_ISA_ARGS)) {
     task_fn f = pick_task(dtype, dtype, D);
 #if FD_X86
 #if FD_AMX
@@ -819,7 +820,43 @@ ATTNKIT_API int attnkit_has_openmp(void) {
 #endif
 }
 
-ATTNKIT_API int attnkit_abi_version(void) { return 6; }
+ATTNKIT_API int attnkit_abi_version(void) { return ATTNKIT_ABI_VERSION; }
+
+/* The ABI as text (attnkit_abi.h): one line per function, "name return-kind" and then
+ * its parameters as kind:name separated by commas (none: nothing). */
+#define AK_SIG_FIRST_(kind, type, name) " " #kind ":" #name
+#define AK_SIG_NEXT_(kind, type, name) "," #kind ":" #name
+#define AK_ROW_(rkind, rtype, name, list) #name " " #rkind list(AK_SIG_FIRST_, AK_SIG_NEXT_) "\n"
+ATTNKIT_API const char *attnkit_abi_table(void) { return ATTNKIT_FUNCTIONS(AK_ROW_); }
+
+/* The error codes as text: one line per code, "code NAME meaning". */
+#define AK_ERR_ROW_(code, name, meaning) #code " " #name " " meaning "\n"
+ATTNKIT_API const char *attnkit_abi_errors(void) { return ATTNKIT_ERRORS(AK_ERR_ROW_); }
+
+/* The hash of the sources this library was built from (cpu_native.py passes it; a
+ * prebuilt library whose hash is not the installed sources' is stale and not loaded). */
+#ifndef ATTNKIT_SOURCE_HASH
+#define ATTNKIT_SOURCE_HASH "unknown"
+#endif
+ATTNKIT_API const char *attnkit_source_hash(void) { return ATTNKIT_SOURCE_HASH; }
+
+/* The build's name: a prebuilt variant (x86-64-v3, ...) or "native" (-march=native). */
+#ifndef ATTNKIT_BUILD_VARIANT
+#define ATTNKIT_BUILD_VARIANT "unknown"
+#endif
+ATTNKIT_API const char *attnkit_build_variant(void) { return ATTNKIT_BUILD_VARIANT; }
+
+/* The file of the OpenMP runtime this library's OpenMP calls resolved to (the library
+ * links none itself: the loader makes torch's global first), or "" without OpenMP. */
+ATTNKIT_API const char *attnkit_openmp_runtime(void) {
+#if defined(_OPENMP) && defined(__linux__)
+    Dl_info info;
+    if (dladdr((void *)&omp_get_max_threads, &info) && info.dli_fname) return info.dli_fname;
+    return "?";
+#else
+    return "";
+#endif
+}
 
 /*
  * Returns ATTNKIT_OK or an ATTNKIT_ERR_* code; on an index error err[0] is the work
@@ -834,16 +871,7 @@ ATTNKIT_API int attnkit_abi_version(void) { return 6; }
  * head's D bytes are followed by its float32 scale (the head stride then covers D + 4
  * bytes).
  */
-ATTNKIT_API int attnkit_paged_decode(
-    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
-    int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
-    const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
-    const int64_t *rows, const int32_t *requests, const int32_t *key_start,
-    const int32_t *key_end, const int32_t *query_pos, int64_t N, int64_t T, int64_t Hq,
-    int64_t Hkv, int64_t D, int64_t block_size, int64_t pos_mul, int64_t pos_add, float scale,
-    float soft_cap,
-    const float *alibi, const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh,
-    void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
+ATTNKIT_API int attnkit_paged_decode(ATTNKIT_PARAMS(ATTNKIT_PAGED_DECODE_ARGS)) {
     err[0] = err[1] = err[2] = -1;
     if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
         block_size <= 0 || N < 0 || B < 0 || W < 0 || R < 0 || T < 0)
@@ -981,15 +1009,7 @@ ATTNKIT_API int attnkit_paged_decode(
  * otherwise.  Error codes as above; err[0] is then the request (not the work item), and
  * for ATTNKIT_ERR_BLOCK err[2] is the block_table column.
  */
-ATTNKIT_API int attnkit_paged_decode_requests(
-    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
-    int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
-    const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
-    const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *requests,
-    int64_t n, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int causal,
-    int64_t window, int64_t chunk, float scale, float soft_cap, const float *alibi,
-    const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh, void *output, int64_t o_st,
-    int64_t o_sh, int num_threads, int64_t *err) {
+ATTNKIT_API int attnkit_paged_decode_requests(ATTNKIT_PARAMS(ATTNKIT_PAGED_DECODE_REQUESTS_ARGS)) {
     err[0] = err[1] = err[2] = -1;
     if (requests == NULL) n = B;
     if (n < 0 || B < 0 || T < 0) return ATTNKIT_ERR_ARGS;

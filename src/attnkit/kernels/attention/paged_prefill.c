@@ -46,20 +46,10 @@
 #define PF_X86 0
 #endif
 
-#define ATTNKIT_API __attribute__((visibility("default")))
+#include "attnkit_abi.h"
 #define INLINE static inline __attribute__((always_inline))
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-enum {
-    ERR_OK = 0,
-    ERR_REQUEST = 2, /* a plane reader's block_table row outside [0, B) */
-    ERR_KEY_END = 4, /* a plane reader's keys past W * bs */
-    ERR_BLOCK = 6,   /* a physical block outside [0, R / bs) */
-    ERR_NOMEM = 7,
-    ERR_ARGS = 8,
-    ERR_QSL = 9, /* query rows (or a dense reader's key rows) outside [0, T) */
-    ERR_SEQ = 10 /* seq < 0, causal seq < qlen, a dense reader's seq != qlen */
-};
 
 #define KT 32  /* keys per tile: two 16-float vectors */
 #define KC 256 /* keys per packed chunk (a multiple of KT) */
@@ -491,31 +481,21 @@ ATTNKIT_API const char *attnkit_prefill_isa(void) { return pf_pick()->name; }
 /*
  * Returns 0 or an error code; on an error err[0] is the request (its index in the
  * request arrays), err[1] the offending value and err[2] a position (the block_table
- * column for ERR_BLOCK).  Strides are in elements.  key / value (the dense readers'
+ * column for ATTNKIT_ERR_BLOCK).  Strides are in elements.  key / value (the dense readers'
  * rows) may be NULL when no request is dense; k_plane, v_plane and block_table may be
  * NULL when every request is.  query_block: tokens per task (<= 0: chosen here).
  * kv_dtype, k_scale, v_scale: the planes' format, as attnkit_paged_decode's (the dense
  * readers' key / value rows always have dtype).
  */
-ATTNKIT_API int attnkit_paged_prefill(
-    int dtype, int kv_dtype, const float *k_scale, const float *v_scale, const void *query, int64_t q_st, int64_t q_sh, const void *k_plane,
-    int64_t k_sr, int64_t k_sh, const void *v_plane, int64_t v_sr, int64_t v_sh,
-    const int32_t *block_table, int64_t bt_sb, int64_t B, int64_t W, int64_t R,
-    const void *key, int64_t kd_sr, int64_t kd_sh, const void *value, int64_t vd_sr,
-    int64_t vd_sh, const int32_t *requests, const int32_t *query_start,
-    const int32_t *query_len, const int32_t *seq_len, const int32_t *dense, int64_t n,
-    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int causal,
-    int64_t window, int64_t chunk, int64_t query_block, float scale, float soft_cap,
-    const float *alibi, const float *sinks, float *lse, int64_t lse_st, int64_t lse_sh,
-    void *output, int64_t o_st, int64_t o_sh, int num_threads, int64_t *err) {
+ATTNKIT_API int attnkit_paged_prefill(ATTNKIT_PARAMS(ATTNKIT_PAGED_PREFILL_ARGS)) {
     err[0] = err[1] = err[2] = -1;
     if (dtype < DT_F32 || dtype > DT_F16 || Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || D <= 0 ||
         block_size <= 0 || n < 0 || B < 0 || W < 0 || R < 0 || T < 0)
-        return ERR_ARGS;
+        return ATTNKIT_ERR_ARGS;
     const int kv8 = kv_dtype >= KV_FP8_E4M3 && kv_dtype <= KV_INT8;
     if ((kv_dtype != dtype && !kv8) || (!kv8 && (k_scale || v_scale)) ||
         (k_scale == NULL) != (v_scale == NULL))
-        return ERR_ARGS;
+        return ATTNKIT_ERR_ARGS;
     const int64_t num_blocks = R / block_size;
     pparams P;
     P.causal = causal;
@@ -524,22 +504,22 @@ ATTNKIT_API int attnkit_paged_prefill(
     for (int64_t i = 0; i < n; ++i) {
         err[0] = i;
         const int64_t qs = query_start[i], ql = query_len[i], seq = seq_len[i];
-        if (qs < 0 || ql < 0 || qs + ql > T) { err[1] = qs; err[2] = ql; return ERR_QSL; }
-        if (seq < 0 || (causal && seq < ql)) { err[1] = seq; err[2] = ql; return ERR_SEQ; }
+        if (qs < 0 || ql < 0 || qs + ql > T) { err[1] = qs; err[2] = ql; return ATTNKIT_ERR_QSL; }
+        if (seq < 0 || (causal && seq < ql)) { err[1] = seq; err[2] = ql; return ATTNKIT_ERR_SEQ; }
         if (ql == 0 || seq == 0) continue;
         int64_t lo, hi;
         visible(&P, seq - ql, seq, &lo, &hi);
         if (dense[i]) {
-            if (seq != ql || key == NULL || value == NULL) { err[1] = seq; err[2] = ql; return ERR_SEQ; }
+            if (seq != ql || key == NULL || value == NULL) { err[1] = seq; err[2] = ql; return ATTNKIT_ERR_SEQ; }
             continue;
         }
         const int64_t b = requests[i];
-        if (block_table == NULL || b < 0 || b >= B) { err[1] = b; return ERR_REQUEST; }
-        if (seq > W * block_size) { err[1] = seq; return ERR_KEY_END; }
+        if (block_table == NULL || b < 0 || b >= B) { err[1] = b; return ATTNKIT_ERR_REQUEST; }
+        if (seq > W * block_size) { err[1] = seq; return ATTNKIT_ERR_KEY_END; }
         const int32_t *table = block_table + b * bt_sb;
         for (int64_t c = lo / block_size; c <= (seq - 1) / block_size; ++c) {
             const int64_t blk = table[c];
-            if (blk < 0 || blk >= num_blocks) { err[1] = blk; err[2] = c; return ERR_BLOCK; }
+            if (blk < 0 || blk >= num_blocks) { err[1] = blk; err[2] = c; return ATTNKIT_ERR_BLOCK; }
         }
     }
     err[0] = err[1] = err[2] = -1;
@@ -588,9 +568,9 @@ ATTNKIT_API int attnkit_paged_prefill(
      * longest causal rows start first. */
     int64_t groups = 0;
     for (int64_t i = 0; i < n; ++i) groups += (query_len[i] + sb - 1) / sb;
-    if (groups == 0) return ERR_OK;
+    if (groups == 0) return ATTNKIT_OK;
     int64_t *tl = (int64_t *)malloc((size_t)groups * 2 * sizeof(int64_t));
-    if (!tl) return ERR_NOMEM;
+    if (!tl) return ATTNKIT_ERR_NOMEM;
     int64_t m = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t b = (query_len[i] + sb - 1) / sb - 1; b >= 0; --b, ++m) {
@@ -613,11 +593,11 @@ ATTNKIT_API int attnkit_paged_prefill(
 
     if (num_threads <= 1 || tasks == 1) {
         scratch_pf S;
-        if (!scratch_pf_alloc(&S, &P)) { free(tl); return ERR_NOMEM; }
+        if (!scratch_pf_alloc(&S, &P)) { free(tl); return ATTNKIT_ERR_NOMEM; }
         for (int64_t t = 0; t < tasks; ++t) PF_TASK(t, S);
         free(S.mem);
         free(tl);
-        return ERR_OK;
+        return ATTNKIT_OK;
     }
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -631,11 +611,11 @@ ATTNKIT_API int attnkit_paged_prefill(
     }
     if (failed) { /* a thread without scratch skipped its tasks: redo all on this one */
         scratch_pf S;
-        if (!scratch_pf_alloc(&S, &P)) { free(tl); return ERR_NOMEM; }
+        if (!scratch_pf_alloc(&S, &P)) { free(tl); return ATTNKIT_ERR_NOMEM; }
         for (int64_t t = 0; t < tasks; ++t) PF_TASK(t, S);
         free(S.mem);
     }
 #undef PF_TASK
     free(tl);
-    return ERR_OK;
+    return ATTNKIT_OK;
 }
