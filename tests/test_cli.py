@@ -62,16 +62,12 @@ def test_backends_lists_availability_and_exclusions() -> None:
     status, text = run(["backends"], registry(with_broken_plugin=True))
     assert status == 0
     assert (
-        "  toy_generic [registered] available\n    kinds: full_attention, sliding_window\n"
-        in text
+        "  toy_generic [registered] available\n    kinds: full_attention, sliding_window\n" in text
     )
     assert "  toy_fast_cuda [registered] unavailable\n" in text
     assert "    - device=cpu not supported (supported: cuda)\n" in text
     assert "  broken_plugin [plugin] unavailable\n" in text
-    assert (
-        "    - excluded: ModuleNotFoundError: No module named 'attnkit_no_such_module'\n"
-        in text
-    )
+    assert "    - excluded: ModuleNotFoundError: No module named 'attnkit_no_such_module'\n" in text
 
 
 def test_backends_json_on_cuda() -> None:
@@ -115,14 +111,14 @@ def test_backends_names_the_default_on_the_device() -> None:
     status, text = run(["backends"], reg)
     assert status == 0
     assert text.startswith(
-        "backends on cpu:\n  default on cpu: cpu_attn, then reference, triton_attn (each "
+        "backends on cpu:\n  default on cpu: cpu_attn, then cpu_mla, reference, triton_attn (each "
         "layer gets the first that serves it)\n"
     )
     assert "  cpu_attn [builtin] available (default on cpu)\n" in text
     assert "  reference [builtin] available\n" in text
     assert text.count("(default on cpu)") == 1
     status, text = run(["backends", "--json"], reg)
-    assert json.loads(text)["default_order"] == ["cpu_attn", "reference", "triton_attn"]
+    assert json.loads(text)["default_order"] == ["cpu_attn", "cpu_mla", "reference", "triton_attn"]
     # Only registered names count: without cpu_attn, reference is the default here.
     reg = BackendRegistry(
         builtins={"reference": BUILTIN_BACKENDS["reference"]}, discover_plugins=False
@@ -195,7 +191,10 @@ def test_plan_shows_the_block_size_the_runtime_runs() -> None:
         "layers.1, layers.3, layers.5: mamba (MambaSpec)\n  -> toy_mamba (chosen by priority; determinism: none)\n"
         in text
     )
-    assert "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority; determinism: none)\n" in text
+    assert (
+        "layers.0: full_attention (FullAttentionSpec)\n  -> toy_generic (chosen by priority; determinism: none)\n"
+        in text
+    )
     # ceil(32768 / 16) = 2048 kernel blocks, ceil(2048 / 33) = 63 pages.
     assert (
         "  group 0: block size 16, 33 per page of 528 tokens, 1 layer(s), layout interleaved, "
@@ -229,8 +228,14 @@ def test_plan_per_kind_override_and_explicit_failure() -> None:
         "  -> toy_generic (chosen by backend_per_kind; determinism: none)"
     ) in text
     status, text = run(
-        ["plan", "--model", "gemma2", "--report-only",
-         "--backend-per-kind", "sliding_window=toy_fast_cuda"],
+        [
+            "plan",
+            "--model",
+            "gemma2",
+            "--report-only",
+            "--backend-per-kind",
+            "sliding_window=toy_fast_cuda",
+        ],
         registry(),
     )
     assert status == 0
@@ -247,8 +252,15 @@ def test_plan_on_an_absent_device_reports_it() -> None:
     """Without a capability there is nothing to plan for: every backend is rejected
     with the device reason."""
     status, text, err = run_both(
-        ["plan", "--model", "llama", "--device", "cuda",
-         "--backend-per-kind", "full_attention=toy_fast_cuda"],
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--device",
+            "cuda",
+            "--backend-per-kind",
+            "full_attention=toy_fast_cuda",
+        ],
         registry(),
     )
     assert status == 1
@@ -265,8 +277,17 @@ def test_plan_for_a_gpu_this_machine_lacks() -> None:
     """With --capability, an absent CUDA device is planned for as hypothetical
     hardware: the routing a GPU machine would get (the toy CUDA backend serves)."""
     status, text, err = run_both(
-        ["plan", "--model", "llama", "--device", "cuda", "--capability", "9.0",
-         "--backend-per-kind", "full_attention=toy_fast_cuda"],
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--device",
+            "cuda",
+            "--capability",
+            "9.0",
+            "--backend-per-kind",
+            "full_attention=toy_fast_cuda",
+        ],
         registry(),
     )
     assert status == 0
@@ -321,8 +342,12 @@ def test_plan_rejects_bad_capability(capsys: pytest.CaptureFixture[str]) -> None
     )
 
 
-@pytest.mark.parametrize("command", [[], ["backends"], ["plan"], ["demo"]], ids=["attnkit", "backends", "plan", "demo"])
-def test_help_is_plain_text_and_short(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "command", [[], ["backends"], ["plan"], ["demo"]], ids=["attnkit", "backends", "plan", "demo"]
+)
+def test_help_is_plain_text_and_short(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"], registry=registry())
     assert info.value.code == 0

@@ -163,6 +163,19 @@ def test_cpu_attn_passes() -> None:
             assert (kind, value) in values, (kind, value)
 
 
+def test_cpu_mla_passes() -> None:
+    """Absorbed MLA on the CPU engines: both MLA kinds at every size the kit tries."""
+    report = check_backend(builtin("cpu_mla"))
+    assert_passes(report)
+    passed = {r.capability for r in report.results if r.status == "passed"}
+    assert {
+        "kind=mla_attention",
+        "kind=sliding_window_mla",
+        "deterministic (mla_attention)",
+        "long_context dtype=float16 (mla_attention)",
+    } <= passed
+
+
 @pytest.mark.parametrize(
     "name",
     ["triton_mamba1", "triton_mamba2", "triton_gdn", "triton_linear_attn", "triton_short_conv"],

@@ -42,6 +42,7 @@ __all__ = [
     "StateLayerParams",
     "attention_params_problems",
     "check_state_shapes",
+    "mla_params_problems",
     "mla_projection_problems",
     "quant_scale_problems",
     "rank_layer_params",
@@ -270,7 +271,9 @@ class AttentionLayerParams:
                 f"AttentionLayerParams.v_head_size must be a positive int or None, got {self.v_head_size!r}"
             )
         if (self.sink_key is None) != (self.sink_value is None):
-            raise InvalidArgumentError("AttentionLayerParams.sink_key and sink_value must be given together")
+            raise InvalidArgumentError(
+                "AttentionLayerParams.sink_key and sink_value must be given together"
+            )
         if (
             self.sink_key is not None
             and self.sink_value is not None
@@ -366,6 +369,36 @@ def attention_params_problems(
             f"num_heads={params.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
         )
     problems.extend(quant_scale_problems(spec, params))
+    return problems
+
+
+def mla_params_problems(
+    spec: AttentionSpec,
+    params: AttentionLayerParams,
+    *,
+    backend: str,
+    supported_features: frozenset[AttentionFeature],
+) -> list[str]:
+    """What keeps an absorbed-MLA backend from running an MLA layer with ``params``.
+
+    The generic checks of :func:`attention_params_problems` (features, sink tokens, head
+    counts), plus MLA's own: the values are the latent's first ``v_head_size`` channels,
+    so ``v_head_size`` (the kv_lora_rank) must be at most the latent width; with a
+    projection, :func:`mla_projection_problems`.
+    """
+    # v_head_size and the projection are checked here: narrower values are what MLA is.
+    generic = dataclasses.replace(params, v_head_size=None, mla_projection=None)
+    problems = attention_params_problems(
+        spec, generic, backend=backend, supported_features=supported_features
+    )
+    if params.mla_projection is not None:
+        return problems + mla_projection_problems(spec, params)
+    rank = params.v_head_size
+    if rank is not None and rank > spec.head_size:
+        problems.append(
+            f"v_head_size (the kv_lora_rank) must be at most the latent width "
+            f"head_size={spec.head_size}, got {rank}"
+        )
     return problems
 
 
@@ -574,7 +607,9 @@ class Mamba2LayerParams:
 def _check_state_params(owner: str, obj: object, ints: Sequence[str]) -> None:
     for name in ints:
         if not is_positive_int(getattr(obj, name)):
-            raise InvalidArgumentError(f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}")
+            raise InvalidArgumentError(
+                f"{owner}.{name} must be a positive int, got {getattr(obj, name)!r}"
+            )
 
 
 def _check_conv_weight(
@@ -585,7 +620,9 @@ def _check_conv_weight(
             f"{owner}.conv_weight must be [channels={channels}, W >= 1], got {list(weight.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (channels,):
-        raise InvalidArgumentError(f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}")
+        raise InvalidArgumentError(
+            f"{owner}.conv_bias must have shape [{channels}], got {list(bias.shape)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -652,7 +689,9 @@ class Mamba1LayerParams:
             )
         rank, n = self.dt_rank, self.d_state
         if rank < 1:
-            raise InvalidArgumentError(f"{owner}.dt_proj_weight must have dt_rank >= 1 columns, got 0")
+            raise InvalidArgumentError(
+                f"{owner}.dt_proj_weight must have dt_rank >= 1 columns, got 0"
+            )
         for name, shape in (
             ("x_proj_weight", (rank + 2 * n, self.d_inner)),
             ("A", (self.d_inner, n)),

@@ -76,6 +76,7 @@ PASS_THROUGH: tuple[type[BaseException], ...] = (KeyboardInterrupt, GeneratorExi
 BUILTIN_BACKENDS: Mapping[str, str] = {
     "reference": "attnkit.backends.reference:ReferenceBackend",
     "cpu_attn": "attnkit.backends.cpu_attn:CpuAttentionBackend",
+    "cpu_mla": "attnkit.backends.cpu_attn:CpuMLABackend",
     "triton_attn": "attnkit.backends.triton_attn:TritonAttentionBackend",
     "triton_mla": "attnkit.backends.triton_mla:TritonMLABackend",
     "flash_attn": "attnkit.backends.flash_attn:FlashAttentionBackend",

@@ -74,11 +74,12 @@ DEFAULT_PRIORITY: Mapping[str, tuple[str, ...]] = {
     ),
     # cpu_attn first on CPU: its engines (a native paged kernel for decodes, blocked
     # matrix products for prefills) meet benchmarks/bench_cpu.py's targets and compile
-    # nothing per shape; reference stays the oracle and the fallback for what it does
-    # not serve (sink logits, fp8 caches, MLA, state layers). flex_attention is left
-    # out: on CPU it is slower and compiles each new shape for seconds; it runs there
-    # when named (AttentionConfig.backend or backend_per_kind).
-    "cpu": ("cpu_attn", "reference", "triton_attn"),
+    # nothing per shape; cpu_mla runs the same engines for absorbed MLA; reference
+    # stays the oracle and the fallback for what they do not serve (MLA projections,
+    # sparse attention, fp8 latents, state layers). flex_attention is left out: on CPU
+    # it is slower and compiles each new shape for seconds; it runs there when named
+    # (AttentionConfig.backend or backend_per_kind).
+    "cpu": ("cpu_attn", "cpu_mla", "reference", "triton_attn"),
 }
 """Device type -> backend names tried first, fastest valid choice first."""
 

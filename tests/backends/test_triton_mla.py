@@ -1164,11 +1164,12 @@ def test_attnkit_plan_routes_deepseek_v3_to_triton_mla() -> None:
 
 
 def test_cpu_routing_is_unchanged() -> None:
-    """On CPU the reference backend still comes first for MLA layers."""
+    """On CPU triton_mla is not in the priority list: MLA layers go to cpu_mla (the CPU
+    engines) without the Triton interpreter being asked."""
     reg = _registry()
     config = AttentionConfig.model_validate({}, context={"registry": reg})
     spec = MLAAttentionSpec(block_size=16, head_size=48, dtype=F16)
-    assert select_backend(spec, config, device="cpu", registry=reg).backend_name == "reference"
+    assert select_backend(spec, config, device="cpu", registry=reg).backend_name == "cpu_mla"
 
 
 def test_declarations_agree_with_the_kernel_launchers() -> None:

@@ -1,9 +1,10 @@
 """``cpu_attn``: attention over the paged K/V planes on CPU through attnkit's CPU engines
-(a native paged-decode kernel, blocked matrix products for prefills); the first choice on
-CPU.
+(the native paged decode and blocked prefill); the first choice on CPU. ``mla`` holds
+``cpu_mla``, the same engines for absorbed MLA layers.
 
-Importing this package builds nothing; the native library is built (once per machine,
-cached on disk) when selection first asks whether it can, or a step first runs it.
+Importing this package loads nothing; the native library is loaded (prebuilt, or
+compiled once per machine) when selection first asks whether it can, or a step first
+runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .backend import (
     CpuAttentionMetadata,
     CpuAttentionMetadataBuilder,
 )
+from .mla import CpuMLABackend, CpuMLAImpl
 
 __all__ = [
     "NATIVE_MAX_QUERY",
@@ -22,4 +24,6 @@ __all__ = [
     "CpuAttentionImpl",
     "CpuAttentionMetadata",
     "CpuAttentionMetadataBuilder",
+    "CpuMLABackend",
+    "CpuMLAImpl",
 ]

@@ -101,6 +101,8 @@ def _serves_lse(spec: AttentionSpec) -> bool:
     rules = rules_for(spec)
     mask = rules.mask(spec)
     return rules.has_cache and rules.writes == "step" and mask.causal and not mask.sink_len
+
+
 _KV_CACHE_DTYPES: frozenset[KVCacheDType] = frozenset(
     {"auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_per_token_head", "int8_per_token_head"}
 )
@@ -569,9 +571,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
             assert v_plane is not None
             assert m.block_table is not None
             prepared = self._prepared
-            if prepared is None or not prepared.serves(
-                k_plane, v_plane, query.dtype, m.block_size
-            ):
+            if prepared is None or not prepared.serves(k_plane, v_plane, query.dtype, m.block_size):
                 prepared = self._prepared = PreparedPlanes(
                     k_plane,
                     v_plane,

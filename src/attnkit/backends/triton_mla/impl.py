@@ -14,7 +14,8 @@ from typing_extensions import override
 from ..._validation import describe_tensor, dtype_name
 from ...impl import AttentionImpl
 from ...metadata import SparseSelection
-from ...params import AttentionLayerParams, attention_params_problems, mla_projection_problems
+from ...params import AttentionLayerParams
+from ...params import mla_params_problems as _mla_params_problems
 from ...spec import AttentionSpec
 from ._limits import _FEATURES, _PAGED_MAX_HEAD_DIM, _PAGED_MIN_HEAD_DIM
 from .builder import MLAPrefillMetadata, TritonMLAMetadata
@@ -25,27 +26,9 @@ if TYPE_CHECKING:  # the kernel modules import triton; annotations only
 
 
 def mla_params_problems(spec: AttentionSpec, params: AttentionLayerParams) -> list[str]:
-    """What keeps ``triton_mla`` from running an MLA layer with ``params`` (empty: nothing).
-
-    The generic checks (features, sink tokens, head counts) of
-    ``attention_params_problems``, plus MLA's own: the values are the latent's first
-    ``v_head_size`` channels, so ``v_head_size`` (the kv_lora_rank) must be at most the
-    latent width.
-    """
-    # v_head_size and the projection are checked here: narrower values are what MLA is.
-    generic = dataclasses.replace(params, v_head_size=None, mla_projection=None)
-    problems = attention_params_problems(
-        spec, generic, backend="triton_mla", supported_features=_FEATURES
-    )
-    if params.mla_projection is not None:
-        return problems + mla_projection_problems(spec, params)
-    rank = params.v_head_size
-    if rank is not None and rank > spec.head_size:
-        problems.append(
-            f"v_head_size (the kv_lora_rank) must be at most the latent width "
-            f"head_size={spec.head_size}, got {rank}"
-        )
-    return problems
+    """What keeps ``triton_mla`` from running an MLA layer with ``params`` (empty:
+    nothing): :func:`attnkit.params.mla_params_problems` with its features."""
+    return _mla_params_problems(spec, params, backend="triton_mla", supported_features=_FEATURES)
 
 
 def _check_tensor(

@@ -1,0 +1,225 @@
+"""The ``cpu_mla`` backend: absorbed multi-head latent attention on the CPU engines
+(beside ``cpu_attn``, whose builder it shares).
+
+Serves ``mla_attention`` and ``sliding_window_mla`` layers (DeepSeek-V2/V3's MLA,
+arXiv:2405.04434 section 2.1, weight-absorbed) with the same native kernels as
+``cpu_attn``: a latent ``[D]`` per token (``D = R + rope``: the first
+``R = kv_lora_rank`` channels are the compressed KV, the value of every head; the last
+``rope`` the shared rotary key) is one KV head whose key is the whole latent and whose
+value is its first ``R`` channels. So the engines attend GQA with one KV head and head
+size ``D`` over the cache ``[NB, BS, D]`` viewed as planes ``[NB * BS, 1, D]``, the same
+tensor for K and V; each row's first ``R`` output channels are the result (the last
+``rope`` are discarded: 64 of 576 for DeepSeek, 11% more value work than needed, against
+no change to the kernels). Decodes and short runs (at most ``NATIVE_MAX_QUERY`` queries)
+go to the native paged decode, longer runs to the native blocked prefill.
+
+The contract is ``reference``'s MLA path: ``query [T, H, D]`` (absorbed), ``key
+[T, 1, D]`` the step's new latents, ``value`` ``None`` or the latents again, ``output
+[T, H, R]`` with ``R = layer_params.v_head_size`` (``None``: ``D``), ``scale`` default
+``D ** -0.5``. Not served (so not declared; those layers go to ``reference`` on CPU):
+the ``mla_projection`` feature, sparse attention (DSA), fp8 latent caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from typing_extensions import override
+
+from ...backend import AttentionBackend
+from ...binding import bind_each
+from ...capabilities import AttentionFeature, MultipleOf, SizeRule
+from ...impl import AttentionImpl
+from ...kernels.attention.cpu_decode import PreparedPlanes
+from ...kinds import Mask, rules_for
+from ...params import AttentionLayerParams, mla_params_problems
+from ...spec import AttentionSpec, KVCacheDType, MLAAttentionSpec, SlidingWindowMLASpec
+from .._planes import PlanesWrites
+from .backend import (
+    NATIVE_MAX_QUERY,
+    CpuAttentionBackend,
+    CpuAttentionMetadata,
+    CpuAttentionMetadataBuilder,
+)
+
+__all__ = ["CpuMLABackend", "CpuMLAImpl"]
+
+_NAME = "cpu_mla"
+_FEATURES: frozenset[AttentionFeature] = frozenset()
+# The latent width D: the engines take any multiple of 16 (DeepSeek: 576 = 512 + 64).
+_HEAD_SIZES: SizeRule = (MultipleOf(16),)
+_BLOCK_SIZES: SizeRule = (MultipleOf(16),)
+
+
+class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLayerParams]):
+    """Writes the step's latents into the cache, then attends them as one KV head of
+    width ``D`` (key: the latent; value: the same latent, of which the first ``R``
+    output channels are kept).
+
+    Attributes:
+        kv_lora_rank: ``R``, the output width (``layer_params.v_head_size``, or ``D``).
+        scale: the softmax scale (``layer_params.scale``, default ``D ** -0.5``).
+
+    Raises at construction (so a bad layer fails before its first step):
+        ValueError: ``layer_params`` asks for what the backend does not serve.
+    """
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_params: AttentionLayerParams) -> None:
+        super().__init__(kv_cache_spec, layer_params)
+        spec, params = kv_cache_spec, layer_params
+        problems = mla_params_problems(spec, params, backend=_NAME, supported_features=_FEATURES)
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self._mask: Mask = rules_for(spec).mask(spec)
+        self.head_size = spec.head_size
+        self.kv_lora_rank: int = (
+            params.v_head_size if params.v_head_size is not None else spec.head_size
+        )
+        self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
+        self._prepared: PreparedPlanes | None = None
+        # [T, H, D] results of the last step's shape, reused while it fits.
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def output_size(self) -> int:
+        """Width of ``forward``'s output: ``R``."""
+        return self.kv_lora_rank
+
+    def _plane(self, kv_cache: Sequence[torch.Tensor], who: str) -> torch.Tensor:
+        """The latent cache ``[NB, BS, D]`` as one plane ``[NB * BS, 1, D]`` (a view)."""
+        spec = self.kv_cache_spec
+        if len(kv_cache) != 1:
+            raise ValueError(
+                f"{who}: kv_cache must hold 1 tensor (the latents), got {len(kv_cache)}"
+            )
+        cache = kv_cache[0]
+        want = (spec.block_size, spec.head_size)
+        if (
+            cache.dim() != 3
+            or tuple(cache.shape[1:]) != want
+            or cache.dtype != spec.cache_torch_dtype
+            or not cache.is_contiguous()
+        ):
+            raise ValueError(
+                f"{who}: kv_cache[0] must be a contiguous {spec.cache_torch_dtype} tensor "
+                f"[NB, BS, D] with BS={spec.block_size}, D={spec.head_size}, got "
+                f"{cache.dtype} {list(cache.shape)}"
+            )
+        return cache.view(-1, 1, spec.head_size)
+
+    def _results(self, query: torch.Tensor) -> torch.Tensor:
+        """The engines' ``[T, H, D]`` results buffer for this step (reused)."""
+        s = self._scratch
+        if (
+            s is None
+            or s.dtype != query.dtype
+            or s.shape[0] < query.shape[0]
+            or s.shape[1:] != query.shape[1:]
+        ):
+            s = self._scratch = torch.empty(query.shape, dtype=query.dtype)
+        return s[: query.shape[0]]
+
+    @override
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: Sequence[torch.Tensor],
+        attn_metadata: CpuAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the new latents (``key[:, 0]``), then attend; ``value`` is ignored."""
+        m: object = attn_metadata
+        spec = self.kv_cache_spec
+        who = f"{type(self).__name__}.forward ({spec.kind.value})"
+        if not isinstance(m, CpuAttentionMetadata):
+            raise TypeError(
+                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
+            )
+        if key is None:
+            raise TypeError(
+                f"{who}: key (the new latents) must be a torch.Tensor [T, 1, D], got None"
+            )
+        plane = self._plane(kv_cache, who)
+        self._write_latents(plane, key, m.writes)
+        n = m.num_actual_tokens
+        if n < output.shape[0]:  # padding rows
+            output[n:] = 0
+        results = self._results(query)
+        causal, window = self._mask.causal, self._mask.window
+        assert m.block_table is not None  # MLA layers have a cache
+        if m.native:
+            prepared = self._prepared
+            if prepared is None or not prepared.serves(plane, plane, query.dtype, m.block_size):
+                prepared = self._prepared = PreparedPlanes(
+                    plane,
+                    plane,
+                    query_dtype=query.dtype,
+                    num_heads=self.layer_params.num_heads,
+                    head_size=spec.head_size,
+                    block_size=m.block_size,
+                    scale=self.scale,
+                )
+            prepared.requests(
+                query, m.block_table, m.query_start_loc, m.seq_lens, m.native_requests,
+                causal=causal, window=window, chunk=None, output=results,
+            )  # fmt: skip
+        if len(m.prefill_requests):
+            from ...kernels.attention.cpu_prefill import paged_prefill
+
+            paged_prefill(
+                query, plane, plane, m.block_table, m.prefill_requests, m.prefill_start,
+                m.prefill_lens, m.prefill_seq, block_size=m.block_size, causal=causal,
+                window=window, chunk=None, scale=self.scale, output=results,
+                key=key if m.read_step_kv else None, value=key if m.read_step_kv else None,
+            )  # fmt: skip
+        output[:n].copy_(self._values(results[:n]))
+        return output
+
+    def _write_latents(self, plane: torch.Tensor, key: torch.Tensor, writes: PlanesWrites) -> None:
+        """The step's new latents into their slots of the plane."""
+        if writes.slots is None:
+            return
+        slots = writes.slots
+        if writes.rows is not None:
+            new = key.index_select(0, writes.rows)
+        else:
+            count = min(slots.shape[0], key.shape[0])
+            slots, new = slots[:count], key[:count]
+        plane.index_copy_(0, slots, new.to(plane.dtype))
+
+    def _values(self, results: torch.Tensor) -> torch.Tensor:
+        """The output of the engines' ``[T, H, D]`` rows: the first ``R`` channels (the
+        value part of the latent; the rest is the rope part's weighted sum)."""
+        return results[..., : self.kv_lora_rank]
+
+
+class CpuMLABackend(AttentionBackend):
+    """Absorbed MLA (DeepSeek-V2/V3) on the CPU engines: full and sliding-window."""
+
+    name = _NAME
+    description = (
+        "CPU engines for absorbed multi-head latent attention: the latent as one KV head "
+        "(key: the whole latent, value: its first kv_lora_rank channels), the native "
+        f"paged decode for decodes and runs of up to {NATIVE_MAX_QUERY} queries, the "
+        "native blocked prefill for the rest; full and sliding-window MLA; CPU only"
+    )
+    supported_devices = frozenset({"cpu"})
+    supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    supported_head_sizes = _HEAD_SIZES
+    supported_block_sizes = _BLOCK_SIZES
+    supported_features = _FEATURES
+    deterministic = True
+    builders = bind_each(
+        (MLAAttentionSpec, SlidingWindowMLASpec), CpuAttentionMetadataBuilder, CpuMLAImpl
+    )
+
+    @classmethod
+    @override
+    def extra_environment_reasons(cls, device: torch.device) -> list[str]:
+        """The engines' native library must load here (``cpu_attn``'s reasons)."""
+        return CpuAttentionBackend.extra_environment_reasons(device)
