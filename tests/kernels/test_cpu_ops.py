@@ -1,23 +1,29 @@
-"""``torch.ops.attnkit.cpu_paged_decode``: the CPU paged decode as a torch operator.
+"""``torch.ops.attnkit.cpu_paged_decode`` and ``cpu_paged_prefill``: the CPU engines as
+torch operators.
 
-Checked against the float64 oracle of ``test_cpu_decode`` (eager, and inside
+Checked against the float64 oracles of ``test_cpu_decode`` and ``test_cpu_prefill``
+(eager, and inside
 ``torch.compile(fullgraph=True)`` graphs: one traced as a single graph by AOTAutograd,
 one compiled by Inductor), by ``torch.library.opcheck`` (schema, fake tensor,
-autograd registration, AOT dispatch), and with its errors the function's. The same
-call through the ctypes function is shown to break ``fullgraph`` tracing, the failure
-the operator exists to prevent.
+autograd registration, AOT dispatch), and with their errors the functions'. The same
+calls through the functions are shown to break ``fullgraph`` tracing, the failure the
+operators exist to prevent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from test_cpu_decode import TOL, _request_items, make_case, oracle
+from test_cpu_prefill import SENTINEL, Case, Req, build
+from test_cpu_prefill import _check as check_prefill
 
 from attnkit.kernels.attention import cpu_ops
 from attnkit.kernels.attention.cpu_decode import native_problem, paged_attention_requests
+from attnkit.kernels.attention.cpu_prefill import paged_prefill
 
 _PROBLEM = native_problem()
 if _PROBLEM is not None and _PROBLEM.startswith("no C compiler"):  # pragma: no cover
@@ -48,7 +54,9 @@ def _case(dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     }
 
 
-def _args(c: dict[str, Any], out: torch.Tensor, lse: torch.Tensor | None, window: int = 0) -> tuple[Any, ...]:
+def _args(
+    c: dict[str, Any], out: torch.Tensor, lse: torch.Tensor | None, window: int = 0
+) -> tuple[Any, ...]:
     return (
         c["q"], c["k"], c["v"], c["table"], c["qsl"], c["seq"], None, out, lse,
         BS, True, window, 0, D**-0.5, 0.0, None, None, None, None,
@@ -131,3 +139,101 @@ def test_the_direct_call_breaks_fullgraph_tracing() -> None:
 
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(step, fullgraph=True, backend="aot_eager")(c["q"])
+
+
+# ---------------------------------------------------------------- the prefill operator
+
+# Two requests: a chunk of 6 over 9 cached tokens, and a fresh prompt of 7 read from the
+# step's key/value rows (test_cpu_prefill's harness: NaN where nothing should be read).
+_PREFILL = Case([Req(qlen=6, seq=15), Req(qlen=7, seq=7, from_key=True)], with_lse=True)
+
+
+def _prefill_args(
+    data: dict[str, Any], out: torch.Tensor, lse: torch.Tensor | None, c: Case = _PREFILL
+) -> tuple[Any, ...]:
+    def ints(name: str) -> torch.Tensor:
+        return torch.from_numpy(data[name].copy())
+
+    return (
+        data["query"], data["k_plane"], data["v_plane"], data["block_table"],
+        ints("requests"), ints("query_start"), ints("query_lens"), ints("seq_lens"),
+        out, lse, c.block_size, c.causal, c.window or 0, c.chunk or 0, c.d**-0.5, 0.0,
+        None, data["key"], data["value"], None, None, None,
+    )  # fmt: skip
+
+
+def _prefill_outputs(data: dict[str, Any], c: Case = _PREFILL) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full_like(data["query"], SENTINEL)
+    lse_big = torch.full((out.shape[0], 2 * c.hq), SENTINEL)
+    return out, lse_big
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_prefill_operator_matches_the_oracle(window: int | None) -> None:
+    c = dataclasses.replace(_PREFILL, window=window)
+    data = build(c, seed=5)
+    out, lse_big = _prefill_outputs(data, c)
+    torch.ops.attnkit.cpu_paged_prefill(*_prefill_args(data, out, lse_big[:, ::2], c))
+    check_prefill(c, data, c.d**-0.5, out, lse_big)
+
+
+def test_prefill_opcheck() -> None:
+    op = torch.ops.attnkit.cpu_paged_prefill.default
+    assert str(op._schema) == "attnkit::" + cpu_ops.PREFILL_SCHEMA
+    data = build(_PREFILL, seed=5)
+    out, lse_big = _prefill_outputs(data)
+    torch.library.opcheck(op, _prefill_args(data, out, lse_big[:, ::2].contiguous()))
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_prefill_compiled_with_fullgraph(backend: str) -> None:
+    torch._dynamo.reset()
+    data = build(_PREFILL, seed=5)
+
+    def step(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.full_like(q, SENTINEL)
+        lse = torch.full((q.shape[0], 2 * _PREFILL.hq), SENTINEL)
+        torch.ops.attnkit.cpu_paged_prefill(
+            *_prefill_args({**data, "query": q * 1.0}, out, lse[:, ::2])
+        )
+        return out + 0.0, lse
+
+    out, lse_big = torch.compile(step, fullgraph=True, backend=backend)(data["query"])
+    check_prefill(_PREFILL, data, _PREFILL.d**-0.5, out, lse_big)
+
+
+def test_prefill_errors_are_the_functions() -> None:
+    data = build(_PREFILL, seed=5)
+    out, _ = _prefill_outputs(data)
+    args = list(_prefill_args(data, out, None))
+    args[4] = args[4].to(torch.int32)
+    with pytest.raises(
+        ValueError, match=r"requests: expected a 1-D int64 tensor on cpu, got torch.int32"
+    ):
+        torch.ops.attnkit.cpu_paged_prefill(*args)
+    args = list(_prefill_args(data, out, None))
+    args[12] = -2  # window
+    with pytest.raises(ValueError, match="window"):
+        torch.ops.attnkit.cpu_paged_prefill(*args)
+    assert (out == SENTINEL).all()  # a refused call wrote nothing
+
+
+def test_the_direct_prefill_call_breaks_fullgraph_tracing() -> None:
+    """The broken variant: the same prefill through the function (numpy vectors, the
+    ctypes call) instead of the operator breaks the graph."""
+    torch._dynamo.reset()
+    data = build(_PREFILL, seed=5)
+
+    def step(q: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        paged_prefill(
+            q * 1.0, data["k_plane"], data["v_plane"], data["block_table"], data["requests"],
+            data["query_start"], data["query_lens"], data["seq_lens"],
+            block_size=_PREFILL.block_size, causal=True, window=None, chunk=None,
+            scale=_PREFILL.d**-0.5, output=out, key=data["key"], value=data["value"],
+        )  # fmt: skip
+        return out + 0.0
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(data["query"])
