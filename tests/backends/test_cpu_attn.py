@@ -131,7 +131,7 @@ def test_short_and_long_runs_split_between_the_engines() -> None:
 # ------------------------------------------------------------------ selection and reasons
 
 
-def test_the_cpu_default_for_the_kinds_it_serves_and_reference_for_the_rest() -> None:
+def test_the_cpu_default_for_the_kinds_it_serves_and_the_others_for_the_rest() -> None:
     config = AttentionConfig()
     chosen = select_backend(spec_of("window"), config, device="cpu")
     assert chosen.backend_name == NAME
@@ -139,7 +139,7 @@ def test_the_cpu_default_for_the_kinds_it_serves_and_reference_for_the_rest() ->
     assert chosen.rejected == ()
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
     chosen = select_backend(mla, config, device="cpu")
-    assert chosen.backend_name == "reference"
+    assert chosen.backend_name == "cpu_mla"  # the same engines, for MLA latents
     (skipped,) = [r for r in chosen.rejected if r.backend == NAME]
     assert any("kind=mla_attention not supported" in r for r in skipped.reasons)
     odd = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)

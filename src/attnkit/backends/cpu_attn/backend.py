@@ -182,6 +182,16 @@ class CpuAttentionMetadata:
     mm_prefix_items: tuple[torch.Tensor, ...] | None = None
 
 
+def cpu_metadata(who: str, attn_metadata: object) -> CpuAttentionMetadata:
+    """``attn_metadata`` checked to be the CPU engines' metadata (a :class:`TypeError`
+    naming it otherwise)."""
+    if not isinstance(attn_metadata, CpuAttentionMetadata):
+        raise TypeError(
+            f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(attn_metadata).__name__}"
+        )
+    return attn_metadata
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class DraftTreeRows:
     """A draft tree step's draft rows, recomputed after the engines ran (the native
@@ -531,13 +541,9 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         attn_metadata: CpuAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        m: object = attn_metadata
         spec = self.kv_cache_spec
         who = f"{type(self).__name__}.forward ({spec.kind.value})"
-        if not isinstance(m, CpuAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
-            )
+        m = cpu_metadata(who, attn_metadata)
         check_planes(
             who,
             spec,
@@ -668,11 +674,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         self, who: str, attn_metadata: object, query: torch.Tensor, lse: object
     ) -> CpuAttentionMetadata:
         """The metadata's type and ``lse`` (float32 ``[T, Hq]`` on the CPU), checked."""
-        if not isinstance(attn_metadata, CpuAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got "
-                f"{type(attn_metadata).__name__}"
-            )
+        attn_metadata = cpu_metadata(who, attn_metadata)
         want = (query.shape[0], query.shape[1])
         if (
             not isinstance(lse, torch.Tensor)
@@ -852,11 +854,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, Attent
         """``forward`` over one context-parallel shard, with the partial's lse (rows
         past the step's tokens: zeros and ``-inf``; a sink logit joins rank 0's only)."""
         who = f"{type(self).__name__}.forward_partial ({self.kv_cache_spec.kind.value})"
-        if not isinstance(attn_metadata, CpuAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got "
-                f"{type(attn_metadata).__name__}"
-            )
+        attn_metadata = cpu_metadata(who, attn_metadata)
         if attn_metadata.shard is None or attn_metadata.shard_items is None:
             raise ValueError(
                 f"{who}: the metadata has no context_shard (the group is not sharded by "

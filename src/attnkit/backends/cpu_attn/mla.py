@@ -42,6 +42,7 @@ from .backend import (
     CpuAttentionBackend,
     CpuAttentionMetadata,
     CpuAttentionMetadataBuilder,
+    cpu_metadata,
 )
 
 __all__ = ["CpuMLABackend", "CpuMLAImpl"]
@@ -132,13 +133,9 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         output: torch.Tensor,
     ) -> torch.Tensor:
         """Write the new latents (``key[:, 0]``), then attend; ``value`` is ignored."""
-        m: object = attn_metadata
         spec = self.kv_cache_spec
         who = f"{type(self).__name__}.forward ({spec.kind.value})"
-        if not isinstance(m, CpuAttentionMetadata):
-            raise TypeError(
-                f"{who}: attn_metadata must be CpuAttentionMetadata, got {type(m).__name__}"
-            )
+        m = cpu_metadata(who, attn_metadata)
         if key is None:
             raise TypeError(
                 f"{who}: key (the new latents) must be a torch.Tensor [T, 1, D], got None"

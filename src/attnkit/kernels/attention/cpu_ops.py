@@ -78,19 +78,28 @@ def cpu_paged_decode(
         query_start_loc,
         seq_lens,
         requests,
-        block_size=block_size,
-        causal=causal,
-        window=None if window == 0 else window,
-        chunk=None if chunk == 0 else chunk,
-        scale=scale,
         output=output,
-        soft_cap=None if soft_cap == 0.0 else soft_cap,
         alibi_slopes=alibi_slopes,
+        **_options(block_size, causal, window, chunk, scale, soft_cap),
         sinks=sinks,
         lse=lse,
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+def _options(
+    block_size: int, causal: bool, window: int, chunk: int, scale: float, soft_cap: float
+) -> dict[str, Any]:
+    """The scalar options as the functions take them (the schemas' 0 is "none")."""
+    return {
+        "block_size": block_size,
+        "causal": causal,
+        "window": None if window == 0 else window,
+        "chunk": None if chunk == 0 else chunk,
+        "scale": scale,
+        "soft_cap": None if soft_cap == 0.0 else soft_cap,
+    }
 
 
 def _cpu_paged_decode_fake(*args: object) -> None:
@@ -165,14 +174,9 @@ def cpu_paged_prefill(
         _host_ints("query_start", query_start),
         _host_ints("query_lens", query_lens),
         _host_ints("seq_lens", seq_lens),
-        block_size=block_size,
-        causal=causal,
-        window=None if window == 0 else window,
-        chunk=None if chunk == 0 else chunk,
-        scale=scale,
         output=output,
-        soft_cap=None if soft_cap == 0.0 else soft_cap,
         alibi_slopes=alibi_slopes,
+        **_options(block_size, causal, window, chunk, scale, soft_cap),
         key=key,
         value=value,
         sinks=sinks,
