@@ -53,6 +53,12 @@ fp8 e4m3 cache with per-head scales and an int8 per-token-head cache (rows of
 float64 oracle on its dequantised values; reported: times, their ratio to the bf16
 cache, and the K/V bytes each reads.
 
+Absorbed MLA (``--mla only`` runs nothing else): decode steps of 8 requests x 1k
+(``--quick``: 4 x 512) over DeepSeek-V3's latent (576 = 512 + 64, 16 heads, bf16)
+through the runtime, ``cpu_mla`` against ``reference`` on the same steps in paired
+alternating rounds, each checked against a float64 oracle; reported: times, the speedup
+and cpu_mla's GFLOP/s.
+
 Side by side with vLLM when ``vllm._custom_ops`` imports (``--vllm no`` skips it, ``only``
 runs nothing else): vLLM's CPU attention ops against the engine ``cpu_attn`` runs, on the
 same cache contents, in paired rounds, both checked against a float64 oracle
@@ -61,6 +67,7 @@ same cache contents, in paired rounds, both checked against a float64 oracle
     python benchmarks/bench_cpu.py --out bench-results [--quick]
     python benchmarks/bench_cpu.py --vllm only --grid-threads 1,2   # the vLLM table
     python benchmarks/bench_cpu.py --fp8 only --threads 1           # the quantised rows
+    python benchmarks/bench_cpu.py --mla only                       # cpu_mla vs reference
 """
 
 from __future__ import annotations
@@ -797,6 +804,88 @@ def _main_quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mla_decode(reps: int, quick: bool) -> dict[str, Any]:
+    """Absorbed MLA decode through the runtime: ``cpu_mla`` against ``reference`` on the
+    same steps (DeepSeek-V3's latent, 576 = 512 + 64, 16 heads, bfloat16), in paired
+    alternating rounds (the speedup: the median per-round ratio), each side's output
+    against a float64 oracle of the last step."""
+    from attnkit import AttentionRuntime, MLAAttentionSpec, ScheduledRequest
+
+    b, ctx, heads, d, r = (4, 512, 16, 576, 512) if quick else (8, 1024, 16, 576, 512)
+    scale = 192**-0.5
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    lat = torch.randn(b, ctx + reps + 2, d, generator=gen).to(dt)
+    q = torch.randn(b, heads, d, generator=gen).to(dt)
+
+    def runtime(name: str) -> AttentionRuntime:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=d, dtype=dt)
+        rt = AttentionRuntime(
+            {"l": spec}, AttentionConfig(backend=name), device="cpu",
+            memory_budget_bytes=1 << 30,
+            layer_params={"l": AttentionLayerParams(num_heads=heads, v_head_size=r, scale=scale)},
+        )  # fmt: skip
+        step = rt.begin_step([ScheduledRequest(f"r{i}", ctx) for i in range(b)])
+        rows = step.token_slices()
+        keys = torch.zeros(step.num_tokens, 1, d, dtype=dt)
+        for i in range(b):
+            keys[rows[f"r{i}"], 0] = lat[i, :ctx]
+        rt.forward("l", torch.zeros(step.num_tokens, heads, d, dtype=dt), keys, None)
+        return rt
+
+    sides = {name: runtime(name) for name in ("cpu_mla", "reference")}
+    seen = dict.fromkeys(sides, ctx)
+    outs: dict[str, torch.Tensor] = {}
+
+    def decode(name: str) -> Callable[[], object]:
+        def run() -> object:
+            rt = sides[name]
+            n = seen[name]
+            rt.begin_step([ScheduledRequest(f"r{i}", 1) for i in range(b)])
+            outs[name] = rt.forward("l", q, lat[:, n : n + 1], None)
+            seen[name] = n + 1
+            return outs[name]
+
+        return run
+
+    mine, ref, ratio = _alternating(decode("cpu_mla"), decode("reference"), reps)
+    errs = {}
+    for name, out in outs.items():
+        n = seen[name]
+        want = torch.stack([
+            torch.softmax(scale * q[i].double() @ lat[i, :n].double().T, -1) @ lat[i, :n, :r].double()
+            for i in range(b)
+        ])  # fmt: skip
+        errs[name] = (out.double() - want).abs().max().item()
+    flops = 2 * 2 * b * heads * (ctx + reps) * d  # scores and values, a multiply-add each
+    return {
+        "shape": f"{b} x {ctx}, H {heads}, D {d} / R {r}, bf16",
+        "rounds": reps,
+        "cpu_mla_s": mine,
+        "reference_s": ref,
+        "speedup": 1 / ratio,
+        "cpu_mla_gflops": flops / mine / 1e9,
+        "max_err": errs,
+    }
+
+
+def _main_mla(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    row = _mla_decode(args.reps or (5 if args.quick else 15), args.quick)
+    print(
+        f"MLA decode {row['shape']}, {torch.get_num_threads()} thread(s), median of "
+        f"{row['rounds']} paired rounds: cpu_mla {row['cpu_mla_s'] * 1e3:.2f} ms, reference "
+        f"{row['reference_s'] * 1e3:.2f} ms ({row['speedup']:.1f}x); cpu_mla at "
+        f"{row['cpu_mla_gflops']:.0f} GFLOP/s; max |err| vs float64 "
+        + ", ".join(f"{k} {v:.1e}" for k, v in row["max_err"].items())
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_cpu_mla.json"
+    path.write_text(json.dumps(row, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
 def _demo(backend_per_kind: str | None) -> dict[str, float]:
     from attnkit.demo import run_demo
 
@@ -860,7 +949,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the native decode over fp8 / int8 caches against a bf16 cache: only "
         "(nothing else), no (default)",
     )
+    parser.add_argument(
+        "--mla",
+        choices=("only", "no"),
+        default="no",
+        help="absorbed MLA decode, cpu_mla against reference: only (nothing else), no (default)",
+    )
     args = parser.parse_args(argv)
+    if args.mla == "only":
+        BS = args.block_size
+        return _main_mla(args)
     if args.fp8 == "only":
         BS = args.block_size
         return _main_quant(args)
