@@ -5,8 +5,8 @@ A step's requests with at most ``NATIVE_MAX_QUERY`` queries (decodes, speculativ
 steps) go to the native paged kernel (``cpu_decode``), which reads K and V in place
 through the block table; longer runs go to the native blocked prefill (``cpu_prefill``),
 which packs their keys once per chunk for many query rows. Nothing is compiled per
-shape: the native library is built once per machine with the system C compiler, its
-prefill compute once per instruction set and picked at run time.
+shape: the native library ships prebuilt for portable variants (or is compiled once per
+machine where none fits), each instruction set's copy picked at run time.
 ``benchmarks/bench_cpu.py`` measures both engines against a plain read of the same
 bytes, SDPA and, where installed, vLLM's CPU attention.
 
@@ -949,8 +949,8 @@ class CpuAttentionBackend(AttentionBackend):
     @classmethod
     @override
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
-        """The engines are CPU code; on CPU their native kernel must build here (a C
-        compiler; built once per machine and cached on disk)."""
+        """The engines are CPU code; on CPU their native library must load here (a
+        prebuilt variant this CPU runs, or one compiled once per machine)."""
         if device.type != "cpu":
             return [
                 f"{_NAME} is CPU-only: its engines are a native C kernel and CPU matrix products"
