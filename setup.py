@@ -71,23 +71,30 @@ class BuildNative(build_ext):
             return name if full != fullname else os.path.join(*full.split(".")[:-1], name)
         return super().get_ext_filename(fullname)
 
-    def build_extension(self, ext: Extension) -> None:
+    def build_extensions(self) -> None:
+        """Build each variant; one that fails is dropped from the outputs (so an
+        editable install copies only what was built) unless ATTNKIT_REQUIRE_PREBUILT=1."""
+        built = [ext for ext in self.extensions if self._build_variant(ext)]
+        self.extensions[:] = built
+
+    def _build_variant(self, ext: Extension) -> bool:
         variant = _VARIANTS[ext.name]
         target = Path(self.get_ext_fullpath(ext.name))
-        required = os.environ.get("ATTNKIT_REQUIRE_PREBUILT", "") == "1"
         compiler = _compiler()
         try:
             if compiler is None:
                 raise _NB.BuildFailed("no C compiler found (set CC, or install cc, gcc or clang)")
             _NB.compile_library(compiler, _KERNELS, target, variant.flags, variant=variant.name)
         except _NB.BuildFailed as exc:
-            if required:
+            if os.environ.get("ATTNKIT_REQUIRE_PREBUILT", "") == "1":
                 raise
             print(
                 f"warning: attnkit's prebuilt {variant.name} CPU kernels were not built "
                 f"({exc}); they will be compiled at first use where a compiler exists",
                 file=sys.stderr,
             )
+            return False
+        return True
 
 
 setup(
