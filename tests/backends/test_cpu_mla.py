@@ -25,7 +25,7 @@ from attnkit import (
 from attnkit.backends._planes import PlanesWrites
 from attnkit.backends.cpu_attn import CpuMLAImpl
 from attnkit.selector import select_backend
-from attnkit.spec import AttentionSpec
+from attnkit.spec import AttentionSpec, KVCacheDType
 
 BS = 16
 WINDOW = 20
@@ -42,12 +42,15 @@ STEPS: list[dict[str, int]] = [
 TOL = {torch.float32: 3e-5, torch.bfloat16: 3e-2}
 
 
-def _spec(kind: str, d: int, dtype: torch.dtype) -> AttentionSpec:
+def _spec(kind: str, d: int, dtype: torch.dtype, kv: KVCacheDType = "auto") -> AttentionSpec:
     if kind == "window":
         return SlidingWindowMLASpec(
-            block_size=BS, num_kv_heads=1, head_size=d, dtype=dtype, sliding_window=WINDOW
-        )
-    return MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=d, dtype=dtype)
+            block_size=BS, num_kv_heads=1, head_size=d, dtype=dtype, sliding_window=WINDOW,
+            kv_cache_dtype=kv,
+        )  # fmt: skip
+    return MLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=d, dtype=dtype, kv_cache_dtype=kv
+    )  # type: ignore[arg-type]  # a KVCacheDType literal
 
 
 def oracle(
@@ -67,8 +70,19 @@ def oracle(
     return torch.einsum("hqk,kd->qhd", p, lat[:, :r])
 
 
+def _fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 e4m3 latent cache stores: ``x / scale`` saturated to +-448, rounded."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def _run(
-    kind: str, heads: int, d: int, r: int, dtype: torch.dtype, backend: str = "cpu_mla"
+    kind: str,
+    heads: int,
+    d: int,
+    r: int,
+    dtype: torch.dtype,
+    backend: str = "cpu_mla",
+    fp8_scale: float | None = None,
 ) -> float:
     """The steps through the runtime; the worst error against the oracle. Checks that
     the cache holds every latent written, bit for bit."""
@@ -78,11 +92,18 @@ def _run(
     q = {n: torch.randn(t, heads, d, generator=gen).to(dtype) for n, t in total.items()}
     lat = {n: torch.randn(t, 1, d, generator=gen).to(dtype) for n, t in total.items()}
     rt = AttentionRuntime(
-        {"layer": _spec(kind, d, dtype)},
+        {"layer": _spec(kind, d, dtype, "auto" if fp8_scale is None else "fp8_e4m3")},
         AttentionConfig(backend=backend),
         device="cpu",
         memory_budget_bytes=1 << 24,
-        layer_params={"layer": AttentionLayerParams(num_heads=heads, v_head_size=r, scale=scale)},
+        layer_params={
+            "layer": AttentionLayerParams(
+                num_heads=heads,
+                v_head_size=r,
+                scale=scale,
+                **({} if fp8_scale is None else {"k_scale": fp8_scale, "v_scale": fp8_scale}),
+            )
+        },
         cache_fill=float("nan"),
     )
     assert rt.backend_for("layer").name == backend
@@ -101,7 +122,10 @@ def _run(
         assert out.shape == (batch.num_tokens, heads, r)
         for n, t in step.items():
             end = done[n] + t
-            want = oracle(q[n][done[n] : end], lat[n][:end, 0], r, scale, window)
+            seen = lat[n][:end, 0]
+            if fp8_scale is not None:  # what attention sees: the stored values
+                seen = _fp8(seen, fp8_scale).double() * fp8_scale
+            want = oracle(q[n][done[n] : end], seen, r, scale, window)
             worst = max(worst, (out[rows[n]].double() - want).abs().max().item())
             done[n] = end
     cache = rt.kv_caches["layer"][0].reshape(-1, d)
@@ -111,7 +135,10 @@ def _run(
         blocks = table[pos // BS]
         live = blocks != 0  # a window layer gives blocks past its window back (block 0)
         stored = cache[blocks[live] * BS + pos[live] % BS]
-        assert torch.equal(stored, lat[n][live, 0]), f"request {n}: the cache lost latents"
+        want = lat[n][live, 0] if fp8_scale is None else _fp8(lat[n][live, 0], fp8_scale)
+        assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8)), (
+            f"request {n}: the cache lost latents"
+        )
     return worst
 
 
@@ -175,18 +202,34 @@ def test_what_it_does_not_serve_goes_to_reference(
     assert any(reason in x for x in mine.reasons), mine.reasons
 
 
-def test_an_fp8_latent_cache_is_not_taken() -> None:
-    spec = MLAAttentionSpec(
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=576,
-        dtype=torch.bfloat16,
-        kv_cache_dtype="fp8_e4m3",
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["full", "window"])
+def test_an_fp8_latent_cache_matches_the_oracle_on_its_stored_values(
+    kind: str, dtype: torch.dtype
+) -> None:
+    """fp8 e4m3 latents (stored ``latent / k_scale``; the oracle attends the dequantised
+    values); a power-of-two scale keeps the test's own quantiser exact."""
+    assert (
+        select_backend(
+            _spec(kind, 576, torch.bfloat16, "fp8_e4m3"), AttentionConfig(), device="cpu"
+        ).backend_name
+        == "cpu_mla"
     )
-    chosen = select_backend(spec, AttentionConfig(), device="cpu")
-    assert chosen.backend_name != "cpu_mla"
-    (mine,) = [r for r in chosen.rejected if r.backend == "cpu_mla"]
-    assert any("kv_cache_dtype=fp8_e4m3 not supported" in x for x in mine.reasons), mine.reasons
+    err = _run(kind, 4, 576, 512, dtype, fp8_scale=0.25)
+    assert err < TOL[dtype], err
+
+
+def test_an_fp8_cache_read_without_its_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: the engines given no latent scale (the stored values read as
+    if they were the latents)."""
+    init = CpuMLAImpl.__init__
+
+    def no_scale(self: CpuMLAImpl, *args: object) -> None:
+        init(self, *args)  # type: ignore[arg-type]  # passed on
+        self._latent_scale = torch.ones(1)
+
+    monkeypatch.setattr(CpuMLAImpl, "__init__", no_scale)
+    assert _run("full", 4, 576, 512, torch.bfloat16, fp8_scale=0.25) > 0.1
 
 
 def test_a_rank_wider_than_the_latent_is_refused_at_construction() -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "check_causal",
     "check_planes",
     "check_step_lengths",
+    "copy_rows",
     "from_numpy",
     "layer_problems",
     "step_writes",
@@ -316,8 +317,8 @@ def write_planes(
             slots, k_new, v_new = slots[:count], key[:count], value[:count]
         if quant is not None:
             k_new, v_new = quant.stored(k_new, False), quant.stored(v_new, True)
-        _copy_rows(k_plane, slots, k_new)
-        _copy_rows(v_plane, slots, v_new)
+        copy_rows(k_plane, slots, k_new)
+        copy_rows(v_plane, slots, v_new)
     if writes.sink_slots is not None:
         sk, sv = params.sink_key, params.sink_value
         assert sk is not None  # checked at construction (layer_problems)
@@ -328,14 +329,14 @@ def write_planes(
             sv_rows = quant.stored(sv, True).to(v_plane.device)
         else:
             sk_rows, sv_rows = sk.to(k_plane), sv.to(v_plane)
-        _copy_rows(k_plane, writes.sink_slots, sk_rows.repeat(new, 1, 1))
-        _copy_rows(v_plane, writes.sink_slots, sv_rows.repeat(new, 1, 1))
+        copy_rows(k_plane, writes.sink_slots, sk_rows.repeat(new, 1, 1))
+        copy_rows(v_plane, writes.sink_slots, sv_rows.repeat(new, 1, 1))
     if writes.tail_slots is not None:
         k_plane.index_fill_(0, writes.tail_slots, 0)
         v_plane.index_fill_(0, writes.tail_slots, 0)
 
 
-def _copy_rows(plane: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def copy_rows(plane: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``plane[slots] = rows``; the bytes of a 1-byte format (torch has no fp8
     ``index_copy_``)."""
     if plane.element_size() == 1 and rows.dtype == plane.dtype:

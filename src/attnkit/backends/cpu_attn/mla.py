@@ -16,8 +16,10 @@ go to the native paged decode, longer runs to the native blocked prefill.
 The contract is ``reference``'s MLA path: ``query [T, H, D]`` (absorbed), ``key
 [T, 1, D]`` the step's new latents, ``value`` ``None`` or the latents again, ``output
 [T, H, R]`` with ``R = layer_params.v_head_size`` (``None``: ``D``), ``scale`` default
-``D ** -0.5``. Not served (so not declared; those layers go to ``reference`` on CPU):
-the ``mla_projection`` feature, sparse attention (DSA), fp8 latent caches.
+``D ** -0.5``. An ``fp8_e4m3`` cache stores ``latent / k_scale`` (one per-tensor scale,
+``layer_params.k_scale``: the latent is both key and value), as ``triton_mla`` does;
+the engines dequantise each tile. Not served (so not declared; those layers go to
+``reference`` on CPU): the ``mla_projection`` feature, sparse attention (DSA).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ...kernels.attention.cpu_decode import PreparedPlanes
 from ...kinds import Mask, rules_for
 from ...params import AttentionLayerParams, mla_params_problems
 from ...spec import AttentionSpec, KVCacheDType, MLAAttentionSpec, SlidingWindowMLASpec
-from .._planes import PlanesWrites
+from .._planes import PlanesQuant, PlanesWrites, copy_rows
 from .backend import (
     NATIVE_MAX_QUERY,
     CpuAttentionBackend,
@@ -79,6 +81,11 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
             params.v_head_size if params.v_head_size is not None else spec.head_size
         )
         self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
+        # An fp8 latent cache stores latent / k_scale (one scale: the latent is key and
+        # value both), written as the reference quantiser writes it.
+        self._quant = PlanesQuant.of(spec, params)
+        scale_vec = self._quant.engine_scales(1)[0] if self._quant is not None else None
+        self._latent_scale = scale_vec
         self._prepared: PreparedPlanes | None = None
         # [T, H, D] results of the last step's shape, reused while it fits.
         self._scratch: torch.Tensor | None = None
@@ -159,6 +166,8 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
                     head_size=spec.head_size,
                     block_size=m.block_size,
                     scale=self.scale,
+                    k_scale=self._latent_scale,
+                    v_scale=self._latent_scale,
                 )
             prepared.requests(
                 query, m.block_table, m.query_start_loc, m.seq_lens, m.native_requests,
@@ -167,11 +176,14 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         if len(m.prefill_requests):
             from ...kernels.attention.cpu_prefill import paged_prefill
 
+            # A fresh prompt reads the step's latents, unless the cache is quantised:
+            # then the stored values, as every later step reads them.
+            dense = key if m.read_step_kv and self._quant is None else None
             paged_prefill(
                 query, plane, plane, m.block_table, m.prefill_requests, m.prefill_start,
                 m.prefill_lens, m.prefill_seq, block_size=m.block_size, causal=causal,
                 window=window, chunk=None, scale=self.scale, output=results,
-                key=key if m.read_step_kv else None, value=key if m.read_step_kv else None,
+                key=dense, value=dense, k_scale=self._latent_scale, v_scale=self._latent_scale,
             )  # fmt: skip
         output[:n].copy_(self._values(results[:n]))
         return output
@@ -186,7 +198,10 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         else:
             count = min(slots.shape[0], key.shape[0])
             slots, new = slots[:count], key[:count]
-        plane.index_copy_(0, slots, new.to(plane.dtype))
+        if self._quant is not None:
+            copy_rows(plane, slots, self._quant.stored(new, False))
+        else:
+            plane.index_copy_(0, slots, new.to(plane.dtype))
 
     def _values(self, results: torch.Tensor) -> torch.Tensor:
         """The output of the engines' ``[T, H, D]`` rows: the first ``R`` channels (the
@@ -206,7 +221,7 @@ class CpuMLABackend(AttentionBackend):
     )
     supported_devices = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto", "fp8_e4m3"})
     supported_head_sizes = _HEAD_SIZES
     supported_block_sizes = _BLOCK_SIZES
     supported_features = _FEATURES
