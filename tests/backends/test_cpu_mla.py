@@ -188,7 +188,6 @@ def test_the_cpu_default_routes_mla_to_it() -> None:
 @pytest.mark.parametrize(
     ("features", "reason"),
     [
-        (frozenset({AttentionFeature.MLA_PROJECTION}), "feature mla_projection not supported"),
         (frozenset({AttentionFeature.SPARSE_ATTENTION}), "feature sparse_attention not supported"),
     ],
 )

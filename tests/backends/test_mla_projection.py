@@ -1,7 +1,7 @@
 """MLA layers with ``mla_projection``: the impl applies ``W_UK``/``W_UV`` itself.
 
-Both backends that declare the ``mla_projection`` feature (``reference``, always
-absorbed; ``triton_mla``, absorbed decodes and a prefill part in either form) run
+The backends that declare the ``mla_projection`` feature (``reference`` and ``cpu_mla``,
+always absorbed; ``triton_mla``, absorbed decodes and a prefill part in either form) run
 through ``AttentionRuntime`` and are held against an oracle written here: float64,
 request by request, in the **up-projected** form straight from the definition (keys
 ``[c W_UK, k_pe]`` and values ``c W_UV`` per head for every cached position, causal and
@@ -35,6 +35,7 @@ from attnkit import (
     SlidingWindowMLASpec,
 )
 from attnkit.backend_api import BackendRequest
+from attnkit.backends.cpu_attn import CpuMLABackend
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.triton_mla import (
     DECODE_THRESHOLD,
@@ -59,6 +60,7 @@ def _registry() -> BackendRegistry:
     reg = BackendRegistry()
     reg.register(ReferenceBackend)
     reg.register(TritonMLABackend)
+    reg.register(CpuMLABackend)
     return reg
 
 
@@ -228,6 +230,41 @@ def test_reference_projection_matches_the_up_projected_oracle(
     kind: str, dtype: torch.dtype
 ) -> None:
     assert assert_matches(run_schedule("reference", SPECS[kind](dtype, 16), dtype), dtype) == 15
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("dtype", [F32, B16])
+def test_cpu_mla_projection_matches_the_up_projected_oracle(kind: str, dtype: torch.dtype) -> None:
+    """cpu_mla (the CPU engines, absorbed around them) against the same oracle."""
+    assert assert_matches(run_schedule("cpu_mla", SPECS[kind](dtype, 16), dtype), dtype) == 15
+
+
+def test_cpu_mla_projection_absorbing_one_heads_weights_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broken variant: every head's query absorbed with head 0's ``W_UK``."""
+    from attnkit.backends.cpu_attn import CpuMLAImpl
+
+    absorbed = CpuMLAImpl._absorbed
+
+    def head_zero(self: CpuMLAImpl, query: torch.Tensor) -> torch.Tensor:
+        proj = self.projection
+        assert proj is not None
+        wrong = dataclasses.replace(proj, w_uk=proj.w_uk[:1].expand_as(proj.w_uk))
+        monkeypatch.setattr(self, "projection", wrong)
+        try:
+            return absorbed(self, query)
+        finally:
+            monkeypatch.setattr(self, "projection", proj)
+
+    monkeypatch.setattr(CpuMLAImpl, "_absorbed", head_zero)
+    with pytest.raises(AssertionError):
+        assert_matches(run_schedule("cpu_mla", SPECS["mla"](F32, 16), F32), F32)
+
+
+def test_cpu_mla_projection_fp8_latent_cache_matches_the_oracle() -> None:
+    spec = MLAAttentionSpec(block_size=16, head_size=D, dtype=F16, kv_cache_dtype="fp8_e4m3")
+    assert assert_matches(run_schedule("cpu_mla", spec, F16, k_scale=0.5), F16) == 15
 
 
 @pytest.mark.parametrize(

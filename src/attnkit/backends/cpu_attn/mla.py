@@ -18,8 +18,10 @@ The contract is ``reference``'s MLA path: ``query [T, H, D]`` (absorbed), ``key
 [T, H, R]`` with ``R = layer_params.v_head_size`` (``None``: ``D``), ``scale`` default
 ``D ** -0.5``. An ``fp8_e4m3`` cache stores ``latent / k_scale`` (one per-tensor scale,
 ``layer_params.k_scale``: the latent is both key and value), as ``triton_mla`` does;
-the engines dequantise each tile. Not served (so not declared; those layers go to
-``reference`` on CPU): the ``mla_projection`` feature, sparse attention (DSA).
+the engines dequantise each tile. With ``mla_projection`` the impl absorbs ``W_UK``
+into the query and applies ``W_UV`` to the result itself (always absorbed, as
+``reference``). Not served (so not declared; those layers go to ``reference`` on CPU):
+sparse attention (DSA).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from .backend import (
 __all__ = ["CpuMLABackend", "CpuMLAImpl"]
 
 _NAME = "cpu_mla"
-_FEATURES: frozenset[AttentionFeature] = frozenset()
+# The projection (W_UK / W_UV applied here, around the engines: always absorbed).
+_FEATURES: frozenset[AttentionFeature] = frozenset({AttentionFeature.MLA_PROJECTION})
 # The latent width D: the engines take any multiple of 16 (DeepSeek: 576 = 512 + 64).
 _HEAD_SIZES: SizeRule = (MultipleOf(16),)
 _BLOCK_SIZES: SizeRule = (MultipleOf(16),)
@@ -61,9 +64,16 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
     width ``D`` (key: the latent; value: the same latent, of which the first ``R``
     output channels are kept).
 
+    With ``layer_params.mla_projection`` the query is un-absorbed ``[T, H, N + P]`` and
+    the output ``[T, H, V]``: the impl absorbs ``q_nope @ W_UK`` (float32) into the
+    query the engines take, and multiplies their first ``R`` channels by ``W_UV``
+    (float32), as ``reference`` does; every step runs absorbed.
+
     Attributes:
-        kv_lora_rank: ``R``, the output width (``layer_params.v_head_size``, or ``D``).
-        scale: the softmax scale (``layer_params.scale``, default ``D ** -0.5``).
+        kv_lora_rank: ``R``, the latent's value width (``layer_params.v_head_size``, or
+            ``D``; the projection's ``R`` with one).
+        scale: the softmax scale (``layer_params.scale``, default ``D ** -0.5``;
+            ``(N + P) ** -0.5`` with a projection).
 
     Raises at construction (so a bad layer fails before its first step):
         ValueError: ``layer_params`` asks for what the backend does not serve.
@@ -77,10 +87,15 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self._mask: Mask = rules_for(spec).mask(spec)
         self.head_size = spec.head_size
+        self.projection = params.mla_projection
         self.kv_lora_rank: int = (
             params.v_head_size if params.v_head_size is not None else spec.head_size
         )
-        self.scale: float = params.scale if params.scale is not None else spec.head_size**-0.5
+        query_size = spec.head_size
+        if self.projection is not None:
+            self.kv_lora_rank = self.projection.kv_lora_rank
+            query_size = self.projection.qk_nope_head_dim + spec.head_size - self.kv_lora_rank
+        self.scale: float = params.scale if params.scale is not None else query_size**-0.5
         # An fp8 latent cache stores latent / k_scale (one scale: the latent is key and
         # value both), written as the reference quantiser writes it.
         self._quant = PlanesQuant.of(spec, params)
@@ -92,8 +107,23 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
 
     @property
     def output_size(self) -> int:
-        """Width of ``forward``'s output: ``R``."""
-        return self.kv_lora_rank
+        """Width of ``forward``'s output: ``R``, or ``V`` with a projection."""
+        return self.projection.v_head_dim if self.projection is not None else self.kv_lora_rank
+
+    def _absorbed(self, query: torch.Tensor) -> torch.Tensor:
+        """The query the engines take: as given, or with a projection
+        ``[q_nope @ W_UK^T, q_pe]`` (float32 products, back in the query's dtype)."""
+        proj = self.projection
+        if proj is None:
+            return query
+        if proj.w_uk.device != query.device:
+            raise ValueError(
+                f"{type(self).__name__}.forward: layer_params.mla_projection must be on the "
+                f"query's device {query.device}, got its weights on {proj.w_uk.device}"
+            )
+        nope = proj.qk_nope_head_dim
+        absorbed = torch.einsum("thn,hrn->thr", query[:, :, :nope].float(), proj.w_uk.float())
+        return torch.cat([absorbed.to(query.dtype), query[:, :, nope:]], dim=-1)
 
     def _plane(self, kv_cache: Sequence[torch.Tensor], who: str) -> torch.Tensor:
         """The latent cache ``[NB, BS, D]`` as one plane ``[NB * BS, 1, D]`` (a view)."""
@@ -148,6 +178,7 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
                 f"{who}: key (the new latents) must be a torch.Tensor [T, 1, D], got None"
             )
         plane = self._plane(kv_cache, who)
+        query = self._absorbed(query)  # checked before anything is written
         self._write_latents(plane, key, m.writes)
         n = m.num_actual_tokens
         if n < output.shape[0]:  # padding rows
@@ -205,8 +236,13 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
 
     def _values(self, results: torch.Tensor) -> torch.Tensor:
         """The output of the engines' ``[T, H, D]`` rows: the first ``R`` channels (the
-        value part of the latent; the rest is the rope part's weighted sum)."""
-        return results[..., : self.kv_lora_rank]
+        value part of the latent; the rest is the rope part's weighted sum), times
+        ``W_UV`` with a projection."""
+        values = results[..., : self.kv_lora_rank]
+        proj = self.projection
+        if proj is None:
+            return values
+        return torch.einsum("thr,hrv->thv", values.float(), proj.w_uv.float())
 
 
 class CpuMLABackend(AttentionBackend):
