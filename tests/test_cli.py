@@ -104,6 +104,45 @@ def test_backends_lists_the_kinds_each_builtin_binds() -> None:
     assert "    kinds: " + ", ".join(sorted(k.value for k in KVCacheSpecKind)) + "\n" in text
 
 
+def test_backends_says_which_native_library_the_cpu_engines_run() -> None:
+    from attnkit.kernels.attention.cpu_native import load_paged_decode
+    from attnkit.registry import BUILTIN_BACKENDS
+
+    reg = BackendRegistry(builtins=BUILTIN_BACKENDS, discover_plugins=False)
+    lib = load_paged_decode()
+    status, text = run(["backends"], reg)
+    assert status == 0
+    for name in ("cpu_attn", "cpu_mla"):
+        block = re.split(r"\n  (?=\S)", text.split(f"  {name} [builtin]", 1)[1])[0]
+        assert f"    runs with: {lib.origin} {lib.variant} library {lib.path} ({lib.why})" in block
+        assert f"OpenMP runtime {lib.openmp_runtime}" in block
+        assert f"prefill {lib.prefill_isa}; decode float32 {lib.decode_isa(0, 128)}" in block
+    status, text = run(["backends", "--json"], reg)
+    rows = {r["name"]: r for r in json.loads(text)["backends"]}
+    assert rows["cpu_attn"]["notes"][0] == lib.describe()
+    assert rows["reference"]["notes"] == []
+
+
+def test_a_plugin_whose_notes_raise_gets_a_reason() -> None:
+    """environment_notes runs behind the plugin guard like the other hooks: what it
+    raises becomes a reason on its row, not an error of the listing."""
+
+    class NoisyNotes(GenericToyBackend):
+        name = "toy_noisy_notes"
+
+        @classmethod
+        def environment_notes(cls, device: torch.device) -> list[str]:
+            raise RuntimeError("probe failed")
+
+    reg = BackendRegistry(allowlist=None)
+    reg.register(NoisyNotes)
+    status, text = run(["backends"], reg)
+    assert status == 0
+    assert "toy_noisy_notes [registered] unavailable" in text
+    assert "environment_notes()" in text
+    assert "probe failed" in text
+
+
 def test_backends_names_the_default_on_the_device() -> None:
     from attnkit.registry import BUILTIN_BACKENDS
 

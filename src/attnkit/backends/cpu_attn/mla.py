@@ -271,3 +271,9 @@ class CpuMLABackend(AttentionBackend):
     def extra_environment_reasons(cls, device: torch.device) -> list[str]:
         """The engines' native library must load here (``cpu_attn``'s reasons)."""
         return CpuAttentionBackend.extra_environment_reasons(device)
+
+    @classmethod
+    @override
+    def environment_notes(cls, device: torch.device) -> list[str]:
+        """The native library the engines load (``cpu_attn``'s notes)."""
+        return CpuAttentionBackend.environment_notes(device)
