@@ -38,6 +38,7 @@ __all__ = [
     "copy_rows",
     "from_numpy",
     "layer_problems",
+    "rows_to_write",
     "step_writes",
     "write_planes",
 ]
@@ -309,12 +310,8 @@ def write_planes(
     ``quant`` when given, then zero the tails. ``params`` holds the sink tokens (checked
     at construction)."""
     if key is not None and value is not None and writes.slots is not None:
-        slots = writes.slots
-        if writes.rows is not None:
-            k_new, v_new = key.index_select(0, writes.rows), value.index_select(0, writes.rows)
-        else:
-            count = min(slots.shape[0], key.shape[0])
-            slots, k_new, v_new = slots[:count], key[:count], value[:count]
+        slots, k_new = rows_to_write(writes.slots, writes.rows, key)
+        _, v_new = rows_to_write(writes.slots, writes.rows, value)
         if quant is not None:
             k_new, v_new = quant.stored(k_new, False), quant.stored(v_new, True)
         copy_rows(k_plane, slots, k_new)
@@ -334,6 +331,18 @@ def write_planes(
     if writes.tail_slots is not None:
         k_plane.index_fill_(0, writes.tail_slots, 0)
         v_plane.index_fill_(0, writes.tail_slots, 0)
+
+
+def rows_to_write(
+    slots: torch.Tensor, rows: torch.Tensor | None, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots a step writes and the rows of ``step`` (its new keys, values or
+    latents) that go to them: ``step[rows]``, or, with ``rows`` ``None``, the first
+    ``len(slots)`` rows (as many as ``step`` has)."""
+    if rows is not None:
+        return slots, step.index_select(0, rows)
+    count = min(slots.shape[0], step.shape[0])
+    return slots[:count], step[:count]
 
 
 def copy_rows(plane: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from ...kernels.attention.cpu_decode import PreparedPlanes
 from ...kinds import Mask, rules_for
 from ...params import AttentionLayerParams, mla_params_problems
 from ...spec import AttentionSpec, KVCacheDType, MLAAttentionSpec, SlidingWindowMLASpec
-from .._planes import PlanesQuant, PlanesWrites, copy_rows
+from .._planes import PlanesQuant, PlanesWrites, copy_rows, rows_to_write
 from .backend import (
     NATIVE_MAX_QUERY,
     CpuAttentionBackend,
@@ -223,12 +223,7 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         """The step's new latents into their slots of the plane."""
         if writes.slots is None:
             return
-        slots = writes.slots
-        if writes.rows is not None:
-            new = key.index_select(0, writes.rows)
-        else:
-            count = min(slots.shape[0], key.shape[0])
-            slots, new = slots[:count], key[:count]
+        slots, new = rows_to_write(writes.slots, writes.rows, key)
         if self._quant is not None:
             copy_rows(plane, slots, self._quant.stored(new, False))
         else:

@@ -328,7 +328,7 @@ def paged_attention_rows(
     if n == 0:
         return
     err = (ctypes.c_int64 * 3)()
-    code = _PAGED_DECODE.function()(
+    code = _PAGED_DECODE.of(lib)(
         *_lead_args(c),
         r.data_ptr(), req.data_ptr(), ks.data_ptr(), ke.data_ptr(), qp.data_ptr(),
         n, T, Hq, Hkv, D, bs, stride, offset,
@@ -458,7 +458,7 @@ def paged_attention_requests(
     if n == 0:
         return
     err = (ctypes.c_int64 * 3)()
-    code = _PAGED_DECODE_REQUESTS.function()(
+    code = _PAGED_DECODE_REQUESTS.of(lib)(
         *_lead_args(c),
         qsl.data_ptr(), seq.data_ptr(), None if served is None else served.data_ptr(), n,
         T, Hq, Hkv, D, c.block_size,
@@ -583,7 +583,7 @@ class PreparedPlanes:
         err = (ctypes.c_int64 * 3)()
         R, Hkv, _ = c.k.shape
         bs = c.block_size
-        code = _PAGED_DECODE_REQUESTS.function()(
+        code = _PAGED_DECODE_REQUESTS.of(lib)(
             *self._head,
             q.data_ptr(), q.stride(0), q.stride(1),
             *self._planes,

@@ -99,24 +99,17 @@ class Entry:
     checked against the library's ABI table when the library loads.
     """
 
-    __slots__ = ("_fn", "_lib", "errors", "name", "params")
+    __slots__ = ("errors", "name", "params")
 
     def __init__(self, name: str, params: str, errors: str = "") -> None:
         self.name = name
         self.params = tuple(params.split())
         self.errors = tuple(errors.split())
-        self._lib: NativeLibrary | None = None
-        self._fn: Callable[..., int] | None = None
         _ENTRIES[name] = self
 
-    def function(self) -> Callable[..., int]:
-        """The loaded library's function (loading it on first use)."""
-        lib = load_paged_decode()
-        fn = self._fn
-        if lib is not self._lib or fn is None:
-            fn = lib.functions[self.name]
-            self._lib, self._fn = lib, fn
-        return fn
+    def of(self, lib: NativeLibrary) -> Callable[..., int]:
+        """This function in a loaded library (checked against this entry at its load)."""
+        return lib.functions[self.name]
 
 
 @dataclass(frozen=True)
@@ -350,33 +343,35 @@ def _prebuilt() -> NativeLibrary:
     flags = _cpu_flags().split(":", 1)[-1].split()
     runnable = cpu_native_build.runnable_variants(machine, flags)
     packaged = {
-        v.name: [p] if (p := _PREBUILT_DIR / cpu_native_build.prebuilt_name(v)).is_file() else []
+        v.name: _PREBUILT_DIR / cpu_native_build.prebuilt_name(v)
         for v in cpu_native_build.VARIANTS
+        if (_PREBUILT_DIR / cpu_native_build.prebuilt_name(v)).is_file()
     }
-    shipped = [name for name, files in packaged.items() if files]
-    if not shipped:
+    if not packaged:
         raise _BuildError("no prebuilt library is packaged (a source install)")
     want = cpu_native_build.source_hash(_DIR)
     passed: list[str] = []
     for variant in runnable:
-        for path in packaged[variant.name]:
-            try:
-                built_from = _hash_of(path)
-            except _BuildError as exc:
-                passed.append(str(exc))
-                continue
-            if built_from != want:
-                passed.append(
-                    f"{path.name} is stale (built from sources {built_from}, installed {want})"
-                )
-                continue
-            why = f"the best packaged variant this {machine} CPU runs"
-            if passed:
-                why += "; passed over: " + "; ".join(passed)
-            return _load(path, "prebuilt", why)
+        path = packaged.get(variant.name)
+        if path is None:
+            continue
+        try:
+            built_from = _hash_of(path)
+        except _BuildError as exc:
+            passed.append(str(exc))
+            continue
+        if built_from != want:
+            passed.append(
+                f"{path.name} is stale (built from sources {built_from}, installed {want})"
+            )
+            continue
+        why = f"the best packaged variant this {machine} CPU runs"
+        if passed:
+            why += "; passed over: " + "; ".join(passed)
+        return _load(path, "prebuilt", why)
     if not passed:
         passed.append(
-            f"none of the packaged variants ({', '.join(shipped)}) runs on this {machine} CPU"
+            f"none of the packaged variants ({', '.join(packaged)}) runs on this {machine} CPU"
         )
     raise _BuildError("; ".join(passed))
 
@@ -431,15 +426,17 @@ def _compile_into(compiler: str, target: Path, openmp: bool) -> tuple[str, ...]:
     )
 
 
-def _build(why: str = "compiled at first use") -> NativeLibrary:
-    """The run-time build: compile here (or load the cached build)."""
+def _build(why: str = "compiled at first use", *, openmp: bool | None = None) -> NativeLibrary:
+    """The run-time build: compile here (or load the cached build). ``openmp``: whether
+    an OpenMP runtime was made global (``None``: find out here)."""
     for name in (*cpu_native_build.SOURCES, *cpu_native_build.HEADERS):
         if not (_DIR / name).is_file():
             raise _BuildError(f"the kernel source {_DIR / name} is missing from the installation")
     compiler = _find_compiler()
     if compiler is None:
         raise _BuildError("no C compiler found (set CC, or install cc, gcc or clang)")
-    openmp = _openmp_runtime()[0] is not None
+    if openmp is None:
+        openmp = _openmp_runtime()[0] is not None
     key = hashlib.sha256()
     for part in (
         cpu_native_build.source_hash(_DIR).encode(),
@@ -485,8 +482,10 @@ def _select() -> NativeLibrary:
             f"{_MODE_ENV}={os.environ[_MODE_ENV]!r} is not one of {', '.join(_MODES)}"
         )
     runtime, omp_note = _openmp_runtime()
+    openmp = runtime is not None
     if mode == "compile" or _DEFINES:
-        lib = _build(f"{_MODE_ENV}=compile" if mode == "compile" else "a test build")
+        why = f"{_MODE_ENV}=compile" if mode == "compile" else "a test build"
+        lib = _build(why, openmp=openmp)
     elif mode == "prebuilt":
         lib = _prebuilt()
     else:
@@ -494,7 +493,7 @@ def _select() -> NativeLibrary:
             lib = _prebuilt()
         except _BuildError as exc:
             try:
-                lib = _build(f"compiled at first use: {exc}")
+                lib = _build(f"compiled at first use: {exc}", openmp=openmp)
             except _BuildError as failed:
                 raise _BuildError(f"{failed}; and no prebuilt library fits: {exc}") from failed
     resolved = lib.openmp_runtime

@@ -102,7 +102,7 @@ def _options(
     }
 
 
-def _cpu_paged_decode_fake(*args: object) -> None:
+def _no_compute_fake(*args: object) -> None:
     """Nothing to compute while tracing: the operators return nothing and write only
     their declared outputs."""
     return None
@@ -114,7 +114,7 @@ _library: Any = torch.library
 _LIB = _library.Library("attnkit", "FRAGMENT")
 _LIB.define(SCHEMA)
 _LIB.impl("cpu_paged_decode", cpu_paged_decode, "CPU")
-_library.register_fake("attnkit::cpu_paged_decode", _cpu_paged_decode_fake, lib=_LIB)
+_library.register_fake("attnkit::cpu_paged_decode", _no_compute_fake, lib=_LIB)
 
 
 PREFILL_SCHEMA = (
@@ -188,5 +188,5 @@ def cpu_paged_prefill(
 
 _LIB.define(PREFILL_SCHEMA)
 _LIB.impl("cpu_paged_prefill", cpu_paged_prefill, "CPU")
-_library.register_fake("attnkit::cpu_paged_prefill", _cpu_paged_decode_fake, lib=_LIB)
+_library.register_fake("attnkit::cpu_paged_prefill", _no_compute_fake, lib=_LIB)
 """``torch.ops.attnkit.cpu_paged_prefill``: the CPU blocked prefill as a torch operator."""

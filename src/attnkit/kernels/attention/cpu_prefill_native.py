@@ -89,7 +89,7 @@ def native_prefill(
     vd_ptr, vd_sr, vd_sh = _strides(value)
     lse_ptr, lse_st, lse_sh = _strides(lse)
     err = (ctypes.c_int64 * 3)()
-    code = _PAGED_PREFILL.function()(
+    code = _PAGED_PREFILL.of(lib)(
         _DTYPE_CODES[q.dtype],
         *(planes_format.args() if planes_format is not None else (_DTYPE_CODES[q.dtype], None, None)),
         q.data_ptr(), q.stride(0), q.stride(1),
