@@ -56,7 +56,7 @@ from typing import Any, Literal
 
 from . import cpu_native_build
 
-__all__ = ["Entry", "NativeLibrary", "library_modes", "load_paged_decode", "native_problem"]
+__all__ = ["Entry", "NativeLibrary", "load_paged_decode", "native_problem"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -85,11 +85,6 @@ _KINDS: Mapping[str, _CType] = {
     "ptr": ctypes.c_void_p,
 }
 _ENTRIES: dict[str, Entry] = {}
-
-
-def library_modes() -> tuple[str, ...]:
-    """The values ``ATTNKIT_CPU_LIBRARY`` takes."""
-    return _MODES
 
 
 class Entry:
