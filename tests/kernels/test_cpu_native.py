@@ -244,6 +244,75 @@ def test_the_install_built_the_prebuilt_libraries() -> None:
     assert cpu_native_build.prebuilt_name(_VARIANTS[-1]) in names, names
 
 
+_GLIBC_X86 = (
+    sys.platform.startswith("linux")
+    and _MACHINE == "x86_64"
+    and platform.libc_ver()[0] == "glibc"
+    and shutil.which("readelf") is not None
+)
+needs_glibc_x86 = pytest.mark.skipif(
+    not _GLIBC_X86, reason="the pins are glibc x86-64's; the check reads readelf -V"
+)
+
+
+@needs_glibc_x86
+def test_the_prebuilt_libraries_need_no_newer_glibc_than_the_floor() -> None:
+    """The wheel's libraries load on glibc 2.17 (manylinux2014): the newest symbol
+    version each asks for is at most the floor, whatever this machine's glibc is."""
+    built = sorted(_native._DIR.glob("_native.*.so"))
+    assert built
+    for library in built:
+        needs = cpu_native_build.required_glibc(library)
+        assert needs is not None, library  # memcpy and friends: some version is needed
+        assert needs <= cpu_native_build.GLIBC_FLOOR, (library.name, needs)
+
+
+@needs_glibc_x86
+@needs_compiler
+def test_a_build_without_the_pins_is_caught(tmp_path: Path) -> None:
+    """The check's broken variant: without attnkit_abi.h's pins, expf and logf bind to
+    glibc 2.27's versions (this machine's glibc is newer), and the check sees it."""
+    assert _COMPILER is not None
+    if tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 27):
+        pytest.skip("this glibc predates expf's 2.27 version: nothing to pin")
+    variant = _VARIANTS[-1]
+    target = tmp_path / cpu_native_build.prebuilt_name(variant)
+    cpu_native_build.compile_library(
+        _COMPILER, _native._DIR, target, variant.flags, variant=variant.name,
+        defines=("ATTNKIT_TEST_NO_GLIBC_PINS",),
+    )  # fmt: skip
+    needs = cpu_native_build.required_glibc(target)
+    assert needs is not None
+    assert needs >= (2, 27) > cpu_native_build.GLIBC_FLOOR
+
+
+def test_required_glibc_reads_the_version_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest GLIBC_x.y in readelf's version-needs listing (numerically: 2.34 over
+    2.4); None with none listed or without readelf."""
+    listing = (
+        "Version needs section '.gnu.version_r' contains 2 entries:\n"
+        "  000000: Version: 1  File: libm.so.6  Cnt: 1\n"
+        "  0x0010:   Name: GLIBC_2.4  Flags: none  Version: 3\n"
+        "  0x0020: Version: 1  File: libc.so.6  Cnt: 2\n"
+        "  0x0030:   Name: GLIBC_2.34  Flags: none  Version: 4\n"
+        "  0x0040:   Name: GLIBC_2.2.5  Flags: none  Version: 2\n"
+    )
+
+    def run(out: str) -> object:
+        return lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(cpu_native_build.subprocess, "run", run(listing))
+    assert cpu_native_build.required_glibc(Path("x.so")) == (2, 34)
+    monkeypatch.setattr(cpu_native_build.subprocess, "run", run("no version info\n"))
+    assert cpu_native_build.required_glibc(Path("x.so")) is None
+
+    def missing(*a: object, **k: object) -> object:
+        raise FileNotFoundError("readelf")
+
+    monkeypatch.setattr(cpu_native_build.subprocess, "run", missing)
+    assert cpu_native_build.required_glibc(Path("x.so")) is None
+
+
 # ---------------------------------------------------------------- OpenMP
 
 

@@ -16,8 +16,22 @@
 
 #include <stdint.h>
 
+/*
+ * glibc's floor. A library linked against a newer glibc asks for the newest version of
+ * each symbol it calls; expf and logf gained a version in glibc 2.27, which alone would
+ * keep the prebuilt library off older systems. They are bound to their x86-64 base
+ * version instead (glibc keeps it: on 2.27 and later it is the same function behind an
+ * errno wrapper), so the library needs glibc 2.17 at most, manylinux2014's floor
+ * (cpu_native_build.required_glibc checks a build). ATTNKIT_TEST_NO_GLIBC_PINS is the
+ * tests' broken variant.
+ */
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(ATTNKIT_TEST_NO_GLIBC_PINS)
+__asm__(".symver expf,expf@GLIBC_2.2.5");
+__asm__(".symver logf,logf@GLIBC_2.2.5");
+#endif
+
 /* Bumped on any change below: a library and its sources name the same version. */
-#define ATTNKIT_ABI_VERSION 7
+#define ATTNKIT_ABI_VERSION 8
 
 /* X(code, NAME, meaning): what a kernel returns instead of reading out of bounds. */
 #define ATTNKIT_ERRORS(X)                                                                   \
@@ -98,7 +112,7 @@ enum {
     X(str, const char *, source_hash, ATTNKIT_NO_ARGS)                                     \
     X(str, const char *, build_variant, ATTNKIT_NO_ARGS)                                   \
     X(i32, int, has_openmp, ATTNKIT_NO_ARGS)                                               \
-    X(str, const char *, openmp_runtime, ATTNKIT_NO_ARGS)                                  \
+    X(ptr, void *, openmp_entry, ATTNKIT_NO_ARGS)                                          \
     X(str, const char *, prefill_isa, ATTNKIT_NO_ARGS)                                     \
     X(str, const char *, decode_isa, ATTNKIT_DECODE_ISA_ARGS)                              \
     X(i32, int, paged_decode, ATTNKIT_PAGED_DECODE_ARGS)                                   \

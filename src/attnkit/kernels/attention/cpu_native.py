@@ -256,6 +256,21 @@ def _torch_openmp() -> str | None:
     return found[0] if found else None
 
 
+def _mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``; ``"?"``
+    where that cannot be read or nothing file-backed is mapped there)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, _, high = fields[0].partition("-")
+                if int(low, 16) <= address < int(high, 16):
+                    return fields[5].strip() if len(fields) == 6 else "?"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "?"
+
+
 def _openmp_runtime() -> tuple[str | None, str]:
     """Make an OpenMP runtime global before a library loads: torch's, else the system's
     libgomp. Returns its path (``None``: none found) and a note on the choice."""
@@ -284,14 +299,15 @@ def _load(path: Path, origin: Literal["prebuilt", "compiled"], why: str) -> Nati
     table = _table(lib, path)
     fns = {name: _bind(lib, path, name, ret, params) for name, (ret, params) in table.items()}
     for name, ret in (("abi_errors", "str"), ("build_variant", "str"), ("has_openmp", "i32"),
-                      ("openmp_runtime", "str"), ("prefill_isa", "str"), ("decode_isa", "str")):  # fmt: skip
+                      ("openmp_entry", "ptr"), ("prefill_isa", "str"), ("decode_isa", "str")):  # fmt: skip
         if table.get(name, ("",))[0] != ret:
             raise _BuildError(f"{path}: attnkit_{name} missing or not returning {ret}")
     errors = _errors(fns["abi_errors"]())
     _check_entries(table, errors, path)
     omp: str | None = None
     if fns["has_openmp"]():
-        omp = fns["openmp_runtime"]().decode()
+        entry = fns["openmp_entry"]()
+        omp = _mapped_file(entry) if isinstance(entry, int) else "?"
     return NativeLibrary(
         path=path,
         origin=origin,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "GLIBC_FLOOR",
     "HEADERS",
     "SOURCES",
     "VARIANTS",
@@ -29,6 +31,7 @@ __all__ = [
     "Variant",
     "compile_library",
     "prebuilt_name",
+    "required_glibc",
     "runnable_variants",
     "source_hash",
 ]
@@ -79,6 +82,26 @@ VARIANTS = (
     Variant("armv8-a", ("-march=armv8-a",), "aarch64", ()),
 )
 """Best first per machine; a CPU runs the first whose flags it has."""
+
+
+GLIBC_FLOOR = (2, 17)
+"""The newest glibc a prebuilt library may ask for: manylinux2014's (``manylinux_2_17``),
+so one wheel loads on every distribution since 2014. The sources pin the two symbols
+that would raise it (``attnkit_abi.h``)."""
+
+
+def required_glibc(library: Path) -> tuple[int, int] | None:
+    """The newest glibc symbol version ``library`` needs, from its version-needs section
+    (``readelf -V``); ``None`` where it needs none or ``readelf`` (binutils) is missing."""
+    try:
+        done = subprocess.run(
+            ["readelf", "-V", "-W", str(library)],
+            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = [(int(a), int(b)) for a, b in re.findall(r"Name: GLIBC_(\d+)\.(\d+)", done.stdout)]
+    return max(found) if found else None
 
 
 class BuildFailed(Exception):
@@ -163,7 +186,7 @@ def compile_library(
             objects.append(obj)
         out = os.path.join(tmp, target.name)
         # No -fopenmp here: the OpenMP runtime is the one torch loaded (see cpu_native).
-        error = _run([compiler, "-shared", *objects, "-o", out, "-lm", "-ldl"])
+        error = _run([compiler, "-shared", *objects, "-o", out, "-lm"])
         if error is not None:
             raise BuildFailed(f"linking {target.name}:\n{error}")
         os.chmod(out, 0o755)

@@ -28,9 +28,6 @@
  * on x86-64 and to pairs of NEON registers on AArch64.
  */
 
-#if defined(__linux__) && !defined(_GNU_SOURCE)
-#define _GNU_SOURCE /* dladdr */
-#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -39,9 +36,6 @@
 
 #ifdef _OPENMP
 #include <omp.h>
-#ifdef __linux__
-#include <dlfcn.h>
-#endif
 #endif
 
 #include "attnkit_abi.h"
@@ -846,15 +840,14 @@ ATTNKIT_API const char *attnkit_source_hash(void) { return ATTNKIT_SOURCE_HASH; 
 #endif
 ATTNKIT_API const char *attnkit_build_variant(void) { return ATTNKIT_BUILD_VARIANT; }
 
-/* The file of the OpenMP runtime this library's OpenMP calls resolved to (the library
- * links none itself: the loader makes torch's global first), or "" without OpenMP. */
-ATTNKIT_API const char *attnkit_openmp_runtime(void) {
-#if defined(_OPENMP) && defined(__linux__)
-    Dl_info info;
-    if (dladdr((void *)&omp_get_max_threads, &info) && info.dli_fname) return info.dli_fname;
-    return "?";
+/* Where this library's OpenMP calls resolved: the address of omp_get_max_threads as
+ * bound (the library links no runtime: the loader makes torch's global first, and names
+ * the file this address lies in), or NULL without OpenMP. */
+ATTNKIT_API void *attnkit_openmp_entry(void) {
+#ifdef _OPENMP
+    return (void *)&omp_get_max_threads;
 #else
-    return "";
+    return NULL;
 #endif
 }
 
