@@ -48,6 +48,7 @@ from attnkit.kinds import (
     PrefixMiss,
     ShardedRules,
     TokenLayout,
+    _prefix,
     rules_for,
 )
 from attnkit.prefix_cache import (
@@ -359,6 +360,50 @@ def test_the_property_catches_a_broken_rule(broken: KindRules[Any], kind: KVCach
     with pytest.raises(AssertionError):
         check_rule(broken.prefix_hit, *case)
     check_rule(rules_for(case[0]).prefix_hit, *case)  # the kind's own rule passes it
+
+
+LOCAL = [K.SLIDING_WINDOW, K.CHUNKED_LOCAL_ATTENTION, K.SLIDING_WINDOW_MLA]
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=kind_cases(LOCAL))
+def test_the_counted_form_agrees_with_the_definition(
+    case: tuple[KVCacheSpec, list[bool], int],
+) -> None:
+    """Arrays with more than WALK_MISSES misses are counted, not walked: with the
+    threshold below zero every array is, and still gives the definition's hit."""
+    spec, cached, length = case
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_prefix, "WALK_MISSES", -1)
+        check_rule(rules_for(spec).prefix_hit, spec, cached, length)
+
+
+def _count_past_the_first_block(
+    needs: Any, held: np.ndarray[Any, Any], k_min: int, k_top: int
+) -> int | None:
+    """A broken count: the first block a window sees is not checked."""
+    before = np.concatenate(([0], np.cumsum(~held)))
+    ends = np.arange(k_min, k_top + 1)
+    first = np.minimum(needs.lows(ends) + 1, ends)
+    served = np.flatnonzero(before[ends] == before[first])
+    return int(ends[served[-1]]) if served.size else None
+
+
+def test_the_property_catches_a_broken_count() -> None:
+    def wrong(case: tuple[KVCacheSpec, list[bool], int]) -> bool:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_prefix, "WALK_MISSES", -1)
+            patch.setattr(_prefix, "_count_misses", _count_past_the_first_block)
+            try:
+                check_rule(rules_for(case[0]).prefix_hit, *case)
+            except AssertionError:
+                return True
+        return False
+
+    case = find(kind_cases([K.SLIDING_WINDOW]), wrong, settings=settings(max_examples=2000))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_prefix, "WALK_MISSES", -1)
+        check_rule(rules_for(case[0]).prefix_hit, *case)  # the real count passes it
 
 
 # ---------------------------------------------------------------------------- combined

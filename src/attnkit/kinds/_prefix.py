@@ -279,6 +279,16 @@ class _Needs:
             lo = max(lo, p // self.chunk * self.chunk)
         return lo // self.bs
 
+    def lows(self, ends: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``low(k)`` of every ``k`` in ``ends`` (as :meth:`low_of`)."""
+        p = ends * self.bs
+        lo = np.zeros_like(p)
+        if self.window is not None:
+            lo = np.maximum(lo, p - self.window + 1)
+        if self.chunk is not None:
+            lo = np.maximum(lo, p // self.chunk * self.chunk)
+        return lo // self.bs
+
     def blocks(self, k: int) -> npt.NDArray[np.int64]:
         lo = self.low_of(k)
         sinks = min(self.sink_blocks, lo)
@@ -302,6 +312,44 @@ def _highest_miss(needs: _Needs, k: int, cached: BlockLookup) -> int:
     raise AssertionError("a refused hit needs a block that is not cached")
 
 
+WALK_MISSES = 48
+"""An array with at most this many misses is walked (a step per miss it passes, each a
+bisection); with more, every candidate end is checked at once (a few array passes,
+whatever the misses). Measured here (window 64, blocks of 16): the walk about 0.6 us a
+step, the count 29 us over 64 blocks and 44 us over 512 (a walk over 512 misses: 315
+us)."""
+
+
+def _walk_misses(needs: _Needs, misses: list[int], k_min: int, k_top: int) -> int | None:
+    """The lookup's walk over the sorted misses: a hit ending at ``end`` is refused by
+    the highest miss in ``[low(end), end)``, else by the highest one in the sink blocks
+    before ``low(end)``; the next candidate ends at that miss."""
+    end = k_top
+    while end >= k_min:
+        lo = needs.low_of(end)
+        at = bisect.bisect_left(misses, end) - 1  # the highest miss below end
+        if at < 0 or misses[at] < lo:
+            at = bisect.bisect_left(misses, min(needs.sink_blocks, lo)) - 1
+            if at < 0:
+                return end
+        end = misses[at]
+    return None
+
+
+def _count_misses(
+    needs: _Needs, held: npt.NDArray[np.bool_], k_min: int, k_top: int
+) -> int | None:
+    """The same end by counting: a hit ending at block ``e`` is served when no block of
+    ``[low(e), e)`` misses, nor a sink block before ``low(e)`` (``before[i]``: the misses
+    in ``[0, i)``); the longest served."""
+    before = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(~held, dtype=np.int64)))
+    ends = np.arange(k_min, k_top + 1, dtype=np.int64)
+    lows = needs.lows(ends)
+    sinks = np.minimum(needs.sink_blocks, lows)
+    served = np.flatnonzero((before[ends] == before[lows]) & (before[sinks] == 0))
+    return int(ends[served[-1]]) if served.size else None
+
+
 def paged_hit(
     layout: TokenLayout,
     cached: BlockLookup,
@@ -318,10 +366,12 @@ def paged_hit(
     ``window``, ``chunk``, ``sink_len``; module docstring); 0 is always served.
 
     ``cached`` is a bool per block or a lookup. Full attention's hit ends at the first
-    miss (a lookup asks blocks left to right up to it). Windows and chunks walk right to
-    left: a miss at block ``m`` refuses every hit ending past ``m`` that still sees it,
-    so the next candidate ends at ``m``; a lookup asks each block once (plus the few the
-    reason's block is found among), an array's misses are searched in sorted order.
+    miss (a lookup asks blocks left to right up to it). With windows and chunks a lookup
+    walks right to left: a miss at block ``m`` refuses every hit ending past ``m`` that
+    still sees it, so the next candidate ends at ``m``, and each block is asked once
+    (plus the few the reason's block is found among); an array's misses are walked the
+    same way, or its candidates all checked at once against a running count of its
+    misses when it has more than ``WALK_MISSES``.
     The reason for a shorter hit: the tail is not a full block, or the highest missing
     block a hit one block longer would need.
     """
@@ -342,21 +392,12 @@ def paged_hit(
         first_miss = k_top if held.all() else int(held.argmin())
         best = first_miss if first_miss >= k_min else None
     elif not callable(cached):
-        # The lookup's walk below, over the sorted misses: a hit ending at ``end`` is
-        # refused by the highest miss in ``[low(end), end)``, else by the highest one in
-        # the sink blocks before ``low(end)``; the next candidate ends at that miss.
-        misses: list[int] = np.flatnonzero(~_as_mask_array(cached, k_top)).tolist()
-        end = k_top
-        best = None
-        while end >= k_min:
-            lo = needs.low_of(end)
-            at = bisect.bisect_left(misses, end) - 1  # the highest miss below end
-            if at < 0 or misses[at] < lo:
-                at = bisect.bisect_left(misses, min(needs.sink_blocks, lo)) - 1
-                if at < 0:
-                    best = end
-                    break
-            end = misses[at]
+        held = _as_mask_array(cached, k_top)
+        misses: list[int] = np.flatnonzero(~held).tolist()
+        if len(misses) <= WALK_MISSES:
+            best = _walk_misses(needs, misses, k_min, k_top)
+        else:
+            best = _count_misses(needs, held, k_min, k_top)
     elif not needs.local:
         first_miss = 0
         while first_miss < k_top and cached(first_miss):
