@@ -254,25 +254,22 @@ static void FD(unpermute)(float *acc, int64_t D) {
 }
 
 /*
- * Reads every 64-byte line of a tile's rows [lo, hi) for the task's C kv heads in memory
- * order, K and V row by row, before the heads' loads (which walk a head's slice of each
- * row, 2 * D bytes at the row stride): demand loads in address order are what the
- * hardware prefetchers follow, and the heads then load from the caches. Measured on a
- * 2-core AVX512-BF16 CPU (32 x 2k decode, bf16, 1 thread, paired rounds): 0.84-0.86x the
- * decode's time without it, 0.92-0.95x a verify step's; the lines loaded in that order
- * as one pass K then V gained 0.94x, and the same pass over the next tile in place of
- * its prefetch 0.96x.
+ * Prefetches every 64-byte line of a tile's rows [lo, hi) for the task's C kv heads in
+ * memory order, K and V row by row, before the heads' loads (which walk a head's slice of
+ * each row, 2 * D bytes at the row stride; the next tile's lines are also prefetched,
+ * head by head, while this one is computed). Measured on a 2-core AVX512-BF16 CPU (32 x
+ * 2k decode, bf16, 1 thread, paired rounds): reading the lines in this order (demand
+ * loads) took 0.84-0.86x the decode's time without it and 0.92-0.95x a verify step's;
+ * prefetching them instead, 0.79x that again and 0.94x (_MM_HINT_T0: 1.2x; dropping the
+ * next tile's per-head prefetch: 1.5x; one pass over K and then V, or the next tile in
+ * memory order at the tile's start: no better).
  */
-static void FD(touch_tile)(const char *k, int64_t krow, const char *v, int64_t vrow, int64_t kspan,
-                           int64_t vspan, int n) {
-    __m512i x = _mm512_setzero_si512();
+static void FD(prefetch_tile)(const char *k, int64_t krow, const char *v, int64_t vrow,
+                              int64_t kspan, int64_t vspan, int n) {
     for (int j = 0; j < n; ++j) {
-        for (int64_t b = 0; b < kspan; b += 64)
-            x = _mm512_xor_si512(x, _mm512_loadu_si512((const void *)(k + j * krow + b)));
-        for (int64_t b = 0; b < vspan; b += 64)
-            x = _mm512_xor_si512(x, _mm512_loadu_si512((const void *)(v + j * vrow + b)));
+        for (int64_t b = 0; b < kspan; b += 64) _mm_prefetch(k + j * krow + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < vspan; b += 64) _mm_prefetch(v + j * vrow + b, _MM_HINT_T1);
     }
-    __asm__ volatile("" : : "v"(x)); /* the loads are the point: keep them */
 }
 
 /*
@@ -322,10 +319,10 @@ static void FD(task)(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
             live[r] = b > a ? (__mmask16)(((1u << (b - base)) - 1u) & ~((1u << (a - base)) - 1u)) : 0;
             rel0[r] = (float)(base * P->pm + P->pa) - qpos[r];
         }
-        FD(touch_tile)(P->k + (size_t)(prow * P->k_sr + kv0 * P->k_sh) * es, (int64_t)krow,
-                       P->v + (size_t)(prow * P->v_sr + kv0 * P->v_sh) * es, (int64_t)vrow,
-                       (int64_t)((size_t)((C - 1) * P->k_sh + D) * es),
-                       (int64_t)((size_t)((C - 1) * P->v_sh + D) * es), hi - lo);
+        FD(prefetch_tile)(P->k + (size_t)(prow * P->k_sr + kv0 * P->k_sh) * es, (int64_t)krow,
+                          P->v + (size_t)(prow * P->v_sr + kv0 * P->v_sh) * es, (int64_t)vrow,
+                          (int64_t)((size_t)((C - 1) * P->k_sh + D) * es),
+                          (int64_t)((size_t)((C - 1) * P->v_sh + D) * es), hi - lo);
         for (int64_t c = 0; c < C; ++c) {
             if (nrow >= 0) {
                 const char *kn = P->k + (size_t)(nrow * P->k_sr + (kv0 + c) * P->k_sh) * es;
