@@ -379,10 +379,10 @@ def test_the_counted_form_agrees_with_the_definition(
 
 
 def _count_past_the_first_block(
-    needs: Any, held: np.ndarray[Any, Any], k_min: int, k_top: int
+    needs: Any, missed: np.ndarray[Any, Any], k_min: int, k_top: int
 ) -> int | None:
     """A broken count: the first block a window sees is not checked."""
-    before = np.concatenate(([0], np.cumsum(~held)))
+    before = np.concatenate(([0], np.cumsum(missed)))
     ends = np.arange(k_min, k_top + 1)
     first = np.minimum(needs.lows(ends) + 1, ends)
     served = np.flatnonzero(before[ends] == before[first])

@@ -337,12 +337,12 @@ def _walk_misses(needs: _Needs, misses: list[int], k_min: int, k_top: int) -> in
 
 
 def _count_misses(
-    needs: _Needs, held: npt.NDArray[np.bool_], k_min: int, k_top: int
+    needs: _Needs, missed: npt.NDArray[np.bool_], k_min: int, k_top: int
 ) -> int | None:
-    """The same end by counting: a hit ending at block ``e`` is served when no block of
-    ``[low(e), e)`` misses, nor a sink block before ``low(e)`` (``before[i]``: the misses
-    in ``[0, i)``); the longest served."""
-    before = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(~held, dtype=np.int64)))
+    """The same end by counting (``missed``: a bool per block): a hit ending at block
+    ``e`` is served when no block of ``[low(e), e)`` misses, nor a sink block before
+    ``low(e)`` (``before[i]``: the misses in ``[0, i)``); the longest served."""
+    before = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(missed, dtype=np.int64)))
     ends = np.arange(k_min, k_top + 1, dtype=np.int64)
     lows = needs.lows(ends)
     sinks = np.minimum(needs.sink_blocks, lows)
@@ -392,12 +392,12 @@ def paged_hit(
         first_miss = k_top if held.all() else int(held.argmin())
         best = first_miss if first_miss >= k_min else None
     elif not callable(cached):
-        held = _as_mask_array(cached, k_top)
-        misses: list[int] = np.flatnonzero(~held).tolist()
-        if len(misses) <= WALK_MISSES:
-            best = _walk_misses(needs, misses, k_min, k_top)
+        missed = ~_as_mask_array(cached, k_top)
+        misses = np.flatnonzero(missed)
+        if misses.size <= WALK_MISSES:
+            best = _walk_misses(needs, misses.tolist(), k_min, k_top)
         else:
-            best = _count_misses(needs, held, k_min, k_top)
+            best = _count_misses(needs, missed, k_min, k_top)
     elif not needs.local:
         first_miss = 0
         while first_miss < k_top and cached(first_miss):
