@@ -304,6 +304,9 @@ static void FD(task)(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                 S->m[m] = -INFINITY;
             }
     const size_t krow = (size_t)P->k_sr * es, vrow = (size_t)P->v_sr * es;
+    /* a row's bytes from head kv0's first value to head kv0 + C - 1's last, in K and V */
+    const int64_t kspan = (int64_t)((size_t)((C - 1) * P->k_sh + D) * es);
+    const int64_t vspan = (int64_t)((size_t)((C - 1) * P->v_sh + D) * es);
     for (int64_t pos = us; pos < ue;) {
         /* the tile [pos, end) and the next tile's rows, prefetched head by head below */
         const key_tile kt_ = next_key_tile(P, table, pos, ue);
@@ -321,8 +324,7 @@ static void FD(task)(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
         }
         FD(prefetch_tile)(P->k + (size_t)(prow * P->k_sr + kv0 * P->k_sh) * es, (int64_t)krow,
                           P->v + (size_t)(prow * P->v_sr + kv0 * P->v_sh) * es, (int64_t)vrow,
-                          (int64_t)((size_t)((C - 1) * P->k_sh + D) * es),
-                          (int64_t)((size_t)((C - 1) * P->v_sh + D) * es), hi - lo);
+                          kspan, vspan, hi - lo);
         for (int64_t c = 0; c < C; ++c) {
             if (nrow >= 0) {
                 const char *kn = P->k + (size_t)(nrow * P->k_sr + (kv0 + c) * P->k_sh) * es;
