@@ -239,14 +239,26 @@ def _check_entries(table: _Table, errors: Mapping[int, str], path: Path) -> None
 # ---------------------------------------------------------------- OpenMP
 
 
+def _mappings() -> list[tuple[int, int, str]]:
+    """This process's mappings (``/proc/self/maps``): start, end and file (``""`` for an
+    anonymous one). Raises OSError where there is no such file."""
+    found: list[tuple[int, int, str]] = []
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            low, _, high = fields[0].partition("-")
+            path = fields[5].strip() if len(fields) == 6 else ""
+            found.append((int(low, 16), int(high, 16), path))
+    return found
+
+
 def _torch_openmp() -> str | None:
     """The OpenMP runtime torch loaded (a mapped ``lib*omp*.so*``; torch's own first)."""
     import torch
 
     torch_dir = str(Path(torch.__file__).resolve().parent)
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            paths = {line.split()[-1] for line in f if "omp" in line and "/" in line}
+        paths = {path for _, _, path in _mappings() if "omp" in path and "/" in path}
     except OSError:
         return None
     found = sorted(
@@ -257,18 +269,12 @@ def _torch_openmp() -> str | None:
 
 
 def _mapped_file(address: int) -> str:
-    """The file mapped at ``address`` in this process (``/proc/self/maps``; ``"?"``
-    where that cannot be read or nothing file-backed is mapped there)."""
+    """The file mapped at ``address`` in this process (``"?"`` where the mappings cannot
+    be read or nothing file-backed is mapped there)."""
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                low, _, high = fields[0].partition("-")
-                if int(low, 16) <= address < int(high, 16):
-                    return fields[5].strip() if len(fields) == 6 else "?"
-    except (OSError, ValueError, IndexError):
-        pass
-    return "?"
+        return next((p for low, high, p in _mappings() if low <= address < high), "") or "?"
+    except (OSError, ValueError):
+        return "?"
 
 
 def _openmp_runtime() -> tuple[str | None, str]:
@@ -354,9 +360,9 @@ def _prebuilt() -> NativeLibrary:
     flags = _cpu_flags().split(":", 1)[-1].split()
     runnable = cpu_native_build.runnable_variants(machine, flags)
     packaged = {
-        v.name: _PREBUILT_DIR / cpu_native_build.prebuilt_name(v)
+        v.name: file
         for v in cpu_native_build.VARIANTS
-        if (_PREBUILT_DIR / cpu_native_build.prebuilt_name(v)).is_file()
+        if (file := _PREBUILT_DIR / cpu_native_build.prebuilt_name(v)).is_file()
     }
     if not packaged:
         raise _BuildError("no prebuilt library is packaged (a source install)")
