@@ -99,8 +99,7 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         # An fp8 latent cache stores latent / k_scale (one scale: the latent is key and
         # value both), written as the reference quantiser writes it.
         self._quant = PlanesQuant.of(spec, params)
-        scale_vec = self._quant.engine_scales(1)[0] if self._quant is not None else None
-        self._latent_scale = scale_vec
+        self._latent_scale = self._quant.engine_scales(1)[0] if self._quant is not None else None
         self._prepared: PreparedPlanes | None = None
         # [T, H, D] results of the last step's shape, reused while it fits.
         self._scratch: torch.Tensor | None = None
@@ -224,10 +223,8 @@ class CpuMLAImpl(AttentionImpl[CpuAttentionMetadata, AttentionSpec, AttentionLay
         if writes.slots is None:
             return
         slots, new = rows_to_write(writes.slots, writes.rows, key)
-        if self._quant is not None:
-            copy_rows(plane, slots, self._quant.stored(new, False))
-        else:
-            plane.index_copy_(0, slots, new.to(plane.dtype))
+        stored = new.to(plane.dtype) if self._quant is None else self._quant.stored(new, False)
+        copy_rows(plane, slots, stored)
 
     def _values(self, results: torch.Tensor) -> torch.Tensor:
         """The output of the engines' ``[T, H, D]`` rows: the first ``R`` channels (the
