@@ -182,6 +182,40 @@ def test_a_rejected_step_keeps_its_finished_requests() -> None:
     assert runtime.manager.num_tokens("c") == 2
 
 
+def test_offsets_follow_every_change_of_batch_shape() -> None:
+    """Decode steps reuse one ``0..B`` offsets tensor while ``B`` holds: steps of other
+    sizes and chunked steps in between get their own, and each step's offsets are the
+    running sum of its query lengths (in the step's order), counted here."""
+    runtime = small_runtime()
+    schedules = [
+        {"a": 5, "b": 3},
+        {"a": 1, "b": 1},
+        {"a": 1, "b": 1},
+        {"a": 1, "b": 1, "c": 4},
+        {"a": 1, "b": 1, "c": 1},
+        {"a": 1, "b": 1},
+        {"a": 2, "b": 1},
+        {"a": 1, "b": 1},
+        {"a": 1},
+        {"a": 1, "b": 1},
+    ]
+    seen: list[torch.Tensor] = []
+    for sched in schedules:
+        live = set(sched)
+        gone = [r for r in ("a", "b", "c") if r in runtime.manager and r not in live]
+        step = runtime.begin_step([ScheduledRequest(r, n) for r, n in sched.items()], finished=gone)
+        qsl = runtime._groups[0].common.query_start_loc_cpu
+        running = [0]
+        for rid in step.order:
+            running.append(running[-1] + sched[rid])
+        assert qsl.tolist() == running
+        assert list(step.query_lens) == [sched[r] for r in step.order]
+        seen.append(qsl)
+    # Every earlier step's offsets still read as they were made (none was overwritten).
+    for tensor, sched in zip(seen, schedules, strict=True):
+        assert int(tensor[-1]) == sum(sched.values())
+
+
 def test_repeated_schedules_follow_frees_and_reuse_of_rows() -> None:
     """The same id list step after step (the steady state begin_step caches) stays
     right across frees, finishes, new requests taking freed rows, and manager calls

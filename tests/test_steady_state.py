@@ -57,11 +57,14 @@ def state(mgr: KVCacheManager) -> tuple[object, ...]:
     )
 
 
-def drive(seed: int, *, caching: bool, steps: int = 400) -> int:
+def drive(
+    seed: int, *, caching: bool, steps: int = 400, hint: tuple[int, int] | None = None
+) -> int:
     """Run one random schedule on a manager with the steady state and one without;
-    compare them after every step. Returns the steps the steady state took."""
+    compare them after every step. Returns the steps the steady state took. ``hint``:
+    the first one's ``table_hint`` (the second's tables start small and grow)."""
     config = PrefixCachingConfig(enabled=True) if caching else None
-    fast = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
+    fast = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config, table_hint=hint)
     slow = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
     slow._steady_max = 0
     rng = random.Random(seed)
@@ -99,6 +102,13 @@ def drive(seed: int, *, caching: bool, steps: int = 400) -> int:
                 taken += 1
             rows[id(mgr)] = None if bool(chunk) or finished else kept
         assert state(fast) == state(slow)
+        if hint is not None and not caching:  # the blocks the tables hold, read one by one
+            held = {
+                g.group_id: {b for rid in fast._rows for b in fast.block_table(g.group_id, rid)}
+                - {0}
+                for g in fast.groups
+            }
+            assert fast.owned_pages() == held
     return taken
 
 
@@ -128,3 +138,51 @@ def test_a_look_ahead_one_step_too_far_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(KVCacheManager, "_look_ahead", too_far)
     with pytest.raises(AssertionError):
         every_seed()
+
+
+# ------------------------------------------------------------- presized tables
+
+
+@pytest.mark.parametrize("hint", [(8, 1024), (2, 16)], ids=["presized", "outgrown"])
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+def test_presized_tables_end_every_step_where_grown_tables_do(
+    hint: tuple[int, int], caching: bool
+) -> None:
+    """``table_hint`` changes where the tables start, never what they hold: a manager
+    given one (large enough, or outgrown by the schedule) ends every step where a
+    manager whose tables start at 16 x 16 and grow does."""
+    for seed in range(2):
+        drive(seed, caching=caching, hint=hint)
+
+
+def test_a_table_hint_sizes_the_tables_once() -> None:
+    """Within the hint no table is ever copied: the arrays made at construction are
+    the ones the last step writes."""
+    mgr = KVCacheManager(groups(), num_blocks=4096, table_hint=(8, 1024))
+    full = next(
+        g.group_id
+        for g in mgr.groups
+        if g.spec.block_size == 4 and g.kind.value == "full_attention"
+    )
+    made = [t.table for t in mgr._tables]
+    assert made[full].shape == (8, 1024 // 4)
+    for step in range(300):
+        ids = [f"r{i}" for i in range(8)]
+        rows = mgr.lookup_rows(ids)
+        num_new = np.full(8, 3 if step == 0 else 1, dtype=np.int64)
+        mgr.allocate_rows(ids, rows, mgr.step_lens(rows, num_new, np.zeros_like(num_new)))
+    assert mgr.num_tokens("r0") == 302
+    assert all(t.table is m for t, m in zip(mgr._tables, made, strict=True))
+
+
+@pytest.mark.parametrize("cap", [1 << 20, 4096, 64])
+def test_presizing_stays_within_its_byte_bound(cap: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``TABLE_PRESIZE_BYTES`` a table starts smaller (16 rows of the hint's width,
+    else 16 x 16), never bigger than the bound or than the plain start."""
+    from attnkit.kv_cache import _manager
+
+    monkeypatch.setattr(_manager, "TABLE_PRESIZE_BYTES", cap)
+    mgr = KVCacheManager(groups(), num_blocks=4096, table_hint=(64, 4096))
+    for tables in mgr._tables:
+        assert tables.table.nbytes <= max(cap, 16 * 16 * 4)
+        assert tables.table.shape[0] in (64, 16)

@@ -129,7 +129,7 @@ class DraftTreeMask:
     num_drafts_cpu: torch.Tensor
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, slots=True)
 class CommonAttentionMetadata:
     """The batch of one scheduling step, as every backend sees it.
 

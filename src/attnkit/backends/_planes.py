@@ -48,7 +48,7 @@ Ints = npt.NDArray[np.int64]
 from_numpy: Callable[[npt.NDArray[Any]], torch.Tensor] = torch.from_numpy  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, slots=True)
 class PlanesWrites:
     """What one step writes into a layer's planes, as device tensors (the builder makes
     it once per step; every layer of the group writes with it).
@@ -177,7 +177,7 @@ def _write_plan(
     here (once per step); on CUDA the runtime's contract holds (no -1 among the step's
     tokens; cross attention: the first ``E`` entries are the encoder's)."""
     slots = cm.slot_mapping
-    if not encoder_keys:
+    if not encoder_keys and slots.shape[0] != cm.num_actual_tokens:
         slots = slots[: cm.num_actual_tokens]
     if slots.device.type != "cpu":
         return slots, None

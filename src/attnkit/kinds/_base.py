@@ -179,11 +179,12 @@ def slots_of(
 ) -> Ints:
     """Cache slot of each token: its request's block ``block_idx`` and the offset in it
     (``table`` ``[B, MB]``, one row per request of the step)."""
-    blocks = table[token_req, block_idx].astype(np.int64)
+    blocks = table[token_req, block_idx]
     if np.count_nonzero(blocks) != blocks.size:  # a null block (0) for a live position:
         # a manager bug
         raise AssertionError("a live position maps to the null block")
-    slots: Ints = blocks * block_size + offset
+    slots: Ints = np.multiply(blocks, block_size, dtype=np.int64)
+    slots += offset
     return slots
 
 

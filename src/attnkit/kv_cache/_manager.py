@@ -37,6 +37,12 @@ larger batches some request crosses a block boundary at nearly every step."""
 STEADY_LOOKAHEAD = 32
 """How many decode steps ahead that look goes."""
 
+TABLE_PRESIZE_BYTES = 64 << 20
+"""The most bytes one group's block table is given up front from ``table_hint``
+(``max_num_reqs`` rows of ``max_model_len`` tokens' blocks, as vLLM's ``BlockTable``
+holds); past it the table starts small and grows by doubling. ``np.zeros`` of that size
+reserves address space: pages become memory as rows fill them."""
+
 RECENTLY_FREED = 4096
 """How many freed request ids the manager remembers, to tell "already freed" apart
 from "never scheduled" in errors."""
@@ -146,11 +152,16 @@ class KVCacheManager:
         rules: Sequence[KindRules[Any]] | None = None,
         prefix_caching: PrefixCachingConfig | None = None,
         namespaces: Sequence[bytes] | None = None,
+        table_hint: tuple[int, int] | None = None,
     ) -> None:
         """``rules``: one per group, replacing its kind's (a context-parallel rank's
         sharded rules); default ``rules_for`` each group's spec. ``prefix_caching``: on
         when given and enabled; ``namespaces``: each group's (``group_namespace``),
-        by default made from its spec alone."""
+        by default made from its spec alone. ``table_hint``: ``(max_num_reqs,
+        max_model_len)``, the engine's limits, so the block tables are made at their
+        full size once (up to ``TABLE_PRESIZE_BYTES`` each) instead of grown by copies
+        while requests arrive and prompts lengthen; not a limit (tables still grow past
+        it)."""
         self.groups = tuple(groups)
         caching = prefix_caching is not None and prefix_caching.enabled
         self.pool = CachedPool(num_blocks) if caching else BlockPool(num_blocks)
@@ -233,7 +244,8 @@ class KVCacheManager:
         self._steady_ones: list[int] = []
         self._steady_row_ids: list[int] = []
         self._rows: dict[str, int] = {}
-        capacity = 16
+        shapes = self._table_shapes(table_hint)
+        capacity = shapes[0][0] if shapes else 16
         # Unused rows; invariant: len(_rows) + len(_free_rows) == capacity.
         self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._step_widths: list[int] = [0] * len(self.groups)
@@ -244,7 +256,9 @@ class KVCacheManager:
         ``lookup_rows`` results while it is unchanged)."""
         self._num_tokens = np.zeros(capacity, dtype=np.int64)
         self._encoder_len = np.zeros(capacity, dtype=np.int64)
-        self._tables = [_Tables(capacity, 16) for _ in self.groups]
+        self._tables = [
+            _Tables(capacity, width) for _, width in shapes or [(16, 16)] * len(self.groups)
+        ]
         self._idle: dict[int, PageKeeper] | None = None
         """With prefix caching on and every cached group's block a page (no slab of
         several blocks per page), the pool's idle pages: steps take the plain path."""
@@ -413,6 +427,25 @@ class KVCacheManager:
             for rid in self._rows
         }
 
+    def _table_shapes(self, hint: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """Each group's first table shape for ``hint`` (``[]``: no hint, 16 x 16): the
+        rows of ``max_num_reqs`` and the columns of a ``max_model_len`` request, while
+        every table fits ``TABLE_PRESIZE_BYTES``; else 16 rows of that width, or 16 x 16."""
+        if hint is None:
+            return []
+        max_reqs, max_len = hint
+        longest = np.array([max_len], dtype=np.int64)
+        lens = StepLens(longest, np.zeros_like(longest), longest)
+        widths = [
+            max(int(rules.blocks_needed(group.spec, lens)[0]), 1)
+            for group, rules in zip(self.groups, self._rules, strict=True)
+        ]
+        itemsize = np.dtype(np.int32).itemsize
+        for rows in (max_reqs, 16):
+            if all(rows * w * itemsize <= TABLE_PRESIZE_BYTES for w in widths):
+                return [(rows, w) for w in widths]
+        return [(16, 16)] * len(widths)
+
     def owned_pages(self) -> dict[int, set[int]]:
         """Group id -> the pages it holds: its slab's, or the pages in its tables (for
         checks; a page belongs to one group at a time)."""
@@ -427,7 +460,9 @@ class KVCacheManager:
                 pages[group.group_id] = set(np.flatnonzero(slab.owned).tolist())
                 continue
             tables = self._tables[group.group_id]
-            used = tables.table[np.arange(tables.table.shape[1]) < tables.num_blocks[:, None]]
+            width = int(tables.num_blocks.max())  # (a presized table is mostly unused)
+            cols = np.arange(width)
+            used = tables.table[:, :width][cols < tables.num_blocks[:, None]]
             pages[group.group_id] = set(used[used != NULL_BLOCK].tolist())
         return pages
 
@@ -438,10 +473,19 @@ class KVCacheManager:
         )
 
     def step_lens(
-        self, rows: Ints, num_new: Ints, encoder_lens: Ints, start: Ints | None = None
+        self,
+        rows: Ints,
+        num_new: Ints,
+        encoder_lens: Ints,
+        start: Ints | None = None,
+        *,
+        all_live: bool = False,
     ) -> StepLens:
         """The step's lengths for ``rows`` (-1: a new request, which starts with
-        ``start`` computed tokens: its prefix hit; default 0)."""
+        ``start`` computed tokens: its prefix hit; default 0). ``all_live``: the caller
+        knows that no row is -1 (the steady state), so it is not looked for."""
+        if all_live:
+            return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
         live = rows >= 0
         if live.all():
             return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
@@ -925,9 +969,10 @@ class KVCacheManager:
         """Every table entry of group ``group_id`` that holds a block (non-null, live
         columns, one per entry: a block two requests hold appears twice)."""
         tables = self._tables[group_id]
-        cols = np.arange(tables.table.shape[1])
+        width = int(tables.num_blocks.max())  # (a presized table is mostly unused)
+        cols = np.arange(width)
         live = (cols >= tables.first_live[:, None]) & (cols < tables.num_blocks[:, None])
-        used = tables.table[live]
+        used = tables.table[:, :width][live]
         held: Ints32 = used[used != NULL_BLOCK]
         return held
 

@@ -89,6 +89,7 @@ class RuntimeBase:
     _last_rows_version: int
     _contiguous_rows: Ints | None
     _last_contiguous: bool
+    _decode_qsl: torch.Tensor | None
     _op_name: str  # its name for torch.ops.attnkit.runtime_forward (_ops)
 
     def _group_id(self, layer_name: str) -> int:

@@ -299,6 +299,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
             self.num_blocks,
             rules=[self._rules_of[g.group_id] for g in owning],
             prefix_caching=caching if caching.enabled else None,
+            table_hint=(config.max_num_reqs, config.max_model_len),
             namespaces=(
                 group_namespaces(
                     groups,
@@ -342,6 +343,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_rows_version = -1
         self._contiguous_rows = None  # the last step's rows (and their contiguity)
         self._last_contiguous = False
+        self._decode_qsl = None  # 0..B, the offsets of a step of B one-token queries
         # The name torch.ops.attnkit.runtime_forward knows this runtime by (_ops).
         self._op_name = register_runtime(self)
 

@@ -108,7 +108,7 @@ class StepHost(SpeculativeCalls):
             step_drafts(self, scheduled, ids, rows) if self.config.num_speculative_tokens else None
         )
         drafts, trees = (None, None) if found is None else found
-        lens = self.manager.step_lens(rows, counts, encoder, starts)
+        lens = self.manager.step_lens(rows, counts, encoder, starts, all_live=cached)
         longest = int(lens.total.max()) if count else 0
         if longest > limits.max_model_len:
             index = int(lens.total.argmax())
@@ -125,7 +125,9 @@ class StepHost(SpeculativeCalls):
             if problem is not None:
                 index, why = problem
                 raise InvalidArgumentError(f"request {ids[index]!r} {why}")
-        if self._thresholds:
+        # A steady decode step (the last step's requests, one token each) is in order
+        # already: every request is a continuing decode, so every key below is 0.
+        if self._thresholds and not (cached and step_tokens == count):
             # Stable: for every builder's threshold, continuing requests at or under it
             # come first. A new request is never a decode (nothing cached to extend).
             key = sum((lens.is_new | (lens.query > t)).astype(np.int64) for t in self._thresholds)
@@ -152,7 +154,13 @@ class StepHost(SpeculativeCalls):
         # every group's are known (``hosts_to_device``: one copy a step).
         upload = None if self._send_to_device is None else _StepUpload()
         to_device = self._to_device if upload is None else upload.defer
-        shared = _SharedStep(lens, rows, to_device, contiguous)
+        decode_qsl = None
+        if step_tokens == count:  # one token each: the offsets are 0..B, made once
+            decode_qsl = self._decode_qsl
+            if decode_qsl is None or decode_qsl.shape[0] != count + 1:
+                decode_qsl = _from_numpy(np.arange(count + 1, dtype=np.int32))
+                self._decode_qsl = decode_qsl
+        shared = _SharedStep(lens, rows, to_device, contiguous, decode_qsl)
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         tree = (
             None
@@ -431,6 +439,7 @@ class _SharedStep(StepTokens):
         rows: Ints,
         to_device: Callable[[torch.Tensor], torch.Tensor],
         contiguous: bool | None = None,
+        decode_qsl: torch.Tensor | None = None,
     ) -> None:
         n = rows.size
         self.rows_contiguous = (
@@ -438,12 +447,16 @@ class _SharedStep(StepTokens):
             if contiguous is None
             else contiguous
         )
-        qsl = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(lens.query, out=qsl[1:])
-        self.query_start_loc = _from_numpy(qsl)
+        if decode_qsl is not None:  # every request decodes one token: 0..n, kept
+            self.query_start_loc = decode_qsl
+            num_tokens = n
+        else:
+            qsl = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(lens.query, out=qsl[1:])
+            self.query_start_loc = _from_numpy(qsl)
+            num_tokens = int(qsl[-1])
         self.query_start_loc_device = to_device(self.query_start_loc)
         self.computed = _from_numpy(lens.computed.astype(np.int32))
-        num_tokens = int(qsl[-1])
         if num_tokens == n:  # every request decodes one token (each has >= 1)
             self.max_query_len = 1 if n else 0
             super().__init__(_arange(n), lens.computed)

@@ -128,7 +128,7 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, slots=True)
 class CpuAttentionMetadata:
     """One group's step on the CPU engines.
 
@@ -350,7 +350,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         ):
             return self._build_short(cm)
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
-        qlens = np.diff(qsl)
+        qlens = qsl[1:] - qsl[:-1]
         seq = cm.seq_lens_cpu.numpy().astype(np.int64)
         check_step_lengths(
             who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
@@ -435,12 +435,17 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
     ) -> CpuAttentionMetadata:
         """Split the step between the native kernel (requests with short query runs)
         and the blocked prefill (the rest; everything for encoder-only layers)."""
-        is_live = qlens > 0
-        is_short = is_live & (qlens <= NATIVE_MAX_QUERY) if not self.encoder else ~is_live
-        long = np.flatnonzero(is_live & ~is_short)
-        short = np.flatnonzero(is_short)
-        served = None if len(long) == 0 else from_numpy(short.astype(np.int32))
-        return self._metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
+        if self.encoder:  # every live request goes to the blocked prefill
+            is_short = qlens == 0
+            long, short = np.flatnonzero(~is_short), np.flatnonzero(is_short)
+            served = None if len(long) == 0 else from_numpy(short.astype(np.int32))
+            return self._metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
+        long = np.flatnonzero(qlens > NATIVE_MAX_QUERY)
+        if not long.size:  # (not reached from _build: such a step is a short one)
+            return self._metadata(cm, seq, qlens, None, bool(qlens.any()), long, long)
+        short = np.flatnonzero((qlens > 0) & (qlens <= NATIVE_MAX_QUERY))
+        served = from_numpy(short.astype(np.int32))
+        return self._metadata(cm, seq, qlens, served, short.size > 0, long, qsl[long])
 
     def _metadata(
         self,
@@ -479,8 +484,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             native_requests=served,
             prefill_requests=long,
             prefill_start=long_start,
-            prefill_lens=qlens[long],
-            prefill_seq=seq[long],
+            prefill_lens=qlens[long] if long.size else _NO_INTS,
+            prefill_seq=seq[long] if long.size else _NO_INTS,
             read_step_kv=self.encoder or (not self.encoder_keys and writes.rows is None),
         )
 
