@@ -49,6 +49,7 @@ from attnkit.kinds import (
     attention_rules,
     rules_for,
     rules_for_kind,
+    spans,
 )
 
 K = KVCacheSpecKind
@@ -882,3 +883,22 @@ def test_broken_token_row_width_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     # The indexer's rows measured as the MLA's: its head size, not its row bytes.
     monkeypatch.setattr(_attention._IndexerRules, "row_width", _attention._TokenRowRules.row_width)
     assert [p.split(":")[0] for p in _token_row_facts()] == ["indexer"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.integers(0, 50), st.integers(0, 99)), max_size=12),
+    st.booleans(),
+)
+def test_spans_lists_every_entry_of_every_span(
+    rows: list[tuple[int, int, int]], labelled: bool
+) -> None:
+    """``spans`` against the spans written out one entry at a time."""
+    counts = np.array([c for c, _, _ in rows], dtype=np.int64)
+    starts = np.array([s for _, s, _ in rows], dtype=np.int64)
+    labels = np.array([lab for _, _, lab in rows], dtype=np.int64)
+    owners, values = spans(counts, starts, labels if labelled else None)
+    want_owners = [lab if labelled else i for i, (c, _, lab) in enumerate(rows) for _ in range(c)]
+    want_values = [s + k for c, s, _ in rows for k in range(c)]
+    assert owners.tolist() == want_owners
+    assert values.tolist() == want_values

@@ -168,10 +168,12 @@ def spans(counts: Ints, starts: Ints, labels: Ints | None = None) -> tuple[Ints,
     total = int(counts.sum())
     if total == n:
         return (np.arange(n) if labels is None else labels), starts
-    index = np.repeat(np.arange(n), counts)
-    first = np.cumsum(counts) - counts
-    values: Ints = np.arange(total) - first[index] + starts[index]
-    return (index if labels is None else labels[index]), values
+    owners: Ints = (np.arange(n) if labels is None else labels).repeat(counts)
+    # Entry k of span i is starts[i] + (k - first[i]), first[i] its index in the output.
+    first = counts.cumsum()
+    first -= counts
+    values: Ints = np.arange(total) + (starts - first).repeat(counts)
+    return owners, values
 
 
 def slots_of(

@@ -843,7 +843,7 @@ class KVCacheManager:
         check_step(pool, needs, pinned=len(pinned))
 
     def _assign_rows(self, req_ids: Sequence[str], rows: Ints, lens: StepLens) -> None:
-        new_idx = np.flatnonzero(rows < 0)
+        new_idx = (rows < 0).nonzero()[0]
         needed = len(self._rows) + new_idx.size
         capacity = self._num_tokens.shape[0]
         if needed > capacity:
@@ -924,7 +924,7 @@ class KVCacheManager:
         return held
 
     def _release(self, group_id: int, rows: Ints, before: Ints, after: Ints) -> None:
-        moved = np.flatnonzero(after > before)
+        moved = (after > before).nonzero()[0]
         if moved.size == 0:
             return
         tables = self._tables[group_id]
@@ -953,7 +953,7 @@ class KVCacheManager:
         entries filled (``None``: none)."""
         tables = self._tables[group_id]
         if like is None:
-            growing = np.flatnonzero(grow)
+            growing = grow.nonzero()[0]
             if growing.size == 0:
                 return None
             rows, grow = rows[growing], grow[growing]
@@ -1060,7 +1060,7 @@ def _released_entries(
 ) -> tuple[Ints, Ints, Ints32]:
     """The entries a release nulls: their rows, columns and non-null blocks (the rows
     of ``rows`` are -1 for new requests, which release nothing)."""
-    moved = np.flatnonzero(after > before)
+    moved = (after > before).nonzero()[0]
     owners, cols = spans(after[moved] - before[moved], before[moved], rows[moved])
     dead = tables.table[owners, cols]
     live = dead != NULL_BLOCK

@@ -236,7 +236,7 @@ class StepHost(SpeculativeCalls):
     ) -> tuple[list[PrefixMatch | None] | None, Ints | None]:
         """The matches new requests (rows -1) bring and the computed tokens they start
         with, or ``(None, None)`` when none brings one."""
-        new = np.flatnonzero(rows < 0)
+        new = (rows < 0).nonzero()[0]
         if not new.size:
             return None, None
         indices: list[int] = new.tolist()
@@ -452,7 +452,7 @@ class _SharedStep(StepTokens):
             num_tokens = n
         else:
             qsl = np.zeros(n + 1, dtype=np.int32)
-            np.cumsum(lens.query, out=qsl[1:])
+            lens.query.cumsum(out=qsl[1:])
             self.query_start_loc = _from_numpy(qsl)
             num_tokens = int(qsl[-1])
         self.query_start_loc_device = to_device(self.query_start_loc)
@@ -538,7 +538,7 @@ def _arange(n: int) -> Ints:
 
 def _check_no_ranges(scheduled: Sequence[ScheduledRequest], rows: Ints) -> None:
     """A new request's image ranges need a layer that takes them: never ignored."""
-    new: list[int] = np.flatnonzero(rows < 0).tolist()
+    new: list[int] = (rows < 0).nonzero()[0].tolist()
     for i in new:
         if scheduled[i].mm_prefix_ranges:
             raise InvalidArgumentError(

@@ -437,13 +437,13 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         and the blocked prefill (the rest; everything for encoder-only layers)."""
         if self.encoder:  # every live request goes to the blocked prefill
             is_short = qlens == 0
-            long, short = np.flatnonzero(~is_short), np.flatnonzero(is_short)
+            long, short = (~is_short).nonzero()[0], is_short.nonzero()[0]
             served = None if len(long) == 0 else from_numpy(short.astype(np.int32))
             return self._metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
-        long = np.flatnonzero(qlens > NATIVE_MAX_QUERY)
+        long = (qlens > NATIVE_MAX_QUERY).nonzero()[0]
         if not long.size:  # (not reached from _build: such a step is a short one)
             return self._metadata(cm, seq, qlens, None, bool(qlens.any()), long, long)
-        short = np.flatnonzero((qlens > 0) & (qlens <= NATIVE_MAX_QUERY))
+        short = ((qlens > 0) & (qlens <= NATIVE_MAX_QUERY)).nonzero()[0]
         served = from_numpy(short.astype(np.int32))
         return self._metadata(cm, seq, qlens, served, short.size > 0, long, qsl[long])
 
