@@ -176,6 +176,14 @@ class CommonAttentionMetadata:
             the shape does not change from step to step). ``None`` otherwise.
         mm_prefix_ranges_cpu: the same values on the CPU.
         mm_prefix_counts_cpu: int32 ``[B]`` on the CPU: the valid ranges of each row.
+        step_id: a number its producer gives each step, never the same for two of its
+            steps (``AttentionRuntime`` numbers every ``begin_step`` of the process);
+            ``None``: not given. Within one ``step_id``, groups whose
+            ``query_start_loc_cpu`` and ``seq_lens_cpu`` are the same tensors see the
+            same step, so a builder may plan it once and share the host-side plan
+            with the step's other groups (``cpu_attn`` shares its split of the step
+            between its engines). A producer that refills those tensors in place must
+            give the refilled step a new id, or ``None``.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -201,6 +209,7 @@ class CommonAttentionMetadata:
     mm_prefix_ranges: torch.Tensor | None = None
     mm_prefix_ranges_cpu: torch.Tensor | None = None
     mm_prefix_counts_cpu: torch.Tensor | None = None
+    step_id: int | None = None
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
@@ -218,6 +227,8 @@ class CommonAttentionMetadata:
             value = getattr(self, name)
             if not is_nonnegative_int(value):
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.step_id is not None and not is_nonnegative_int(self.step_id):
+            raise ValueError(f"step_id must be an int >= 0 or None, got {self.step_id!r}")
         expected: list[tuple[str, torch.Tensor, torch.dtype, tuple[int, ...] | None, bool]] = [
             ("query_start_loc", self.query_start_loc, torch.int32, (b + 1,), False),
             ("query_start_loc_cpu", self.query_start_loc_cpu, torch.int32, (b + 1,), True),

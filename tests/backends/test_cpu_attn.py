@@ -8,8 +8,10 @@ shuffled pools, identical inputs on both sides.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from planes_schedules import (
@@ -30,17 +32,20 @@ from attnkit import (
     AttentionConfig,
     AttentionFeature,
     AttentionLayerParams,
+    AttentionRuntime,
     BackendNotSupportedError,
     FullAttentionSpec,
     MLAAttentionSpec,
     ScheduledRequest,
     select_backend,
 )
+from attnkit.backends._planes import PlanesWrites
 from attnkit.backends.cpu_attn import (
     NATIVE_MAX_QUERY,
     CpuAttentionBackend,
     CpuAttentionImpl,
     CpuAttentionMetadata,
+    CpuAttentionMetadataBuilder,
 )
 
 NAME = "cpu_attn"
@@ -126,6 +131,109 @@ def test_short_and_long_runs_split_between_the_engines() -> None:
     assert md.native
     assert md.native_requests is None
     assert len(md.prefill_requests) == 0
+
+
+def _fields(md: CpuAttentionMetadata) -> dict[str, object]:
+    """Every field, tensors and arrays as lists (``None`` kept), for comparing."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(md):
+        value = getattr(md, f.name)
+        if f.name == "writes":
+            value = _fields_of_writes(value)
+        elif isinstance(value, torch.Tensor | np.ndarray):
+            value = (str(value.dtype), value.tolist())
+        out[f.name] = value
+    return out
+
+
+def _fields_of_writes(writes: PlanesWrites) -> dict[str, object]:
+    return {
+        f.name: None if getattr(writes, f.name) is None else getattr(writes, f.name).tolist()
+        for f in dataclasses.fields(writes)
+    }
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "chunked", "sink", "cross"])
+def test_the_decode_path_makes_what_the_planned_path_makes(kind: str) -> None:
+    """``build``'s one-frame decode path gives, field by field, the metadata of the
+    planned path (``_build``) on decode and short multi-token steps; a step with an
+    unwritten token (-1 slot) is planned (its write rows are kept)."""
+    spec = spec_of(kind)
+    rt = make_runtime(NAME, spec, params_of(spec))
+    enc = 5 if kind == "cross" else 0
+    schedules = [
+        [ScheduledRequest("a", 7, encoder_len=enc), ScheduledRequest("b", 30, encoder_len=enc)],
+        *([[ScheduledRequest("a", 1), ScheduledRequest("b", 1)]] * 20),
+        [ScheduledRequest("a", NATIVE_MAX_QUERY), ScheduledRequest("b", 2)],
+        [ScheduledRequest("b", 1)],
+    ]
+    for scheduled in schedules:
+        rt.begin_step(scheduled)
+        entry = rt._groups[0]
+        builder, common = entry.builder, entry.common
+        assert isinstance(builder, CpuAttentionMetadataBuilder)
+        assert _fields(builder.build(0, common)) == _fields(builder._build(common))
+    slots = common.slot_mapping.clone()
+    slots[0] = -1
+    holed = dataclasses.replace(common, slot_mapping=slots, validate=False)
+    md = builder.build(0, holed)
+    assert _fields(md) == _fields(builder._build(holed))
+    if kind != "cross":  # (cross attention writes encoder tokens only: nothing here)
+        assert md.writes.rows is not None
+        assert md.writes.rows.tolist() == list(range(1, common.num_actual_tokens))
+
+
+def _two_group_runtime() -> AttentionRuntime:
+    specs = {"full": spec_of("full"), "win": spec_of("window")}
+    return AttentionRuntime(
+        specs,
+        AttentionConfig(backend=NAME),
+        device="cpu",
+        memory_budget_bytes=spec_of("full").page_size_bytes * 256,
+        layer_params={name: params_of(spec) for name, spec in specs.items()},
+    )
+
+
+def test_a_step_is_split_once_for_all_its_groups() -> None:
+    """On a mixed step the second group's builder takes the first one's split (the
+    same arrays), which is what it would plan itself."""
+    rt = _two_group_runtime()
+    rt.begin_step([ScheduledRequest("a", 9), ScheduledRequest("b", 3)])
+    rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 20)])
+    (first, second) = (rt._groups[0], rt._groups[1])
+    one, two = first.metadata, second.metadata
+    assert isinstance(one, CpuAttentionMetadata)
+    assert isinstance(two, CpuAttentionMetadata)
+    assert two.prefill_requests is one.prefill_requests
+    assert two.native_requests is one.native_requests
+    assert one.prefill_requests.tolist() == [1]
+    assert one.prefill_lens.tolist() == [20]
+    alone = dataclasses.replace(second.common, step_id=None, validate=False)
+    assert _fields(second.builder.build(0, alone)) == _fields(two)
+
+
+def test_a_refilled_step_is_planned_again() -> None:
+    """An engine that refills its offsets and lengths in place and gives the step a
+    new id (or none) gets the new step's split, not the one planned before."""
+    rt = _two_group_runtime()
+    rt.begin_step([ScheduledRequest("a", 9), ScheduledRequest("b", 3)])
+    rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 20)])
+    entry = rt._groups[0]
+    common, builder = entry.common, entry.builder
+    assert common.step_id is not None
+    before = builder.build(0, common)
+    assert isinstance(before, CpuAttentionMetadata)
+    assert before.prefill_lens.tolist() == [20]
+    # The same tensors refilled: both runs longer than the native kernel takes.
+    b = NATIVE_MAX_QUERY + 1
+    assert 21 - b > NATIVE_MAX_QUERY
+    common.query_start_loc_cpu.copy_(torch.tensor([0, 21 - b, 21], dtype=torch.int32))
+    for step_id in (common.step_id + 1, None):
+        again = dataclasses.replace(common, step_id=step_id, validate=False)
+        md = builder.build(0, again)
+        assert isinstance(md, CpuAttentionMetadata)
+        assert md.prefill_requests.tolist() == [0, 1]
+        assert md.prefill_lens.tolist() == [21 - b, b]
 
 
 # ------------------------------------------------------------------ selection and reasons
@@ -294,5 +402,7 @@ def test_the_prepared_decode_checks_the_query_and_output() -> None:
     impl.forward(q, kv, kv, planes, md, torch.empty_like(q))  # prepared for float32 [*, 4, D]
     with pytest.raises(ValueError, match=r"output: expected a torch.float32 tensor \[2, 4, 16\]"):
         impl.forward(q, kv, kv, planes, md, torch.empty(4, 2, D).transpose(0, 1)[:, :, :8])
-    with pytest.raises(ValueError, match=r"output: expected a tensor that does not overlap k_plane"):
+    with pytest.raises(
+        ValueError, match=r"output: expected a tensor that does not overlap k_plane"
+    ):
         impl.forward(q, kv, kv, planes, md, planes[0].view(-1)[: 2 * 4 * D].view(2, 4, D))

@@ -6,6 +6,7 @@ docs/runtime.md)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -304,6 +305,7 @@ class StepHost(SpeculativeCalls):
             num_computed_tokens_cpu=shared.computed,
             context_shard=shard,
             global_seq_lens_cpu=global_lens,
+            step_id=shared.step_id,
             validate=False,
         )
 
@@ -425,6 +427,9 @@ class StepHost(SpeculativeCalls):
         return checked
 
 
+_STEP_IDS = itertools.count()
+"""Every ``begin_step`` of the process gets the next number (``step_id``), whatever
+its runtime: two steps never share one."""
 _REQ_ID = operator.attrgetter("req_id")
 _NUM_NEW = operator.attrgetter("num_new_tokens")
 _ENCODER_LEN = operator.attrgetter("encoder_len")
@@ -465,6 +470,8 @@ class _SharedStep(StepTokens):
             # Request index and (unshifted) position of every token of the step.
             super().__init__(*spans(lens.query, lens.computed))
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
+        self.step_id = next(_STEP_IDS)
+        """The step's ``CommonAttentionMetadata.step_id``: numbered across the process."""
 
     def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
         """``values`` as an int32 CPU tensor and its maximum, made once per array per step

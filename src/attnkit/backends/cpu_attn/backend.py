@@ -123,6 +123,33 @@ keys once."""
 _NO_INTS: Ints = np.zeros(0, dtype=np.int64)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, slots=True)
+class _Split:
+    """A step's split between the engines, made by the first group's builder and
+    shared by the step's other groups (``CommonAttentionMetadata.step_id``): the step
+    it belongs to (its id and its offsets and lengths tensors, held so their identity
+    stays theirs), what it was made for, and the host arrays ``_metadata`` takes."""
+
+    step_id: int | None
+    qsl_cpu: torch.Tensor
+    seq_cpu: torch.Tensor
+    encoder: bool
+    sink_len: int
+    qlens: Ints
+    seq: Ints
+    served: torch.Tensor | None
+    native: bool
+    long: Ints
+    long_start: Ints
+    long_lens: Ints
+    long_seq: Ints
+
+
+_SPLIT: list[_Split | None] = [None]
+"""The last split made for a numbered step (one entry: the groups of a step are
+built one after the other)."""
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous int32 tensor (no copy when it is one already)."""
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
@@ -320,6 +347,13 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             and not self.encoder
             and not self.sink_len
         )
+        # A decoder kind that writes the step's own tokens, with no sinks and no image
+        # ranges: its decode steps take ``_build_decode`` (the same metadata as
+        # ``_build``'s short path, in one frame).
+        self._plain = not (
+            self.encoder or self.encoder_keys or self.sink_len or self.mask.mm_prefix
+        )
+        self._block_size = spec.block_size
 
     @override
     def build(
@@ -329,6 +363,16 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         fast_build: bool = False,
     ) -> CpuAttentionMetadata:
         cm = common_attn_metadata
+        if (
+            self._plain
+            and (cm.max_query_len <= NATIVE_MAX_QUERY or self.rows_native)
+            and cm.causal is self.causal
+            and cm.context_shard is None
+            and cm.draft_tree is None
+        ):
+            md = self._build_decode(cm)
+            if md is not None:
+                return md
         md = self._build(cm)
         if cm.draft_tree is not None:
             md = dataclasses.replace(
@@ -349,13 +393,68 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len
         ):
             return self._build_short(cm)
-        qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
-        qlens = qsl[1:] - qsl[:-1]
-        seq = cm.seq_lens_cpu.numpy().astype(np.int64)
-        check_step_lengths(
-            who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
+        memo = _SPLIT[0]
+        if (
+            memo is not None
+            and cm.step_id is not None
+            and memo.step_id == cm.step_id
+            and memo.qsl_cpu is cm.query_start_loc_cpu
+            and memo.seq_cpu is cm.seq_lens_cpu
+            and memo.encoder == self.encoder
+            and memo.sink_len == self.sink_len
+        ):
+            split = memo  # another group of this step planned it
+        else:
+            qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+            qlens = qsl[1:] - qsl[:-1]
+            seq = cm.seq_lens_cpu.numpy().astype(np.int64)
+            check_step_lengths(
+                who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
+            )
+            split = self._split(cm, qsl, qlens, seq)
+            if cm.step_id is not None:
+                _SPLIT[0] = split
+        return self._metadata(
+            cm,
+            split.seq,
+            split.qlens,
+            split.served,
+            split.native,
+            split.long,
+            split.long_start,
+            split.long_lens,
+            split.long_seq,
         )
-        return self._build_split(cm, qsl, qlens, seq)
+
+    def _build_decode(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata | None:
+        """``_build_short`` of a plain kind's step inline (the host path of every decode
+        step), or ``None`` when some token is not written (a -1 slot): ``_build`` then
+        plans the step."""
+        n = cm.num_actual_tokens
+        slots = cm.slot_mapping
+        if slots.shape[0] != n:
+            slots = slots[:n]
+        if slots.numel() and slots.device.type == "cpu" and int(slots.numpy().min()) < 0:
+            return None
+        table = cm.block_table_tensor
+        if table.dtype != torch.int32 or table.stride(-1) != 1:
+            table = table.to(torch.int32).contiguous()
+        return CpuAttentionMetadata(
+            num_actual_tokens=n,
+            kind=self.kind,
+            block_size=self._block_size,
+            writes=PlanesWrites(slots=slots, rows=None, sink_slots=None, tail_slots=None),
+            block_table=table,
+            query_start_loc=_int32(cm.query_start_loc_cpu),
+            seq_lens=_int32(cm.seq_lens_cpu),
+            native=True,
+            native_requests=None,
+            prefill_requests=_NO_INTS,
+            prefill_start=_NO_INTS,
+            prefill_lens=_NO_INTS,
+            prefill_seq=_NO_INTS,
+            read_step_kv=True,
+        )
 
     def _build_short(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
         """Every request has at most ``NATIVE_MAX_QUERY`` queries (decode steps), or the
@@ -426,26 +525,38 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         md = self._metadata(cm, seq, qlens, None, False, _NO_INTS, _NO_INTS)
         return dataclasses.replace(md, mm_prefix_items=items)
 
-    def _build_split(
-        self,
-        cm: CommonAttentionMetadata,
-        qsl: Ints,
-        qlens: Ints,
-        seq: Ints,
-    ) -> CpuAttentionMetadata:
+    def _split(self, cm: CommonAttentionMetadata, qsl: Ints, qlens: Ints, seq: Ints) -> _Split:
         """Split the step between the native kernel (requests with short query runs)
         and the blocked prefill (the rest; everything for encoder-only layers)."""
         if self.encoder:  # every live request goes to the blocked prefill
             is_short = qlens == 0
             long, short = (~is_short).nonzero()[0], is_short.nonzero()[0]
             served = None if len(long) == 0 else from_numpy(short.astype(np.int32))
-            return self._metadata(cm, seq, qlens, served, len(short) > 0, long, qsl[long])
-        long = (qlens > NATIVE_MAX_QUERY).nonzero()[0]
-        if not long.size:  # (not reached from _build: such a step is a short one)
-            return self._metadata(cm, seq, qlens, None, bool(qlens.any()), long, long)
-        short = ((qlens > 0) & (qlens <= NATIVE_MAX_QUERY)).nonzero()[0]
-        served = from_numpy(short.astype(np.int32))
-        return self._metadata(cm, seq, qlens, served, short.size > 0, long, qsl[long])
+            native = len(short) > 0
+        else:
+            long = (qlens > NATIVE_MAX_QUERY).nonzero()[0]
+            if long.size:
+                short = ((qlens > 0) & (qlens <= NATIVE_MAX_QUERY)).nonzero()[0]
+                served, native = from_numpy(short.astype(np.int32)), short.size > 0
+            else:  # a sink kind's short step: the native kernel takes every request
+                served, native = None, bool(qlens.any())
+        if not long.size:
+            long = _NO_INTS
+        return _Split(
+            step_id=cm.step_id,
+            qsl_cpu=cm.query_start_loc_cpu,
+            seq_cpu=cm.seq_lens_cpu,
+            encoder=self.encoder,
+            sink_len=self.sink_len,
+            qlens=qlens,
+            seq=seq,
+            served=served,
+            native=native,
+            long=long,
+            long_start=qsl[long] if long.size else _NO_INTS,
+            long_lens=qlens[long] if long.size else _NO_INTS,
+            long_seq=seq[long] if long.size else _NO_INTS,
+        )
 
     def _metadata(
         self,
@@ -456,6 +567,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         native: bool,
         long: Ints,
         long_start: Ints,
+        long_lens: Ints | None = None,
+        long_seq: Ints | None = None,
     ) -> CpuAttentionMetadata:
         table: torch.Tensor | None = None
         writes = NO_WRITES
@@ -484,8 +597,10 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             native_requests=served,
             prefill_requests=long,
             prefill_start=long_start,
-            prefill_lens=qlens[long] if long.size else _NO_INTS,
-            prefill_seq=seq[long] if long.size else _NO_INTS,
+            prefill_lens=(qlens[long] if long.size else _NO_INTS)
+            if long_lens is None
+            else long_lens,
+            prefill_seq=(seq[long] if long.size else _NO_INTS) if long_seq is None else long_seq,
             read_step_kv=self.encoder or (not self.encoder_keys and writes.rows is None),
         )
 
