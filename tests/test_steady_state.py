@@ -186,3 +186,137 @@ def test_presizing_stays_within_its_byte_bound(cap: int, monkeypatch: pytest.Mon
     for tables in mgr._tables:
         assert tables.table.nbytes <= max(cap, 16 * 16 * 4)
         assert tables.table.shape[0] in (64, 16)
+
+
+# ------------------------------------------------- the runtime's steady decode slots
+
+
+def _runtime_specs() -> dict[str, Any]:
+    return {
+        "full": FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=F32),
+        "win": SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, sliding_window=5
+        ),
+        "chunk": ChunkedLocalAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, attention_chunk_size=8
+        ),
+        "sink": SinkFullAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype=F32, sink_len=3
+        ),
+    }
+
+
+def drive_runtime_slots(seed: int, steps: int = 300) -> int:
+    """Random schedules (decodes, chunks, arrivals, finishes, a manager call behind the
+    runtime's back) through a runtime; after every step each group's slot mapping must
+    be the slot of each token read from its block table (block ``pos // bs`` of the
+    request's row, offset ``pos % bs``; ``pos`` shifted by a sink kind's sink tokens).
+    Returns the group-steps whose slots came from the last step's."""
+    from attnkit import AttentionConfig, AttentionLayerParams, AttentionRuntime, ScheduledRequest
+
+    specs = _runtime_specs()
+    sinks = torch.zeros(3, 1, 8)
+    rt = AttentionRuntime(
+        specs,
+        AttentionConfig(backend="reference"),
+        device="cpu",
+        memory_budget_bytes=1 << 22,
+        layer_params={"sink": AttentionLayerParams(num_heads=1, sink_key=sinks, sink_value=sinks)},
+    )
+    made = 0
+    slots_of = rt._slots
+
+    def counting(gid: int, rules: Any, spec: Any, table: Any, shared: Any, lens: Any) -> Any:
+        nonlocal made
+        last = rt._decode_slots.get(gid)
+        made += int(shared.steady and last is not None and last[0] == shared.serial - 1)
+        return slots_of(gid, rules, spec, table, shared, lens)
+
+    rt._slots = counting  # type: ignore[method-assign]  # counts the reuses
+    rng = random.Random(seed)
+    live: list[str] = []
+    serial = 0
+    for _ in range(steps):
+        roll = rng.random()
+        finished: list[str] = []
+        chunk: dict[str, int] = {}
+        if not live or (roll < 0.04 and len(live) < 4):
+            serial += 1
+            live.append(f"r{serial}")
+            chunk[live[-1]] = rng.randrange(1, 20)
+        elif roll < 0.07 and len(live) > 1:
+            finished.append(live.pop(rng.randrange(len(live))))
+        elif roll < 0.10:
+            chunk[rng.choice(live)] = rng.randrange(2, 9)
+        elif roll < 0.11:  # behind the runtime's back: the manager steps one request
+            rid = rng.choice(live)
+            rt.manager.allocate_step([(rid, 1, 0)])
+        batch = rt.begin_step(
+            [ScheduledRequest(r, chunk.get(r, 1)) for r in live], finished=finished
+        )
+        for entry in rt._groups:
+            cm, spec = entry.common, entry.group.spec
+            assert cm is not None
+            table = cm.block_table_tensor.numpy()
+            bs = spec.block_size
+            shift = getattr(spec, "sink_len", 0)
+            want: list[int] = []
+            qsl = cm.query_start_loc_cpu.tolist()
+            for b, computed in enumerate(cm.num_computed_tokens_cpu.tolist()):
+                for t in range(qsl[b + 1] - qsl[b]):
+                    pos = computed + t + shift
+                    want.append(int(table[b, pos // bs]) * bs + pos % bs)
+            assert cm.slot_mapping[: batch.num_tokens].tolist() == want, entry.group.kind
+    return made
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_decode_slots_are_the_table_s_slots(seed: int) -> None:
+    assert drive_runtime_slots(seed) > 50  # the last step's slots were reused
+
+
+def test_steady_slots_taken_without_the_steady_state_are_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Broken variant: the last step's slots plus one whenever a decode step follows
+    one, the steady state or not: a decode crossing a block boundary writes past its
+    block."""
+    real = KVCacheManager.allocate_rows
+
+    def always_steady(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        rows = real(self, *args, **kwargs)
+        self.steady_serial = self.step_serial
+        return rows
+
+    monkeypatch.setattr(KVCacheManager, "allocate_rows", always_steady)
+
+    def every_seed() -> None:
+        for seed in range(4):
+            drive_runtime_slots(seed)
+
+    with pytest.raises(AssertionError):
+        every_seed()
+
+
+def test_slots_of_a_step_the_runtime_did_not_see_are_not_reused() -> None:
+    """The manager stepped behind the runtime's back, on the runtime's own rows (a
+    steady step of its own): the runtime's next step is steady too, but its last
+    slots are two allocations old, so they are not the base of this step's."""
+    from attnkit import AttentionConfig, AttentionRuntime, ScheduledRequest
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=F32)
+    rt = AttentionRuntime(
+        {"full": spec}, AttentionConfig(backend="reference"), device="cpu",
+        memory_budget_bytes=1 << 20,
+    )  # fmt: skip
+    rt.begin_step([ScheduledRequest("a", 5)])
+    rt.begin_step([ScheduledRequest("a", 1)])  # token 5, the look-ahead made (to 8)
+    rows = rt._last_rows
+    one = np.ones(1, dtype=np.int64)
+    rt.manager.allocate_rows(["a"], rows, rt.manager.step_lens(rows, one, np.zeros_like(one)))
+    assert rt.manager.steady_serial == rt.manager.step_serial  # it took the steady state
+    rt.begin_step([ScheduledRequest("a", 1)])
+    assert rt.manager.steady_serial == rt.manager.step_serial
+    # Token 7 of "a" (token 6 went behind the runtime's back): block 1, offset 3.
+    table = rt.block_table("full", "a")
+    assert rt._groups[0].common.slot_mapping.tolist() == [table[1] * 4 + 3]

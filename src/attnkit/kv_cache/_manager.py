@@ -250,6 +250,13 @@ class KVCacheManager:
         self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._step_widths: list[int] = [0] * len(self.groups)
         self.rows_version = 0
+        self.step_serial = 0
+        """How many ``allocate_rows`` calls succeeded (``allocate_step``'s included)."""
+        self.steady_serial = -1
+        """``step_serial`` of the last step that took the steady decode state: equal to
+        ``step_serial`` when the last step did, so each of its requests' new token went
+        to the slot after the one the step before wrote (same rows, one token each, no
+        table changed)."""
         # Ids of the last frees (oldest first), so a second free can say "already freed".
         self._recently_freed: dict[str, None] = {}
         """Bumped whenever a request id gains or loses its row (callers may cache
@@ -550,6 +557,18 @@ class KVCacheManager:
             OutOfBlocksError: the pool cannot hold the step (nothing changed).
             StalePrefixError: a match whose blocks were evicted since (nothing changed).
         """
+        done = self._allocate_rows(req_ids, rows, lens, finished, prefixes)
+        self.step_serial += 1
+        return done
+
+    def _allocate_rows(
+        self,
+        req_ids: Sequence[str],
+        rows: Ints,
+        lens: StepLens,
+        finished: Sequence[str],
+        prefixes: Sequence[PrefixMatch | None] | None,
+    ) -> Ints:
         prefix = self.prefix
         if (
             rows is self._steady_rows
@@ -564,6 +583,7 @@ class KVCacheManager:
             if prefix is not None and prefix.pending:
                 prefix.commit()
             self._steady_left -= 1
+            self.steady_serial = self.step_serial + 1  # (this step's, once it returns)
             self._steady_computed = lens.total.tolist()
             self._num_tokens[rows] = lens.total
             if prefix is not None:

@@ -90,6 +90,8 @@ class RuntimeBase:
     _contiguous_rows: Ints | None
     _last_contiguous: bool
     _decode_qsl: torch.Tensor | None
+    _slot_steps: frozenset[int]
+    _decode_slots: dict[int, tuple[int, Ints]]
     _op_name: str  # its name for torch.ops.attnkit.runtime_forward (_ops)
 
     def _group_id(self, layer_name: str) -> int:

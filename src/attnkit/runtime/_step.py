@@ -20,11 +20,12 @@ from ..errors import (
     EngineLimitError,
     InvalidArgumentError,
 )
-from ..kinds import Ints, StepLens, StepTokens, spans
+from ..kinds import Ints, KindRules, StepLens, StepTokens, spans
 from ..kv_cache import KVCacheGroup, PrefixMatch
 from ..metadata import CommonAttentionMetadata, host_to_device
 from ..parallel import ContextParallelMismatchError, step_fingerprint
 from ..prefix_cache import Tokens
+from ..spec import KVCacheSpec
 from ._requests import ScheduledRequest, StepBatch
 from ._spec import SpeculativeCalls, draft_tree_mask, step_drafts
 
@@ -162,6 +163,8 @@ class StepHost(SpeculativeCalls):
                 decode_qsl = _from_numpy(np.arange(count + 1, dtype=np.int32))
                 self._decode_qsl = decode_qsl
         shared = _SharedStep(lens, rows, to_device, contiguous, decode_qsl)
+        shared.serial = self.manager.step_serial
+        shared.steady = self.manager.steady_serial == shared.serial
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         tree = (
             None
@@ -284,7 +287,7 @@ class StepHost(SpeculativeCalls):
             # table, one column wide for cached kinds (state builders read column 0).
             table = np.zeros((num_reqs, 1 if rules.has_cache else 0), dtype=np.int32)
         # The kind writes its own slots (the step's tokens, the encoder's, a shard's).
-        slots = rules.slot_mapping(spec, table, shared, lens)
+        slots = self._slots(group.group_id, rules, spec, table, shared, lens)
         shard = rules.context_shard
         global_lens: torch.Tensor | None = None
         if shard is not None:
@@ -308,6 +311,31 @@ class StepHost(SpeculativeCalls):
             step_id=shared.step_id,
             validate=False,
         )
+
+    def _slots(
+        self,
+        gid: int,
+        rules: KindRules[Any],
+        spec: KVCacheSpec,
+        table: np.ndarray[Any, Any],
+        shared: _SharedStep,
+        lens: StepLens,
+    ) -> Ints:
+        """The group's slot mapping: its kind's, or in the steady decode state (the
+        manager's ``steady_serial``: the same rows as the last step, one token each, no
+        table changed) for a kind with the default slots, the last step's plus one
+        (each request's new token is the next position of the block its last one went
+        to). Kept after every decode step of such a group, with the manager's serial."""
+        if gid not in self._slot_steps:
+            return rules.slot_mapping(spec, table, shared, lens)
+        last = self._decode_slots.get(gid)
+        if shared.steady and last is not None and last[0] == shared.serial - 1:
+            slots: Ints = last[1] + 1
+        else:
+            slots = rules.slot_mapping(spec, table, shared, lens)
+        if shared.num_tokens == lens.query.size:
+            self._decode_slots[gid] = (shared.serial, slots)
+        return slots
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runtime's device, without a wait (``host_to_device``)."""
@@ -470,6 +498,10 @@ class _SharedStep(StepTokens):
             # Request index and (unshifted) position of every token of the step.
             super().__init__(*spans(lens.query, lens.computed))
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
+        self.serial = -1
+        """The manager's ``step_serial`` after this step's allocation."""
+        self.steady = False
+        """Whether the manager took its steady decode state for the step."""
         self.step_id = next(_STEP_IDS)
         """The step's ``CommonAttentionMetadata.step_id``: numbered across the process."""
 
