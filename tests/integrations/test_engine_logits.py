@@ -5,6 +5,7 @@ model runs on those rows, and the tokens equal greedy decoding written out here.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,14 @@ pytest.importorskip("transformers")
 
 from attnkit import AttentionConfig
 from attnkit.errors import InvalidArgumentError
-from attnkit.integrations.engine import Engine, FunctionModel, PromptLookup, SamplingParams
+from attnkit.integrations.engine import (
+    Engine,
+    FunctionModel,
+    PromptLookup,
+    Request,
+    SamplingParams,
+    StepStats,
+)
 from attnkit.integrations.transformers import attach, tiny_model
 
 PROMPT_LENS = (13, 5, 11)
@@ -111,9 +119,7 @@ def test_a_lost_row_map_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         outputs = _run(engine, _prompts())
     except IndexError:
         return
-    assert any(
-        outputs[f"r{i}"] != _greedy(reference, p, NEW) for i, p in enumerate(_prompts())
-    )
+    assert any(outputs[f"r{i}"] != _greedy(reference, p, NEW) for i, p in enumerate(_prompts()))
 
 
 def test_a_model_that_ignores_the_rows_is_refused() -> None:
@@ -136,7 +142,9 @@ def test_a_model_that_ignores_the_rows_is_refused() -> None:
     del runtime
     engine = Engine(AllRows())  # type: ignore[arg-type]  # (structurally a StepModel)
     engine.add_request("r", _prompts()[0], SamplingParams(max_new_tokens=2))
-    with pytest.raises(InvalidArgumentError, match=r"returned 13 rows .*asked for 1 \(logits_rows\)"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"returned 13 rows .*asked for 1 \(logits_rows\)"
+    ):
         engine.run()
 
 
@@ -172,3 +180,57 @@ def test_a_function_model_gets_its_rows_cut() -> None:
     out = wrapped(batch, torch.arange(6), torch.arange(6), torch.tensor([2, 5]))
     assert out[:, 0].tolist() == [2.0, 5.0]
     assert calls == [6]
+
+
+def _tie_prone_run(requests: list[Request]) -> tuple[list[list[list[float]]], list[StepStats]]:
+    """``requests`` through an engine whose logits take three values (rows tie often):
+    the logits of every model call, and the steps."""
+    model = tiny_model("llama", seed=1).eval()
+    attached = attach(model, num_blocks=64, block_size=4)
+    runtime = attached.prepare_step()
+    calls: list[list[list[float]]] = []
+
+    def function(batch: object, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(int(pos.sum()) + 31 * ids.numel())
+        logits = torch.randint(0, 3, (ids.numel(), 7), generator=gen).float()
+        calls.append(logits.tolist())
+        return logits
+
+    engine = Engine(FunctionModel(runtime, function))  # type: ignore[arg-type]  # (loosely typed)
+    steps = list(engine.run(requests).steps)
+    return calls, steps
+
+
+def test_greedy_picks_are_each_row_s_first_maximum() -> None:
+    """A step's greedy requests are picked in one argmax over their rows: each gets its
+    own row's first maximum (ties included), beside a sampled request."""
+    requests = [
+        Request(f"g{i}", tuple(range(1, 4 + i)), SamplingParams(max_new_tokens=5)) for i in range(3)
+    ]
+    requests.append(Request("s", (1, 2, 3), SamplingParams(max_new_tokens=5, temperature=1.0)))
+    calls, steps = _tie_prone_run(requests)
+    ran = [s for s in steps if s.num_tokens]
+    assert len(ran) == len(calls)
+    checked = 0
+    for stats, logits in zip(ran, calls, strict=True):
+        row = 0
+        for rid, n in stats.scheduled:
+            row += n
+            if rid in stats.sampled and rid != "s":
+                last = logits[row - 1]
+                assert stats.sampled[rid] == last.index(max(last)), (stats.step, rid)
+                checked += 1
+    assert checked == 15  # three greedy requests, five tokens each
+
+
+def test_a_last_maximum_pick_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: greedy picks that take a row's last maximum on a tie."""
+    picks = Engine._greedy_picks
+
+    def last_maximum(self: Engine, slices: Any, verified: Any, logits: torch.Tensor) -> Any:
+        flipped = picks(self, slices, verified, logits.flip(-1))
+        return {rid: logits.shape[-1] - 1 - t for rid, t in flipped.items()}
+
+    monkeypatch.setattr(Engine, "_greedy_picks", last_maximum)
+    with pytest.raises(AssertionError):
+        test_greedy_picks_are_each_row_s_first_maximum()

@@ -575,7 +575,9 @@ class Engine:
                     f"{config.num_speculative_tokens}"
                 )
         self.speculative = speculative
-        self._spec = EngineSpeculativeStats()
+        # Drafts verified, drafts kept, decoding request-steps, tokens they generated
+        # (``speculative_stats``): plain counters, moved every step.
+        self._spec = [0, 0, 0, 0]
         self._rejected = 0  # the last step's rejected drafts
         self._prefix = _PrefixTally()
         self.step_index = 0
@@ -743,7 +745,10 @@ class Engine:
 
     def speculative_stats(self) -> EngineSpeculativeStats:
         """Drafts verified and kept so far, and tokens per decoding step."""
-        return self._spec
+        drafts, kept, steps, tokens = self._spec
+        return EngineSpeculativeStats(
+            draft_tokens=drafts, accepted_tokens=kept, decode_steps=steps, decode_tokens=tokens
+        )
 
     def _looks_up(self, runtime: AttentionRuntime) -> bool:
         return (
@@ -963,9 +968,11 @@ class Engine:
         sampled: dict[str, int] = {}
         finished: list[str] = []
         kept: dict[str, RequestLogits] = {}
-        prefill = decode = 0
+        prefill = decode = decodes = 0
         verified = self._verify(runtime, batch, logits)
-        for req_id, rows in batch.token_slices().items():
+        slices = batch.token_slices()
+        greedy = self._greedy_picks(slices, verified, logits)
+        for req_id, rows in slices.items():
             live = self._live[req_id]
             n = rows.stop - rows.start
             is_decode = (
@@ -990,21 +997,23 @@ class Engine:
                         break
                 sampled[req_id] = live.tokens[-1]
                 continue
-            if is_decode:
-                self._spec = dataclasses.replace(
-                    self._spec,
-                    decode_steps=self._spec.decode_steps + 1,
-                    decode_tokens=self._spec.decode_tokens + 1,
-                )
+            decodes += is_decode
             live.num_computed += n
             if live.num_computed < len(live.tokens):
                 continue  # mid-prompt (or mid-recompute): nothing to sample yet
-            token = _pick(logits[self._row(rows.stop - 1)], live.request.sampling, live.generator)
+            pick = greedy.get(req_id)
+            token = (
+                pick
+                if pick is not None
+                else _pick(logits[self._row(rows.stop - 1)], live.request.sampling, live.generator)
+            )
             live.tokens.append(token)
             sampled[req_id] = token
             stop = live.request.sampling
             if live.num_generated >= stop.max_new_tokens or token in stop.stop_token_ids:
                 finished.append(req_id)
+        self._spec[2] += decodes
+        self._spec[3] += decodes
         if finished:
             self._free(runtime, [self._live[rid] for rid in finished])
             for req_id in finished:
@@ -1052,16 +1061,36 @@ class Engine:
             verified[req_id] = [*drafts[:a], picks[a]]
             accepted[req_id] = a
             self._rejected += len(drafts) - a
-            self._spec = dataclasses.replace(
-                self._spec,
-                draft_tokens=self._spec.draft_tokens + len(drafts),
-                accepted_tokens=self._spec.accepted_tokens + a,
-                decode_steps=self._spec.decode_steps + 1,
-                decode_tokens=self._spec.decode_tokens + a + 1,
-            )
+            spec = self._spec
+            spec[0] += len(drafts)
+            spec[1] += a
+            spec[2] += 1
+            spec[3] += a + 1
         if accepted:
             runtime.accept(accepted)
         return verified
+
+    def _greedy_picks(
+        self, slices: Mapping[str, slice], verified: Mapping[str, list[int]], logits: torch.Tensor
+    ) -> dict[str, int]:
+        """The step's greedy samples (temperature 0, its known tokens done after the
+        step), from one argmax over their rows (what ``_pick`` gives each row alone)."""
+        ids: list[str] = []
+        rows: list[int] = []
+        for req_id, span in slices.items():
+            live = self._live[req_id]
+            if (
+                req_id not in verified
+                and live.request.sampling.temperature == 0
+                and live.num_computed + span.stop - span.start >= len(live.tokens)
+            ):
+                ids.append(req_id)
+                rows.append(self._row(span.stop - 1))
+        if not ids:
+            return {}
+        best = torch.argmax(logits[rows].detach().float().cpu(), dim=-1)
+        picks: list[int] = best.numpy().tolist()
+        return dict(zip(ids, picks, strict=True))
 
     def _row(self, step_row: int) -> int:
         """The row of the model's logits that holds step row ``step_row``'s."""
