@@ -57,6 +57,33 @@ def state(mgr: KVCacheManager) -> tuple[object, ...]:
     )
 
 
+class Schedule:
+    """A random schedule over live requests: each ``next()`` step decodes them all,
+    and at times one arrives with a prompt chunk, one finishes, or one runs a chunk."""
+
+    def __init__(self, seed: int, *, max_live: int) -> None:
+        self.rng = random.Random(seed)
+        self.live: list[str] = []
+        self.max_live = max_live
+        self._serial = 0
+
+    def next(self) -> tuple[list[str], dict[str, int], float]:
+        """The step's finished requests, its chunks (request -> tokens) and its roll."""
+        rng, live = self.rng, self.live
+        roll = rng.random()
+        finished: list[str] = []
+        chunk: dict[str, int] = {}
+        if not live or (roll < 0.04 and len(live) < self.max_live):
+            self._serial += 1
+            live.append(f"r{self._serial}")
+            chunk[live[-1]] = rng.randrange(1, 20)
+        elif roll < 0.07 and len(live) > 1:
+            finished.append(live.pop(rng.randrange(len(live))))
+        elif roll < 0.10:
+            chunk[rng.choice(live)] = rng.randrange(2, 9)
+        return finished, chunk, roll
+
+
 def drive(
     seed: int, *, caching: bool, steps: int = 400, hint: tuple[int, int] | None = None
 ) -> int:
@@ -67,23 +94,12 @@ def drive(
     fast = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config, table_hint=hint)
     slow = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
     slow._steady_max = 0
-    rng = random.Random(seed)
-    live: list[str] = []
-    serial = 0
+    schedule = Schedule(seed, max_live=3)
+    rng, live = schedule.rng, schedule.live
     rows: dict[int, Any] = {id(fast): None, id(slow): None}  # kept while the batch is
     taken = 0
     for _ in range(steps):
-        roll = rng.random()
-        finished: list[str] = []
-        chunk: dict[str, int] = {}
-        if not live or (roll < 0.04 and len(live) < 3):
-            serial += 1
-            live.append(f"r{serial}")
-            chunk[live[-1]] = rng.randrange(1, 20)
-        elif roll < 0.07 and len(live) > 1:
-            finished.append(live.pop(rng.randrange(len(live))))
-        elif roll < 0.10:
-            chunk[rng.choice(live)] = rng.randrange(2, 9)
+        finished, chunk, _ = schedule.next()
         batch = [(rid, chunk.get(rid, 1), 0) for rid in live]
         changed = bool(finished or chunk) or rng.random() < 0.05
         for mgr in (fast, slow):
@@ -233,24 +249,13 @@ def drive_runtime_slots(seed: int, steps: int = 300) -> int:
         return slots_of(gid, rules, spec, table, shared, lens)
 
     rt._slots = counting  # type: ignore[method-assign]  # counts the reuses
-    rng = random.Random(seed)
-    live: list[str] = []
-    serial = 0
+    schedule = Schedule(seed, max_live=4)
+    live = schedule.live
     for _ in range(steps):
-        roll = rng.random()
-        finished: list[str] = []
-        chunk: dict[str, int] = {}
-        if not live or (roll < 0.04 and len(live) < 4):
-            serial += 1
-            live.append(f"r{serial}")
-            chunk[live[-1]] = rng.randrange(1, 20)
-        elif roll < 0.07 and len(live) > 1:
-            finished.append(live.pop(rng.randrange(len(live))))
-        elif roll < 0.10:
-            chunk[rng.choice(live)] = rng.randrange(2, 9)
-        elif roll < 0.11:  # behind the runtime's back: the manager steps one request
-            rid = rng.choice(live)
-            rt.manager.allocate_step([(rid, 1, 0)])
+        finished, chunk, roll = schedule.next()
+        if not finished and not chunk and roll < 0.11:
+            # behind the runtime's back: the manager steps one request
+            rt.manager.allocate_step([(schedule.rng.choice(live), 1, 0)])
         batch = rt.begin_step(
             [ScheduledRequest(r, chunk.get(r, 1)) for r in live], finished=finished
         )
