@@ -154,10 +154,10 @@ def _fields_of_writes(writes: PlanesWrites) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("kind", ["full", "window", "chunked", "sink", "cross"])
-def test_the_decode_path_makes_what_the_planned_path_makes(kind: str) -> None:
-    """``build``'s one-frame decode path gives, field by field, the metadata of the
+def test_build_makes_what_the_planned_path_makes(kind: str) -> None:
+    """``build`` (what the runtime calls) gives, field by field, the metadata of the
     planned path (``_build``) on decode and short multi-token steps; a step with an
-    unwritten token (-1 slot) is planned (its write rows are kept)."""
+    unwritten token (-1 slot) keeps its write rows."""
     spec = spec_of(kind)
     rt = make_runtime(NAME, spec, params_of(spec))
     enc = 5 if kind == "cross" else 0

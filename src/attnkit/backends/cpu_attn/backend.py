@@ -347,13 +347,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             and not self.encoder
             and not self.sink_len
         )
-        # A decoder kind that writes the step's own tokens, with no sinks and no image
-        # ranges: its decode steps take ``_build_decode`` (the same metadata as
-        # ``_build``'s short path, in one frame).
-        self._plain = not (
-            self.encoder or self.encoder_keys or self.sink_len or self.mask.mm_prefix
-        )
-        self._block_size = spec.block_size
 
     @override
     def build(
@@ -363,16 +356,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         fast_build: bool = False,
     ) -> CpuAttentionMetadata:
         cm = common_attn_metadata
-        if (
-            self._plain
-            and (cm.max_query_len <= NATIVE_MAX_QUERY or self.rows_native)
-            and cm.causal is self.causal
-            and cm.context_shard is None
-            and cm.draft_tree is None
-        ):
-            md = self._build_decode(cm)
-            if md is not None:
-                return md
         md = self._build(cm)
         if cm.draft_tree is not None:
             md = dataclasses.replace(
@@ -424,36 +407,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             split.long_start,
             split.long_lens,
             split.long_seq,
-        )
-
-    def _build_decode(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata | None:
-        """``_build_short`` of a plain kind's step inline (the host path of every decode
-        step), or ``None`` when some token is not written (a -1 slot): ``_build`` then
-        plans the step."""
-        n = cm.num_actual_tokens
-        slots = cm.slot_mapping
-        if slots.shape[0] != n:
-            slots = slots[:n]
-        if slots.numel() and slots.device.type == "cpu" and int(slots.numpy().min()) < 0:
-            return None
-        table = cm.block_table_tensor
-        if table.dtype != torch.int32 or table.stride(-1) != 1:
-            table = table.to(torch.int32).contiguous()
-        return CpuAttentionMetadata(
-            num_actual_tokens=n,
-            kind=self.kind,
-            block_size=self._block_size,
-            writes=PlanesWrites(slots=slots, rows=None, sink_slots=None, tail_slots=None),
-            block_table=table,
-            query_start_loc=_int32(cm.query_start_loc_cpu),
-            seq_lens=_int32(cm.seq_lens_cpu),
-            native=True,
-            native_requests=None,
-            prefill_requests=_NO_INTS,
-            prefill_start=_NO_INTS,
-            prefill_lens=_NO_INTS,
-            prefill_seq=_NO_INTS,
-            read_step_kv=True,
         )
 
     def _build_short(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
@@ -540,8 +493,10 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
                 served, native = from_numpy(short.astype(np.int32)), short.size > 0
             else:  # a sink kind's short step: the native kernel takes every request
                 served, native = None, bool(qlens.any())
-        if not long.size:
-            long = _NO_INTS
+        if long.size:
+            long_start, long_lens, long_seq = qsl[long], qlens[long], seq[long]
+        else:
+            long = long_start = long_lens = long_seq = _NO_INTS
         return _Split(
             step_id=cm.step_id,
             qsl_cpu=cm.query_start_loc_cpu,
@@ -553,9 +508,9 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             served=served,
             native=native,
             long=long,
-            long_start=qsl[long] if long.size else _NO_INTS,
-            long_lens=qlens[long] if long.size else _NO_INTS,
-            long_seq=seq[long] if long.size else _NO_INTS,
+            long_start=long_start,
+            long_lens=long_lens,
+            long_seq=long_seq,
         )
 
     def _metadata(
@@ -567,8 +522,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         native: bool,
         long: Ints,
         long_start: Ints,
-        long_lens: Ints | None = None,
-        long_seq: Ints | None = None,
+        long_lens: Ints = _NO_INTS,
+        long_seq: Ints = _NO_INTS,
     ) -> CpuAttentionMetadata:
         table: torch.Tensor | None = None
         writes = NO_WRITES
@@ -597,10 +552,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             native_requests=served,
             prefill_requests=long,
             prefill_start=long_start,
-            prefill_lens=(qlens[long] if long.size else _NO_INTS)
-            if long_lens is None
-            else long_lens,
-            prefill_seq=(seq[long] if long.size else _NO_INTS) if long_seq is None else long_seq,
+            prefill_lens=long_lens,
+            prefill_seq=long_seq,
             read_step_kv=self.encoder or (not self.encoder_keys and writes.rows is None),
         )
 
