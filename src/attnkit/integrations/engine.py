@@ -575,9 +575,7 @@ class Engine:
                     f"{config.num_speculative_tokens}"
                 )
         self.speculative = speculative
-        # Drafts verified, drafts kept, decoding request-steps, tokens they generated
-        # (``speculative_stats``): plain counters, moved every step.
-        self._spec = [0, 0, 0, 0]
+        self._spec = EngineSpeculativeStats()
         self._rejected = 0  # the last step's rejected drafts
         self._prefix = _PrefixTally()
         self.step_index = 0
@@ -745,10 +743,7 @@ class Engine:
 
     def speculative_stats(self) -> EngineSpeculativeStats:
         """Drafts verified and kept so far, and tokens per decoding step."""
-        drafts, kept, steps, tokens = self._spec
-        return EngineSpeculativeStats(
-            draft_tokens=drafts, accepted_tokens=kept, decode_steps=steps, decode_tokens=tokens
-        )
+        return self._spec
 
     def _looks_up(self, runtime: AttentionRuntime) -> bool:
         return (
@@ -969,8 +964,8 @@ class Engine:
         finished: list[str] = []
         kept: dict[str, RequestLogits] = {}
         prefill = decode = decodes = 0
-        verified = self._verify(runtime, batch, logits)
         slices = batch.token_slices()
+        verified = self._verify(runtime, slices, logits)
         greedy = self._greedy_picks(slices, verified, logits)
         for req_id, rows in slices.items():
             live = self._live[req_id]
@@ -1012,8 +1007,12 @@ class Engine:
             stop = live.request.sampling
             if live.num_generated >= stop.max_new_tokens or token in stop.stop_token_ids:
                 finished.append(req_id)
-        self._spec[2] += decodes
-        self._spec[3] += decodes
+        if decodes:  # (the stats are replaced once a step, not per request)
+            self._spec = dataclasses.replace(
+                self._spec,
+                decode_steps=self._spec.decode_steps + decodes,
+                decode_tokens=self._spec.decode_tokens + decodes,
+            )
         if finished:
             self._free(runtime, [self._live[rid] for rid in finished])
             for req_id in finished:
@@ -1038,7 +1037,7 @@ class Engine:
         )
 
     def _verify(
-        self, runtime: AttentionRuntime, batch: StepBatch, logits: torch.Tensor
+        self, runtime: AttentionRuntime, slices: Mapping[str, slice], logits: torch.Tensor
     ) -> dict[str, list[int]]:
         """Greedy verification of the step's drafts: request -> its tokens to append
         (the accepted drafts, then the model's pick after them); the rejected drafts
@@ -1046,7 +1045,7 @@ class Engine:
         verified: dict[str, list[int]] = {}
         accepted: dict[str, int] = {}
         self._rejected = 0
-        for req_id, rows in batch.token_slices().items():
+        for req_id, rows in slices.items():
             drafts = self._live[req_id].drafts
             if not drafts:
                 continue
@@ -1061,12 +1060,16 @@ class Engine:
             verified[req_id] = [*drafts[:a], picks[a]]
             accepted[req_id] = a
             self._rejected += len(drafts) - a
-            spec = self._spec
-            spec[0] += len(drafts)
-            spec[1] += a
-            spec[2] += 1
-            spec[3] += a + 1
         if accepted:
+            kept = sum(accepted.values())
+            spec = self._spec
+            self._spec = dataclasses.replace(
+                spec,
+                draft_tokens=spec.draft_tokens + kept + self._rejected,
+                accepted_tokens=spec.accepted_tokens + kept,
+                decode_steps=spec.decode_steps + len(accepted),
+                decode_tokens=spec.decode_tokens + kept + len(accepted),
+            )
             runtime.accept(accepted)
         return verified
 

@@ -304,6 +304,12 @@ class KindRules(ABC, Generic[S]):
             return None
         return f"{'window' if self.mask(spec).window is not None else 'chunk'} {bound}"
 
+    def keeps_default(self, rule: str) -> bool:
+        """Whether this kind's ``rule`` (a method name, e.g. ``"slot_mapping"``) is
+        ``KindRules``' own, not an override: callers that know the default's result
+        (groups growing alike, steady slots) may then compute it their own way."""
+        return next(c for c in type(self).__mro__ if rule in c.__dict__) is KindRules
+
     def blocks_needed(self, spec: S, lens: StepLens) -> Ints:
         """Logical blocks each request's table must have after the step."""
         bs = spec.block_size

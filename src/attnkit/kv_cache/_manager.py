@@ -62,6 +62,12 @@ class _Tables:
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.first_live = np.zeros(rows, dtype=np.int64)
 
+    def used(self) -> tuple[Ints32, Ints]:
+        """The table's columns any row uses (a presized table is mostly unused) and
+        their indices, for scans of every row."""
+        width = int(self.num_blocks.max())
+        return self.table[:, :width], np.arange(width)
+
     def grow(self, rows: int, width: int) -> None:
         old_rows, old_width = self.table.shape
         if rows <= old_rows and width <= old_width:
@@ -95,8 +101,7 @@ class _Growth:
 def _growth_key(group: KVCacheGroup, rules: KindRules[Any]) -> tuple[int, int] | None:
     """Groups with the same key need the same logical blocks at every length (the
     default ``blocks_needed``, one block size and shift); ``None``: a kind's own."""
-    owner = next(c for c in type(rules).__mro__ if "blocks_needed" in c.__dict__)
-    if owner is not KindRules:
+    if not rules.keeps_default("blocks_needed"):
         return None
     return (group.spec.block_size, rules.shift(group.spec))
 
@@ -467,9 +472,8 @@ class KVCacheManager:
                 pages[group.group_id] = set(np.flatnonzero(slab.owned).tolist())
                 continue
             tables = self._tables[group.group_id]
-            width = int(tables.num_blocks.max())  # (a presized table is mostly unused)
-            cols = np.arange(width)
-            used = tables.table[:, :width][cols < tables.num_blocks[:, None]]
+            table, cols = tables.used()
+            used = table[cols < tables.num_blocks[:, None]]
             pages[group.group_id] = set(used[used != NULL_BLOCK].tolist())
         return pages
 
@@ -491,15 +495,14 @@ class KVCacheManager:
         """The step's lengths for ``rows`` (-1: a new request, which starts with
         ``start`` computed tokens: its prefix hit; default 0). ``all_live``: the caller
         knows that no row is -1 (the steady state), so it is not looked for."""
-        if all_live:
-            return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
-        live = rows >= 0
-        if live.all():
-            return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
-        safe = np.where(live, rows, 0)
-        computed = np.where(live, self._num_tokens[safe], 0 if start is None else start)
-        encoder = np.where(live, self._encoder_len[safe], encoder_lens)
-        return StepLens(computed, num_new, encoder)
+        if not all_live:
+            live = rows >= 0
+            if not live.all():
+                safe = np.where(live, rows, 0)
+                computed = np.where(live, self._num_tokens[safe], 0 if start is None else start)
+                encoder = np.where(live, self._encoder_len[safe], encoder_lens)
+                return StepLens(computed, num_new, encoder)
+        return StepLens(self._num_tokens[rows], num_new, self._encoder_len[rows])
 
     def allocate_step(
         self,
@@ -989,10 +992,9 @@ class KVCacheManager:
         """Every table entry of group ``group_id`` that holds a block (non-null, live
         columns, one per entry: a block two requests hold appears twice)."""
         tables = self._tables[group_id]
-        width = int(tables.num_blocks.max())  # (a presized table is mostly unused)
-        cols = np.arange(width)
+        table, cols = tables.used()
         live = (cols >= tables.first_live[:, None]) & (cols < tables.num_blocks[:, None])
-        used = tables.table[:, :width][live]
+        used = table[live]
         held: Ints32 = used[used != NULL_BLOCK]
         return held
 

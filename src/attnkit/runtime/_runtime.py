@@ -21,7 +21,7 @@ from ..config import AttentionConfig
 from ..devices import check_device_available, parse_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..impl import AttentionImpl, StateImpl
-from ..kinds import KindRules, ShardedRules, rules_for
+from ..kinds import ShardedRules, rules_for
 from ..kv_cache import (
     BufferSetName,
     CachedPool,
@@ -347,9 +347,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         # Groups whose slots are the kinds' default (a token's block and offset in it):
         # in the steady decode state a step's slots are the last step's, plus one.
         self._slot_steps = frozenset(
-            gid
-            for gid, rules in self._rules_of.items()
-            if next(c for c in type(rules).__mro__ if "slot_mapping" in c.__dict__) is KindRules
+            gid for gid, rules in self._rules_of.items() if rules.keeps_default("slot_mapping")
         )
         self._decode_slots = {}  # group id -> (manager step serial, a decode step's slots)
         # The name torch.ops.attnkit.runtime_forward knows this runtime by (_ops).

@@ -162,9 +162,16 @@ class StepHost(SpeculativeCalls):
             if decode_qsl is None or decode_qsl.shape[0] != count + 1:
                 decode_qsl = _from_numpy(np.arange(count + 1, dtype=np.int32))
                 self._decode_qsl = decode_qsl
-        shared = _SharedStep(lens, rows, to_device, contiguous, decode_qsl)
-        shared.serial = self.manager.step_serial
-        shared.steady = self.manager.steady_serial == shared.serial
+        manager = self.manager
+        shared = _SharedStep(
+            lens,
+            rows,
+            to_device,
+            contiguous,
+            decode_qsl,
+            serial=manager.step_serial,
+            steady=manager.steady_serial == manager.step_serial,
+        )
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         tree = (
             None
@@ -473,6 +480,9 @@ class _SharedStep(StepTokens):
         to_device: Callable[[torch.Tensor], torch.Tensor],
         contiguous: bool | None = None,
         decode_qsl: torch.Tensor | None = None,
+        *,
+        serial: int = -1,
+        steady: bool = False,
     ) -> None:
         n = rows.size
         self.rows_contiguous = (
@@ -498,9 +508,9 @@ class _SharedStep(StepTokens):
             # Request index and (unshifted) position of every token of the step.
             super().__init__(*spans(lens.query, lens.computed))
         self._seq: list[tuple[Ints, torch.Tensor, int]] = []
-        self.serial = -1
+        self.serial = serial
         """The manager's ``step_serial`` after this step's allocation."""
-        self.steady = False
+        self.steady = steady
         """Whether the manager took its steady decode state for the step."""
         self.step_id = next(_STEP_IDS)
         """The step's ``CommonAttentionMetadata.step_id``: numbered across the process."""
