@@ -89,6 +89,8 @@ def test_padded_slot_mapping_is_valid() -> None:
     kwargs["slot_mapping"] = i64([57, 113, 96, 97, 98, 99, 100, -1, -1])
     md = CommonAttentionMetadata(**kwargs)
     assert md.slot_mapping.shape == (9,)
+    # The padding past num_actual_tokens is not the step's: slots_written still holds.
+    assert CommonAttentionMetadata(**kwargs, slots_written=True).slots_written
 
 
 def test_non_causal_is_kept() -> None:
@@ -342,6 +344,15 @@ _VALIDATION_CASES = [
         id="num_reqs-mismatch",
     ),
     pytest.param({"causal": "yes"}, "causal must be a bool, got 'yes'", id="causal-str"),
+    pytest.param(
+        {"slots_written": True, "slot_mapping": i64([57, 113, -1, 97, 98, 99, 100])},
+        "slots_written=True, but slot_mapping[2] is -1: every one of the step's 7 tokens "
+        "must have a slot >= 0",
+        id="slots_written-with-an-unwritten-token",
+    ),
+    pytest.param(
+        {"slots_written": 1}, "slots_written must be a bool, got 1", id="slots_written-int"
+    ),
 ]
 
 
@@ -602,6 +613,9 @@ def test_scalar_fields_must_be_ints(field: str, value: object) -> None:
 
 def test_reorder_accepts_a_tensor_of_query_lens() -> None:
     cm = CommonAttentionMetadata.from_lists(
-        query_lens=[4, 1, 1], seq_lens=[4, 9, 9], block_table=[[1], [2], [3]], slot_mapping=[16, 17, 18, 19, 40, 56]
+        query_lens=[4, 1, 1],
+        seq_lens=[4, 9, 9],
+        block_table=[[1], [2], [3]],
+        slot_mapping=[16, 17, 18, 19, 40, 56],
     )
     assert reorder_batch_to_split_decodes_and_prefills(cm.query_lens_cpu) == [1, 2, 0]

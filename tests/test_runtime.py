@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from attnkit import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
 )
 from attnkit.demo import DemoModel, run_demo
 from attnkit.kernels.attention.reference import dense_attention
@@ -455,3 +458,65 @@ def test_demo_passes(per_kind: str | None) -> None:
     assert f"full_attention    group 0 (block_size 16, 2 per page) -> {expected_backend}" in text
     assert "mamba(mamba2)     group 1 (block_size 16) -> reference" in text
     assert result.max_error < 2e-5
+
+
+def test_slots_written_marks_the_kinds_whose_every_token_gets_a_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CommonAttentionMetadata.slots_written`` is set for the kinds whose slots are the
+    default ones (full attention, a window) and not for cross attention (its slots hold
+    -1 past the encoder tokens); where it is set, every token's slot is its block's."""
+    from attnkit.backend_api import CommonAttentionMetadata
+    from attnkit.backends.reference.attention import ReferenceAttentionBuilder
+
+    seen: dict[str, list[CommonAttentionMetadata]] = {}
+    checked: list[CommonAttentionMetadata] = []
+    build = ReferenceAttentionBuilder.build
+
+    def spy(
+        self: ReferenceAttentionBuilder,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> object:
+        cm = common_attn_metadata
+        seen.setdefault(self.kind.value, []).append(cm)
+        if cm.slots_written:  # (the table is a view valid until the next step: read now)
+            # Each token's slot, from its request's table and its position (the
+            # definition).
+            qsl, seq = cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()
+            want = [
+                int(cm.block_table_tensor[b, p // 4]) * 4 + p % 4
+                for b in range(cm.num_reqs)
+                for p in range(seq[b] - (qsl[b + 1] - qsl[b]), seq[b])
+            ]
+            assert cm.slot_mapping[: cm.num_actual_tokens].tolist() == want
+            assert min(want) >= 4  # block 0 is the null block
+            checked.append(cm)
+        return build(self, common_prefix_len, cm, fast_build)
+
+    monkeypatch.setattr(ReferenceAttentionBuilder, "build", spy)
+    kw: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+    specs: dict[str, KVCacheSpec] = {
+        "full": FullAttentionSpec(block_size=4, **kw),
+        "window": SlidingWindowSpec(block_size=4, sliding_window=6, **kw),
+        "cross": CrossAttentionSpec(block_size=4, **kw),
+    }
+    runtime = AttentionRuntime(
+        specs,
+        AttentionConfig(backend="reference"),
+        device="cpu",
+        memory_budget_bytes=2**18,
+        layer_params={name: AttentionLayerParams(num_heads=2) for name in specs},
+    )
+    runtime.begin_step(
+        [ScheduledRequest("a", 5, encoder_len=3), ScheduledRequest("b", 2, encoder_len=4)]
+    )
+    for _ in range(5):  # decodes (the steady path's slots included)
+        runtime.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 1)])
+    assert {kind: {cm.slots_written for cm in cms} for kind, cms in seen.items()} == {
+        "full_attention": {True},
+        "sliding_window": {True},
+        "cross_attention": {False},
+    }
+    assert len(checked) == 12  # 6 steps x 2 groups

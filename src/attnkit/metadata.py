@@ -184,6 +184,10 @@ class CommonAttentionMetadata:
             with the step's other groups (``cpu_attn`` shares its split of the step
             between its engines). A producer that refills those tensors in place must
             give the refilled step a new id, or ``None``.
+        slots_written: ``True`` when the producer guarantees that every one of the
+            step's ``num_actual_tokens`` first ``slot_mapping`` entries is ``>= 0``
+            (each new token is written: the default slots of a decoder kind), so a
+            builder need not look for -1 entries; ``False`` (the default): not known.
 
     Construction checks shapes, dtypes and devices, and (on the CPU copies only, so
     no device sync) that offsets are monotonic and agree with ``num_actual_tokens``,
@@ -210,6 +214,7 @@ class CommonAttentionMetadata:
     mm_prefix_ranges_cpu: torch.Tensor | None = None
     mm_prefix_counts_cpu: torch.Tensor | None = None
     step_id: int | None = None
+    slots_written: bool = False
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
@@ -295,6 +300,16 @@ class CommonAttentionMetadata:
                 f"slot_mapping must have at least num_actual_tokens={total} entries, "
                 f"got {describe_tensor(self.slot_mapping)}"
             )
+        if not isinstance(self.slots_written, bool):
+            raise ValueError(f"slots_written must be a bool, got {self.slots_written!r}")
+        if self.slots_written and self.slot_mapping.device.type == "cpu" and total:
+            written = self.slot_mapping[:total].numpy()
+            if written.min() < 0:
+                bad = int(np.argmax(written < 0))
+                raise ValueError(
+                    f"slots_written=True, but slot_mapping[{bad}] is {int(written[bad])}: "
+                    f"every one of the step's {total} tokens must have a slot >= 0"
+                )
         short = seq < query_lens
         # Causal queries are the last positions of their context; a non-causal step
         # (cross attention) may have more queries than cached keys.

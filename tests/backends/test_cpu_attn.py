@@ -173,9 +173,14 @@ def test_build_makes_what_the_planned_path_makes(kind: str) -> None:
         builder, common = entry.builder, entry.common
         assert isinstance(builder, CpuAttentionMetadataBuilder)
         assert _fields(builder.build(0, common)) == _fields(builder._build(common))
+    # The runtime's default slots write every token (cross attention's: not known).
+    assert common.slots_written is (kind != "cross")
     slots = common.slot_mapping.clone()
     slots[0] = -1
-    holed = dataclasses.replace(common, slot_mapping=slots, validate=False)
+    if common.slots_written:  # a hole under the runtime's promise is refused
+        with pytest.raises(ValueError, match=r"slots_written=True, but slot_mapping\[0\] is -1"):
+            dataclasses.replace(common, slot_mapping=slots)
+    holed = dataclasses.replace(common, slot_mapping=slots, slots_written=False, validate=False)
     md = builder.build(0, holed)
     assert _fields(md) == _fields(builder._build(holed))
     if kind != "cross":  # (cross attention writes encoder tokens only: nothing here)

@@ -179,7 +179,7 @@ def _write_plan(
     slots = cm.slot_mapping
     if not encoder_keys and slots.shape[0] != cm.num_actual_tokens:
         slots = slots[: cm.num_actual_tokens]
-    if slots.device.type != "cpu":
+    if cm.slots_written or slots.device.type != "cpu":
         return slots, None
     if slots.numel() == 0 or int(slots.numpy().min()) >= 0:  # numpy: no dispatch cost
         return slots, None

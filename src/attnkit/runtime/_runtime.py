@@ -345,7 +345,8 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._last_contiguous = False
         self._decode_qsl = None  # 0..B, the offsets of a step of B one-token queries
         # Groups whose slots are the kinds' default (a token's block and offset in it):
-        # in the steady decode state a step's slots are the last step's, plus one.
+        # every token has one (CommonAttentionMetadata.slots_written), and in the
+        # steady decode state a step's slots are the last step's, plus one.
         self._slot_steps = frozenset(
             gid for gid, rules in self._rules_of.items() if rules.keeps_default("slot_mapping")
         )

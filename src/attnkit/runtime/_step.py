@@ -316,6 +316,7 @@ class StepHost(SpeculativeCalls):
             context_shard=shard,
             global_seq_lens_cpu=global_lens,
             step_id=shared.step_id,
+            slots_written=group.group_id in self._slot_steps,
             validate=False,
         )
 
