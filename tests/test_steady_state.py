@@ -19,7 +19,7 @@ from attnkit import (
     SlidingWindowSpec,
 )
 from attnkit.config import PrefixCachingConfig
-from attnkit.kv_cache import KVCacheGroup, KVCacheManager, group_layers
+from attnkit.kv_cache import KVCacheGroup, KVCacheManager, OutOfBlocksError, group_layers
 
 F32 = torch.float32
 
@@ -88,15 +88,25 @@ class Schedule:
 
 
 def drive(
-    seed: int, *, caching: bool, steps: int = 400, hint: tuple[int, int] | None = None
+    seed: int,
+    *,
+    caching: bool,
+    steps: int = 400,
+    hint: tuple[int, int] | None = None,
+    steady_max: int | None = None,
 ) -> int:
     """Run one random schedule on a manager with the steady state and one without;
-    compare them after every step. Returns the steps the steady state took. ``hint``:
-    the first one's ``table_hint`` (the second's tables start small and grow)."""
+    compare them after every step. Returns the steps the steady state took (with
+    ``steady_max``, the first manager's ``_steady_max``: the steps its decode runs
+    took, batches larger than it being planned as runs). ``hint``: the first one's
+    ``table_hint`` (the second's tables start small and grow)."""
     config = PrefixCachingConfig(enabled=True) if caching else None
     fast = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config, table_hint=hint)
     slow = KVCacheManager(groups(), num_blocks=4096, prefix_caching=config)
     slow._steady_max = 0
+    slow._plan_runs = False
+    if steady_max is not None:
+        fast._steady_max = steady_max
     schedule = Schedule(seed, max_live=3)
     rng, live = schedule.rng, schedule.live
     rows: dict[int, Any] = {id(fast): None, id(slow): None}  # kept while the batch is
@@ -116,9 +126,13 @@ def drive(
             num_new = np.array([n for _, n, _ in batch], dtype=np.int64)
             lens = mgr.step_lens(kept, num_new, np.zeros_like(num_new))
             before = mgr._steady_left
+            run = mgr._run
+            run_step = -1 if run is None else run.step
             mgr.allocate_rows(ids, kept, lens, finished=finished)
-            if mgr is fast and mgr._steady_left == before - 1 and before:
+            if mgr is fast and steady_max is None and mgr._steady_left == before - 1 and before:
                 taken += 1
+            if mgr is fast and steady_max is not None and run is not None:
+                taken += mgr._run is run and run.step == run_step + 1
             rows[id(mgr)] = None if bool(chunk) or finished else kept
         assert state(fast) == state(slow)
         if hint is not None and not caching:  # the blocks the tables hold, read one by one
@@ -157,6 +171,101 @@ def test_a_look_ahead_one_step_too_far_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(KVCacheManager, "_look_ahead", too_far)
     with pytest.raises(AssertionError):
         every_seed()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_runs_end_every_step_where_the_full_step_does(seed: int) -> None:
+    """Batches larger than the steady state's bound (here 1 request) take planned decode
+    runs: every group's releases and growth of each step, planned at once."""
+    taken = drive(seed, caching=False, steady_max=1)
+    assert taken > 100  # the runs ran
+
+
+def test_a_run_step_that_does_not_fit_raises_and_changes_nothing() -> None:
+    """A run's step that needs more blocks than the pool has free (its releases counted)
+    goes to the full step, which refuses it as it would without runs, changing
+    nothing; freed blocks let the same step through."""
+    managers = []
+    for runs in (True, False):
+        mgr = KVCacheManager(groups(), num_blocks=64)
+        mgr._steady_max, mgr._plan_runs = 1, runs
+        managers.append(mgr)
+    ids = ["a", "b", "c"]
+    for mgr in managers:
+        mgr.allocate_step([(rid, 3, 0) for rid in ids])
+        mgr.allocate_step([(rid, 1, 0) for rid in ids])  # plans the run (with runs)
+    fast, slow = managers
+    assert fast._run is not None
+    held = {id(mgr): mgr.pool.allocate(mgr.pool.num_free_blocks) for mgr in managers}
+    rows = {id(mgr): mgr.lookup_rows(ids) for mgr in managers}
+    for _ in range(8):  # to the next step that needs a block in some group
+        need = {
+            id(mgr): mgr.step_lens(rows[id(mgr)], np.ones(3, np.int64), np.zeros(3, np.int64))
+            for mgr in managers
+        }
+        before = [state(mgr) for mgr in managers]
+        assert fast._run is not None  # (the step is the run's to take, if it fits)
+        refused = []
+        for mgr in managers:
+            try:
+                mgr.allocate_rows(ids, rows[id(mgr)], need[id(mgr)])
+            except OutOfBlocksError:
+                refused.append(mgr)
+        assert state(fast) == state(slow)
+        if refused:
+            assert refused == managers
+            assert [state(mgr) for mgr in managers] == before
+            break
+    else:
+        raise AssertionError("no step needed a block")
+    for mgr in managers:
+        mgr.pool.free(held[id(mgr)])
+        lens = mgr.step_lens(rows[id(mgr)], np.ones(3, np.int64), np.zeros(3, np.int64))
+        mgr.allocate_rows(ids, rows[id(mgr)], lens)
+    assert state(fast) == state(slow)
+
+
+def _broken_runs(monkeypatch: pytest.MonkeyPatch, breaks: Any) -> None:
+    plan = KVCacheManager._plan_run
+
+    def broken(self: KVCacheManager, rows: Any, lens: Any) -> None:
+        plan(self, rows, lens)
+        if self._run is not None:
+            breaks(self._run)
+
+    def every_seed() -> None:
+        for seed in range(6):
+            drive(seed, caching=False, steady_max=1)
+
+    monkeypatch.setattr(KVCacheManager, "_plan_run", broken)
+    with pytest.raises(AssertionError):
+        every_seed()
+
+
+def test_a_run_that_skips_its_releases_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: a run plans the growth but forgets the windows' and chunks'
+    releases, so their blocks stay in the tables."""
+
+    def forget(run: Any) -> None:
+        run.releases = [None] * len(run.releases)
+        run.released = [0] * len(run.released)
+
+    _broken_runs(monkeypatch, forget)
+
+
+def test_a_run_that_grows_a_step_late_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: each step of a run fills the entries planned for the step before
+    (the first step none), so a table lacks the block its new token goes to."""
+
+    def late(run: Any) -> None:
+        shifted: set[int] = set()  # (a growth twin shares its twin's entries)
+        for entries in run.grows:
+            if entries is not None and id(entries) not in shifted:
+                shifted.add(id(entries))
+                entries.bounds[:] = [0, *entries.bounds[:-1]]
+                entries.row_bounds[:] = [0, *entries.row_bounds[:-1]]
+
+    _broken_runs(monkeypatch, late)
 
 
 # ------------------------------------------------------------- presized tables

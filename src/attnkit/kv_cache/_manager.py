@@ -36,6 +36,14 @@ the same requests change no table (``KVCacheManager.allocate_rows``' steady stat
 larger batches some request crosses a block boundary at nearly every step."""
 STEADY_LOOKAHEAD = 32
 """How many decode steps ahead that look goes."""
+RUN_MAX_REQS = 256
+"""Decode steps of more requests than ``STEADY_MAX_REQS`` and up to this many are planned
+``STEADY_LOOKAHEAD`` steps at a time (``KVCacheManager._plan_run``): each step then only
+writes the entries it changes. The plan's work grows with the batch (its arrays are
+``STEADY_LOOKAHEAD`` x the requests), a step's saving with the per-call overhead it
+removes, so larger batches take the full step (at 512 and 1024 decodes here the runs'
+mean cost, plans included, was 1.03x and 1.09x the full step's; 0.90x at 64, 0.97x at
+256)."""
 
 TABLE_PRESIZE_BYTES = 64 << 20
 """The most bytes one group's block table is given up front from ``table_hint``
@@ -119,6 +127,68 @@ class _StepPlan:
     released: int  # entries released in all
     # A slab group's released entries, found for the check (None: found when released).
     release_at: tuple[Ints, Ints, Ints32] | None = None  # (rows, columns, blocks)
+
+
+def _run_entries(rows: Ints, start: Ints, end: Ints, steps: Ints) -> _Entries | None:
+    """The entries ``start[k, i] .. end[k, i] - 1`` of ``rows[i]`` at each step ``k``
+    (``[steps, B]`` arrays, ``end >= start``), step by step and in batch order within a
+    step, as the full step's spans; ``None`` when no step has any."""
+    count = end - start
+    ks, idx = count.nonzero()
+    if ks.size == 0:
+        return None
+    counts = count[ks, idx]
+    owners, cols = spans(counts, start[ks, idx], rows[idx])
+    per_step = count.sum(axis=1)
+    bounds = np.zeros(steps.size + 1, dtype=np.int64)
+    per_step.cumsum(out=bounds[1:])
+    row_bounds = np.searchsorted(ks, np.arange(steps.size + 1))
+    return _Entries(
+        owners=owners,
+        cols=cols,
+        bounds=bounds.tolist(),
+        rows=rows[idx],
+        values=end[ks, idx],
+        row_bounds=row_bounds.tolist(),
+        per_step=per_step,
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class _Entries:
+    """Table entries a decode run fills or releases, step by step: entry ``i`` of step
+    ``k`` is ``(owners[i], cols[i])`` for ``bounds[k] <= i < bounds[k + 1]``, and the
+    rows they change take ``values[j]`` for ``row_bounds[k] <= j < row_bounds[k + 1]``
+    (``num_blocks`` after a growth, ``first_live`` after a release)."""
+
+    owners: Ints
+    cols: Ints
+    bounds: list[int]
+    rows: Ints
+    values: Ints
+    row_bounds: list[int]
+    per_step: Ints  # entries per step
+
+
+@dataclasses.dataclass(slots=True)
+class _DecodeRun:
+    """The next decode steps of a batch too large for the steady state (some request
+    crosses a block boundary at nearly every step), planned at once: which entries each
+    step fills and releases in each group, its table widths and its block counts, so
+    that each step only writes them (``KVCacheManager._run_step``). Valid while the same
+    rows decode one token each from ``expected`` (and no row is assigned or freed)."""
+
+    rows: Ints
+    row_copy: Ints
+    version: int
+    expected: Ints
+    step: int
+    steps: int
+    grows: list[_Entries | None]  # per group (a growth twin: its twin's entries)
+    releases: list[_Entries | None]  # per releasing group
+    widths: list[list[int]]  # per step, per group
+    new: list[int]  # per step: new blocks of all groups
+    released: list[int]  # per step: released entries of all groups
 
 
 class KVCacheManager:
@@ -248,6 +318,12 @@ class KVCacheManager:
         self._steady_computed: list[int] = []
         self._steady_ones: list[int] = []
         self._steady_row_ids: list[int] = []
+        self._run: _DecodeRun | None = None
+        """The planned decode run of a batch larger than ``STEADY_MAX_REQS``
+        (``_plan_run``), ``None`` outside one."""
+        self._plan_runs = True
+        """Whether decode steps of such batches are planned as runs (tests turn it off
+        to compare with the full step)."""
         self._rows: dict[str, int] = {}
         shapes = self._table_shapes(table_hint)
         capacity = shapes[0][0] if shapes else 16
@@ -592,6 +668,17 @@ class KVCacheManager:
             if prefix is not None:
                 prefix.note_step(rows)
             return rows
+        run = self._run
+        if (
+            run is not None
+            and rows is run.rows
+            and not finished
+            and prefixes is None
+            and self.rows_version == run.version
+            and self._run_step(run, rows, lens)
+        ):
+            return rows
+        self._run = None
         self._steady_rows = None
         if prefix is not None:
             if prefix.pending:
@@ -693,6 +780,16 @@ class KVCacheManager:
         self._step_widths = [plan.width for plan in plans]
         if 0 < rows.size <= self._steady_max and not any_new and not finished:
             self._look_ahead(rows, lens)
+        elif (
+            self._plan_runs
+            and self._steady_max < rows.size <= RUN_MAX_REQS
+            and not any_new
+            and not finished
+            and prefix is None
+            and not self._paged
+            and int(lens.query.max()) == 1
+        ):
+            self._plan_run(rows, lens)
         if prefix is not None:
             prefix.note_step(rows)
         return rows
@@ -739,6 +836,117 @@ class KVCacheManager:
             self._steady_computed = lens.total.tolist()
             self._steady_ones = ones
             self._steady_row_ids = rows.tolist()
+
+    def _plan_run(self, rows: Ints, lens: StepLens) -> None:
+        """After a decode step of ``rows`` (one token each, no prefix caching, every
+        kernel block a page): plan the next ``STEADY_LOOKAHEAD`` decode steps of the
+        same rows as the full step would make them, group by group (each step's
+        releases from the window's or chunk's first live block, then its growth), with
+        each kind's rules asked for every step at once."""
+        ahead, n = STEADY_LOOKAHEAD, rows.size
+        computed = (lens.total[None, :] + np.arange(ahead)[:, None]).ravel()
+        future = StepLens(computed, np.ones_like(computed), np.tile(lens.encoder, ahead))
+        steps = np.arange(ahead)
+        grows: list[_Entries | None] = []
+        releases: list[_Entries | None] = []
+        haves: list[Ints] = []  # per group: blocks before each step, (ahead, n)
+        widths = np.zeros((ahead, len(self.groups)), dtype=np.int64)
+        new = np.zeros(ahead, dtype=np.int64)
+        released = np.zeros(ahead, dtype=np.int64)
+        for gid, (group, rules, twin) in enumerate(
+            zip(self.groups, self._rules, self._growth_twin, strict=True)
+        ):
+            tables = self._tables[gid]
+            if twin is not None:  # the same blocks at every length: its twin's entries
+                grows.append(grows[twin])
+                haves.append(haves[twin])
+                widths[:, gid] = widths[:, twin]
+                grown = grows[twin]
+                if grown is not None:
+                    new += grown.per_step
+            else:
+                have0 = tables.num_blocks[rows]
+                need = np.reshape(rules.blocks_needed(group.spec, future), (ahead, n))
+                after = np.maximum.accumulate(np.maximum(need, have0[None, :]), axis=0)
+                have = np.concatenate([have0[None, :], after[:-1]])
+                haves.append(have)
+                widths[:, gid] = after.max(axis=1)
+                entries = _run_entries(rows, have, after, steps)
+                grows.append(entries)
+                if entries is not None:
+                    new += entries.per_step
+            if not rules.releases:
+                releases.append(None)
+                continue
+            before0 = tables.first_live[rows]
+            first = np.reshape(rules.first_live_block(group.spec, future), (ahead, n))
+            # after_k = max(min(first_k, have_k), after_{k-1}), after_{-1} = before0
+            live = np.maximum.accumulate(
+                np.maximum(np.minimum(first, haves[gid]), before0[None, :]), axis=0
+            )
+            start = np.concatenate([before0[None, :], live[:-1]])
+            entries = _run_entries(rows, start, live, steps)
+            releases.append(entries)
+            if entries is not None:
+                released += entries.per_step
+        self._run = _DecodeRun(
+            rows=rows,
+            row_copy=rows.copy(),
+            version=self.rows_version,
+            expected=lens.total,
+            step=0,
+            steps=ahead,
+            grows=grows,
+            releases=releases,
+            widths=widths.tolist(),
+            new=new.tolist(),
+            released=released.tolist(),
+        )
+
+    def _run_step(self, run: _DecodeRun, rows: Ints, lens: StepLens) -> bool:
+        """Take the next step of ``run`` if ``rows`` and ``lens`` are its (the same rows,
+        one more token each) and it fits; ``False``: the full step decides (it raises
+        ``OutOfBlocksError`` for a step that does not fit)."""
+        k = run.step
+        if (
+            k >= run.steps
+            or not np.array_equal(lens.computed, run.expected)
+            or not np.array_equal(rows, run.row_copy)
+            or int(lens.query.max()) != 1
+            or int(lens.query.min()) != 1
+        ):
+            return False
+        if run.new[k] > self.pool.num_free_blocks + run.released[k]:
+            return False
+        # As the full step: every group's releases, then every group's growth.
+        for gid, entries in enumerate(run.releases):
+            if entries is None:
+                continue
+            lo, hi = entries.bounds[k], entries.bounds[k + 1]
+            if hi > lo:
+                tables = self._tables[gid]
+                owners, cols = entries.owners[lo:hi], entries.cols[lo:hi]
+                dead = tables.table[owners, cols]
+                tables.table[owners, cols] = NULL_BLOCK
+                self._give_back[gid](dead[dead != NULL_BLOCK])
+                r0, r1 = entries.row_bounds[k], entries.row_bounds[k + 1]
+                tables.first_live[entries.rows[r0:r1]] = entries.values[r0:r1]
+        widths = run.widths[k]
+        for gid, entries in enumerate(run.grows):
+            if entries is None:
+                continue
+            lo, hi = entries.bounds[k], entries.bounds[k + 1]
+            if hi > lo:
+                tables = self._tables[gid]
+                tables.grow(0, widths[gid])
+                tables.table[entries.owners[lo:hi], entries.cols[lo:hi]] = self._take[gid](hi - lo)
+                r0, r1 = entries.row_bounds[k], entries.row_bounds[k + 1]
+                tables.num_blocks[entries.rows[r0:r1]] = entries.values[r0:r1]
+        self._num_tokens[rows] = lens.total
+        self._step_widths = widths
+        run.expected = lens.total
+        run.step = k + 1
+        return True
 
     def _allocate_cached(
         self,
@@ -1037,6 +1245,7 @@ class KVCacheManager:
             self._give_back[gid](np.ascontiguousarray(dead[dead != NULL_BLOCK][::-1]))
         self._num_tokens[rows] = num_tokens
         self._steady_rows = None  # lengths moved back: the steady look-ahead is void
+        self._run = None
 
     def free_request(self, req_id: str, token_ids: Tokens | None = None) -> None:
         """Release every block of ``req_id`` and forget it.
