@@ -64,11 +64,15 @@ class Schedule:
     """A random schedule over live requests: each ``next()`` step decodes them all,
     and at times one arrives with a prompt chunk, one finishes, or one runs a chunk."""
 
-    def __init__(self, seed: int, *, max_live: int) -> None:
+    def __init__(self, seed: int, *, max_live: int, repeat_chunks: bool = False) -> None:
         self.rng = random.Random(seed)
         self.live: list[str] = []
         self.max_live = max_live
         self._serial = 0
+        # With repeat_chunks, a chunk goes on for a few steps at the same size (a
+        # prompt's chunks beside decodes): request -> (tokens, steps left).
+        self.repeat_chunks = repeat_chunks
+        self._chunking: dict[str, tuple[int, int]] = {}
 
     def next(self) -> tuple[list[str], dict[str, int], float]:
         """The step's finished requests, its chunks (request -> tokens) and its roll."""
@@ -84,6 +88,16 @@ class Schedule:
             finished.append(live.pop(rng.randrange(len(live))))
         elif roll < 0.10:
             chunk[rng.choice(live)] = rng.randrange(2, 9)
+        if self.repeat_chunks:
+            for rid, (tokens, left) in list(self._chunking.items()):
+                if rid not in live or left == 0:
+                    del self._chunking[rid]
+                elif rid not in chunk:
+                    chunk[rid] = tokens
+                    self._chunking[rid] = (tokens, left - 1)
+            for rid, tokens in chunk.items():
+                if rid not in self._chunking and tokens > 1:
+                    self._chunking[rid] = (tokens, rng.randrange(0, 8))
         return finished, chunk, roll
 
 
@@ -94,6 +108,7 @@ def drive(
     steps: int = 400,
     hint: tuple[int, int] | None = None,
     steady_max: int | None = None,
+    repeat_chunks: bool = False,
 ) -> int:
     """Run one random schedule on a manager with the steady state and one without;
     compare them after every step. Returns the steps the steady state took (with
@@ -107,14 +122,18 @@ def drive(
     slow._plan_runs = False
     if steady_max is not None:
         fast._steady_max = steady_max
-    schedule = Schedule(seed, max_live=3)
+    schedule = Schedule(seed, max_live=3, repeat_chunks=repeat_chunks)
     rng, live = schedule.rng, schedule.live
     rows: dict[int, Any] = {id(fast): None, id(slow): None}  # kept while the batch is
     taken = 0
     for _ in range(steps):
         finished, chunk, _ = schedule.next()
         batch = [(rid, chunk.get(rid, 1), 0) for rid in live]
-        changed = bool(finished or chunk) or rng.random() < 0.05
+        arrived = any(rid in chunk and rid not in fast for rid in live)
+        if repeat_chunks:  # the rows are kept over chunks, as the runtime keeps them
+            changed = bool(finished) or arrived or rng.random() < 0.05
+        else:
+            changed = bool(finished or chunk) or rng.random() < 0.05
         for mgr in (fast, slow):
             ids = [rid for rid, _, _ in batch]
             kept = rows[id(mgr)]
@@ -131,9 +150,15 @@ def drive(
             mgr.allocate_rows(ids, kept, lens, finished=finished)
             if mgr is fast and steady_max is None and mgr._steady_left == before - 1 and before:
                 taken += 1
-            if mgr is fast and steady_max is not None and run is not None:
+            # (with repeat_chunks: the run steps that ran a chunk)
+            if (
+                mgr is fast
+                and steady_max is not None
+                and run is not None
+                and (chunk or not repeat_chunks)
+            ):
                 taken += mgr._run is run and run.step == run_step + 1
-            rows[id(mgr)] = None if bool(chunk) or finished else kept
+            rows[id(mgr)] = None if (bool(chunk) and not repeat_chunks) or finished else kept
         assert state(fast) == state(slow)
         if hint is not None and not caching:  # the blocks the tables hold, read one by one
             held = {
@@ -223,6 +248,14 @@ def test_a_run_step_that_does_not_fit_raises_and_changes_nothing() -> None:
         lens = mgr.step_lens(rows[id(mgr)], np.ones(3, np.int64), np.zeros(3, np.int64))
         mgr.allocate_rows(ids, rows[id(mgr)], lens)
     assert state(fast) == state(slow)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_of_repeated_chunks_end_every_step_where_the_full_step_does(seed: int) -> None:
+    """A step that repeats the last one's new tokens (chunks of one size beside
+    decodes) plans a run too, whatever the batch's size."""
+    taken = drive(seed, caching=False, steady_max=1, repeat_chunks=True)
+    assert taken > 10  # steps with a chunk the runs took
 
 
 def _broken_runs(monkeypatch: pytest.MonkeyPatch, breaks: Any) -> None:

@@ -37,9 +37,10 @@ larger batches some request crosses a block boundary at nearly every step."""
 STEADY_LOOKAHEAD = 32
 """How many decode steps ahead that look goes."""
 RUN_MAX_REQS = 256
-"""Decode steps of more requests than ``STEADY_MAX_REQS`` and up to this many are planned
-``STEADY_LOOKAHEAD`` steps at a time (``KVCacheManager._plan_run``): each step then only
-writes the entries it changes. The plan's work grows with the batch (its arrays are
+"""Decode steps of more requests than ``STEADY_MAX_REQS`` and up to this many, and steps
+of up to this many requests that repeat the last one's new tokens (a prompt's chunks of
+one size beside decodes), are planned ``STEADY_LOOKAHEAD`` steps at a time
+(``KVCacheManager._plan_run``): each step then only writes the entries it changes. The plan's work grows with the batch (its arrays are
 ``STEADY_LOOKAHEAD`` x the requests), a step's saving with the per-call overhead it
 removes, so larger batches take the full step (at 512 and 1024 decodes here the runs'
 mean cost, plans included, was 1.03x and 1.09x the full step's; 0.90x at 64, 0.97x at
@@ -156,7 +157,7 @@ def _run_entries(rows: Ints, start: Ints, end: Ints, steps: Ints) -> _Entries | 
 
 @dataclasses.dataclass(slots=True)
 class _Entries:
-    """Table entries a decode run fills or releases, step by step: entry ``i`` of step
+    """Table entries a run fills or releases, step by step: entry ``i`` of step
     ``k`` is ``(owners[i], cols[i])`` for ``bounds[k] <= i < bounds[k + 1]``, and the
     rows they change take ``values[j]`` for ``row_bounds[k] <= j < row_bounds[k + 1]``
     (``num_blocks`` after a growth, ``first_live`` after a release)."""
@@ -171,17 +172,20 @@ class _Entries:
 
 
 @dataclasses.dataclass(slots=True)
-class _DecodeRun:
-    """The next decode steps of a batch too large for the steady state (some request
-    crosses a block boundary at nearly every step), planned at once: which entries each
-    step fills and releases in each group, its table widths and its block counts, so
-    that each step only writes them (``KVCacheManager._run_step``). Valid while the same
-    rows decode one token each from ``expected`` (and no row is assigned or freed)."""
+class _StepRun:
+    """The next steps of the same rows with the same new tokens each (decodes of a batch
+    too large for the steady state, where some request crosses a block boundary at
+    nearly every step; a prompt's chunks of one size beside them), planned at once:
+    which entries each step fills and releases in each group, its table widths and its
+    block counts, so that each step only writes them (``KVCacheManager._run_step``).
+    Valid while the same rows take ``query`` new tokens each from ``expected`` (and no
+    row is assigned or freed)."""
 
     rows: Ints
     row_copy: Ints
     version: int
     expected: Ints
+    query: Ints
     step: int
     steps: int
     grows: list[_Entries | None]  # per group (a growth twin: its twin's entries)
@@ -318,12 +322,14 @@ class KVCacheManager:
         self._steady_computed: list[int] = []
         self._steady_ones: list[int] = []
         self._steady_row_ids: list[int] = []
-        self._run: _DecodeRun | None = None
-        """The planned decode run of a batch larger than ``STEADY_MAX_REQS``
-        (``_plan_run``), ``None`` outside one."""
+        self._run: _StepRun | None = None
+        """The planned run of steps (``_plan_run``), ``None`` outside one."""
+        self._run_seed: tuple[Ints, Ints, Ints, int] | None = None
+        """The last step that was not a decode step and could start a run (``_repeats``):
+        its rows, lengths after it, new tokens and ``rows_version``."""
         self._plan_runs = True
-        """Whether decode steps of such batches are planned as runs (tests turn it off
-        to compare with the full step)."""
+        """Whether repeated steps are planned as runs (tests turn it off to compare
+        with the full step)."""
         self._rows: dict[str, int] = {}
         shapes = self._table_shapes(table_hint)
         capacity = shapes[0][0] if shapes else 16
@@ -778,18 +784,18 @@ class KVCacheManager:
             grown.append(made)
         self._num_tokens[rows] = lens.total
         self._step_widths = [plan.width for plan in plans]
-        if 0 < rows.size <= self._steady_max and not any_new and not finished:
-            self._look_ahead(rows, lens)
-        elif (
-            self._plan_runs
-            and self._steady_max < rows.size <= RUN_MAX_REQS
-            and not any_new
-            and not finished
-            and prefix is None
-            and not self._paged
-            and int(lens.query.max()) == 1
-        ):
-            self._plan_run(rows, lens)
+        if rows.size > 0 and not any_new and not finished:
+            decode = int(lens.query.max()) == 1
+            if decode and rows.size <= self._steady_max:
+                self._look_ahead(rows, lens)
+            elif (
+                self._plan_runs
+                and rows.size <= RUN_MAX_REQS
+                and prefix is None
+                and not self._paged
+                and (decode or self._repeats(rows, lens))
+            ):
+                self._plan_run(rows, lens)
         if prefix is not None:
             prefix.note_step(rows)
         return rows
@@ -837,15 +843,31 @@ class KVCacheManager:
             self._steady_ones = ones
             self._steady_row_ids = rows.tolist()
 
+    def _repeats(self, rows: Ints, lens: StepLens) -> bool:
+        """Whether this step (not a decode step) repeats the last one that was not: the
+        same rows, each with the same new tokens, from where that one left them (a
+        prompt's chunks of one size beside decodes); it is remembered for the next."""
+        seed = self._run_seed
+        self._run_seed = (rows, lens.total, lens.query, self.rows_version)
+        return (
+            seed is not None
+            and seed[0] is rows
+            and seed[3] == self.rows_version
+            and np.array_equal(lens.query, seed[2])
+            and np.array_equal(lens.computed, seed[1])
+        )
+
     def _plan_run(self, rows: Ints, lens: StepLens) -> None:
-        """After a decode step of ``rows`` (one token each, no prefix caching, every
-        kernel block a page): plan the next ``STEADY_LOOKAHEAD`` decode steps of the
-        same rows as the full step would make them, group by group (each step's
-        releases from the window's or chunk's first live block, then its growth), with
-        each kind's rules asked for every step at once."""
+        """After a step of ``rows`` (no request new or finished, no prefix caching,
+        every kernel block a page): plan the next ``STEADY_LOOKAHEAD`` steps of the same
+        rows with the same new tokens each (decodes; a prompt's chunks of one size) as
+        the full step would make them, group by group (each step's releases from the
+        window's or chunk's first live block, then its growth), with each kind's rules
+        asked for every step at once."""
         ahead, n = STEADY_LOOKAHEAD, rows.size
-        computed = (lens.total[None, :] + np.arange(ahead)[:, None]).ravel()
-        future = StepLens(computed, np.ones_like(computed), np.tile(lens.encoder, ahead))
+        query = lens.query.copy()
+        computed = (lens.total[None, :] + np.arange(ahead)[:, None] * query[None, :]).ravel()
+        future = StepLens(computed, np.tile(query, ahead), np.tile(lens.encoder, ahead))
         steps = np.arange(ahead)
         grows: list[_Entries | None] = []
         releases: list[_Entries | None] = []
@@ -889,11 +911,12 @@ class KVCacheManager:
             releases.append(entries)
             if entries is not None:
                 released += entries.per_step
-        self._run = _DecodeRun(
+        self._run = _StepRun(
             rows=rows,
             row_copy=rows.copy(),
             version=self.rows_version,
             expected=lens.total,
+            query=query,
             step=0,
             steps=ahead,
             grows=grows,
@@ -903,7 +926,7 @@ class KVCacheManager:
             released=released.tolist(),
         )
 
-    def _run_step(self, run: _DecodeRun, rows: Ints, lens: StepLens) -> bool:
+    def _run_step(self, run: _StepRun, rows: Ints, lens: StepLens) -> bool:
         """Take the next step of ``run`` if ``rows`` and ``lens`` are its (the same rows,
         one more token each) and it fits; ``False``: the full step decides (it raises
         ``OutOfBlocksError`` for a step that does not fit)."""
@@ -911,9 +934,8 @@ class KVCacheManager:
         if (
             k >= run.steps
             or not np.array_equal(lens.computed, run.expected)
+            or not np.array_equal(lens.query, run.query)
             or not np.array_equal(rows, run.row_copy)
-            or int(lens.query.max()) != 1
-            or int(lens.query.min()) != 1
         ):
             return False
         if run.new[k] > self.pool.num_free_blocks + run.released[k]:
