@@ -4,6 +4,7 @@ manager with it must end every step exactly where a manager without it does."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -359,12 +360,15 @@ def _runtime_specs() -> dict[str, Any]:
     }
 
 
-def drive_runtime_slots(seed: int, steps: int = 300) -> int:
+def drive_runtime_slots(seed: int, steps: int = 300, *, repeat_chunks: bool = False) -> int:
     """Random schedules (decodes, chunks, arrivals, finishes, a manager call behind the
-    runtime's back) through a runtime; after every step each group's slot mapping must
-    be the slot of each token read from its block table (block ``pos // bs`` of the
+    runtime's back) through a runtime; after every step each group's offsets and
+    computed tokens must be those of the schedule (counted here), and its slot mapping
+    the slot of each token read from its block table (block ``pos // bs`` of the
     request's row, offset ``pos % bs``; ``pos`` shifted by a sink kind's sink tokens).
-    Returns the group-steps whose slots came from the last step's."""
+    Returns the group-steps whose slots came from the last step's (with
+    ``repeat_chunks``, chunks that go on at one size: the steps with a chunk that a run
+    of the manager took)."""
     from attnkit import AttentionConfig, AttentionLayerParams, AttentionRuntime, ScheduledRequest
 
     specs = _runtime_specs()
@@ -386,19 +390,36 @@ def drive_runtime_slots(seed: int, steps: int = 300) -> int:
         return slots_of(gid, rules, spec, table, shared, lens)
 
     rt._slots = counting  # type: ignore[method-assign]  # counts the reuses
-    schedule = Schedule(seed, max_live=4)
+    if repeat_chunks:
+        rt.manager._steady_max = 1  # (batches of 2 or more take runs)
+    schedule = Schedule(seed, max_live=4, repeat_chunks=repeat_chunks)
     live = schedule.live
+    held: dict[str, int] = {}  # tokens each request holds, counted from the schedule
+    runs = 0
     for _ in range(steps):
         finished, chunk, roll = schedule.next()
         if not finished and not chunk and roll < 0.11:
             # behind the runtime's back: the manager steps one request
-            rt.manager.allocate_step([(schedule.rng.choice(live), 1, 0)])
+            rid = schedule.rng.choice(live)
+            rt.manager.allocate_step([(rid, 1, 0)])
+            held[rid] = held.get(rid, 0) + 1
+        for rid in finished:
+            del held[rid]
         batch = rt.begin_step(
             [ScheduledRequest(r, chunk.get(r, 1)) for r in live], finished=finished
         )
+        runs += bool(chunk) and rt.manager.run_serial == rt.manager.step_serial
+        new = [chunk.get(r, 1) for r in batch.order]
+        offsets = [0, *itertools.accumulate(new)]
+        had = [held.get(r, 0) for r in batch.order]
+        for r, n in zip(batch.order, new, strict=True):
+            held[r] = held.get(r, 0) + n
         for entry in rt._groups:
             cm, spec = entry.common, entry.group.spec
             assert cm is not None
+            assert cm.query_start_loc_cpu.tolist() == offsets
+            assert cm.num_computed_tokens_cpu is not None
+            assert cm.num_computed_tokens_cpu.tolist() == had
             table = cm.block_table_tensor.numpy()
             bs = spec.block_size
             shift = getattr(spec, "sink_len", 0)
@@ -409,7 +430,31 @@ def drive_runtime_slots(seed: int, steps: int = 300) -> int:
                     pos = computed + t + shift
                     want.append(int(table[b, pos // bs]) * bs + pos % bs)
             assert cm.slot_mapping[: batch.num_tokens].tolist() == want, entry.group.kind
-    return made
+    return runs if repeat_chunks else made
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_steps_of_runs_have_the_schedule_s_offsets_and_slots(seed: int) -> None:
+    """A step a run of the manager takes reuses the last step's offsets and each
+    token's request, its positions moved on by its request's new tokens."""
+    assert drive_runtime_slots(seed, repeat_chunks=True) > 5  # steps with a chunk
+
+
+def test_runs_steps_whose_positions_stay_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: a run's step takes the last step's token positions as they are
+    (not moved on), so its slots are the last step's."""
+    from attnkit.runtime import _step
+
+    monkeypatch.setattr(
+        _step._SharedStep, "step_of_token", lambda self, lens: np.zeros_like(self.token_req)
+    )
+
+    def every_seed() -> None:
+        for seed in range(4):
+            drive_runtime_slots(seed, repeat_chunks=True)
+
+    with pytest.raises(AssertionError):
+        every_seed()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -215,6 +216,47 @@ def test_a_step_is_split_once_for_all_its_groups() -> None:
     assert one.prefill_lens.tolist() == [20]
     alone = dataclasses.replace(second.common, step_id=None, validate=False)
     assert _fields(second.builder.build(0, alone)) == _fields(two)
+
+
+def test_a_step_with_the_last_offsets_takes_the_last_split_with_its_own_lengths() -> None:
+    """The steps of a run (the same new tokens, further on each step) have the same
+    offsets: the builder takes the last step's shares between the engines and this
+    step's lengths, which is what it plans with no split made before."""
+    from attnkit.backends.cpu_attn import backend as cpu_backend
+
+    rt = _two_group_runtime()
+    rt.begin_step([ScheduledRequest("a", 9), ScheduledRequest("b", 3)])
+    seen: list[dict[str, object]] = []
+    for _ in range(4):  # the same mixed step: request b's prompt in chunks of 20
+        rt.begin_step([ScheduledRequest("a", 1), ScheduledRequest("b", 20)])
+        entry = rt._groups[0]
+        md = entry.metadata
+        assert isinstance(md, CpuAttentionMetadata)
+        cpu_backend._SPLIT[0] = None  # nothing to take: planned from the step alone
+        alone = entry.builder.build(0, dataclasses.replace(entry.common, validate=False))
+        assert _fields(md) == _fields(alone)
+        seen.append(_fields(md))
+    assert [f["prefill_seq"] for f in seen] == [
+        ("int64", [23 + 20 * i]) for i in range(4)
+    ]  # b's context after each chunk: its own lengths, not the first split's
+
+
+def test_a_split_taken_with_its_old_lengths_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: a step with the last offsets takes the last split whole (its
+    lengths too), so the blocked prefill reads the context as it was a step ago."""
+    from attnkit.backends.cpu_attn import backend as cpu_backend
+
+    real = cpu_backend._Split
+
+    def stale(**fields: Any) -> Any:
+        memo = cpu_backend._SPLIT[0]
+        if memo is not None and fields.get("qsl") is memo.qsl:
+            fields["seq"], fields["long_seq"] = memo.seq, memo.long_seq
+        return real(**fields)
+
+    monkeypatch.setattr(cpu_backend, "_Split", stale)
+    with pytest.raises(AssertionError):
+        test_a_step_with_the_last_offsets_takes_the_last_split_with_its_own_lengths()
 
 
 def test_a_refilled_step_is_planned_again() -> None:

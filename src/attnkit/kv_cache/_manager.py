@@ -344,6 +344,10 @@ class KVCacheManager:
         ``step_serial`` when the last step did, so each of its requests' new token went
         to the slot after the one the step before wrote (same rows, one token each, no
         table changed)."""
+        self.run_serial = -1
+        """``step_serial`` of the last step a run took (``_run_step``): equal to
+        ``step_serial`` when the last step was one, so it scheduled the same rows with the
+        same new tokens each as the step before, each from where that one left it."""
         # Ids of the last frees (oldest first), so a second free can say "already freed".
         self._recently_freed: dict[str, None] = {}
         """Bumped whenever a request id gains or loses its row (callers may cache
@@ -968,6 +972,7 @@ class KVCacheManager:
         self._step_widths = widths
         run.expected = lens.total
         run.step = k + 1
+        self.run_serial = self.step_serial + 1  # (this step's, once it returns)
         return True
 
     def _allocate_cached(

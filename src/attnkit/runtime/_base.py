@@ -90,6 +90,7 @@ class RuntimeBase:
     _contiguous_rows: Ints | None
     _last_contiguous: bool
     _decode_qsl: torch.Tensor | None
+    _last_shared: Any  # the last step's _SharedStep (runtime._step), None before one
     _slot_steps: frozenset[int]
     _decode_slots: dict[int, tuple[int, Ints]]
     _op_name: str  # its name for torch.ops.attnkit.runtime_forward (_ops)

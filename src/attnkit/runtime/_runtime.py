@@ -344,6 +344,7 @@ class AttentionRuntime(StepHost, LayerCalls, PrefixCalls):
         self._contiguous_rows = None  # the last step's rows (and their contiguity)
         self._last_contiguous = False
         self._decode_qsl = None  # 0..B, the offsets of a step of B one-token queries
+        self._last_shared = None  # the last step's shared arrays (a run's step reuses them)
         # Groups whose slots are the kinds' default (a token's block and offset in it):
         # every token has one (CommonAttentionMetadata.slots_written), and in the
         # steady decode state a step's slots are the last step's, plus one.

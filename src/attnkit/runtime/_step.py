@@ -163,6 +163,7 @@ class StepHost(SpeculativeCalls):
                 decode_qsl = _from_numpy(np.arange(count + 1, dtype=np.int32))
                 self._decode_qsl = decode_qsl
         manager = self.manager
+        last = self._last_shared
         shared = _SharedStep(
             lens,
             rows,
@@ -171,7 +172,17 @@ class StepHost(SpeculativeCalls):
             decode_qsl,
             serial=manager.step_serial,
             steady=manager.steady_serial == manager.step_serial,
+            # A run's step repeats the last step's new tokens from where it left them:
+            # its offsets and each token's request are the last step's.
+            repeats=(
+                last
+                if last is not None
+                and manager.run_serial == manager.step_serial
+                and last.serial == manager.step_serial - 1
+                else None
+            ),
         )
+        self._last_shared = shared
         self._contiguous_rows, self._last_contiguous = rows, shared.rows_contiguous
         tree = (
             None
@@ -484,6 +495,7 @@ class _SharedStep(StepTokens):
         *,
         serial: int = -1,
         steady: bool = False,
+        repeats: _SharedStep | None = None,
     ) -> None:
         n = rows.size
         self.rows_contiguous = (
@@ -491,9 +503,13 @@ class _SharedStep(StepTokens):
             if contiguous is None
             else contiguous
         )
+        self._step_of_token: Ints | None = None
         if decode_qsl is not None:  # every request decodes one token: 0..n, kept
             self.query_start_loc = decode_qsl
             num_tokens = n
+        elif repeats is not None:  # the same new tokens as the last step: its offsets
+            self.query_start_loc = repeats.query_start_loc
+            num_tokens = repeats.num_tokens
         else:
             qsl = np.zeros(n + 1, dtype=np.int32)
             lens.query.cumsum(out=qsl[1:])
@@ -504,6 +520,11 @@ class _SharedStep(StepTokens):
         if num_tokens == n:  # every request decodes one token (each has >= 1)
             self.max_query_len = 1 if n else 0
             super().__init__(_arange(n), lens.computed)
+        elif repeats is not None:
+            # Each token sits its request's new tokens further on than the last step's.
+            self.max_query_len = repeats.max_query_len
+            self._step_of_token = repeats.step_of_token(lens)
+            super().__init__(repeats.token_req, repeats.token_pos + self._step_of_token)
         else:
             self.max_query_len = int(lens.query.max())
             # Request index and (unshifted) position of every token of the step.
@@ -515,6 +536,13 @@ class _SharedStep(StepTokens):
         """Whether the manager took its steady decode state for the step."""
         self.step_id = next(_STEP_IDS)
         """The step's ``CommonAttentionMetadata.step_id``: numbered across the process."""
+
+    def step_of_token(self, lens: StepLens) -> Ints:
+        """Each token's request's new tokens this step (``query[token_req]``), made
+        once for the steps that repeat it."""
+        if self._step_of_token is None:
+            self._step_of_token = lens.query[self.token_req]
+        return self._step_of_token
 
     def seq_lens(self, values: Ints) -> tuple[torch.Tensor, int]:
         """``values`` as an int32 CPU tensor and its maximum, made once per array per step

@@ -128,13 +128,15 @@ class _Split:
     """A step's split between the engines, made by the first group's builder and
     shared by the step's other groups (``CommonAttentionMetadata.step_id``): the step
     it belongs to (its id and its offsets and lengths tensors, held so their identity
-    stays theirs), what it was made for, and the host arrays ``_metadata`` takes."""
+    stays theirs), what it was made for, and the host arrays ``_metadata`` takes. A
+    later step with the same offsets (values) takes its shares with its own lengths."""
 
     step_id: int | None
     qsl_cpu: torch.Tensor
     seq_cpu: torch.Tensor
     encoder: bool
     sink_len: int
+    qsl: Ints  # the offsets it was made for (a copy)
     qlens: Ints
     seq: Ints
     served: torch.Tensor | None
@@ -388,15 +390,54 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         ):
             split = memo  # another group of this step planned it
         else:
-            qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
-            qlens = qsl[1:] - qsl[:-1]
+            offsets = cm.query_start_loc_cpu.numpy()
             seq = cm.seq_lens_cpu.numpy().astype(np.int64)
-            check_step_lengths(
-                who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
-            )
-            split = self._split(cm, qsl, qlens, seq)
-            if cm.step_id is not None:
-                _SPLIT[0] = split
+            if (
+                memo is not None
+                and memo.encoder == self.encoder
+                and memo.sink_len == self.sink_len
+                and memo.qsl.shape == offsets.shape
+                and np.array_equal(memo.qsl, offsets)
+            ):
+                # The last split's offsets again (the steps of a run of the same new
+                # tokens): its shares between the engines hold; the lengths are new.
+                check_step_lengths(
+                    who,
+                    self.kind,
+                    encoder=self.encoder,
+                    sink_len=self.sink_len,
+                    qlens=memo.qlens,
+                    seq=seq,
+                )
+                split = _Split(
+                    step_id=cm.step_id,
+                    qsl_cpu=cm.query_start_loc_cpu,
+                    seq_cpu=cm.seq_lens_cpu,
+                    encoder=memo.encoder,
+                    sink_len=memo.sink_len,
+                    qsl=memo.qsl,
+                    qlens=memo.qlens,
+                    seq=seq,
+                    served=memo.served,
+                    native=memo.native,
+                    long=memo.long,
+                    long_start=memo.long_start,
+                    long_lens=memo.long_lens,
+                    long_seq=seq[memo.long] if memo.long.size else _NO_INTS,
+                )
+            else:
+                qsl = offsets.astype(np.int64)  # (a copy: kept, and compared with later)
+                qlens = qsl[1:] - qsl[:-1]
+                check_step_lengths(
+                    who,
+                    self.kind,
+                    encoder=self.encoder,
+                    sink_len=self.sink_len,
+                    qlens=qlens,
+                    seq=seq,
+                )
+                split = self._split(cm, qsl, qlens, seq)
+            _SPLIT[0] = split
         return self._metadata(
             cm,
             split.seq,
@@ -503,6 +544,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             seq_cpu=cm.seq_lens_cpu,
             encoder=self.encoder,
             sink_len=self.sink_len,
+            qsl=qsl,
             qlens=qlens,
             seq=seq,
             served=served,
