@@ -149,7 +149,10 @@ class StepTokens:
         found = self._coords.get(key)
         if found is None:
             positions = self.token_pos + shift if shift else self.token_pos
-            found = np.divmod(positions, block_size)
+            if block_size & (block_size - 1) == 0:  # a power of two (positions >= 0)
+                found = (positions >> (block_size.bit_length() - 1), positions & (block_size - 1))
+            else:
+                found = np.divmod(positions, block_size)
             self._coords[key] = found
         return found
 

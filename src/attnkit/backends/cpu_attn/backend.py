@@ -154,7 +154,7 @@ built one after the other)."""
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous int32 tensor (no copy when it is one already)."""
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+    return t if t.dtype is torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, slots=True)
@@ -349,6 +349,15 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             and not self.encoder
             and not self.sink_len
         )
+        self._who = type(self).__name__
+        self._block_size = spec.block_size
+        # The steps _build_short takes (at most NATIVE_MAX_QUERY queries per request),
+        # or None when every step is (rows_native).
+        self._short_max: int | None = (
+            None
+            if self.rows_native
+            else (-1 if self.encoder or self.sink_len else NATIVE_MAX_QUERY)
+        )
 
     @override
     def build(
@@ -366,17 +375,17 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         return md
 
     def _build(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
-        who = type(self).__name__
-        check_causal(who, self.kind, self.causal, cm)
+        who = self._who
+        if cm.causal is not self.causal:
+            check_causal(who, self.kind, self.causal, cm)
         if cm.context_shard is not None:
             return self._build_sharded(cm)
         if self.mask.mm_prefix:
             key_ends = mm_prefix_key_ends(cm)
             if key_ends is not None:
                 return self._build_mm_prefix(cm, key_ends)
-        if self.rows_native or (
-            cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len
-        ):
+        short = self._short_max
+        if short is None or cm.max_query_len <= short:
             return self._build_short(cm)
         memo = _SPLIT[0]
         if (
@@ -569,7 +578,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
     ) -> CpuAttentionMetadata:
         table: torch.Tensor | None = None
         writes = NO_WRITES
-        block_size = self.kv_cache_spec.block_size
+        block_size = self._block_size
         if not self.encoder:
             table = cm.block_table_tensor
             if table.dtype != torch.int32 or table.stride(-1) != 1:
