@@ -351,13 +351,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         )
         self._who = type(self).__name__
         self._block_size = spec.block_size
-        # The steps _build_short takes (at most NATIVE_MAX_QUERY queries per request),
-        # or None when every step is (rows_native).
-        self._short_max: int | None = (
-            None
-            if self.rows_native
-            else (-1 if self.encoder or self.sink_len else NATIVE_MAX_QUERY)
-        )
 
     @override
     def build(
@@ -384,8 +377,9 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             key_ends = mm_prefix_key_ends(cm)
             if key_ends is not None:
                 return self._build_mm_prefix(cm, key_ends)
-        short = self._short_max
-        if short is None or cm.max_query_len <= short:
+        if self.rows_native or (
+            cm.max_query_len <= NATIVE_MAX_QUERY and not self.encoder and not self.sink_len
+        ):
             return self._build_short(cm)
         memo = _SPLIT[0]
         if (
