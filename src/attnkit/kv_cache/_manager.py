@@ -869,7 +869,7 @@ class KVCacheManager:
         window's or chunk's first live block, then its growth), with each kind's rules
         asked for every step at once."""
         ahead, n = STEADY_LOOKAHEAD, rows.size
-        query = lens.query.copy()
+        query: Ints = np.array(lens.query)  # (a copy: the run's, compared with later)
         computed = (lens.total[None, :] + np.arange(ahead)[:, None] * query[None, :]).ravel()
         future = StepLens(computed, np.tile(query, ahead), np.tile(lens.encoder, ahead))
         steps = np.arange(ahead)
@@ -917,7 +917,7 @@ class KVCacheManager:
                 released += entries.per_step
         self._run = _StepRun(
             rows=rows,
-            row_copy=rows.copy(),
+            row_copy=np.array(rows),
             version=self.rows_version,
             expected=lens.total,
             query=query,
