@@ -246,15 +246,15 @@ def test_a_split_taken_with_its_old_lengths_is_caught(monkeypatch: pytest.Monkey
     lengths too), so the blocked prefill reads the context as it was a step ago."""
     from attnkit.backends.cpu_attn import backend as cpu_backend
 
-    real = cpu_backend._Split
+    real = dataclasses.replace
 
-    def stale(**fields: Any) -> Any:
-        memo = cpu_backend._SPLIT[0]
-        if memo is not None and fields.get("qsl") is memo.qsl:
-            fields["seq"], fields["long_seq"] = memo.seq, memo.long_seq
-        return real(**fields)
+    def stale(obj: Any, /, **changes: Any) -> Any:
+        if isinstance(obj, cpu_backend._Split):  # the last split, its lengths kept
+            changes.pop("seq", None)
+            changes.pop("long_seq", None)
+        return real(obj, **changes)
 
-    monkeypatch.setattr(cpu_backend, "_Split", stale)
+    monkeypatch.setattr(dataclasses, "replace", stale)
     with pytest.raises(AssertionError):
         test_a_step_with_the_last_offsets_takes_the_last_split_with_its_own_lengths()
 

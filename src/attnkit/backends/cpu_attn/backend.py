@@ -412,20 +412,12 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
                     qlens=memo.qlens,
                     seq=seq,
                 )
-                split = _Split(
+                split = dataclasses.replace(
+                    memo,
                     step_id=cm.step_id,
                     qsl_cpu=cm.query_start_loc_cpu,
                     seq_cpu=cm.seq_lens_cpu,
-                    encoder=memo.encoder,
-                    sink_len=memo.sink_len,
-                    qsl=memo.qsl,
-                    qlens=memo.qlens,
                     seq=seq,
-                    served=memo.served,
-                    native=memo.native,
-                    long=memo.long,
-                    long_start=memo.long_start,
-                    long_lens=memo.long_lens,
                     long_seq=seq[memo.long] if memo.long.size else _NO_INTS,
                 )
             else:
