@@ -170,6 +170,15 @@ class _Entries:
     row_bounds: list[int]
     per_step: Ints  # entries per step
 
+    def at(self, k: int) -> tuple[Ints, Ints, Ints, Ints] | None:
+        """Step ``k``'s entries (owners, columns) and changed rows and their values;
+        ``None`` when it has none."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        if hi == lo:
+            return None
+        r0, r1 = self.row_bounds[k], self.row_bounds[k + 1]
+        return self.owners[lo:hi], self.cols[lo:hi], self.rows[r0:r1], self.values[r0:r1]
+
 
 @dataclasses.dataclass(slots=True)
 class _StepRun:
@@ -946,28 +955,23 @@ class KVCacheManager:
             return False
         # As the full step: every group's releases, then every group's growth.
         for gid, entries in enumerate(run.releases):
-            if entries is None:
-                continue
-            lo, hi = entries.bounds[k], entries.bounds[k + 1]
-            if hi > lo:
+            step = None if entries is None else entries.at(k)
+            if step is not None:
+                owners, cols, changed, first_live = step
                 tables = self._tables[gid]
-                owners, cols = entries.owners[lo:hi], entries.cols[lo:hi]
                 dead = tables.table[owners, cols]
                 tables.table[owners, cols] = NULL_BLOCK
                 self._give_back[gid](dead[dead != NULL_BLOCK])
-                r0, r1 = entries.row_bounds[k], entries.row_bounds[k + 1]
-                tables.first_live[entries.rows[r0:r1]] = entries.values[r0:r1]
+                tables.first_live[changed] = first_live
         widths = run.widths[k]
         for gid, entries in enumerate(run.grows):
-            if entries is None:
-                continue
-            lo, hi = entries.bounds[k], entries.bounds[k + 1]
-            if hi > lo:
+            step = None if entries is None else entries.at(k)
+            if step is not None:
+                owners, cols, changed, num_blocks = step
                 tables = self._tables[gid]
                 tables.grow(0, widths[gid])
-                tables.table[entries.owners[lo:hi], entries.cols[lo:hi]] = self._take[gid](hi - lo)
-                r0, r1 = entries.row_bounds[k], entries.row_bounds[k + 1]
-                tables.num_blocks[entries.rows[r0:r1]] = entries.values[r0:r1]
+                tables.table[owners, cols] = self._take[gid](owners.size)
+                tables.num_blocks[changed] = num_blocks
         self._num_tokens[rows] = lens.total
         self._step_widths = widths
         run.expected = lens.total
