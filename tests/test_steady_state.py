@@ -199,11 +199,12 @@ def test_a_look_ahead_one_step_too_far_is_caught(monkeypatch: pytest.MonkeyPatch
         every_seed()
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("seed", range(6))
-def test_decode_runs_end_every_step_where_the_full_step_does(seed: int) -> None:
+def test_decode_runs_end_every_step_where_the_full_step_does(seed: int, caching: bool) -> None:
     """Batches larger than the steady state's bound (here 1 request) take planned decode
     runs: every group's releases and growth of each step, planned at once."""
-    taken = drive(seed, caching=False, steady_max=1)
+    taken = drive(seed, caching=caching, steady_max=1)
     assert taken > 100  # the runs ran
 
 
@@ -251,11 +252,14 @@ def test_a_run_step_that_does_not_fit_raises_and_changes_nothing() -> None:
     assert state(fast) == state(slow)
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("seed", range(6))
-def test_runs_of_repeated_chunks_end_every_step_where_the_full_step_does(seed: int) -> None:
+def test_runs_of_repeated_chunks_end_every_step_where_the_full_step_does(
+    seed: int, caching: bool
+) -> None:
     """A step that repeats the last one's new tokens (chunks of one size beside
     decodes) plans a run too, whatever the batch's size."""
-    taken = drive(seed, caching=False, steady_max=1, repeat_chunks=True)
+    taken = drive(seed, caching=caching, steady_max=1, repeat_chunks=True)
     assert taken > 10  # steps with a chunk the runs took
 
 

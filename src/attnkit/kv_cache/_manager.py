@@ -804,7 +804,7 @@ class KVCacheManager:
             elif (
                 self._plan_runs
                 and rows.size <= RUN_MAX_REQS
-                and prefix is None
+                and (prefix is None or self._idle is not None)  # (each cached block a page)
                 and not self._paged
                 and (decode or self._repeats(rows, lens))
             ):
@@ -871,8 +871,8 @@ class KVCacheManager:
         )
 
     def _plan_run(self, rows: Ints, lens: StepLens) -> None:
-        """After a step of ``rows`` (no request new or finished, no prefix caching,
-        every kernel block a page): plan the next ``STEADY_LOOKAHEAD`` steps of the same
+        """After a step of ``rows`` (no request new or finished, every kernel block a
+        page, with prefix caching every cached block too): plan the next ``STEADY_LOOKAHEAD`` steps of the same
         rows with the same new tokens each (decodes; a prompt's chunks of one size) as
         the full step would make them, group by group (each step's releases from the
         window's or chunk's first live block, then its growth), with each kind's rules
@@ -951,7 +951,16 @@ class KVCacheManager:
             or not np.array_equal(rows, run.row_copy)
         ):
             return False
-        if run.new[k] > self.pool.num_free_blocks + run.released[k]:
+        prefix = self.prefix
+        if prefix is not None and prefix.pending:
+            prefix.commit()  # the last step is done: its blocks get their names
+        if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
+            free = self._cached_pool.num_available
+            if self._cached_pool.shared and run.new[k] > free:
+                return False  # (the full step's exact check counts what is given back)
+        else:
+            free = self.pool.num_free_blocks
+        if run.new[k] > free + run.released[k]:
             return False
         # As the full step: every group's releases, then every group's growth.
         for gid, entries in enumerate(run.releases):
@@ -977,6 +986,8 @@ class KVCacheManager:
         run.expected = lens.total
         run.step = k + 1
         self.run_serial = self.step_serial + 1  # (this step's, once it returns)
+        if prefix is not None:
+            prefix.note_step(rows)
         return True
 
     def _allocate_cached(
