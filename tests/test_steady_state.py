@@ -263,6 +263,28 @@ def test_runs_of_repeated_chunks_end_every_step_where_the_full_step_does(
     assert taken > 10  # steps with a chunk the runs took
 
 
+def test_a_run_is_not_taken_on_rows_refilled_in_place() -> None:
+    """A caller that refills its rows array in place (the same object, another
+    request's row, with the same lengths) gets the full step for those rows, not the
+    run planned for the old ones (which would grow the old request's table)."""
+    managers = []
+    for runs in (True, False):
+        mgr = KVCacheManager(groups(), num_blocks=512)
+        mgr._steady_max, mgr._plan_runs = 1, runs
+        managers.append(mgr)
+    zeros, ones = np.zeros(3, np.int64), np.ones(3, np.int64)
+    for mgr in managers:
+        mgr.allocate_step([("a", 7, 0), ("b", 7, 0), ("c", 7, 0), ("d", 8, 0)])
+        rows = mgr.lookup_rows(["a", "b", "c"])
+        mgr.allocate_rows(["a", "b", "c"], rows, mgr.step_lens(rows, ones, zeros))
+        assert (mgr._run is not None) is mgr._plan_runs
+        rows[2] = mgr.row_of("d")  # the same array: d (8 tokens, as c has now) for c
+        lens = mgr.step_lens(rows, ones, zeros)  # each needs a third block of 4
+        mgr.allocate_rows(["a", "b", "d"], rows, lens)
+    assert managers[0].run_serial != managers[0].step_serial  # the full step took it
+    assert state(managers[0]) == state(managers[1])
+
+
 def _broken_runs(monkeypatch: pytest.MonkeyPatch, breaks: Any) -> None:
     plan = KVCacheManager._plan_run
 

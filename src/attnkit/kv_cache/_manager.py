@@ -191,10 +191,12 @@ class _StepRun:
     row is assigned or freed)."""
 
     rows: Ints
-    row_copy: Ints
+    # What the next step must bring, as bytes (a comparison of bytes costs a tenth of
+    # np.array_equal's here): its rows, each row's tokens before it and its new ones.
+    row_bytes: bytes
     version: int
-    expected: Ints
-    query: Ints
+    expected: bytes
+    query: bytes
     step: int
     steps: int
     grows: list[_Entries | None]  # per group (a growth twin: its twin's entries)
@@ -866,8 +868,8 @@ class KVCacheManager:
             seed is not None
             and seed[0] is rows
             and seed[3] == self.rows_version
-            and np.array_equal(lens.query, seed[2])
-            and np.array_equal(lens.computed, seed[1])
+            and lens.query.tobytes() == seed[2].tobytes()
+            and lens.computed.tobytes() == seed[1].tobytes()
         )
 
     def _plan_run(self, rows: Ints, lens: StepLens) -> None:
@@ -878,7 +880,7 @@ class KVCacheManager:
         window's or chunk's first live block, then its growth), with each kind's rules
         asked for every step at once."""
         ahead, n = STEADY_LOOKAHEAD, rows.size
-        query: Ints = np.array(lens.query)  # (a copy: the run's, compared with later)
+        query = lens.query
         computed = (lens.total[None, :] + np.arange(ahead)[:, None] * query[None, :]).ravel()
         future = StepLens(computed, np.tile(query, ahead), np.tile(lens.encoder, ahead))
         steps = np.arange(ahead)
@@ -926,10 +928,10 @@ class KVCacheManager:
                 released += entries.per_step
         self._run = _StepRun(
             rows=rows,
-            row_copy=np.array(rows),
+            row_bytes=rows.tobytes(),
             version=self.rows_version,
-            expected=lens.total,
-            query=query,
+            expected=lens.total.tobytes(),
+            query=query.tobytes(),
             step=0,
             steps=ahead,
             grows=grows,
@@ -946,9 +948,9 @@ class KVCacheManager:
         k = run.step
         if (
             k >= run.steps
-            or not np.array_equal(lens.computed, run.expected)
-            or not np.array_equal(lens.query, run.query)
-            or not np.array_equal(rows, run.row_copy)
+            or rows.tobytes() != run.row_bytes  # (the caller's array: refilled in place?)
+            or lens.computed.tobytes() != run.expected
+            or lens.query.tobytes() != run.query
         ):
             return False
         prefix = self.prefix
@@ -983,7 +985,7 @@ class KVCacheManager:
                 tables.num_blocks[changed] = num_blocks
         self._num_tokens[rows] = lens.total
         self._step_widths = widths
-        run.expected = lens.total
+        run.expected = lens.total.tobytes()
         run.step = k + 1
         self.run_serial = self.step_serial + 1  # (this step's, once it returns)
         if prefix is not None:
