@@ -246,15 +246,12 @@ def test_a_split_taken_with_its_old_lengths_is_caught(monkeypatch: pytest.Monkey
     lengths too), so the blocked prefill reads the context as it was a step ago."""
     from attnkit.backends.cpu_attn import backend as cpu_backend
 
-    real = dataclasses.replace
+    def stale(self: Any, cm: Any, seq: Any) -> Any:  # the last split, its lengths kept
+        return dataclasses.replace(
+            self, step_id=cm.step_id, qsl_cpu=cm.query_start_loc_cpu, seq_cpu=cm.seq_lens_cpu
+        )
 
-    def stale(obj: Any, /, **changes: Any) -> Any:
-        if isinstance(obj, cpu_backend._Split):  # the last split, its lengths kept
-            changes.pop("seq", None)
-            changes.pop("long_seq", None)
-        return real(obj, **changes)
-
-    monkeypatch.setattr(dataclasses, "replace", stale)
+    monkeypatch.setattr(cpu_backend._Split, "for_step", stale)
     with pytest.raises(AssertionError):
         test_a_step_with_the_last_offsets_takes_the_last_split_with_its_own_lengths()
 
