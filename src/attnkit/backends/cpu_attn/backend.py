@@ -136,8 +136,7 @@ class _Split:
     seq_cpu: torch.Tensor
     encoder: bool
     sink_len: int
-    qsl: Ints  # the offsets it was made for (a copy)
-    qsl_bytes: bytes  # the same as given (int32 bytes), compared with a later step's
+    qsl_bytes: bytes  # the offsets it was made for (int32 bytes), compared with a later step's
     qlens: Ints
     seq: Ints
     served: torch.Tensor | None
@@ -157,7 +156,6 @@ class _Split:
             seq_cpu=cm.seq_lens_cpu,
             encoder=self.encoder,
             sink_len=self.sink_len,
-            qsl=self.qsl,
             qsl_bytes=self.qsl_bytes,
             qlens=self.qlens,
             seq=seq,
@@ -392,8 +390,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
 
     def _build(self, cm: CommonAttentionMetadata) -> CpuAttentionMetadata:
         who = self._who
-        if cm.causal is not self.causal:
-            check_causal(who, self.kind, self.causal, cm)
+        check_causal(who, self.kind, self.causal, cm)
         if cm.context_shard is not None:
             return self._build_sharded(cm)
         if self.mask.mm_prefix:
@@ -418,35 +415,25 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
         else:
             offsets = cm.query_start_loc_cpu.numpy()
             seq = cm.seq_lens_cpu.numpy().astype(np.int64)
-            if (
-                memo is not None
+            # The last split's offsets again (the steps of a run of the same new tokens):
+            # its shares between the engines hold; the lengths are this step's.
+            last = (
+                memo
+                if memo is not None
                 and memo.encoder == self.encoder
                 and memo.sink_len == self.sink_len
                 and offsets.tobytes() == memo.qsl_bytes  # (int32: the runtime's dtype)
-            ):
-                # The last split's offsets again (the steps of a run of the same new
-                # tokens): its shares between the engines hold; the lengths are new.
-                check_step_lengths(
-                    who,
-                    self.kind,
-                    encoder=self.encoder,
-                    sink_len=self.sink_len,
-                    qlens=memo.qlens,
-                    seq=seq,
-                )
-                split = memo.for_step(cm, seq)
-            else:
-                qsl = offsets.astype(np.int64)  # (a copy: kept, and compared with later)
+                else None
+            )
+            if last is None:
+                qsl = offsets.astype(np.int64)
                 qlens = qsl[1:] - qsl[:-1]
-                check_step_lengths(
-                    who,
-                    self.kind,
-                    encoder=self.encoder,
-                    sink_len=self.sink_len,
-                    qlens=qlens,
-                    seq=seq,
-                )
-                split = self._split(cm, qsl, qlens, seq)
+            else:
+                qsl, qlens = _NO_INTS, last.qlens
+            check_step_lengths(
+                who, self.kind, encoder=self.encoder, sink_len=self.sink_len, qlens=qlens, seq=seq
+            )
+            split = self._split(cm, qsl, qlens, seq) if last is None else last.for_step(cm, seq)
             _SPLIT[0] = split
         return self._metadata(
             cm,
@@ -554,7 +541,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata,
             seq_cpu=cm.seq_lens_cpu,
             encoder=self.encoder,
             sink_len=self.sink_len,
-            qsl=qsl,
             qsl_bytes=cm.query_start_loc_cpu.numpy().tobytes(),
             qlens=qlens,
             seq=seq,
