@@ -130,6 +130,13 @@ class _StepPlan:
     release_at: tuple[Ints, Ints, Ints32] | None = None  # (rows, columns, blocks)
 
 
+def _next_steps(lens: StepLens, ahead: int) -> StepLens:
+    """The lengths of the ``ahead`` steps after ``lens``' whose requests take the same new
+    tokens each (decodes: one), flattened step by step (``[ahead * B]``)."""
+    computed = (lens.total[None, :] + np.arange(ahead)[:, None] * lens.query[None, :]).ravel()
+    return StepLens(computed, np.tile(lens.query, ahead), np.tile(lens.encoder, ahead))
+
+
 def _run_entries(rows: Ints, start: Ints, end: Ints, steps: Ints) -> _Entries | None:
     """The entries ``start[k, i] .. end[k, i] - 1`` of ``rows[i]`` at each step ``k``
     (``[steps, B]`` arrays, ``end >= start``), step by step and in batch order within a
@@ -758,14 +765,9 @@ class KVCacheManager:
         if self._paged:
             self._check_pages(plans, [self.row_of(r) for r in finished])
         else:  # every kernel block is a page: count blocks
-            if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
-                free = self._cached_pool.num_available
-                if self._cached_pool.shared and total_new > free:
-                    # A block another request holds frees no page when given back: the
-                    # exact check counts what the releases and finished requests free.
-                    return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
-            else:
-                free = self.pool.num_free_blocks
+            free = self._free_pages(total_new)
+            if free is None:
+                return self._allocate_cached(req_ids, rows, lens, finished, prefixes)
             held = sum(self._blocks_held(self.row_of(r)) for r in finished)
             if total_new > free + total_released + held:
                 raise OutOfBlocksError(
@@ -815,6 +817,16 @@ class KVCacheManager:
             prefix.note_step(rows)
         return rows
 
+    def _free_pages(self, need: int) -> int | None:
+        """The pages a step that takes ``need`` new ones (every kernel block a page) can
+        count on before its releases: free ones, and with prefix caching idle ones too;
+        ``None`` when blocks other requests hold make that count unsafe (a block still
+        held frees no page when given back: ``_allocate_cached``'s exact check)."""
+        if self._idle is None:
+            return self.pool.num_free_blocks
+        free = self._cached_pool.num_available
+        return None if self._cached_pool.shared and need > free else free
+
     def _is_steady(self, rows: Ints, lens: StepLens) -> bool:
         """Whether ``rows`` and ``lens`` are the look-ahead's: the same rows, each with
         the tokens the cache holds, one more each."""
@@ -836,9 +848,8 @@ class KVCacheManager:
         if lens.query.tolist() != ones:
             return
         ahead = STEADY_LOOKAHEAD
-        computed = (lens.total[None, :] + np.arange(ahead)[:, None]).ravel()
-        future = StepLens(computed, np.ones_like(computed), np.tile(lens.encoder, ahead))
-        still = np.ones(computed.size, dtype=np.bool_)
+        future = _next_steps(lens, ahead)
+        still = np.ones(future.computed.size, dtype=np.bool_)
         for gid, (group, rules, twin) in enumerate(
             zip(self.groups, self._rules, self._growth_twin, strict=True)
         ):
@@ -874,15 +885,13 @@ class KVCacheManager:
 
     def _plan_run(self, rows: Ints, lens: StepLens) -> None:
         """After a step of ``rows`` (no request new or finished, every kernel block a
-        page, with prefix caching every cached block too): plan the next ``STEADY_LOOKAHEAD`` steps of the same
-        rows with the same new tokens each (decodes; a prompt's chunks of one size) as
-        the full step would make them, group by group (each step's releases from the
-        window's or chunk's first live block, then its growth), with each kind's rules
-        asked for every step at once."""
+        page, with prefix caching every cached block too): plan the next
+        ``STEADY_LOOKAHEAD`` steps of the same rows with the same new tokens each
+        (decodes; a prompt's chunks of one size) as the full step would make them, group
+        by group (each step's releases from the window's or chunk's first live block,
+        then its growth), with each kind's rules asked for every step at once."""
         ahead, n = STEADY_LOOKAHEAD, rows.size
-        query = lens.query
-        computed = (lens.total[None, :] + np.arange(ahead)[:, None] * query[None, :]).ravel()
-        future = StepLens(computed, np.tile(query, ahead), np.tile(lens.encoder, ahead))
+        future = _next_steps(lens, ahead)
         steps = np.arange(ahead)
         grows: list[_Entries | None] = []
         releases: list[_Entries | None] = []
@@ -931,7 +940,7 @@ class KVCacheManager:
             row_bytes=rows.tobytes(),
             version=self.rows_version,
             expected=lens.total.tobytes(),
-            query=query.tobytes(),
+            query=lens.query.tobytes(),
             step=0,
             steps=ahead,
             grows=grows,
@@ -943,7 +952,7 @@ class KVCacheManager:
 
     def _run_step(self, run: _StepRun, rows: Ints, lens: StepLens) -> bool:
         """Take the next step of ``run`` if ``rows`` and ``lens`` are its (the same rows,
-        one more token each) and it fits; ``False``: the full step decides (it raises
+        the same new tokens each, from the lengths the last step left) and it fits; ``False``: the full step decides (it raises
         ``OutOfBlocksError`` for a step that does not fit)."""
         k = run.step
         if (
@@ -956,14 +965,9 @@ class KVCacheManager:
         prefix = self.prefix
         if prefix is not None and prefix.pending:
             prefix.commit()  # the last step is done: its blocks get their names
-        if self._idle is not None:  # prefix caching: idle (cached) pages are evictable
-            free = self._cached_pool.num_available
-            if self._cached_pool.shared and run.new[k] > free:
-                return False  # (the full step's exact check counts what is given back)
-        else:
-            free = self.pool.num_free_blocks
-        if run.new[k] > free + run.released[k]:
-            return False
+        free = self._free_pages(run.new[k])
+        if free is None or run.new[k] > free + run.released[k]:
+            return False  # the full step decides (an exact check, or the refusal)
         # As the full step: every group's releases, then every group's growth.
         for gid, entries in enumerate(run.releases):
             step = None if entries is None else entries.at(k)
