@@ -1358,20 +1358,19 @@ _register = _cached.CachedSlab.register
 
 def _settle_keeps_duplicates_idle(self: CachedSlab) -> None:
     """A settle that leaves a duplicate's free block among the idle (cached) pages."""
+    self.pool.sort_given_back()
     deferred, self._deferred = self._deferred, []
+    self._marked = 0
     self.pool.deferred.pop(self, None)
     for ids, chain, start, salt_free in deferred:
         self.named[ids] = False
         _register(self, ids.tolist(), chain[start : start + ids.size], salt_free, ids)
 
 
-def _defer_marks_nothing(
-    self: CachedSlab, ids: Any, chain: Any, start: int, salt_free: Any
-) -> None:
-    """A deferral that does not mark its blocks named: a release before the settle
+def _defer_marks_nothing(self: CachedSlab) -> None:
+    """A deferral whose blocks are never marked named: a release before the settle
     gives them back to the pool, and the settle names free blocks."""
-    self._deferred.append((ids, chain, start, salt_free))
-    self.pool.deferred[self] = None
+    self._marked = len(self._deferred)
 
 
 def _hit_past_the_block(self: _prefix.PrefixCache, *args: Any, **kwargs: Any) -> PrefixMatch:
@@ -1431,7 +1430,7 @@ BROKEN_DEFERRAL: dict[str, tuple[object, str, Callable[..., Any]]] = {
         "settle",
         _settle_keeps_duplicates_idle,
     ),
-    "deferred names not marked": (_cached.CachedSlab, "defer", _defer_marks_nothing),
+    "deferred names not marked": (_cached.CachedSlab, "_mark_deferred", _defer_marks_nothing),
 }
 
 

@@ -21,6 +21,8 @@ from attnkit import (
 )
 from attnkit.config import PrefixCachingConfig
 from attnkit.kv_cache import KVCacheGroup, KVCacheManager, OutOfBlocksError, group_layers
+from attnkit.kv_cache._cached import CachedPool
+from attnkit.kv_cache._prefix import PrefixCache
 
 F32 = torch.float32
 
@@ -57,8 +59,14 @@ def state(mgr: KVCacheManager) -> tuple[object, ...]:
         {rid: mgr.num_tokens(rid) for rid in ids},
         [mgr.step_width(g.group_id) for g in mgr.groups],
         list(mgr.pool._free),
-        dict(getattr(mgr.pool, "idle", {})),
+        # The cached pages in eviction order, each with its group.
+        [(page, mgr.cached_slabs.index(keeper)) for page, keeper in idle_pages(mgr).items()],
     )
+
+
+def idle_pages(mgr: KVCacheManager) -> dict[int, Any]:
+    idle: dict[int, Any] = getattr(mgr.pool, "idle", {})
+    return idle
 
 
 class Schedule:
@@ -326,6 +334,217 @@ def test_a_run_that_grows_a_step_late_is_caught(monkeypatch: pytest.MonkeyPatch)
                 entries.row_bounds[:] = [0, *entries.row_bounds[:-1]]
 
     _broken_runs(monkeypatch, late)
+
+
+# ----------------------------------------------- runs over prompts being named
+
+DOCS = [[int(t) for t in np.random.default_rng(seed).integers(0, 4, size=48)] for seed in (3, 4)]
+"""Shared prompt prefixes: arrivals hit the blocks of earlier requests."""
+
+
+def canon(mgr: KVCacheManager) -> tuple[object, dict[int, int]]:
+    """``state`` up to the blocks' ids, and that numbering: each block by its first
+    place in the requests' tables. Pages count as available (free or cached): a name
+    deferred in one manager and already made in the other (``CachedSlab.defer``) can
+    leave a duplicate's page cached in the first until the names are made (``names``),
+    and the two give pages back in other orders."""
+    order: dict[int, int] = {}
+    ids = sorted(mgr._rows)
+    tables = {
+        (g.group_id, rid): [b and order.setdefault(b, len(order) + 1) for b in table]
+        for g in mgr.groups
+        for rid in ids
+        for table in [mgr.block_table(g.group_id, rid)]
+    }
+    pool = mgr.pool
+    assert isinstance(pool, CachedPool)
+    view = (
+        {rid: mgr.row_of(rid) for rid in ids},
+        tables,
+        {rid: mgr.num_tokens(rid) for rid in ids},
+        [mgr.step_width(g.group_id) for g in mgr.groups],
+        pool.num_available,
+    )
+    return view, order
+
+
+def names(mgr: KVCacheManager) -> tuple[object, ...]:
+    """With every name made (a commit and a flush): ``canon``, the free pages, the
+    cached ones (least recent first) and every cached group's map, blocks numbered as
+    ``canon`` does (cached pages after the tables' blocks)."""
+    assert mgr.prefix is not None
+    mgr.prefix.commit()
+    mgr.prefix.flush()
+    view, order = canon(mgr)
+    idle = [
+        (mgr.cached_slabs.index(k), order.setdefault(page, len(order) + 1))
+        for page, k in idle_pages(mgr).items()
+    ]
+    maps = {
+        gid: {name: order[block] for name, block in slab.block_of.items()}
+        for gid, slab in enumerate(mgr.cached_slabs)
+        if slab is not None
+    }
+    return view, mgr.pool.num_free_blocks, idle, maps
+
+
+def drive_tracked(seed: int, *, steps: int = 300) -> int:
+    """Requests started from prefix matches (their prompt blocks named as they fill),
+    each prompt in chunks of one size beside the others' decodes, on a manager with
+    runs and one without (whose path the prefix machine of ``test_prefix_pool`` checks
+    against a model); arrivals that hit earlier prompts, finishes, frees with tokens,
+    discarded steps. After every step both hold the same tables, lengths and pages
+    available; at random points, with every name made, the same free and cached pages
+    and maps (``names``; blocks compared up to their ids), and a lookup's hits per
+    group. Returns the run steps whose releases named blocks."""
+    config = PrefixCachingConfig(enabled=True)
+    spec_of = specs()
+    layers = {k: spec_of[k] for k in ("full", "win", "chunk", "sink")}
+    fast = KVCacheManager(group_layers(layers), num_blocks=700, prefix_caching=config)
+    slow = KVCacheManager(group_layers(layers), num_blocks=700, prefix_caching=config)
+    fast._steady_max = slow._steady_max = 1
+    slow._plan_runs = False
+    managers = (fast, slow)
+    rng = random.Random(seed)
+    prompts: dict[str, list[int]] = {}
+    chunk: dict[str, int] = {}
+    live: list[str] = []
+    kept: dict[int, Any] = {id(fast): None, id(slow): None}
+    serial = named_steps = 0
+
+    def prompt() -> list[int]:
+        doc = rng.choice(DOCS + [p for p in list(prompts.values())[-3:]])
+        keep = rng.choice([len(doc), rng.randrange(len(doc) + 1)])
+        return doc[:keep] + [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+
+    for _ in range(steps):
+        roll = rng.random()
+        finished: list[str] = []
+        arrivals: dict[str, list[int]] = {}
+        if not live or (roll < 0.06 and len(live) < 4):
+            serial += 1
+            rid = f"r{serial}"
+            arrivals[rid] = prompts[rid] = prompt()
+            chunk[rid] = rng.randrange(2, 9)
+        elif roll < 0.09 and len(live) > 1:
+            finished.append(live.pop(rng.randrange(len(live))))
+        elif roll < 0.11 and len(live) > 1:  # a free with its tokens, between steps
+            rid = live.pop(rng.randrange(len(live)))
+            held = fast.num_tokens(rid)
+            tokens = prompts[rid] + [1] * (held - len(prompts[rid]))
+            for mgr in managers:
+                mgr.free_request(rid, tokens if held >= len(prompts[rid]) else None)
+                kept[id(mgr)] = None
+        elif roll < 0.20:  # a lookup: the same hit in both, group by group
+            tokens = prompt()
+            hits = [mgr.prefix.match(tokens) for mgr in managers if mgr.prefix is not None]
+            assert [h.num_tokens for h in hits[:1]] == [h.num_tokens for h in hits[1:]]
+            assert hits[0].group_hits == hits[1].group_hits
+        elif roll < 0.25:
+            assert names(fast) == names(slow)
+        matches: dict[int, list[Any]] = {}
+        for mgr in managers:
+            assert mgr.prefix is not None
+            matches[id(mgr)] = [mgr.prefix.match(arrivals[r]) for r in arrivals]
+        live.extend(arrivals)
+        batch: list[tuple[str, int]] = []
+        for rid in live:
+            start = fast.num_tokens(rid) if rid in fast else matches[id(fast)][0].num_tokens
+            left = len(prompts[rid]) - start
+            batch.append((rid, min(chunk[rid], left) if left > 0 else 1))
+        ids = [rid for rid, _ in batch]
+        num_new = np.array([n for _, n in batch], dtype=np.int64)
+        took: list[bool] = []
+        for mgr in managers:
+            rows = kept[id(mgr)]
+            if rows is None or arrivals or finished:
+                rows = mgr.lookup_rows(ids)
+                for i, rid in enumerate(ids):
+                    if rid in finished:
+                        rows[i] = -1
+            start = np.array([m.num_tokens for m in matches[id(mgr)]] or [0], dtype=np.int64)
+            new = rows < 0
+            starts = np.zeros(len(ids), dtype=np.int64)
+            starts[new] = start[: int(new.sum())]
+            lens = mgr.step_lens(rows, num_new, np.zeros_like(num_new), starts)
+            prefixes = [
+                matches[id(mgr)][list(arrivals).index(r)] if r in arrivals else None for r in ids
+            ]
+            run = mgr._run
+            names_before = bool(run is not None and run.release_names)
+            try:
+                mgr.allocate_rows(
+                    ids, rows, lens, finished=finished, prefixes=prefixes if arrivals else None
+                )
+            except OutOfBlocksError:
+                took.append(False)
+                kept[id(mgr)] = None
+                continue
+            took.append(True)
+            kept[id(mgr)] = rows
+            if mgr is fast and names_before and mgr._run is run:
+                named_steps += 1
+        assert took[0] == took[1]
+        if not took[0]:
+            for rid in arrivals:  # refused: they arrive again later
+                live.remove(rid)
+            continue
+        if rng.random() < 0.03:  # the step's model call failed
+            for mgr in managers:
+                assert mgr.prefix is not None
+                mgr.prefix.discard()
+        assert canon(fast)[0] == canon(slow)[0]
+    assert names(fast) == names(slow)
+    return named_steps
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_over_named_prompts_end_every_step_where_the_full_step_does(seed: int) -> None:
+    """Runs name a tracked prompt's blocks as they release them, and skip the commits
+    that would only move watermarks: every page ends up free or cached as without runs,
+    under the same names."""
+    assert drive_tracked(seed) > 5
+
+
+def _every_tracked_seed() -> None:
+    for seed in range(8):
+        drive_tracked(seed)
+
+
+def test_a_run_whose_releases_name_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: a run's releases give a prompt's blocks back unnamed (free, not
+    cached)."""
+    monkeypatch.setattr(PrefixCache, "defer_released", lambda self, gid, dead, names: None)
+    with pytest.raises(AssertionError):
+        _every_tracked_seed()
+
+
+def test_a_run_that_leaves_commits_unmarking_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken variant: after a run, a row's commits still mark nothing, so the full
+    step's window releases give its named blocks back free."""
+
+    def forget(self: PrefixCache) -> None:
+        self._release_rows = []
+
+    monkeypatch.setattr(PrefixCache, "end_release_names", forget)
+    with pytest.raises(AssertionError):
+        _every_tracked_seed()
+
+
+def test_a_discard_that_drops_the_skipped_commits_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Broken variant: a step discarded after commits a run skipped loses the names of
+    the tokens those steps computed."""
+    discard = PrefixCache.discard
+
+    def broken(self: PrefixCache) -> None:
+        self.lagging = False
+        discard(self)
+
+    monkeypatch.setattr(PrefixCache, "discard", broken)
+    with pytest.raises(AssertionError):
+        _every_tracked_seed()
 
 
 # ------------------------------------------------------------- presized tables

@@ -135,6 +135,8 @@ class CachedPool(BlockPool):
         self._num_unsorted = 0
         idle, free = self._idle, self._free
         for slab, blocks in unsorted:
+            if slab._marked < len(slab._deferred):
+                slab._mark_deferred()
             named = slab._named_mv
             back: list[int] = []
             for block in blocks:
@@ -263,16 +265,16 @@ class CachedSlab:
         # k > 1: every kernel block's holders; k == 1: the holders beyond the first.
         self._counts: Ints32 = np.zeros(size, dtype=np.int32)
         self.extra: Ints32 = self._counts
-        self.named: npt.NDArray[np.bool_] = np.zeros(size, dtype=np.bool_)
+        self._named: npt.NDArray[np.bool_] = np.zeros(size, dtype=np.bool_)
         # Per-block reads and writes from Python go through memoryviews of the same bytes:
         # a step moves a few blocks per group, where one numpy call costs more than a
         # short Python loop.
-        self._named_mv: memoryview = self.named.data
+        self._named_mv: memoryview = self._named.data
         self._refs_by_page: Ints32 = np.reshape(self._counts, (pool.num_blocks, k))
         self.held: Callable[[], Ints32] | None = None
         """With ``k == 1``: the group's table entries that hold a block (non-null, one
         per entry), set by the manager; ``refs`` and ``owned`` read it."""
-        self._named_by_page: npt.NDArray[np.bool_] = np.reshape(self.named, (pool.num_blocks, k))
+        self._named_by_page: npt.NDArray[np.bool_] = np.reshape(self._named, (pool.num_blocks, k))
         self._owned: npt.NDArray[np.bool_] = np.zeros(pool.num_blocks, dtype=np.bool_)
         self.block_of: dict[bytes, int] = {}
         self.name_of: dict[int, bytes] = {}
@@ -286,7 +288,8 @@ class CachedSlab:
         self._on_evict = on_evict
         self._deferred: list[tuple[Ints32, Sequence[bytes], int, bytes | None]] = []
         """Names ``defer`` put off (blocks, chain, first index, salt-free name), in
-        order; their blocks' ``named`` entries are set."""
+        order; the blocks' ``named`` entries of the first ``_marked`` are set."""
+        self._marked = 0
         self.first_salt_free: dict[bytes, int] = {}
         """The salt-free names of the named first blocks, counted (a lookup tells "cached
         under another salt" from "never computed")."""
@@ -296,6 +299,24 @@ class CachedSlab:
         ``CachedPool.offload_log``)."""
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def named(self) -> npt.NDArray[np.bool_]:
+        """bool ``[num_blocks * k]``, read only: the blocks that hold a name (deferred
+        ones included)."""
+        if self._marked < len(self._deferred):
+            self._mark_deferred()
+        return self._named
+
+    def _mark_deferred(self) -> None:
+        """Set the ``named`` entries of the deferred blocks not marked yet: each reader
+        of ``named`` (the sort of given-back pages, a free of shared blocks, a preview)
+        asks first, so a deferral costs no scattered writes in the step that makes it
+        (the pages a release gives back wait unsorted until something reads them)."""
+        deferred = self._deferred
+        for ids, _, _, _ in deferred[self._marked :]:
+            self._named.put(ids, True)  # (cheaper than an indexed write)
+        self._marked = len(deferred)
 
     @property
     def refs(self) -> Ints32:
@@ -361,7 +382,7 @@ class CachedSlab:
         block_of.update(zip(names, blocks, strict=True))
         self.name_of.update(zip(blocks, names, strict=True))
         if ids is not None and len(blocks) > _FEW:
-            self.named[ids] = True
+            self._named[ids] = True
         else:
             named = self._named_mv
             for block in blocks:
@@ -379,25 +400,27 @@ class CachedSlab:
         self, ids: Ints32, chain: Sequence[bytes], start: int, salt_free_first: bytes | None
     ) -> None:
         """``register(ids.tolist(), chain[start : start + ids.size], salt_free_first)``,
-        put off until something reads the maps (``settle``): only the blocks' ``named``
-        entries are set now, so a release makes them idle (cached). One block per page
+        put off until something reads the maps (``settle``): the blocks count as named
+        (their ``named`` entries are set before anything reads them:
+        ``_mark_deferred``), so a release makes them idle (cached). One block per page
         only. ``chain`` is the request's whole name chain, sliced at ``settle``: a
         slice now would touch every name of it, long out of cache, each step. A name
         another block already holds (found at ``settle``) leaves its block unnamed
         then, and a free one goes back to the pool from the idle pages: a reclaim, a
         lookup, a register and the reports settle first."""
         assert self.blocks_per_page == 1, "deferred names need one block per page"
-        self.named.put(ids, True)  # (cheaper than an indexed write, and than a loop past 8)
         self._deferred.append((ids, chain, start, salt_free_first))
         self.pool.deferred[self] = None
 
     def settle(self) -> None:
         """Make the deferred names (``defer``), in order."""
+        idle = self.pool.idle  # (sorted first: a deferred block given back is idle)
         deferred, self._deferred = self._deferred, []
+        self._marked = 0
         self.pool.deferred.pop(self, None)
-        named, idle = self._named_mv, self.pool.idle
+        named = self._named_mv
         for ids, chain, start, salt_free in deferred:
-            self.named[ids] = False
+            self._named[ids] = False
             blocks: list[int] = ids.tolist()
             self.register(blocks, chain[start : start + len(blocks)], salt_free, ids)
             # A free block was named when it was freed: it is idle.
@@ -531,7 +554,7 @@ class CachedSlab:
                 row = self._refs_by_page[page]
                 for j in np.flatnonzero(row == 0).tolist():
                     free = page * k + j
-                    if self.named[free]:
+                    if self._named[free]:
                         self._named_free[free] = None
                     else:
                         self._unnamed[free] = None
@@ -590,7 +613,7 @@ class CachedSlab:
         self._freed(freed)
 
     def _freed(self, freed: Ints) -> None:
-        named = self.named[freed]
+        named = self.named[freed]  # (``named``: deferred blocks marked first)
         k = self.blocks_per_page
         if k == 1:
             if not named.any():

@@ -28,7 +28,7 @@ from ._cached import CachedPool, CachedSlab, GroupNeed, PageKeeper, check_step
 from ._checkpoints import CheckpointStore
 from ._groups import KVCacheGroup
 from ._pool import NULL_BLOCK, BlockPool, Ints32, PageSlab
-from ._prefix import PrefixCache, PrefixHitTables, PrefixMatch
+from ._prefix import PrefixCache, PrefixHitTables, PrefixMatch, ReleaseName
 
 STEADY_MAX_REQS = 16
 """Up to this many requests, a decode step looks ahead for how many more decode steps of
@@ -211,6 +211,11 @@ class _StepRun:
     widths: list[list[int]]  # per step, per group
     new: list[int]  # per step: new blocks of all groups
     released: list[int]  # per step: released entries of all groups
+    # With prefix caching: per group, per step, the prompt blocks its releases name
+    # (``PrefixCache.plan_release_names``).
+    release_names: dict[int, list[list[ReleaseName]]]
+    quiet: int = 0  # the prefix cache's next commits to skip (``PrefixCache.commit``)
+    pos: dict[int, int] | None = None  # with prefix caching: row -> its index in ``rows``
 
 
 class KVCacheManager:
@@ -706,7 +711,7 @@ class KVCacheManager:
             and self._run_step(run, rows, lens)
         ):
             return rows
-        self._run = None
+        self._end_run()
         self._steady_rows = None
         if prefix is not None:
             if prefix.pending:
@@ -816,6 +821,13 @@ class KVCacheManager:
         if prefix is not None:
             prefix.note_step(rows)
         return rows
+
+    def _end_run(self) -> None:
+        """No run of repeated steps goes on (a step that is not its next one)."""
+        if self._run is not None:
+            self._run = None
+            if self.prefix is not None:
+                self.prefix.end_release_names()
 
     def _free_pages(self, need: int) -> int | None:
         """The pages a step that takes ``need`` new ones (every kernel block a page) can
@@ -935,7 +947,18 @@ class KVCacheManager:
             releases.append(entries)
             if entries is not None:
                 released += entries.per_step
+        release_names: dict[int, list[list[ReleaseName]]] = {}
+        if self.prefix is not None:
+            release_names = self.prefix.plan_release_names(
+                [tables.first_live for tables in self._tables],
+                [
+                    (gid, e.owners, e.cols, e.bounds)
+                    for gid, e in enumerate(releases)
+                    if e is not None
+                ],
+            )
         self._run = _StepRun(
+            release_names=release_names,
             rows=rows,
             row_bytes=rows.tobytes(),
             version=self.rows_version,
@@ -963,8 +986,16 @@ class KVCacheManager:
         ):
             return False
         prefix = self.prefix
-        if prefix is not None and prefix.pending:
-            prefix.commit()  # the last step is done: its blocks get their names
+        if prefix is not None:
+            if run.quiet:  # (counted in steps: a lookup between two commits too)
+                run.quiet -= 1
+                if prefix.pending:  # the commit would only move watermarks: the next one's
+                    prefix.skip_commit()
+            elif prefix.pending:
+                if run.pos is None:
+                    run.pos = {row: i for i, row in enumerate(run.rows.tolist())}
+                # The last step is done: its blocks get their names.
+                run.quiet = prefix.commit(run.pos, lens.query)
         free = self._free_pages(run.new[k])
         if free is None or run.new[k] > free + run.released[k]:
             return False  # the full step decides (an exact check, or the refusal)
@@ -976,6 +1007,11 @@ class KVCacheManager:
                 tables = self._tables[gid]
                 dead = tables.table[owners, cols]
                 tables.table[owners, cols] = NULL_BLOCK
+                if run.release_names:  # (before they go back: they go back cached)
+                    names = run.release_names.get(gid)
+                    if names is not None and names[k]:
+                        assert prefix is not None
+                        prefix.defer_released(gid, dead, names[k])
                 self._give_back[gid](dead[dead != NULL_BLOCK])
                 tables.first_live[changed] = first_live
         widths = run.widths[k]
@@ -1293,7 +1329,7 @@ class KVCacheManager:
             self._give_back[gid](np.ascontiguousarray(dead[dead != NULL_BLOCK][::-1]))
         self._num_tokens[rows] = num_tokens
         self._steady_rows = None  # lengths moved back: the steady look-ahead is void
-        self._run = None
+        self._end_run()
 
     def free_request(self, req_id: str, token_ids: Tokens | None = None) -> None:
         """Release every block of ``req_id`` and forget it.

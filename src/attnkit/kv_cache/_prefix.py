@@ -23,7 +23,9 @@ request starts from, and when a request's blocks get their names.
   block named and, with a block per page, defers the names (``CachedSlab.defer``) until
   something reads its map (the same readers, a register, a reclaim of idle pages). A
   long prompt in chunks thus marks a window group's names once per window, not per
-  step, and a prefill step does no dict work per block in any group.
+  step, and a prefill step does no dict work per block in any group. In a run of
+  repeated steps the run's releases name the blocks instead (``plan_release_names``),
+  and the commits that would only move watermarks are skipped (``commit``).
 - A request whose step was discarded, or that was live at a ``reset``, is never named
   again (its later blocks were computed over bytes no name describes).
 - State groups (with ``state_checkpoints="step_end"``) keep ``CheckpointStore`` pages:
@@ -263,6 +265,10 @@ class _Tracked:
     block (the least ``KindRules.release_reach`` over those groups)."""
 
 
+ReleaseName = tuple[int, int, _Tracked, int]
+"""``(start, end, tracked, column)``: ``PrefixCache.plan_release_names``."""
+
+
 class PrefixCache:
     """The block manager's prefix cache (module docstring).
 
@@ -364,6 +370,13 @@ class PrefixCache:
         allocation ran since), to be named there."""
         self.unflushed: dict[int, _Tracked] = {}
         """Rows with named blocks their groups' maps do not hold yet."""
+        self.lagging = False
+        """Whether the last step's allocation skipped its commit (``commit``)."""
+        self._release_rows: list[_Tracked] = []
+        """The rows whose blocks a run names as it releases them (``plan_release_names``)."""
+        self._lag: list[tuple[_Tracked, int]] = []
+        """The rows in their prompt of the run whose commits are skipped, each with the
+        tokens each of its steps adds (``discard`` names what the skipped ones left)."""
         self._step_rows: Ints = np.zeros(0, dtype=np.int64)
         for slab in self.slabs:
             if slab is not None:
@@ -754,37 +767,161 @@ class PrefixCache:
         if self._in_prompt:
             self.pending = True
 
-    def commit(self) -> None:
+    # ------------------------------------------------------- runs of repeated steps
+
+    def plan_release_names(
+        self, first_live: Sequence[Ints], releases: Sequence[tuple[int, Ints, Ints, list[int]]]
+    ) -> dict[int, list[list[ReleaseName]]]:
+        """For a run of repeated steps (``KVCacheManager._plan_run``): name a tracked
+        prompt's blocks as the run releases them, not before (``defer_released``).
+
+        ``releases``: per deferring group with releases in the run, ``(group id, owners,
+        columns, bounds)`` of the entries each step ``k`` releases (``bounds[k]`` to
+        ``bounds[k + 1]``, in batch order, a row's in column order); ``first_live``: per
+        group, each row's first live column now. A row in its prompt takes part when
+        every deferring group has marked its blocks up to its first live one at least;
+        its commits then mark nothing (``mark_at`` is lifted until ``end_release_names``),
+        so the run's steps carry the marks, each the entries of that step. Returns, per
+        group, per step, ``(start, end, tracked, column)``: the step's entries ``start..
+        end - 1`` are the row's prompt blocks from ``column`` on."""
+        self.end_release_names()
+        if not self._in_prompt or not self._reach or self.checkpoint_interval is not None:
+            return {}
+        rows = [
+            tracked
+            for row, tracked in self._in_prompt.items()
+            if not tracked.tainted
+            and all(tracked.flushed[gid] >= int(first_live[gid][row]) for gid, _, _ in self._reach)
+        ]
+        if not rows:
+            return {}
+        deferring = {gid for gid, _, _ in self._reach}
+        out: dict[int, list[list[ReleaseName]]] = {}
+        for gid, owners, cols, bounds in releases:
+            if gid not in deferring:
+                continue
+            lay = self.layouts[gid]
+            assert lay is not None
+            per_step: list[list[ReleaseName]] = [[] for _ in range(len(bounds) - 1)]
+            bound = np.asarray(bounds, dtype=np.int64)
+            for tracked in rows:
+                limit = lay.full_blocks(tracked.prompt)
+                at = np.flatnonzero((owners == tracked.row) & (cols < limit))
+                if not at.size:
+                    continue
+                step_of = np.searchsorted(bound, at, side="right") - 1
+                cuts = (np.flatnonzero(np.diff(step_of)) + 1).tolist()
+                for i0, i1 in zip([0, *cuts], [*cuts, at.size], strict=True):
+                    k = int(step_of[i0])  # the row's entries of step k: at[i0..i1 - 1]
+                    lo = bounds[k]
+                    first = int(at[i0])
+                    per_step[k].append(
+                        (first - lo, int(at[i1 - 1]) + 1 - lo, tracked, int(cols[first]))
+                    )
+            out[gid] = per_step
+        for tracked in rows:
+            tracked.mark_at = 1 << 62
+        self._release_rows = rows
+        return out
+
+    def defer_released(self, gid: int, dead: Ints32, names: Sequence[ReleaseName]) -> None:
+        """A run's step releases ``dead`` (its entries of group ``gid``, in order, before
+        they go back): the prompt blocks among them (``plan_release_names``) get their
+        names deferred first, so that they go back cached."""
+        slab = self.slabs[gid]
+        assert slab is not None
+        for start, end, tracked, col in names:
+            flushed = tracked.flushed
+            first = flushed[gid]  # (a lookup may have named some since: they are)
+            stop = col + end - start
+            if tracked.tainted or first >= stop:
+                continue
+            skip = first - col if first > col else 0
+            col += skip
+            salt_free = None
+            if col == 0:
+                lay = self.layouts[gid]
+                assert lay is not None
+                salt_free = tracked.match._salt_free[lay]
+            slab.defer(dead[start + skip : end], tracked.names[gid], col, salt_free)
+            flushed[gid] = stop
+
+    def end_release_names(self) -> None:
+        """The run of ``plan_release_names`` is over: its rows' commits mark again."""
+        if not self._release_rows:
+            return
+        rows, self._release_rows = self._release_rows, []
+        tokens = self.row_tokens
+        for tracked in rows:
+            if self._in_prompt.get(tracked.row) is not tracked:
+                continue  # freed, tainted or done since
+            tracked.mark_at = min(
+                reach(spec, tracked.flushed[gid]) for gid, reach, spec in self._reach
+            )
+            held = int(tokens[tracked.row])
+            if held >= tracked.mark_at:  # the coming step can release one: marked now
+                self._mark(tracked, held)
+
+    def skip_commit(self) -> None:
+        """Skip a commit that ``commit`` counted as quiet (``pending`` stays set)."""
+        self.lagging = True
+
+    def commit(self, pos: dict[int, int] | None = None, query: Ints | None = None) -> int:
         """The last step is done: the prompt blocks it filled are named (lazily: see
         the module docstring); the state checkpoints it reached are taken.
 
         A releasing group's new names wait, like a keeping group's, unless the coming
         step can release one (the request holds at least ``KindRules.release_reach`` of
         the group's first unmarked block) or the prompt is done; then every name
-        waiting is marked at once (``_defer``)."""
-        self.pending = False
+        waiting is marked at once (``_defer``).
+
+        In a run of repeated steps (each adds ``query[i]`` tokens to the row at
+        ``pos[row] == i``), returns how many of the next commits would only move
+        watermarks (no name to mark, no prompt done, no checkpoint; else 0). The manager
+        skips them (``skip_commit``), ``pending`` staying set: the next reader (a lookup,
+        a free, a step that is not the run's) or the next commit due makes them at once,
+        as a commit reads the tokens held. ``discard`` makes the ones skipped before a
+        discarded step first."""
+        self.pending = self.lagging = False
         if self.checkpoint_interval is not None:
             self._commit_with_checkpoints()
-            return
-        tokens = self.row_tokens
-        done: list[int] = []
+            return 0
+        held_at = self.row_tokens.item
+        done: list[int] | None = None
         flushing, waits, unflushed = self._flushing, self._waits, self.unflushed
+        lag: list[tuple[_Tracked, int]] = []
+        quiet = 0 if pos is None or flushing else 1 << 30
         for row, tracked in self._in_prompt.items():
-            n = tracked.prompt
-            held = int(tokens[row])
-            filled = held if held < n else n
-            if filled > tracked.named:  # (``_name``, inlined: this runs every step)
-                tracked.named = filled
-                if held >= tracked.mark_at or filled >= n:
-                    self._mark(tracked, held)
-                for gid in flushing:
-                    self._flush(tracked, gid)
-                if waits:
-                    unflushed[row] = tracked
-            if filled >= n:
-                done.append(row)
-        for row in done:
-            del self._in_prompt[row]
+            held: int = held_at(row)
+            if held < tracked.prompt:  # (``_name``, inlined: this runs every step)
+                if held > tracked.named:
+                    tracked.named = held
+                    if held >= tracked.mark_at:
+                        self._mark(tracked, held)
+                    for gid in flushing:
+                        self._flush(tracked, gid)
+                    if waits:
+                        unflushed[row] = tracked
+                if quiet and pos is not None and query is not None:
+                    i = pos.get(row)
+                    if i is not None:  # (else not in the run: it holds what it holds)
+                        q: int = query.item(i)
+                        # the next commit reads held + q
+                        due = min(tracked.mark_at, tracked.prompt) - held - q
+                        quiet = min(quiet, -(-due // q)) if due > 0 and q > 0 else 0
+                        lag.append((tracked, q))
+                continue
+            if tracked.prompt > tracked.named:  # the prompt is done
+                self._name(tracked, tracked.prompt, held)
+            if done is None:
+                done = []
+            done.append(row)
+        if done is not None:
+            for row in done:
+                del self._in_prompt[row]
+        if pos is not None:
+            self._lag = lag
+        return quiet
 
     def _commit_with_checkpoints(self) -> None:
         """``commit`` with state checkpoints: the checkpoints the last step reached are
@@ -827,6 +964,13 @@ class PrefixCache:
         the tokens at which that is next so."""
         flushed = tracked.flushed
         done = tracked.named >= tracked.prompt
+        if len(self._reach) == 1:  # (the common case: one window or chunk group)
+            # The commit's ``held >= tracked.mark_at`` was this group's test; a name
+            # marked early is only marked sooner (``flush`` may have moved ``flushed``).
+            gid, reach, spec = self._reach[0]
+            self._defer(tracked, gid)
+            tracked.mark_at = reach(spec, flushed[gid])
+            return
         mark_at = 1 << 62
         for gid, reach, spec in self._reach:
             if done or held >= reach(spec, flushed[gid]):
@@ -886,8 +1030,8 @@ class PrefixCache:
             return
         tables = self._tables[gid]
         row = tracked.row
-        if tables.first_live[row] > start:  # a released entry (null) before it was named:
-            self._flush(tracked, gid)  # rare
+        if tables.first_live.item(row) > start:  # a released entry (null) before it was
+            self._flush(tracked, gid)  # named: rare
             return
         # Entries past the first live column hold blocks; copied, as a release nulls them.
         view: Ints32 = tables.table[row, start:end]
@@ -929,6 +1073,15 @@ class PrefixCache:
     def discard(self) -> None:
         """The last step's model call failed: its blocks are not named, and its tracked
         requests are never named again."""
+        if self.lagging:  # the commits skipped before it: what the run's steps left
+            self.lagging = False
+            tokens = self.row_tokens
+            for tracked, q in self._lag:
+                held = int(tokens[tracked.row]) - q
+                if held > tracked.named and not tracked.tainted:
+                    tracked.named = held  # (below every mark and the prompt's end)
+                    if self._waits:
+                        self.unflushed[tracked.row] = tracked
         self.pending = False
         self.pending_checkpoints.clear()
         for row in self._step_rows.tolist():
@@ -1007,7 +1160,7 @@ class PrefixCache:
     def reset(self) -> int:
         """Drop every name (weights changed); live requests are never named again.
         Returns the names dropped."""
-        self.pending = False
+        self.pending = self.lagging = False
         self.pending_checkpoints.clear()
         self.unflushed.clear()
         self._fresh.clear()
