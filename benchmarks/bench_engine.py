@@ -10,9 +10,11 @@ eager with blocks of 128 (its CPU default), in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with its OpenMP threads bound to the first
 ``--threads`` cores.
 
-attnkit runs twice: with the model's own linears (``attach``'s default) and with
-``attach(..., pack_linears=True)`` (oneDNN-packed CPU GEMMs, as vLLM's CPU worker
-does). Reported: tokens per second of each side (the median of the rounds), each
+attnkit runs three times, one per ``attach(..., linears=...)``: ``"onednn"`` (the
+default: oneDNN's linear on the model's own weights, no copy), ``"packed"``
+(``pack_linears=True``: oneDNN-packed copies of the weights, as vLLM's CPU worker
+packs its own; twice the linears' memory) and ``"module"`` (each ``nn.Linear``'s own
+``F.linear``). Reported: tokens per second of each side (the median of the rounds), each
 attnkit side over vLLM's (target: at least 0.8, at 1 and 2 threads: run once per
 thread count), whether the greedy outputs equal vLLM's request by request, and
 attnkit's time split from one extra, untimed round: attention (``runtime.forward``),
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         "attnkit_packed": attach(
             copy.deepcopy(model), num_blocks=blocks, block_size=16, pack_linears=True
         ),
+        "attnkit_module": attach(
+            copy.deepcopy(model), num_blocks=blocks, block_size=16, linears="module"
+        ),
     }
 
     def engine_side(name: str) -> Callable[[], list[tuple[int, ...]]]:
@@ -115,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         name: engine_side(name) for name in attached
     }
     assert attached["attnkit_packed"].linears is not None
-    print(f"bench_engine: {attached['attnkit_packed'].linears.num_packed} linears packed")
+    print(
+        f"bench_engine: {attached['attnkit_packed'].linears.num_packed} linears packed; "
+        f"the default serves them as {attached['attnkit'].linears_mode!r}"
+    )
     why_no_vllm = _vllm_missing()
     if why_no_vllm is None:
         sides["vllm"] = _vllm_side(model, prompts, new_tokens)

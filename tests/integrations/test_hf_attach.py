@@ -461,5 +461,5 @@ def test_compiling_without_the_operator_breaks_the_graph() -> None:
 
 def test_compile_refuses_packed_linears() -> None:
     attached = attach(_model("llama"), num_blocks=40, block_size=4, pack_linears=True)
-    with pytest.raises(InvalidArgumentError, match="pack_linears=True"):
+    with pytest.raises(InvalidArgumentError, match="linears='packed'"):
         attached.compile()

@@ -1,19 +1,21 @@
-"""``attach(..., pack_linears=True)``: the model's CPU linears run on oneDNN-packed
-copies of their weights during the attachment's steps, and only then; a changed weight
-is packed again before the next step; ``detach`` takes every copy away.
+"""``attach(..., linears=...)``: the model's CPU linears run on oneDNN during the
+attachment's steps, and only then: on the weights themselves (the default) or on packed
+copies (``pack_linears=True``); a changed, replaced or cast weight is taken again before
+the next step; ``detach`` and ``compile`` give every linear its own forward back.
 
 The reference is the model's own ``F.linear`` (a deep copy of it, never attached)."""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from attnkit.errors import ArgumentTypeError
+from attnkit.errors import ArgumentTypeError, InvalidArgumentError
 from attnkit.integrations.engine import Engine, SamplingParams
 from attnkit.integrations.transformers import _linears, attach, tiny_model
 
@@ -151,3 +153,108 @@ def test_pack_linears_must_be_a_bool() -> None:
     model = tiny_model("llama", seed=4).eval()
     with pytest.raises(ArgumentTypeError, match="pack_linears must be a bool, got 'yes'"):
         attach(model, num_blocks=64, block_size=4, pack_linears="yes")  # type: ignore[arg-type]  # (the wrong type on purpose)
+
+
+# ------------------------------------------------------- the default: no copies
+
+
+def _plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+    ]
+
+
+def test_the_default_runs_onednn_on_the_models_own_weights() -> None:
+    model = tiny_model("llama", seed=4).eval()
+    reference = copy.deepcopy(model)
+    attached = attach(model, num_blocks=64, block_size=4)
+    assert attached.linears_mode == "onednn"
+    assert attached.linears is not None
+    assert attached.linears.num_packed == len(_plain_linears(model))
+    assert attached.linears.packed_bytes == 0  # no copy
+    served = {e.packed.data_ptr() for e in attached.linears._entries if e.packed is not None}
+    assert served == {m.weight.data_ptr() for m in _plain_linears(model)}
+    with torch.no_grad():
+        eager = reference(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
+    got = _step_logits(attached)
+    assert (got - eager).abs().max().item() < 1e-4 * max(1.0, eager.abs().max().item())
+    outputs = _engine_outputs(attached)
+    for i, p in enumerate(PROMPTS):
+        assert outputs[f"r{i}"] == _greedy(reference, p, 5)
+
+
+def test_module_linears_leave_every_linear_alone() -> None:
+    model = tiny_model("llama", seed=4).eval()
+    attached = attach(model, num_blocks=64, block_size=4, linears="module")
+    assert attached.linears_mode == "module"
+    assert attached.linears is None
+    assert not any("forward" in m.__dict__ for m in _plain_linears(model))
+
+
+def test_a_linear_with_a_forward_of_its_own_keeps_it() -> None:
+    """llama4's router is an ``nn.Linear`` whose forward also returns its top-k."""
+    model = tiny_model("llama4_text", seed=4).eval()
+    attached = attach(model, num_blocks=64, block_size=4)
+    assert attached.linears is not None
+    every = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(_plain_linears(model)) < len(every)  # (the router is one)
+    assert attached.linears.num_packed == len(_plain_linears(model))
+    assert not any(
+        "forward" in m.__dict__ for m in every if type(m).forward is not torch.nn.Linear.forward
+    )
+
+
+def _cast_and_back(attached: Any, model: torch.nn.Module) -> float:
+    """Steps in float32, then bfloat16, then float32 again (weights now rounded): the
+    last step's largest error against the model's own forward, relative."""
+    _step_logits(attached)
+    model.to(torch.bfloat16)
+    _step_logits(attached)
+    model.to(torch.float32)
+    got = _step_logits(attached)
+    with attached.eager() as eager_model, torch.no_grad():
+        eager = eager_model(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
+    return float((got - eager).abs().max().item() / max(1.0, eager.abs().max().item()))
+
+
+@pytest.mark.parametrize("mode", ["onednn", "packed"])
+def test_a_model_cast_and_back_serves_its_new_weights(mode: str) -> None:
+    model = tiny_model("llama", seed=4).eval()
+    attached = attach(model, num_blocks=64, block_size=4, linears=mode)  # type: ignore[arg-type]  # (a parametrized literal)
+    assert _cast_and_back(attached, model) < 1e-4
+
+
+def test_a_refresh_blind_to_new_data_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: a cast keeps the parameter and its version; a refresh that reads only
+    those serves the weights from before the cast."""
+
+    def blind(self: _linears._Entry) -> None:
+        weight = self.module.weight
+        if weight is self.source and weight._version == self.version:
+            return
+        _own_refresh(self)
+
+    monkeypatch.setattr(_linears._Entry, "refresh", blind)
+    model = tiny_model("llama", seed=4).eval()
+    attached = attach(model, num_blocks=64, block_size=4, linears="onednn")
+    assert _cast_and_back(attached, model) > 1e-3
+
+
+def test_compile_runs_the_modules_own_linears() -> None:
+    model = tiny_model("llama", seed=4).eval()
+    attached = attach(model, num_blocks=64, block_size=4)
+    attached.compile(backend="eager")
+    assert attached.linears_mode == "module"
+    assert attached.linears is None
+    assert not any("forward" in m.__dict__ for m in _plain_linears(model))
+
+
+def test_bad_linears_choices_are_refused() -> None:
+    model = tiny_model("llama", seed=4).eval()
+    with pytest.raises(InvalidArgumentError, match="linears must be one of 'auto', 'onednn'"):
+        attach(model, num_blocks=64, block_size=4, linears="fast")  # type: ignore[arg-type]  # (the wrong value on purpose)
+    with pytest.raises(InvalidArgumentError, match="pack_linears=True is linears='packed'"):
+        attach(model, num_blocks=64, block_size=4, linears="module", pack_linears=True)
+    assert not any("forward" in m.__dict__ for m in _plain_linears(model))

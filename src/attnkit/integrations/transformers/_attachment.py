@@ -11,7 +11,7 @@ import inspect
 import logging
 import math
 from collections.abc import Generator, Iterator, Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -75,7 +75,7 @@ class TransformersAttachment:
         block_size: int,
         registry: BackendRegistry | None,
         cache_fill: float | None,
-        pack_linears: bool = False,
+        linears: Literal["onednn", "packed", "module"] = "module",
     ) -> None:
         self._tf = import_transformers()
         self.model = model
@@ -104,8 +104,13 @@ class TransformersAttachment:
         (``logits_to_keep``), or ``None``: the logits are cut after it."""
         self.rebuilds = 0
         self._compiled: Any = None  # torch.compile(model) after compile()
-        self.linears = PackedLinears(model) if pack_linears else None
-        """With ``pack_linears``: the packed CPU linears its steps run."""
+        self.linears_mode = linears
+        """How its steps run the model's CPU linears: ``"module"``, ``"onednn"`` or
+        ``"packed"`` (``attach``'s ``linears``, ``"auto"`` resolved)."""
+        self.linears = (
+            PackedLinears(model, copies=linears == "packed") if linears != "module" else None
+        )
+        """Unless ``linears_mode`` is ``"module"``: the oneDNN linears its steps run."""
         register(self._tf)
         set_implementation(model, ATTENTION_IMPLEMENTATION)
         try:
@@ -396,23 +401,29 @@ class TransformersAttachment:
         rest of each layer (projections, norms, rotary, MLP) compiles around them.
 
         The model's outputs are the eager attachment's (within the compiler's
-        rounding); the first steps of each new shape compile. Not with
-        ``pack_linears`` (its packed GEMMs are opaque Python calls).
+        rounding); the first steps of each new shape compile. The compiled steps run
+        the modules' own linears (``linears_mode`` becomes ``"module"``: the compiler
+        fuses around them); not with packed linears (their copies are opaque calls).
 
         Raises:
             InvalidArgumentError: the attachment packs its linears.
         """
-        if self.linears is not None:
+        if self.linears_mode == "packed":
             raise InvalidArgumentError(
-                "compile: this attachment packs its linears (pack_linears=True), which "
-                "torch.compile cannot trace; attach without pack_linears to compile"
+                "compile: this attachment packs its linears (linears='packed'), which "
+                "torch.compile cannot trace; attach with linears='auto' to compile"
             )
+        if self.linears is not None:
+            self.linears.detach()
+            self.linears, self.linears_mode = None, "module"
         for name, module in self._modules.items():
             # Read by _interface while compiling: a plain attribute, not the weak map.
             module.__dict__["_attnkit_traced"] = functools.partial(
                 self._serve_layer, name, traced=True
             )
-        compile_fn: Any = cast("Any", torch).compile  # its overloads' callables are partly unannotated
+        compile_fn: Any = cast(
+            "Any", torch
+        ).compile  # its overloads' callables are partly unannotated
         self._compiled = compile_fn(self.model, **options)
 
     def _check_parameters(
@@ -479,6 +490,10 @@ def _named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return list(named)
 
 
+LINEARS = ("auto", "onednn", "packed", "module")
+"""``attach``'s ``linears`` choices."""
+
+
 def attach(
     model: torch.nn.Module,
     *,
@@ -489,6 +504,7 @@ def attach(
     device: torch.device | str | None = None,
     registry: BackendRegistry | None = None,
     cache_fill: float | None = None,
+    linears: Literal["auto", "onednn", "packed", "module"] = "auto",
     pack_linears: bool = False,
 ) -> TransformersAttachment:
     """Route a transformers causal LM's attention through an ``AttentionRuntime``.
@@ -502,10 +518,17 @@ def attach(
         block_size: tokens per cache block.
         device: where the model runs; it must be where it is (default: there).
         registry, cache_fill: as for ``AttentionRuntime``.
-        pack_linears: keep a oneDNN-packed copy of each CPU ``nn.Linear`` weight and
-            run those during the attachment's steps (2-3x faster GEMMs on the CPU,
-            twice the linears' memory; results differ from ``F.linear`` by rounding).
-            Weights changed since are packed again before the next step.
+        linears: how the attachment's steps run the model's CPU ``nn.Linear`` layers
+            (outside a step every module runs its own ``forward``): ``"onednn"``,
+            oneDNN's linear on the module's own weight (no copy; faster than
+            ``F.linear`` on the CPUs measured: ``attnkit.integrations.transformers.
+            _linears``); ``"packed"``, a oneDNN-packed copy of each weight (faster
+            again, twice the linears' memory; a weight changed since is packed again
+            before the next step); ``"module"``, each module's own ``F.linear``; or
+            ``"auto"`` (default): ``"onednn"`` where this torch has oneDNN's linear
+            and the model is on the CPU, else ``"module"``. oneDNN's results differ
+            from ``F.linear``'s by rounding (another summation order).
+        pack_linears: ``True`` is ``linears="packed"``.
 
     Returns:
         The ``TransformersAttachment``: ``Engine(attached)`` serves requests.
@@ -547,10 +570,25 @@ def attach(
         )
     if not isinstance(pack_linears, bool):
         raise ArgumentTypeError(f"pack_linears must be a bool, got {pack_linears!r}")
-    if pack_linears and (problem := packing_problem()) is not None:
-        raise InvalidArgumentError(f"pack_linears=True, but {problem}")
+    given_linears: object = linears  # untyped callers may pass anything
+    if not isinstance(given_linears, str) or given_linears not in LINEARS:
+        raise InvalidArgumentError(
+            f"linears must be one of {', '.join(map(repr, LINEARS))}, got {linears!r}"
+        )
+    if pack_linears:
+        if linears not in ("auto", "packed"):
+            raise InvalidArgumentError(
+                f"pack_linears=True is linears='packed', but linears={linears!r} was given"
+            )
+        linears = "packed"
+    problem = packing_problem()
+    if linears in ("onednn", "packed") and problem is not None:
+        name = "pack_linears=True" if pack_linears else f"linears={linears!r}"
+        raise InvalidArgumentError(f"{name}, but {problem}")
     first = next(model.parameters(), None)
     where = first.device if first is not None else torch.device("cpu")
+    if linears == "auto":
+        linears = "onednn" if problem is None and where.type == "cpu" else "module"
     if device is not None:
         wanted = parse_device(device)
         same = wanted.type == where.type and wanted.index in (None, where.index)
@@ -567,7 +605,7 @@ def attach(
         block_size=block_size,
         registry=registry,
         cache_fill=cache_fill,
-        pack_linears=pack_linears,
+        linears=linears,
     )
     return attached
 

@@ -1,23 +1,31 @@
-"""Packed CPU linears for an attached model (``attach(..., pack_linears=True)``).
+"""oneDNN CPU linears for an attached model (``attach(..., linears=...)``).
 
 A transformers model's projections and LM head are ``nn.Linear`` layers, which run
-``F.linear`` (MKL's sgemm on the CPU). oneDNN's linear on a weight reordered once into
-its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
-``_linear_pointwise``, what inductor's freezing uses) is 2-3x faster on this class of
-CPU at both decode and prefill sizes, and that, not attention, is most of an engine
-step on a small model. So an attachment can keep a packed copy of each CPU linear
-weight (float32, and bfloat16 where the CPU has AVX-512 BF16) and run those during
-its steps:
+``F.linear`` (MKL's sgemm on the CPU). oneDNN's linear (``torch.ops.mkldnn.
+_linear_pointwise``) is faster on the CPUs measured, and that, not attention, is most of
+an engine step on a small model. Two forms, both on float32 weights and on bfloat16 ones
+where the CPU has AVX-512 BF16:
+
+- ``linears="onednn"`` (the default on the CPU): oneDNN's linear on the module's own
+  weight, no copy. A 16-row GEMM of 1024 x 4096 took 0.82x ``F.linear``'s time on one
+  thread and 0.57x on two (a 2-core AMD EPYC with AVX-512); ``benchmarks/bench_engine.py``
+  ran 1.2x (one thread) and 1.5x (two) the tokens per second of ``F.linear``.
+- ``linears="packed"`` (``pack_linears=True``): a copy of each weight reordered once into
+  oneDNN's blocked layout (``_reorder_linear_weight``, what inductor's freezing uses):
+  0.68x and 0.33x ``F.linear``'s time in the same measurement, 1.5x and 1.9x the
+  engine's tokens per second, for twice the linears' memory.
+
+Either runs during the attachment's steps:
 
 - only during the attachment's steps: a call of the model outside one (a reference
   run under ``attached.eager()``, training) runs the module's own ``forward``;
-- a weight replaced, changed in place (its version counter), moved or cast is packed
-  again before the next step, or served by its own ``forward`` when it no longer can
+- a weight replaced, changed in place (its version counter), moved or cast (its data)
+  is taken again before the next step, or served by its own ``forward`` when it no longer can
   be packed (not on the CPU, another dtype);
 - ``detach()`` removes every packed copy.
 
-The packed copies cost as much memory as the weights they copy. The results differ
-from ``F.linear`` by rounding only (another summation order).
+The packed copies cost as much memory as the weights they copy; the unpacked form costs
+nothing. The results differ from ``F.linear`` by rounding only (another summation order).
 """
 
 from __future__ import annotations
@@ -54,52 +62,66 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 class _Entry:
-    """One linear: its weight as packed (identity, version, dtype, device), the copy."""
+    """One linear: its weight as served (identity, version, dtype, device), and what
+    oneDNN runs on: the packed copy, or the weight itself (``copies=False``)."""
 
-    __slots__ = ("module", "packed", "source", "version")
+    __slots__ = ("copies", "module", "packed", "source", "storage", "version")
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, module: torch.nn.Linear, copies: bool) -> None:
         self.module = module
+        self.copies = copies
         self.source: torch.Tensor | None = None
         self.version = -1
+        self.storage: int = 0
         self.packed: torch.Tensor | None = None
 
     def refresh(self) -> None:
         weight = self.module.weight
-        if weight is self.source and weight._version == self.version:
+        # (``model.to(dtype)`` gives the same parameter new data, version unchanged)
+        storage = weight.data_ptr()
+        if weight is self.source and weight._version == self.version and storage == self.storage:
             return
-        self.source, self.version = weight, weight._version
-        ops: Any = torch.ops.mkldnn
-        self.packed = (
-            ops._reorder_linear_weight(weight.detach(), None) if _packable(weight) else None
-        )
+        self.source, self.version, self.storage = weight, weight._version, storage
+        if not _packable(weight):
+            self.packed = None
+        elif self.copies:
+            ops: Any = torch.ops.mkldnn
+            self.packed = ops._reorder_linear_weight(weight.detach(), None)
+        else:  # the weight's own storage (an in-place change is seen as it is made)
+            self.packed = weight.detach() if weight.is_contiguous() else None
 
 
 class PackedLinears:
-    """The packed copies of a model's CPU linear weights, served while ``active``."""
+    """A model's CPU linears on oneDNN, served while ``active``: packed copies of their
+    weights (``copies``), or the weights as they are."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, copies: bool = True) -> None:
         self.active = False
+        self.copies = copies
         self._entries: list[_Entry] = []
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                entry = _Entry(module)
+            # A subclass with a forward of its own (llama4's router returns its top-k
+            # too) keeps it: only the plain linear is served.
+            if isinstance(module, torch.nn.Linear) and (
+                type(module).forward is torch.nn.Linear.forward
+            ):
+                entry = _Entry(module, copies)
                 entry.refresh()
                 self._entries.append(entry)
                 module.forward = self._forward(entry, module.forward)  # type: ignore[method-assign]  # (an instance attribute, removed by detach)
 
     @property
     def num_packed(self) -> int:
-        """Linears served packed at the next step."""
+        """Linears served by oneDNN at the next step."""
         return sum(entry.packed is not None for entry in self._entries)
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed copies."""
+        """Bytes of the packed copies (0 without copies)."""
         return sum(
             e.packed.numel() * e.packed.element_size()
             for e in self._entries
-            if e.packed is not None
+            if e.packed is not None and e.copies
         )
 
     def refresh(self) -> None:
