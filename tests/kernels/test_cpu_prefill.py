@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -637,8 +638,24 @@ ISA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "generic"])
-@pytest.mark.parametrize("case", ISA_CASES)
+# The tiles copy (amxbf16) takes bf16 with head sizes that are multiples of 16 in blocks
+# of whole 16-row tiles where G divides 16 and lcm(G, 16) rows otherwise (at most 128),
+# else blocks whose last tile of rows is partial: every shape of it, on bf16.
+AMX_CASES = [
+    pytest.param(Case([Req(37, 37, True), Req(20, 75), Req(1, 33)], hq=8, hkv=2, d=128, block_size=16, dtype=torch.bfloat16), id="g4-d128"),
+    pytest.param(Case([Req(29, 61)], hq=3, hkv=1, d=48, dtype=torch.bfloat16, sinks=True, with_lse=True), id="g3-d48-sinks-lse"),
+    pytest.param(Case([Req(40, 40, True), Req(9, 50)], hq=2, hkv=2, d=256, dtype=torch.bfloat16, window=13), id="g1-d256-window"),
+    pytest.param(Case([Req(21, 44)], hq=18, hkv=1, d=96, dtype=torch.bfloat16, chunk=10), id="g18-d96-chunk"),
+    pytest.param(Case([Req(17, 30)], hq=9, hkv=1, d=32, dtype=torch.bfloat16, soft_cap=3.0, alibi=True), id="g9-d32-cap-alibi"),
+    pytest.param(Case([Req(25, 9), Req(6, 20)], causal=False, hq=12, hkv=2, d=112, dtype=torch.bfloat16), id="g6-d112-cross"),
+    pytest.param(Case([Req(33, 33, True)], hq=4, hkv=2, d=40, dtype=torch.bfloat16), id="d40-not-tiles"),
+    pytest.param(Case([Req(50, 90)], hq=8, hkv=2, d=64, dtype=torch.bfloat16, kwargs={"query_block": 3}), id="query-block-3"),
+    pytest.param(Case([Req(40, 600), Req(300, 300, True)], hq=8, hkv=2, d=64, block_size=16, dtype=torch.bfloat16), id="many-key-chunks"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ["amxbf16", "avx512bf16", "avx512", "avx2", "generic"])
+@pytest.mark.parametrize("case", ISA_CASES + AMX_CASES)
 def test_every_instruction_set_copy(isa: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each copy of the native compute this CPU runs, chosen with ATTNKIT_CPU_ISA."""
     from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
@@ -648,6 +665,37 @@ def test_every_instruction_set_copy(isa: str, case: Case, monkeypatch: pytest.Mo
         pytest.skip(f"this CPU does not run the {isa} copy (it runs {prefill_isa()})")
     for threads in (1, 2):
         case.threads = threads
+        run_case(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("define", "case"),
+    [
+        # causal: a row sees its next key; keys in several chunks
+        ("ATTNKIT_TEST_AMX_MASK_PAST_END", AMX_CASES[0].values[0]),
+        ("ATTNKIT_TEST_AMX_NO_RESCALE", AMX_CASES[-1].values[0]),
+    ],
+    ids=["mask-one-key-past-the-end", "no-rescale-between-chunks"],
+)
+def test_the_checks_catch_a_broken_tiles_copy(
+    define: str, case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The oracle check fails on the tiles copy built to let a row see one key past its
+    visible ones (a causal row its next token), or to skip the rescale of a row's
+    accumulator when a later chunk raises its max."""
+    from attnkit.kernels.attention import cpu_native as _native
+    from attnkit.kernels.attention.cpu_prefill_native import prefill_isa
+
+    monkeypatch.delenv("ATTNKIT_CPU_ISA", raising=False)
+    if prefill_isa() != "amxbf16":
+        pytest.skip(f"this CPU does not run the amxbf16 copy (it runs {prefill_isa()})")
+    run_case(case)  # the good build passes
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_native, "_DEFINES", (define,))  # compiled here, never prebuilt
+    monkeypatch.setattr(_native, "_STATE", [])
+    assert prefill_isa() == "amxbf16"
+    with pytest.raises(AssertionError):
         run_case(case)
 
 
@@ -675,11 +723,26 @@ def test_the_chosen_copy_is_the_best_this_cpu_runs(monkeypatch: pytest.MonkeyPat
         want = "avx512"
         if "avx512_bf16" in flags:
             want = "avx512bf16"
+            if {"amx_bf16", "amx_tile"} <= flags and _amx_granted():
+                want = "amxbf16"
     assert prefill_isa() == want
     monkeypatch.setenv("ATTNKIT_CPU_ISA", "generic")
     assert prefill_isa() == "generic"
     monkeypatch.setenv("ATTNKIT_CPU_ISA", "no-such-isa")  # not a cap: the best one
     assert prefill_isa() == want
+
+
+def _amx_granted() -> bool:
+    """Whether Linux grants this process the AMX tile data (arch_prctl
+    ARCH_REQ_XCOMP_PERM, asked here independently of the library)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return int(libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata)) == 0
 
 
 def _cpu_flags() -> set[str]:

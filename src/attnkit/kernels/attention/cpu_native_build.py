@@ -43,6 +43,8 @@ HEADERS = (
     "paged_prefill_body.h",
     "paged_decode_body.h",
     "paged_decode_amx.h",
+    "paged_prefill_amx.h",
+    "avx512_transpose.h",
     "half_float.h",
 )
 """Included by the sources (hashed with them, never compiled alone)."""

@@ -757,6 +757,10 @@ static int amx_ready(void) {
     __atomic_store_n(&state, ok, __ATOMIC_RELEASE);
     return ok;
 }
+
+/* The same for paged_prefill.c's tiles copy (one library: not exported). */
+__attribute__((visibility("hidden"))) int attnkit_amx_granted(void);
+int attnkit_amx_granted(void) { return amx_ready(); }
 #else
 #define FD_X86 0
 #endif
@@ -772,7 +776,9 @@ const char *attnkit_prefill_isa(void);
  */
 static task_fn pick_task(int dtype, int kv_dtype, int64_t D) {
 #if FD_X86
-    if (dtype == DT_BF16 && kv_dtype == dtype && D % 32 == 0 && !strcmp(attnkit_prefill_isa(), "avx512bf16")) {
+    const char *pf = attnkit_prefill_isa();
+    if (dtype == DT_BF16 && kv_dtype == dtype && D % 32 == 0 &&
+        (!strcmp(pf, "amxbf16") || !strcmp(pf, "avx512bf16"))) {
         /* the AMX copy unless ATTNKIT_CPU_ISA names a set below it */
         const char *cap = getenv("ATTNKIT_CPU_ISA");
 #if FD_AMX

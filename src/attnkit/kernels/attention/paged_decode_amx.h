@@ -93,7 +93,7 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                         rr[i] = _mm512_setzero_si512();
                     }
                 }
-                transpose16_avx512bf16(rr);
+                avx512_transpose16(rr);
                 uint32_t *dst = qt + ((c * nblk + b) * nch + ch) * 256;
                 for (int i = 0; i < 16; ++i) _mm512_storeu_si512((void *)(dst + 16 * i), rr[i]);
             }
@@ -198,7 +198,7 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                 /* P's rows: the 16 x 16 probabilities transposed, rounded to bf16 */
                 __m512i pr[16];
                 for (int j = 0; j < 16; ++j) pr[j] = _mm512_castps_si512(x[j]);
-                transpose16_avx512bf16(pr);
+                avx512_transpose16(pr);
                 for (int i = 0; i < 16; ++i)
                     _mm256_storeu_si256((__m256i *)(void *)(pbuf + 16 * i),
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(pr[i])));

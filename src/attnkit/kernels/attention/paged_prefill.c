@@ -102,6 +102,7 @@ typedef struct {
     float *lse;
     int64_t lse_st, lse_sh;
     int pairs; /* bf16 scores as native bf16 dot products */
+    int amx;   /* pairs on AMX tiles (paged_prefill_amx.h) */
 } pparams;
 
 typedef struct { /* one block of query tokens inside a task */
@@ -124,8 +125,8 @@ typedef struct {
     uint32_t *q;  /* [rows][units]: float32 bits, or bf16 pairs */
     uint32_t *kt; /* [KC / KT][units][KT]: the chunk's K tiles, transposed */
     float *vt;    /* [KC][Dp] */
-    float *s;     /* [bq * G][KT] */
-    uint32_t *pw; /* [bq * G][KT / 2]: the weights as bf16 pairs (bf16 pairs only) */
+    float *s;     /* [bq * G][KT] ([KC] in the tiles' copy) */
+    uint32_t *pw; /* [bq * G][KT / 2] ([KC / 2]): the weights as bf16 pairs (pairs only) */
     float *o;     /* [rows][Dp] */
     float *m, *l; /* [rows] */
     float *corr;  /* [bq * G] */
@@ -135,9 +136,12 @@ typedef struct {
 } scratch_pf;
 
 static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
-    const int64_t rows = P->sb * P->G, brows = P->bq * P->G, Dp = P->Dp, U = Dp;
+    /* rows rounded up to whole tiles of 16, plus one: the tiles' copy reads and computes
+     * a block's last tile of rows whole */
+    const int64_t rows = (P->sb * P->G + 15) / 16 * 16 + 16;
+    const int64_t brows = (P->bq * P->G + 15) / 16 * 16, Dp = P->Dp, U = Dp;
     const int64_t nblk = (P->sb + P->bq - 1) / P->bq;
-    size_t bytes = (size_t)(rows * U + KC * U + KC * Dp + brows * KT + brows * KT / 2 +
+    size_t bytes = (size_t)(rows * U + KC * U + KC * Dp + brows * KC + brows * KC / 2 +
                             rows * Dp + 2 * rows + brows) * 4 +
                    (size_t)(2 * P->sb) * 8 + (size_t)nblk * sizeof(pblock) + 16 * 64;
     void *mem = NULL;
@@ -152,8 +156,8 @@ static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
     TAKE(S->q, uint32_t, rows * U);
     TAKE(S->kt, uint32_t, KC * U);
     TAKE(S->vt, float, KC * Dp);
-    TAKE(S->s, float, brows * KT);
-    TAKE(S->pw, uint32_t, brows * KT / 2);
+    TAKE(S->s, float, brows * KC); /* the tiles' copy: a chunk's scores at once */
+    TAKE(S->pw, uint32_t, brows * KC / 2);
     TAKE(S->o, float, rows * Dp);
     TAKE(S->m, float, rows);
     TAKE(S->l, float, rows);
@@ -195,9 +199,31 @@ INLINE const char *key_row(const pparams *P, const ptask *T, int64_t pos, int va
 }
 
 /* The task's query rows: float32 values, or the bf16 inputs' pairs as they are. */
+/*
+ * Prefetch (for reading, or writing: write 1) the G heads' rows of token t of the task in
+ * the query-shaped tensor base (strides st, sh, element size es).  A task's tokens are
+ * rows Hq heads apart, each in its own page: the hardware prefetchers do not follow
+ * them, so load_query and finish_task ask PF_AHEAD tokens ahead.
+ */
+#define PF_AHEAD 4
+INLINE void prefetch_token(const pparams *P, const ptask *T, const char *base, int64_t st,
+                           int64_t sh, size_t es, int64_t t, int write) {
+    if (t >= T->nb) return;
+    const int64_t row = P->qs[T->i] + T->t0 + t;
+    for (int64_t g = 0; g < P->G; ++g) {
+        const char *p = base + (size_t)(row * st + (T->h0 + g) * sh) * es;
+        for (size_t b = 0; b < (size_t)P->D * es; b += 64) {
+            if (write) __builtin_prefetch(p + b, 1, 3);
+            else __builtin_prefetch(p + b, 0, 3);
+        }
+    }
+}
+
 static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
     const int64_t G = P->G, D = P->D, U = T->units;
-    for (int64_t t = 0; t < T->nb; ++t)
+    for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->q, P->q_st, P->q_sh, P->es, t, 0);
+    for (int64_t t = 0; t < T->nb; ++t) {
+        prefetch_token(P, T, P->q, P->q_st, P->q_sh, P->es, t + PF_AHEAD, 0);
         for (int64_t g = 0; g < G; ++g) {
             const int64_t row = P->qs[T->i] + T->t0 + t;
             const char *src = P->q + (size_t)(row * P->q_st + (T->h0 + g) * P->q_sh) * P->es;
@@ -214,6 +240,7 @@ static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
                     for (int64_t d = 0; d < D; ++d) f[d] = elem_f32(src, d, DT_F16);
             }
         }
+    }
 }
 
 /*
@@ -281,32 +308,47 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
     }
 }
 
+/*
+ * Row r of the task: the factor its accumulator is multiplied by on the way out (1 / its
+ * sum, a sink logit joining the sum), its lse written when asked; *dst: where its D
+ * values go.
+ */
+INLINE float finish_factor(const pparams *P, const ptask *T, const scratch_pf *S, int64_t r,
+                           char **dst) {
+    const int64_t t = r / P->G, head = T->h0 + r % P->G;
+    const int64_t row = P->qs[T->i] + T->t0 + t;
+    float m = S->m[r], l = S->l[r], keep = 1.0f;
+    if (P->sinks) {
+        const float sink = P->sinks[head];
+        const float mn = sink > m ? sink : m;
+        keep = m == -INFINITY ? 0.0f : expf(m - mn);
+        l = l * keep + expf(sink - mn);
+        m = mn;
+    }
+    if (P->lse) P->lse[row * P->lse_st + head * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
+    *dst = P->o + (size_t)(row * P->o_st + head * P->o_sh) * P->es;
+    return l > 0.0f ? keep / l : 0.0f;
+}
+
 /* The accumulators divided by their sums (a sink logit joins the sum), written out. */
 static void finish_task(const pparams *P, const ptask *T, scratch_pf *S) {
     const int64_t G = P->G, D = P->D, Dp = P->Dp;
+    for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, t, 1);
     for (int64_t r = 0; r < T->rows; ++r) {
-        const int64_t t = r / G, head = T->h0 + r % G;
-        const int64_t row = P->qs[T->i] + T->t0 + t;
-        float m = S->m[r], l = S->l[r], keep = 1.0f;
-        if (P->sinks) {
-            const float sink = P->sinks[head];
-            const float mn = sink > m ? sink : m;
-            keep = m == -INFINITY ? 0.0f : expf(m - mn);
-            l = l * keep + expf(sink - mn);
-            m = mn;
-        }
-        const float mul = l > 0.0f ? keep / l : 0.0f;
+        if (r % G == 0) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, r / G + PF_AHEAD, 1);
+        char *dst;
+        const float mul = finish_factor(P, T, S, r, &dst);
         const float *acc = S->o + r * Dp;
-        char *dst = P->o + (size_t)(row * P->o_st + head * P->o_sh) * P->es;
         if (P->dtype == DT_F32) {
             float *o = (float *)dst;
             for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * mul;
+        } else if (P->dtype == DT_BF16) { /* one loop per dtype: the compiler vectorises it */
+            uint16_t *o = (uint16_t *)dst;
+            for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * mul);
         } else {
             uint16_t *o = (uint16_t *)dst;
-            for (int64_t d = 0; d < D; ++d)
-                o[d] = P->dtype == DT_BF16 ? f32_to_bf16(acc[d] * mul) : f32_to_f16(acc[d] * mul);
+            for (int64_t d = 0; d < D; ++d) o[d] = f32_to_f16(acc[d] * mul);
         }
-        if (P->lse) P->lse[row * P->lse_st + head * P->lse_sh] = l > 0.0f ? m + logf(l) : -INFINITY;
     }
 }
 
@@ -423,7 +465,22 @@ PF_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #undef BF16DOT
 #undef PKEEP
 PF_TARGET_END
+
+#if defined(__x86_64__)
+#define PF_AMX 1
+PF_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+#include "paged_prefill_amx.h"
+PF_TARGET_END
+#else
+#define PF_AMX 0
 #endif
+#else
+#define PF_AMX 0
+#endif
+
+/* Whether AMX-BF16 tiles are usable in this process (paged_decode.c asks the CPU and the
+ * OS once). */
+__attribute__((visibility("hidden"))) int attnkit_amx_granted(void);
 
 /* ---- run-time choice of the copy --------------------------------------------------- */
 
@@ -434,6 +491,9 @@ typedef struct {
 } pf_isa;
 
 static const pf_isa PF_ISAS[] = {
+#if PF_AMX
+    {"amxbf16", run_amxbf16, 1},
+#endif
 #if PF_X86
     {"avx512bf16", run_avx512bf16, 1},
     {"avx512", run_avx512, 0},
@@ -446,6 +506,7 @@ static const pf_isa PF_ISAS[] = {
 static int pf_supported(const char *name) {
 #if PF_X86
     __builtin_cpu_init();
+    if (!strcmp(name, "amxbf16")) return pf_supported("avx512bf16") && attnkit_amx_granted();
     if (!strcmp(name, "avx512bf16"))
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -546,13 +607,29 @@ ATTNKIT_API int attnkit_paged_prefill(ATTNKIT_PARAMS(ATTNKIT_PAGED_PREFILL_ARGS)
     P.bt = block_table; P.bt_sb = bt_sb; P.bs = block_size;
     P.req = requests; P.qs = query_start; P.ql = query_len; P.sl = seq_len; P.dense = dense;
     P.Hq = Hq; P.Hkv = Hkv; P.G = Hq / Hkv; P.D = D;
-    P.Dp = (D + 15) / 16 * 16;
     P.pairs = isa->bf16dot && dtype == DT_BF16 && kv_dtype == dtype && D % 2 == 0;
-    /* about 48 rows (tokens x grouped heads) per block: the micro-kernels' row blocks;
-     * about 256 rows per task, whose key chunks are packed once for all its blocks */
-    int64_t bq = query_block > 0 ? query_block : (48 + P.G - 1) / P.G;
+#if PF_AMX
+    /* the tiles' copy: bf16 pairs of whole 16-column strips, dims padded to 32 */
+    P.amx = P.pairs && isa->run == run_amxbf16 && D % 16 == 0;
+#else
+    P.amx = 0;
+#endif
+    P.Dp = P.amx ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16;
+    /* about 48 rows (tokens x grouped heads) per block: the micro-kernels' row blocks
+     * (the tiles' copy: whole tiles of 16 rows where that takes at most 128, else 16 at
+     * most); about 256 rows per task, whose key chunks are packed once for all its blocks */
+    int64_t bq = (48 + P.G - 1) / P.G;
+    if (P.amx) {
+        int64_t g = P.G, t = 16;
+        while (t) { const int64_t x = g % t; g = t; t = x; } /* gcd(G, 16) */
+        bq = 32 / g; /* two tiles of rows: the products take them in pairs */
+        if (bq * P.G > 128) bq = P.G < 16 ? 16 / P.G : 1;
+    }
+    if (query_block > 0) bq = query_block;
     if (bq < 1) bq = 1;
-    int64_t sb = (256 / P.G + bq - 1) / bq * bq;
+    /* the tiles' copy computes so fast that packing a chunk pays off over more rows */
+    const int64_t task_rows = P.amx ? 1024 : 256;
+    int64_t sb = (task_rows / P.G + bq - 1) / bq * bq;
     if (sb < bq) sb = bq;
     P.bq = bq;
     P.sb = sb;
