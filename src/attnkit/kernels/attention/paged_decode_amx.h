@@ -116,15 +116,21 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
         const int64_t nrow = kt_.next_row, nn = kt_.next_n;
         const int lo = kt_.lo, hi = kt_.hi;
         for (int64_t c = 0; c < C; ++c) {
-            if (nrow >= 0) {
-                const char *kn = P->k + (size_t)(nrow * P->k_sr + (kv0 + c) * P->k_sh) * es;
-                const char *vn = P->v + (size_t)(nrow * P->v_sr + (kv0 + c) * P->v_sh) * es;
-                for (int64_t j = 0; j < nn; ++j)
-                    for (int64_t b = 0; b < D * 2; b += 64) {
-                        _mm_prefetch(kn + j * krow + b, _MM_HINT_T1);
-                        _mm_prefetch(vn + j * vrow + b, _MM_HINT_T1);
-                    }
+            /* The next (head, tile)'s K and V lines, prefetched a few at a time between
+             * this one's products (a burst of them stalls the loads behind it) */
+            const char *kn = NULL, *vn = NULL;
+            int64_t nr_ = 0;
+            if (c + 1 < C) {
+                kn = P->k + (size_t)(prow * P->k_sr + (kv0 + c + 1) * P->k_sh) * es;
+                vn = P->v + (size_t)(prow * P->v_sr + (kv0 + c + 1) * P->v_sh) * es;
+                nr_ = hi - lo;
+            } else if (nrow >= 0) {
+                kn = P->k + (size_t)(nrow * P->k_sr + kv0 * P->k_sh) * es;
+                vn = P->v + (size_t)(nrow * P->v_sr + kv0 * P->v_sh) * es;
+                nr_ = nn;
             }
+            /* rows of it per score step (nch of them) and per value step (W) */
+            const int64_t rk = (nr_ + nch - 1) / nch, rv = (nr_ + W - 1) / W;
             const char *kt = P->k + (size_t)(prow * P->k_sr + (kv0 + c) * P->k_sh) * es;
             const char *vt = P->v + (size_t)(prow * P->v_sr + (kv0 + c) * P->v_sh) * es;
             const char *ka = kt;
@@ -143,6 +149,9 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                 const int64_t mb = c * Mp + 16 * b; /* the block's first row in the scratch */
                 _tile_zero(0);
                 for (int64_t ch = 0; ch < nch; ++ch) {
+                    if (b == 0) /* the next one's K rows of this step */
+                        for (int64_t j = ch * rk; j < (ch + 1) * rk && j < nr_; ++j)
+                            for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(kn + j * krow + x, _MM_HINT_T0);
                     AMX_LOAD(1, ka + 64 * ch, ks);
                     AMX_LOAD(2, qt + ((c * nblk + b) * nch + ch) * 256, 64);
                     _tile_dpbf16ps(0, 1, 2);
@@ -212,6 +221,9 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                     }
                 AMX_LOAD(3, pbuf, 32);
                 for (int64_t w = 0; w < W; ++w) {
+                    if (b == 0) /* the next one's V rows of this step */
+                        for (int64_t j = w * rv; j < (w + 1) * rv && j < nr_; ++j)
+                            for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(vn + j * vrow + x, _MM_HINT_T0);
                     float *a = S->acc + mb * Dp + 16 * w;
                     AMX_LOAD(5, a, Dp * 4);
                     AMX_LOAD(4, S->vp + 32 * w, W * 64);
