@@ -317,7 +317,7 @@ static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs,
     /* rows > 1: each kv head's rows padded to a multiple of 16 (the AMX copy's blocks) */
     const int64_t H = rows * C * G + (rows > 1 ? 16 * C : 0);
     size_t floats = (size_t)(2 * H * Dp + H * FTILE + 3 * H + (bufs ? 2 * C * TILE * Dp : 0)) +
-                    (size_t)(rows > 1 ? 24 * H + 16 * Dp : 0) + 64;
+                    (size_t)(rows > 1 ? 32 * H + 32 * Dp : 0) + 64;
     void *mem = NULL;
     if (posix_memalign(&mem, 64, floats * sizeof(float)) != 0) return 0;
     /* zeros: the pad columns [D, Dp) of q, kbuf and vbuf are never written after this */
@@ -331,9 +331,9 @@ static int scratch_alloc(scratch *S, int64_t C, int64_t G, int64_t Dp, int bufs,
     S->l = f; f += H;
     S->corr = f; f += H;
     S->lv = f; f += rows > 1 ? 16 * H : 0;
-    S->pb = (uint16_t *)(void *)f; f += rows > 1 ? 8 * H : 0;
-    S->kt = (uint32_t *)(void *)f; f += rows > 1 ? 8 * Dp : 0;
-    S->vp = (uint16_t *)(void *)f; f += rows > 1 ? 8 * Dp : 0;
+    S->pb = (uint16_t *)(void *)f; f += rows > 1 ? 16 * H : 0;  /* the AMX copy: 32 keys a row */
+    S->kt = (uint32_t *)(void *)f; f += rows > 1 ? 16 * Dp : 0; /* two tiles of K rows */
+    S->vp = (uint16_t *)(void *)f; f += rows > 1 ? 16 * Dp : 0; /* 16 key pairs */
     S->kbuf = f; f += C * TILE * Dp;
     S->vbuf = f;
     return 1;
