@@ -131,6 +131,7 @@ typedef struct {
     float *m, *l; /* [rows] */
     float *corr;  /* [bq * G] */
     int64_t *lo, *hi; /* [task tokens] */
+    int64_t *krows;   /* [KC]: a chunk's key rows (the tiles' copy) */
     pblock *blocks;
     void *mem;
 } scratch_pf;
@@ -143,7 +144,7 @@ static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
     const int64_t nblk = (P->sb + P->bq - 1) / P->bq;
     size_t bytes = (size_t)(rows * U + KC * U + KC * Dp + brows * KC + brows * KC / 2 +
                             rows * Dp + 2 * rows + brows) * 4 +
-                   (size_t)(2 * P->sb) * 8 + (size_t)nblk * sizeof(pblock) + 16 * 64;
+                   (size_t)(2 * P->sb + KC) * 8 + (size_t)nblk * sizeof(pblock) + 16 * 64;
     void *mem = NULL;
     if (posix_memalign(&mem, 64, bytes) != 0) return 0;
     memset(mem, 0, bytes); /* pad columns stay zero */
@@ -164,6 +165,7 @@ static int scratch_pf_alloc(scratch_pf *S, const pparams *P) {
     TAKE(S->corr, float, brows);
     TAKE(S->lo, int64_t, P->sb);
     TAKE(S->hi, int64_t, P->sb);
+    TAKE(S->krows, int64_t, KC);
     TAKE(S->blocks, pblock, nblk);
 #undef TAKE
     S->mem = mem;

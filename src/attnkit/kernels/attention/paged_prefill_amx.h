@@ -65,9 +65,28 @@ static void pf_amx_configure(void) {
  */
 static void pack_chunk_amx(const pparams *P, const ptask *T, scratch_pf *S, int64_t c0, int64_t c1) {
     const int64_t D = P->D, Dp = P->Dp, U = T->units, n = c1 - c0, units = D / 2;
+    /* each key's row: the step's own (dense) or its block's, walked block by block (no
+     * division per key) */
+    int64_t *rows = S->krows;
+    const int dense = P->dense[T->i];
+    if (dense) {
+        for (int64_t x = 0; x < n; ++x) rows[x] = P->qs[T->i] + c0 + x;
+    } else {
+        const int32_t *table = P->bt + (int64_t)P->req[T->i] * P->bt_sb;
+        for (int64_t x = 0; x < n;) {
+            const int64_t pos = c0 + x, blk = pos / P->bs, off = pos - blk * P->bs;
+            const int64_t run = P->bs - off < n - x ? P->bs - off : n - x;
+            const int64_t first = (int64_t)table[blk] * P->bs + off;
+            for (int64_t y = 0; y < run; ++y) rows[x + y] = first + y;
+            x += run;
+        }
+    }
+    const char *kbase = dense ? P->kd + (size_t)(T->h * P->kd_sh) * P->es : P->kp + (size_t)(T->h * P->k_sh) * P->kv_es;
+    const char *vbase = dense ? P->vd + (size_t)(T->h * P->vd_sh) * P->es : P->vp + (size_t)(T->h * P->v_sh) * P->kv_es;
+    const size_t kstr = (size_t)(dense ? P->kd_sr : P->k_sr) * 2, vstr = (size_t)(dense ? P->vd_sr : P->v_sr) * 2;
     for (int64_t x0 = 0; x0 < n; x0 += 16) {
         const char *k[16];
-        for (int j = 0; j < 16; ++j) k[j] = x0 + j < n ? key_row(P, T, c0 + x0 + j, 0) : NULL;
+        for (int j = 0; j < 16; ++j) k[j] = x0 + j < n ? kbase + (size_t)rows[x0 + j] * kstr : NULL;
         uint32_t *kt = S->kt + (x0 / KT) * U * KT + x0 % KT;
         for (int64_t ch = 0; 16 * ch < U; ++ch) {
             const int64_t left = units - 16 * ch;
@@ -85,8 +104,8 @@ static void pack_chunk_amx(const pparams *P, const ptask *T, scratch_pf *S, int6
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t i = 0; 2 * i < n; ++i) {
-        const char *va = key_row(P, T, c0 + 2 * i, 1);
-        const char *vb = 2 * i + 1 < n ? key_row(P, T, c0 + 2 * i + 1, 1) : NULL;
+        const char *va = vbase + (size_t)rows[2 * i] * vstr;
+        const char *vb = 2 * i + 1 < n ? vbase + (size_t)rows[2 * i + 1] * vstr : NULL;
         uint32_t *dst = (uint32_t *)(void *)S->vt + i * Dp;
         for (int64_t c = 0; 32 * c < D; ++c) {
             const int64_t left = D - 32 * c;
