@@ -674,3 +674,54 @@ def test_every_instruction_set_copy(
                      alibi=True, strided=True)  # fmt: skip
         run_case(dtype, 8, 8, 64, 16, RAGGED_16, sinks=True, with_lse=True)  # G = 1
         run_case(dtype, 16, 2, 64, 16, RAGGED_16)  # G = 8
+
+
+# ------------------------------------------------------------ fp16 conversions
+
+
+def _fp16_step(seed: int) -> tuple[torch.Tensor, ...]:
+    """A float16 decode step over a shuffled paged cache: query, planes, table, offsets,
+    lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    b, ctx, hq, hkv, d, bs = 3, 70, 8, 2, 80, 16
+    nb = b * -(-ctx // bs) + 1
+    q = torch.randn(b, hq, d, generator=gen).half()
+    kp = torch.randn(nb * bs, hkv, d, generator=gen).half()
+    vp = torch.randn(nb * bs, hkv, d, generator=gen).half()
+    table = torch.randperm(nb, generator=gen)[: b * -(-ctx // bs)].to(torch.int32).view(b, -1)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    seq = torch.tensor([ctx, ctx - 9, 33], dtype=torch.int32)
+    return q, kp, vp, table.contiguous(), qsl, seq
+
+
+def _fp16_decode(step: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    from attnkit.kernels.attention.cpu_decode import paged_attention_requests
+
+    q, kp, vp, table, qsl, seq = step
+    out = torch.empty_like(q)
+    paged_attention_requests(
+        q, kp, vp, table, qsl, seq, None, block_size=16, causal=True, window=None,
+        chunk=None, scale=0.125, output=out,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+def test_fp16_rows_convert_the_same_without_f16c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float16 K/V rows go to float32 eight at a time by F16C where the CPU has it, else
+    one by one: both are exact, so a build without the F16C path gives the same bits on
+    the same step (decode here; the prefill's rows use the same conversion)."""
+    step = _fp16_step(0)
+    got = _fp16_decode(step)
+    q, kp, vp, table, _, seq = step
+    ends = [int(n) for n in seq]
+    want = oracle(q, kp, vp, table, [0, 1, 2], [0, 1, 2], [0, 0, 0], ends,
+                  [n - 1 for n in ends], 16, 0.125)  # fmt: skip
+    for r in range(3):  # the F16C build against the float64 oracle
+        assert (got[r].double() - want[r]).abs().max().item() < 2e-3
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_native, "_DEFINES", ("ATTNKIT_TEST_NO_F16C",))
+    monkeypatch.setattr(_native, "_STATE", [])
+    assert torch.equal(_fp16_decode(step), got)

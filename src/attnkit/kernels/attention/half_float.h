@@ -134,6 +134,50 @@ INLINE void dequant_row(float *restrict o, const uint8_t *restrict b, int64_t D,
     }
 }
 
+/*
+ * A row of D fp16 values -> float32, times scale: eight at a time by F16C (vcvtph2ps,
+ * exact as f16_to_f32) where the CPU has it (every x86-64-v3 CPU; the portable build's
+ * baseline lacks it, so it is picked at run time), else element by element. The
+ * element loop is not vectorised: a float16 32 x 2k decode took 3.6x the time with it
+ * (163 ms against 45 ms, 1 thread, a Xeon with AVX-512).
+ */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx,f16c"))) static void f16_row_f16c(float *restrict dst, const uint16_t *s,
+                                                               int64_t D, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(s + d))), sc));
+    for (; d < D; ++d) dst[d] = f16_to_f32(s[d]) * scale;
+}
+
+static int have_f16c(void) {
+    static int state = -1;
+    int v = __atomic_load_n(&state, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+#ifdef ATTNKIT_TEST_NO_F16C /* the tests' other build: the element loop everywhere */
+        v = 0;
+#else
+        v = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
+        __atomic_store_n(&state, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+#endif
+
+static void f16_row_to_f32(float *restrict dst, const uint16_t *s, int64_t D, float scale) {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+    if (have_f16c()) {
+        f16_row_f16c(dst, s, D, scale);
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) dst[d] = f16_to_f32(s[d]) * scale;
+}
+
 /* The float32 scale stored after a head's D values in a row-scaled cache (4 bytes). */
 INLINE float row_scale(const char *head, int64_t D) {
     float s;

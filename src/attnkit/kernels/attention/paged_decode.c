@@ -159,6 +159,7 @@ INLINE v8f vexp(v8f x) {
 
 #include "half_float.h"
 
+
 /* src row of D elements of `dtype` -> dst (float), scaled; pad columns untouched. */
 static void load_row(float *restrict dst, const void *src, int dtype, int64_t D, float scale) {
     if (dtype == DT_F32) {
@@ -168,8 +169,7 @@ static void load_row(float *restrict dst, const void *src, int dtype, int64_t D,
         const uint16_t *s = (const uint16_t *)src;
         for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(s[d]) * scale;
     } else {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int64_t d = 0; d < D; ++d) dst[d] = f16_to_f32(s[d]) * scale;
+        f16_row_to_f32(dst, (const uint16_t *)src, D, scale);
     }
 }
 

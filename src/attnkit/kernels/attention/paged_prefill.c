@@ -239,7 +239,7 @@ static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
                 if (P->dtype == DT_BF16)
                     for (int64_t d = 0; d < D; ++d) f[d] = elem_f32(src, d, DT_BF16);
                 else
-                    for (int64_t d = 0; d < D; ++d) f[d] = elem_f32(src, d, DT_F16);
+                    f16_row_to_f32(f, (const uint16_t *)(const void *)src, D, 1.0f);
             }
         }
     }
@@ -286,6 +286,13 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
         } else if (P->dtype == DT_F32) {
             const uint32_t *w = (const uint32_t *)(const void *)k;
             for (int64_t d = 0; d < D; ++d) kt[d * KT] = w[d];
+        } else if (P->dtype == DT_F16) { /* converted as a row, then transposed */
+            float f[512];
+            for (int64_t d0 = 0; d0 < D; d0 += 512) {
+                const int64_t m = D - d0 < 512 ? D - d0 : 512;
+                f16_row_to_f32(f, (const uint16_t *)(const void *)k + d0, m, 1.0f);
+                for (int64_t d = 0; d < m; ++d) memcpy(kt + (d0 + d) * KT, f + d, sizeof(float));
+            }
         } else {
             for (int64_t d = 0; d < D; ++d) {
                 const float f = elem_f32(k, d, P->dtype);
@@ -306,7 +313,7 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
         else if (P->dtype == DT_BF16)
             for (int64_t d = 0; d < D; ++d) vr[d] = elem_f32(v, d, DT_BF16);
         else
-            for (int64_t d = 0; d < D; ++d) vr[d] = elem_f32(v, d, DT_F16);
+            f16_row_to_f32(vr, (const uint16_t *)(const void *)v, D, 1.0f);
     }
 }
 
