@@ -45,6 +45,7 @@ HEADERS = (
     "paged_decode_amx.h",
     "paged_prefill_amx.h",
     "avx512_transpose.h",
+    "amx_tiles.h",
     "half_float.h",
 )
 """Included by the sources (hashed with them, never compiled alone)."""

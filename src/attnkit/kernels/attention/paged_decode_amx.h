@@ -24,34 +24,12 @@
  * zeros (their values are read), tiles of them leaving its state as it was.
  */
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
+#include "amx_tiles.h"
+#define AMX_LOAD AMX_TILE_LOAD
 
-/* tileloadd's asm names no memory: stores to what it reads must not sink below it */
-#define AMX_LOAD(t, p, s)                                                                \
-    do {                                                                                 \
-        __asm__ volatile("" ::: "memory");                                               \
-        _tile_loadd(t, p, s);                                                            \
-    } while (0)
-
-/* Tiles: 0 S^T (16 keys x 16 rows), 1 K (16 keys x 32 columns), 2 Q^T (16 column pairs x
- * 16 rows), 3 P (16 rows x 32 keys: a window's two tiles), 4 V (16 key pairs x 16
- * columns), 5 O (16 rows x 16 columns). */
-static void amx_configure(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    __asm__ volatile("" ::: "memory");
-    _tile_loadconfig(&cfg);
-}
+/* Tiles (amx_tiles_configure: all 16 rows x 64 bytes): 0 S^T (16 keys x 16 rows), 1 K
+ * (16 keys x 32 columns), 2 Q^T (16 column pairs x 16 rows), 3 P (16 rows x 32 keys: a
+ * window's two tiles), 4 V (16 key pairs x 16 columns), 5 O (16 rows x 16 columns). */
 
 static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_t C, scratch *S) {
     const int64_t G = P->G, D = P->D, Dp = P->Dp, M = R * G, h0 = kv0 * G;
@@ -104,7 +82,7 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
         S->m[m] = -INFINITY;
         S->l[m] = 0.0f;
     }
-    amx_configure();
+    amx_tiles_configure();
     float *sbuf = S->s;                     /* S^T: 16 keys x 16 rows */
     uint16_t *pbuf = S->pb;                 /* P: 16 rows x 32 keys, bf16 */
     char *kbuf = (char *)(void *)S->kt;     /* partial tiles' K rows, zero-padded (two) */
@@ -202,12 +180,7 @@ static void amx_task(const params *P, int64_t i0, int64_t R, int64_t kv0, int64_
                             continue;
                         }
                         __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sbuf + 16 * j), _mm512_set1_ps(P->scale));
-                        if (has_cap) {
-                            float tmp[16];
-                            _mm512_storeu_ps(tmp, v);
-                            for (int i = 0; i < 16; ++i) tmp[i] = P->cap * tanhf(tmp[i] * inv_cap);
-                            v = _mm512_loadu_ps(tmp);
-                        }
+                        if (has_cap) v = soft_cap_avx512bf16(v, P->cap, inv_cap);
                         const int64_t p = base + j;
                         if (P->alibi)
                             v = _mm512_fmadd_ps(slope,

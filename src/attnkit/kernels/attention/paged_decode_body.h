@@ -52,6 +52,14 @@ INLINE __m512 FD(vexp)(__m512 x) {
 
 #include "avx512_transpose.h"
 
+/* cap * tanh(x / cap) for 16 lanes (inv_cap = 1 / cap), by the C library's tanhf. */
+INLINE __m512 FD(soft_cap)(__m512 x, float cap, float inv_cap) {
+    float tmp[16];
+    _mm512_storeu_ps(tmp, x);
+    for (int j = 0; j < 16; ++j) tmp[j] = cap * tanhf(tmp[j] * inv_cap);
+    return _mm512_loadu_ps(tmp);
+}
+
 /*
  * One kv head's K rows of a tile's lanes [lo, hi) (lane j's row at k + (j - lo) * ks
  * bytes, bf16) -> kt[p * 16 + j], the 32-bit pair of columns 2p, 2p + 1 of lane j's key;
@@ -183,12 +191,7 @@ static void FD(softmax_rows)(const params *P, int64_t M, int64_t h0, const __mma
     for (int64_t m = 0; m < M; ++m) {
         const int64_t r = m / G;
         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * m), _mm512_set1_ps(P->scale));
-        if (has_cap) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, x);
-            for (int j = 0; j < 16; ++j) tmp[j] = P->cap * tanhf(tmp[j] * inv_cap);
-            x = _mm512_loadu_ps(tmp);
-        }
+        if (has_cap) x = FD(soft_cap)(x, P->cap, inv_cap);
         if (P->alibi)
             x = _mm512_fmadd_ps(_mm512_set1_ps(P->alibi[h0 + m % G]),
                                 _mm512_add_ps(step, _mm512_set1_ps(rel0[r])), x);

@@ -320,11 +320,14 @@ static void pack_chunk(const pparams *P, const ptask *T, scratch_pf *S, int64_t 
 /*
  * Row r of the task: the factor its accumulator is multiplied by on the way out (1 / its
  * sum, a sink logit joining the sum), its lse written when asked; *dst: where its D
- * values go.
+ * values go.  Rows are asked in order: the output rows of later tokens are prefetched.
  */
 INLINE float finish_factor(const pparams *P, const ptask *T, const scratch_pf *S, int64_t r,
                            char **dst) {
     const int64_t t = r / P->G, head = T->h0 + r % P->G;
+    if (r == 0) /* the output rows of the first tokens, then one token ahead at each */
+        for (int64_t x = 0; x < PF_AHEAD; ++x) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, x, 1);
+    if (r % P->G == 0) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, t + PF_AHEAD, 1);
     const int64_t row = P->qs[T->i] + T->t0 + t;
     float m = S->m[r], l = S->l[r], keep = 1.0f;
     if (P->sinks) {
@@ -341,10 +344,8 @@ INLINE float finish_factor(const pparams *P, const ptask *T, const scratch_pf *S
 
 /* The accumulators divided by their sums (a sink logit joins the sum), written out. */
 static void finish_task(const pparams *P, const ptask *T, scratch_pf *S) {
-    const int64_t G = P->G, D = P->D, Dp = P->Dp;
-    for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, t, 1);
+    const int64_t D = P->D, Dp = P->Dp;
     for (int64_t r = 0; r < T->rows; ++r) {
-        if (r % G == 0) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, r / G + PF_AHEAD, 1);
         char *dst;
         const float mul = finish_factor(P, T, S, r, &dst);
         const float *acc = S->o + r * Dp;

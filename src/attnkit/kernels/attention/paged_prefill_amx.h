@@ -26,34 +26,12 @@
  * scratch starts zeroed.
  */
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} pf_amx_config;
+#include "amx_tiles.h"
 
-/* tileloadd's asm names no memory: stores to what it reads must not sink below it */
-#define PF_AMX_LOAD(t, p, s)                                                             \
-    do {                                                                                 \
-        __asm__ volatile("" ::: "memory");                                               \
-        _tile_loadd(t, p, s);                                                            \
-    } while (0)
-
-/* Tiles, all 16 rows x 64 bytes: S and O (float32, 16 rows x 16 keys or columns), Q (16
+/* Tiles (all 16 rows x 64 bytes): S and O (float32, 16 rows x 16 keys or columns), Q (16
  * rows x 32 dims), K (16 dim pairs x 16 keys), P (16 rows x 32 keys), V (16 key pairs x
  * 16 columns); which tile holds what is in each product's helper below. */
-static void pf_amx_configure(void) {
-    pf_amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    __asm__ volatile("" ::: "memory");
-    _tile_loadconfig(&cfg);
-}
+#define PF_AMX_LOAD AMX_TILE_LOAD
 
 #include "avx512_transpose.h"
 
@@ -448,10 +426,8 @@ static void load_query_amx(const pparams *P, const ptask *T, scratch_pf *S) {
 /* finish_task for bf16 rows: each row times its factor, rounded to bf16 (round to nearest
  * even, NaN kept quiet: vcvtneps2bf16, as f32_to_bf16) 16 values at a time. */
 static void finish_task_amx(const pparams *P, const ptask *T, scratch_pf *S) {
-    const int64_t G = P->G, D = P->D, Dp = P->Dp;
-    for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, t, 1);
+    const int64_t D = P->D, Dp = P->Dp;
     for (int64_t r = 0; r < T->rows; ++r) {
-        if (r % G == 0) prefetch_token(P, T, P->o, P->o_st, P->o_sh, P->es, r / G + PF_AHEAD, 1);
         char *dst;
         const __m512 mul = _mm512_set1_ps(finish_factor(P, T, S, r, &dst));
         const float *acc = S->o + r * Dp;
@@ -473,7 +449,7 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
         S->l[r] = 0.0f;
     }
     memset(S->o, 0, (size_t)(rows * Dp) * sizeof(float));
-    pf_amx_configure();
+    amx_tiles_configure();
     for (int64_t c0 = T->k_lo; c0 < T->k_hi; c0 += KC) {
         const int64_t c1 = T->k_hi - c0 < KC ? T->k_hi : c0 + KC;
         pack_chunk_amx(P, T, S, c0, c1);
@@ -523,5 +499,4 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
     finish_task_amx(P, T, S);
 }
 
-#undef PF_AMX_QK
 #undef PF_AMX_LOAD
