@@ -110,6 +110,7 @@ typedef struct { /* one block of query tokens inside a task */
     int64_t k_lo, k_hi;       /* keys some row sees: [k_lo, k_hi) */
     int64_t lo_max, hi_min;   /* keys every row sees: [lo_max, hi_min) */
     const int64_t *lo, *hi;   /* each token's visible keys */
+    int ready;                /* the tiles' copy: its accumulators hold a product */
 } pblock;
 
 typedef struct { /* (request, K/V head, tokens [t0, t0 + nb)): blocks of bq tokens */

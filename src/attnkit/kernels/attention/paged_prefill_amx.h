@@ -337,16 +337,22 @@ static void amx_scores2(const uint32_t *q, const uint32_t *kt0, int64_t nk, int6
 
 /*
  * O += P V for one row tile (o: 16 rows, Dp floats apart; pw: its weights, rows KC / 2
- * apart) over nk key tiles of V pairs (v2): three 16-column strips
+ * apart; fresh: the accumulators start from zero tiles, not from o) over nk key tiles of V pairs (v2): three 16-column strips
  * at a time (accumulators 0..2: three chains hide the latency), P loaded once for them.
  */
 static void amx_values1(float *o, const uint32_t *pw, const uint32_t *v2, int64_t nk, int64_t W,
-                        int64_t Dp) {
+                        int64_t Dp, int fresh) {
     for (int64_t w = 0; w < W; w += 3) {
         const int64_t ns = W - w < 3 ? W - w : 3;
-        PF_AMX_LOAD(0, o + 16 * w, Dp * 4);
-        if (ns > 1) PF_AMX_LOAD(1, o + 16 * w + 16, Dp * 4);
-        if (ns > 2) PF_AMX_LOAD(2, o + 16 * w + 32, Dp * 4);
+        if (fresh) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+        } else {
+            PF_AMX_LOAD(0, o + 16 * w, Dp * 4);
+            if (ns > 1) PF_AMX_LOAD(1, o + 16 * w + 16, Dp * 4);
+            if (ns > 2) PF_AMX_LOAD(2, o + 16 * w + 32, Dp * 4);
+        }
         for (int64_t kk = 0; kk < nk; ++kk) {
             const uint32_t *v = v2 + (KT / 2) * kk * Dp + 16 * w;
             PF_AMX_LOAD(3, pw + (KT / 2) * kk, KC * 2);
@@ -369,16 +375,23 @@ static void amx_values1(float *o, const uint32_t *pw, const uint32_t *v2, int64_
 
 /* The same for two row tiles (o, o + 16 rows; pw, pw + 16 rows): two strips x two row tiles of accumulators, each V tile loaded once for both. */
 static void amx_values2(float *o, const uint32_t *pw, const uint32_t *v2, int64_t nk, int64_t W,
-                        int64_t Dp) {
+                        int64_t Dp, int fresh) {
     float *ob = o + 16 * Dp;
     const uint32_t *pb = pw + 16 * (KC / 2);
     for (int64_t w = 0; w < W; w += 2) {
         const int two = w + 1 < W;
-        PF_AMX_LOAD(0, o + 16 * w, Dp * 4);
-        PF_AMX_LOAD(2, ob + 16 * w, Dp * 4);
-        if (two) {
-            PF_AMX_LOAD(1, o + 16 * w + 16, Dp * 4);
-            PF_AMX_LOAD(3, ob + 16 * w + 16, Dp * 4);
+        if (fresh) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        } else {
+            PF_AMX_LOAD(0, o + 16 * w, Dp * 4);
+            PF_AMX_LOAD(2, ob + 16 * w, Dp * 4);
+            if (two) {
+                PF_AMX_LOAD(1, o + 16 * w + 16, Dp * 4);
+                PF_AMX_LOAD(3, ob + 16 * w + 16, Dp * 4);
+            }
         }
         for (int64_t kk = 0; kk < nk; ++kk) {
             const uint32_t *v = v2 + (KT / 2) * kk * Dp + 16 * w;
@@ -448,7 +461,9 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
         S->m[r] = -INFINITY;
         S->l[r] = 0.0f;
     }
-    memset(S->o, 0, (size_t)(rows * Dp) * sizeof(float));
+    /* no zeroing of the accumulators: a block's first product starts from zero tiles
+     * (started), and a block that sees no key is zeroed before its output */
+    for (int64_t bi = 0; bi < T->nblocks; ++bi) S->blocks[bi].ready = 0;
     amx_tiles_configure();
     for (int64_t c0 = T->k_lo; c0 < T->k_hi; c0 += KC) {
         const int64_t c1 = T->k_hi - c0 < KC ? T->k_hi : c0 + KC;
@@ -457,7 +472,7 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
         const int64_t np = (c1 - c0 + 1) / 2, npad = (c1 - c0 + KT - 1) / KT * (KT / 2);
         for (int64_t i = np; i < npad; ++i) memset(S->vt + i * Dp, 0, (size_t)Dp * sizeof(float));
         for (int64_t bi = 0; bi < T->nblocks; ++bi) {
-            const pblock *b = &S->blocks[bi];
+            pblock *b = &S->blocks[bi];
             const int64_t lo = b->k_lo > c0 ? b->k_lo : c0, hi = b->k_hi < c1 ? b->k_hi : c1;
             if (lo >= hi) continue;
             const int64_t r0 = b->r0, nt = (b->rows + 15) / 16;
@@ -472,7 +487,9 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
             }
             __asm__ volatile("" ::: "memory");
             amx_softmax(T, b, S, a0, nk * KT, c1, S->m + r0, S->l + r0);
-            for (int64_t i = 0; i < b->rows; ++i) { /* rows whose max grew: rescaled */
+            const int fresh = !b->ready; /* the block's first product: nothing to rescale */
+            b->ready = 1;
+            for (int64_t i = 0; i < b->rows && !fresh; ++i) { /* rows whose max grew: rescaled */
                 const float c = S->corr[i];
 #ifdef ATTNKIT_TEST_AMX_NO_RESCALE /* a broken variant for the tests: no rescale */
                 continue;
@@ -489,13 +506,16 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
                 const int64_t m0 = 16 * rt;
                 float *o = S->o + (r0 + m0) * Dp;
                 const uint32_t *pw = S->pw + m0 * (KC / 2);
-                if (rt + 1 < nt) amx_values2(o, pw, v2, nk, W, Dp);
-                else amx_values1(o, pw, v2, nk, W, Dp);
+                if (rt + 1 < nt) amx_values2(o, pw, v2, nk, W, Dp, fresh);
+                else amx_values1(o, pw, v2, nk, W, Dp, fresh);
             }
         }
     }
     _tile_release();
     __asm__ volatile("" ::: "memory");
+    for (int64_t bi = 0; bi < T->nblocks; ++bi) /* blocks that saw no key: zeros */
+        if (!S->blocks[bi].ready)
+            memset(S->o + S->blocks[bi].r0 * Dp, 0, (size_t)(S->blocks[bi].rows * Dp) * sizeof(float));
     finish_task_amx(P, T, S);
 }
 
