@@ -201,7 +201,6 @@ INLINE const char *key_row(const pparams *P, const ptask *T, int64_t pos, int va
                  : P->kp + (size_t)(row * P->k_sr + h * P->k_sh) * P->kv_es;
 }
 
-/* The task's query rows: float32 values, or the bf16 inputs' pairs as they are. */
 /*
  * Prefetch (for reading, or writing: write 1) the G heads' rows of token t of the task in
  * the query-shaped tensor base (strides st, sh, element size es).  A task's tokens are
@@ -222,6 +221,7 @@ INLINE void prefetch_token(const pparams *P, const ptask *T, const char *base, i
     }
 }
 
+/* The task's query rows: float32 values, or the bf16 inputs' pairs as they are. */
 static void load_query(const pparams *P, const ptask *T, scratch_pf *S) {
     const int64_t G = P->G, D = P->D, U = T->units;
     for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->q, P->q_st, P->q_sh, P->es, t, 0);
@@ -627,8 +627,9 @@ ATTNKIT_API int attnkit_paged_prefill(ATTNKIT_PARAMS(ATTNKIT_PAGED_PREFILL_ARGS)
 #endif
     P.Dp = P.amx ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16;
     /* about 48 rows (tokens x grouped heads) per block: the micro-kernels' row blocks
-     * (the tiles' copy: whole tiles of 16 rows where that takes at most 128, else 16 at
-     * most); about 256 rows per task, whose key chunks are packed once for all its blocks */
+     * (the tiles' copy: lcm(G, 32) rows, whole pairs of 16-row tiles, where that takes
+     * at most 128, else 16 at most); about 256 rows per task (the tiles' copy: 1024),
+     * whose key chunks are packed once for all its blocks */
     int64_t bq = (48 + P.G - 1) / P.G;
     if (P.amx) {
         int64_t g = P.G, t = 16;

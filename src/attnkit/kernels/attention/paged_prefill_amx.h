@@ -416,26 +416,6 @@ static void amx_values2(float *o, const uint32_t *pw, const uint32_t *v2, int64_
 }
 
 
-/* load_query for the pairs: each row's D bf16 values by 32-lane vectors (the tail
- * masked), the next tokens prefetched. */
-static void load_query_amx(const pparams *P, const ptask *T, scratch_pf *S) {
-    const int64_t G = P->G, D = P->D, U = T->units;
-    for (int64_t t = 0; t < PF_AHEAD; ++t) prefetch_token(P, T, P->q, P->q_st, P->q_sh, P->es, t, 0);
-    for (int64_t t = 0; t < T->nb; ++t) {
-        prefetch_token(P, T, P->q, P->q_st, P->q_sh, P->es, t + PF_AHEAD, 0);
-        const int64_t row = P->qs[T->i] + T->t0 + t;
-        for (int64_t g = 0; g < G; ++g) {
-            const char *src = P->q + (size_t)(row * P->q_st + (T->h0 + g) * P->q_sh) * 2;
-            char *dst = (char *)(void *)(S->q + (t * G + g) * U);
-            for (int64_t c = 0; 32 * c < D; ++c) {
-                const int64_t left = D - 32 * c;
-                const __mmask32 mv = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
-                _mm512_mask_storeu_epi16(dst + 64 * c, mv, _mm512_maskz_loadu_epi16(mv, src + 64 * c));
-            }
-        }
-    }
-}
-
 /* finish_task for bf16 rows: each row times its factor, rounded to bf16 (round to nearest
  * even, NaN kept quiet: vcvtneps2bf16, as f32_to_bf16) 16 values at a time. */
 static void finish_task_amx(const pparams *P, const ptask *T, scratch_pf *S) {
@@ -456,13 +436,14 @@ static void run_amxbf16(const pparams *P, ptask *T, scratch_pf *S) {
         return;
     }
     const int64_t rows = T->rows, U = T->units, Dp = T->Dp, W = P->D / 16, nch = Dp / 32;
-    load_query_amx(P, T, S);
+    load_query(P, T, S); /* the pairs: rows copied as they are */
     for (int64_t r = 0; r < rows; ++r) {
         S->m[r] = -INFINITY;
         S->l[r] = 0.0f;
     }
     /* no zeroing of the accumulators: a block's first product starts from zero tiles
-     * (started), and a block that sees no key is zeroed before its output */
+     * (ready marks the blocks past it), and a block that sees no key is zeroed before
+     * its output */
     for (int64_t bi = 0; bi < T->nblocks; ++bi) S->blocks[bi].ready = 0;
     amx_tiles_configure();
     for (int64_t c0 = T->k_lo; c0 < T->k_hi; c0 += KC) {
